@@ -1,0 +1,54 @@
+"""Shared test helpers: naive attention and random plans."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from videosparse.plan import Plan, plan_from_mask
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp64."""
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def random_plan(B: int, H: int, S: int, block_m: int, block_n: int, density: float, *, seed: int = 0,
+                device="cpu", sk: int | None = None) -> Plan:
+    """A random tile mask with at least one tile per row, as a Plan."""
+    g = torch.Generator().manual_seed(seed)
+    Mq, Nk = math.ceil(S / block_m), math.ceil((sk or S) / block_n)
+    mask = torch.rand(B, H, Mq, Nk, generator=g) < density
+    first = torch.randint(0, Nk, (B, H, Mq, 1), generator=g)
+    mask.scatter_(-1, first, True)
+    p = plan_from_mask(mask, block_m, block_n)
+    return Plan(p.kv_index.to(device), p.kv_count.to(device), block_m, block_n)
+
+
+def naive_attention(q, k, v, plan: Plan, scale: float | None = None, correction: bool = False):
+    """fp64 attention with an explicit token mask built from the plan (and centroid keys if corrected)."""
+    B, H, S, D = q.shape
+    Sk = k.shape[2]
+    scale = scale or 1.0 / math.sqrt(D)
+    Nk = math.ceil(Sk / plan.block_n)
+    tmask = plan.to_dense_mask(Nk)                                         # [B,H,Mq,Nk]
+    tok = tmask.repeat_interleave(plan.block_m, 2)[:, :, :S].repeat_interleave(plan.block_n, 3)[..., :Sk]
+    q, k, v = q.double(), k.double(), v.double()
+    if not correction:
+        s = (q @ k.transpose(-1, -2)) * scale
+        s = s.masked_fill(~tok, float("-inf"))
+        p = torch.softmax(s, -1)
+        return p @ v
+    # every skipped tile's keys replaced by its mean key (values stay)
+    tile_of = torch.arange(Sk) // plan.block_n
+    kpad = torch.zeros(B, H, Nk * plan.block_n, D, dtype=torch.float64)
+    kpad[:, :, :Sk] = k
+    lens = torch.bincount(tile_of, minlength=Nk).double()
+    kmean = kpad.view(B, H, Nk, plan.block_n, D).sum(3) / lens[:, None]
+    s_exact = (q @ k.transpose(-1, -2)) * scale
+    s_mean = (q @ kmean[:, :, tile_of].transpose(-1, -2)) * scale
+    s = torch.where(tok, s_exact, s_mean)
+    return torch.softmax(s, -1) @ v
+

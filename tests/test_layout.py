@@ -1,0 +1,74 @@
+import itertools
+
+import pytest
+import torch
+
+from videosparse.layout import TileLayout, head_tiling
+
+SHAPES_128 = [(8, 4, 4), (2, 8, 8), (4, 4, 8), (4, 8, 4), (8, 2, 8), (8, 8, 2)]
+SHAPES_64 = [(4, 4, 4), (1, 8, 8), (4, 2, 8)]
+
+
+@pytest.mark.parametrize("grid", [(3, 5, 7), (21, 6, 10), (1, 1, 1), (9, 17, 4)])
+@pytest.mark.parametrize("text", [(0, "after"), (13, "before"), (200, "after")])
+def test_round_trip_every_shape(grid, text):
+    L, pos = text
+    for tile, block in [(t, 128) for t in SHAPES_128] + [(t, 64) for t in SHAPES_64]:
+        lay = TileLayout(grid, tile, block, L, pos)
+        S = lay.seq_len
+        x = torch.randn(2, S, 3, 5)
+        y = lay.gather(x)
+        assert y.shape == (2, 3, S, 5) and y.is_contiguous()
+        assert torch.equal(lay.scatter(y), x)
+        assert sorted(lay.perm.tolist()) == list(range(S))
+
+
+def test_tile_contents_follow_contract():
+    grid, tile = (5, 6, 7), (2, 2, 2)
+    lay = TileLayout(grid, tile, 8)
+    T, H, W = grid
+    # tile order: geometric tiles block-major, tokens (t,h,w)-major inside, pads dropped
+    expected = []
+    for a, b, c in itertools.product(range(3), range(3), range(4)):
+        for dt, dh, dw in itertools.product(range(2), range(2), range(2)):
+            t, h, w = 2 * a + dt, 2 * b + dh, 2 * c + dw
+            if t < T and h < H and w < W:
+                expected.append(t * H * W + h * W + w)
+    assert lay.perm.tolist() == expected
+    assert lay.tile_len.tolist()[:-1] == [8] * (lay.num_tiles - 1)
+    assert lay.tile_len.tolist()[-1] == T * H * W - 8 * (lay.num_tiles - 1)
+
+
+def test_text_tokens_form_global_tiles():
+    lay = TileLayout((2, 4, 5), (2, 2, 2), 8, text_len=11, text_position="before")
+    # video 40 tokens = 5 full tiles; text 11 tokens -> 2 global tiles
+    assert lay.num_video_tiles == 5 and lay.num_tiles == 7 and lay.num_global_tiles == 2
+    assert lay.perm[40:].tolist() == list(range(11))
+    lay2 = TileLayout((3, 4, 5), (2, 2, 2), 8, text_len=11, text_position="after")
+    # 60 video tokens: 7 full video tiles, the mixed tile 7 is global
+    assert lay2.num_video_tiles == 7 and lay2.num_tiles == 9
+    assert lay2.perm[60:].tolist() == list(range(60, 71))
+
+
+def test_head_tiling_round_trip_mixed_shapes():
+    tiles = [(4, 4, 8), (2, 8, 8), (4, 4, 8), (8, 8, 2)]
+    ht = head_tiling((7, 9, 11), tiles, 4, 128, text_len=5, text_position="before")
+    x = torch.randn(2, ht.seq_len, 4, 8)
+    y = ht.gather(x)
+    for h, t in enumerate(tiles):
+        single = TileLayout((7, 9, 11), t, 128, 5, "before").gather(x[:, :, h : h + 1])
+        assert torch.equal(y[:, h : h + 1], single)
+    assert torch.equal(ht.scatter(y), x)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(grid=(2, 2, 2), tile=(4, 4, 4), block=128), "product equals block"),
+        (dict(grid=(0, 2, 2), tile=(4, 4, 8)), "positive"),
+        (dict(grid=(2, 2, 2), text_len=3, text_position="middle"), "text_position"),
+    ],
+)
+def test_bad_layouts(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TileLayout(**kwargs)

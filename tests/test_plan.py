@@ -1,0 +1,73 @@
+import math
+
+import pytest
+import torch
+
+from videosparse.plan import Plan, dense_plan, plan_from_mask, row_budgets, topk_plan
+
+from helpers import random_plan
+
+
+def test_plan_from_mask_round_trip():
+    mask = torch.rand(2, 3, 9, 11) < 0.3
+    mask[..., 0] = True
+    p = plan_from_mask(mask, 64, 64)
+    assert p.kv_index.dtype == torch.int32 and p.kv_count.dtype == torch.int32
+    assert torch.equal(p.to_dense_mask(11), mask)
+    p.validate(torch.zeros(2, 3, 9 * 64 - 5, 16), torch.zeros(2, 3, 11 * 64 - 1, 16))
+
+
+@pytest.mark.parametrize("density,rows,cols", [(0.1, 37, 37), (0.25, 8, 8), (1.0, 5, 5), (0.034, 100, 100)])
+def test_row_budgets_spread_evenly(density, rows, cols):
+    b = row_budgets(density, rows, cols)
+    assert b.min() >= 1 and b.max() <= cols
+    assert b.max() - b.min() <= 1 or density * cols < 1
+    if density * cols >= 1:
+        assert abs(b.sum().item() - density * cols * rows) < 1
+
+
+def test_topk_plan_diagonal_budget_and_globals():
+    B, H, Mv, G = 2, 3, 20, 2
+    scores = torch.randn(B, H, Mv, Mv)
+    scores[..., 7] = float("-inf")          # an empty column is never chosen
+    p = topk_plan(scores, 0.25, num_global_tiles=G, block=64)
+    N = Mv + G
+    mask = p.to_dense_mask(N)
+    budget = row_budgets(0.25, Mv, Mv)
+    assert mask[:, :, torch.arange(Mv), torch.arange(Mv)].all()              # diagonal forced
+    assert mask[:, :, :Mv, Mv:].all() and mask[:, :, Mv:].all()               # globals both ways
+    assert not mask[:, :, [i for i in range(Mv) if i != 7], 7].any()
+    assert torch.equal(mask[:, :, :Mv, :Mv].sum(-1), budget.expand(B, H, Mv))
+    # the chosen non-diagonal tiles are the highest-scoring ones
+    s = scores.masked_fill(torch.eye(Mv, dtype=torch.bool), float("inf"))
+    kth = s.sort(-1, descending=True).values.gather(-1, (budget - 1).expand(B, H, Mv)[..., None])
+    assert (s[mask[:, :, :Mv, :Mv]] >= kth.expand_as(s)[mask[:, :, :Mv, :Mv]]).all()
+    p.validate(torch.zeros(B, H, N * 64 - 3, 8), torch.zeros(B, H, N * 64 - 3, 8))
+
+
+def test_topk_density_one_is_dense():
+    p = topk_plan(torch.randn(1, 2, 6, 6), 1.0)
+    d = dense_plan(1, 2, 6 * 128)
+    assert torch.equal(p.kv_index, d.kv_index) and torch.equal(p.kv_count, d.kv_count)
+
+
+def test_validate_rejects_bad_plans():
+    q = torch.zeros(1, 2, 300, 16)
+    good = random_plan(1, 2, 300, 128, 128, 0.5)
+    good.validate(q, q)
+    bad_range = Plan(good.kv_index.clone(), good.kv_count.clone(), 128, 128)
+    bad_range.kv_index[0, 0, 0, 0] = 3
+    bad_range.kv_count[0, 0, 0] = 1
+    with pytest.raises(ValueError, match="outside"):
+        bad_range.validate(q, q)
+    unsorted = Plan(torch.tensor([[[[1, 0, 2]] * 3] * 2], dtype=torch.int32),
+                    torch.full((1, 2, 3), 3, dtype=torch.int32), 128, 128)
+    with pytest.raises(ValueError, match="increasing"):
+        unsorted.validate(q, q)
+    over = Plan(good.kv_index, good.kv_count + 5, 128, 128)
+    with pytest.raises(ValueError, match="kv_count"):
+        over.validate(q, q)
+    with pytest.raises(ValueError, match="expected"):
+        good.validate(torch.zeros(1, 2, 600, 16), q)
+    with pytest.raises(ValueError, match="int32"):
+        Plan(good.kv_index.long(), good.kv_count, 128, 128).validate(q, q)

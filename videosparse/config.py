@@ -1,0 +1,232 @@
+"""Configurations of the attention methods: what `videosparse.apply` takes.
+
+Each config is a frozen dataclass validated in `__post_init__`; a bad value raises a `ValueError`
+(or `TypeError`) that names the field, the value and what is allowed. Configs round-trip through
+plain dicts (`to_dict` / `config_from_dict`) so they can be written beside every checkpoint and
+evaluation result. The config's *type* selects the method (see `videosparse.processors`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+CONFIG_VERSION = 1
+
+BACKENDS = ("auto", "triton", "reference")
+BLOCK_SIZES = (64, 128)
+
+TileShape = tuple[int, int, int]
+
+
+def _check_backend(value: str) -> None:
+    if value not in BACKENDS:
+        raise ValueError(f"backend={value!r} is not supported; choose one of {BACKENDS}.")
+
+
+def _check_dense_schedule(dense_steps: int | float, dense_layers: tuple[int, ...]) -> None:
+    if isinstance(dense_steps, bool) or not isinstance(dense_steps, (int, float)):
+        raise TypeError(f"dense_steps={dense_steps!r} must be an int (a step count) or a float in [0, 1).")
+    if isinstance(dense_steps, int) and dense_steps < 0:
+        raise ValueError(f"dense_steps={dense_steps} must be >= 0 (a number of initial denoising steps run dense).")
+    if isinstance(dense_steps, float) and not 0.0 <= dense_steps < 1.0:
+        raise ValueError(
+            f"dense_steps={dense_steps} as a float is a fraction of the steps and must lie in [0, 1); "
+            "pass an int for a step count."
+        )
+    for layer in dense_layers:
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+            raise ValueError(f"dense_layers={dense_layers!r} must hold layer indices >= 0; got {layer!r}.")
+
+
+def _check_density(name: str, density: float) -> None:
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < float(density) <= 1.0:
+        raise ValueError(f"{name}={density!r} must be a number in (0, 1] (the fraction of key tiles computed exactly).")
+
+
+def _check_tile(tile: Any, block: int) -> TileShape:
+    if not (isinstance(tile, (tuple, list)) and len(tile) == 3 and all(isinstance(t, int) and t > 0 for t in tile)):
+        raise ValueError(f"tile shape {tile!r} must be three positive ints (pt, ph, pw).")
+    if tile[0] * tile[1] * tile[2] != block:
+        raise ValueError(
+            f"tile shape {tuple(tile)} has pt*ph*pw = {tile[0] * tile[1] * tile[2]}, but the block size is {block}; "
+            f"the product must equal the block size ({BLOCK_SIZES} allowed)."
+        )
+    return tuple(int(t) for t in tile)
+
+
+@dataclass(frozen=True)
+class _BaseConfig:
+    """Fields every sparse method shares: the dense schedule and the kernel backend."""
+
+    method: ClassVar[str] = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (JSON-safe) with the method name and the config version."""
+        out: dict[str, Any] = {"method": self.method, "version": CONFIG_VERSION}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, tuple):
+                value = [list(v) if isinstance(v, tuple) else v for v in value]
+            elif not isinstance(value, (str, int, float, bool, type(None), list, dict)):
+                value = str(getattr(value, "source", value))
+            out[f.name] = value
+        return out
+
+    def is_dense_layer(self, layer: int) -> bool:
+        return layer in getattr(self, "dense_layers", ())
+
+    def dense_step_count(self, num_inference_steps: int | None) -> int:
+        """Number of initial denoising steps that run dense, given the pipeline's step count."""
+        steps = getattr(self, "dense_steps", 0)
+        if isinstance(steps, float):
+            return int(steps * num_inference_steps) if num_inference_steps else 0
+        return steps
+
+
+@dataclass(frozen=True)
+class DenseConfig(_BaseConfig):
+    """Dense attention through videosparse's processors (for baselines and statistics).
+
+    Every self-attention call goes through diffusers' own `dispatch_attention_fn`, so outputs equal
+    the stock processors; the processors still count calls, which makes this the reference arm of
+    an evaluation.
+
+    Example:
+        >>> import videosparse
+        >>> cfg = videosparse.DenseConfig()
+    """
+
+    method: ClassVar[str] = "dense"
+
+
+@dataclass(frozen=True)
+class VedaConfig(_BaseConfig):
+    """Veda: top-k tile selection from a distilled per-head estimator (arXiv 2605.30325).
+
+    Args:
+        density (`float`, defaults to 0.1): fraction of video key tiles computed exactly per query
+            tile, in (0, 1]. The diagonal tile is forced and counted; text tiles are always kept.
+        estimator (`str`, `os.PathLike`, `VedaEstimator` or `None`): a trained estimator (a directory
+            or hub id for `VedaEstimator.from_pretrained`, or the object). `None` uses the untrained
+            estimator, i.e. mean-pooled q·k per tile (the VSA-style baseline).
+        tiling (`tuple[int, int, int]` or path): one tile shape (pt, ph, pw) for every head with
+            pt*ph*pw == block, or a JSON file written by `videosparse search-tiling` giving each
+            (layer, head) its own shape.
+        block (`int`, defaults to 128): tokens per tile, 128 or 64.
+        dense_steps (`int` or `float`, defaults to 0): initial denoising steps run dense (an int
+            count, or a float fraction of the steps).
+        dense_layers (`tuple[int, ...]`): self-attention layers always run dense.
+        correction (`bool`, defaults to False): add Sol's zero-order correction for skipped tiles.
+        backend (`str`, defaults to "auto"): kernel backend, one of "auto", "triton", "reference".
+
+    Example:
+        >>> import videosparse
+        >>> cfg = videosparse.VedaConfig(density=0.1, dense_steps=0.2)
+    """
+
+    method: ClassVar[str] = "veda"
+
+    density: float = 0.1
+    estimator: Union[str, os.PathLike, Any, None] = None
+    tiling: Union[TileShape, str, os.PathLike] = (4, 4, 8)
+    block: int = 128
+    dense_steps: int | float = 0
+    dense_layers: tuple[int, ...] = ()
+    correction: bool = False
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check_density("density", self.density)
+        if self.block not in BLOCK_SIZES:
+            raise ValueError(f"block={self.block!r} is not supported; choose one of {BLOCK_SIZES}.")
+        if isinstance(self.tiling, (tuple, list)):
+            object.__setattr__(self, "tiling", _check_tile(self.tiling, self.block))
+        elif not isinstance(self.tiling, (str, os.PathLike)):
+            raise TypeError(f"tiling={self.tiling!r} must be a tile shape (pt, ph, pw) or a path to a tiling JSON.")
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        _check_dense_schedule(self.dense_steps, self.dense_layers)
+        if not isinstance(self.correction, bool):
+            raise TypeError(f"correction={self.correction!r} must be a bool.")
+        _check_backend(self.backend)
+
+
+@dataclass(frozen=True)
+class SolConfig(_BaseConfig):
+    """Sol-Attn: training-free tiles from a Gaussian-calibrated threshold (arXiv 2607.24027).
+
+    Give exactly one of `density` (τ is calibrated by bisection per shape and layer to reach it)
+    or `tau` (used as given).
+
+    Args:
+        density (`float` or `None`): target fraction of key tiles computed exactly, in (0, 1].
+        tau (`float` or `None`): threshold in standard deviations above the mean proxy score.
+        block (`int`, defaults to 64): tokens per tile, 64 or 128.
+        tiling (`tuple[int, int, int]`): the 3D tile shape, pt*ph*pw == block.
+        band (`int`, defaults to 1): key tiles with |i - j| <= band are always exact.
+        correction (`bool`, defaults to True): zero-order correction for skipped tiles.
+        dense_steps, dense_layers, backend: as in `VedaConfig`.
+
+    Example:
+        >>> import videosparse
+        >>> cfg = videosparse.SolConfig(density=0.15)
+    """
+
+    method: ClassVar[str] = "sol"
+
+    density: float | None = None
+    tau: float | None = None
+    block: int = 64
+    tiling: TileShape = field(default=None)  # type: ignore[assignment]
+    band: int = 1
+    correction: bool = True
+    dense_steps: int | float = 0
+    dense_layers: tuple[int, ...] = ()
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if (self.density is None) == (self.tau is None):
+            raise ValueError(
+                f"SolConfig needs exactly one of density or tau; got density={self.density!r}, tau={self.tau!r}."
+            )
+        if self.density is not None:
+            _check_density("density", self.density)
+        if self.tau is not None and (isinstance(self.tau, bool) or not isinstance(self.tau, (int, float))):
+            raise TypeError(f"tau={self.tau!r} must be a number (standard deviations above the mean score).")
+        if self.block not in BLOCK_SIZES:
+            raise ValueError(f"block={self.block!r} is not supported; choose one of {BLOCK_SIZES}.")
+        if self.tiling is None:
+            object.__setattr__(self, "tiling", (4, 4, 4) if self.block == 64 else (4, 4, 8))
+        object.__setattr__(self, "tiling", _check_tile(self.tiling, self.block))
+        if isinstance(self.band, bool) or not isinstance(self.band, int) or self.band < 0:
+            raise ValueError(f"band={self.band!r} must be an int >= 0.")
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        _check_dense_schedule(self.dense_steps, self.dense_layers)
+        if not isinstance(self.correction, bool):
+            raise TypeError(f"correction={self.correction!r} must be a bool.")
+        _check_backend(self.backend)
+
+
+CONFIG_CLASSES: dict[str, type[_BaseConfig]] = {c.method: c for c in (DenseConfig, VedaConfig, SolConfig)}
+
+
+def config_from_dict(data: dict[str, Any]) -> _BaseConfig:
+    """Rebuild a config from `to_dict()` output."""
+    data = dict(data)
+    method = data.pop("method", None)
+    version = data.pop("version", CONFIG_VERSION)
+    if method not in CONFIG_CLASSES:
+        raise ValueError(f"method={method!r} is not known; choose one of {sorted(CONFIG_CLASSES)}.")
+    if version > CONFIG_VERSION:
+        raise ValueError(f"config version {version} is newer than this videosparse understands ({CONFIG_VERSION}).")
+    cls = CONFIG_CLASSES[method]
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"unknown fields {unknown} for {cls.__name__}; allowed: {sorted(names)}.")
+    for key in ("tiling", "dense_layers"):
+        if isinstance(data.get(key), list):
+            data[key] = tuple(data[key])
+    return cls(**data)

@@ -1,0 +1,59 @@
+"""Block-sparse attention kernels and their dispatch.
+
+`block_sparse_attention(q, k, v, plan)` runs a `Plan` on the best backend for the inputs:
+Hopper Triton kernel (TMA + warp specialization) -> generic Triton kernel -> torch reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..plan import Plan
+from .dispatch import check_inputs, register_backend, select_backend
+from .reference import reference_attention
+
+__all__ = ["block_sparse_attention", "reference_attention", "register_backend", "select_backend"]
+
+
+def block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: Plan,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+    validate: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Tile-sparse attention: each query tile attends exactly to the key tiles its plan lists.
+
+    Args:
+        q: [B, H, S, D]; k, v: [B, H, Sk, D], contiguous; bf16/fp16 on GPU (fp32/fp64 on the
+            reference path); D in {64, 128} for the Triton kernels.
+        plan: a `videosparse.plan.Plan` (with optional zero-order correction tensors).
+        scale: softmax scale, default 1/sqrt(D).
+        return_lse: also return the fp32 row log-sum-exp [B, H, S].
+        backend: "auto", "triton" or "reference" (or a registered backend name).
+        validate: check the plan against the inputs first (ValueError on any mismatch). Turn off in
+            hot loops once a plan is known to be good.
+
+    Returns:
+        out [B, H, S, D] in q's dtype, and lse when `return_lse`.
+
+    Example:
+        >>> import torch
+        >>> from videosparse.kernels import block_sparse_attention
+        >>> from videosparse.plan import dense_plan
+        >>> q = k = v = torch.randn(1, 2, 300, 64)
+        >>> out = block_sparse_attention(q, k, v, dense_plan(1, 2, 300))
+    """
+    if validate:
+        check_inputs(q, k, v)
+        plan.validate(q, k, v)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    impl = select_backend(q, k, v, plan, backend)
+    return impl(q, k, v, plan, scale, return_lse)

@@ -1,0 +1,111 @@
+"""Backend selection for `block_sparse_attention` (xformers-style: each backend gives reasons).
+
+Every backend declares what it supports through `not_supported_reasons(q, k, v, plan) -> list[str]`.
+`backend="auto"` takes the first backend in `AUTO_ORDER` with no reasons; `"triton"` takes the first
+Triton backend with none; `"reference"` forces the torch reference. When nothing fits, the error lists
+every backend's reasons. Triton modules are imported lazily, so the package imports without Triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..plan import Plan
+from .reference import reference_attention
+
+
+class Backend(Protocol):
+    name: str
+
+    def not_supported_reasons(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan) -> list[str]: ...
+
+    def __call__(self, q, k, v, plan: Plan, scale: float, return_lse: bool): ...
+
+
+@dataclass(frozen=True)
+class _ReferenceBackend:
+    name: str = "reference"
+
+    def not_supported_reasons(self, q, k, v, plan) -> list[str]:
+        return []
+
+    def __call__(self, q, k, v, plan, scale, return_lse):
+        return reference_attention(q, k, v, plan, scale, return_lse)
+
+
+# name -> "module:attribute" of a Backend instance (imported on first use) or the instance itself.
+_REGISTRY: dict[str, object] = {"reference": _ReferenceBackend()}
+AUTO_ORDER: list[str] = ["reference"]
+TRITON_BACKENDS: list[str] = []
+
+
+def register_backend(name: str, target: str | Backend, *, before: str | None = "reference", triton: bool = False) -> None:
+    """Register a backend under `name` (an instance, or "module:attr" imported lazily).
+
+    It is inserted in the auto order before `before` (None appends).
+    """
+    _REGISTRY[name] = target
+    if name in AUTO_ORDER:
+        AUTO_ORDER.remove(name)
+    AUTO_ORDER.insert(AUTO_ORDER.index(before) if before in AUTO_ORDER else len(AUTO_ORDER), name)
+    if triton and name not in TRITON_BACKENDS:
+        TRITON_BACKENDS.append(name)
+
+
+def get_backend(name: str) -> Backend | None:
+    """The backend instance, or None when its module cannot be imported (e.g. no Triton)."""
+    target = _REGISTRY[name]
+    if isinstance(target, str):
+        module, attr = target.split(":")
+        try:
+            target = getattr(importlib.import_module(module), attr)
+        except ImportError:
+            return None
+        _REGISTRY[name] = target
+    return target  # type: ignore[return-value]
+
+
+def select_backend(q, k, v, plan: Plan, backend: str = "auto") -> Backend:
+    """The backend that will run these inputs; ValueError listing every candidate's reasons."""
+    if backend == "auto":
+        candidates = AUTO_ORDER
+    elif backend == "triton":
+        candidates = TRITON_BACKENDS
+    elif backend in _REGISTRY:
+        candidates = [backend]
+    else:
+        raise ValueError(f"backend={backend!r} is not known; choose 'auto', 'triton' or one of {sorted(_REGISTRY)}.")
+    reasons: dict[str, list[str]] = {}
+    for name in candidates:
+        impl = get_backend(name)
+        if impl is None:
+            reasons[name] = ["its module could not be imported (is triton installed? pip install triton)"]
+            continue
+        why = impl.not_supported_reasons(q, k, v, plan)
+        if not why:
+            return impl
+        reasons[name] = why
+    detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in reasons.items()) or "no backend registered"
+    raise ValueError(f"no backend for backend={backend!r} supports these inputs ({detail}).")
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Shape/dtype/device checks shared by every backend."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected (B, H, S, D).")
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; "
+            "expected q (B, H, S, D) and k, v (B, H, Sk, D)."
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}.")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}.")
+
+

@@ -1,0 +1,92 @@
+"""Torch reference of block-sparse attention: the semantics every backend must match.
+
+For query row r in query tile i, with S_i = the key tiles listed in the plan for (b, h, i):
+
+    exact logits   s_rc = q_r . k_c * scale            for every real key c of a tile in S_i
+    proxy logits   s_rj = q_r . k_mean_j * scale        for every key tile j not in S_i
+                                                        (only when the plan carries correction)
+    out_r = (sum_c exp(s_rc - m) v_c + sum_j exp(s_rj - m) v_sum_j)
+          / (sum_c exp(s_rc - m)     + sum_j exp(s_rj - m) len_j)
+    lse_r = m + log(denominator)                        (natural log, fp32)
+
+i.e. every skipped tile's keys are replaced by its mean key (zero-order correction). Keys past
+the sequence end (the partial last tile) are masked. A row with no keys at all returns 0 and
+lse = -inf. Computation runs in fp32 (fp64 for fp64 inputs), one query tile row at a time, so
+memory stays O(S*D) per head plus one tile row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..plan import Plan
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: Plan,
+    scale: float,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse attention in plain torch.
+
+    Args:
+        q: [B, H, S, D]; k, v: [B, H, Sk, D]; any float dtype, any device.
+        plan: the `Plan` (block_m query rows, block_n keys per tile).
+        scale: softmax scale.
+        return_lse: also return the row log-sum-exp, fp32 [B, H, S].
+
+    Returns:
+        out [B, H, S, D] in q's dtype (and lse).
+    """
+    B, H, S, D = q.shape
+    Sk = k.shape[2]
+    bm, bn = plan.block_m, plan.block_n
+    Mq, Nk = math.ceil(S / bm), math.ceil(Sk / bn)
+    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    pad = Nk * bn - Sk
+    kp = torch.nn.functional.pad(k, (0, 0, 0, pad)).to(cd).view(B, H, Nk, bn * D)
+    vp = torch.nn.functional.pad(v, (0, 0, 0, pad)).to(cd).view(B, H, Nk, bn * D)
+    key_real = (torch.arange(Nk * bn, device=q.device) < Sk).view(Nk, bn)
+    kmax = plan.kv_index.shape[-1]
+    slot = torch.arange(kmax, device=q.device)
+    if plan.has_correction:
+        k_mean = plan.k_mean.to(cd)
+        v_sum = plan.v_sum.to(cd)
+        tile_len = plan.tile_len.to(device=q.device, dtype=cd)
+        v_mean = v_sum / tile_len[:, None].clamp_min(1)
+        log_len = tile_len.clamp_min(1).log()
+
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
+    for i in range(Mq):
+        r0, r1 = i * bm, min(S, (i + 1) * bm)
+        qi = q[:, :, r0:r1].to(cd)                                          # [B, H, r, D]
+        slot_valid = slot < plan.kv_count[:, :, i, None]                    # [B, H, K]
+        idx = torch.where(slot_valid, plan.kv_index[:, :, i].long(), 0)     # [B, H, K]
+        g = idx[..., None].expand(B, H, kmax, bn * D)
+        kt = torch.gather(kp, 2, g).view(B, H, kmax * bn, D)
+        vt = torch.gather(vp, 2, g).view(B, H, kmax * bn, D)
+        keep = (slot_valid[..., None] & key_real[idx]).view(B, H, 1, kmax * bn)
+        logits = (qi @ kt.transpose(-1, -2)) * scale
+        logits = logits.masked_fill(~keep, float("-inf"))
+        values = vt
+        if plan.has_correction:
+            chosen = torch.zeros(B, H, Nk + 1, dtype=torch.bool, device=q.device)
+            chosen.scatter_(-1, torch.where(slot_valid, idx, Nk), True)
+            proxy = (qi @ k_mean.transpose(-1, -2)) * scale + log_len      # [B, H, r, Nk]
+            proxy = proxy.masked_fill(chosen[:, :, None, :Nk], float("-inf"))
+            logits = torch.cat([logits, proxy], -1)
+            values = torch.cat([vt, v_mean], -2)
+        m = logits.amax(-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = torch.exp(logits - m)
+        denom = p.sum(-1, keepdim=True)
+        o = (p @ values) / denom.clamp_min(torch.finfo(cd).tiny)
+        out[:, :, r0:r1] = o.to(q.dtype)
+        lse[:, :, r0:r1] = (m + denom.log()).squeeze(-1).float()
+    return (out, lse) if return_lse else out

@@ -1,0 +1,252 @@
+"""Token order: from diffusers' time-major video tokens to tile order and back.
+
+diffusers flattens video tokens as ``index = t*H*W + h*W + w`` (after patching). A `TileLayout`
+groups them into 3D tiles of shape (pt, ph, pw) with ``pt*ph*pw == block``: tiles are enumerated
+block-major, the tokens inside a tile (t, h, w)-major. The grid is padded to whole tiles, the pad
+slots are dropped and the real tokens compacted, so the sequence keeps its length S and only the
+last tile is partial. Text tokens of joint-attention models (before or after the video in the
+original sequence) are placed after the video tokens; every tile that holds a text token is a
+*global* tile (always attended, its queries attend densely).
+
+`HeadTiling` lets the heads of one layer use different tile shapes: one gather/scatter for all
+heads, each head with its own permutation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Sequence
+
+import torch
+
+TEXT_POSITIONS = ("before", "after")
+
+
+def _tile_permutation(grid: tuple[int, int, int], tile: tuple[int, int, int]) -> torch.Tensor:
+    """Video-token permutation: position in tile order -> time-major index. int64 [T*H*W]."""
+    T, H, W = grid
+    pt, ph, pw = tile
+    nT, nH, nW = math.ceil(T / pt), math.ceil(H / ph), math.ceil(W / pw)
+    t = torch.arange(nT * pt).view(nT, pt, 1, 1, 1, 1)
+    h = torch.arange(nH * ph).view(1, 1, nH, ph, 1, 1)
+    w = torch.arange(nW * pw).view(1, 1, 1, 1, nW, pw)
+    # axes (tile_t, in_t, tile_h, in_h, tile_w, in_w), reordered below to tile-major then in-tile
+    idx = t * (H * W) + h * W + w
+    valid = (t < T) & (h < H) & (w < W)
+    idx = idx.permute(0, 2, 4, 1, 3, 5).reshape(-1)
+    valid = valid.expand(nT, pt, nH, ph, nW, pw).permute(0, 2, 4, 1, 3, 5).reshape(-1)
+    return idx[valid]
+
+
+@dataclass(frozen=True)
+class TileLayout:
+    """Tile order of one layer's tokens for one tile shape.
+
+    Args:
+        grid: (T, H, W) of the video tokens after patching.
+        tile: (pt, ph, pw) with pt*ph*pw == block.
+        block: tokens per tile (128 or 64).
+        text_len: number of text tokens in the same sequence (joint attention), 0 if none.
+        text_position: "before" (CogVideoX) or "after" (HunyuanVideo) the video tokens.
+
+    Attributes (derived):
+        seq_len: S = T*H*W + text_len.
+        perm: int64 [S], position in tile order -> index in the original sequence.
+        inv: int64 [S], the inverse permutation.
+        num_tiles: ceil(S / block).
+        num_video_tiles: tiles made of video tokens only (the rest are global tiles).
+    """
+
+    grid: tuple[int, int, int]
+    tile: tuple[int, int, int] = (4, 4, 8)
+    block: int = 128
+    text_len: int = 0
+    text_position: str = "after"
+    _device_cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        grid = tuple(int(g) for g in self.grid)
+        if len(grid) != 3 or min(grid) < 1:
+            raise ValueError(f"grid={self.grid!r} must be three positive ints (T, H, W).")
+        tile = tuple(int(t) for t in self.tile)
+        if len(tile) != 3 or min(tile) < 1 or math.prod(tile) != self.block:
+            raise ValueError(
+                f"tile={self.tile!r} must be three positive ints whose product equals block={self.block}."
+            )
+        if self.text_len < 0:
+            raise ValueError(f"text_len={self.text_len} must be >= 0.")
+        if self.text_position not in TEXT_POSITIONS:
+            raise ValueError(f"text_position={self.text_position!r} must be one of {TEXT_POSITIONS}.")
+        object.__setattr__(self, "grid", grid)
+        object.__setattr__(self, "tile", tile)
+
+    @property
+    def num_video_tokens(self) -> int:
+        return math.prod(self.grid)
+
+    @property
+    def seq_len(self) -> int:
+        return self.num_video_tokens + self.text_len
+
+    @property
+    def num_tiles(self) -> int:
+        return math.ceil(self.seq_len / self.block)
+
+    @property
+    def num_video_tiles(self) -> int:
+        n = self.num_video_tokens
+        return math.ceil(n / self.block) if self.text_len == 0 else n // self.block
+
+    @property
+    def num_global_tiles(self) -> int:
+        return self.num_tiles - self.num_video_tiles
+
+    @property
+    def padding_fraction(self) -> float:
+        """Fraction of pad slots if the grid were padded to whole tiles (used to exclude shapes)."""
+        padded = math.prod(math.ceil(g / p) * p for g, p in zip(self.grid, self.tile))
+        return 1.0 - self.num_video_tokens / padded
+
+    @cached_property
+    def perm(self) -> torch.Tensor:
+        video = _tile_permutation(self.grid, self.tile)
+        n, L = self.num_video_tokens, self.text_len
+        if L == 0:
+            return video
+        if self.text_position == "before":
+            return torch.cat([video + L, torch.arange(L)])
+        return torch.cat([video, torch.arange(n, n + L)])
+
+    @cached_property
+    def inv(self) -> torch.Tensor:
+        inv = torch.empty_like(self.perm)
+        inv[self.perm] = torch.arange(self.perm.numel())
+        return inv
+
+    @cached_property
+    def tile_len(self) -> torch.Tensor:
+        """int32 [num_tiles]: real tokens per tile (block, except the last tile)."""
+        lens = torch.full((self.num_tiles,), self.block, dtype=torch.int32)
+        lens[-1] = self.seq_len - (self.num_tiles - 1) * self.block
+        return lens
+
+    def indices(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(perm, inv) on `device`, cached."""
+        device = torch.device(device)
+        key = str(device)
+        if key not in self._device_cache:
+            self._device_cache[key] = (self.perm.to(device), self.inv.to(device))
+        return self._device_cache[key]
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, H, D) in the original order -> (B, H, S, D) contiguous in tile order."""
+        _check_seq(x, self.seq_len, "x")
+        perm, _ = self.indices(x.device)
+        return x.transpose(1, 2)[:, :, perm]
+
+    def scatter(self, y: torch.Tensor) -> torch.Tensor:
+        """(B, H, S, D) in tile order -> (B, S, H, D) in the original order (a view of a new tensor)."""
+        _check_seq(y, self.seq_len, "y", dim=2)
+        _, inv = self.indices(y.device)
+        return y[:, :, inv].transpose(1, 2)
+
+
+def _check_seq(x: torch.Tensor, seq_len: int, name: str, dim: int = 1) -> None:
+    if x.dim() != 4 or x.shape[dim] != seq_len:
+        raise ValueError(
+            f"{name} has shape {tuple(x.shape)}; expected 4 dims with {seq_len} tokens in dim {dim} "
+            "(the layout's T*H*W + text_len)."
+        )
+
+
+@dataclass(frozen=True)
+class HeadTiling:
+    """Per-head tile shapes for one layer: one gather/scatter with a permutation per head.
+
+    Args:
+        grid, block, text_len, text_position: as in `TileLayout`.
+        tiles: one (pt, ph, pw) per head.
+
+    Every head has the same number of tiles and the same global tiles, so one `Plan` covers all heads.
+    """
+
+    grid: tuple[int, int, int]
+    tiles: tuple[tuple[int, int, int], ...]
+    block: int = 128
+    text_len: int = 0
+    text_position: str = "after"
+    _device_cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tiles", tuple(tuple(int(v) for v in t) for t in self.tiles))
+        if not self.tiles:
+            raise ValueError("tiles must name one tile shape per head; got none.")
+
+    @cached_property
+    def layouts(self) -> dict[tuple[int, int, int], TileLayout]:
+        return {
+            t: TileLayout(self.grid, t, self.block, self.text_len, self.text_position) for t in dict.fromkeys(self.tiles)
+        }
+
+    @property
+    def first(self) -> TileLayout:
+        return self.layouts[self.tiles[0]]
+
+    @property
+    def uniform(self) -> bool:
+        return len(self.layouts) == 1
+
+    def __getattr__(self, name: str):
+        # seq_len, num_tiles, num_video_tiles, tile_len... are the same for every head.
+        if name in ("seq_len", "num_tiles", "num_video_tiles", "num_global_tiles", "tile_len", "num_video_tokens"):
+            return getattr(self.first, name)
+        raise AttributeError(name)
+
+    def head_indices(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(perm, inv) as int64 [H, S] on `device`, cached."""
+        device = torch.device(device)
+        key = str(device)
+        if key not in self._device_cache:
+            perm = torch.stack([self.layouts[t].perm for t in self.tiles])
+            inv = torch.stack([self.layouts[t].inv for t in self.tiles])
+            self._device_cache[key] = (perm.to(device), inv.to(device))
+        return self._device_cache[key]
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, H, D) original order -> (B, H, S, D) contiguous, each head in its own tile order."""
+        if self.uniform:
+            return self.first.gather(x)
+        B, S, H, D = x.shape
+        _check_seq(x, self.seq_len, "x")
+        if H != len(self.tiles):
+            raise ValueError(f"x has {H} heads but the tiling names {len(self.tiles)} tile shapes.")
+        perm, _ = self.head_indices(x.device)
+        return torch.gather(x.transpose(1, 2), 2, perm[None, :, :, None].expand(B, H, S, D))
+
+    def scatter(self, y: torch.Tensor) -> torch.Tensor:
+        """(B, H, S, D) per-head tile order -> (B, S, H, D) original order."""
+        if self.uniform:
+            return self.first.scatter(y)
+        B, H, S, D = y.shape
+        _, inv = self.head_indices(y.device)
+        return torch.gather(y, 2, inv[None, :, :, None].expand(B, H, S, D)).transpose(1, 2)
+
+
+def head_tiling(
+    grid: Sequence[int],
+    tiles: Sequence[int] | Sequence[Sequence[int]],
+    num_heads: int,
+    block: int = 128,
+    text_len: int = 0,
+    text_position: str = "after",
+) -> HeadTiling:
+    """A `HeadTiling` from one shape for all heads or one shape per head."""
+    if len(tiles) == 3 and all(isinstance(t, int) for t in tiles):
+        per_head = (tuple(tiles),) * num_heads
+    else:
+        per_head = tuple(tuple(t) for t in tiles)
+        if len(per_head) != num_heads:
+            raise ValueError(f"tiling names {len(per_head)} tile shapes but the layer has {num_heads} heads.")
+    return HeadTiling(tuple(grid), per_head, block, text_len, text_position)

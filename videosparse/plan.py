@@ -1,0 +1,196 @@
+"""The Plan: which key tiles every query tile attends to, and the builders that make one.
+
+A plan is the contract between the tile choosers (Veda, Sol) and the kernels: the same plan runs on
+every backend, so it can be checked against the reference and executed by the fast kernel unchanged.
+
+    kv_index  int32 [B, H, Mq, Kmax]  key-tile indices per query tile, sorted ascending, valid
+                                      entries packed left; entries past kv_count are 0 and ignored
+    kv_count  int32 [B, H, Mq]        number of valid entries per row (>= 1 for a meaningful row)
+    block_m, block_n                  tokens per query tile / key tile
+    k_mean    [B, H, Nk, D]           optional: mean key of every key tile       (zero-order
+    v_sum     [B, H, Nk, D]           optional: sum of values of every key tile   correction of
+    tile_len  [Nk]                    optional: real tokens of every key tile     skipped tiles)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass
+class Plan:
+    """Per (batch, head, query tile) list of key tiles, plus optional correction inputs."""
+
+    kv_index: torch.Tensor
+    kv_count: torch.Tensor
+    block_m: int = 128
+    block_n: int = 128
+    k_mean: torch.Tensor | None = None
+    v_sum: torch.Tensor | None = None
+    tile_len: torch.Tensor | None = None
+
+    @property
+    def has_correction(self) -> bool:
+        return self.k_mean is not None
+
+    @property
+    def num_key_tiles(self) -> int:
+        """Nk, when known from the correction tensors (else the caller derives it from S)."""
+        return self.tile_len.numel() if self.tile_len is not None else -1
+
+    def density(self, num_key_tiles: int | None = None) -> float:
+        """Realised tile density: kept (query tile, key tile) pairs / all pairs."""
+        nk = num_key_tiles or self.num_key_tiles
+        if nk <= 0:
+            raise ValueError("density() needs num_key_tiles when the plan carries no tile_len.")
+        return float(self.kv_count.sum()) / (self.kv_count.numel() * nk)
+
+    def with_correction(self, k_mean: torch.Tensor, v_sum: torch.Tensor, tile_len: torch.Tensor) -> "Plan":
+        return replace(self, k_mean=k_mean, v_sum=v_sum, tile_len=tile_len)
+
+    def without_correction(self) -> "Plan":
+        return replace(self, k_mean=None, v_sum=None, tile_len=None)
+
+    def validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, *, where: str = "") -> None:
+        """Check the plan against q, k (B, H, S, D); raise ValueError naming tensor, shape and expectation."""
+        at = f" ({where})" if where else ""
+        if q.dim() != 4 or k.dim() != 4:
+            raise ValueError(f"q and k must be (B, H, S, D); got q {tuple(q.shape)}, k {tuple(k.shape)}{at}.")
+        B, H, S, D = q.shape
+        Sk = k.shape[2]
+        Mq, Nk = math.ceil(S / self.block_m), math.ceil(Sk / self.block_n)
+        if self.kv_index.dtype != torch.int32 or self.kv_count.dtype != torch.int32:
+            raise ValueError(
+                f"kv_index/kv_count must be int32; got {self.kv_index.dtype}/{self.kv_count.dtype}{at}."
+            )
+        if self.kv_index.dim() != 4 or tuple(self.kv_index.shape[:3]) != (B, H, Mq):
+            raise ValueError(
+                f"kv_index has shape {tuple(self.kv_index.shape)}; expected ({B}, {H}, {Mq}, Kmax) for "
+                f"q {tuple(q.shape)} and block_m={self.block_m}{at}."
+            )
+        if tuple(self.kv_count.shape) != (B, H, Mq):
+            raise ValueError(f"kv_count has shape {tuple(self.kv_count.shape)}; expected ({B}, {H}, {Mq}){at}.")
+        kmax = self.kv_index.shape[3]
+        if self.kv_index.device != q.device or self.kv_count.device != q.device:
+            raise ValueError(f"plan tensors are on {self.kv_index.device}, q is on {q.device}{at}.")
+        if kmax > Nk:
+            raise ValueError(f"kv_index has Kmax={kmax} > number of key tiles {Nk}{at}.")
+        if bool((self.kv_count < 0).any()) or bool((self.kv_count > kmax).any()):
+            raise ValueError(f"kv_count values must lie in [0, Kmax={kmax}]; got range "
+                             f"[{int(self.kv_count.min())}, {int(self.kv_count.max())}]{at}.")
+        slot = torch.arange(kmax, device=q.device)
+        valid = slot < self.kv_count[..., None]
+        idx = self.kv_index
+        if bool(((idx < 0) | (idx >= Nk))[valid].any()):
+            raise ValueError(f"kv_index holds values outside [0, {Nk}) in valid entries{at}.")
+        if kmax > 1 and bool(((idx[..., 1:] <= idx[..., :-1]) & valid[..., 1:]).any()):
+            raise ValueError(f"kv_index rows must be strictly increasing in their valid entries{at}.")
+        if self.has_correction:
+            if self.v_sum is None or self.tile_len is None:
+                raise ValueError(f"correction needs k_mean, v_sum and tile_len together{at}.")
+            for name, t in (("k_mean", self.k_mean), ("v_sum", self.v_sum)):
+                if tuple(t.shape) != (B, H, Nk, D):
+                    raise ValueError(f"{name} has shape {tuple(t.shape)}; expected ({B}, {H}, {Nk}, {D}){at}.")
+            if tuple(self.tile_len.shape) != (Nk,):
+                raise ValueError(f"tile_len has shape {tuple(self.tile_len.shape)}; expected ({Nk},){at}.")
+
+    def to_dense_mask(self, num_key_tiles: int) -> torch.Tensor:
+        """bool [B, H, Mq, Nk]: True where the plan keeps the tile exactly."""
+        B, H, Mq, kmax = self.kv_index.shape
+        valid = torch.arange(kmax, device=self.kv_index.device) < self.kv_count[..., None]
+        mask = torch.zeros(B, H, Mq, num_key_tiles + 1, dtype=torch.bool, device=self.kv_index.device)
+        idx = torch.where(valid, self.kv_index.long(), num_key_tiles)
+        mask.scatter_(-1, idx, True)
+        return mask[..., :num_key_tiles]
+
+
+def plan_from_mask(mask: torch.Tensor, block_m: int = 128, block_n: int = 128) -> Plan:
+    """A plan from a tile mask, bool [B, H, Mq, Nk] (True = compute exactly)."""
+    if mask.dtype != torch.bool or mask.dim() != 4:
+        raise ValueError(f"mask must be bool [B, H, Mq, Nk]; got {mask.dtype} {tuple(mask.shape)}.")
+    Nk = mask.shape[-1]
+    count = mask.sum(-1, dtype=torch.int32)
+    kmax = max(int(count.max()), 1) if count.numel() else 1
+    cols = torch.arange(Nk, device=mask.device, dtype=torch.int32).expand_as(mask)
+    keyed = torch.where(mask, cols, torch.full_like(cols, Nk))
+    index = keyed.sort(dim=-1).values[..., :kmax]
+    index = torch.where(index == Nk, torch.zeros_like(index), index).to(torch.int32).contiguous()
+    return Plan(index, count.contiguous(), block_m, block_n)
+
+
+def dense_plan(batch: int, heads: int, seq_len: int, block_m: int = 128, block_n: int = 128,
+               device: torch.device | str = "cpu") -> Plan:
+    """The plan that keeps every key tile (full attention)."""
+    Mq, Nk = math.ceil(seq_len / block_m), math.ceil(seq_len / block_n)
+    index = torch.arange(Nk, dtype=torch.int32, device=device).expand(batch, heads, Mq, Nk).contiguous()
+    count = torch.full((batch, heads, Mq), Nk, dtype=torch.int32, device=device)
+    return Plan(index, count, block_m, block_n)
+
+
+def row_budgets(density: float, num_rows: int, num_cols: int) -> torch.Tensor:
+    """int64 [num_rows]: per-row tile budget averaging density*num_cols, spread evenly, each in [1, num_cols].
+
+    Row i gets floor((i+1)*x) - floor(i*x) with x = density*num_cols, so fractional budgets are
+    spread evenly over the rows.
+    """
+    x = density * num_cols
+    edges = torch.floor(torch.arange(num_rows + 1, dtype=torch.float64) * x + 1e-9)
+    return (edges[1:] - edges[:-1]).long().clamp(1, num_cols)
+
+
+def topk_plan(
+    scores: torch.Tensor,
+    density: float,
+    *,
+    num_global_tiles: int = 0,
+    block: int = 128,
+) -> Plan:
+    """Top-k plan from video-tile scores, with the diagonal forced and global tiles always kept.
+
+    Args:
+        scores: float [B, H, Mv, Nv] (Mv == Nv), score of key tile j for query tile i over the video
+            tiles. Entries of -inf mark columns that may never be chosen (empty/pad tiles).
+        density: fraction of video key tiles per row, in (0, 1]; per-row budgets from `row_budgets`.
+            The diagonal tile is forced and counted in the budget.
+        num_global_tiles: tiles after the video tiles (text); every video row keeps them, and their
+            rows attend to every tile.
+        block: tokens per tile (block_m == block_n).
+
+    Returns:
+        A `Plan` over Mv + num_global_tiles query tiles and as many key tiles.
+    """
+    if scores.dim() != 4 or scores.shape[-1] != scores.shape[-2]:
+        raise ValueError(f"scores must be [B, H, Mv, Mv]; got {tuple(scores.shape)}.")
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"density={density} must lie in (0, 1].")
+    B, H, Mv, Nv = scores.shape
+    G = num_global_tiles
+    device = scores.device
+    budget = row_budgets(density, Mv, Nv).to(device)                   # [Mv]
+    kmax = int(budget.max())
+    eye = torch.eye(Mv, dtype=torch.bool, device=device)
+    s = scores.float().masked_fill(eye, float("inf"))
+    top = s.topk(kmax, dim=-1)                                         # [B, H, Mv, kmax]
+    slot = torch.arange(kmax, device=device)
+    keep = (slot < budget[:, None]) & (top.values > float("-inf"))
+    idx = torch.where(keep, top.indices, torch.full_like(top.indices, Nv)).sort(-1).values
+    count = keep.sum(-1, dtype=torch.int32)
+    idx = torch.where(idx == Nv, torch.zeros_like(idx), idx)
+    if G == 0:
+        return Plan(idx.to(torch.int32).contiguous(), count.contiguous(), block, block)
+    N = Mv + G
+    # video rows: selected video tiles then every global tile, packed left
+    glob = torch.arange(Mv, N, device=device).expand(B, H, Mv, G)
+    width = N
+    rows = torch.zeros(B, H, N, width, dtype=torch.long, device=device)
+    video_part = torch.cat([idx, torch.zeros(B, H, Mv, width - kmax, dtype=torch.long, device=device)], -1)
+    pos = count.long()[..., None] + torch.arange(G, device=device)    # slots after the video picks
+    video_part.scatter_(-1, pos, glob)
+    rows[:, :, :Mv] = video_part
+    rows[:, :, Mv:] = torch.arange(N, device=device)
+    counts = torch.cat([count + G, torch.full((B, H, G), N, dtype=torch.int32, device=device)], -1)
+    kmax_all = int(counts.max())
+    return Plan(rows[..., :kmax_all].to(torch.int32).contiguous(), counts.contiguous(), block, block)
