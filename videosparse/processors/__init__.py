@@ -1,1 +1,216 @@
-"""videosparse.processors"""
+"""diffusers integration: `apply` / `remove`, the processors, and observation of attention inputs.
+
+    videosparse.apply(pipe, videosparse.VedaConfig(density=0.1))    # every transformer of the pipeline
+    videosparse.remove(pipe)                                        # exact original processors and hooks
+
+or, diffusers-native (this also attaches the context hook; `remove` undoes both):
+
+    pipe.transformer.set_attn_processor(videosparse.processors(pipe.transformer, cfg))
+
+The module itself is callable: `videosparse.processors(transformer, config)` is `make_processors`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import types
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..config import DenseConfig
+from .context import (
+    AttentionRecord,
+    SparseSession,
+    register_context_hook,
+    remove_context_hook,
+)
+from .registry import check_config, make_method, model_info, model_spec, register_model
+
+logger = logging.getLogger("videosparse")
+
+SESSION_ATTR = "_videosparse_session"
+_SNAPSHOT_ATTR = "_videosparse_snapshot"
+
+__all__ = ["apply", "remove", "make_processors", "observe", "sessions", "register_model", "AttentionRecord"]
+
+
+def _transformers(obj) -> dict[str, torch.nn.Module]:
+    """The transformers of a pipeline (transformer, transformer_2, ...) or the module itself."""
+    if isinstance(obj, torch.nn.Module):
+        return {"transformer": obj}
+    components = getattr(obj, "components", None)
+    if not isinstance(components, dict):
+        raise TypeError(
+            f"expected a diffusers pipeline or a transformer module, got {type(obj).__name__}."
+        )
+    found = {
+        name: comp for name, comp in components.items()
+        if name.startswith("transformer") and isinstance(comp, torch.nn.Module)
+    }
+    if not found:
+        raise ValueError(f"pipeline {type(obj).__name__} has no transformer component (components: {sorted(components)}).")
+    return found
+
+
+def make_processors(transformer: torch.nn.Module, config, *, scheduler=None) -> dict[str, Any]:
+    """Sparse processors for every self-attention layer of `transformer` (others stay as they are).
+
+    Also attaches the context hook and the session to the transformer, so the returned dict is
+    ready for `transformer.set_attn_processor(...)`; `videosparse.remove(transformer)` undoes it.
+
+    Args:
+        transformer: a supported diffusers transformer (e.g. `WanTransformer3DModel`).
+        config: `VedaConfig`, `SolConfig` or `DenseConfig`.
+        scheduler: the pipeline's scheduler, used to find the step index when the pipeline gives none.
+
+    Returns:
+        dict of processor name -> processor, for `set_attn_processor`.
+    """
+    spec = model_spec(transformer)
+    active = getattr(transformer, SESSION_ATTR, None)
+    if active is not None:
+        raise ValueError(
+            f"videosparse is already applied to this {type(transformer).__name__} with {active.config!r}; "
+            "call videosparse.remove(...) first."
+        )
+    originals = dict(transformer.attn_processors)
+    modules = dict(transformer.named_modules())
+    self_attn = [n for n in originals if spec.is_self_attention(n.rsplit(".processor", 1)[0],
+                                                                 modules[n.rsplit(".processor", 1)[0]])]
+    info = model_info(transformer, spec, len(self_attn))
+    method = make_method(config, info)
+    session = SparseSession(config, method, info, originals, scheduler)
+    procs = dict(originals)
+    for layer, name in enumerate(self_attn):
+        procs[name] = spec.processor_cls(session, layer, originals[name])
+    _attach(transformer, session, spec)
+    return procs
+
+
+def _attach(transformer: torch.nn.Module, session: SparseSession, spec) -> None:
+    snapshot = {
+        "had_registry": hasattr(transformer, "_diffusers_hook"),
+        "had_forward_attr": "forward" in transformer.__dict__,
+    }
+    register_context_hook(transformer, session, spec.grid_fn)
+    setattr(transformer, SESSION_ATTR, session)
+    setattr(transformer, _SNAPSHOT_ATTR, snapshot)
+
+
+def _detach(transformer: torch.nn.Module) -> None:
+    snapshot = transformer.__dict__.pop(_SNAPSHOT_ATTR, {})
+    remove_context_hook(transformer)
+    registry = getattr(transformer, "_diffusers_hook", None)
+    if not snapshot.get("had_registry", True) and registry is not None and not registry.hooks:
+        del transformer._diffusers_hook
+    if not snapshot.get("had_forward_attr", True):
+        transformer.__dict__.pop("forward", None)
+    transformer.__dict__.pop(SESSION_ATTR, None)
+
+
+def apply(pipe_or_transformer, config) -> dict[str, SparseSession]:
+    """Swap the self-attention of every transformer of a pipeline for videosparse's.
+
+    Args:
+        pipe_or_transformer: a diffusers pipeline (every `transformer*` component is served, e.g.
+            Wan 2.2's `transformer_2`) or a bare transformer module.
+        config: `VedaConfig`, `SolConfig` or `DenseConfig`.
+
+    Returns:
+        dict component name -> `SparseSession` (its `.stats()` gives realised density per layer).
+
+    Raises:
+        ValueError: unsupported transformer class (the error lists the supported ones), or already applied.
+        TypeError: `config` is not a videosparse config.
+
+    Example:
+        >>> import torch, videosparse
+        >>> from diffusers import WanPipeline
+        >>> pipe = WanPipeline.from_pretrained("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", torch_dtype=torch.bfloat16)
+        >>> videosparse.apply(pipe, videosparse.VedaConfig(density=0.1))
+        >>> video = pipe("a cat surfing", num_frames=81).frames[0]
+        >>> videosparse.remove(pipe)
+    """
+    transformers = _transformers(pipe_or_transformer)
+    scheduler = getattr(pipe_or_transformer, "scheduler", None)
+    for name, transformer in transformers.items():  # check everything before touching anything
+        model_spec(transformer)
+        active = getattr(transformer, SESSION_ATTR, None)
+        if active is not None:
+            raise ValueError(f"videosparse is already applied to {name} with {active.config!r}; call remove() first.")
+    check_config(config)
+    applied: list[torch.nn.Module] = []
+    try:
+        for transformer in transformers.values():
+            procs = make_processors(transformer, config, scheduler=scheduler)
+            applied.append(transformer)
+            transformer.set_attn_processor(procs)
+    except BaseException:
+        for transformer in applied:
+            _restore(transformer)
+        raise
+    return {name: getattr(t, SESSION_ATTR) for name, t in transformers.items()}
+
+
+def _restore(transformer: torch.nn.Module) -> SparseSession | None:
+    session = getattr(transformer, SESSION_ATTR, None)
+    if session is None:
+        return None
+    transformer.set_attn_processor(dict(session.original_processors))
+    _detach(transformer)
+    return session
+
+
+def remove(pipe_or_transformer) -> dict[str, SparseSession]:
+    """Restore the original processors and hooks of every transformer `apply` touched.
+
+    Returns the removed sessions (their statistics stay readable); transformers without videosparse
+    are left alone.
+    """
+    removed = {}
+    for name, transformer in _transformers(pipe_or_transformer).items():
+        session = _restore(transformer)
+        if session is not None:
+            removed[name] = session
+    return removed
+
+
+def sessions(pipe_or_transformer) -> dict[str, SparseSession]:
+    """The active `SparseSession` of every transformer (empty when videosparse is not applied)."""
+    return {
+        name: getattr(t, SESSION_ATTR)
+        for name, t in _transformers(pipe_or_transformer).items() if hasattr(t, SESSION_ATTR)
+    }
+
+
+@contextlib.contextmanager
+def observe(pipe_or_transformer, callback: Callable[[AttentionRecord], None]) -> Iterator[None]:
+    """Call `callback(record)` with the post-RoPE q, k, v of every self-attention call inside the block.
+
+    Works on top of an applied config; without one, dense processors (`DenseConfig`) are applied for
+    the duration of the block and removed afterwards.
+    """
+    applied_here = not sessions(pipe_or_transformer)
+    if applied_here:
+        apply(pipe_or_transformer, DenseConfig())
+    active = list(sessions(pipe_or_transformer).values())
+    for session in active:
+        session.observers.append(callback)
+    try:
+        yield
+    finally:
+        for session in active:
+            session.observers.remove(callback)
+        if applied_here:
+            remove(pipe_or_transformer)
+
+
+class _CallableModule(types.ModuleType):
+    def __call__(self, transformer, config, **kwargs):
+        return make_processors(transformer, config, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

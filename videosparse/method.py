@@ -1,0 +1,59 @@
+"""The interface between the processors and a tile-selection method (Veda, Sol, ...).
+
+A `SparseMethod` is made once per `videosparse.apply` for one transformer and one config. The
+processors hand it q, k, v already in tile order and ask for a `Plan`; it may keep per-layer caches
+(calibrated thresholds, loaded estimator weights). It never sees diffusers objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .layout import HeadTiling
+from .plan import Plan
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a method may need to know about the transformer it serves."""
+
+    model_class: str
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    patch_size: tuple[int, int, int]
+    text_position: str | None = None        # "before"/"after" for joint attention, None otherwise
+
+
+class SparseMethod:
+    """Base class: per-layer tile shapes and plan building for one config.
+
+    Args:
+        config: the method's config (e.g. `VedaConfig`).
+        info: the `ModelInfo` of the transformer.
+    """
+
+    def __init__(self, config, info: ModelInfo) -> None:
+        self.config = config
+        self.info = info
+
+    @property
+    def block(self) -> int:
+        return self.config.block
+
+    def tile_shapes(self, layer: int, num_heads: int) -> tuple[int, int, int] | Sequence[tuple[int, int, int]]:
+        """One (pt, ph, pw) for every head of `layer`, or one per head."""
+        return self.config.tiling
+
+    def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: HeadTiling, layer: int) -> Plan:
+        """The plan for one call.
+
+        Args:
+            q, k, v: [B, H, S, D] in tile order (each head in its own tile shape), contiguous.
+            layout: the `HeadTiling` used to gather them (num_tiles, num_video_tiles, tile_len).
+            layer: index of the self-attention layer (0-based).
+        """
+        raise NotImplementedError

@@ -1,0 +1,94 @@
+"""Per-model facts, registered by transformer class, and the method registry keyed by config type."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..config import DenseConfig, SolConfig, VedaConfig
+from ..method import ModelInfo
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How videosparse serves one transformer class.
+
+    Attributes:
+        processor_cls: the sparse processor class (a subclass of the stock processor).
+        is_self_attention: (module name, attention module) -> True for the layers to sparsify.
+        grid_fn: (transformer, forward args, kwargs) -> ((T, H, W), text_len).
+        text_position: where joint-attention text sits ("before"/"after"), None without joint text.
+    """
+
+    processor_cls: type
+    is_self_attention: Callable[[str, torch.nn.Module], bool]
+    grid_fn: Callable
+    text_position: str | None = None
+
+
+_MODEL_SPECS: dict[type, Callable[[], ModelSpec]] = {}
+
+
+def register_model(transformer_cls: type, spec_factory: Callable[[], ModelSpec]) -> None:
+    """Register the `ModelSpec` factory of a transformer class (subclasses inherit it)."""
+    _MODEL_SPECS[transformer_cls] = spec_factory
+
+
+def _register_builtin_models() -> None:
+    from diffusers import WanTransformer3DModel
+
+    def wan_spec() -> ModelSpec:
+        from .wan import WanSparseAttnProcessor, wan_grid
+
+        return ModelSpec(WanSparseAttnProcessor, lambda name, m: name.endswith("attn1"), wan_grid)
+
+    register_model(WanTransformer3DModel, wan_spec)
+
+
+def model_spec(transformer: torch.nn.Module) -> ModelSpec:
+    if not _MODEL_SPECS:
+        _register_builtin_models()
+    for cls in type(transformer).__mro__:
+        if cls in _MODEL_SPECS:
+            return _MODEL_SPECS[cls]()
+    supported = ", ".join(sorted(c.__name__ for c in _MODEL_SPECS))
+    raise ValueError(f"transformer class {type(transformer).__name__} is not supported; supported: {supported}.")
+
+
+def model_info(transformer: torch.nn.Module, spec: ModelSpec, num_layers: int) -> ModelInfo:
+    cfg = transformer.config
+    heads = int(cfg.num_attention_heads)
+    head_dim = int(cfg.attention_head_dim)
+    patch = tuple(cfg.patch_size) if len(tuple(cfg.patch_size)) == 3 else (1, *tuple(cfg.patch_size))
+    return ModelInfo(type(transformer).__name__, num_layers, heads, head_dim, patch, spec.text_position)
+
+
+# config type -> "module:class" of its SparseMethod (None = dense, no method)
+METHODS: dict[type, str | None] = {
+    DenseConfig: None,
+    VedaConfig: "videosparse.veda.method:VedaMethod",
+    SolConfig: "videosparse.sol.method:SolMethod",
+}
+
+
+def check_config(config) -> str | None:
+    """The "module:class" of the config's method (None for dense); TypeError for a non-config."""
+    for cls in type(config).__mro__:
+        if cls in METHODS:
+            return METHODS[cls]
+    raise TypeError(
+        f"config of type {type(config).__name__} is not a videosparse config; use one of "
+        f"{', '.join(c.__name__ for c in METHODS)}."
+    )
+
+
+def make_method(config, info: ModelInfo):
+    """The `SparseMethod` instance for `config` (None for `DenseConfig`)."""
+    target = check_config(config)
+    if target is None:
+        return None
+    module, attr = target.split(":")
+    return getattr(importlib.import_module(module), attr)(config, info)
