@@ -1,0 +1,63 @@
+import pytest
+import torch
+from diffusers import WanTransformer3DModel
+
+import videosparse
+
+from tester import ProcessorTesterMixin
+
+
+class TestWanProcessors(ProcessorTesterMixin):
+    num_layers = 2
+    head_dim = 64
+    tiling = (1, 4, 16)
+    block = 64
+
+    def make_transformer(self):
+        torch.manual_seed(0)
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=self.head_dim, in_channels=4,
+            out_channels=4, text_dim=16, freq_dim=32, ffn_dim=64, num_layers=self.num_layers,
+            cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=64,
+        ).eval()
+
+    def make_inputs(self, transformer):
+        g = torch.Generator().manual_seed(1)
+        # grid after patching: 3 x 7 x 9 = 189 tokens (odd, partial last tile)
+        return dict(
+            hidden_states=torch.randn(1, 4, 3, 14, 18, generator=g),
+            timestep=torch.tensor([500]),
+            encoder_hidden_states=torch.randn(1, 8, 16, generator=g),
+        )
+
+
+def test_unknown_transformer_lists_supported():
+    with pytest.raises(ValueError, match="WanTransformer3DModel"):
+        videosparse.apply(torch.nn.Linear(2, 2), videosparse.DenseConfig())
+
+
+def test_native_set_attn_processor_form():
+    t = TestWanProcessors()
+    tr = t.make_transformer()
+    inputs = t.make_inputs(tr)
+    ref = t.run(tr, inputs)
+    tr.set_attn_processor(videosparse.processors(tr, videosparse.VedaConfig(density=1.0, tiling=(1, 4, 16), block=64)))
+    assert (t.run(tr, inputs) - ref).abs().max() <= 1e-4 * ref.abs().max()
+    videosparse.remove(tr)
+    assert torch.equal(t.run(tr, inputs), ref)
+
+
+def test_apply_remove_without_cache_context_leaves_module_dict_identical():
+    t = TestWanProcessors()
+    tr = t.make_transformer()
+    inputs = t.make_inputs(tr)
+    before = dict(tr.__dict__)
+    with torch.no_grad():
+        ref = tr(**inputs, return_dict=False)[0]
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64))
+    with torch.no_grad():
+        tr(**inputs, return_dict=False)
+    videosparse.remove(tr)
+    assert set(tr.__dict__) == set(before)
+    with torch.no_grad():
+        assert torch.equal(tr(**inputs, return_dict=False)[0], ref)

@@ -1,0 +1,143 @@
+"""Shared processor tests: every model family runs these through a subclass that builds its inputs."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import videosparse
+from videosparse.processors import observe, sessions
+
+
+class ProcessorTesterMixin:
+    """Subclasses define `make_transformer()` and `make_inputs(transformer) -> kwargs` (fp32, CPU)."""
+
+    def make_transformer(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def make_inputs(self, transformer) -> dict:
+        raise NotImplementedError
+
+    def run(self, transformer, inputs, name="cond", step=0, steps=4):
+        with torch.no_grad(), transformer.cache_context(name, step_index=step, num_inference_steps=steps):
+            return transformer(**inputs, return_dict=False)[0]
+
+    # ------------------------------------------------------------------ tests
+    def test_dense_config_equals_stock(self):
+        tr = self.make_transformer()
+        inputs = self.make_inputs(tr)
+        ref = self.run(tr, inputs)
+        videosparse.apply(tr, videosparse.DenseConfig())
+        out = self.run(tr, inputs)
+        assert (out - ref).abs().max() <= 1e-6
+        stats = sessions(tr)["transformer"].stats()
+        assert stats["dense_calls"] > 0 and stats["sparse_calls"] == 0
+
+    def test_sparse_density_one_equals_dense(self):
+        tr = self.make_transformer()
+        inputs = self.make_inputs(tr)
+        ref = self.run(tr, inputs)
+        videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=self.tiling, block=self.block))
+        out = self.run(tr, inputs)
+        assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
+        s = sessions(tr)["transformer"].stats()
+        assert s["sparse_calls"] > 0 and s["dense_calls"] == 0 and s["density"] == 1.0
+
+    def test_sparse_changes_output_and_reports_density(self):
+        tr = self.make_transformer()
+        inputs = self.make_inputs(tr)
+        ref = self.run(tr, inputs)
+        videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=self.tiling, block=self.block))
+        out = self.run(tr, inputs)
+        assert torch.isfinite(out).all() and not torch.equal(out, ref)
+        s = sessions(tr)["transformer"].stats()
+        assert 0.0 < s["density"] < 0.7
+
+    def test_remove_restores_exactly(self):
+        tr = self.make_transformer()
+        inputs = self.make_inputs(tr)
+        ref = self.run(tr, inputs)
+        before_procs = dict(tr.attn_processors)
+        before_attrs = set(tr.__dict__)
+        videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=self.tiling, block=self.block))
+        self.run(tr, inputs)
+        videosparse.remove(tr)
+        assert all(tr.attn_processors[k] is v for k, v in before_procs.items())
+        assert set(tr.__dict__) == before_attrs          # no hook registry / forward attribute left
+        assert torch.equal(self.run(tr, inputs), ref)
+        assert sessions(tr) == {}
+
+    def test_double_apply_raises_and_leaves_state(self):
+        tr = self.make_transformer()
+        videosparse.apply(tr, videosparse.DenseConfig())
+        procs = dict(tr.attn_processors)
+        with pytest.raises(ValueError, match="already applied"):
+            videosparse.apply(tr, videosparse.VedaConfig())
+        assert all(tr.attn_processors[k] is v for k, v in procs.items())
+
+    def test_dense_steps_and_layers(self):
+        tr = self.make_transformer()
+        inputs = self.make_inputs(tr)
+        videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=self.tiling, block=self.block,
+                                                     dense_steps=2, dense_layers=(0,)))
+        session = sessions(tr)["transformer"]
+        self.run(tr, inputs, step=0)
+        self.run(tr, inputs, step=1)
+        assert session.stats()["sparse_calls"] == 0
+        self.run(tr, inputs, step=2)
+        layers = session.stats()["layers"]
+        assert layers[0]["sparse_calls"] == 0 and layers[0]["dense_calls"] == 3
+        assert all(layers[i]["sparse_calls"] == 1 for i in layers if i != 0)
+
+    def test_dense_steps_fraction_uses_step_count(self):
+        tr = self.make_transformer()
+        inputs = self.make_inputs(tr)
+        videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=self.tiling, block=self.block, dense_steps=0.5))
+        session = sessions(tr)["transformer"]
+        self.run(tr, inputs, step=4, steps=10)
+        assert session.stats()["sparse_calls"] == 0
+        self.run(tr, inputs, step=5, steps=10)
+        assert session.stats()["sparse_calls"] > 0
+
+    def test_cond_uncond_isolation(self):
+        tr = self.make_transformer()
+        inputs = self.make_inputs(tr)
+        videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=self.tiling, block=self.block))
+        seen = []
+        with observe(tr, lambda r: seen.append((r.branch, r.step, r.layer))):
+            a = self.run(tr, inputs, "cond", step=3)
+            b = self.run(tr, inputs, "uncond", step=3)
+        assert torch.equal(a, b)   # same inputs, same plan: branches do not leak state
+        assert {s[0] for s in seen} == {"cond", "uncond"} and {s[1] for s in seen} == {3}
+
+    def test_observer_sees_post_rope_inputs(self):
+        tr = self.make_transformer()
+        inputs = self.make_inputs(tr)
+        records = []
+        with observe(tr, records.append):
+            self.run(tr, inputs)
+        assert sessions(tr) == {}                       # observe applied dense and removed it
+        assert len(records) == self.num_layers
+        r = records[0]
+        assert r.q.dim() == 4 and r.q.shape[1] == r.grid[0] * r.grid[1] * r.grid[2] + r.text_len
+
+    def test_unsupported_mask_falls_back_dense_with_one_warning(self, caplog):
+        tr = self.make_transformer()
+        videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=self.tiling, block=self.block))
+        session = sessions(tr)["transformer"]
+        session.context.grid = (1, 1, 1)               # a grid that cannot match the sequence
+        proc = next(p for p in tr.attn_processors.values() if hasattr(p, "attend"))
+        q = torch.randn(1, 10, 2, self.head_dim)
+        with caplog.at_level(logging.WARNING, logger="videosparse"):
+            out1 = proc.attend(q, q, q)
+            out2 = proc.attend(q, q, q)
+        assert torch.equal(out1, out2)
+        assert sum("runs dense" in r.message for r in caplog.records) == 1
+
+    def test_bad_config_type(self):
+        tr = self.make_transformer()
+        with pytest.raises(TypeError, match="not a videosparse config"):
+            videosparse.apply(tr, {"density": 0.1})
+        assert sessions(tr) == {}

@@ -1,0 +1,158 @@
+"""`videosparse` command line: parse arguments, call the library.
+
+    videosparse generate [--model ID_OR_DIR] [--method veda|sol|dense] [--density 0.1] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+import numpy as np
+import torch
+
+from .config import DenseConfig, SolConfig, VedaConfig
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _tile(text: str):
+    """'4x4x8' -> (4, 4, 8); anything else is a path to a tiling JSON."""
+    parts = text.lower().split("x")
+    if len(parts) == 3 and all(p.isdigit() for p in parts):
+        return tuple(int(p) for p in parts)
+    return text
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip()) if text else ()
+
+
+def _steps(text: str) -> int | float:
+    return float(text) if "." in text else int(text)
+
+
+def add_method_args(p: argparse.ArgumentParser) -> None:
+    """Arguments that describe one attention method (shared by every subcommand that applies one)."""
+    p.add_argument("--method", default="veda", choices=["veda", "sol", "dense"], help="attention method")
+    p.add_argument("--density", type=float, default=None, help="fraction of key tiles kept (default 0.1 veda / 0.15 sol)")
+    p.add_argument("--tau", type=float, default=None, help="sol: threshold in std devs (instead of --density)")
+    p.add_argument("--estimator", default=None, help="veda: trained estimator directory or hub id")
+    p.add_argument("--tiling", type=_tile, default=None, help="tile shape like 4x4x8, or a tiling JSON path")
+    p.add_argument("--block", type=int, default=None, help="tokens per tile (128 or 64)")
+    p.add_argument("--dense-steps", type=_steps, default=0, help="initial dense steps (int) or fraction (float)")
+    p.add_argument("--dense-layers", type=_layers, default=(), help="comma-separated layers kept dense")
+    p.add_argument("--correction", action=argparse.BooleanOptionalAction, default=None,
+                   help="zero-order correction of skipped tiles (default: off for veda, on for sol)")
+    p.add_argument("--backend", default="auto", choices=["auto", "triton", "reference"])
+
+
+def method_config(args: argparse.Namespace):
+    """The config object the method arguments describe."""
+    common = dict(dense_steps=args.dense_steps, dense_layers=args.dense_layers, backend=args.backend)
+    optional = {k: v for k, v in (("tiling", args.tiling), ("block", args.block), ("correction", args.correction))
+                if v is not None}
+    if args.method == "dense":
+        return DenseConfig()
+    if args.method == "veda":
+        return VedaConfig(density=args.density if args.density is not None else 0.1, estimator=args.estimator,
+                          **common, **optional)
+    if args.tau is not None:
+        return SolConfig(tau=args.tau, **common, **optional)
+    return SolConfig(density=args.density if args.density is not None else 0.15, **common, **optional)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="hub id or local directory (default: the embedded model, offline)")
+    p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
+
+
+def _add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate a video with sparse attention")
+    _add_model_args(p)
+    add_method_args(p)
+    p.add_argument("--prompt", default=None)
+    p.add_argument("--negative-prompt", default=None)
+    p.add_argument("--steps", type=int, default=None, help="denoising steps")
+    p.add_argument("--frames", type=int, default=None)
+    p.add_argument("--height", type=int, default=None)
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--guidance-scale", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fps", type=int, default=8)
+    p.add_argument("--out", default="video.mp4", help="output mp4 path")
+    p.add_argument("--compare-dense", action="store_true", help="also run dense with the same seed and compare")
+    p.add_argument("--json", default=None, help="also write the summary as JSON here")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from .eval.generate import generate, write_video
+    from .models.loading import load_pipeline
+
+    for name in ("steps", "frames", "height", "width"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name}={value} must be a positive integer.")
+    config = method_config(args)
+    loaded = load_pipeline(args.model, args.device, DTYPES.get(args.dtype))
+    pipe = loaded.pipe
+    pipe.set_progress_bar_config(disable=True)
+    call = dict(loaded.defaults)
+    for key, value in (("prompt", args.prompt), ("negative_prompt", args.negative_prompt),
+                       ("num_inference_steps", args.steps), ("num_frames", args.frames), ("height", args.height),
+                       ("width", args.width), ("guidance_scale", args.guidance_scale)):
+        if value is not None:
+            call[key] = value
+    steps = call["num_inference_steps"]
+    device = str(pipe.device)
+    print(f"model: {loaded.name} | method: {config.to_dict()} | {call['num_frames']} frames "
+          f"{call['height']}x{call['width']}, {steps} steps, seed {args.seed}")
+    result = generate(pipe, config, call, seed=args.seed, device=device)
+    path = write_video(result.frames, args.out, fps=args.fps)
+    per_step = result.transformer_total_s / steps
+    summary = {"model": loaded.name, "config": config.to_dict(), "call": call, "video": path,
+               "wall_s": result.wall_s, "transformer_s_per_step": per_step, "stats": result.stats}
+    density = (result.stats or {}).get("transformer", {}).get("density")
+    print(f"{config.method}: {per_step * 1000:.1f} ms transformer time per step, {result.wall_s:.1f} s in all"
+          + (f", realised density {density:.3f}" if density is not None else ""))
+    if args.compare_dense:
+        dense = generate(pipe, None, call, seed=args.seed, device=device)
+        dense_step = dense.transformer_total_s / steps
+        from .eval.metrics import psnr
+
+        summary["dense"] = {"wall_s": dense.wall_s, "transformer_s_per_step": dense_step,
+                            "psnr_db": psnr(result.frames, dense.frames)}
+        print(f"dense: {dense_step * 1000:.1f} ms per step -> speedup {dense_step / per_step:.2f}x; "
+              f"PSNR vs dense {summary['dense']['psnr_db']:.2f} dB")
+    print(f"video written to {path}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="videosparse", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log INFO messages")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return args.func(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

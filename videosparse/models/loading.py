@@ -1,0 +1,58 @@
+"""Loading the pipeline a command runs on: a hub id, a local directory, or the embedded default."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger("videosparse")
+
+
+@dataclass
+class LoadedPipeline:
+    """A pipeline plus the call defaults that suit it (frames, size, steps, prompt)."""
+
+    pipe: object
+    name: str
+    defaults: dict = field(default_factory=dict)
+
+
+TINY_DEFAULTS = dict(prompt="a red circle moving left on a dark background", num_frames=17, height=256, width=256,
+                     num_inference_steps=8, guidance_scale=5.0, max_sequence_length=32)
+HUB_DEFAULTS = dict(prompt="A cat walks on the grass, realistic", num_frames=81, height=480, width=832,
+                    num_inference_steps=50, guidance_scale=5.0)
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+
+
+def load_pipeline(model: str | None = None, device: str | None = None, dtype: torch.dtype | None = None) -> LoadedPipeline:
+    """Load `model` with diffusers' own loading code, or build the embedded default offline.
+
+    Args:
+        model: a hub id (e.g. "Wan-AI/Wan2.1-T2V-1.3B-Diffusers") or a local directory; None for the
+            embedded default (built from configs, no download).
+        device: "cuda", "cpu", ... (default: cuda when available).
+        dtype: parameter dtype (default: bf16 on CUDA, fp32 on CPU).
+    """
+    device = device or default_device()
+    dtype = dtype or default_dtype(device)
+    if model is None:
+        from .tiny_wan import build_tiny_wan_pipeline
+
+        pipe = build_tiny_wan_pipeline(dtype=dtype)
+        loaded = LoadedPipeline(pipe, "tiny-wan (random weights, built offline)", dict(TINY_DEFAULTS))
+    else:
+        from diffusers import DiffusionPipeline
+
+        pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
+        loaded = LoadedPipeline(pipe, model, dict(HUB_DEFAULTS))
+    loaded.pipe.to(device)
+    return loaded
