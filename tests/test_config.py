@@ -1,0 +1,41 @@
+import pytest
+
+from videosparse.config import DenseConfig, SolConfig, VedaConfig, config_from_dict
+
+
+@pytest.mark.parametrize("cfg", [DenseConfig(), VedaConfig(density=0.2, tiling=(8, 4, 4), dense_layers=(0, 3)),
+                                 SolConfig(density=0.15), SolConfig(tau=1.5, block=128, correction=False),
+                                 VedaConfig(dense_steps=0.2, correction=True)])
+def test_round_trip(cfg):
+    d = cfg.to_dict()
+    assert d["method"] == cfg.method and d["version"] == 1
+    assert config_from_dict(d) == cfg
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: VedaConfig(density=0.0), "density=0.0"),
+        (lambda: VedaConfig(density=1.5), r"\(0, 1\]"),
+        (lambda: VedaConfig(tiling=(4, 4, 4)), "block size is 128"),
+        (lambda: VedaConfig(block=96), "block=96"),
+        (lambda: VedaConfig(dense_steps=-1), "dense_steps=-1"),
+        (lambda: VedaConfig(dense_steps=1.5), "dense_steps=1.5"),
+        (lambda: VedaConfig(dense_layers=(-2,)), "dense_layers"),
+        (lambda: VedaConfig(backend="cuda"), "backend='cuda'"),
+        (lambda: SolConfig(), "exactly one of density or tau"),
+        (lambda: SolConfig(density=0.1, tau=1.0), "exactly one"),
+        (lambda: SolConfig(tau=1.0, band=-1), "band=-1"),
+        (lambda: config_from_dict({"method": "magic"}), "method='magic'"),
+        (lambda: config_from_dict({"method": "veda", "bogus": 1}), "bogus"),
+    ],
+)
+def test_bad_values_name_the_value(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make()
+
+
+def test_dense_step_count():
+    assert VedaConfig(dense_steps=3).dense_step_count(50) == 3
+    assert VedaConfig(dense_steps=0.2).dense_step_count(50) == 10
+    assert VedaConfig(dense_steps=0.2).dense_step_count(None) == 0
