@@ -28,3 +28,89 @@ def tile_centroids_torch(k: torch.Tensor, v: torch.Tensor, block_n: int) -> tupl
     k_mean = kp.sum(3, dtype=torch.float32) / tile_len[:, None].float()
     v_sum = vp.sum(3, dtype=torch.float32)
     return k_mean, v_sum, tile_len
+
+
+def tile_means_torch(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Mean of every tile of x over its real tokens.
+
+    Args:
+        x: [B, H, S, D] in tile order (any float dtype).
+        block: tokens per tile; the last tile may be partial.
+
+    Returns:
+        fp32 [B, H, ceil(S / block), D].
+    """
+    B, H, S, D = x.shape
+    N = math.ceil(S / block)
+    pad = N * block - S
+    xp = torch.nn.functional.pad(x, (0, 0, 0, pad)).view(B, H, N, block, D)
+    lens = torch.full((N,), float(block), dtype=torch.float32, device=x.device)
+    lens[-1] = S - (N - 1) * block
+    return xp.sum(3, dtype=torch.float32) / lens[:, None]
+
+
+CENTROID_BACKENDS = ("auto", "triton", "torch", "reference")
+
+
+def _use_triton(x: torch.Tensor, backend: str) -> bool:
+    """Whether the fused Triton kernel runs for `x` under `backend` ("reference" means torch)."""
+    if backend not in CENTROID_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not supported for tile centroids; choose one of {CENTROID_BACKENDS}.")
+    if backend in ("torch", "reference"):
+        return False
+    reasons = []
+    if not x.is_cuda:
+        reasons.append(f"tensors are on {x.device}, the Triton kernel needs a CUDA device")
+    if x.shape[-1] > 256:
+        reasons.append(f"head dim {x.shape[-1]} > 256")
+    if not reasons:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            reasons.append("triton is not installed (pip install triton)")
+    if reasons and backend == "triton":
+        raise ValueError(f"backend='triton' cannot compute tile centroids here: {'; '.join(reasons)}.")
+    return not reasons
+
+
+def tile_centroids(
+    k: torch.Tensor, v: torch.Tensor, block_n: int, *, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Centroids of key tiles in tile order: the fused Triton kernel on CUDA, torch elsewhere.
+
+    Args:
+        k, v: [B, H, S, D] in tile order (any float dtype).
+        block_n: tokens per key tile.
+        backend: "auto" (Triton on CUDA, torch otherwise), "triton" (ValueError where it cannot
+            run), or "torch" / "reference".
+
+    Returns:
+        k_mean fp32 [B, H, Nk, D], v_sum fp32 [B, H, Nk, D], tile_len int32 [Nk], as
+        `tile_centroids_torch`.
+    """
+    if _use_triton(k, backend):
+        from .triton_centroids import tile_stats_triton
+
+        _, k_mean, v_sum, tile_len = tile_stats_triton(None, k, v, block_n)
+        return k_mean, v_sum, tile_len
+    return tile_centroids_torch(k, v, block_n)
+
+
+def tile_stats(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, *, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Everything Sol needs per tile in one pass: mean query, mean key, value sum, real length.
+
+    Args:
+        q, k, v: [B, H, S, D] in tile order (any float dtype), one shape.
+        block: tokens per tile (block_m == block_n).
+        backend: as in `tile_centroids`.
+
+    Returns:
+        q_mean fp32 [B, H, N, D], k_mean fp32 [B, H, N, D], v_sum fp32 [B, H, N, D], tile_len int32 [N].
+    """
+    if _use_triton(k, backend):
+        from .triton_centroids import tile_stats_triton
+
+        return tile_stats_triton(q, k, v, block)  # type: ignore[return-value]
+    return (tile_means_torch(q, block), *tile_centroids_torch(k, v, block))

@@ -1,0 +1,122 @@
+"""Centroids: the fused Triton kernel (under the interpreter on CPU) against the torch path, and dispatch."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from videosparse.sol.centroids import tile_centroids, tile_centroids_torch, tile_means_torch, tile_stats
+
+from helpers import rel_err
+
+
+CASES = [(dtype, S, block, D) for dtype in ("float32", "float16", "bfloat16")
+         for S, block, D in ((300, 64, 64), (257, 128, 128), (128, 64, 40), (64, 64, 64))]
+
+
+def _interpreter_checks() -> dict:
+    """Run in a fresh interpreter with TRITON_INTERPRET=1: the Triton kernel against the torch path.
+
+    Triton decides between compiled and interpreted kernels when a function is decorated, for its
+    own standard library too, so the interpreter cannot be switched on inside a process that has
+    already imported triton: these checks run as a subprocess (see `interpreter_results`).
+    """
+    from videosparse.sol.triton_centroids import tile_stats_triton
+
+    torch.manual_seed(0)
+    out = {}
+    for dtype, S, block, D in CASES:
+        B, H = 2, 3
+        q, k, v = (torch.randn(B, H, S, D).to(getattr(torch, dtype)) for _ in range(3))
+        q_mean, k_mean, v_sum, tile_len = tile_stats_triton(q, k, v, block)
+        ref_k, ref_v, ref_len = tile_centroids_torch(k, v, block)
+        ref_q = tile_means_torch(q, block)
+        out[f"{dtype}-{S}-{block}-{D}"] = {
+            "errors": [rel_err(got, ref) for got, ref in ((q_mean, ref_q), (k_mean, ref_k), (v_sum, ref_v))],
+            "fp32": all(t.dtype == torch.float32 for t in (q_mean, k_mean, v_sum)),
+            "shapes": all(a.shape == b.shape for a, b in ((q_mean, ref_q), (k_mean, ref_k), (v_sum, ref_v))),
+            "tile_len": tile_len.dtype == torch.int32 and torch.equal(tile_len, ref_len),
+        }
+    # (B, S, H, D) viewed as (B, H, S, D): non-contiguous strides, and no q
+    kk = torch.randn(2, 200, 3, 64).transpose(1, 2)
+    vv = torch.randn(2, 200, 3, 64).transpose(1, 2)
+    q_mean, k_mean, v_sum, _ = tile_stats_triton(None, kk, vv, 64)
+    ref_k, ref_v, _ = tile_centroids_torch(kk.contiguous(), vv.contiguous(), 64)
+    out["strided"] = {"q_none": q_mean is None, "contiguous_input": kk.is_contiguous(),
+                      "errors": [rel_err(k_mean, ref_k), rel_err(v_sum, ref_v)]}
+    bad = []
+    for args in ((None, kk, vv[:, :, :199], 64), (None, kk, vv, 48)):
+        try:
+            tile_stats_triton(*args)
+            bad.append("no error")
+        except ValueError as err:
+            bad.append(str(err))
+    out["bad"] = bad
+    return out
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", [f"{d}-{S}-{b}-{D}" for d, S, b, D in CASES])
+def test_triton_tile_stats_equal_torch(interpreter_results, case):
+    r = interpreter_results[case]
+    assert r["fp32"] and r["shapes"] and r["tile_len"]
+    assert max(r["errors"]) < 1e-6, r["errors"]
+
+
+def test_triton_strided_inputs_without_q(interpreter_results):
+    r = interpreter_results["strided"]
+    assert r["q_none"] and not r["contiguous_input"]
+    assert max(r["errors"]) < 1e-6, r["errors"]
+
+
+def test_triton_rejects_bad_shapes(interpreter_results):
+    shape_err, block_err = interpreter_results["bad"]
+    assert "one shape" in shape_err and "power of two" in block_err
+
+
+def test_tile_means_partial_last_tile():
+    x = torch.arange(5.0).view(1, 1, 5, 1).expand(1, 1, 5, 2)
+    m = tile_means_torch(x, 2)
+    assert torch.equal(m[0, 0, :, 0], torch.tensor([0.5, 2.5, 4.0]))
+
+
+def test_dispatch_on_cpu_uses_torch_and_names_reasons():
+    k, v, q = (torch.randn(1, 2, 130, 64) for _ in range(3))
+    got = tile_centroids(k, v, 64)
+    ref = tile_centroids_torch(k, v, 64)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    q_mean, *rest = tile_stats(q, k, v, 64, backend="reference")
+    assert torch.equal(q_mean, tile_means_torch(q, 64)) and all(torch.equal(a, b) for a, b in zip(rest, ref))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            tile_centroids(k, v, 64, backend="triton")
+    with pytest.raises(ValueError, match="choose one of"):
+        tile_centroids(k, v, 64, backend="cuda")
+
+
+@pytest.mark.gpu
+def test_dispatch_on_cuda_matches_torch():
+    q, k, v = (torch.randn(1, 4, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    got = tile_stats(q, k, v, 64)
+    ref = (tile_means_torch(q, 64), *tile_centroids_torch(k, v, 64))
+    for a, b in zip(got[:3], ref[:3]):
+        assert rel_err(a, b) < 1e-5
+    assert torch.equal(got[3], ref[3])
+
+
+if __name__ == "__main__":
+    print(json.dumps(_interpreter_checks()))

@@ -1,0 +1,120 @@
+"""SolMethod: plans through the method interface, τ caching, configs, and the Veda hybrid."""
+
+import logging
+import math
+
+import pytest
+import torch
+
+from videosparse import SolConfig, VedaConfig
+from videosparse.kernels import block_sparse_attention
+from videosparse.layout import head_tiling
+from videosparse.method import ModelInfo
+from videosparse.sol.centroids import tile_centroids, tile_means_torch
+from videosparse.sol.method import SolMethod
+from videosparse.sol.threshold import routing_zscores, sol_mask
+
+INFO = ModelInfo("WanTransformer3DModel", 2, 2, 64, (1, 2, 2))
+
+
+def _inputs(layout, B=1, H=2, D=64, shift=0.0):
+    S = layout.seq_len
+    return tuple(torch.randn(B, H, S, D) + shift for _ in range(3))
+
+
+@pytest.mark.parametrize("text_len", [0, 70])
+def test_density_config_calibrates_once_per_layer_and_shape(text_len):
+    layout = head_tiling((8, 16, 16), [(4, 4, 4), (2, 4, 8)], 2, block=64, text_len=text_len)
+    method = SolMethod(SolConfig(density=0.2), INFO)
+    q, k, v = _inputs(layout)
+    plan = method.plan(q, k, v, layout, layer=0)
+    plan.validate(q, k, v)
+    N = layout.num_tiles
+    assert abs(plan.density(N) - 0.2) <= 0.01
+    cal = method.calibrations()
+    assert len(cal) == 1 and abs(next(iter(cal.values()))["density"] - plan.density(N)) < 1e-12
+    tau = next(iter(method._tau.values()))
+    # a second call of the same layer and shape reuses τ: its plan is "z > cached τ" on the new data
+    q2, k2, v2 = _inputs(layout, shift=0.1)
+    plan2 = method.plan(q2, k2, v2, layout, layer=0)
+    assert len(method.calibrations()) == 1 and next(iter(method._tau.values())) is tau
+    Mv = layout.num_video_tiles
+    z2 = routing_zscores(tile_means_torch(q2, 64)[:, :, :Mv], tile_centroids(k2, v2, 64)[0][:, :, :Mv], 0.125, 1)
+    assert torch.equal(plan2.to_dense_mask(N), sol_mask(z2, tau, layout.num_global_tiles))
+    # another layer, or another shape, calibrates again
+    method.plan(q, k, v, layout, layer=1)
+    small = head_tiling((4, 16, 16), (4, 4, 4), 2, block=64)
+    method.plan(*_inputs(small), small, layer=0)
+    assert len(method.calibrations()) == 3
+
+
+def test_tau_config_is_used_as_given_and_correction_flag():
+    layout = head_tiling((8, 8, 16), (4, 4, 4), 2, block=64)
+    q, k, v = _inputs(layout)
+    N = layout.num_tiles
+    z = routing_zscores(tile_means_torch(q, 64), tile_centroids(k, v, 64)[0], 0.125, 1)
+    for tau in (0.5, 1.5):
+        plan = SolMethod(SolConfig(tau=tau), INFO).plan(q, k, v, layout, 0)
+        assert torch.equal(plan.to_dense_mask(N), z > tau) and plan.has_correction
+    lo, hi = (SolMethod(SolConfig(tau=t), INFO).plan(q, k, v, layout, 0).density(N) for t in (0.5, 1.5))
+    assert lo > hi
+    plain = SolMethod(SolConfig(tau=1.0, correction=False), INFO)
+    plan = plain.plan(q, k, v, layout, 0)
+    assert not plan.has_correction and plain.calibrations() == {}
+
+
+def test_plan_runs_on_reference_and_correction_matches_naive():
+    from helpers import naive_attention, rel_err
+
+    layout = head_tiling((4, 8, 10), (1, 4, 16), 2, block=64, text_len=30)    # partial + global tiles
+    q, k, v = (t.double() for t in _inputs(layout))
+    plan = SolMethod(SolConfig(density=0.4, tiling=(1, 4, 16)), INFO).plan(q, k, v, layout, 0)
+    out = block_sparse_attention(q, k, v, plan.with_correction(plan.k_mean.double(), plan.v_sum.double(),
+                                                               plan.tile_len))
+    ref = naive_attention(q, k, v, plan, correction=True)
+    assert rel_err(out, ref) < 1e-6
+
+
+def test_static_width_plans_equal_tight_plans():
+    layout = head_tiling((8, 8, 16), (4, 4, 4), 2, block=64)
+    q, k, v = _inputs(layout)
+    tight = SolMethod(SolConfig(tau=1.0), INFO).plan(q, k, v, layout, 0)
+    static = SolMethod(SolConfig(tau=1.0), INFO)
+    static.static_width = True
+    wide = static.plan(q, k, v, layout, 0)
+    assert wide.kv_index.shape[-1] == layout.num_tiles
+    assert torch.equal(wide.kv_count, tight.kv_count)
+    assert torch.equal(wide.kv_index[..., : tight.kv_index.shape[-1]], tight.kv_index)
+
+
+def test_unreachable_density_warns_once(caplog):
+    layout = head_tiling((4, 4, 16), (1, 4, 16), 2, block=64)                 # 4 tiles: band alone is 10/16
+    method = SolMethod(SolConfig(density=0.2, tiling=(1, 4, 16)), INFO)
+    with caplog.at_level(logging.WARNING, logger="videosparse.sol.method"):
+        plans = [method.plan(*_inputs(layout), layout, 3) for _ in range(2)]
+    assert sum("below the density" in r.message for r in caplog.records) == 1
+    assert plans[0].density(4) == 10 / 16             # calibration call: only the band
+    assert plans[1].density(4) >= 10 / 16
+
+
+def test_errors():
+    with pytest.raises(TypeError, match="SolConfig"):
+        SolMethod(VedaConfig(), INFO)
+    layout = head_tiling((4, 8, 8), (1, 4, 16), 2, block=64)
+    q, k, v = _inputs(layout)
+    with pytest.raises(ValueError, match="block=128"):
+        SolMethod(SolConfig(tau=1.0, block=128), INFO).plan(q, k, v, layout, 0)
+
+
+def test_veda_hybrid_adds_dispatched_correction():
+    from videosparse.veda.method import VedaMethod
+
+    layout = head_tiling((4, 8, 16), (1, 4, 16), 2, block=64, text_len=20)
+    q, k, v = _inputs(layout)
+    plan = VedaMethod(VedaConfig(density=0.3, block=64, tiling=(1, 4, 16), correction=True), INFO).plan(
+        q, k, v, layout, 0)
+    ref = tile_centroids(k, v, 64)
+    assert plan.has_correction
+    assert all(torch.equal(a, b) for a, b in zip((plan.k_mean, plan.v_sum, plan.tile_len), ref))
+    plain = VedaMethod(VedaConfig(density=0.3, block=64, tiling=(1, 4, 16)), INFO).plan(q, k, v, layout, 0)
+    assert not plain.has_correction and torch.equal(plain.kv_index, plan.kv_index)

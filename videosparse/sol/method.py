@@ -1,0 +1,128 @@
+"""Sol-Attn as a `SparseMethod`: centroids -> Gaussian-calibrated threshold -> plan (+ correction)."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from ..config import SolConfig
+from ..layout import HeadTiling
+from ..method import ModelInfo, SparseMethod
+from ..plan import Plan
+from .centroids import tile_stats
+from .threshold import calibrate_tau, forced_pairs, routing_zscores, sol_plan_from_zscores
+
+logger = logging.getLogger(__name__)
+
+# SolConfig.backend names the attention kernel; the centroid kernel follows it ("reference" = torch).
+_CENTROID_BACKEND = {"auto": "auto", "triton": "triton", "reference": "torch"}
+
+
+class SolMethod(SparseMethod):
+    """Training-free tile selection with a Gaussian-calibrated, query-dependent threshold (arXiv 2607.24027).
+
+    Per call: one fused pass over q, k, v gives mean query / mean key / value sum per tile; the
+    routing statistic q̄_i·kc_j·scale is compared with thr_i = scale·(q̄_i·μ + τ·sqrt(Σ_d q̄²_{i,d} σ²_d))
+    (μ, σ² a diagonal Gaussian fitted per batch and head to the video-tile centroids); tiles in the
+    diagonal band and global (text) tiles are always exact, global rows are dense. Skipped tiles go
+    to the zero-order correction when `config.correction` is set.
+
+    With `SolConfig(density=...)`, τ is found by bisection on the first call of each
+    (layer, shape) and cached in this instance (one scalar per layer, shared by all heads, so the
+    per-head density follows the data); with `SolConfig(tau=...)` τ is used as given.
+
+    Args:
+        config: a `SolConfig`.
+        info: the transformer's `ModelInfo`.
+
+    Attributes:
+        static_width: when True, plans are packed to the full width (number of tiles) instead of
+            the largest row count, which removes the one host sync per call (for torch.compile /
+            CUDA graphs; only fast kernels that read kv_count should run such plans).
+
+    Example:
+        >>> import torch
+        >>> from videosparse import SolConfig
+        >>> from videosparse.layout import head_tiling
+        >>> from videosparse.method import ModelInfo
+        >>> info = ModelInfo("WanTransformer3DModel", 1, 2, 64, (1, 2, 2))
+        >>> method = SolMethod(SolConfig(density=0.5), info)
+        >>> layout = head_tiling((4, 8, 8), (4, 4, 4), 2, block=64)
+        >>> q = k = v = torch.randn(1, 2, 256, 64)
+        >>> plan = method.plan(q, k, v, layout, layer=0)
+    """
+
+    static_width: bool = False
+
+    def __init__(self, config: SolConfig, info: ModelInfo) -> None:
+        if not isinstance(config, SolConfig):
+            raise TypeError(f"SolMethod needs a SolConfig; got {type(config).__name__}.")
+        super().__init__(config, info)
+        self._tau: dict[tuple, torch.Tensor] = {}
+        self._realized: dict[tuple, torch.Tensor] = {}
+        self._warned: set[int] = set()
+
+    def calibrations(self) -> dict[tuple, dict[str, float]]:
+        """Calibrated τ and the density it gave on its calibration call, per (layer, H, S, D, Mv, G).
+
+        Converts to Python floats (a host sync): for reports, not for the hot path.
+        """
+        return {key: {"tau": float(t), "density": float(self._realized[key])} for key, t in self._tau.items()}
+
+    def tau(self, z: torch.Tensor, layout: HeadTiling, layer: int, key: tuple) -> torch.Tensor | float:
+        """τ for this call: the configured one, or the cached / freshly calibrated one."""
+        cfg = self.config
+        if cfg.tau is not None:
+            return float(cfg.tau)
+        cached = self._tau.get(key)
+        if cached is not None:
+            return cached if cached.device == z.device else cached.to(z.device)
+        Mv, G = layout.num_video_tiles, layout.num_global_tiles
+        N = Mv + G
+        floor = forced_pairs(Mv, G, cfg.band) / (N * N)
+        if floor > cfg.density and layer not in self._warned:
+            self._warned.add(layer)
+            logger.warning(
+                "Sol layer %d: target density %.3f is below the density of the always-exact tiles "
+                "(band=%d, %d global tiles of %d) %.3f; only those are kept.",
+                layer, cfg.density, cfg.band, G, N, floor,
+            )
+        tau, realized = calibrate_tau(z, float(cfg.density), G, cfg.band)
+        self._tau[key], self._realized[key] = tau, realized
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("Sol layer %d %s: tau=%.4f gives density %.4f (target %.4f)",
+                         layer, key[1:], float(tau), float(realized), cfg.density)
+        return tau
+
+    def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: HeadTiling, layer: int) -> Plan:
+        """The Sol plan for one attention call.
+
+        Args:
+            q, k, v: [B, H, S, D] in tile order (each head in its own tile shape), bf16/fp16/fp32.
+            layout: the `HeadTiling` that gathered them (num_video_tiles, num_global_tiles).
+            layer: self-attention layer index.
+
+        Returns:
+            `Plan` with block_m == block_n == config.block over N = ceil(S / block) tiles, and
+            k_mean / v_sum (fp32 [B, H, N, D]) and tile_len (int32 [N]) when config.correction.
+        """
+        cfg = self.config
+        B, H, S, D = q.shape
+        block = cfg.block
+        N = math.ceil(S / block)
+        Mv, G = layout.num_video_tiles, layout.num_global_tiles
+        if Mv + G != N:
+            raise ValueError(
+                f"layout has {Mv} video + {G} global tiles but q has {S} tokens = {N} tiles of {block} "
+                f"(layer {layer}); the layout's block must equal SolConfig.block={block}."
+            )
+        q_mean, k_mean, v_sum, tile_len = tile_stats(q, k, v, block, backend=_CENTROID_BACKEND[cfg.backend])
+        z = routing_zscores(q_mean[:, :, :Mv], k_mean[:, :, :Mv], 1.0 / math.sqrt(D), cfg.band)
+        key = (layer, H, S, D, Mv, G)
+        tau = self.tau(z, layout, layer, key)
+        plan = sol_plan_from_zscores(z, tau, G, block, width=N if self.static_width else None)
+        if cfg.correction:
+            plan = plan.with_correction(k_mean, v_sum, tile_len)
+        return plan

@@ -1,0 +1,222 @@
+"""Sol-Attn routing: Gaussian-calibrated, query-dependent threshold, density calibration, plan packing.
+
+For query tile i and key tile j (video tiles only; text tiles are global and always kept):
+
+    routing statistic   s_ij  = scale * q̄_i · kc_j           q̄_i = mean query, kc_j = mean key
+    Gaussian fit        μ, σ² = mean and (population) variance of the video-tile centroids kc_j,
+                                per (batch, head) and per channel d
+    threshold           thr_i = scale * (q̄_i · μ + τ * sqrt(Σ_d q̄_{i,d}² σ²_d))
+    exact tile          s_ij > thr_i,  or |i - j| <= band,  or j / i is a global tile
+
+Every test is done on the z-score z_ij = (s_ij - a_i) / b_i with a_i = scale * q̄_i·μ and
+b_i = scale * sqrt(Σ_d q̄_{i,d}² σ²_d), i.e. s_ij > thr_i  <=>  z_ij > τ. The numerator is computed
+as scale * q̄_i · (kc_j - μ), which avoids cancelling two large numbers. Band pairs get z = +inf,
+pairs with b_i = 0 get ±inf (kept iff s_ij > a_i, whatever τ), so one comparison `z > τ` gives the
+whole video part of the mask and the density calibration is a bisection over the same tensor.
+
+Everything here is vectorized over batch, heads and tiles: no Python loop over tiles, and no
+host synchronisation except the one `int(count.max())` that sizes the packed plan (pass `width`
+to avoid it) and the calibration, which runs once per (shape, layer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..plan import Plan
+
+
+def gaussian_fit(k_mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Diagonal Gaussian of the key-tile centroids, per (batch, head).
+
+    Args:
+        k_mean: float [B, H, N, D], the centroids to fit (the video tiles).
+
+    Returns:
+        mu, var: fp32 [B, H, D], mean and population variance (divisor N) over the tiles.
+    """
+    c = k_mean.float()
+    mu = c.mean(2)
+    var = (c - mu[:, :, None]).square().mean(2)
+    return mu, var
+
+
+def sol_threshold(
+    q_mean: torch.Tensor, mu: torch.Tensor, var: torch.Tensor, tau: float | torch.Tensor, scale: float
+) -> torch.Tensor:
+    """thr_i = scale * (q̄_i·μ + τ * sqrt(Σ_d q̄_{i,d}² σ²_d)).
+
+    Args:
+        q_mean: float [B, H, M, D] mean query per query tile.
+        mu, var: fp32 [B, H, D] from `gaussian_fit`.
+        tau: standard deviations above the mean proxy score (a float or a 0-dim tensor).
+        scale: softmax scale.
+
+    Returns:
+        fp32 [B, H, M].
+    """
+    qf = q_mean.float()
+    mean = (qf * mu[:, :, None]).sum(-1)
+    std = (qf.square() * var[:, :, None]).sum(-1).sqrt()
+    return scale * (mean + tau * std)
+
+
+def routing_scores(q_mean: torch.Tensor, k_mean: torch.Tensor, scale: float) -> torch.Tensor:
+    """Routing statistic s_ij = scale * q̄_i · kc_j: fp32 [B, H, M, N] from [B, H, M, D] and [B, H, N, D]."""
+    return (q_mean.float() @ k_mean.float().transpose(-1, -2)) * scale
+
+
+def band_mask(num_tiles: int, band: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """bool [num_tiles, num_tiles]: True where |i - j| <= band."""
+    i = torch.arange(num_tiles, device=device)
+    return (i[:, None] - i[None, :]).abs() <= band
+
+
+def routing_zscores(q_mean: torch.Tensor, k_mean: torch.Tensor, scale: float, band: int) -> torch.Tensor:
+    """z_ij = (s_ij - a_i) / b_i over the video tiles, +inf on the diagonal band.
+
+    Args:
+        q_mean: float [B, H, M, D] mean query of the video query tiles.
+        k_mean: float [B, H, N, D] mean key of the video key tiles (the Gaussian is fitted to them).
+        scale: softmax scale (it cancels in z; kept so that a_i, b_i are in logit units).
+        band: key tiles with |i - j| <= band are forced (z = +inf).
+
+    Returns:
+        fp32 [B, H, M, N]; tile (i, j) passes the threshold of τ iff z_ij > τ. Where b_i == 0
+        (zero query mean or zero centroid variance) z is +inf if s_ij > a_i and -inf otherwise.
+    """
+    mu, var = gaussian_fit(k_mean)
+    qf = q_mean.float()
+    centred = k_mean.float() - mu[:, :, None]
+    d = (qf @ centred.transpose(-1, -2)) * scale                          # s_ij - a_i
+    b = (qf.square() * var[:, :, None]).sum(-1, keepdim=True).sqrt() * scale
+    inf = torch.tensor(float("inf"), device=d.device)
+    z = torch.where(b > 0, d / b.clamp_min(torch.finfo(torch.float32).tiny), torch.where(d > 0, inf, -inf))
+    M, N = z.shape[-2:]
+    if band >= 0 and M and N:
+        forced = band_mask(max(M, N), band, z.device)[:M, :N]
+        z = z.masked_fill(forced, float("inf"))
+    return z
+
+
+def forced_pairs(num_video_tiles: int, num_global_tiles: int, band: int) -> int:
+    """Exact (query tile, key tile) pairs per (batch, head) before any threshold: globals and band."""
+    Mv, N = num_video_tiles, num_video_tiles + num_global_tiles
+    band_pairs = Mv + 2 * sum(max(Mv - d, 0) for d in range(1, band + 1))
+    return N * N - Mv * Mv + min(band_pairs, Mv * Mv)
+
+
+@torch.compiler.disable
+def calibrate_tau(
+    z: torch.Tensor, density: float, num_global_tiles: int, band: int, *, iters: int = 48
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """τ whose plan density (globals and band included) is closest to `density`, by bisection.
+
+    The realised density of a plan over N = Mv + G tiles is (forced pairs + #{z > τ, non-forced})
+    / N², averaged over batch and heads; it falls as τ grows. The bisection runs on the device
+    for a fixed number of steps (no host sync), keeps the bracket [lo, hi] with
+    count(lo) >= target > count(hi), and returns whichever end lands closer to the target.
+
+    Args:
+        z: fp32 [B, H, Mv, Mv] from `routing_zscores` (band pairs already +inf).
+        density: target fraction of all tile pairs, in (0, 1].
+        num_global_tiles: G, global tiles after the video tiles.
+        band: the band used to build z (for the count of forced pairs).
+        iters: bisection steps (48 halve any fp32 bracket down to adjacent floats).
+
+    Returns:
+        tau: fp32 0-dim tensor on z's device; realized: fp64 0-dim tensor, the plan density at tau.
+        If the target is below the forced density, tau is the largest finite z (only forced tiles
+        and ties with it are kept).
+    """
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"density={density} must lie in (0, 1].")
+    B, H, Mv, _ = z.shape
+    N = Mv + num_global_tiles
+    forced = B * H * (N * N - Mv * Mv)                                    # global rows/cols
+    total = B * H * N * N
+    target = density * total - forced                                    # video pairs wanted
+    finite = torch.isfinite(z)
+    big = torch.finfo(torch.float32).max
+    hi = torch.where(finite, z, -big).amax() if z.numel() else torch.zeros((), device=z.device)
+    lo = torch.where(finite, z, big).amin() - 1.0 if z.numel() else torch.zeros((), device=z.device)
+    if not bool(finite.any()):                                          # only forced / degenerate pairs
+        lo = hi = torch.zeros((), device=z.device)
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        return (z > t).sum(dtype=torch.float64)
+
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        above = count(mid) >= target
+        lo = torch.where(above, mid, lo)
+        hi = torch.where(above, hi, mid)
+    c_lo, c_hi = count(lo), count(hi)
+    take_lo = (c_lo - target).abs() < (c_hi - target).abs()
+    tau = torch.where(take_lo, lo, hi).float()
+    realized = (torch.where(take_lo, c_lo, c_hi) + forced) / total
+    return tau, realized
+
+
+def pack_mask(mask: torch.Tensor, block_m: int, block_n: int, *, width: int | None = None) -> Plan:
+    """Pack a tile mask into a `Plan` without sorting (prefix sums + one scatter).
+
+    Args:
+        mask: bool [B, H, M, N], True = compute the tile exactly.
+        block_m, block_n: tokens per query / key tile.
+        width: Kmax of the packed rows. None uses the largest row count (one host sync); pass N
+            (or any bound >= the largest count) to keep the call free of syncs.
+
+    Returns:
+        `Plan` with kv_index int32 [B, H, M, width] (ascending, packed left, zeros after kv_count)
+        and kv_count int32 [B, H, M].
+    """
+    if mask.dtype != torch.bool or mask.dim() != 4:
+        raise ValueError(f"mask must be bool [B, H, M, N]; got {mask.dtype} {tuple(mask.shape)}.")
+    B, H, M, N = mask.shape
+    count = mask.sum(-1, dtype=torch.int32)
+    if width is None:
+        width = max(int(count.max()), 1) if count.numel() else 1
+    elif width < 1 or width > N:
+        raise ValueError(f"width={width} must lie in [1, N={N}] (N = number of key tiles).")
+    pos = mask.cumsum(-1, dtype=torch.int32) - 1
+    pos = torch.where(mask, pos, width).long()                           # unused tiles go to a spill slot
+    cols = torch.arange(N, dtype=torch.int32, device=mask.device).expand(B, H, M, N)
+    index = torch.zeros(B, H, M, width + 1, dtype=torch.int32, device=mask.device)
+    index.scatter_(-1, pos, cols)
+    index = index[..., :width]
+    index.masked_fill_(torch.arange(width, device=mask.device) >= count[..., None], 0)
+    return Plan(index.contiguous(), count, block_m, block_n)
+
+
+def sol_mask(z: torch.Tensor, tau: float | torch.Tensor, num_global_tiles: int) -> torch.Tensor:
+    """bool [B, H, N, N] over all tiles: the video part is z > τ, global rows and columns are True.
+
+    Args:
+        z: fp32 [B, H, Mv, Mv] from `routing_zscores`.
+        tau: the threshold in standard deviations (float or 0-dim tensor).
+        num_global_tiles: G; N = Mv + G.
+    """
+    video = z > tau
+    G = num_global_tiles
+    if G == 0:
+        return video
+    return torch.nn.functional.pad(video, (0, G, 0, G), value=True)
+
+
+def sol_plan_from_zscores(
+    z: torch.Tensor, tau: float | torch.Tensor, num_global_tiles: int, block: int, *, width: int | None = None
+) -> Plan:
+    """The Sol plan (without correction tensors) for z-scores and a threshold τ.
+
+    Args:
+        z: fp32 [B, H, Mv, Mv] from `routing_zscores`.
+        tau: threshold in standard deviations.
+        num_global_tiles: G global tiles after the video tiles (kept by every row; their rows dense).
+        block: tokens per tile (block_m == block_n).
+        width: as in `pack_mask`.
+
+    Returns:
+        `Plan` over Mv + G query and key tiles.
+    """
+    return pack_mask(sol_mask(z, tau, num_global_tiles), block, block, width=width)
