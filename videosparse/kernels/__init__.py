@@ -16,6 +16,11 @@ from .reference import reference_attention
 
 __all__ = ["block_sparse_attention", "reference_attention", "register_backend", "select_backend"]
 
+# Triton backends, imported on first use (the package imports without triton). Auto order:
+# hopper -> triton_generic -> reference; backend="triton" tries hopper, then triton_generic.
+register_backend("hopper", "videosparse.kernels.triton_hopper:BACKEND", before="reference", triton=True)
+register_backend("triton_generic", "videosparse.kernels.triton_generic:BACKEND", before="reference", triton=True)
+
 
 def block_sparse_attention(
     q: torch.Tensor,

@@ -1,9 +1,10 @@
 """Backend selection for `block_sparse_attention` (xformers-style: each backend gives reasons).
 
 Every backend declares what it supports through `not_supported_reasons(q, k, v, plan) -> list[str]`.
-`backend="auto"` takes the first backend in `AUTO_ORDER` with no reasons; `"triton"` takes the first
-Triton backend with none; `"reference"` forces the torch reference. When nothing fits, the error lists
-every backend's reasons. Triton modules are imported lazily, so the package imports without Triton.
+`backend="auto"` takes the first backend in `AUTO_ORDER` with no reasons (on CPU tensors it skips the
+Triton backends: the interpreter is for tests); `"triton"` takes the first Triton backend with none;
+`"reference"` forces the torch reference. When nothing fits, the error lists every backend's reasons.
+Triton modules are imported lazily, so the package imports without Triton.
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ def select_backend(q, k, v, plan: Plan, backend: str = "auto") -> Backend:
         raise ValueError(f"backend={backend!r} is not known; choose 'auto', 'triton' or one of {sorted(_REGISTRY)}.")
     reasons: dict[str, list[str]] = {}
     for name in candidates:
+        if backend == "auto" and name in TRITON_BACKENDS and q.device.type == "cpu":
+            # the Triton interpreter is a test vehicle, never an automatic choice
+            reasons[name] = ["auto never runs the Triton interpreter on CPU (use backend='triton')"]
+            continue
         impl = get_backend(name)
         if impl is None:
             reasons[name] = ["its module could not be imported (is triton installed? pip install triton)"]

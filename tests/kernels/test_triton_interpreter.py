@@ -1,0 +1,181 @@
+"""Triton kernels vs the torch reference under the Triton interpreter (CPU).
+
+`TRITON_INTERPRET=1` must be set before the kernel modules are imported, and it would turn every
+other @triton.jit of the process into an interpreted function (breaking the AOT test). So the cases
+run in one child process (this file run as a script, with the variable set), which prints one JSON
+line per case; each parametrized test below checks its own line. The parent process never imports
+triton in interpreter mode.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+# name: B, H, S, Sk, D, block_m, block_n, density, dtype, correction, kernel, extra
+CASES = {
+    "generic-fp32-d64-b64-odd": (2, 3, 300, 300, 64, 64, 64, 0.3, "float32", False, "generic", ""),
+    "generic-fp32-d128-b128-corr": (1, 2, 257, 257, 128, 128, 128, 0.5, "float32", True, "generic", ""),
+    "generic-fp16-d64-m64n128-corr": (2, 2, 191, 191, 64, 64, 128, 0.4, "float16", True, "generic", ""),
+    "generic-bf16-d128-m128n64": (1, 2, 333, 333, 128, 128, 64, 0.4, "bfloat16", False, "generic", ""),
+    "generic-fp32-cross-len-corr": (1, 2, 200, 333, 64, 64, 64, 0.3, "float32", True, "generic", ""),
+    "generic-fp32-empty-rows": (2, 2, 300, 300, 64, 64, 64, 0.3, "float32", False, "generic", "empty"),
+    "generic-fp32-empty-rows-corr": (2, 2, 300, 300, 64, 64, 64, 0.3, "float32", True, "generic", "empty"),
+    "generic-fp32-dense-corr": (1, 2, 256, 256, 64, 128, 128, 1.0, "float32", True, "generic", "dense"),
+    "generic-fp16-strided": (2, 2, 200, 200, 64, 64, 64, 0.5, "float16", False, "generic", "strided"),
+    "hopper-fp32-d64-b64-corr": (2, 2, 300, 300, 64, 64, 64, 0.3, "float32", True, "hopper", ""),
+    "hopper-fp16-d128-b128": (1, 3, 257, 257, 128, 128, 128, 0.5, "float16", False, "hopper", ""),
+    "hopper-bf16-d64-m128n64-corr": (2, 1, 256, 256, 64, 128, 64, 0.4, "bfloat16", True, "hopper", ""),
+    "hopper-fp32-empty-rows-corr": (2, 2, 200, 333, 64, 64, 64, 0.3, "float32", True, "hopper", "empty"),
+    "hopper-fp32-dense-d128": (1, 2, 384, 384, 128, 128, 128, 1.0, "float32", False, "hopper", "dense"),
+}
+
+
+# ---------------------------------------------------------------- child side (TRITON_INTERPRET=1)
+def _run_case(name: str) -> dict:
+    from helpers import random_plan, rel_err
+
+    from videosparse.kernels import block_sparse_attention, reference_attention
+    from videosparse.kernels.dispatch import get_backend
+    from videosparse.plan import Plan, dense_plan
+    from videosparse.sol.centroids import tile_centroids_torch
+
+    B, H, S, Sk, D, bm, bn, density, dtype, corr, kernel, extra = CASES[name]
+    dtype = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    if extra == "strided":   # (B, S, H, D) storage seen as (B, H, S, D): non-contiguous
+        q, k, v = (torch.randn(B, n, H, D, generator=g).to(dtype).transpose(1, 2) for n in (S, Sk, Sk))
+    else:
+        q, k, v = (torch.randn(B, H, n, D, generator=g).to(dtype) for n in (S, Sk, Sk))
+    if extra == "dense":
+        plan = dense_plan(B, H, S, bm, bn)
+    else:
+        plan = random_plan(B, H, S, bm, bn, density, seed=S + D, sk=Sk)
+    if extra == "empty":     # some query tiles attend to no tile at all
+        count = plan.kv_count.clone()
+        count[:, :, ::2] = 0
+        plan = Plan(plan.kv_index, count, bm, bn)
+    if corr:
+        plan = plan.with_correction(*tile_centroids_torch(k, v, bn))
+    scale = 1.0 / math.sqrt(D)
+    if kernel == "generic":
+        out, lse = block_sparse_attention(q, k, v, plan, scale=scale, return_lse=True, backend="triton")
+        used = "triton_generic"
+    else:   # the Hopper kernel's code path (TMA descriptors, persistent loop, centroid pass + merge)
+        plan.validate(q, k, v)
+        out, lse = get_backend("hopper")(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale, True)
+        used = "hopper"
+    ref, ref_lse = reference_attention(q.double(), k.double(), v.double(), plan, scale, return_lse=True)
+    same_prec = reference_attention(q, k, v, plan, scale)         # fp32 math, output rounded to dtype
+    lse_err = (lse - ref_lse).abs()
+    finite = torch.isfinite(ref_lse)
+    return {
+        "backend": used,
+        "rel_err": rel_err(out, ref),
+        "ref_rel_err": rel_err(same_prec, ref),
+        "lse_err": float(lse_err[finite].max()) if finite.any() else 0.0,
+        "lse_inf_match": bool(torch.equal(torch.isinf(lse), ~finite)),
+        "empty_rows_zero": bool((out.float()[~finite.unsqueeze(-1).expand_as(out)] == 0).all()),
+        "shape_ok": tuple(out.shape) == (B, H, S, D) and out.dtype == dtype,
+    }
+
+
+def _child_main(names: list[str]) -> None:
+    sys.path.insert(0, str(HERE.parent))
+    for name in names:
+        try:
+            res = _run_case(name)
+        except Exception:  # reported to the parent, which fails that case with the traceback
+            res = {"error": traceback.format_exc()}
+        print("CASE " + json.dumps({"name": name, **res}), flush=True)
+
+
+# ---------------------------------------------------------------- parent side (pytest)
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE.parent), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *CASES], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("CASE "):
+            res = json.loads(line[5:])
+            results[res.pop("name")] = res
+    if not results:
+        pytest.fail(f"interpreter child produced no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    return results
+
+
+def _tolerance(dtype: str, ref_rel_err: float) -> float:
+    if dtype == "float32":
+        return 1e-5
+    # ~2x the error of the same-precision torch computation; bf16 under the interpreter gets 3x
+    # because the interpreter converts to bf16 by truncation (twice the rounding error)
+    return (3.0 if dtype == "bfloat16" else 2.0) * ref_rel_err + 1e-4
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_kernel_matches_reference(interpreter_results, name):
+    res = interpreter_results.get(name)
+    assert res is not None, f"case {name} did not report"
+    assert "error" not in res, res.get("error")
+    dtype, kernel = CASES[name][8], CASES[name][10]
+    assert res["backend"] == ("triton_generic" if kernel == "generic" else "hopper")
+    assert res["shape_ok"]
+    assert res["rel_err"] <= _tolerance(dtype, res["ref_rel_err"]), res
+    assert res["lse_err"] <= (1e-4 if dtype == "float32" else 2e-2), res
+    assert res["lse_inf_match"] and res["empty_rows_zero"], res
+
+
+def test_triton_on_cpu_without_interpreter_gives_reasons():
+    pytest.importorskip("triton")
+    from videosparse.kernels import block_sparse_attention
+    from videosparse.kernels.triton_generic import INTERPRETED
+    from videosparse.plan import dense_plan
+
+    if INTERPRETED:
+        pytest.skip("this pytest process itself runs with TRITON_INTERPRET=1")
+    q = torch.randn(1, 2, 100, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        block_sparse_attention(q, q, q, dense_plan(1, 2, 100), backend="triton")
+    # auto on CPU never picks a Triton backend
+    out = block_sparse_attention(q.float(), q.float(), q.float(), dense_plan(1, 2, 100))
+    assert out.shape == q.shape
+
+
+def test_bad_plans_are_rejected_before_any_kernel():
+    from videosparse.kernels import block_sparse_attention
+    from videosparse.plan import Plan, dense_plan
+
+    q = torch.randn(1, 2, 300, 64, dtype=torch.float16)
+    good = dense_plan(1, 2, 300)
+    bad_index = good.kv_index.clone()
+    bad_index[0, 0, 0, 0] = 7                                  # out of range (3 key tiles)
+    unsorted = good.kv_index.flip(-1).contiguous()
+    cases = [
+        Plan(bad_index, good.kv_count, 128, 128),
+        Plan(unsorted, good.kv_count, 128, 128),
+        Plan(good.kv_index, good.kv_count + 1, 128, 128),       # count > Kmax
+        Plan(good.kv_index[:, :1], good.kv_count[:, :1], 128, 128),
+        Plan(good.kv_index.long(), good.kv_count, 128, 128),
+    ]
+    for plan in cases:
+        with pytest.raises(ValueError):
+            block_sparse_attention(q, q, q, plan, backend="triton")
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1:])

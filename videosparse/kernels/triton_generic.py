@@ -1,0 +1,204 @@
+"""Generic Triton tile-skipping attention forward (Ampere/Ada, and the CPU interpreter).
+
+Same semantics as the torch reference (see `reference.py`); no TMA, no warp specialization, plain
+pointer loads, so it runs on any NVIDIA GPU of compute capability >= 8.0 and under
+`TRITON_INTERPRET=1` on CPU tensors (that is what CI exercises). One program per work item
+(batch, head, query tile), launched longest-first (sorted by kv_count) so that long rows do not
+trail at the end of the grid.
+
+Per item, in one online softmax (exp2 domain):
+1. zero-order correction (when the plan carries centroids): all Nk centroids in chunks of BLOCK_N,
+   bias log2(len_j), -inf where tile j is exact;
+2. the listed full key tiles, unmasked;
+3. the partial last key tile, masked (it can only be the last entry: kv_index is sorted);
+4. epilogue: out = acc / l, lse = m + log l (natural); rows without keys give 0 and -inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..plan import Plan
+from ._triton_utils import (LOG2E, NEG_BIG, correction_inputs, finish_rows, flat_plan, interpreter_active,
+                            softmax_step, work_order)
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_BLOCKS = (16, 32, 64, 128)
+
+
+@triton.jit
+def _generic_fwd(
+    Q, K, V, O, LSE,
+    KV_INDEX, KV_COUNT, ORDER,
+    K_MEAN, V_MEAN, BIAS,
+    qk_scale,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    H, S, SK, MQ, NK, KMAX, NCP,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CORRECTION: tl.constexpr,
+    PARTIAL_K: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    item = tl.load(ORDER + tl.program_id(0))
+    bh = item // MQ
+    mt = item % MQ
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < S
+
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = K + b * stride_kb + h * stride_kh + offs_d[:, None] * stride_kd      # K^T tile [D, N]
+    v_base = V + b * stride_vb + h * stride_vh + offs_d[None, :] * stride_vd      # V tile [N, D]
+    m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # 1. zero-order correction over all centroids, exact tiles masked by the bias
+    if CORRECTION:
+        c_row = bh.to(tl.int64) * NK
+        bias_row = BIAS + item.to(tl.int64) * NCP
+        for c0 in range(0, NCP, BLOCK_N):
+            cols = c0 + offs_n
+            c_ok = cols < NK
+            kc = tl.load(K_MEAN + (c_row + cols)[None, :] * HEAD_DIM + offs_d[:, None], mask=c_ok[None, :], other=0.0)
+            vc = tl.load(V_MEAN + (c_row + cols)[:, None] * HEAD_DIM + offs_d[None, :], mask=c_ok[:, None], other=0.0)
+            if UPCAST:
+                kc = kc.to(tl.float32)
+                vc = vc.to(tl.float32)
+            bias = tl.load(bias_row + cols)
+            acc, l_i, m_i = softmax_step(acc, l_i, m_i, tl.dot(q, kc), vc, qk_scale, bias, True)
+
+    # 2. listed full tiles
+    row = KV_INDEX + item.to(tl.int64) * KMAX
+    count = tl.load(KV_COUNT + item)
+    n_full = count
+    if PARTIAL_K:
+        last = tl.load(row + tl.maximum(count - 1, 0))
+        n_full = count - ((count > 0) & (last == NK - 1)).to(tl.int32)
+    for j in range(0, n_full):
+        keys = tl.load(row + j) * BLOCK_N + offs_n
+        kt = tl.load(k_base + keys[None, :].to(tl.int64) * stride_ks)
+        vt = tl.load(v_base + keys[:, None].to(tl.int64) * stride_vs)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, tl.dot(q, kt), vt, qk_scale, qk_scale, False)
+
+    # 3. the partial last key tile
+    if PARTIAL_K:
+        if n_full < count:
+            keys = (NK - 1) * BLOCK_N + offs_n
+            k_ok = keys < SK
+            kt = tl.load(k_base + keys[None, :].to(tl.int64) * stride_ks, mask=k_ok[None, :], other=0.0)
+            vt = tl.load(v_base + keys[:, None].to(tl.int64) * stride_vs, mask=k_ok[:, None], other=0.0)
+            if UPCAST:
+                kt = kt.to(tl.float32)
+                vt = vt.to(tl.float32)
+            bias = tl.where(k_ok, 0.0, float("-inf"))
+            acc, l_i, m_i = softmax_step(acc, l_i, m_i, tl.dot(q, kt), vt, qk_scale, bias, True)
+
+    # 4. epilogue
+    out, lse = finish_rows(acc, l_i, m_i)
+    o_off = (bh.to(tl.int64) * S + offs_m) * HEAD_DIM
+    tl.store(O + o_off[:, None] + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    if STORE_LSE:
+        tl.store(LSE + bh.to(tl.int64) * S + offs_m, lse, mask=row_ok)
+
+
+# the module's kernels run in the interpreter iff TRITON_INTERPRET=1 was set when it was imported
+INTERPRETED = not isinstance(_generic_fwd, triton.runtime.JITFunction)
+
+
+def generic_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False, *, num_warps: int | None = None,
+                      num_stages: int | None = None):
+    """Run the generic kernel (inputs assumed checked: see `GenericBackend.not_supported_reasons`).
+
+    Args:
+        q: [B, H, S, D]; k, v: [B, H, Sk, D] (any strides); fp16/bf16 (fp32 under the interpreter).
+        plan: the Plan; k_mean/v_sum/tile_len enable the zero-order correction.
+        scale: softmax scale. return_lse: also return fp32 [B, H, S] natural-log LSE.
+
+    Returns:
+        out [B, H, S, D] contiguous in q's dtype (and lse).
+    """
+    B, H, S, D = q.shape
+    Sk = k.shape[2]
+    bm, bn = plan.block_m, plan.block_n
+    Mq, Nk = math.ceil(S / bm), math.ceil(Sk / bn)
+    kv_index, kv_count = flat_plan(plan)
+    order = work_order(kv_count)
+    out = torch.empty(B, H, S, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if return_lse else out
+    if plan.has_correction:
+        k_mean, v_mean, bias = correction_inputs(plan, Nk, bn, q.dtype)
+        ncp = bias.shape[1]
+    else:
+        k_mean = v_mean = bias = out
+        ncp = 0
+    if num_warps is None:
+        num_warps = 8 if bm * bn >= 128 * 128 else 4
+    if num_stages is None:
+        num_stages = 2 if D == 128 else 3
+    _generic_fwd[(order.numel(),)](
+        q, k, v, out, lse,
+        kv_index, kv_count, order,
+        k_mean, v_mean, bias,
+        scale * LOG2E,
+        *q.stride(), *k.stride(), *v.stride(),
+        H, S, Sk, Mq, Nk, kv_index.shape[1], ncp,
+        HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn,
+        CORRECTION=plan.has_correction, PARTIAL_K=(Sk % bn) != 0, STORE_LSE=return_lse,
+        UPCAST=INTERPRETED and q.dtype != torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return (out, lse) if return_lse else out
+
+
+class GenericBackend:
+    """Backend object for the dispatch registry ("triton_generic")."""
+
+    name = "triton_generic"
+
+    def not_supported_reasons(self, q, k, v, plan: Plan) -> list[str]:
+        why = []
+        if q.device.type == "cuda":
+            if INTERPRETED:
+                why.append("TRITON_INTERPRET=1 is set: the interpreter runs on CPU tensors only")
+            elif torch.cuda.get_device_capability(q.device) < (8, 0):
+                why.append(f"needs compute capability >= 8.0 (got {torch.cuda.get_device_capability(q.device)})")
+        elif q.device.type == "cpu":
+            if not INTERPRETED:
+                why.append("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 set before import)")
+        else:
+            why.append(f"device {q.device} is not supported")
+        allowed = (torch.float16, torch.bfloat16) + ((torch.float32,) if INTERPRETED else ())
+        if q.dtype not in allowed:
+            why.append(f"dtype {q.dtype} not in {allowed}")
+        if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+            why.append(f"head dim {q.shape[-1]} not in {SUPPORTED_HEAD_DIMS}")
+        if plan.block_m not in SUPPORTED_BLOCKS or plan.block_n not in SUPPORTED_BLOCKS:
+            why.append(f"tiles {plan.block_m}x{plan.block_n} not in {SUPPORTED_BLOCKS}")
+        return why
+
+    def __call__(self, q, k, v, plan: Plan, scale: float, return_lse: bool):
+        return generic_attention(q, k, v, plan, scale, return_lse)
+
+
+BACKEND = GenericBackend()
+
+__all__ = ["BACKEND", "GenericBackend", "generic_attention", "interpreter_active"]

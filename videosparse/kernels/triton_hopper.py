@@ -1,0 +1,263 @@
+"""Hopper (sm_90) tile-skipping attention forward: TMA descriptors + warp specialization, persistent grid.
+
+Layout of this file (as Triton's fused-attention tutorial): hardware checks, the kernel, the host
+wrapper, the backend object that the dispatch registry imports.
+
+The kernel runs a persistent grid (one program per SM). Work items are (batch, head, query tile),
+taken longest-first (sorted by kv_count on the host) and dealt round-robin to the programs. Per item
+one warp-specialized loop (TMA loads of K and V at the listed tile, wgmma, online softmax in the
+exp2 domain), then the epilogue (out = acc / l, lse = m + log l, masked stores: rows past S dropped).
+
+* Partial last key tile: kv_index is sorted, so it can only be the last entry; when S is not a
+  multiple of BLOCK_N the loop adds a column bias (0 / -inf) to every tile (a tail step after the
+  loop would turn warp specialization off, see below).
+* Zero-order correction: a first launch of the same kernel with CENTROIDS=True runs the loop over
+  all Nk key-tile centroids (k_mean, v_mean = v_sum/len) in chunks of BLOCK_N, with bias log(len)
+  and -inf for the tiles the plan keeps exactly; it stores its partial (out, lse). The exact launch
+  (MERGE=True) folds that partial into its state in the epilogue. Cost: Nk/BLOCK_N extra loop
+  iterations per query tile (1/(BLOCK_N*density) of the exact work) plus one read of out/lse.
+
+Triton 3.6 on sm_90 keeps warp specialization only when every dot of the kernel sits in that one
+loop: a second loop with dots (before or after) crashes the NVGPUWarpSpecialization pass, a dot
+after the loop silently disables it, and so does a data-dependent `if` inside it. Hence one loop per
+kernel and the correction as its own launch.
+
+Descriptors are created on the device (`tl.make_tensor_descriptor`, workspace from
+`triton.set_allocator`): host-side TensorDescriptors together with warp specialization crash the
+sm_90 compiler in Triton 3.6. num_warps must stay 4 (8 silently disables warp specialization).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..plan import Plan
+from ._triton_utils import (LOG2E, NEG_BIG, correction_inputs, finish_rows, flat_plan, merge_partial, softmax_step,
+                            work_order)
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_BLOCKS = (64, 128)
+
+
+def _hopper_available(device: torch.device) -> bool:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+@triton.jit
+def _hopper_fwd(
+    Q, K, V, O, LSE,
+    KV_INDEX, KV_COUNT, ORDER, BIAS,
+    qk_scale,
+    S, SK, N_BH, MQ, KMAX, NCP, N_ITEMS,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CENTROIDS: tl.constexpr,
+    MASK_LAST: tl.constexpr,
+    MERGE: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    FLATTEN: tl.constexpr,
+):
+    """One pass of block-sparse attention over a persistent grid.
+
+    CENTROIDS=False: K, V are [N_BH*SK, D]; per item the listed key tiles (MASK_LAST masks keys past SK).
+    CENTROIDS=True:  K, V are k_mean, v_mean [N_BH*NK, D]; per item all NCP/BLOCK_N centroid chunks, with
+                     the log2-domain column bias BIAS [N_ITEMS, NCP] (log2 len, -inf for exact tiles and pad).
+    MERGE: O, LSE already hold a partial result (normalised out, natural-log lse) of this item from an
+    earlier pass; it is combined with this pass in the epilogue (same online-softmax algebra).
+    """
+    tl.static_assert(HEAD_DIM % 16 == 0)
+    tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0)
+    dtype = Q.dtype.element_ty
+    desc_q = tl.make_tensor_descriptor(Q, shape=[N_BH * S, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                       block_shape=[BLOCK_M, HEAD_DIM])
+    desc_k = tl.make_tensor_descriptor(K, shape=[N_BH * SK, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                       block_shape=[BLOCK_N, HEAD_DIM])
+    desc_v = tl.make_tensor_descriptor(V, shape=[N_BH * SK, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                       block_shape=[BLOCK_N, HEAD_DIM])
+    if CENTROIDS:
+        desc_b = tl.make_tensor_descriptor(BIAS, shape=[N_ITEMS, NCP], strides=[NCP, 1], block_shape=[1, BLOCK_N])
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    for it in tl.range(tl.program_id(0), N_ITEMS, tl.num_programs(0), flatten=FLATTEN):
+        item = tl.load(ORDER + it)
+        bh = item // MQ
+        mt = item % MQ
+        q = desc_q.load([bh * S + mt * BLOCK_M, 0])
+        if UPCAST:
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        if CENTROIDS:
+            n_iter = NCP // BLOCK_N
+        else:
+            n_iter = tl.load(KV_COUNT + item)
+        row = KV_INDEX + item.to(tl.int64) * KMAX
+
+        # the only loop with dots: it must stay free of run-time `if`s (warp specialization)
+        for j in tl.range(0, n_iter, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
+            if CENTROIDS:
+                start = j * BLOCK_N
+            else:
+                start = tl.load(row + j) * BLOCK_N
+            k = desc_k.load([bh * SK + start, 0])
+            v = desc_v.load([bh * SK + start, 0])
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k))
+            if CENTROIDS:
+                bias = desc_b.load([item, start]).reshape([BLOCK_N])
+                acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale, bias, True)
+            elif MASK_LAST:
+                bias = tl.where(start + offs_n < SK, 0.0, float("-inf"))
+                acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale, bias, True)
+            else:
+                acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale, qk_scale, False)
+
+        rows = mt * BLOCK_M + offs_m
+        row_ok = rows < S
+        o_ptr = O + (bh.to(tl.int64) * S + rows)[:, None] * HEAD_DIM + offs_d[None, :]
+        lse_ptr = LSE + bh.to(tl.int64) * S + rows
+        if MERGE:
+            acc, l_i, m_i = merge_partial(acc, l_i, m_i, o_ptr, lse_ptr, row_ok)
+        out, lse = finish_rows(acc, l_i, m_i)
+        tl.store(o_ptr, out.to(dtype), mask=row_ok[:, None])
+        if STORE_LSE:
+            tl.store(lse_ptr, lse, mask=row_ok)
+
+
+# the module's kernels run in the interpreter iff TRITON_INTERPRET=1 was set when it was imported
+INTERPRETED = not isinstance(_hopper_fwd, triton.runtime.JITFunction)
+
+
+def _alloc(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _num_programs(device: torch.device, n_items: int) -> int:
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:  # interpreter: a few programs are enough to exercise the persistent loop
+        sms = 3
+    return max(1, min(n_items, sms))
+
+
+def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False, *,
+                     num_stages: int | None = None, warp_specialize: bool = True, flatten: bool = False,
+                     num_programs: int | None = None):
+    """Run the Hopper kernel (inputs are assumed checked: see `HopperBackend.not_supported_reasons`).
+
+    Without correction: one pass over the listed tiles. With correction (plan carries k_mean, v_sum,
+    tile_len): a centroid pass writes the partial result of the skipped tiles into out/lse, then the
+    exact pass folds it into its online softmax in the epilogue. (Triton 3.6 on sm_90 keeps warp
+    specialization only for a kernel whose dots all sit in one loop, so the two loops cannot share a
+    kernel.)
+
+    Args:
+        q: [B, H, S, D]; k, v: [B, H, Sk, D]; contiguous fp16/bf16 (fp32 under the interpreter).
+        plan: the Plan; k_mean/v_sum/tile_len enable the zero-order correction.
+        scale: softmax scale. return_lse: also return fp32 [B, H, S] natural-log LSE.
+        num_stages, warp_specialize, flatten, num_programs: tuning knobs for benchmarks.
+
+    Returns:
+        out [B, H, S, D] in q's dtype (and lse).
+    """
+    B, H, S, D = q.shape
+    Sk = k.shape[2]
+    bm, bn = plan.block_m, plan.block_n
+    Mq, Nk = math.ceil(S / bm), math.ceil(Sk / bn)
+    kv_index, kv_count = flat_plan(plan)
+    order = work_order(kv_count)
+    n_items = order.numel()
+    out = torch.empty_like(q)
+    corr = plan.has_correction
+    lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if (return_lse or corr) else out
+    if num_stages is None:
+        num_stages = 2 if D == 128 else 3
+    if not INTERPRETED:
+        triton.set_allocator(_alloc)
+    grid = (num_programs or _num_programs(q.device, n_items),)
+    common = dict(HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, UPCAST=INTERPRETED and q.dtype != torch.float32,
+                  NUM_STAGES=num_stages, WARP_SPECIALIZE=warp_specialize, FLATTEN=flatten,
+                  num_warps=4, num_stages=num_stages)
+    if corr:
+        k_mean, v_mean, bias = correction_inputs(plan, Nk, bn, q.dtype)
+        _hopper_fwd[grid](
+            q, k_mean, v_mean, out, lse,
+            kv_index, kv_count, order, bias,
+            scale * LOG2E,
+            S, Nk, B * H, Mq, kv_index.shape[1], bias.shape[1], n_items,
+            CENTROIDS=True, MASK_LAST=False, MERGE=False, STORE_LSE=True, **common)
+    _hopper_fwd[grid](
+        q, k, v, out, lse,
+        kv_index, kv_count, order, lse,
+        scale * LOG2E,
+        S, Sk, B * H, Mq, kv_index.shape[1], 0, n_items,
+        CENTROIDS=False, MASK_LAST=(Sk % bn) != 0, MERGE=corr, STORE_LSE=return_lse, **common)
+    return (out, lse) if return_lse else out
+
+
+def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", block_m: int = 128, block_n: int = 128,
+                     centroids: bool = False, mask_last: bool = True, merge: bool = False, store_lse: bool = True,
+                     num_stages: int | None = None, warp_specialize: bool = True, flatten: bool = False):
+    """Compile the kernel ahead of time for sm_90 (works on a CPU-only machine); returns the CompiledKernel.
+
+    Inspect `.asm["ttgir"]` (warp specialization: `ttg.warp_specialize`), `.asm["ptx"]` (`wgmma`,
+    `cp.async.bulk.tensor`) and `.metadata.shared` (bytes of shared memory).
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if num_stages is None:
+        num_stages = 2 if head_dim == 128 else 3
+    ptr = "*" + dtype
+    types = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", KV_INDEX="*i32", KV_COUNT="*i32", ORDER="*i32",
+                 BIAS="*fp32", qk_scale="fp32")
+    for name in ("S", "SK", "N_BH", "MQ", "KMAX", "NCP", "N_ITEMS"):
+        types[name] = "i32"
+    constants = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CENTROIDS=centroids,
+                     MASK_LAST=mask_last, MERGE=merge, STORE_LSE=store_lse, UPCAST=False, NUM_STAGES=num_stages,
+                     WARP_SPECIALIZE=warp_specialize, FLATTEN=flatten)
+    signature = {name: types.get(name, "constexpr") for name in _hopper_fwd.arg_names}
+    src = ASTSource(_hopper_fwd, signature, constants)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=num_stages))
+
+
+class HopperBackend:
+    """Backend object for the dispatch registry ("hopper")."""
+
+    name = "hopper"
+
+    def not_supported_reasons(self, q, k, v, plan: Plan) -> list[str]:
+        why = []
+        if not _hopper_available(q.device):
+            why.append(f"needs a CUDA GPU of compute capability 9.x (q is on {q.device})")
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            why.append(f"dtype {q.dtype} is not fp16/bf16")
+        if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+            why.append(f"head dim {q.shape[-1]} not in {SUPPORTED_HEAD_DIMS}")
+        if plan.block_m not in SUPPORTED_BLOCKS or plan.block_n not in SUPPORTED_BLOCKS:
+            why.append(f"tiles {plan.block_m}x{plan.block_n} not in {SUPPORTED_BLOCKS}")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not t.is_contiguous():
+                why.append(f"{name} is not contiguous")
+        return why
+
+    def __call__(self, q, k, v, plan: Plan, scale: float, return_lse: bool):
+        return hopper_attention(q, k, v, plan, scale, return_lse)
+
+
+BACKEND = HopperBackend()
