@@ -1,0 +1,58 @@
+#!/usr/bin/env python
+"""Train the reference text-to-video model (see videosparse/models/reference.py) and export it.
+
+    # a run on a GPU, stopping cleanly after 6 minutes, weights written into the package
+    accelerate launch scripts/train_reference_model.py --output-dir outputs/ref --max-minutes 6 \
+        --export-dir videosparse/models/reference_weights
+    # resume: run the same command again (the latest checkpoint in --output-dir is picked up)
+
+Every field of `videosparse.models.reference_train.TrainConfig` is an option (--batch-size, --max-steps,
+--checkpoint-every, ...); `--config run.json` reads them from a file first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import typing
+
+from videosparse.models.reference_train import TrainConfig, train
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="JSON file of TrainConfig fields (command-line options override it)")
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        if f.name in ("alt_sizes", "transformer_overrides", "text_overrides"):
+            p.add_argument(flag, type=json.loads, default=None, help=f"{f.name} as JSON")
+        elif hint in (int, float, str):
+            p.add_argument(flag, type=hint, default=None)
+        else:  # optional number / str
+            conv = float if "float" in str(hint) else str
+            p.add_argument(flag, type=conv, default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = vars(_parser().parse_args(argv))
+    fields: dict = {}
+    config_path = args.pop("config")
+    if config_path:
+        with open(config_path) as f:
+            fields.update(json.load(f))
+    fields.update({k: v for k, v in args.items() if v is not None})
+    cfg = TrainConfig.from_dict(fields)
+    summary = train(cfg)
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""Checks of the reference model: prompt adherence of generated clips, and structure of its attention.
+
+* `analyse_clip` finds the object of a generated clip (saturated pixels: every background is gray,
+  every object colour is saturated), names its colour (nearest palette colour of the median object
+  pixel) and measures how its centroid moves between the first and the last quarter of the frames.
+  `adherence_rate` generates one clip per prompt and counts the prompts whose colour and direction
+  both match.
+* `attention_tile_mass` runs the dense model and, for chosen self-attention layers, measures which
+  fraction of the attention mass the best `top_fraction` of key tiles (per query tile, chosen from the
+  dense attention itself: the oracle) capture, with 128-token 3D tiles of `videosparse.layout.TileLayout`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor, _get_qkv_projections
+
+from ..layout import TileLayout
+from .reference import video_token_grid
+from .reference_data import COLORS, DIRECTIONS, parse_prompt
+
+def _adherence_prompts() -> tuple[str, ...]:
+    shapes = ("circle", "square", "triangle", "ring", "cross")
+    backgrounds = ("dark", "light", "gray", "gradient")
+    pairs = [(c, d) for c in COLORS for d in DIRECTIONS]
+    return tuple(f"a {c} {shapes[i % 5]} moving {d} on a {backgrounds[(i // 5) % 4]} background"
+                 for i, (c, d) in enumerate(pairs))
+
+
+ADHERENCE_PROMPTS: tuple[str, ...] = _adherence_prompts()
+"""32 prompts: every colour with every direction, shapes and backgrounds cycled."""
+
+_PALETTE_NAMES = tuple(COLORS)
+_PALETTE = np.array([COLORS[c] for c in _PALETTE_NAMES], dtype=np.float32)
+
+
+@dataclass
+class ClipAnalysis:
+    """What `analyse_clip` found: colour name (or None), displacement (dx, dy) in units of the shorter side
+    (y down), direction ("left", "right", "up", "down" or None if it moved less than `min_move`), and the
+    fraction of frames in which an object was found."""
+
+    color: str | None
+    dx: float
+    dy: float
+    direction: str | None
+    found_fraction: float
+
+
+def analyse_clip(frames: np.ndarray, *, saturation: float = 0.3, min_pixels: int = 3,
+                 min_move: float = 0.08) -> ClipAnalysis:
+    """Find the coloured object of a clip and how it moves.
+
+    Args:
+        frames: float [T, H, W, 3] in [0, 1] (a pipeline's np output for one clip).
+        saturation: max(rgb) - min(rgb) above which a pixel belongs to the object.
+        min_pixels: object pixels a frame needs for its centroid to count.
+        min_move: smallest centroid travel (units of the shorter side) that counts as a direction.
+    """
+    frames = np.asarray(frames, dtype=np.float32)
+    if frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"frames must be [T, H, W, 3], got shape {frames.shape}.")
+    T, H, W, _ = frames.shape
+    sat = frames.max(-1) - frames.min(-1)
+    mask = sat > saturation                                                   # [T,H,W]
+    counts = mask.reshape(T, -1).sum(1)
+    valid = counts >= min_pixels
+    if not valid.any():
+        return ClipAnalysis(None, 0.0, 0.0, None, 0.0)
+    pixels = frames[mask]
+    median = np.median(pixels, axis=0)
+    color = _PALETTE_NAMES[int(np.argmin(((_PALETTE - median) ** 2).sum(1)))]
+    ys, xs = np.mgrid[0:H, 0:W].astype(np.float32)
+    m = float(min(H, W))
+    cx = np.array([(xs * mk).sum() / max(mk.sum(), 1) for mk in mask]) / m
+    cy = np.array([(ys * mk).sum() / max(mk.sum(), 1) for mk in mask]) / m
+    idx = np.flatnonzero(valid)
+    q = max(1, T // 4)
+    first = idx[idx < q] if (idx < q).any() else idx[:1]
+    last = idx[idx >= T - q] if (idx >= T - q).any() else idx[-1:]
+    dx = float(cx[last].mean() - cx[first].mean())
+    dy = float(cy[last].mean() - cy[first].mean())
+    direction = None
+    if max(abs(dx), abs(dy)) >= min_move:
+        direction = ("right" if dx > 0 else "left") if abs(dx) >= abs(dy) else ("down" if dy > 0 else "up")
+    return ClipAnalysis(color, dx, dy, direction, float(valid.mean()))
+
+
+def clip_adheres(prompt: str, frames: np.ndarray) -> dict:
+    """Whether a clip shows the prompt's colour moving in the prompt's direction (plus the analysis)."""
+    spec = parse_prompt(prompt)
+    if spec.motion not in DIRECTIONS:
+        raise ValueError(f"prompt {prompt!r} has motion {spec.motion!r}; adherence is measured for "
+                         f"directional motions {DIRECTIONS}.")
+    a = analyse_clip(frames)
+    color_ok = a.color == spec.color
+    direction_ok = a.direction == spec.motion
+    return {"prompt": prompt, "ok": color_ok and direction_ok, "color_ok": color_ok,
+            "direction_ok": direction_ok, **asdict(a)}
+
+
+@torch.no_grad()
+def adherence_rate(pipe, prompts: Sequence[str] = ADHERENCE_PROMPTS, *, num_frames: int = 16, height: int = 64,
+                   width: int = 64, num_inference_steps: int = 10, guidance_scale: float = 4.0, seed: int = 0,
+                   batch_size: int = 8) -> dict:
+    """Generate one clip per prompt (noise seeded per prompt index) and score each with `clip_adheres`.
+
+    Returns:
+        {"rate": fraction of prompts passing, "color_rate", "direction_rate", "per_prompt": [...]}.
+    """
+    results = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = list(prompts[start:start + batch_size])
+        noise = torch.stack([
+            torch.randn(3, num_frames, height, width, generator=torch.Generator().manual_seed(seed + start + i))
+            for i in range(len(chunk))])
+        frames = pipe(chunk, num_frames=num_frames, height=height, width=width,
+                      num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                      latents=noise.to(pipe.transformer.device), output_type="np").frames
+        results += [clip_adheres(p, f) for p, f in zip(chunk, frames)]
+    n = max(1, len(results))
+    return {"rate": sum(r["ok"] for r in results) / n, "color_rate": sum(r["color_ok"] for r in results) / n,
+            "direction_rate": sum(r["direction_ok"] for r in results) / n, "num_prompts": len(results),
+            "per_prompt": results}
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Wan's rotary embedding on interleaved pairs (as in diffusers' WanAttnProcessor)
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos[..., 0::2] - x2 * sin[..., 1::2]
+    out[..., 1::2] = x1 * sin[..., 1::2] + x2 * cos[..., 0::2]
+    return out.type_as(x)
+
+
+def tile_mass_fraction(q: torch.Tensor, k: torch.Tensor, layout: TileLayout, top_fraction: float = 0.1,
+                       chunk: int = 512) -> torch.Tensor:
+    """Per head and query tile, the attention mass held by the top `top_fraction` of key tiles (oracle).
+
+    Args:
+        q, k: [H, S, D] (one batch element, after qk-norm and RoPE, diffusers token order).
+        layout: tile layout of the S video tokens.
+        top_fraction: fraction of key tiles kept (rounded up, at least 1).
+
+    Returns:
+        float32 [H, num_tiles]: the mass each query tile's best key tiles hold (1.0 = all of it).
+    """
+    Hh, S, D = q.shape
+    perm = layout.perm.to(q.device)
+    q, k = q[:, perm].float(), k[:, perm].float()
+    n_tiles = layout.num_tiles
+    block = layout.block
+    keep = max(1, math.ceil(top_fraction * n_tiles))
+    tile_of_key = torch.arange(S, device=q.device) // block
+    mass = torch.zeros(Hh, n_tiles, n_tiles, device=q.device)
+    tile_of_query = torch.arange(S, device=q.device) // block
+    scale = 1.0 / math.sqrt(D)
+    for s0 in range(0, S, chunk):
+        p = torch.softmax((q[:, s0:s0 + chunk] @ k.transpose(-1, -2)) * scale, dim=-1)   # [H, c, S]
+        per_tile = torch.zeros(Hh, p.shape[1], n_tiles, device=q.device).index_add_(2, tile_of_key, p)
+        mass.index_add_(1, tile_of_query[s0:s0 + chunk], per_tile)
+    mass = mass / layout.tile_len.to(q.device, torch.float32)[None, :, None]   # each row sums to 1
+    return mass.topk(keep, dim=-1).values.sum(-1)
+
+
+class _TileMassProcessor(WanAttnProcessor):
+    """Stock Wan attention that, for self-attention calls, also records the oracle top-tile mass."""
+
+    def __init__(self, layer: int, sink: dict, state: dict, top_fraction: float, tile: tuple[int, int, int]):
+        super().__init__()
+        self.layer, self.sink, self.state, self.top_fraction, self.tile = layer, sink, state, top_fraction, tile
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        if encoder_hidden_states is None and self.state.get("grid") is not None:
+            query, key, _ = _get_qkv_projections(attn, hidden_states, None)
+            query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
+            key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
+            if rotary_emb is not None:
+                query, key = _rope(query, *rotary_emb), _rope(key, *rotary_emb)
+            layout = TileLayout(grid=self.state["grid"], tile=self.tile, block=math.prod(self.tile))
+            for b in range(query.shape[0]):
+                frac = tile_mass_fraction(query[b].transpose(0, 1), key[b].transpose(0, 1), layout,
+                                          self.top_fraction)
+                self.sink.setdefault(self.layer, []).append(frac.mean(dim=1).cpu())
+        return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+
+
+@torch.no_grad()
+def attention_tile_mass(pipe, prompts: Sequence[str], *, layers: Iterable[int] | None = None,
+                        num_frames: int = 16, height: int = 64, width: int = 64, num_inference_steps: int = 10,
+                        guidance_scale: float = 4.0, tile: tuple[int, int, int] = (4, 4, 8),
+                        top_fraction: float = 0.1, seed: int = 0) -> dict:
+    """Mean oracle top-tile attention mass per self-attention layer, over steps, branches, heads and prompts.
+
+    The pipeline's processors are swapped for recording ones during the call and restored afterwards.
+
+    Returns:
+        {"per_layer": {layer: mass}, "per_layer_head": {layer: [mass per head]}, "mean": mass over layers,
+         "uniform": the mass a uniform attention would give (= kept tiles / tiles), "tile": ..., "grid": ...}
+    """
+    transformer = pipe.transformer
+    blocks = transformer.blocks
+    layers = list(range(len(blocks))) if layers is None else list(layers)
+    grid = video_token_grid(num_frames, height, width, transformer.config.patch_size)
+    sink: dict[int, list[torch.Tensor]] = {}
+    state = {"grid": grid}
+    originals = {i: blocks[i].attn1.processor for i in layers}
+    try:
+        for i in layers:
+            blocks[i].attn1.set_processor(_TileMassProcessor(i, sink, state, top_fraction, tile))
+        for j, prompt in enumerate(prompts):
+            noise = torch.randn(1, 3, num_frames, height, width, generator=torch.Generator().manual_seed(seed + j))
+            pipe(prompt, num_frames=num_frames, height=height, width=width, num_inference_steps=num_inference_steps,
+                 guidance_scale=guidance_scale, latents=noise.to(transformer.device), output_type="latent")
+    finally:
+        for i, proc in originals.items():
+            blocks[i].attn1.set_processor(proc)
+    layout = TileLayout(grid=grid, tile=tile, block=math.prod(tile))
+    per_head = {i: torch.stack(sink[i]).mean(0) for i in layers}
+    return {
+        "per_layer": {i: float(per_head[i].mean()) for i in layers},
+        "per_layer_head": {i: [round(float(v), 4) for v in per_head[i]] for i in layers},
+        "mean": float(torch.stack([per_head[i].mean() for i in layers]).mean()),
+        "uniform": max(1, math.ceil(top_fraction * layout.num_tiles)) / layout.num_tiles,
+        "tile": list(tile), "grid": list(grid), "num_tiles": layout.num_tiles, "top_fraction": top_fraction,
+    }
