@@ -204,6 +204,13 @@ class HeadTiling:
             return getattr(self.first, name)
         raise AttributeError(name)
 
+    def warm(self, device: torch.device | str) -> None:
+        """Build the index tensors on `device` now (outside any compiled graph)."""
+        if self.uniform:
+            self.first.indices(device)
+        else:
+            self.head_indices(device)
+
     def head_indices(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """(perm, inv) as int64 [H, S] on `device`, cached."""
         device = torch.device(device)

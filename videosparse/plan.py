@@ -130,15 +130,20 @@ def dense_plan(batch: int, heads: int, seq_len: int, block_m: int = 128, block_n
     return Plan(index, count, block_m, block_n)
 
 
-def row_budgets(density: float, num_rows: int, num_cols: int) -> torch.Tensor:
-    """int64 [num_rows]: per-row tile budget averaging density*num_cols, spread evenly, each in [1, num_cols].
+def row_budget_list(density: float, num_rows: int, num_cols: int) -> list[int]:
+    """Per-row tile budgets averaging density*num_cols, spread evenly, each in [1, num_cols].
 
     Row i gets floor((i+1)*x) - floor(i*x) with x = density*num_cols, so fractional budgets are
-    spread evenly over the rows.
+    spread evenly over the rows. Plain Python (no tensors), so compiled graphs see constants.
     """
     x = density * num_cols
-    edges = torch.floor(torch.arange(num_rows + 1, dtype=torch.float64) * x + 1e-9)
-    return (edges[1:] - edges[:-1]).long().clamp(1, num_cols)
+    edges = [math.floor(i * x + 1e-9) for i in range(num_rows + 1)]
+    return [min(max(edges[i + 1] - edges[i], 1), num_cols) for i in range(num_rows)]
+
+
+def row_budgets(density: float, num_rows: int, num_cols: int) -> torch.Tensor:
+    """int64 [num_rows]: `row_budget_list` as a tensor."""
+    return torch.tensor(row_budget_list(density, num_rows, num_cols), dtype=torch.long)
 
 
 def topk_plan(
@@ -169,8 +174,9 @@ def topk_plan(
     B, H, Mv, Nv = scores.shape
     G = num_global_tiles
     device = scores.device
-    budget = row_budgets(density, Mv, Nv).to(device)                   # [Mv]
-    kmax = int(budget.max())
+    budget_list = row_budget_list(density, Mv, Nv)
+    budget = torch.tensor(budget_list, dtype=torch.long, device=device)  # [Mv]
+    kmax = max(budget_list)
     eye = torch.eye(Mv, dtype=torch.bool, device=device)
     s = scores.float().masked_fill(eye, float("inf"))
     top = s.topk(kmax, dim=-1)                                         # [B, H, Mv, kmax]
@@ -192,5 +198,4 @@ def topk_plan(
     rows[:, :, :Mv] = video_part
     rows[:, :, Mv:] = torch.arange(N, device=device)
     counts = torch.cat([count + G, torch.full((B, H, G), N, dtype=torch.int32, device=device)], -1)
-    kmax_all = int(counts.max())
-    return Plan(rows[..., :kmax_all].to(torch.int32).contiguous(), counts.contiguous(), block, block)
+    return Plan(rows.to(torch.int32).contiguous(), counts.contiguous(), block, block)   # global rows: N wide

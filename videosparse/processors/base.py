@@ -14,8 +14,7 @@ import logging
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-from ..kernels import block_sparse_attention, select_backend
-from ..layout import HeadTiling, head_tiling
+from ..kernels import block_sparse_attention
 from .context import AttentionRecord, LayerStats, SparseSession
 
 logger = logging.getLogger("videosparse")
@@ -33,14 +32,13 @@ class SparseAttentionMixin:
     def _init_sparse(self, session: SparseSession, layer: int, original=None) -> None:
         self.session = session
         self.layer = layer
-        self._layouts: dict[tuple, HeadTiling] = {}
         for attr in ("_attention_backend", "_parallel_config"):
             if original is not None and hasattr(original, attr):
                 setattr(self, attr, getattr(original, attr))
 
     # ---------------------------------------------------------------- decisions
     def _stats(self) -> LayerStats:
-        return self.session.layer_stats.setdefault(self.layer, LayerStats())
+        return self.session.layer_stats.setdefault(self.layer, LayerStats())  # prepared by the hook
 
     def _warn_once(self, reason: str) -> None:
         stats = self._stats()
@@ -56,7 +54,7 @@ class SparseAttentionMixin:
         if cfg.is_dense_layer(self.layer):
             return "dense layer"
         ctx = session.context
-        if ctx.step is not None and ctx.step < cfg.dense_step_count(ctx.num_steps):
+        if not ctx.sparse_step:
             return "dense step"
         unsupported = None
         if ctx.grid is None:
@@ -67,22 +65,12 @@ class SparseAttentionMixin:
             unsupported = "context parallelism splits the sequence"
         elif q.shape[1] != ctx.grid[0] * ctx.grid[1] * ctx.grid[2] + ctx.text_len:
             unsupported = f"sequence length {q.shape[1]} does not match grid {ctx.grid} + {ctx.text_len} text tokens"
+        elif session.kernel_problem is not None:
+            unsupported = session.kernel_problem
         if unsupported:
             self._warn_once(unsupported)
             return unsupported
         return None
-
-    def _layout(self, num_heads: int) -> HeadTiling:
-        ctx = self.session.context
-        key = (ctx.grid, ctx.text_len, num_heads)
-        layout = self._layouts.get(key)
-        if layout is None:
-            method = self.session.method
-            tiles = method.tile_shapes(self.layer, num_heads)
-            layout = head_tiling(ctx.grid, tiles, num_heads, method.block, ctx.text_len,
-                                 self.session.info.text_position or "after")
-            self._layouts[key] = layout
-        return layout
 
     # ---------------------------------------------------------------- attention
     def _dense(self, q, k, v, attention_mask) -> torch.Tensor:
@@ -104,30 +92,12 @@ class SparseAttentionMixin:
         stats = self._stats()
         reason = self._dense_reason(q, attention_mask)
         if reason is not None:
-            stats.dense_calls += 1
+            stats.record_dense()
             return self._dense(q, k, v, attention_mask)
 
-        layout = self._layout(q.shape[2])
+        layout = session.layouts[self.layer]
         qt, kt, vt = layout.gather(q), layout.gather(k), layout.gather(v)
         plan = session.method.plan(qt, kt, vt, layout, self.layer)
-        try:
-            impl = select_backend(qt, kt, vt, plan, session.config.backend)
-        except ValueError as err:
-            self._warn_once(str(err))
-            stats.dense_calls += 1
-            return self._dense(q, k, v, attention_mask)
-        if impl.name == "reference" and q.is_cuda and session.config.backend == "auto":
-            self._warn_once(f"no fast kernel serves dtype {q.dtype}, head dim {q.shape[-1]} on {q.device}")
-            stats.dense_calls += 1
-            return self._dense(q, k, v, attention_mask)
-        out = block_sparse_attention(qt, kt, vt, plan, backend=impl.name, validate=False)
-        self._record_plan(stats, plan, layout.num_tiles)
+        out = block_sparse_attention(qt, kt, vt, plan, backend=session.config.backend, validate=False)
+        stats.record_sparse(plan.kv_count, layout.num_tiles)
         return layout.scatter(out)
-
-    @torch.compiler.disable
-    def _record_plan(self, stats: LayerStats, plan, num_key_tiles: int) -> None:
-        counts = plan.kv_count
-        stats.sparse_calls += 1
-        stats.kept_pairs += int(counts.sum())
-        stats.total_pairs += counts.numel() * num_key_tiles
-        stats.balance_sum += float(counts.max()) / max(float(counts.float().mean()), 1e-9)

@@ -12,44 +12,54 @@ calls per branch.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.hooks.hooks import BaseState, StateManager
 
+from ..kernels.probe import fast_path_problem
+from ..layout import HeadTiling, head_tiling
+
 logger = logging.getLogger("videosparse")
 
 CONTEXT_HOOK = "videosparse_context"
 
 
-@dataclass
 class LayerStats:
-    """Counters of one self-attention layer, accumulated over calls."""
+    """Counters of one self-attention layer, accumulated over calls.
 
-    sparse_calls: int = 0
-    dense_calls: int = 0
-    kept_pairs: int = 0          # (query tile, key tile) pairs computed exactly
-    total_pairs: int = 0         # all pairs of the sparse calls
-    balance_sum: float = 0.0     # sum over sparse calls of max(kv_count) / mean(kv_count)
-    fallbacks: set = field(default_factory=set)
+    The counters are device tensors updated in place (no host sync and no Python-int guards in the
+    attention path, so it stays capturable by torch.compile and CUDA graphs); reading them syncs.
+    """
 
-    @property
-    def density(self) -> float | None:
-        return self.kept_pairs / self.total_pairs if self.total_pairs else None
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        # sparse calls, dense calls, kept (query tile, key tile) pairs, all pairs of the sparse calls
+        self.counts = torch.zeros(4, dtype=torch.int64, device=device)
+        # sum over sparse calls of max(kv_count) / mean(kv_count)
+        self.balance = torch.zeros((), dtype=torch.float64, device=device)
+        self.fallbacks: set[str] = set()
 
-    @property
-    def load_balance(self) -> float | None:
-        """max kv_count / mean kv_count over the sparse calls (1.0 = perfectly even)."""
-        return self.balance_sum / self.sparse_calls if self.sparse_calls else None
+    def record_sparse(self, kv_count: torch.Tensor, num_key_tiles: int) -> None:
+        """Account one sparse call whose plan has these kv_count [B, H, Mq]."""
+        kept = kv_count.sum(dtype=torch.int64)
+        self.counts.add_(torch.stack([kept.new_ones(()), kept.new_zeros(()), kept,
+                                      kept.new_full((), kv_count.numel() * num_key_tiles)]))
+        self.balance.add_((kv_count.amax().double() / kv_count.double().mean().clamp_min(1e-9)))
+
+    def record_dense(self) -> None:
+        self.counts[1].add_(1)
 
     def as_dict(self) -> dict[str, Any]:
+        sparse, dense, kept, total = (int(c) for c in self.counts.tolist())
         return {
-            "sparse_calls": self.sparse_calls,
-            "dense_calls": self.dense_calls,
-            "density": self.density,
-            "load_balance": self.load_balance,
+            "sparse_calls": sparse,
+            "dense_calls": dense,
+            "density": kept / total if total else None,
+            "load_balance": float(self.balance) / sparse if sparse else None,
+            "kept_pairs": kept,
+            "total_pairs": total,
             "fallbacks": sorted(self.fallbacks),
         }
 
@@ -63,6 +73,7 @@ class CallContext:
     step: int | None = None
     num_steps: int | None = None
     branch: str = "default"
+    sparse_step: bool = True     # False inside the config's dense steps
 
 
 @dataclass
@@ -104,17 +115,47 @@ class SparseSession:
         self.layer_stats: dict[int, LayerStats] = {}
         self.observers: list[Callable[[AttentionRecord], None]] = []
         self.calls = 0
+        self.layouts: dict[int, HeadTiling] = {}
+        self.kernel_problem: str | None = None   # why the fast path cannot serve the current inputs
+        self._prepared_for: tuple | None = None
+
+    def prepare(self, grid: tuple[int, int, int], text_len: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Build every layer's tile layout (index tensors on `device`) and check the kernel, once per shape.
+
+        Runs eagerly from the context hook, outside any compiled graph.
+        """
+        key = (grid, text_len, str(device), dtype)
+        if key == self._prepared_for:
+            return
+        info, method = self.info, self.method
+        for layer in range(info.num_layers):
+            stats = self.layer_stats.get(layer)
+            if stats is None:
+                self.layer_stats[layer] = LayerStats(device)
+            elif stats.counts.device != torch.device(device):
+                stats.counts, stats.balance = stats.counts.to(device), stats.balance.to(device)
+        self._prepared_for = key
+        if method is None:
+            return
+        self.layouts = {}
+        for layer in range(info.num_layers):
+            tiles = method.tile_shapes(layer, info.num_heads)
+            layout = head_tiling(grid, tiles, info.num_heads, method.block, text_len, info.text_position or "after")
+            layout.warm(device)
+            self.layouts[layer] = layout
+        self.kernel_problem = fast_path_problem(self.config.backend, device, dtype, info.num_heads, info.head_dim,
+                                                method.block, getattr(self.config, "correction", False))
 
     def stats(self) -> dict[str, Any]:
         """Per-layer and overall statistics (realised density, load balance, sparse/dense calls)."""
         layers = {i: s.as_dict() for i, s in sorted(self.layer_stats.items())}
-        kept = sum(s.kept_pairs for s in self.layer_stats.values())
-        total = sum(s.total_pairs for s in self.layer_stats.values())
+        kept = sum(s["kept_pairs"] for s in layers.values())
+        total = sum(s["total_pairs"] for s in layers.values())
         return {
             "config": self.config.to_dict(),
             "transformer_calls": self.calls,
-            "sparse_calls": sum(s.sparse_calls for s in self.layer_stats.values()),
-            "dense_calls": sum(s.dense_calls for s in self.layer_stats.values()),
+            "sparse_calls": sum(s["sparse_calls"] for s in layers.values()),
+            "dense_calls": sum(s["dense_calls"] for s in layers.values()),
             "density": kept / total if total else None,
             "layers": layers,
         }
@@ -162,15 +203,26 @@ class SparseContextHook(ModelHook):
         self.state_manager = StateManager(_BranchState)
 
     def pre_forward(self, module, *args, **kwargs):
-        ctx = self.session.context
+        self._update(module, args, kwargs)
+        return args, kwargs
+
+    @torch.compiler.disable
+    def _update(self, module, args, kwargs) -> None:
+        """Record grid, branch and step; decide whether this step is sparse; prepare layouts.
+
+        Runs eagerly: under `torch.compile(transformer)` this is the one graph break (at the top of
+        the forward); the processors then read only plain flags, so steps do not recompile.
+        """
+        session, ctx = self.session, self.session.context
         ctx.grid, ctx.text_len = self.grid_fn(module, args, kwargs)
         cache_ctx = getattr(self.state_manager, "_context", None)
         ctx.branch = cache_ctx.name if cache_ctx is not None else "default"
         ctx.step, ctx.num_steps = self._step(cache_ctx, args, kwargs)
-        self.session.calls += 1
-        return args, kwargs
+        ctx.sparse_step = ctx.step is None or ctx.step >= session.config.dense_step_count(ctx.num_steps)
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        session.prepare(ctx.grid, ctx.text_len, hidden.device, hidden.dtype)
+        session.calls += 1
 
-    @torch.compiler.disable
     def _step(self, cache_ctx, args, kwargs) -> tuple[int | None, int | None]:
         """Step index and step count: from the cache context, else the scheduler, else by counting."""
         scheduler = self.session.scheduler
