@@ -6,7 +6,7 @@ from torch._dynamo.utils import counters
 import videosparse
 from videosparse.models.tiny_wan import build_tiny_wan_pipeline
 
-from test_wan_processors import TestWanProcessors
+from test_wan_processors import TestWanProcessors as _WanCase
 
 
 def _run(tr, module, inputs, step, branch):
@@ -15,7 +15,7 @@ def _run(tr, module, inputs, step, branch):
 
 
 def test_compiled_transformer_matches_eager_with_bounded_graphs():
-    t = TestWanProcessors()
+    t = _WanCase()
     tr = t.make_transformer()
     inputs = t.make_inputs(tr)
     inputs.pop("timestep")
