@@ -3,26 +3,87 @@
 from __future__ import annotations
 
 import math
+import os
+from typing import Sequence
 
 import torch
 
 from ..layout import HeadTiling
-from ..method import SparseMethod
+from ..method import ModelInfo, SparseMethod
 from ..plan import Plan, topk_plan
-from ..sol.centroids import tile_centroids_torch
-from .trippool import trippool_torch
+from ..sol.centroids import tile_centroids as tile_centroids_torch  # dispatching: Triton on CUDA
+from .estimator import VedaEstimator, load_estimator
+from .tiling import Tiling, load_tiling
+from .trippool import trippool_qk
+
+TileShape = tuple[int, int, int]
+
+
+def mean_pooled_logits(qf: torch.Tensor, kf: torch.Tensor) -> torch.Tensor:
+    """Untrained-estimator logits: mean(q_i) . mean(k_j) / sqrt(D), fp32 [B, H, N, N].
+
+    Args:
+        qf, kf: fp32 [B, H, N, 3*D] TripPool features (only the mean part is used).
+    """
+    D = qf.shape[-1] // 3
+    return (qf[..., :D] @ kf[..., :D].transpose(-1, -2)) / math.sqrt(D)
 
 
 class VedaMethod(SparseMethod):
-    """Top-k tile selection from estimator logits (untrained estimator = mean-pooled q·k)."""
+    """Top-k tile selection from estimator logits (arXiv 2605.30325).
+
+    With `config.estimator=None` the scores are mean-pooled q.k per tile (the untrained estimator);
+    otherwise the `VedaEstimator` (object, directory or hub id) scores the tiles. `config.tiling`
+    is one tile shape for every head or a tiling JSON from the head-aware search.
+
+    Args:
+        config: a `VedaConfig`.
+        info: the transformer's `ModelInfo`; a mismatched estimator or tiling file raises `ValueError`.
+    """
+
+    def __init__(self, config, info: ModelInfo) -> None:
+        super().__init__(config, info)
+        self.tiling: Tiling | None = None
+        if isinstance(config.tiling, (str, os.PathLike)):
+            self.tiling = load_tiling(config.tiling, config.block)
+            if len(self.tiling.layers) < info.num_layers:
+                raise ValueError(
+                    f"tiling file {os.fspath(config.tiling)!r} covers {len(self.tiling.layers)} layers; "
+                    f"{info.model_class} has {info.num_layers}."
+                )
+        self.estimator: VedaEstimator | None = None
+        if config.estimator is not None:
+            est = load_estimator(config.estimator)
+            est.check_compatible(
+                model_class=info.model_class, num_layers=info.num_layers, num_heads=info.num_heads,
+                head_dim=info.head_dim, block=config.block,
+                tile_shapes=[self.head_shapes(l, info.num_heads) for l in range(info.num_layers)],
+            )
+            self.estimator = est.float().eval().requires_grad_(False)
+        self._kernel_backend = "torch" if config.backend == "reference" else "auto"
+
+    def tile_shapes(self, layer: int, num_heads: int) -> TileShape | Sequence[TileShape]:
+        """One (pt, ph, pw) for all heads (fixed tiling) or one per head (tiling file)."""
+        if self.tiling is None:
+            return self.config.tiling
+        return self.tiling.tiles_for(layer, num_heads)
+
+    def head_shapes(self, layer: int, num_heads: int) -> list[TileShape]:
+        """The tile shape of every head of `layer`."""
+        shapes = self.tile_shapes(layer, num_heads)
+        if len(shapes) == 3 and all(isinstance(v, int) for v in shapes):
+            return [tuple(shapes)] * num_heads  # type: ignore[list-item]
+        return [tuple(s) for s in shapes]  # type: ignore[misc]
 
     def scores(self, q: torch.Tensor, k: torch.Tensor, layout: HeadTiling, layer: int) -> torch.Tensor:
-        """fp32 [B, H, Mv, Mv] tile logits over the video tiles."""
-        Mv = layout.num_video_tiles
-        D = q.shape[-1]
-        q_hat = trippool_torch(q, self.block, Mv)[..., :D]
-        k_hat = trippool_torch(k, self.block, Mv)[..., :D]
-        return (q_hat @ k_hat.transpose(-1, -2)) / math.sqrt(D)
+        """fp32 [B, H, Mv, Mv] tile logits over the video tiles (q, k: [B, H, S, D] in tile order)."""
+        qf, kf = trippool_qk(q, k, self.block, layout.num_video_tiles, backend=self._kernel_backend)
+        if self.estimator is None:
+            return mean_pooled_logits(qf, kf)
+        if self.estimator.proj_q.device != q.device:
+            self.estimator.to(q.device)
+        with torch.no_grad():
+            return self.estimator(qf, kf, layer)
 
     def plan(self, q, k, v, layout: HeadTiling, layer: int) -> Plan:
         scores = self.scores(q, k, layout, layer)

@@ -1,4 +1,9 @@
-"""TripPool: per-tile [mean | max | min] features of q or k in tile order."""
+"""TripPool: per-tile [mean | max | min] features of q or k in tile order.
+
+`trippool_qk` is the entry point: one fused Triton launch for q and k on CUDA (see
+`videosparse.veda.triton_kernels`), the torch path `trippool_torch` elsewhere. Both pool a partial
+last tile over its real tokens only.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,11 @@ import math
 
 import torch
 
+KERNEL_BACKENDS = ("auto", "triton", "torch")
+
 
 def trippool_torch(x: torch.Tensor, block: int, num_tiles: int | None = None) -> torch.Tensor:
-    """Pool every tile of x into [mean | max | min].
+    """Pool every tile of x into [mean | max | min] (torch reference and CPU path).
 
     Args:
         x: [B, H, S, D] in tile order, any float dtype.
@@ -20,9 +27,11 @@ def trippool_torch(x: torch.Tensor, block: int, num_tiles: int | None = None) ->
     """
     B, H, S, D = x.shape
     N = math.ceil(S / block)
+    n = N if num_tiles is None else int(num_tiles)
+    if not 0 < n <= N:
+        raise ValueError(f"num_tiles={num_tiles} must lie in [1, {N}] for S={S}, block={block}.")
     pad = N * block - S
     xp = torch.nn.functional.pad(x.float(), (0, 0, 0, pad)).view(B, H, N, block, D)
-    n = num_tiles if num_tiles is not None else N
     xp = xp[:, :, :n]
     lens = torch.full((n,), block, dtype=torch.float32, device=x.device)
     real = torch.ones(n, block, dtype=torch.bool, device=x.device)
@@ -34,3 +43,44 @@ def trippool_torch(x: torch.Tensor, block: int, num_tiles: int | None = None) ->
     mx = xp.masked_fill(~mask, float("-inf")).amax(3)
     mn = xp.masked_fill(~mask, float("inf")).amin(3)
     return torch.cat([mean, mx, mn], -1)
+
+
+def _use_triton(x: torch.Tensor, block: int, backend: str) -> bool:
+    if backend not in KERNEL_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not supported; choose one of {KERNEL_BACKENDS}.")
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        return True
+    if not x.is_cuda or block < 16 or block & (block - 1):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def trippool_qk(q: torch.Tensor, k: torch.Tensor, block: int, num_tiles: int | None = None, *,
+                backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """TripPool features of q and k (one fused pass on CUDA).
+
+    Args:
+        q, k: [B, H, S, D] in tile order (same shape), fp32/fp16/bf16.
+        block: tokens per tile.
+        num_tiles: pool only the first `num_tiles` tiles (default all).
+        backend: "auto" (Triton on CUDA, torch elsewhere), "triton" (also on CPU under
+            TRITON_INTERPRET=1) or "torch".
+
+    Returns:
+        (qf, kf), fp32 [B, H, n, 3*D] each: [mean | max | min] per tile, detached.
+    """
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must have the same shape; got {tuple(q.shape)} and {tuple(k.shape)}.")
+    q, k = q.detach(), k.detach()
+    if _use_triton(q, block, backend):
+        from .triton_kernels import trippool_triton
+
+        qf, kf = trippool_triton(q, k, block, num_tiles)
+        return qf, kf  # type: ignore[return-value]
+    return trippool_torch(q, block, num_tiles), trippool_torch(k, block, num_tiles)

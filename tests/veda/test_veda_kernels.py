@@ -1,0 +1,182 @@
+"""TripPool and teacher: Triton kernels vs torch references, torch references vs naive definitions.
+
+The Triton cases run under the interpreter in one child process (this file run as a script with
+TRITON_INTERPRET=1), because the variable must be set before any @triton.jit is created and would
+turn every other kernel of the pytest process into an interpreted one. The child prints one JSON line
+per case; each parametrised test checks its own line. GPU tests (marked `gpu`) check real sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+# name: kind, B, H, S, D, block, dtype, extra
+CASES = {
+    "trippool-fp32-partial": ("trippool", 2, 3, 300, 64, 64, "float32", ""),
+    "trippool-bf16-partial-b128": ("trippool", 1, 2, 257, 64, 128, "bfloat16", ""),
+    "trippool-fp16-video-tiles": ("trippool", 1, 2, 384, 32, 128, "float16", "num_tiles=2"),
+    "trippool-fp32-strided": ("trippool", 2, 2, 200, 64, 64, "float32", "strided"),
+    "teacher-fp32-partial": ("teacher", 2, 2, 300, 64, 64, "float32", ""),
+    "teacher-fp32-lse-given": ("teacher", 1, 2, 257, 64, 128, "float32", "lse"),
+    "teacher-bf16-video-tiles": ("teacher", 1, 2, 333, 64, 64, "bfloat16", "num_tiles=4"),
+    "teacher-fp16-d32-b32": ("teacher", 1, 1, 100, 32, 32, "float16", ""),
+}
+
+
+def naive_heat(q: torch.Tensor, k: torch.Tensor, block: int, n: int | None = None) -> torch.Tensor:
+    """fp64 heat from the full S x S probability matrix: max over each tile pair."""
+    q, k = q.double(), k.double()
+    B, H, S, D = q.shape
+    p = torch.softmax((q @ k.transpose(-1, -2)) / math.sqrt(D), -1)
+    M = math.ceil(S / block)
+    n = n or M
+    out = torch.zeros(B, H, n, n, dtype=torch.float64)
+    for i in range(n):
+        for j in range(n):
+            out[:, :, i, j] = p[:, :, i * block:(i + 1) * block, j * block:(j + 1) * block].amax(dim=(-1, -2))
+    return out
+
+
+def naive_trippool(x: torch.Tensor, block: int) -> torch.Tensor:
+    B, H, S, D = x.shape
+    tiles = []
+    for i in range(math.ceil(S / block)):
+        t = x[:, :, i * block:(i + 1) * block].double()
+        tiles.append(torch.cat([t.mean(2), t.amax(2), t.amin(2)], -1))
+    return torch.stack(tiles, 2)
+
+
+# ---------------------------------------------------------------- child side (TRITON_INTERPRET=1)
+def _run_case(name: str) -> dict:
+    from videosparse.kernels import block_sparse_attention
+    from videosparse.plan import dense_plan
+    from videosparse.veda.teacher import teacher_heat, teacher_heat_torch
+    from videosparse.veda.trippool import trippool_qk, trippool_torch
+
+    kind, B, H, S, D, block, dtype, extra = CASES[name]
+    dtype = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    if extra == "strided":
+        q, k = (torch.randn(B, S, H, D, generator=g).to(dtype).transpose(1, 2) for _ in range(2))
+    else:
+        q, k = (torch.randn(B, H, S, D, generator=g).mul(2.0).to(dtype) for _ in range(2))
+    n = int(extra.split("=")[1]) if extra.startswith("num_tiles") else None
+    if kind == "trippool":
+        qf, kf = trippool_qk(q, k, block, n, backend="triton")
+        rq, rk = trippool_torch(q, block, n), trippool_torch(k, block, n)
+        return {"max_abs": max(float((qf - rq).abs().max()), float((kf - rk).abs().max())),
+                "scale": float(rq.abs().max()), "dtype_ok": qf.dtype == torch.float32,
+                "shape_ok": tuple(qf.shape) == (B, H, n or math.ceil(S / block), 3 * D)}
+    lse = None
+    if extra == "lse":
+        v = torch.randn(B, H, S, D, generator=g)
+        _, lse = block_sparse_attention(q.float(), k.float(), v, dense_plan(B, H, S, block, block), return_lse=True)
+    heat = teacher_heat(q, k, block, lse=lse, num_tiles=n, backend="triton")
+    ref = teacher_heat_torch(q, k, block, lse=lse, num_tiles=n)
+    return {"max_abs": float((heat - ref).abs().max()), "scale": float(ref.max()),
+            "dtype_ok": heat.dtype == torch.float32,
+            "shape_ok": tuple(heat.shape) == (B, H, n or math.ceil(S / block), n or math.ceil(S / block))}
+
+
+def _child_main(names: list[str]) -> None:
+    for name in names:
+        try:
+            res = _run_case(name)
+        except Exception:
+            res = {"error": traceback.format_exc()}
+        print("CASE " + json.dumps({"name": name, **res}), flush=True)
+
+
+# ---------------------------------------------------------------- parent side (pytest)
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *CASES], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("CASE "):
+            res = json.loads(line[5:])
+            results[res.pop("name")] = res
+    if not results:
+        pytest.fail(f"interpreter child produced no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    return results
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_kernel_equals_torch_under_interpreter(interpreter_results, name):
+    res = interpreter_results[name]
+    assert "error" not in res, res.get("error")
+    assert res["shape_ok"] and res["dtype_ok"]
+    # both sides upcast the same (b)f16 inputs to fp32: only fp32 rounding differs
+    assert res["max_abs"] <= 1e-5 * max(1.0, res["scale"]), res
+
+
+@pytest.mark.parametrize("S,block,D", [(300, 64, 32), (256, 128, 16), (129, 64, 16)])
+def test_torch_teacher_equals_full_softmax_definition(S, block, D):
+    from videosparse.veda.teacher import teacher_heat_torch
+
+    q, k = torch.randn(2, 3, S, D) * 2, torch.randn(2, 3, S, D) * 2
+    ref = naive_heat(q, k, block)
+    heat = teacher_heat_torch(q, k, block, max_chunk_elems=3 * S * block)        # forces several chunks
+    assert heat.dtype == torch.float32
+    torch.testing.assert_close(heat.double(), ref, rtol=1e-5, atol=1e-7)
+    # the video-tile restriction keeps the LSE over all keys
+    sub = teacher_heat_torch(q, k, block, num_tiles=2)
+    torch.testing.assert_close(sub.double(), ref[:, :, :2, :2], rtol=1e-5, atol=1e-7)
+
+
+def test_torch_teacher_uses_given_lse():
+    from videosparse.veda.teacher import dense_lse_torch, teacher_heat_torch
+
+    q, k = torch.randn(1, 2, 200, 32), torch.randn(1, 2, 200, 32)
+    lse = dense_lse_torch(q, k)
+    torch.testing.assert_close(teacher_heat_torch(q, k, 64, lse=lse), teacher_heat_torch(q, k, 64))
+    # a shifted LSE scales the heat by exp(-shift): proof that the given LSE is used
+    shifted = teacher_heat_torch(q, k, 64, lse=lse + 1.0)
+    torch.testing.assert_close(shifted, teacher_heat_torch(q, k, 64) * math.exp(-1.0))
+
+
+@pytest.mark.parametrize("S,block", [(300, 64), (256, 128), (129, 64)])
+def test_torch_trippool_equals_definition(S, block):
+    from videosparse.veda.trippool import trippool_qk
+
+    q, k = torch.randn(2, 3, S, 16), torch.randn(2, 3, S, 16)
+    qf, kf = trippool_qk(q, k, block, backend="torch")
+    torch.testing.assert_close(qf.double(), naive_trippool(q, block))
+    torch.testing.assert_close(kf.double(), naive_trippool(k, block))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_kernels_equal_torch_at_wan_like_size(dtype):
+    from videosparse.veda.teacher import teacher_heat, teacher_heat_torch
+    from videosparse.veda.trippool import trippool_qk, trippool_torch
+
+    g = torch.Generator("cuda").manual_seed(0)
+    q, k = (torch.randn(1, 4, 32760, 128, device="cuda", generator=g, dtype=dtype) for _ in range(2))
+    qf, kf = trippool_qk(q, k, 128)
+    torch.testing.assert_close(qf, trippool_torch(q, 128), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kf, trippool_torch(k, 128), rtol=1e-5, atol=1e-5)
+    heat = teacher_heat(q, k, 128, num_tiles=255)
+    ref = teacher_heat_torch(q, k, 128, num_tiles=255)
+    # bf16/fp16 products accumulate in fp32 on both sides, in different order
+    torch.testing.assert_close(heat, ref, rtol=2e-2, atol=1e-6)
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1:])

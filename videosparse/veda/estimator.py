@@ -1,0 +1,189 @@
+"""VedaEstimator: TripPool features + a per-layer, per-head residual projection -> tile logits.
+
+For layer l and head h, with TripPool features f = [mean | max | min] (3*D) of a tile:
+
+    q_hat = mean(q) + f_q @ P_q[l, h]        P_q[l, h]: (3*D, D)
+    k_hat = mean(k) + f_k @ P_k[l, h]
+    logits[i, j] = q_hat_i . k_hat_j / sqrt(D)        (fp32)
+
+Initialisation. Veda writes the init as N(0, 1e-4) and states that the untrained estimator equals
+mean-pooled q.k (the VSA-style baseline). Read as a *standard deviation* of 1e-4 that statement
+holds: each output coordinate of f @ P is perturbed by about 1e-4 * sqrt(3*D) * |f| ~ 1e-3 |f| for
+D = 128, i.e. ~0.1% of the mean. Read as a variance (std 1e-2) the perturbation would be ~10-20%
+and the untrained estimator would no longer be the baseline. We therefore use std = 1e-4
+(`init_std`, recorded in the config); the residual form makes the gradient independent of the
+init scale, so training is not slowed by the small init.
+
+Weights are stored with safetensors only (`save_pretrained` / `from_pretrained(path_or_repo)`),
+together with a config.json recording the model it was distilled for; `check_compatible` raises a
+`ValueError` naming every mismatch when it is used with another transformer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from huggingface_hub import PyTorchModelHubMixin, hf_hub_download
+from torch import nn
+
+DEFAULT_INIT_STD = 1e-4
+SAFETENSORS_NAME = "model.safetensors"
+
+
+def _normalize_tiles(tile_shapes: Any, num_layers: int, num_heads: int) -> list[list[list[int]]]:
+    """[num_layers][num_heads][3] from one shape, one shape per layer, or one per (layer, head)."""
+    if tile_shapes is None:
+        raise ValueError("tile_shapes is required (one (pt, ph, pw), or one per layer and head).")
+    t = tile_shapes
+    if len(t) == 3 and all(isinstance(v, int) for v in t):
+        return [[list(t) for _ in range(num_heads)] for _ in range(num_layers)]
+    if len(t) != num_layers:
+        raise ValueError(f"tile_shapes names {len(t)} layers; expected one shape or {num_layers} layers.")
+    out = []
+    for layer, entry in enumerate(t):
+        if len(entry) == 3 and all(isinstance(v, int) for v in entry):
+            out.append([list(entry) for _ in range(num_heads)])
+        elif len(entry) == num_heads:
+            out.append([list(map(int, s)) for s in entry])
+        else:
+            raise ValueError(f"tile_shapes[{layer}] has {len(entry)} entries; expected one shape or {num_heads} heads.")
+    return out
+
+
+class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse", tags=["videosparse", "veda"]):
+    """Distilled tile estimator of Veda (arXiv 2605.30325): TripPool + per-head residual projection.
+
+    Args:
+        model_class (`str`): class name of the transformer it serves (e.g. "WanTransformer3DModel").
+        num_layers (`int`): self-attention layers.
+        num_heads (`int`): heads per layer.
+        head_dim (`int`): D.
+        block (`int`, defaults to 128): tokens per tile.
+        tile_shapes: the tile shapes the features were pooled with: one (pt, ph, pw), or per layer a
+            shape or a list of one shape per head.
+        init_std (`float`, defaults to 1e-4): std of the N(0, std^2) init of P_q, P_k (see the module
+            docstring for why std and not variance).
+        density (`float`, optional): the density it was distilled for (informational).
+
+    Parameters:
+        proj_q, proj_k: fp32 [num_layers, num_heads, 3*D, D].
+
+    Example:
+        >>> from videosparse.veda import VedaEstimator
+        >>> est = VedaEstimator("WanTransformer3DModel", num_layers=2, num_heads=4, head_dim=64, tile_shapes=(4, 4, 8))
+        >>> est.save_pretrained("my-estimator")                                    # doctest: +SKIP
+        >>> est = VedaEstimator.from_pretrained("my-estimator")                     # doctest: +SKIP
+    """
+
+    def __init__(self, model_class: str, num_layers: int, num_heads: int, head_dim: int, block: int = 128,
+                 tile_shapes: Any = (4, 4, 8), init_std: float = DEFAULT_INIT_STD, density: float | None = None):
+        super().__init__()
+        for name, value in (("num_layers", num_layers), ("num_heads", num_heads), ("head_dim", head_dim), ("block", block)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int.")
+        if not isinstance(init_std, (int, float)) or init_std < 0:
+            raise ValueError(f"init_std={init_std!r} must be a number >= 0.")
+        self.model_class = str(model_class)
+        self.num_layers, self.num_heads, self.head_dim, self.block = num_layers, num_heads, head_dim, block
+        self.tile_shapes = _normalize_tiles(tile_shapes, num_layers, num_heads)
+        for layer, heads in enumerate(self.tile_shapes):
+            for h, s in enumerate(heads):
+                if len(s) != 3 or math.prod(s) != block:
+                    raise ValueError(f"tile_shapes[{layer}][{h}]={s} must be (pt, ph, pw) with pt*ph*pw == block={block}.")
+        self.init_std = float(init_std)
+        self.density = density
+        shape = (num_layers, num_heads, 3 * head_dim, head_dim)
+        self.proj_q = nn.Parameter(torch.randn(shape) * self.init_std)
+        self.proj_k = nn.Parameter(torch.randn(shape) * self.init_std)
+
+    # ------------------------------------------------------------------ inference / training math
+    def project(self, feat: torch.Tensor, layer: int, which: str) -> torch.Tensor:
+        """q_hat or k_hat: fp32 [B, H, N, D] from TripPool features fp32 [B, H, N, 3*D].
+
+        The projection may run under autocast; the residual and the result are fp32.
+        """
+        D = self.head_dim
+        if feat.dim() != 4 or feat.shape[1] != self.num_heads or feat.shape[3] != 3 * D:
+            raise ValueError(
+                f"features have shape {tuple(feat.shape)}; expected (B, {self.num_heads}, N, {3 * D}) "
+                "(TripPool [mean|max|min] of the estimator's heads and head dim)."
+            )
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer={layer} is out of range for an estimator of {self.num_layers} layers.")
+        weight = (self.proj_q if which == "q" else self.proj_k)[layer]               # [H, 3D, D]
+        delta = torch.matmul(feat.to(weight.dtype), weight)
+        return feat[..., :D].float() + delta.float()
+
+    def forward(self, q_feat: torch.Tensor, k_feat: torch.Tensor, layer: int) -> torch.Tensor:
+        """Tile logits.
+
+        Args:
+            q_feat, k_feat: fp32 [B, H, N, 3*D] TripPool features of query and key tiles (detached).
+            layer: self-attention layer index.
+
+        Returns:
+            fp32 [B, H, N, N] logits q_hat . k_hat / sqrt(D).
+        """
+        q_hat = self.project(q_feat, layer, "q")
+        k_hat = self.project(k_feat, layer, "k")
+        with torch.autocast(device_type=q_hat.device.type, enabled=False):
+            return (q_hat @ k_hat.transpose(-1, -2)) / math.sqrt(self.head_dim)
+
+    # ------------------------------------------------------------------ compatibility
+    def layer_tiles(self, layer: int) -> list[tuple[int, int, int]]:
+        """The per-head tile shapes of `layer` the estimator was distilled with."""
+        return [tuple(s) for s in self.tile_shapes[layer]]  # type: ignore[misc]
+
+    def check_compatible(self, *, model_class: str | None = None, num_layers: int | None = None,
+                         num_heads: int | None = None, head_dim: int | None = None, block: int | None = None,
+                         tile_shapes: Sequence[Sequence[tuple[int, int, int]]] | None = None) -> None:
+        """Raise a `ValueError` naming every field that differs from what the estimator was trained for."""
+        wanted = {"model_class": model_class, "num_layers": num_layers, "num_heads": num_heads,
+                  "head_dim": head_dim, "block": block}
+        bad = [f"{k}: estimator has {getattr(self, k)!r}, the model/config has {v!r}"
+               for k, v in wanted.items() if v is not None and v != getattr(self, k)]
+        if tile_shapes is not None and not bad:
+            for layer, heads in enumerate(tile_shapes):
+                if layer < self.num_layers and [list(s) for s in heads] != self.tile_shapes[layer]:
+                    bad.append(
+                        f"tile shapes of layer {layer}: estimator was distilled with {self.layer_tiles(layer)}, "
+                        f"the config asks for {[tuple(s) for s in heads]} (pass the tiling the estimator was "
+                        "trained with, e.g. VedaConfig(tiling=<estimator dir>/tiling.json))"
+                    )
+                    break
+        if bad:
+            raise ValueError("this VedaEstimator does not match the transformer it is used with: " + "; ".join(bad) + ".")
+
+    # ------------------------------------------------------------------ hub mixin: safetensors only
+    @classmethod
+    def _from_pretrained(cls, *, model_id: str, revision: str | None, cache_dir: str | Path | None,
+                         force_download: bool, local_files_only: bool, token: str | bool | None,
+                         map_location: str = "cpu", strict: bool = True, **model_kwargs):
+        """Load weights from `model.safetensors` only (never pickle), strictly."""
+        import safetensors.torch
+
+        model = cls(**model_kwargs)
+        if os.path.isdir(model_id):
+            model_file = os.path.join(model_id, SAFETENSORS_NAME)
+            if not os.path.isfile(model_file):
+                raise ValueError(f"{model_id!r} holds no {SAFETENSORS_NAME}; VedaEstimator loads safetensors weights only.")
+        else:
+            model_file = hf_hub_download(repo_id=model_id, filename=SAFETENSORS_NAME, revision=revision,
+                                         cache_dir=cache_dir, force_download=force_download, token=token,
+                                         local_files_only=local_files_only)
+        safetensors.torch.load_model(model, model_file, strict=True, device=map_location)
+        model.eval()
+        return model
+
+
+def load_estimator(source: Any) -> VedaEstimator:
+    """A `VedaEstimator` from an object, a local directory or a hub id (safetensors only)."""
+    if isinstance(source, VedaEstimator):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        return VedaEstimator.from_pretrained(str(source))
+    raise TypeError(f"estimator={source!r} must be a VedaEstimator, a directory or a hub id.")

@@ -1,0 +1,310 @@
+"""Head-aware tiling: per (layer, head) 3D tile shape chosen on captured q/k/v.
+
+For every (layer, head) the candidate tile shape with the lowest relative output error
+
+    err = ||O_sparse - O_full||^2 / ||O_full||^2
+
+under the oracle top-k plan (the teacher heat of `videosparse.veda.teacher`, top-k at the target
+density with the diagonal forced) wins; votes are counted over samples (majority, ties broken by the
+lower mean error); a layer keeps at most `max_shapes_per_layer` shapes (the pair that keeps the most
+votes); shapes that would pad the grid by more than `max_padding` are excluded.
+
+The result is a JSON file that `VedaConfig(tiling=path)` reads (`load_tiling`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from ..kernels import block_sparse_attention
+from ..layout import TileLayout
+from ..plan import topk_plan
+from .teacher import dense_lse_torch, teacher_heat
+
+logger = logging.getLogger(__name__)
+
+TILING_FORMAT = "videosparse-tiling"
+TILING_VERSION = 1
+
+TileShape = tuple[int, int, int]
+
+#: Veda's candidates for 128-token tiles.
+CANDIDATES_128: tuple[TileShape, ...] = ((8, 4, 4), (2, 8, 8), (4, 4, 8), (4, 8, 4), (8, 2, 8), (8, 8, 2))
+#: The same six shapes with the time extent halved, for 64-token tiles.
+CANDIDATES_64: tuple[TileShape, ...] = ((4, 4, 4), (1, 8, 8), (2, 4, 8), (2, 8, 4), (4, 2, 8), (4, 8, 2))
+
+
+def candidate_shapes(block: int) -> tuple[TileShape, ...]:
+    """The candidate tile shapes for `block` tokens per tile (128: Veda's six; 64: t-extent halved)."""
+    if block == 128:
+        return CANDIDATES_128
+    if block == 64:
+        return CANDIDATES_64
+    raise ValueError(f"block={block} has no candidate tile shapes; choose 64 or 128.")
+
+
+# ------------------------------------------------------------------------------------- JSON file
+@dataclass(frozen=True)
+class Tiling:
+    """Per-layer, per-head tile shapes (what `VedaConfig(tiling=path)` loads).
+
+    Attributes:
+        layers: `layers[l][h]` is the (pt, ph, pw) of head h in layer l.
+        block: tokens per tile.
+        meta: anything else the search recorded (density, candidates, errors, ...).
+    """
+
+    layers: tuple[tuple[TileShape, ...], ...]
+    block: int = 128
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def tiles_for(self, layer: int, num_heads: int) -> tuple[TileShape, ...]:
+        """The shapes of `layer`'s heads; ValueError if the file does not cover it."""
+        if not 0 <= layer < len(self.layers):
+            raise ValueError(f"the tiling file covers layers 0..{len(self.layers) - 1}; layer {layer} was asked for.")
+        heads = self.layers[layer]
+        if len(heads) != num_heads:
+            raise ValueError(f"the tiling file gives layer {layer} {len(heads)} head shapes; the model has {num_heads} heads.")
+        return heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": TILING_FORMAT, "version": TILING_VERSION, "block": self.block,
+                "layers": [[list(s) for s in heads] for heads in self.layers], **self.meta}
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the JSON atomically (temp file + rename)."""
+        tmp = f"{os.fspath(path)}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+        os.replace(tmp, path)
+
+
+def load_tiling(path: str | os.PathLike, block: int | None = None) -> Tiling:
+    """Read a tiling JSON written by `search_tiling(...).save(path)` / `videosparse search-tiling`."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"tiling file {os.fspath(path)!r} does not exist.") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"tiling file {os.fspath(path)!r} is not valid JSON ({e}).") from None
+    if not isinstance(data, dict) or data.get("format") != TILING_FORMAT:
+        raise ValueError(f"{os.fspath(path)!r} is not a videosparse tiling file (format must be {TILING_FORMAT!r}).")
+    if data.get("version", 0) > TILING_VERSION:
+        raise ValueError(f"tiling file version {data['version']} is newer than this videosparse reads ({TILING_VERSION}).")
+    file_block = int(data["block"])
+    if block is not None and file_block != block:
+        raise ValueError(f"tiling file {os.fspath(path)!r} has block={file_block}; the config has block={block}.")
+    layers = []
+    for l, heads in enumerate(data["layers"]):
+        shapes = []
+        for h, s in enumerate(heads):
+            s = tuple(int(v) for v in s)
+            if len(s) != 3 or math.prod(s) != file_block:
+                raise ValueError(f"tiling file layer {l} head {h}: shape {s} must be 3 ints with product {file_block}.")
+            shapes.append(s)
+        layers.append(tuple(shapes))
+    meta = {k: v for k, v in data.items() if k not in ("format", "version", "block", "layers")}
+    return Tiling(tuple(layers), file_block, meta)
+
+
+# ------------------------------------------------------------------------------------- search
+def head_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Sequence[int], shapes: Sequence[TileShape],
+                *, density: float, block: int = 128, text_len: int = 0, text_position: str = "after",
+                backend: str = "auto") -> torch.Tensor:
+    """Relative output error per head of every shape under its oracle top-k plan.
+
+    Args:
+        q, k, v: [B, S, H, D] in diffusers' original token order (post-RoPE).
+        grid: (T, H, W) of the video tokens.
+        shapes: candidate tile shapes.
+        density: target fraction of video key tiles per query tile.
+        block, text_len, text_position: as in `TileLayout`.
+        backend: kernel backend for `block_sparse_attention` and the teacher.
+
+    Returns:
+        fp64 [len(shapes), H]: sum over batch of ||O_sparse - O_full||^2 / ||O_full||^2 per head.
+    """
+    qh, kh, vh = (x.transpose(1, 2).float() for x in (q, k, v))                 # [B, H, S, D]
+    full = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh)          # [B, H, S, D]
+    ref_norm = full.double().pow(2).sum(dim=(0, 2, 3)).clamp_min(1e-30)          # [H]
+    lse = dense_lse_torch(qh, kh) if not qh.is_cuda else None                   # shape-independent
+    errs = []
+    for shape in shapes:
+        layout = TileLayout(tuple(grid), shape, block, text_len, text_position)
+        qt, kt, vt = (layout.gather(x).float().contiguous() for x in (q, k, v))
+        perm, _ = layout.indices(q.device)
+        heat = teacher_heat(qt, kt, block, lse=None if lse is None else lse[:, :, perm],
+                            num_tiles=layout.num_video_tiles, backend="torch" if backend == "reference" else "auto")
+        plan = topk_plan(heat, density, num_global_tiles=layout.num_global_tiles, block=block)
+        out = block_sparse_attention(qt, kt, vt, plan, backend=backend)
+        diff = out.double() - full[:, :, perm].double()
+        errs.append(diff.pow(2).sum(dim=(0, 2, 3)) / ref_norm)
+    return torch.stack(errs)
+
+
+@dataclass
+class TilingSearchResult:
+    """Accumulated votes and errors of a tiling search, and the chosen shapes.
+
+    Attributes:
+        tiling: the chosen `Tiling`.
+        candidates: shapes considered per layer (after the padding exclusion).
+        mean_err: mean_err[l][h][shape] over samples (relative error).
+        votes: votes[l][h][shape] (samples where the shape had the lowest error).
+        summary: mean error of the chosen tiling and of the best single shape (in-sample).
+    """
+
+    tiling: Tiling
+    candidates: dict[int, list[TileShape]]
+    mean_err: dict[int, list[dict[TileShape, float]]]
+    votes: dict[int, list[dict[TileShape, int]]]
+    summary: dict[str, Any]
+
+    def save(self, path: str | os.PathLike) -> None:
+        self.tiling.save(path)
+
+
+def _choose_layer(votes: list[Counter], err: list[dict[TileShape, float]], shapes: list[TileShape],
+                  max_shapes: int) -> list[TileShape]:
+    """Per-head winners of one layer, reduced to at most `max_shapes` distinct shapes.
+
+    Each head's preference order: more votes first, then lower mean error. The kept set of shapes is
+    the one (of size <= max_shapes) that keeps the most votes when every head takes its preferred
+    shape in the set; ties go to the lower total mean error.
+    """
+    def key(h: int, s: TileShape) -> tuple[float, float]:
+        return (-votes[h][s], err[h].get(s, math.inf))
+
+    winners = [min(shapes, key=lambda s: key(h, s)) for h in range(len(votes))]
+    if len(set(winners)) <= max_shapes:
+        return winners
+    best, best_key = None, None
+    for combo in itertools.combinations(shapes, max_shapes):
+        pick = [min(combo, key=lambda s: key(h, s)) for h in range(len(votes))]
+        score = (-sum(votes[h][s] for h, s in enumerate(pick)), sum(err[h].get(s, math.inf) for h, s in enumerate(pick)))
+        if best_key is None or score < best_key:
+            best, best_key = pick, score
+    return best  # type: ignore[return-value]
+
+
+def search_tiling(
+    samples: Iterable[Any],
+    *,
+    density: float,
+    block: int = 128,
+    num_layers: int | None = None,
+    num_heads: int | None = None,
+    candidates: Sequence[TileShape] | None = None,
+    max_padding: float = 0.2,
+    max_shapes_per_layer: int = 2,
+    backend: str = "auto",
+    meta: dict[str, Any] | None = None,
+) -> TilingSearchResult:
+    """Head-aware tiling search (Veda) over captured attention inputs.
+
+    Args:
+        samples: records with fields `layer`, `q`, `k`, `v` ([B, S, H, D], original order, post-RoPE),
+            `grid` (T, H, W), and optionally `text_len`, `text_position` (e.g. the records of
+            `videosparse.processors.observe`).
+        density (`float`): target fraction of video key tiles per query tile.
+        block (`int`, defaults to 128): tokens per tile.
+        num_layers, num_heads: the model's; default the largest layer index seen + 1 and the heads of
+            the samples. Layers never seen keep the first candidate for every head.
+        candidates: default `candidate_shapes(block)`.
+        max_padding (`float`, defaults to 0.2): exclude shapes that pad the grid by more than this.
+        max_shapes_per_layer (`int`, defaults to 2): distinct shapes allowed per layer.
+        backend: kernel backend for the sparse outputs.
+        meta: extra fields written into the JSON (model class, density, ...).
+
+    Returns:
+        A `TilingSearchResult`; `.save(path)` writes the JSON `VedaConfig(tiling=path)` reads.
+    """
+    shapes_all = tuple(candidates) if candidates is not None else candidate_shapes(block)
+    for s in shapes_all:
+        if len(s) != 3 or math.prod(s) != block:
+            raise ValueError(f"candidate shape {s} must be 3 ints with product block={block}.")
+    if not 0 < density <= 1:
+        raise ValueError(f"density={density} must lie in (0, 1].")
+    if max_shapes_per_layer < 1:
+        raise ValueError(f"max_shapes_per_layer={max_shapes_per_layer} must be >= 1.")
+    err_sum: dict[int, torch.Tensor] = {}          # layer -> [n_shapes, H] summed errors
+    err_cnt: dict[int, int] = {}
+    votes: dict[int, list[Counter]] = {}
+    allowed_per_layer: dict[int, list[TileShape]] = {}
+    heads_seen = None
+    for rec in samples:
+        layer = int(rec.layer)
+        grid = tuple(int(g) for g in rec.grid)
+        text_len = int(getattr(rec, "text_len", 0) or 0)
+        text_position = getattr(rec, "text_position", None) or "after"
+        pads = {s: TileLayout(grid, s, block).padding_fraction for s in shapes_all}
+        allowed = [s for s in shapes_all if pads[s] <= max_padding + 1e-12]
+        if not allowed:
+            least = min(shapes_all, key=lambda s: pads[s])
+            logger.warning("grid %s: every candidate pads by more than %.0f%%; keeping %s (%.1f%%)",
+                           grid, 100 * max_padding, least, 100 * pads[least])
+            allowed = [least]
+        prev = allowed_per_layer.get(layer)
+        allowed_per_layer[layer] = allowed if prev is None else [s for s in prev if s in allowed] or prev
+        e = head_errors(rec.q, rec.k, rec.v, grid, shapes_all, density=density, block=block, text_len=text_len,
+                        text_position=text_position, backend=backend)                # [n_shapes, H]
+        H = e.shape[1]
+        heads_seen = H
+        B = rec.q.shape[0]
+        e = e / B
+        mask = torch.tensor([s in allowed for s in shapes_all])
+        e_masked = e.masked_fill(~mask[:, None], math.inf)
+        best = e_masked.argmin(0)
+        votes.setdefault(layer, [Counter() for _ in range(H)])
+        for h in range(H):
+            votes[layer][h][shapes_all[int(best[h])]] += 1
+        err_sum[layer] = err_sum.get(layer, torch.zeros_like(e)) + e
+        err_cnt[layer] = err_cnt.get(layer, 0) + 1
+    if not err_sum:
+        raise ValueError("search_tiling got no samples; capture at least one self-attention call.")
+    L = num_layers if num_layers is not None else max(err_sum) + 1
+    Hn = num_heads if num_heads is not None else heads_seen
+    layers_out: list[tuple[TileShape, ...]] = []
+    mean_err: dict[int, list[dict[TileShape, float]]] = {}
+    chosen_err, single_err = [], {s: [] for s in shapes_all}
+    for l in range(L):
+        if l not in err_sum:
+            layers_out.append(tuple([shapes_all[0]] * Hn))
+            continue
+        m = (err_sum[l] / err_cnt[l]).tolist()
+        allowed = allowed_per_layer[l]
+        mean_err[l] = [{s: m[i][h] for i, s in enumerate(shapes_all)} for h in range(Hn)]
+        picks = _choose_layer(votes[l], mean_err[l], allowed, max_shapes_per_layer)
+        layers_out.append(tuple(picks))
+        for h, s in enumerate(picks):
+            chosen_err.append(mean_err[l][h][s])
+            for t in shapes_all:
+                single_err[t].append(mean_err[l][h][t] if t in allowed else math.inf)
+    singles = {f"{s[0]}x{s[1]}x{s[2]}": sum(v) / len(v) for s, v in single_err.items() if v}
+    best_single = min(singles, key=singles.get)
+    summary = {
+        "mean_rel_err_searched": sum(chosen_err) / len(chosen_err),
+        "mean_rel_err_single": singles,
+        "best_single_shape": best_single,
+        "mean_rel_err_best_single": singles[best_single],
+        "num_samples": int(sum(err_cnt.values())),
+    }
+    summary["searched_vs_best_single"] = summary["mean_rel_err_searched"] / max(summary["mean_rel_err_best_single"], 1e-30)
+    info = dict(meta or {})
+    info.update({"density": density, "max_padding": max_padding, "max_shapes_per_layer": max_shapes_per_layer,
+                 "candidates": [list(s) for s in shapes_all], "summary": summary,
+                 "mean_rel_err": {str(l): [{"x".join(map(str, s)): v for s, v in hs.items()} for hs in per]
+                                  for l, per in mean_err.items()}})
+    tiling = Tiling(tuple(layers_out), block, info)
+    return TilingSearchResult(tiling, allowed_per_layer, mean_err,
+                              {l: [dict(c) for c in v] for l, v in votes.items()}, summary)
