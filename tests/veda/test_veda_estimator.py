@@ -1,0 +1,165 @@
+"""VedaEstimator: untrained = mean-pooled q.k, save/load (safetensors only), mismatch errors; loss and recall."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from helpers import rel_err
+from videosparse.config import VedaConfig
+from videosparse.layout import head_tiling
+from videosparse.method import ModelInfo
+from videosparse.veda.estimator import VedaEstimator
+from videosparse.veda.losses import tile_kl_loss, tile_recall
+from videosparse.veda.method import VedaMethod, mean_pooled_logits
+from videosparse.veda.trippool import trippool_qk
+
+INFO = ModelInfo("WanTransformer3DModel", num_layers=2, num_heads=3, head_dim=32, patch_size=(1, 2, 2))
+
+
+def per_tile_mean_logits(q: torch.Tensor, k: torch.Tensor, block: int, n: int) -> torch.Tensor:
+    """fp64 mean(q_tile_i) . mean(k_tile_j) / sqrt(D), one tile at a time (the partial last tile over its tokens)."""
+    D = q.shape[-1]
+    qm = torch.stack([q[:, :, i * block:(i + 1) * block].double().mean(2) for i in range(n)], 2)
+    km = torch.stack([k[:, :, i * block:(i + 1) * block].double().mean(2) for i in range(n)], 2)
+    return qm @ km.transpose(-1, -2) / math.sqrt(D)
+
+
+def make_est(**kw) -> VedaEstimator:
+    args = dict(model_class="WanTransformer3DModel", num_layers=2, num_heads=3, head_dim=32, block=128,
+                tile_shapes=(4, 4, 8))
+    args.update(kw)
+    return VedaEstimator(**args)
+
+
+@pytest.mark.parametrize("grid", [(4, 8, 16), (3, 10, 9)])            # full tiles; partial last tile
+def test_untrained_estimator_equals_mean_pooled_qk(grid):
+    S = math.prod(grid)
+    # video-like: tokens share a per-head direction (tile means are not ~0), plus token noise
+    q, k = (torch.randn(1, 1, 3, 32) + 0.5 * torch.randn(2, S, 3, 32) for _ in range(2))
+    layout = head_tiling(grid, (4, 4, 8), 3, 128)
+    qt, kt = layout.gather(q), layout.gather(k)
+    n = layout.num_video_tiles
+    ref = per_tile_mean_logits(qt, kt, 128, n)
+    # VedaConfig(estimator=None): exactly the mean-pooled scores
+    scores = VedaMethod(VedaConfig(density=0.3), INFO).scores(qt, kt, layout, 0)
+    assert scores.dtype == torch.float32 and scores.shape == (2, 3, n, n)
+    assert rel_err(scores, ref) < 1e-6
+    qf, kf = trippool_qk(qt, kt, 128, n)
+    # a zero-initialised estimator is the same function
+    zero = make_est(init_std=0.0)
+    assert rel_err(zero(qf, kf, 1).detach(), ref) < 1e-6
+    # the N(0, 1e-4^2) init perturbs it by ~1e-3 relative, not more
+    fresh = make_est()
+    err = rel_err(fresh(qf, kf, 0).detach(), ref)
+    assert 0 < err < 1e-2
+    assert float(fresh.proj_q.detach().std()) == pytest.approx(1e-4, rel=0.05)
+
+
+def test_estimator_trains_through_projection_only():
+    est = make_est()
+    qf, kf = torch.randn(1, 3, 5, 96), torch.randn(1, 3, 5, 96)
+    heat = torch.rand(1, 3, 5, 5)
+    loss = tile_kl_loss(est(qf, kf, 1), heat)
+    loss.backward()
+    assert est.proj_q.grad[1].abs().sum() > 0 and est.proj_k.grad[1].abs().sum() > 0
+    assert est.proj_q.grad[0].abs().sum() == 0                  # layer 0 untouched by a layer-1 loss
+    with pytest.raises(ValueError, match="expected \\(B, 3, N, 96\\)"):
+        est(torch.randn(1, 2, 5, 96), kf, 0)
+    with pytest.raises(ValueError, match="layer=2"):
+        est(qf, kf, 2)
+
+
+def test_save_load_round_trip_and_veda_config_accepts_path(tmp_path):
+    est = make_est(density=0.1)
+    with torch.no_grad():
+        est.proj_q.normal_()
+    est.save_pretrained(tmp_path / "est")
+    assert (tmp_path / "est" / "model.safetensors").is_file()
+    assert not list((tmp_path / "est").glob("*.bin"))
+    loaded = VedaEstimator.from_pretrained(tmp_path / "est")
+    assert torch.equal(loaded.proj_q, est.proj_q) and torch.equal(loaded.proj_k, est.proj_k)
+    assert loaded.model_class == "WanTransformer3DModel" and loaded.layer_tiles(1) == [(4, 4, 8)] * 3
+    for source in (str(tmp_path / "est"), tmp_path / "est", est):
+        method = VedaMethod(VedaConfig(density=0.2, estimator=source), INFO)
+        assert torch.equal(method.estimator.proj_q, est.proj_q)
+    # the method's scores are the estimator's logits
+    grid = (4, 8, 16)
+    layout = head_tiling(grid, (4, 4, 8), 3, 128)
+    q, k = (layout.gather(torch.randn(1, math.prod(grid), 3, 32)) for _ in range(2))
+    qf, kf = trippool_qk(q, k, 128, layout.num_video_tiles)
+    torch.testing.assert_close(method.scores(q, k, layout, 1), est(qf, kf, 1).detach())
+    assert not torch.allclose(method.scores(q, k, layout, 1), mean_pooled_logits(qf, kf))
+
+
+def test_loading_is_safetensors_only_and_strict(tmp_path):
+    est = make_est()
+    est.save_pretrained(tmp_path / "est")
+    (tmp_path / "est" / "model.safetensors").rename(tmp_path / "est" / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="safetensors"):
+        VedaEstimator.from_pretrained(tmp_path / "est")
+    from safetensors.torch import save_file
+
+    save_file({"proj_q": est.proj_q.detach()}, str(tmp_path / "est" / "model.safetensors"))
+    with pytest.raises(RuntimeError, match="proj_k"):
+        VedaEstimator.from_pretrained(tmp_path / "est")
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("num_heads", 4, "num_heads: estimator has 4"),
+    ("head_dim", 64, "head_dim: estimator has 64"),
+    ("num_layers", 3, "num_layers: estimator has 3"),
+    ("model_class", "HunyuanVideoTransformer3DModel", "model_class"),
+    ("tile_shapes", (8, 4, 4), "tile shapes of layer 0"),
+])
+def test_mismatched_estimator_is_a_clear_error(field, value, match):
+    est = make_est(**{field: value})
+    with pytest.raises(ValueError, match=match):
+        VedaMethod(VedaConfig(density=0.1, estimator=est), INFO)
+
+
+def test_estimator_config_validation():
+    with pytest.raises(ValueError, match="num_heads=0"):
+        make_est(num_heads=0)
+    with pytest.raises(ValueError, match="product|pt\\*ph\\*pw"):
+        make_est(tile_shapes=(4, 4, 4))
+    with pytest.raises(ValueError, match="names 3 layers"):
+        make_est(tile_shapes=[(4, 4, 8)] * 3)
+    per_head = [[(4, 4, 8), (8, 4, 4), (2, 8, 8)], (4, 4, 8)]
+    assert make_est(tile_shapes=per_head).layer_tiles(0) == [(4, 4, 8), (8, 4, 4), (2, 8, 8)]
+    with pytest.raises(TypeError, match="VedaEstimator"):
+        VedaMethod(VedaConfig(density=0.1, estimator=object()), INFO)
+
+
+def test_kl_loss_definition_and_masking():
+    torch.manual_seed(1)
+    heat = torch.rand(2, 3, 4, 5)
+    p = heat / heat.sum(-1, keepdim=True)
+    logits = torch.randn(2, 3, 4, 5)
+    ref = (p * (p.log() - torch.log_softmax(logits, -1))).sum(-1).mean()
+    torch.testing.assert_close(tile_kl_loss(logits, heat), ref)
+    assert float(tile_kl_loss(p.log() + 3.0, heat)) == pytest.approx(0.0, abs=1e-6)   # matching logits: zero
+    # masked columns: the loss equals the loss on the unmasked columns alone
+    col = torch.tensor([True, True, True, False, False])
+    garbage = heat.clone()
+    garbage[..., 3:] = 100.0
+    masked = tile_kl_loss(logits, garbage, col_valid=col)
+    torch.testing.assert_close(masked, tile_kl_loss(logits[..., :3], heat[..., :3]))
+    # rows with zero teacher mass are skipped, and the mean is over valid rows then heads
+    z = heat.clone()
+    z[0, 0, 1:] = 0.0
+    lz = tile_kl_loss(logits, z)
+    row_kl = (p * (p.log() - torch.log_softmax(logits, -1))).sum(-1)               # [B, H, M]
+    per_head = row_kl.mean(-1)
+    per_head[0, 0] = row_kl[0, 0, 0]
+    torch.testing.assert_close(lz, per_head.mean())
+
+
+def test_recall():
+    torch.manual_seed(0)
+    heat = torch.rand(1, 2, 10, 10)
+    assert tile_recall(heat.log(), heat, 0.3)["recall"] == 1.0
+    r = tile_recall(-heat, heat, 0.3)                    # reversed ranking: only the forced diagonal agrees
+    assert r["recall_offdiag"] == 0.0 and r["recall"] == pytest.approx(1 / 3)

@@ -1,0 +1,133 @@
+"""Head-aware tiling search: planted shapes, majority vote, the 2-shape limit, padding exclusion, JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from videosparse.config import VedaConfig
+from videosparse.layout import TileLayout
+from videosparse.method import ModelInfo
+from videosparse.veda.method import VedaMethod
+from videosparse.veda.tiling import CANDIDATES_64, CANDIDATES_128, candidate_shapes, load_tiling, search_tiling
+
+
+def planted(grid, shapes, *, D=32, logit=8.0, noise=0.05, seed=0, block=128):
+    """q, k, v [1, S, H, D] whose attention stays inside blocks of the planted tile shape of each head.
+
+    Every token's q and k are (scaled) one-hot codes of the planted tile it lies in, so a query gives
+    ~all its probability to the keys of its own planted tile: attention elongated along the planted
+    tile's long axis. Under the planted shape the diagonal tile alone holds that mass.
+    """
+    g = torch.Generator().manual_seed(seed)
+    qs, ks = [], []
+    for shape in shapes:
+        lay = TileLayout(grid, shape, block)
+        tile_of = torch.empty(lay.num_video_tokens, dtype=torch.long)
+        tile_of[lay.perm] = torch.arange(lay.num_video_tokens) // block
+        assert int(tile_of.max()) < D
+        code = torch.nn.functional.one_hot(tile_of, D).float() * math.sqrt(logit * math.sqrt(D))
+        qs.append(code + noise * torch.randn(code.shape, generator=g))
+        ks.append(code + noise * torch.randn(code.shape, generator=g))
+    q, k = torch.stack(qs, 1)[None].contiguous(), torch.stack(ks, 1)[None].contiguous()
+    return q, k, torch.randn(q.shape, generator=g)
+
+
+def record(layer, grid, q, k, v):
+    return SimpleNamespace(layer=layer, q=q, k=k, v=v, grid=grid, text_len=0, text_position=None)
+
+
+GRID = (16, 8, 8)           # every candidate tiles it without padding; 8 tiles of 128
+DENSITY = 1 / 8             # one key tile per query tile: only the planted shape holds the mass
+
+
+def test_search_picks_planted_shape_per_head_and_layer():
+    plants = {0: [(8, 4, 4), (4, 4, 8)], 1: [(4, 8, 4), (4, 8, 4)]}   # t-, w- and h-elongated
+    samples = [record(l, GRID, *planted(GRID, s, seed=l)) for l, s in plants.items()]
+    res = search_tiling(samples, density=DENSITY, num_layers=2, num_heads=2)
+    assert [list(layer) for layer in res.tiling.layers] == [plants[0], plants[1]]
+    err = res.mean_err[0][0]
+    assert err[(8, 4, 4)] < 0.05 < min(v for s, v in err.items() if s != (8, 4, 4))
+
+
+def test_majority_vote_over_samples():
+    a, b = (8, 4, 4), (8, 8, 2)
+    samples = [record(0, GRID, *planted(GRID, [s], seed=i)) for i, s in enumerate([a, b, a])]
+    res = search_tiling(samples, density=DENSITY)
+    assert res.votes[0][0][a] == 2 and res.votes[0][0][b] == 1
+    assert res.tiling.layers[0] == (a,)
+
+
+def test_at_most_two_shapes_per_layer():
+    shapes = [(8, 4, 4), (8, 4, 4), (4, 4, 8), (4, 8, 4)]
+    res = search_tiling([record(0, GRID, *planted(GRID, shapes))], density=DENSITY)
+    picked = res.tiling.layers[0]
+    assert len(set(picked)) == 2
+    assert picked[0] == picked[1] == (8, 4, 4)           # the shape with two votes survives
+    assert set(picked) <= set(shapes)
+    three = search_tiling([record(0, GRID, *planted(GRID, shapes))], density=DENSITY, max_shapes_per_layer=3)
+    assert list(three.tiling.layers[0]) == shapes
+
+
+def test_shapes_needing_too_much_padding_are_excluded():
+    grid = (4, 16, 16)                                     # pt = 8 pads the time axis by 50%
+    q, k, v = planted(grid, [(4, 4, 8), (2, 8, 8)])
+    res = search_tiling([record(0, grid, q, k, v)], density=1 / 8)
+    assert all(s[0] <= 4 for s in res.candidates[0])
+    assert (8, 4, 4) not in res.candidates[0]
+    assert res.tiling.layers[0] == ((4, 4, 8), (2, 8, 8))
+
+
+def test_tiling_json_round_trip_and_veda_method_uses_it(tmp_path):
+    plants = [(8, 4, 4), (4, 4, 8)]
+    res = search_tiling([record(0, GRID, *planted(GRID, plants))], density=DENSITY, num_layers=2, num_heads=2,
+                        meta={"model_class": "WanTransformer3DModel"})
+    path = tmp_path / "tiling.json"
+    res.save(path)
+    data = json.loads(path.read_text())
+    assert data["format"] == "videosparse-tiling" and data["layers"][0] == [list(s) for s in plants]
+    assert data["summary"]["mean_rel_err_searched"] < data["summary"]["mean_rel_err_best_single"]
+    t = load_tiling(path, 128)
+    assert t.layers[0] == tuple(plants) and t.meta["model_class"] == "WanTransformer3DModel"
+    info = ModelInfo("WanTransformer3DModel", 2, 2, 32, (1, 2, 2))
+    method = VedaMethod(VedaConfig(density=0.1, tiling=str(path)), info)
+    assert list(method.tile_shapes(0, 2)) == plants
+    assert list(method.tile_shapes(1, 2)) == [(8, 4, 4), (8, 4, 4)]     # unseen layer: first candidate
+    with pytest.raises(ValueError, match="3 heads"):
+        method.tile_shapes(0, 3)
+    with pytest.raises(ValueError, match="block=64"):
+        VedaMethod(VedaConfig(density=0.1, tiling=str(path), block=64), info)
+    with pytest.raises(ValueError, match="covers 2 layers"):
+        VedaMethod(VedaConfig(density=0.1, tiling=str(path)), ModelInfo("WanTransformer3DModel", 4, 2, 32, (1, 2, 2)))
+
+
+def test_bad_tiling_files_raise(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"layers": [[[4, 4, 8]]]}))
+    with pytest.raises(ValueError, match="not a videosparse tiling file"):
+        load_tiling(bad)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_tiling(tmp_path / "missing.json")
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({"format": "videosparse-tiling", "version": 1, "block": 128, "layers": [[[4, 4, 4]]]}))
+    with pytest.raises(ValueError, match="product 128"):
+        load_tiling(wrong)
+
+
+def test_candidates():
+    assert all(math.prod(s) == 128 for s in CANDIDATES_128) and len(set(CANDIDATES_128)) == 6
+    assert all(math.prod(s) == 64 for s in CANDIDATES_64) and len(set(CANDIDATES_64)) == 6
+    assert candidate_shapes(64) == CANDIDATES_64
+    with pytest.raises(ValueError, match="block=32"):
+        candidate_shapes(32)
+
+
+def test_search_with_64_token_tiles():
+    grid = (8, 8, 16)
+    q, k, v = planted(grid, [(4, 4, 4), (2, 4, 8)], block=64, D=32)
+    res = search_tiling([record(0, grid, q, k, v)], density=1 / 16, block=64)
+    assert res.tiling.layers[0] == ((4, 4, 4), (2, 4, 8))
