@@ -135,11 +135,27 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_evaluate_parser(sub) -> None:
+    p = sub.add_parser("evaluate", help="quality and speed of a method grid vs dense (or --synthetic speed mode)")
+    _add_model_args(p)
+    from .eval.command import add_evaluate_arguments
+
+    add_evaluate_arguments(p)
+    p.set_defaults(func=_run_evaluate)
+
+
+def _run_evaluate(args: argparse.Namespace) -> int:
+    from .eval.command import run_evaluate
+
+    return run_evaluate(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="videosparse", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log INFO messages")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(sub)
+    _add_evaluate_parser(sub)
     return parser
 
 

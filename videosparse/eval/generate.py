@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Callable, ContextManager, Sequence
 
 import numpy as np
 import torch
@@ -13,9 +15,10 @@ from .timing import TransformerTimer, pipeline_transformers
 
 @dataclass
 class GenerationResult:
-    """frames: float [F, H, W, 3] in [0, 1]; transformer_s: seconds per transformer forward."""
+    """frames: float [F, H, W, 3] in [0, 1] (None for output_type="latent"); transformer_s: seconds per
+    transformer forward."""
 
-    frames: np.ndarray
+    frames: np.ndarray | None
     transformer_s: list[float]
     wall_s: float
     stats: dict | None
@@ -25,10 +28,21 @@ class GenerationResult:
         return float(sum(self.transformer_s))
 
 
-def generate(pipe, config, call_kwargs: dict, seed: int = 0, device: str | None = None) -> GenerationResult:
+def generate(pipe, config, call_kwargs: dict, seed: int = 0, device: str | None = None, *,
+             instruments: Sequence[Callable[[object], ContextManager]] = (),
+             output_type: str = "np") -> GenerationResult:
     """Run `pipe(**call_kwargs)` with `config` applied (None = the stock pipeline), then restore it.
 
     The generator is seeded identically for every config, so outputs are comparable frame by frame.
+
+    Args:
+        pipe: a diffusers pipeline.
+        config: a videosparse config, or None for the stock processors.
+        call_kwargs: the pipeline call's arguments (prompt, num_frames, ...), without generator/output_type.
+        seed: seed of the generator (on `device`, default cpu).
+        instruments: callables `pipe -> context manager` entered after `config` is applied and left
+            before it is removed (e.g. `lambda p: AttentionTimer(pipeline_transformers(p))()`).
+        output_type: "np" (frames returned) or "latent" (no VAE decode; frames is None).
     """
     import time
 
@@ -37,16 +51,27 @@ def generate(pipe, config, call_kwargs: dict, seed: int = 0, device: str | None 
     handle = apply(pipe, config) if config is not None else None
     timer = TransformerTimer(pipeline_transformers(pipe))
     try:
-        t0 = time.perf_counter()
-        with timer(), torch.no_grad():
-            out = pipe(**call_kwargs, generator=generator, output_type="np")
-        wall = time.perf_counter() - t0
+        with contextlib.ExitStack() as stack:
+            for make in instruments:
+                stack.enter_context(make(pipe))
+            t0 = time.perf_counter()
+            with timer(), torch.no_grad():
+                out = pipe(**call_kwargs, generator=generator, output_type=output_type)
+                if output_type == "latent":
+                    _sync_outputs(out)
+            wall = time.perf_counter() - t0
         stats = {name: s.stats() for name, s in handle.items()} if handle else None
     finally:
         if handle is not None:
             remove(pipe)
-    frames = np.asarray(out.frames[0], dtype=np.float32)
+    frames = None if output_type == "latent" else np.asarray(out.frames[0], dtype=np.float32)
     return GenerationResult(frames, list(timer.times), wall, stats)
+
+
+def _sync_outputs(out) -> None:
+    frames = getattr(out, "frames", None)
+    if isinstance(frames, torch.Tensor) and frames.is_cuda:
+        torch.cuda.synchronize(frames.device)
 
 
 def write_video(frames: np.ndarray, path: str, fps: int = 8) -> str:

@@ -1,4 +1,5 @@
-"""Video quality metrics vs a reference video (torchmetrics' PSNR and SSIM, per frame, averaged)."""
+"""Quality metrics: video level vs a reference video (torchmetrics PSNR and SSIM per frame, LPIPS when
+available) and attention level vs exact dense attention (relative L2 error, tile recall vs the oracle)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,169 @@ def ssim(video: np.ndarray, reference: np.ndarray) -> float:
     if a.shape != b.shape:
         raise ValueError(f"video {tuple(a.shape)} and reference {tuple(b.shape)} differ in shape.")
     return float(structural_similarity_index_measure(a, b, data_range=1.0))
+
+
+def psnr_per_frame(video: np.ndarray, reference: np.ndarray) -> list[float]:
+    """PSNR in dB (data range 1) of every frame; inf where a frame equals its reference.
+
+    Args:
+        video, reference: float [F, H, W, C] in [0, 1].
+    """
+    from torchmetrics.functional.image import peak_signal_noise_ratio
+
+    a, b = _frames(video), _frames(reference)
+    if a.shape != b.shape:
+        raise ValueError(f"video {tuple(a.shape)} and reference {tuple(b.shape)} differ in shape.")
+    return [float(peak_signal_noise_ratio(x[None], y[None], data_range=1.0)) for x, y in zip(a, b)]
+
+
+def ssim_per_frame(video: np.ndarray, reference: np.ndarray) -> list[float]:
+    """SSIM of every frame (Gaussian window 11, sigma 1.5, data range 1); 1.0 for identical frames.
+
+    Computed in fp32 (torchmetrics' Gaussian convolutions run ~10x slower in fp64 on CPU; the
+    difference is below 1e-6).
+    """
+    from torchmetrics.functional.image import structural_similarity_index_measure
+
+    a, b = _frames(video).float(), _frames(reference).float()
+    if a.shape != b.shape:
+        raise ValueError(f"video {tuple(a.shape)} and reference {tuple(b.shape)} differ in shape.")
+    values = structural_similarity_index_measure(a, b, data_range=1.0, reduction="none")
+    return [float(v) for v in values]
+
+
+# torchvision's AlexNet weights, which `lpips.LPIPS(net="alex")` loads through torch.hub.
+_ALEXNET_WEIGHTS = "alexnet-owt-7be5be79.pth"
+
+
+def load_lpips(device: str | torch.device = "cpu"):
+    """LPIPS (AlexNet) when the `lpips` package and its weights are on this machine, without downloading.
+
+    Returns:
+        (model, None) when available, else (None, a note saying what is missing and how to add it).
+    """
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("lpips") is None:
+        return None, "LPIPS skipped: the lpips package is not installed (pip install lpips)."
+    weights = os.path.join(torch.hub.get_dir(), "checkpoints", _ALEXNET_WEIGHTS)
+    if not os.path.isfile(weights):
+        return None, (f"LPIPS skipped: torchvision's AlexNet weights are not in the torch hub cache ({weights}); "
+                      "they are fetched once by `python -c \"import lpips; lpips.LPIPS(net='alex')\"` on a machine "
+                      "with internet access.")
+    import lpips
+
+    try:
+        model = lpips.LPIPS(net="alex", verbose=False).eval().to(device)
+    except Exception as err:  # a broken or partial install: report it, never fail the evaluation
+        return None, f"LPIPS skipped: loading it failed ({type(err).__name__}: {err})."
+    return model, None
+
+
+def lpips_distance(model, video: np.ndarray, reference: np.ndarray, batch: int = 8) -> float:
+    """Mean over frames of the LPIPS distance (0 = identical) with a model from `load_lpips`.
+
+    Args:
+        video, reference: float [F, H, W, 3] in [0, 1].
+    """
+    a, b = _frames(video), _frames(reference)
+    if a.shape != b.shape:
+        raise ValueError(f"video {tuple(a.shape)} and reference {tuple(b.shape)} differ in shape.")
+    device = next(model.parameters()).device
+    values = []
+    with torch.no_grad():
+        for i in range(0, a.shape[0], batch):
+            x = a[i:i + batch].float().to(device) * 2 - 1
+            y = b[i:i + batch].float().to(device) * 2 - 1
+            values.append(model(x, y).flatten().cpu())
+    return float(torch.cat(values).mean())
+
+
+# ---------------------------------------------------------------------------------- attention level
+def relative_l2(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Relative L2 error ||out - ref|| / ||ref|| per (batch, head), fp64 [B, H].
+
+    Args:
+        out, ref: [B, H, S, D] (any float dtype; compared in fp32, summed in fp64).
+    """
+    if out.shape != ref.shape:
+        raise ValueError(f"out {tuple(out.shape)} and ref {tuple(ref.shape)} differ in shape.")
+    diff = (out.float() - ref.float()).pow(2).sum((-1, -2), dtype=torch.float64)
+    norm = ref.float().pow(2).sum((-1, -2), dtype=torch.float64)
+    return (diff / norm.clamp_min(1e-300)).sqrt()
+
+
+def dense_attention_tile_mass(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int, block_n: int,
+    scale: float | None = None, max_elements: int = 1 << 27,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact dense attention and its probability mass per (query tile, key tile), in fp32.
+
+    The query rows are processed in chunks of whole query tiles so that at most about
+    `max_elements` attention probabilities exist at once.
+
+    Args:
+        q: [B, H, S, D]; k, v: [B, H, Sk, D], in tile order.
+        block_m, block_n: tokens per query tile / key tile.
+        scale: softmax scale, default 1/sqrt(D).
+
+    Returns:
+        out: fp32 [B, H, S, D], softmax(q k^T * scale) v.
+        mass: fp32 [B, H, Mq, Nk], sum over the rows of query tile i and the keys of key tile j of
+            the attention probabilities (each row sums to 1, so a row of `mass` sums to the tile's rows).
+    """
+    B, H, S, D = q.shape
+    Sk = k.shape[2]
+    scale = scale if scale is not None else D ** -0.5
+    Mq, Nk = -(-S // block_m), -(-Sk // block_n)
+    kf, vf = k.float(), v.float()
+    tiles_per_chunk = max(1, max_elements // max(1, B * H * Sk * block_m))
+    out = torch.empty(B, H, S, D, dtype=torch.float32, device=q.device)
+    mass = torch.empty(B, H, Mq, Nk, dtype=torch.float32, device=q.device)
+    pad = Nk * block_n - Sk
+    for t0 in range(0, Mq, tiles_per_chunk):
+        t1 = min(Mq, t0 + tiles_per_chunk)
+        r0, r1 = t0 * block_m, min(S, t1 * block_m)
+        p = torch.softmax((q[:, :, r0:r1].float() @ kf.transpose(-1, -2)) * scale, dim=-1)   # [B,H,r,Sk]
+        out[:, :, r0:r1] = p @ vf
+        cols = torch.nn.functional.pad(p, (0, pad)).view(B, H, r1 - r0, Nk, block_n).sum(-1)  # [B,H,r,Nk]
+        row_pad = (t1 - t0) * block_m - (r1 - r0)
+        cols = torch.nn.functional.pad(cols, (0, 0, 0, row_pad))
+        mass[:, :, t0:t1] = cols.view(B, H, t1 - t0, block_m, Nk).sum(3)
+    return out, mass
+
+
+def tile_recall(plan, mass: torch.Tensor) -> dict[str, float]:
+    """How well a plan's tiles match the oracle: the top tiles by true attention mass, same budget per row.
+
+    For every (batch, head, query tile) row with `c = kv_count` tiles, the oracle keeps the `c`
+    tiles of largest `mass`; recall is |plan ∩ oracle| / c. Rows that keep every tile (no choice,
+    e.g. text rows) are left out of the recall average.
+
+    Args:
+        plan: a `videosparse.plan.Plan` over Mq query tiles and Nk key tiles.
+        mass: fp32 [B, H, Mq, Nk] from `dense_attention_tile_mass`.
+
+    Returns:
+        dict with `recall` (mean over rows with a choice; 1.0 if there are none), `mass_kept`
+        (attention mass on the plan's tiles / all mass) and `oracle_mass_kept` (the same for the
+        oracle), `density` (kept pairs / all pairs).
+    """
+    B, H, Mq, Nk = mass.shape
+    chosen = plan.to_dense_mask(Nk)
+    if tuple(chosen.shape) != (B, H, Mq, Nk):
+        raise ValueError(f"plan covers {tuple(chosen.shape)} tiles but mass is {tuple(mass.shape)}.")
+    count = plan.kv_count.long()
+    rank = mass.argsort(dim=-1, descending=True).argsort(dim=-1)          # 0 = largest mass
+    oracle = rank < count[..., None]
+    hits = (chosen & oracle).sum(-1).float()
+    choice = count < Nk
+    recall = float((hits[choice] / count[choice].clamp_min(1).float()).mean()) if bool(choice.any()) else 1.0
+    total = float(mass.sum(dtype=torch.float64))
+    return {
+        "recall": recall,
+        "mass_kept": float(mass[chosen].sum(dtype=torch.float64)) / total,
+        "oracle_mass_kept": float(mass[oracle].sum(dtype=torch.float64)) / total,
+        "density": float(chosen.sum()) / chosen.numel(),
+    }

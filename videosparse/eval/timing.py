@@ -1,4 +1,5 @@
-"""Wall-clock timing of transformer forwards inside a pipeline call."""
+"""Timing inside a pipeline call: transformer forwards (wall clock, CUDA-synchronised) and the
+self-attention calls and plan building of videosparse processors (CUDA events)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,130 @@ class TransformerTimer:
 
 def pipeline_transformers(pipe) -> list[torch.nn.Module]:
     return [c for n, c in pipe.components.items() if n.startswith("transformer") and isinstance(c, torch.nn.Module)]
+
+
+class _Clock:
+    """Start/stop pairs: CUDA events on a GPU (no host sync in the hot path), perf_counter on CPU."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple] = []
+
+    def start(self, device: torch.device):
+        if device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def stop(self, device: torch.device, begin) -> None:
+        if device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.pairs.append((begin, ev))
+        else:
+            self.pairs.append((begin, time.perf_counter()))
+
+    def seconds(self) -> list[float]:
+        out = []
+        for a, b in self.pairs:
+            if isinstance(a, torch.cuda.Event):
+                b.synchronize()
+                out.append(a.elapsed_time(b) / 1000.0)
+            else:
+                out.append(b - a)
+        return out
+
+
+class AttentionTimer:
+    """Times the self-attention calls of transformers that videosparse is applied to.
+
+    For the duration of the context it wraps, per instance, every videosparse processor's
+    `attend(q, k, v)` (the whole attention: dense/sparse decision, gather, plan, kernel, scatter; not
+    the projections, which dense and sparse share) and every session's `method.plan` (mask
+    building). On CUDA each call is bracketed by CUDA events, so nothing synchronises inside the
+    forward; the durations are read when the context closes. Nothing in `videosparse.processors`
+    changes: the wrappers are instance attributes, deleted on exit.
+
+    Attributes (valid after the context closes):
+        attention_s: seconds of every self-attention call, in call order.
+        plan_s: seconds of every `plan` call (part of `attention_s`).
+        layers: the layer index of every attention call.
+
+    Example:
+        >>> timer = AttentionTimer(pipeline_transformers(pipe))      # after videosparse.apply(pipe, cfg)
+        >>> with timer():
+        ...     pipe(prompt)
+        >>> sum(timer.attention_s)
+    """
+
+    def __init__(self, transformers: list[torch.nn.Module]) -> None:
+        self.transformers = transformers
+        self.attention_s: list[float] = []
+        self.plan_s: list[float] = []
+        self.layers: list[int] = []
+
+    @staticmethod
+    def _processors(transformer: torch.nn.Module) -> list:
+        from ..processors.base import SparseAttentionMixin
+
+        procs = {id(p): p for p in transformer.attn_processors.values() if isinstance(p, SparseAttentionMixin)}
+        return list(procs.values())
+
+    @contextmanager
+    def __call__(self) -> Iterator["AttentionTimer"]:
+        attn_clock, plan_clock = _Clock(), _Clock()
+        layers: list[int] = []
+        wrapped: list[tuple[object, str]] = []
+
+        def wrap_attend(proc):
+            original = proc.attend
+
+            def attend(q, k, v, attention_mask=None):
+                begin = attn_clock.start(q.device)
+                out = original(q, k, v, attention_mask)
+                attn_clock.stop(q.device, begin)
+                layers.append(proc.layer)
+                return out
+
+            return attend
+
+        def wrap_plan(method):
+            original = method.plan
+
+            def plan(q, k, v, layout, layer):
+                begin = plan_clock.start(q.device)
+                out = original(q, k, v, layout, layer)
+                plan_clock.stop(q.device, begin)
+                return out
+
+            return plan
+
+        sessions = []
+        for t in self.transformers:
+            for proc in self._processors(t):
+                proc.attend = wrap_attend(proc)
+                wrapped.append((proc, "attend"))
+                sessions.append(proc.session)
+        for session in {id(s): s for s in sessions}.values():
+            if session.method is not None:
+                session.method.plan = wrap_plan(session.method)
+                wrapped.append((session.method, "plan"))
+        if not wrapped:
+            raise ValueError("AttentionTimer found no videosparse processors: call videosparse.apply(...) first "
+                             "(DenseConfig() for the dense reference).")
+        try:
+            yield self
+        finally:
+            for obj, name in wrapped:
+                obj.__dict__.pop(name, None)
+            self.attention_s.extend(attn_clock.seconds())
+            self.plan_s.extend(plan_clock.seconds())
+            self.layers.extend(layers)
+
+    @property
+    def attention_total(self) -> float:
+        return float(sum(self.attention_s))
+
+    @property
+    def plan_total(self) -> float:
+        return float(sum(self.plan_s))

@@ -1,0 +1,124 @@
+"""Video and attention metrics on constructed inputs with known values."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from videosparse.eval.attention import sample_steps
+from videosparse.eval.metrics import (dense_attention_tile_mass, load_lpips, psnr, psnr_per_frame, relative_l2, ssim,
+                                      ssim_per_frame, tile_recall)
+from videosparse.eval.report import from_jsonable, to_jsonable
+from videosparse.plan import plan_from_mask
+
+
+def _video(seed=0, shape=(3, 32, 40, 3)):
+    rng = np.random.default_rng(seed)
+    return rng.uniform(0.2, 0.8, size=shape).astype(np.float32)
+
+
+def test_psnr_of_known_noise_levels():
+    ref = _video()
+    # constant offset 0.1 -> MSE 0.01 -> 20 dB per frame
+    np.testing.assert_allclose(psnr_per_frame(ref + 0.1, ref), [20.0] * 3, atol=1e-4)
+    # random signs of amplitude 0.05 -> MSE 0.0025 -> 26.0206 dB
+    sign = np.where(np.random.default_rng(1).random(ref.shape) < 0.5, -1.0, 1.0).astype(np.float32)
+    assert psnr(ref + 0.05 * sign, ref) == pytest.approx(10 * math.log10(1 / 0.0025), abs=1e-3)
+    # one noisy frame: the other frames are infinite, so the mean is too
+    noisy = ref.copy()
+    noisy[1] += 0.1
+    values = psnr_per_frame(noisy, ref)
+    assert math.isinf(values[0]) and values[1] == pytest.approx(20.0, abs=1e-4)
+
+
+def test_identical_videos_give_inf_psnr_and_unit_ssim():
+    ref = _video()
+    assert all(math.isinf(v) and v > 0 for v in psnr_per_frame(ref, ref))
+    assert math.isinf(psnr(ref, ref))
+    assert ssim_per_frame(ref, ref) == pytest.approx([1.0] * 3, abs=1e-6)
+
+
+def test_ssim_of_constant_frames_matches_the_formula():
+    # constant frames a and b: the structure terms are C2/C2 = 1, SSIM = (2ab + C1) / (a^2 + b^2 + C1)
+    a, b, c1 = 0.5, 0.6, (0.01 * 1.0) ** 2
+    x = np.full((2, 24, 24, 3), a, np.float32)
+    y = np.full((2, 24, 24, 3), b, np.float32)
+    expected = (2 * a * b + c1) / (a * a + b * b + c1)
+    assert ssim_per_frame(y, x) == pytest.approx([expected] * 2, abs=1e-5)
+    assert ssim(y, x) == pytest.approx(expected, abs=1e-5)
+
+
+def test_shape_mismatch_is_a_clear_error():
+    with pytest.raises(ValueError, match="differ in shape"):
+        psnr_per_frame(_video(shape=(2, 8, 8, 3)), _video(shape=(3, 8, 8, 3)))
+
+
+def test_relative_l2_per_head():
+    ref = torch.randn(2, 3, 50, 16)
+    out = ref.clone()
+    out[:, 1] *= 1.1
+    err = relative_l2(out, ref)
+    assert err.shape == (2, 3)
+    torch.testing.assert_close(err[:, 1], torch.full((2,), 0.1, dtype=torch.float64), atol=1e-6, rtol=0)
+    assert float(err[:, [0, 2]].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("max_elements", [1 << 30, 1])
+def test_dense_attention_tile_mass(max_elements):
+    B, H, S, D, bm, bn = 1, 2, 200, 16, 64, 32
+    q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
+    out, mass = dense_attention_tile_mass(q, k, v, bm, bn, max_elements=max_elements)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert mass.shape == (B, H, math.ceil(S / bm), math.ceil(S / bn))
+    rows = torch.tensor([64.0, 64.0, 64.0, 8.0])                    # real rows per query tile
+    torch.testing.assert_close(mass.sum(-1), rows.expand(B, H, 4), atol=1e-4, rtol=1e-5)
+    p = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D), -1)
+    torch.testing.assert_close(mass[..., 1, 2], p[:, :, 64:128, 64:96].sum((-1, -2)), atol=1e-5, rtol=1e-5)
+
+
+def test_tile_recall_against_constructed_oracle():
+    # one row per (b, h, i); mass decreasing with the key-tile index, so the oracle keeps the first tiles
+    Nk = 6
+    mass = torch.arange(Nk, 0, -1, dtype=torch.float32).expand(1, 1, 3, Nk).contiguous()
+    mask = torch.zeros(1, 1, 3, Nk, dtype=torch.bool)
+    mask[0, 0, 0, [0, 1]] = True        # the oracle's two tiles: recall 1
+    mask[0, 0, 1, [4, 5]] = True        # the two worst tiles: recall 0
+    mask[0, 0, 2, [0, 5]] = True        # one of two: recall 0.5
+    r = tile_recall(plan_from_mask(mask, 64, 64), mass)
+    assert r["recall"] == pytest.approx(0.5)
+    total = 3 * sum(range(1, Nk + 1))
+    assert r["mass_kept"] == pytest.approx((6 + 5 + 2 + 1 + 6 + 1) / total)
+    assert r["oracle_mass_kept"] == pytest.approx(3 * (6 + 5) / total)
+    assert r["density"] == pytest.approx(6 / 18)
+    # rows that keep every tile have no choice: left out of recall
+    full = torch.ones(1, 1, 3, Nk, dtype=torch.bool)
+    assert tile_recall(plan_from_mask(full, 64, 64), mass)["recall"] == 1.0
+
+
+def test_sample_steps():
+    assert sample_steps(10, 3) == [0, 4, 9] or sample_steps(10, 3) == [0, 5, 9]
+    assert sample_steps(2, 3) == [0, 1]
+    assert sample_steps(1, 3) == [0]
+    with pytest.raises(ValueError):
+        sample_steps(0)
+
+
+def test_report_json_is_strict_and_round_trips_infinity():
+    data = {"psnr": math.inf, "neg": -math.inf, "nan": math.nan, "t": torch.tensor([1.5]), "n": np.float32(2.0)}
+    text = json.dumps(to_jsonable(data), allow_nan=False)
+    back = from_jsonable(json.loads(text))
+    assert math.isinf(back["psnr"]) and back["psnr"] > 0 and back["neg"] < 0 and math.isnan(back["nan"])
+    assert back["t"] == [1.5] and back["n"] == 2.0
+
+
+def test_lpips_unavailable_is_a_note_not_an_error():
+    import importlib.util
+
+    model, note = load_lpips("cpu")
+    if importlib.util.find_spec("lpips") is None:
+        assert model is None and "pip install lpips" in note
+    else:
+        assert (model is None) == (note is not None)

@@ -1,0 +1,124 @@
+"""End to end on CPU: a small grid on the tiny Wan pipeline produces every artifact, reruns skip done cells."""
+
+import json
+import math
+import os
+
+import imageio.v3 as iio
+import numpy as np
+import pytest
+import torch
+
+from videosparse.eval.evaluate import BUILTIN_PROMPTS, EvalSettings, cell_id, run_evaluation
+from videosparse.eval.spec import parse_method_specs
+from videosparse.models.loading import LoadedPipeline
+from videosparse.models.tiny_wan import build_tiny_wan_pipeline
+
+# 9 frames 128x256 -> latent 3x16x32 -> token grid 3x8x16 = 384 tokens: 6 tiles of 64 tokens
+CALL = dict(num_frames=9, height=128, width=256, num_inference_steps=2, guidance_scale=5.0, max_sequence_length=32)
+METHODS = ["dense", "veda@0.5:block=64:tiling=1x8x8", "sol@0.5"]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    # two cores shared with other processes: one thread avoids oversubscription stalls
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def loaded(one_thread):
+    return LoadedPipeline(build_tiny_wan_pipeline(), "tiny-wan-test", {})
+
+
+@pytest.fixture(scope="module")
+def evaluated(loaded, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("eval"))
+    settings = EvalSettings(parse_method_specs(METHODS), BUILTIN_PROMPTS[:2], [0], dict(CALL))
+    report = run_evaluation(loaded, settings, out, progress=False)
+    return out, settings, report
+
+
+def test_every_artifact_is_written(evaluated):
+    out, settings, report = evaluated
+    assert report["run_stats"] == {"computed": 6 + 2, "skipped": 0}
+    for name in ("report.json", "report.md", "plots/quality_vs_density.png", "plots/attention_error_heatmap.png",
+                 "plots/speedup_vs_density.png"):
+        path = os.path.join(out, name)
+        assert os.path.isfile(path) and os.path.getsize(path) > 0, name
+    for p in range(2):
+        video = iio.imread(os.path.join(out, "videos", f"prompt{p:02d}_seed0.mp4"))
+        # three panels of 256 + two 2-pixel gaps, padded to a multiple of 16
+        assert video.shape[0] == 9 and video.shape[1] == 128 and video.shape[2] == 784
+    md = open(os.path.join(out, "report.md")).read()
+    for label in METHODS:
+        assert f"`{label}`" in md
+    assert "Amdahl bound" in md and "LPIPS" in md
+
+
+def test_report_json_holds_every_number(evaluated):
+    out, settings, report = evaluated
+    with open(os.path.join(out, "report.json")) as f:
+        raw = json.load(f, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+    assert raw["environment"]["torch"] == torch.__version__ and raw["environment"]["device"] == "cpu"
+    assert raw["shapes"]["grid"] == [3, 8, 16] and raw["shapes"]["heads"] == 2 and raw["shapes"]["layers"] == 2
+    assert raw["methods"]["sol@0.5"]["config"]["method"] == "sol"
+    assert len(raw["cells"]) == 6
+    dense = raw["summary"]["dense"]
+    assert dense["psnr_db"] == "inf" and dense["ssim"] == pytest.approx(1.0)
+    for cell in raw["cells"].values():
+        assert len(cell["psnr_per_frame"]) == 9 and len(cell["transformer_s"]) == 4      # 2 steps x CFG
+        assert cell["attention_calls"] == 8                                             # 2 layers x 4 forwards
+        assert 0 < cell["attention_s"] < cell["transformer_total_s"] < cell["wall_s"]
+    assert any("LPIPS" in n for n in raw["notes"])
+
+
+def test_quality_and_attention_numbers_are_sane(evaluated):
+    out, settings, report = evaluated
+    s = report["summary"]
+    assert math.isinf(s["dense"]["psnr_db"]) and s["dense"]["speedup_transformer"] == pytest.approx(1.0)
+    for label in METHODS[1:]:
+        row = s[label]
+        assert math.isfinite(row["psnr_db"]) and 10 < row["psnr_db"] < 200
+        assert 0 < row["ssim"] <= 1
+        assert 0.2 < row["realised_density"] < 0.8 and row["attention_work"] == pytest.approx(row["realised_density"])
+        assert all(d is not None and 0 < d <= 1 for d in row["layer_density"]["transformer"])
+        assert row["attention_samples"] == 2 * 2                 # sampled steps [0, 1] x 2 layers
+        assert 0 < row["attn_rel_l2"] < 1 and 0 <= row["tile_recall"] <= 1
+        assert row["mass_kept"] <= row["oracle_mass_kept"] + 1e-6
+        assert row["amdahl_bound"] is not None and row["amdahl_bound"] >= 1.0
+    # the attention-level error of the sampled calls is what the kernel does on the same inputs
+    entries = next(v for v in report["attention"].values() if v["method"] == "sol@0.5")["entries"]["transformer"]
+    assert {(e["step"], e["layer"]) for e in entries} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert all(e["sparse"] and len(e["rel_l2_per_head"]) == 2 for e in entries)
+
+
+def test_dense_frames_are_the_stock_pipeline_output(evaluated, loaded):
+    out, settings, report = evaluated
+    from videosparse.eval.generate import generate
+
+    stock = generate(loaded.pipe, None, {**CALL, "prompt": BUILTIN_PROMPTS[0]}, seed=0)
+    cid = cell_id(settings.methods[0], BUILTIN_PROMPTS[0], 0)
+    saved = np.load(os.path.join(out, "frames", f"{cid}.npy")).astype(np.float32)
+    np.testing.assert_allclose(saved, stock.frames, atol=1e-3)      # fp16 storage
+
+
+def test_rerun_skips_done_cells_and_adds_new_ones(evaluated, loaded):
+    out, settings, first = evaluated
+    again = run_evaluation(loaded, settings, out, progress=False)
+    assert again["run_stats"] == {"computed": 0, "skipped": 8}
+    assert again["summary"]["sol@0.5"]["psnr_db"] == pytest.approx(first["summary"]["sol@0.5"]["psnr_db"])
+    more = EvalSettings(parse_method_specs(METHODS + ["veda@0.25:block=64:tiling=1x8x8"]), BUILTIN_PROMPTS[:2], [0],
+                        dict(CALL), attn_cells=0)
+    grown = run_evaluation(loaded, more, out, progress=False)
+    assert grown["run_stats"] == {"computed": 2, "skipped": 6}
+    assert grown["summary"]["veda@0.25:block=64:tiling=1x8x8"]["realised_density"] < 0.4
+
+
+def test_other_settings_refuse_the_directory(evaluated, loaded):
+    out, settings, _ = evaluated
+    other = EvalSettings(settings.methods, settings.prompts, [0], dict(CALL, num_inference_steps=3))
+    with pytest.raises(ValueError, match="other settings"):
+        run_evaluation(loaded, other, out, progress=False)

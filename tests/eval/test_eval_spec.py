@@ -1,0 +1,66 @@
+"""Method-spec syntax: every form maps onto the config it names; bad specs name what is wrong."""
+
+import pytest
+
+from videosparse.config import DenseConfig, SolConfig, VedaConfig
+from videosparse.eval.spec import parse_method_spec, parse_method_specs
+
+
+@pytest.mark.parametrize("text, config", [
+    ("dense", DenseConfig()),
+    ("veda@0.5", VedaConfig(density=0.5)),
+    ("veda", VedaConfig(density=0.1)),
+    ("veda@0.1:dense_steps=0.2", VedaConfig(density=0.1, dense_steps=0.2)),
+    ("veda@0.1:dense_steps=3:dense_layers=0,29", VedaConfig(density=0.1, dense_steps=3, dense_layers=(0, 29))),
+    ("veda@0.1:tiling=8x4x4:correction=on", VedaConfig(density=0.1, tiling=(8, 4, 4), correction=True)),
+    ("veda@0.2:block=64:tiling=1x8x8", VedaConfig(density=0.2, block=64, tiling=(1, 8, 8))),
+    ("sol@0.5", SolConfig(density=0.5)),
+    ("sol", SolConfig(density=0.15)),
+    ("sol:tau=1.5", SolConfig(tau=1.5)),
+    ("sol@0.15:band=0:correction=off", SolConfig(density=0.15, band=0, correction=False)),
+    (" sol @0.3 ", SolConfig(density=0.3)),
+])
+def test_specs_map_onto_configs(text, config):
+    spec = parse_method_spec(text)
+    assert spec.config == config
+    assert spec.label == "".join(text.split())
+
+
+def test_backend_default_applies_only_where_unset():
+    assert parse_method_spec("veda@0.1", backend="reference").config.backend == "reference"
+    assert parse_method_spec("veda@0.1:backend=auto", backend="reference").config.backend == "auto"
+    assert parse_method_spec("dense", backend="reference").config == DenseConfig()
+
+
+@pytest.mark.parametrize("text, match", [
+    ("", "malformed"),
+    ("flash@0.1", "method 'flash' is not known"),
+    ("veda@2", "density=2.0"),
+    ("veda@x", "density='x'"),
+    ("veda@0.1:foo=1", "no field 'foo'"),
+    ("veda@0.1:dense_steps", "KEY=VALUE"),
+    ("veda@0.1:correction=maybe", "correction='maybe'"),
+    ("veda@0.1:tiling=4x4x4", "pt\\*ph\\*pw = 64"),
+    ("dense@0.5", "takes no density"),
+    ("sol@0.1:tau=1.0", "exactly one of density or tau"),
+    ("veda@0.1:density=0.2", "given twice"),
+])
+def test_bad_specs_raise_naming_the_problem(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_method_spec(text)
+
+
+def test_grid_puts_dense_first_and_rejects_duplicates():
+    specs = parse_method_specs(["veda@0.5", "sol@0.5"])
+    assert [s.label for s in specs] == ["dense", "veda@0.5", "sol@0.5"]
+    specs = parse_method_specs(["sol@0.5", "dense"])
+    assert [s.label for s in specs] == ["dense", "sol@0.5"]
+    with pytest.raises(ValueError, match="same config"):
+        parse_method_specs(["veda@0.5", "veda@0.50"])
+
+
+def test_family_and_density():
+    s = parse_method_spec("veda@0.1:dense_steps=0.2")
+    assert s.family == "veda:dense_steps=0.2" and s.density == 0.1
+    assert parse_method_spec("dense").density == 1.0
+    assert parse_method_spec("sol@0.3").family == "sol"

@@ -1,0 +1,87 @@
+"""Synthetic speed mode on CPU: real sizes are refused clearly, a shrunken model runs end to end."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from videosparse.cli import main
+from videosparse.eval.spec import parse_method_specs
+from videosparse.eval.synthetic import (check_feasible, count_parameters, make_inputs, run_synthetic,
+                                        synthetic_setup)
+
+
+def test_published_shapes():
+    small, big = synthetic_setup("wan-1.3b"), synthetic_setup("wan-14b")
+    assert small.grid == (21, 30, 52) and small.tokens == 32760 and small.num_layers == 30
+    assert big.grid == (21, 45, 80) and big.tokens == 75600 and big.num_layers == 40
+    assert (small.model.heads, big.model.heads, big.model.head_dim) == (12, 40, 128)
+    assert synthetic_setup("hunyuan").grid == (33, 45, 80)
+    assert 1.2e9 < count_parameters(small) < 1.6e9 and 13e9 < count_parameters(big) < 15.5e9
+
+
+def test_real_sizes_are_refused_on_cpu():
+    for name in ("wan-1.3b", "wan-14b"):
+        setup = synthetic_setup(name)
+        with pytest.raises(ValueError, match="cannot run on this CPU.*CUDA GPU.*--synthetic-layers"):
+            check_feasible(setup, torch.device("cpu"), torch.bfloat16, count_parameters(setup))
+
+
+def test_hunyuan_without_processor_is_refused(capsys):
+    assert main(["evaluate", "--synthetic", "hunyuan", "--out", "unused"]) == 2
+    assert "no attention processor for HunyuanVideoTransformer3DModel" in capsys.readouterr().err
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="frames must be 1 \\+ a multiple of 4"):
+        synthetic_setup("wan-1.3b", frames=8)
+    with pytest.raises(ValueError, match="not known"):
+        synthetic_setup("wan-2b")
+
+
+def test_cli_refuses_real_size_on_cpu(capsys):
+    assert main(["evaluate", "--synthetic", "wan-1.3b", "--device", "cpu", "--out", "unused"]) == 2
+    err = capsys.readouterr().err
+    assert "21x30x52 = 32760 tokens" in err and "cannot run on this CPU" in err
+
+
+def test_shrunken_synthetic_run_writes_report(tmp_path):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        specs = parse_method_specs(["veda@0.5:block=64:tiling=1x8x8", "sol@0.5"])
+        report = run_synthetic(["wan-1.3b"], specs, str(tmp_path), device="cpu", frames=9, height=128, width=256,
+                               layers=1, warmup=0, repeats=1, progress=False)
+    finally:
+        torch.set_num_threads(n)
+    section = report["synthetic"]["wan-1.3b"]
+    assert section["shape"]["grid"] == [3, 8, 16] and section["shape"]["layers"] == 1
+    rows = section["methods"]
+    assert list(rows) == ["dense", "veda@0.5:block=64:tiling=1x8x8", "sol@0.5"]
+    assert rows["dense"]["speedup"] == pytest.approx(1.0) and rows["dense"]["output_rel_l2_vs_dense"] == 0.0
+    for label in list(rows)[1:]:
+        r = rows[label]
+        assert r["sparse_calls"] == 1 and r["dense_calls"] == 0 and 0.2 < r["realised_density"] < 0.8
+        assert 0 < r["output_rel_l2_vs_dense"] < 0.5 and r["amdahl_bound"] >= 1.0
+        assert 0 < r["attention_s"] < r["forward_s"]
+    for name in ("report.json", "report.md", "plots/speedup_vs_density_wan-1.3b.png"):
+        assert os.path.getsize(tmp_path / name) > 0
+    # a rerun with the same settings skips the model
+    again = run_synthetic(["wan-1.3b"], specs, str(tmp_path), device="cpu", frames=9, height=128, width=256, layers=1,
+                          warmup=0, repeats=1, progress=False)
+    assert again["synthetic"]["wan-1.3b"]["estimates"]["build_s"] == section["estimates"]["build_s"]
+
+
+def test_inputs_drive_the_wan_transformer_shapes():
+    setup = synthetic_setup("wan-1.3b", frames=5, height=64, width=64, layers=1)
+    inputs = make_inputs(setup, torch.device("cpu"), torch.float32)
+    assert tuple(inputs["hidden_states"].shape) == (1, 16, 2, 8, 8)
+    assert tuple(inputs["encoder_hidden_states"].shape) == (1, 512, 4096)
+
+
+def test_script_entry_point_help():
+    res = subprocess.run([sys.executable, "scripts/evaluate.py", "--help"], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert res.returncode == 0 and "--synthetic" in res.stdout and "NAME[@DENSITY]" in res.stdout

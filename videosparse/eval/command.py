@@ -1,0 +1,144 @@
+"""The `videosparse evaluate` command: its arguments and what it runs (cli.py only wires it in).
+
+    videosparse evaluate --methods dense veda@0.5 sol@0.5 veda@0.1:dense_steps=0.2 \\
+        --num-prompts 2 --seeds 0 --steps 8 --out eval_out
+    videosparse evaluate --synthetic wan-1.3b wan-14b --methods veda@0.25 veda@0.1 veda@0.05 --out eval_syn
+
+Method specs: see `videosparse.eval.spec` (NAME[@DENSITY][:KEY=VALUE...]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from .spec import parse_method_specs
+from .synthetic import SYNTHETIC_MODELS, default_synthetic_specs
+
+DEFAULT_METHODS = ["dense", "veda@0.25", "veda@0.1", "sol@0.25", "sol@0.1"]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated integers, e.g. 0,4,9") from None
+
+
+def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
+    """The evaluate subcommand's arguments (model arguments are added by the CLI)."""
+    p.add_argument("--methods", nargs="+", default=None, metavar="SPEC",
+                   help="method grid, NAME[@DENSITY][:KEY=VALUE...], e.g. dense veda@0.5 sol@0.5 "
+                        "veda@0.1:dense_steps=0.2 sol:tau=1.5 (dense is always added as the reference; default: "
+                        f"{' '.join(DEFAULT_METHODS)}; synthetic: {' '.join(default_synthetic_specs())})")
+    p.add_argument("--backend", default=None, choices=["auto", "triton", "reference"],
+                   help="kernel backend for specs that do not name one")
+    p.add_argument("--out", default="eval_out", help="output directory (a rerun skips the cells already in it)")
+    p.add_argument("--overwrite", action="store_true", help="start afresh when report.json has other settings")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    q = p.add_argument_group("quality run")
+    q.add_argument("--prompts", default=None, help="prompts file (one per line, or a JSON list); default built-in")
+    q.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable; instead of --prompts)")
+    q.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
+    q.add_argument("--seeds", type=int, nargs="+", default=[0])
+    q.add_argument("--steps", type=int, default=None, help="denoising steps")
+    q.add_argument("--frames", type=int, default=None)
+    q.add_argument("--height", type=int, default=None)
+    q.add_argument("--width", type=int, default=None)
+    q.add_argument("--guidance-scale", type=float, default=None)
+    q.add_argument("--negative-prompt", default=None)
+    q.add_argument("--attn-steps", type=_ints, default=None, help="steps sampled at attention level (default: 3 spread)")
+    q.add_argument("--attn-layers", type=_ints, default=None, help="layers sampled at attention level (default: all)")
+    q.add_argument("--attn-cells", type=int, default=1,
+                   help="(prompt, seed) pairs with the attention-level pass (0 = skip it)")
+    q.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="one untimed generation per method first (default: on with CUDA)")
+    q.add_argument("--no-lpips", action="store_true", help="do not compute LPIPS even when available")
+    q.add_argument("--fps", type=int, default=8, help="frame rate of the side-by-side videos")
+    s = p.add_argument_group("synthetic speed mode")
+    s.add_argument("--synthetic", nargs="+", default=None, choices=sorted(SYNTHETIC_MODELS),
+                   help="time one forward of real-size transformers with random weights (GPU)")
+    s.add_argument("--synthetic-layers", type=int, default=None, help="build only N blocks (default: all)")
+    s.add_argument("--repeats", type=int, default=3, help="timed forwards per method (median reported)")
+    s.add_argument("--warmup-forwards", type=int, default=1, help="untimed forwards per method")
+
+
+def _check_positive(args: argparse.Namespace, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={value} must be a positive integer.")
+
+
+def run_evaluate(args: argparse.Namespace) -> int:
+    """Run the evaluate subcommand from parsed arguments; prints a short table and where the report is."""
+    _check_positive(args, ("steps", "frames", "height", "width", "num_prompts", "repeats", "synthetic_layers", "fps"))
+    if args.synthetic:
+        return _run_synthetic(args)
+    from ..models.loading import load_pipeline
+    from .evaluate import EvalSettings, load_prompts, run_evaluation
+
+    specs = parse_method_specs(args.methods or DEFAULT_METHODS, backend=args.backend)
+    if args.prompt:
+        prompts = list(args.prompt)[: args.num_prompts] if args.num_prompts else list(args.prompt)
+    else:
+        prompts = load_prompts(args.prompts, args.num_prompts)
+    dtype = DTYPES.get(args.dtype) if getattr(args, "dtype", None) else None
+    loaded = load_pipeline(args.model, args.device, dtype)
+    call = {k: v for k, v in loaded.defaults.items() if k != "prompt"}
+    for key, value in (("num_inference_steps", args.steps), ("num_frames", args.frames), ("height", args.height),
+                       ("width", args.width), ("guidance_scale", args.guidance_scale),
+                       ("negative_prompt", args.negative_prompt)):
+        if value is not None:
+            call[key] = value
+    warmup = args.warmup if args.warmup is not None else str(loaded.pipe.device).startswith("cuda")
+    settings = EvalSettings(specs, prompts, list(args.seeds), call, attn_steps=args.attn_steps,
+                            attn_layers=args.attn_layers, attn_cells=args.attn_cells, warmup=warmup, fps=args.fps,
+                            lpips=not args.no_lpips)
+    print(f"model: {loaded.name} | {len(specs)} methods x {len(prompts)} prompts x {len(args.seeds)} seeds | "
+          f"{call.get('num_frames')} frames {call.get('height')}x{call.get('width')}, "
+          f"{call['num_inference_steps']} steps | out: {args.out}")
+    report = run_evaluation(loaded, settings, args.out, overwrite=args.overwrite, progress=not args.no_progress)
+    print(f"cells computed {report['run_stats']['computed']}, skipped {report['run_stats']['skipped']}")
+    print(f"{'method':<36} {'density':>8} {'PSNR dB':>8} {'SSIM':>7} {'attn err':>9} {'recall':>7} "
+          f"{'speedup':>8} {'bound':>7}")
+    for label, s in report["summary"].items():
+        print(f"{label:<36} {_f(s['realised_density'])} {_f(s['psnr_db'], 8, 2)} {_f(s['ssim'], 7, 4)} "
+              f"{_f(s['attn_rel_l2'], 9, 4)} {_f(s['tile_recall'], 7)} {_f(s['speedup_transformer'], 7, 2)}x "
+              f"{_f(s['amdahl_bound'], 6, 2)}x")
+    for note in report.get("notes", []):
+        print(f"note: {note}")
+    print(f"report: {args.out}/report.md, {args.out}/report.json")
+    return 0
+
+
+def _f(value, width: int = 8, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–".rjust(width)
+    return f"{value:>{width}.{digits}f}"
+
+
+def _run_synthetic(args: argparse.Namespace) -> int:
+    from .synthetic import run_synthetic
+
+    specs = parse_method_specs(args.methods or default_synthetic_specs(), backend=args.backend)
+    dtype = DTYPES.get(args.dtype) if getattr(args, "dtype", None) else None
+    report = run_synthetic(args.synthetic, specs, args.out, device=args.device, dtype=dtype, frames=args.frames,
+                           height=args.height, width=args.width, layers=args.synthetic_layers,
+                           warmup=args.warmup_forwards, repeats=args.repeats, progress=not args.no_progress)
+    for name in args.synthetic:
+        section = report["synthetic"][name]
+        print(f"{name}: grid {section['shape']['grid']} ({section['shape']['tokens']} tokens), dense attention share "
+              f"{100 * section['dense_attention_share']:.1f}%, bound with attention free "
+              f"{section['amdahl_bound_free_attention']:.2f}x")
+        for label, r in section["methods"].items():
+            print(f"  {label:<28} density {_f(r['realised_density'], 6)}  forward {r['forward_s']:.3f} s  "
+                  f"attention {r['attention_s']:.3f} s (plan {r['plan_s']:.3f})  speedup {r['speedup']:.2f}x  "
+                  f"Amdahl bound {r['amdahl_bound']:.2f}x  sparse/dense calls {r['sparse_calls']}/{r['dense_calls']}")
+    for note in report.get("notes", []):
+        print(f"note: {note}")
+    print(f"report: {args.out}/report.md, {args.out}/report.json")
+    return 0

@@ -1,0 +1,520 @@
+"""The evaluation run: a grid of methods x prompts x seeds, compared with dense, written to one directory.
+
+    from videosparse.eval.evaluate import EvalSettings, run_evaluation
+    from videosparse.eval.spec import parse_method_specs
+    from videosparse.models.loading import load_pipeline
+
+    loaded = load_pipeline()
+    settings = EvalSettings(parse_method_specs(["dense", "veda@0.5", "sol@0.5"]), prompts=BUILTIN_PROMPTS[:2],
+                            call={**loaded.defaults, "num_inference_steps": 4})
+    report = run_evaluation(loaded, settings, "eval_out")
+
+What one run does, cell by cell (a cell is one method, one prompt, one seed):
+
+1. **Quality and speed.** Generate with the method applied (dense is `DenseConfig`: diffusers' own
+   attention through videosparse's processors, so it can be timed the same way), the generator
+   seeded identically for every method. Per cell: PSNR and SSIM per frame vs the dense cell of the
+   same prompt and seed (dense vs itself: PSNR inf, SSIM 1), LPIPS when available; end-to-end wall
+   time, transformer time (every forward, CUDA-synchronised), attention time and plan time (every
+   self-attention call, CUDA events; `timing.AttentionTimer`); the session statistics (realised
+   density per layer, load balance, sparse/dense calls). Frames are kept in `frames/` (fp16 .npy) so
+   a rerun can compare new methods with the dense cells it skips.
+2. **Attention level.** For the first `attn_cells` (prompt, seed) pairs and every sparse method, one
+   more generation (no VAE decode) with an `AttentionProbe` on the sampled steps and layers: the
+   relative L2 error of the attention output vs exact dense attention on the same q, k, v, tile
+   recall vs the oracle, attention mass kept.
+3. **Outputs.** `report.json` (every number, versions, device, shapes, configs; saved after every
+   cell), `report.md`, `plots/` (quality vs density, per-layer error heatmap, speedup vs density
+   with the Amdahl bound), `videos/` (one side-by-side mp4 per prompt: dense | method | ...).
+
+A rerun with the same model and call settings skips every cell already in report.json (new
+methods, prompts or seeds are added); other settings raise unless `overwrite=True`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from ..processors import sessions as active_sessions
+from .attention import AttentionProbe, sample_steps
+from .generate import generate, write_video
+from .metrics import load_lpips, lpips_distance, psnr_per_frame, ssim_per_frame
+from .report import REPORT_FORMAT, environment, load_report, render_markdown, save_report
+from .spec import MethodSpec
+from .timing import AttentionTimer, pipeline_transformers
+
+logger = logging.getLogger("videosparse")
+
+# Prompts every built-in model understands (the tiny Wan vocabulary and the reference model's).
+BUILTIN_PROMPTS = [
+    "a red circle moving right on a dark background",
+    "a blue square bouncing on a light background",
+    "a green triangle rotating on a dark background",
+    "a yellow circle moving up on a light background",
+    "a purple square growing on a dark background",
+    "an orange triangle moving left on a light background",
+]
+
+CALL_KEYS_NOT_COMPARED = ("prompt",)
+
+
+def load_prompts(path: str | None, limit: int | None = None) -> list[str]:
+    """Prompts from a file (a JSON list of strings, or one prompt per line, '#' comments and blank
+    lines skipped), or the built-in list when `path` is None; the first `limit` of them."""
+    if path is None:
+        prompts = list(BUILTIN_PROMPTS)
+    else:
+        with open(path) as f:
+            text = f.read()
+        if path.endswith(".json"):
+            prompts = json.loads(text)
+            if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+                raise ValueError(f"{path}: a prompts JSON must be a list of strings.")
+        else:
+            prompts = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    if limit is not None:
+        prompts = prompts[:limit]
+    if not prompts:
+        raise ValueError(f"no prompts in {path!r}.")
+    return prompts
+
+
+@dataclass
+class EvalSettings:
+    """What to evaluate.
+
+    Args:
+        methods: the grid, dense first (`spec.parse_method_specs` puts it there).
+        prompts: the prompts.
+        seeds: generator seeds; every method runs every (prompt, seed).
+        call: the pipeline call's other arguments (num_frames, height, width, num_inference_steps,
+            guidance_scale, ...); `prompt` is taken from `prompts`.
+        attn_steps: denoising steps sampled at attention level (None: 3 spread over the run).
+        attn_layers: self-attention layers sampled (None: all).
+        attn_cells: how many (prompt, seed) pairs get the attention-level pass (0 = none).
+        warmup: one untimed generation per method before its first timed cell (kernel compilation).
+        fps: frame rate of the side-by-side videos.
+        lpips: compute LPIPS when the package and its weights are on this machine.
+    """
+
+    methods: list[MethodSpec]
+    prompts: list[str]
+    seeds: list[int] = field(default_factory=lambda: [0])
+    call: dict = field(default_factory=dict)
+    attn_steps: list[int] | None = None
+    attn_layers: list[int] | None = None
+    attn_cells: int = 1
+    warmup: bool = False
+    fps: int = 8
+    lpips: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.methods or not self.methods[0].is_dense:
+            raise ValueError("methods must start with dense (use spec.parse_method_specs).")
+        labels = [m.label for m in self.methods]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"method labels must be unique; got {labels}.")
+        if not self.prompts:
+            raise ValueError("at least one prompt is needed.")
+        if not self.seeds:
+            raise ValueError("at least one seed is needed.")
+        steps = self.call.get("num_inference_steps")
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"call['num_inference_steps']={steps!r} must be a positive int.")
+        if self.attn_cells < 0:
+            raise ValueError(f"attn_cells={self.attn_cells} must be >= 0.")
+
+
+def cell_id(spec: MethodSpec, prompt: str, seed: int) -> str:
+    """Stable id of one (config, prompt, seed) cell: the same config under another label is the same cell."""
+    blob = json.dumps({"config": spec.config.to_dict(), "prompt": prompt, "seed": seed}, sort_keys=True, default=str)
+    return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+def _comparable(call: dict) -> dict:
+    return {k: v for k, v in sorted(call.items()) if k not in CALL_KEYS_NOT_COMPARED}
+
+
+@contextlib.contextmanager
+def _capture_context(pipe, store: dict) -> Iterator[None]:
+    """Records, after the run, each session's last grid, text length and model info."""
+    try:
+        yield
+    finally:
+        for name, s in active_sessions(pipe).items():
+            store[name] = {"grid": s.context.grid, "text_len": s.context.text_len, "info": s.info}
+
+
+@contextlib.contextmanager
+def _probing(pipe, probes: dict, steps, layers) -> Iterator[None]:
+    """Attaches an `AttentionProbe` to every active session for the duration of the block."""
+    attached = []
+    for name, session in active_sessions(pipe).items():
+        probe = AttentionProbe(session, steps, layers)
+        probes[name] = probe
+        session.observers.append(probe)
+        attached.append((session, probe))
+    try:
+        yield
+    finally:
+        for session, probe in attached:
+            session.observers.remove(probe)
+
+
+def _work_fraction(stats: dict | None) -> tuple[float | None, float]:
+    """(realised density of the sparse calls, attention work vs dense incl. dense calls) over all components."""
+    if not stats:
+        return None, 1.0
+    kept = dense_calls = sparse_calls = 0.0
+    densities = []
+    for comp in stats.values():
+        d = comp.get("density")
+        sparse_calls += comp["sparse_calls"]
+        dense_calls += comp["dense_calls"]
+        if d is not None:
+            densities.append((float(d), comp["sparse_calls"]))
+            kept += float(d) * comp["sparse_calls"]
+    calls = sparse_calls + dense_calls
+    density = sum(d * n for d, n in densities) / sum(n for _, n in densities) if densities and sparse_calls else None
+    work = (dense_calls + kept) / calls if calls else 1.0
+    return density, work
+
+
+def _layer_densities(stats: dict | None) -> dict[str, list[float | None]]:
+    out = {}
+    for name, comp in (stats or {}).items():
+        layers = comp.get("layers", {})
+        out[name] = [layers[k].get("density") for k in sorted(layers, key=int)]
+    return out
+
+
+class Evaluation:
+    """One evaluation directory: its report, the cells still to run, and the artifacts.
+
+    Args:
+        loaded: the `LoadedPipeline` (pipeline, name, defaults).
+        settings: `EvalSettings`.
+        out_dir: output directory (created).
+        overwrite: start a fresh report even when report.json was made with other settings.
+        progress: show tqdm progress bars.
+    """
+
+    def __init__(self, loaded, settings: EvalSettings, out_dir: str, *, overwrite: bool = False,
+                 progress: bool = True) -> None:
+        self.loaded = loaded
+        self.pipe = loaded.pipe
+        self.settings = settings
+        self.out_dir = out_dir
+        self.progress = progress
+        self.device = str(self.pipe.device)
+        self.dtype = str(getattr(self.pipe.transformer, "dtype", ""))
+        for sub in ("frames", "plots", "videos"):
+            os.makedirs(os.path.join(out_dir, sub), exist_ok=True)
+        self.path = os.path.join(out_dir, "report.json")
+        key = {"model": loaded.name, "call": _comparable(settings.call), "dtype": self.dtype, "device": self.device}
+        old = None if overwrite else load_report(self.path)
+        if old is not None and old.get("run_key") != json.loads(json.dumps(key, default=str)):
+            raise ValueError(
+                f"{self.path} was made with other settings ({old.get('run_key')}); this run has {key}. Use another "
+                "output directory, or overwrite=True (--overwrite) to start afresh."
+            )
+        self.report: dict[str, Any] = old or {"format": REPORT_FORMAT, "mode": "quality", "cells": {}, "attention": {}}
+        self.report["run_key"] = json.loads(json.dumps(key, default=str))
+        self._lpips = None
+        self._lpips_note: str | None = None
+        self._contexts: dict = {}
+        self.computed = 0
+        self.skipped = 0
+
+    # ---------------------------------------------------------------- helpers
+    def _frames_path(self, cid: str) -> str:
+        return os.path.join(self.out_dir, "frames", f"{cid}.npy")
+
+    def _done(self, cid: str) -> bool:
+        return cid in self.report["cells"] and os.path.isfile(self._frames_path(cid))
+
+    def _frames(self, cid: str) -> np.ndarray:
+        return np.load(self._frames_path(cid)).astype(np.float32)
+
+    def _call(self, prompt: str) -> dict:
+        return {**self.settings.call, "prompt": prompt}
+
+    def _tqdm(self, total: int, desc: str):
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, disable=not self.progress, leave=False)
+
+    def _lpips_model(self):
+        if self._lpips is None and self._lpips_note is None:
+            if self.settings.lpips:
+                self._lpips, self._lpips_note = load_lpips(self.device)
+            else:
+                self._lpips_note = "LPIPS skipped: disabled (--no-lpips)."
+        return self._lpips
+
+    def _save(self) -> None:
+        save_report(self.report, self.path)
+
+    # ---------------------------------------------------------------- cells
+    def _warmup(self, spec: MethodSpec) -> None:
+        call = self._call(self.settings.prompts[0])
+        logger.info("warm-up generation for %s", spec.label)
+        generate(self.pipe, spec.config, call, seed=self.settings.seeds[0], device=self.device, output_type="latent")
+
+    def _run_cell(self, spec: MethodSpec, prompt_index: int, seed: int, dense_id: str | None) -> dict:
+        prompt = self.settings.prompts[prompt_index]
+        timers: list[AttentionTimer] = []
+
+        def timed(pipe):
+            timer = AttentionTimer(pipeline_transformers(pipe))
+            timers.append(timer)
+            return timer()
+
+        result = generate(self.pipe, spec.config, self._call(prompt), seed=seed, device=self.device,
+                          instruments=[timed, lambda p: _capture_context(p, self._contexts)])
+        cid = cell_id(spec, prompt, seed)
+        np.save(self._frames_path(cid), result.frames.astype(np.float16))
+        timer = timers[0]
+        density, work = _work_fraction(result.stats)
+        cell = {
+            "method": spec.label, "config": spec.config.to_dict(), "prompt_index": prompt_index, "prompt": prompt,
+            "seed": seed, "frames_file": os.path.relpath(self._frames_path(cid), self.out_dir),
+            "frames_shape": list(result.frames.shape),
+            "wall_s": result.wall_s, "transformer_s": result.transformer_s,
+            "transformer_total_s": result.transformer_total_s,
+            "attention_s": timer.attention_total, "plan_s": timer.plan_total,
+            "attention_calls": len(timer.attention_s),
+            "realised_density": density, "attention_work": work,
+            "layer_density": _layer_densities(result.stats), "stats": result.stats,
+        }
+        reference = result.frames if spec.is_dense else self._frames(dense_id)
+        cell.update(self._quality(result.frames, reference))
+        return cell
+
+    def _quality(self, frames: np.ndarray, reference: np.ndarray) -> dict:
+        psnr = psnr_per_frame(frames, reference)
+        ssim = ssim_per_frame(frames, reference)
+        model = self._lpips_model()
+        return {
+            "psnr_db": float(np.mean(psnr)), "psnr_per_frame": psnr,
+            "ssim": float(np.mean(ssim)), "ssim_per_frame": ssim,
+            "lpips": lpips_distance(model, frames, reference) if model is not None else None,
+        }
+
+    def run_cells(self) -> None:
+        s = self.settings
+        pairs = [(p, seed) for p in range(len(s.prompts)) for seed in s.seeds]
+        bar = self._tqdm(len(pairs) * len(s.methods), "evaluate")
+        warmed: set[str] = set()
+        for p, seed in pairs:
+            dense_id = cell_id(s.methods[0], s.prompts[p], seed)
+            for spec in s.methods:
+                cid = cell_id(spec, s.prompts[p], seed)
+                bar.set_postfix_str(f"{spec.label} p{p} s{seed}")
+                if self._done(cid):
+                    self.skipped += 1
+                    bar.update(1)
+                    continue
+                if s.warmup and spec.label not in warmed:
+                    self._warmup(spec)
+                    warmed.add(spec.label)
+                t0 = time.perf_counter()
+                self.report["cells"][cid] = self._run_cell(spec, p, seed, dense_id)
+                self.computed += 1
+                logger.info("cell %s prompt %d seed %d done in %.1f s", spec.label, p, seed, time.perf_counter() - t0)
+                self._save()
+                bar.update(1)
+        bar.close()
+
+    def run_attention(self) -> None:
+        s = self.settings
+        pairs = [(p, seed) for p in range(len(s.prompts)) for seed in s.seeds][: s.attn_cells]
+        sparse = [m for m in s.methods if not m.is_dense]
+        steps = s.attn_steps if s.attn_steps is not None else sample_steps(s.call["num_inference_steps"], 3)
+        bar = self._tqdm(len(pairs) * len(sparse), "attention")
+        for p, seed in pairs:
+            for spec in sparse:
+                cid = cell_id(spec, s.prompts[p], seed)
+                if cid in self.report["attention"]:
+                    self.skipped += 1
+                    bar.update(1)
+                    continue
+                probes: dict[str, AttentionProbe] = {}
+                generate(self.pipe, spec.config, self._call(s.prompts[p]), seed=seed, device=self.device,
+                         output_type="latent", instruments=[lambda pipe: _probing(pipe, probes, steps, s.attn_layers)])
+                self.report["attention"][cid] = {
+                    "method": spec.label, "prompt_index": p, "seed": seed, "steps": steps, "layers": s.attn_layers,
+                    "entries": {name: probe.entries for name, probe in probes.items()},
+                }
+                self.computed += 1
+                self._save()
+                bar.update(1)
+        bar.close()
+
+    # ---------------------------------------------------------------- summary and artifacts
+    def summarize(self) -> dict[str, dict]:
+        """label -> per-method means (quality) and medians (time), speedups and Amdahl bounds."""
+        s = self.settings
+        cells, attention = self.report["cells"], self.report["attention"]
+        keys = [(p, seed) for p in range(len(s.prompts)) for seed in s.seeds]
+        summary: dict[str, dict] = {}
+        for spec in s.methods:
+            mine = [cells[c] for c in (cell_id(spec, s.prompts[p], seed) for p, seed in keys) if c in cells]
+            probes = [e for c in (cell_id(spec, s.prompts[p], seed) for p, seed in keys) if c in attention
+                      for entries in attention[c]["entries"].values() for e in entries if e.get("sparse")]
+
+            def mean(key, rows=mine):
+                vals = [r[key] for r in rows if r.get(key) is not None]
+                return float(np.mean(vals)) if vals else None
+
+            def median(key):
+                vals = [r[key] for r in mine if r.get(key) is not None]
+                return float(statistics.median(vals)) if vals else None
+
+            layer_density: dict[str, list] = {}
+            for r in mine:
+                for comp, dens in r.get("layer_density", {}).items():
+                    layer_density.setdefault(comp, []).append(dens)
+            summary[spec.label] = {
+                "method": spec.method, "family": spec.family, "config": spec.config.to_dict(), "cells": len(mine),
+                "nominal_density": spec.density, "realised_density": mean("realised_density") if not spec.is_dense else 1.0,
+                "attention_work": mean("attention_work"),
+                "layer_density": {c: [None if any(v is None for v in col) else float(np.mean(col))
+                                      for col in zip(*rows)] for c, rows in layer_density.items()},
+                "psnr_db": mean("psnr_db"), "ssim": mean("ssim"), "lpips": mean("lpips"),
+                "attn_rel_l2": mean("rel_l2", probes), "tile_recall": mean("recall", probes),
+                "mass_kept": mean("mass_kept", probes), "oracle_mass_kept": mean("oracle_mass_kept", probes),
+                "attention_samples": len(probes),
+                "wall_s": median("wall_s"), "transformer_s": median("transformer_total_s"),
+                "attention_s": median("attention_s"), "plan_s": median("plan_s"),
+            }
+        dense = summary[s.methods[0].label]
+        f = None
+        if dense["attention_s"] is not None and dense["transformer_s"]:
+            f = min(dense["attention_s"] / dense["transformer_s"], 0.999999)
+        for row in summary.values():
+            row["attention_share"] = (row["attention_s"] / row["transformer_s"]
+                                      if row["attention_s"] is not None and row["transformer_s"] else None)
+            for key, base in (("speedup_transformer", "transformer_s"), ("speedup_e2e", "wall_s"),
+                              ("speedup_attention", "attention_s")):
+                row[key] = dense[base] / row[base] if dense[base] and row[base] else None
+            work = row["attention_work"]
+            row["amdahl_bound"] = 1.0 / ((1 - f) + f * work) if f is not None and work is not None else None
+            row["amdahl_bound_free_attention"] = 1.0 / (1 - f) if f is not None else None
+        return summary
+
+    def _model_facts(self) -> tuple[dict, dict]:
+        transformer = self.pipe.transformer
+        ctx = self._contexts.get("transformer") or next(iter(self._contexts.values()), None)
+        model = {"name": self.loaded.name, "pipeline_class": type(self.pipe).__name__,
+                 "transformer_class": type(transformer).__name__, "dtype": self.dtype,
+                 "transformer_config": dict(transformer.config)}
+        shapes = dict(self.report.get("shapes", {}))
+        if ctx is not None and ctx["grid"] is not None:
+            info = ctx["info"]
+            shapes = {"grid": list(ctx["grid"]), "video_tokens": math.prod(ctx["grid"]), "text_tokens": ctx["text_len"],
+                      "heads": info.num_heads, "head_dim": info.head_dim, "layers": info.num_layers,
+                      "patch_size": list(info.patch_size)}
+        return model, shapes
+
+    def write_videos(self) -> list[str]:
+        s = self.settings
+        paths = []
+        seed = s.seeds[0]
+        for p, prompt in enumerate(s.prompts):
+            present = [(m, cell_id(m, prompt, seed)) for m in s.methods]
+            present = [(m, c) for m, c in present if self._done(c)]
+            if len(present) < 1:
+                continue
+            from .video import side_by_side
+
+            frames = side_by_side([self._frames(c) for _, c in present], [m.label for m, _ in present])
+            path = os.path.join(self.out_dir, "videos", f"prompt{p:02d}_seed{seed}.mp4")
+            write_video(frames, path, fps=s.fps)
+            paths.append(os.path.relpath(path, self.out_dir))
+        return paths
+
+    def write_plots(self, summary: dict) -> list[str]:
+        from .plots import plot_error_heatmap, plot_quality_vs_density, plot_speedup_vs_density
+
+        d = os.path.join(self.out_dir, "plots")
+        name = self.loaded.name
+        dense = summary[self.settings.methods[0].label]
+        paths = [
+            plot_quality_vs_density(summary, os.path.join(d, "quality_vs_density.png"), f"Quality vs density: {name}"),
+            plot_error_heatmap({k: v for k, v in self.report["attention"].items()
+                                if v["method"] in summary}, os.path.join(d, "attention_error_heatmap.png")),
+            plot_speedup_vs_density(summary, dense.get("attention_share"), os.path.join(d, "speedup_vs_density.png"),
+                                    f"Transformer speedup: {name}"),
+        ]
+        return [os.path.relpath(p, self.out_dir) for p in paths]
+
+    def finish(self) -> dict:
+        s = self.settings
+        model, shapes = self._model_facts()
+        summary = self.summarize()
+        notes = [n for n in self.report.get("notes", []) if not n.startswith("LPIPS")]
+        self._lpips_model()
+        if self._lpips_note:
+            notes.append(self._lpips_note)
+        if self.device == "cpu":
+            notes.append("Run on CPU: the sparse path uses the torch reference kernel, so times say nothing about "
+                         "GPU speed (use --synthetic on a GPU for that).")
+        fallbacks = sorted({reason for c in self.report["cells"].values() for comp in (c.get("stats") or {}).values()
+                            for layer in comp.get("layers", {}).values() for reason in layer.get("fallbacks", [])})
+        if fallbacks:
+            notes.append("Some calls fell back to dense attention: " + "; ".join(fallbacks))
+        notes = list(dict.fromkeys(notes))
+        self.report.update(
+            environment=environment(self.device), model=model, shapes=shapes,
+            settings={"call": s.call, "prompts": s.prompts, "seeds": s.seeds, "warmup": s.warmup,
+                      "attention_sampling": {"steps": s.attn_steps or sample_steps(s.call["num_inference_steps"], 3),
+                                             "layers": s.attn_layers, "cells": s.attn_cells}},
+            methods={m.label: {"config": m.config.to_dict(), "family": m.family} for m in s.methods},
+            summary=summary, notes=notes, updated=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        )
+        self.report["artifacts"] = {"videos": self.write_videos(), "plots": self.write_plots(summary),
+                                    "report_md": "report.md", "report_json": "report.json"}
+        self._save()
+        with open(os.path.join(self.out_dir, "report.md"), "w") as f:
+            f.write(render_markdown(self.report))
+        return self.report
+
+
+def run_evaluation(loaded, settings: EvalSettings, out_dir: str, *, overwrite: bool = False,
+                   progress: bool = True) -> dict:
+    """Run (or complete) an evaluation into `out_dir` and return the report dict.
+
+    Args:
+        loaded: `videosparse.models.loading.LoadedPipeline` (e.g. from `load_pipeline`).
+        settings: `EvalSettings`.
+        out_dir: output directory; cells already in its report.json are skipped.
+        overwrite: discard a report.json made with other model/call settings instead of raising.
+        progress: tqdm progress bars.
+
+    Returns:
+        The report (as written to report.json, with non-finite floats as floats); its `summary` maps
+        each method label to its means, medians, speedups and Amdahl bounds, and `run_stats` says how
+        many cells were computed and skipped.
+    """
+    loaded.pipe.set_progress_bar_config(disable=True)
+    ev = Evaluation(loaded, settings, out_dir, overwrite=overwrite, progress=progress)
+    with torch.no_grad():
+        ev.run_cells()
+        if settings.attn_cells:
+            ev.run_attention()
+    report = ev.finish()
+    report["run_stats"] = {"computed": ev.computed, "skipped": ev.skipped}
+    return report

@@ -1,0 +1,231 @@
+"""The evaluation report: environment facts, strict-JSON storage, and the markdown tables.
+
+`report.json` is strict JSON: non-finite floats (PSNR of dense vs itself is +inf) are stored as the
+strings "inf", "-inf" and "nan"; `load_report` turns them back into floats.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+REPORT_FORMAT = 1
+_NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+def to_jsonable(obj: Any) -> Any:
+    """A JSON-safe copy: non-finite floats -> "inf"/"-inf"/"nan", tensors and numpy values -> Python."""
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return to_jsonable(obj.detach().cpu().tolist())
+    if isinstance(obj, np.ndarray):
+        return to_jsonable(obj.tolist())
+    if isinstance(obj, (np.floating, np.integer, np.bool_)):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return obj
+    return str(obj)
+
+
+def from_jsonable(obj: Any) -> Any:
+    """Inverse of `to_jsonable` for the non-finite floats."""
+    if isinstance(obj, dict):
+        return {k: from_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [from_jsonable(v) for v in obj]
+    if isinstance(obj, str) and obj in _NONFINITE:
+        return _NONFINITE[obj]
+    return obj
+
+
+def save_report(report: dict, path: str) -> None:
+    """Write `report` as strict JSON, atomically (a temporary file, then a rename)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(to_jsonable(report), f, indent=1, allow_nan=False)
+    os.replace(tmp, path)
+
+
+def load_report(path: str) -> dict | None:
+    """The report at `path` (non-finite floats restored), or None when there is none."""
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return from_jsonable(json.load(f))
+
+
+def _version(module: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:
+        return None
+
+
+def environment(device: str | torch.device) -> dict[str, Any]:
+    """Versions, device and kernel backends: what every report carries beside its numbers."""
+    from .. import __version__
+    from ..kernels.dispatch import AUTO_ORDER
+
+    device = torch.device(device)
+    env: dict[str, Any] = {
+        "videosparse": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "diffusers": _version("diffusers"),
+        "transformers": _version("transformers"),
+        "torchmetrics": _version("torchmetrics"),
+        "triton": _version("triton"),
+        "numpy": np.__version__,
+        "device": str(device),
+        "cpu_threads": torch.get_num_threads(),
+        "kernel_backends_auto_order": list(AUTO_ORDER),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=props.name, compute_capability=f"{props.major}.{props.minor}",
+                   gpu_memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda,
+                   sm_count=props.multi_processor_count)
+    return env
+
+
+# ------------------------------------------------------------------------------------------ markdown
+def _fmt(value: Any, digits: int = 3, suffix: str = "") -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        if math.isnan(value):
+            return "–"
+        return f"{value:.{digits}f}{suffix}"
+    return f"{value}{suffix}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines
+
+
+def _environment_lines(env: dict) -> list[str]:
+    keys = ("device", "gpu", "compute_capability", "torch", "diffusers", "triton", "videosparse",
+            "kernel_backends_auto_order")
+    return [", ".join(f"{k} {env[k]}" for k in keys if env.get(k) is not None)]
+
+
+def render_markdown(report: dict) -> str:
+    """report.md: what was run, the quality table, the speed table (with the Amdahl bounds), notes."""
+    lines: list[str] = ["# videosparse evaluation", ""]
+    env = report.get("environment", {})
+    lines += ["**Environment:** " + _environment_lines(env)[0], ""]
+    if report.get("mode") == "synthetic":
+        lines += _synthetic_markdown(report)
+    else:
+        lines += _quality_markdown(report)
+    notes = report.get("notes") or []
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines) + "\n"
+
+
+def _quality_markdown(report: dict) -> list[str]:
+    model, settings, shapes = report.get("model", {}), report.get("settings", {}), report.get("shapes", {})
+    call = settings.get("call", {})
+    lines = [
+        f"**Model:** {model.get('name')} ({model.get('transformer_class')}, {model.get('dtype')}); "
+        f"{call.get('num_frames')} frames {call.get('height')}x{call.get('width')}, "
+        f"{call.get('num_inference_steps')} steps, guidance {call.get('guidance_scale')}; "
+        f"token grid {shapes.get('grid')} = {shapes.get('video_tokens')} tokens, "
+        f"{shapes.get('heads')} heads x {shapes.get('head_dim')}, {shapes.get('layers')} self-attention layers.",
+        "",
+        f"**Prompts:** {len(settings.get('prompts', []))}; **seeds:** {settings.get('seeds')}. Every method runs "
+        "with the same seeds; quality is measured against dense (the same processors with `DenseConfig`).",
+        "",
+        "## Quality vs dense",
+        "",
+    ]
+    summary = report.get("summary", {})
+    rows = []
+    for label, s in summary.items():
+        rows.append([f"`{label}`", _fmt(s.get("nominal_density"), 2), _fmt(s.get("realised_density")),
+                     _fmt(s.get("attention_work")), _fmt(s.get("psnr_db"), 2), _fmt(s.get("ssim"), 4),
+                     _fmt(s.get("lpips"), 4), _fmt(s.get("attn_rel_l2"), 4), _fmt(s.get("tile_recall")),
+                     _fmt(s.get("mass_kept")), _fmt(s.get("oracle_mass_kept")), str(s.get("cells", 0))])
+    lines += _table(["method", "density", "realised", "attn work", "PSNR dB", "SSIM", "LPIPS", "attn rel L2",
+                     "tile recall", "mass kept", "oracle mass", "cells"], rows)
+    lines += [
+        "",
+        "*realised*: kept tile pairs / all pairs over the sparse calls; *attn work*: the fraction of dense "
+        "attention work done, dense-scheduled calls included. Attention-level columns are means over the "
+        "sampled (step, layer) calls where the method runs sparse; recall is vs the oracle (top tiles by "
+        "true attention mass at the same per-row budget).",
+        "",
+        "## Speed",
+        "",
+    ]
+    rows = []
+    for label, s in summary.items():
+        rows.append([f"`{label}`", _fmt(s.get("wall_s"), 2), _fmt(s.get("transformer_s"), 3),
+                     _fmt(s.get("attention_s"), 3), _fmt(s.get("plan_s"), 3),
+                     _fmt(100 * s["attention_share"] if s.get("attention_share") is not None else None, 1, "%"),
+                     _fmt(s.get("speedup_transformer"), 2, "x"), _fmt(s.get("amdahl_bound"), 2, "x"),
+                     _fmt(s.get("speedup_e2e"), 2, "x"), _fmt(s.get("speedup_attention"), 2, "x")])
+    lines += _table(["method", "e2e s", "transformer s", "attention s", "plan s", "attn share",
+                     "transformer speedup", "Amdahl bound", "e2e speedup", "attention speedup"], rows)
+    dense = summary.get(next(iter(summary), ""), {})
+    if dense.get("amdahl_bound_free_attention") is not None:
+        lines += ["", f"Dense attention is {_fmt(100 * dense['attention_share'], 1)}% of transformer time: with "
+                  f"attention free the transformer could run at most "
+                  f"{_fmt(dense['amdahl_bound_free_attention'], 2)}x faster. The *Amdahl bound* column is "
+                  "1 / ((1 - f) + f * w) with f that share and w the method's attention work (an ideal kernel "
+                  "at the realised density, mask building free). Times are medians over the cells."]
+    lines += ["", "## Artifacts", ""]
+    for kind, paths in (report.get("artifacts") or {}).items():
+        for p in paths if isinstance(paths, list) else [paths]:
+            lines.append(f"- {kind}: `{p}`")
+    return lines + [""]
+
+
+def _synthetic_markdown(report: dict) -> list[str]:
+    syn = report.get("synthetic", {})
+    lines = []
+    for name, model in syn.items():
+        shape = model.get("shape", {})
+        lines += [
+            f"## Synthetic {name}: one transformer forward, random weights",
+            "",
+            f"Config: {model.get('config_summary')}; input {shape.get('video')} -> token grid {shape.get('grid')} = "
+            f"{shape.get('tokens')} tokens; {model.get('dtype')}; {model.get('repeats')} timed forwards after "
+            f"{model.get('warmup')} warm-up (median).",
+            "",
+        ]
+        rows = []
+        for label, r in model.get("methods", {}).items():
+            rows.append([f"`{label}`", _fmt(r.get("realised_density")), _fmt(r.get("forward_s"), 3),
+                         _fmt(r.get("attention_s"), 3), _fmt(r.get("plan_s"), 3),
+                         _fmt(100 * r["attention_share"] if r.get("attention_share") is not None else None, 1, "%"),
+                         _fmt(r.get("speedup"), 2, "x"), _fmt(r.get("amdahl_bound"), 2, "x"),
+                         _fmt(r.get("speedup_attention"), 2, "x"), f"{r.get('sparse_calls')}/{r.get('dense_calls')}",
+                         _fmt(r.get("output_rel_l2_vs_dense"), 4)])
+        lines += _table(["method", "realised density", "forward s", "attention s", "plan s", "attn share",
+                         "speedup", "Amdahl bound", "attention speedup", "sparse/dense calls",
+                         "output rel L2"], rows)
+        bound = model.get("amdahl_bound_free_attention")
+        lines += ["", f"Dense attention share {_fmt(100 * model.get('dense_attention_share', float('nan')), 1)}%: "
+                  f"bound with attention free {_fmt(bound, 2)}x.", ""]
+    return lines

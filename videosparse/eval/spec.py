@@ -1,0 +1,179 @@
+"""Method specs: one compact string per cell of an evaluation grid, mapped onto the configs.
+
+Grammar (no spaces)::
+
+    SPEC  := NAME ['@' DENSITY] (':' KEY '=' VALUE)*
+    NAME  := dense | veda | sol
+
+`@DENSITY` is the config's `density`; every `KEY=VALUE` sets one field of the config
+(`VedaConfig`, `SolConfig`; `DenseConfig` takes none). Values are read by field:
+
+=================  =====================================================================
+field              value
+=================  =====================================================================
+density, tau       float
+block, band        int
+dense_steps        int (a step count, ``3``) or float (a fraction of the steps, ``0.2``)
+dense_layers       comma-separated layer indices, ``0,1,29``
+correction         on/off (also true/false, yes/no, 1/0)
+tiling             ``PTxPHxPW`` (e.g. ``8x4x4``) or the path of a tiling JSON
+estimator          a directory or hub id
+backend            auto / triton / reference
+=================  =====================================================================
+
+Examples::
+
+    dense                         the reference arm (DenseConfig)
+    veda@0.5                      VedaConfig(density=0.5)
+    veda@0.1:dense_steps=0.2      10% of the key tiles, the first 20% of the steps dense
+    sol@0.15:band=0:correction=off
+    sol:tau=1.5                   Sol with a fixed threshold instead of a target density
+    veda@0.1:tiling=8x4x4:estimator=runs/veda-est
+
+`veda` without a density uses 0.1 and `sol` without density or tau uses 0.15 (as the CLI does).
+Config validation errors (a density of 2, a tile of the wrong size) surface unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import CONFIG_CLASSES, DenseConfig, SolConfig, VedaConfig
+
+DEFAULT_DENSITY = {"veda": 0.1, "sol": 0.15}
+
+_BOOL = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
+_NAME_RE = re.compile(r"^(?P<name>[a-z]+)(@(?P<density>[^:]+))?(?P<rest>(:.*)?)$")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One method of an evaluation grid.
+
+    Attributes:
+        label: the spec text as given (whitespace removed); names the method in tables and plots.
+        config: the `DenseConfig` / `VedaConfig` / `SolConfig` it stands for.
+    """
+
+    label: str
+    config: Any
+
+    @property
+    def method(self) -> str:
+        return self.config.method
+
+    @property
+    def is_dense(self) -> bool:
+        return isinstance(self.config, DenseConfig)
+
+    @property
+    def density(self) -> float:
+        """Nominal density (1.0 for dense; Sol with a fixed tau has none and reports nan)."""
+        if self.is_dense:
+            return 1.0
+        value = getattr(self.config, "density", None)
+        return float(value) if value is not None else float("nan")
+
+    @property
+    def family(self) -> str:
+        """The label without its density: the methods that one quality-vs-density line joins."""
+        head, _, rest = self.label.partition(":")
+        name = head.split("@", 1)[0]
+        return f"{name}:{rest}" if rest else name
+
+
+def _parse_value(key: str, text: str, spec: str) -> Any:
+    try:
+        if key in ("density", "tau"):
+            return float(text)
+        if key in ("block", "band"):
+            return int(text)
+        if key == "dense_steps":
+            return float(text) if ("." in text or "e" in text.lower()) else int(text)
+        if key == "dense_layers":
+            return tuple(int(x) for x in text.split(",") if x.strip())
+        if key == "correction":
+            if text.lower() not in _BOOL:
+                raise ValueError
+            return _BOOL[text.lower()]
+        if key == "tiling":
+            parts = text.lower().split("x")
+            if len(parts) == 3 and all(p.isdigit() for p in parts):
+                return tuple(int(p) for p in parts)
+            return text
+    except ValueError:
+        raise ValueError(f"method spec {spec!r}: {key}={text!r} is not a valid value for {key}.") from None
+    return text
+
+
+def parse_method_spec(text: str, *, backend: str | None = None) -> MethodSpec:
+    """Parse one method spec (see the module docstring for the grammar).
+
+    Args:
+        text: e.g. "veda@0.1:dense_steps=0.2".
+        backend: kernel backend for specs that do not set `backend=` themselves (None keeps the
+            config's default, "auto").
+
+    Returns:
+        `MethodSpec(label, config)`.
+
+    Raises:
+        ValueError: unknown method or field, a malformed item, or a value the config rejects.
+
+    Example:
+        >>> parse_method_spec("sol@0.2:band=0").config
+        SolConfig(density=0.2, tau=None, block=64, tiling=(4, 4, 4), band=0, correction=True, dense_steps=0, dense_layers=(), backend='auto')
+    """
+    spec = "".join(str(text).split())
+    m = _NAME_RE.match(spec)
+    if not spec or m is None:
+        raise ValueError(f"method spec {text!r} is malformed; expected NAME[@DENSITY][:KEY=VALUE...], e.g. 'veda@0.1'.")
+    name = m.group("name")
+    if name not in CONFIG_CLASSES:
+        raise ValueError(f"method spec {text!r}: method {name!r} is not known; choose one of {sorted(CONFIG_CLASSES)}.")
+    cls = CONFIG_CLASSES[name]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    if m.group("density") is not None:
+        if "density" not in fields:
+            raise ValueError(f"method spec {text!r}: {name} takes no density.")
+        kwargs["density"] = _parse_value("density", m.group("density"), text)
+    rest = m.group("rest")
+    for item in rest[1:].split(":") if rest else []:
+        key, eq, value = item.partition("=")
+        if not eq or not key or not value:
+            raise ValueError(f"method spec {text!r}: item {item!r} must look like KEY=VALUE.")
+        if key not in fields:
+            allowed = sorted(fields) or "none"
+            raise ValueError(f"method spec {text!r}: {name} has no field {key!r}; allowed: {allowed}.")
+        if key in kwargs:
+            raise ValueError(f"method spec {text!r}: {key} is given twice.")
+        kwargs[key] = _parse_value(key, value, text)
+    if backend is not None and "backend" in fields and "backend" not in kwargs:
+        kwargs["backend"] = backend
+    if cls is VedaConfig:
+        kwargs.setdefault("density", DEFAULT_DENSITY["veda"])
+    elif cls is SolConfig and "density" not in kwargs and "tau" not in kwargs:
+        kwargs["density"] = DEFAULT_DENSITY["sol"]
+    return MethodSpec(spec, cls(**kwargs))
+
+
+def parse_method_specs(texts: list[str], *, backend: str | None = None) -> list[MethodSpec]:
+    """Parse a grid; dense is put first (added when missing: it is every comparison's reference).
+
+    Raises:
+        ValueError: a bad spec, or two specs naming the same config.
+    """
+    specs = [parse_method_spec(t, backend=backend) for t in texts]
+    seen: dict[Any, str] = {}
+    for s in specs:
+        if s.config in seen:
+            raise ValueError(f"method specs {seen[s.config]!r} and {s.label!r} describe the same config.")
+        seen[s.config] = s.label
+    dense = [s for s in specs if s.is_dense]
+    if not dense:
+        dense = [MethodSpec("dense", DenseConfig())]
+    return dense[:1] + [s for s in specs if not s.is_dense]
