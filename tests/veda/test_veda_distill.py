@@ -1,0 +1,144 @@
+"""Distillation on the tiny Wan pipeline (CPU): lowers the KL, writes a loadable estimator and checkpoints,
+and a run killed with SIGKILL then resumed ends with the same weights as an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from videosparse.distill import DistillConfig, run_distillation
+from videosparse.veda.estimator import VedaEstimator
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = ("a red circle moving left", "a blue square moving up")
+
+
+def make_cfg(out: Path, **kw) -> DistillConfig:
+    args = dict(model=None, prompts=PROMPTS, num_inference_steps=2, output_dir=str(out), density=0.3,
+                max_steps=12, learning_rate=1e-3, log_every=2, checkpoint_every=4, keep_checkpoints=2, seed=3)
+    args.update(kw)
+    return DistillConfig(**args)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """One capture of the tiny pipeline (2 prompts x 2 steps x 2 CFG branches), reused by every run."""
+    from videosparse.distill.capture import capture_to_cache
+
+    root = tmp_path_factory.mktemp("capture")
+    cfg = make_cfg(root / "unused")
+    files, info = capture_to_cache(cfg.capture_config(), root / "cache", lambda layer, heads: cfg.tiling,
+                                   block=cfg.block)
+    assert len(files) == 8 and info.num_layers == 2 and info.num_heads == 2
+    return root / "cache"
+
+
+def with_cache(out: Path, cache: Path) -> Path:
+    out.mkdir(parents=True)
+    shutil.copytree(cache, out / "cache")
+    return out
+
+
+def test_capture_samples_hold_features_and_teacher(cache):
+    from safetensors.torch import load_file
+
+    t = load_file(str(sorted(cache.glob("p00000_*.safetensors"))[0]))
+    qf, kf, heat = t["q.0"], t["k.0"], t["heat.0"]
+    assert qf.shape == kf.shape == (1, 2, 10, 192) and qf.dtype == torch.float32     # grid (5, 16, 16) -> 10 tiles
+    assert heat.shape == (1, 2, 10, 10) and bool((heat > 0).all()) and bool((heat <= 1).all())
+    assert (cache / "p00000.done").exists() and (cache / "p00001.done").exists()
+
+
+def test_short_distillation_lowers_kl_and_writes_a_loadable_estimator(tmp_path, cache):
+    out = with_cache(tmp_path / "run", cache)
+    res = run_distillation(make_cfg(out, max_steps=24, log_every=4, checkpoint_every=8))
+    assert res.global_step == 24 and res.resumed_from is None
+    trained, untrained = res.metrics["trained"], res.metrics["untrained_mean_pool"]
+    assert trained["kl"] < 0.9 * untrained["kl"]
+    assert trained["recall"] > untrained["recall"]
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in log] == [1, 4, 8, 12, 16, 20, 24]
+    assert all({"loss", "recall", "lr"} <= set(h) for h in log)
+    assert log[-1]["loss"] < log[0]["loss"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000016", "step_00000024"]
+    assert json.loads((out / "distill_config.json").read_text())["max_steps"] == 24
+    est = VedaEstimator.from_pretrained(out)
+    assert est.model_class == "WanTransformer3DModel" and est.num_heads == 2 and est.head_dim == 64
+    assert est.proj_q.abs().max() > 1e-2                  # moved away from the 1e-4 init
+
+    import videosparse
+    from videosparse.models.tiny_wan import build_tiny_wan_pipeline
+
+    pipe = build_tiny_wan_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    handle = videosparse.apply(pipe, videosparse.VedaConfig(density=0.3, estimator=str(out)))
+    pipe("a red circle", num_frames=17, height=256, width=256, num_inference_steps=2, output_type="latent",
+         max_sequence_length=32, generator=torch.Generator().manual_seed(0))
+    assert handle["transformer"].stats()["sparse_calls"] == 2 * 2 * 2
+    method = handle["transformer"].method
+    assert torch.equal(method.estimator.proj_q, est.proj_q)
+    videosparse.remove(pipe)
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    from videosparse.distill import DistillConfig, run_distillation
+    cfg = DistillConfig.load(sys.argv[1])
+    def kill_at(step, metrics):
+        if step == int(sys.argv[2]):
+            os.kill(os.getpid(), signal.SIGKILL)
+    run_distillation(cfg, step_callback=kill_at)
+""")
+
+
+def test_killed_then_resumed_run_equals_uninterrupted(tmp_path, cache):
+    full = with_cache(tmp_path / "full", cache)
+    ref = run_distillation(make_cfg(full))
+    assert ref.global_step == 12
+
+    out = with_cache(tmp_path / "killed", cache)
+    cfg = make_cfg(out)
+    cfg.save(tmp_path / "cfg.json")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(tmp_path / "cfg.json"), "6"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert (out / "checkpoints" / "step_00000004").is_dir()            # steps 5 and 6 are lost
+    assert not (out / "model.safetensors").exists()
+    # a save cut short by a kill leaves only a temp folder, which resume must ignore
+    junk = out / "checkpoints" / ".tmp_step_00000008"
+    junk.mkdir()
+    (junk / "model.safetensors").write_bytes(b"truncated")
+
+    res = run_distillation(cfg)
+    assert res.resumed_from == out / "checkpoints" / "step_00000004"
+    assert res.global_step == 12
+    a, b = VedaEstimator.from_pretrained(full), VedaEstimator.from_pretrained(out)
+    assert torch.equal(a.proj_q, b.proj_q) and torch.equal(a.proj_k, b.proj_k)
+    assert [h["step"] for h in res.history] == [h["step"] for h in ref.history]
+    assert res.history[-1]["loss"] == pytest.approx(ref.history[-1]["loss"], rel=1e-6)
+    # and resuming a finished run does no more steps
+    again = run_distillation(cfg)
+    assert again.global_step == 12 and again.resumed_from == out / "checkpoints" / "step_00000012"
+
+
+def test_distill_config_validation(tmp_path):
+    with pytest.raises(ValueError, match="mixed_precision='fp8'"):
+        make_cfg(tmp_path, mixed_precision="fp8")
+    with pytest.raises(ValueError, match="tiling=\\(4, 4, 4\\)"):
+        make_cfg(tmp_path, tiling=(4, 4, 4))
+    with pytest.raises(ValueError, match="prompts"):
+        make_cfg(tmp_path, prompts=())
+    with pytest.raises(ValueError, match="unknown fields \\['lr'\\]"):
+        DistillConfig.from_dict({"lr": 1.0})
+    cfg = make_cfg(tmp_path, tiling=(8, 4, 4))
+    assert DistillConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg

@@ -1,0 +1,249 @@
+"""Capture of distillation samples from dense pipeline runs.
+
+The dense pipeline runs under `videosparse.processors.observe`; for every self-attention call at a
+sampled denoising step the observer gathers q and k into the layer's tile order, pools them with
+TripPool (detached, fp32) and computes the teacher heat over the video tiles. One sample per
+(prompt, step, CFG branch) holds every layer and is written as one safetensors file:
+
+    q.{layer}     fp32 [B, H, Mv, 3*D]   TripPool features of the query tiles
+    k.{layer}     fp32 [B, H, Mv, 3*D]   TripPool features of the key tiles
+    heat.{layer}  [B, H, Mv, Mv]         teacher heat (cache dtype)
+
+Files are written atomically (temp name + rename) and a prompt is marked done only after all of its
+samples are on disk, so a killed capture resumes where it stopped. With several processes
+(`accelerate launch`), prompts are split between them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+from collections import defaultdict
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..layout import head_tiling
+from ..method import ModelInfo
+from ..veda.teacher import teacher_heat
+from ..veda.trippool import trippool_qk
+from .config import CaptureConfig, read_prompts
+
+logger = logging.getLogger(__name__)
+
+TileShape = tuple[int, int, int]
+TilesFn = Callable[[int, int], Any]          # (layer, num_heads) -> one shape or one per head
+
+MODEL_INFO_FILE = "model_info.json"
+
+
+# ------------------------------------------------------------------------------------ pipeline
+def load_capture_pipeline(cfg: CaptureConfig, device: str | torch.device | None = None) -> tuple[Any, dict[str, Any]]:
+    """The pipeline named by `cfg.model` and its call settings (cfg values override the model's defaults).
+
+    `device` overrides `cfg.device` (each process of a distributed run passes its own).
+
+    Returns:
+        (pipe, call_kwargs) where call_kwargs holds num_frames, height, width, num_inference_steps,
+        guidance_scale (and max_sequence_length for the tiny pipeline).
+    """
+    from ..models.loading import default_device, default_dtype, load_pipeline
+
+    device = str(device or cfg.device or default_device())
+    dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(device)
+    if cfg.model == "reference":
+        from ..models import load_reference_pipeline
+        from ..models import reference as ref
+
+        pipe = load_reference_pipeline(device=device, dtype=dtype)
+        defaults = dict(num_frames=ref.DEFAULT_NUM_FRAMES, height=ref.DEFAULT_HEIGHT, width=ref.DEFAULT_WIDTH,
+                        num_inference_steps=ref.DEFAULT_NUM_INFERENCE_STEPS, guidance_scale=ref.DEFAULT_GUIDANCE_SCALE)
+    else:
+        loaded = load_pipeline(None if cfg.model in (None, "tiny") else cfg.model, device, dtype)
+        pipe, defaults = loaded.pipe, dict(loaded.defaults)
+        defaults.pop("prompt", None)
+    for name in ("num_frames", "height", "width", "num_inference_steps", "guidance_scale"):
+        value = getattr(cfg, name)
+        if value is not None:
+            defaults[name] = value
+    if hasattr(pipe, "set_progress_bar_config"):
+        pipe.set_progress_bar_config(disable=True)
+    return pipe, defaults
+
+
+def sample_steps(num_steps: int, steps_per_prompt: int | None, seed: int, prompt_index: int) -> list[int]:
+    """Sorted denoising steps sampled for one prompt (all steps when steps_per_prompt is None or larger)."""
+    if steps_per_prompt is None or steps_per_prompt >= num_steps:
+        return list(range(num_steps))
+    rng = random.Random(seed * 1_000_003 + prompt_index)
+    return sorted(rng.sample(range(num_steps), steps_per_prompt))
+
+
+def transformer_info(transformer: torch.nn.Module) -> ModelInfo:
+    """The `ModelInfo` videosparse's processors derive for `transformer` (dense processors, briefly)."""
+    from ..processors import observe, sessions
+
+    with observe(transformer, lambda record: None):
+        return next(iter(sessions(transformer).values())).info
+
+
+def per_head_shapes(tiles: Any, num_heads: int) -> list[TileShape]:
+    """One shape, or one per head -> a list of one (pt, ph, pw) per head."""
+    if len(tiles) == 3 and all(isinstance(v, int) for v in tiles):
+        return [tuple(tiles)] * num_heads  # type: ignore[list-item]
+    return [tuple(t) for t in tiles]  # type: ignore[misc]
+
+
+# ------------------------------------------------------------------------------------ observer
+class TileFeatureCapture:
+    """Observer turning attention records into (TripPool q, TripPool k, teacher heat) per layer.
+
+    Args:
+        tiles_for_layer: (layer, num_heads) -> tile shape(s) of that layer.
+        block: tokens per tile.
+        steps: denoising steps to keep (None: all).
+        branches: CFG branches to keep (None: all).
+        teacher_backend: "auto", "triton" or "torch".
+        heat_dtype: dtype the heat is stored in.
+
+    Attributes:
+        samples: {(step, branch): {layer: (qf, kf, heat)}} on the CPU.
+    """
+
+    def __init__(self, tiles_for_layer: TilesFn, block: int, *, steps: Sequence[int] | None = None,
+                 branches: Sequence[str] | None = None, teacher_backend: str = "auto",
+                 heat_dtype: torch.dtype = torch.float32) -> None:
+        self.tiles_for_layer = tiles_for_layer
+        self.block = block
+        self.steps = None if steps is None else set(steps)
+        self.branches = None if branches is None else set(branches)
+        self.teacher_backend = teacher_backend
+        self.heat_dtype = heat_dtype
+        self.samples: dict[tuple[int, str], dict[int, tuple[torch.Tensor, ...]]] = defaultdict(dict)
+        self.grids: dict[tuple[int, str], tuple[int, int, int]] = {}
+        self._calls: dict[tuple[str, int], int] = defaultdict(int)
+
+    @torch.no_grad()
+    def __call__(self, record) -> None:
+        step = record.step
+        if step is None:                                        # no step from the pipeline: count calls
+            step = self._calls[(record.branch, record.layer)]
+            self._calls[(record.branch, record.layer)] += 1
+        if self.steps is not None and step not in self.steps:
+            return
+        if self.branches is not None and record.branch not in self.branches:
+            return
+        H = record.q.shape[2]
+        layout = head_tiling(record.grid, self.tiles_for_layer(record.layer, H), H, self.block,
+                             record.text_len, record.text_position or "after")
+        qt, kt = layout.gather(record.q), layout.gather(record.k)
+        Mv = layout.num_video_tiles
+        qf, kf = trippool_qk(qt, kt, self.block, Mv)
+        heat = teacher_heat(qt, kt, self.block, num_tiles=Mv, backend=self.teacher_backend)
+        key = (int(step), str(record.branch))
+        self.samples[key][int(record.layer)] = (qf.cpu(), kf.cpu(), heat.to(self.heat_dtype).cpu())
+        self.grids[key] = tuple(int(g) for g in record.grid)
+
+
+def write_sample(path: Path, layers: dict[int, tuple[torch.Tensor, ...]], meta: dict[str, Any]) -> None:
+    """One sample as safetensors, written atomically."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for layer, (qf, kf, heat) in layers.items():
+        tensors[f"q.{layer}"] = qf.contiguous()
+        tensors[f"k.{layer}"] = kf.contiguous()
+        tensors[f"heat.{layer}"] = heat.contiguous()
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(tmp), metadata={k: json.dumps(v) for k, v in meta.items()})
+    os.replace(tmp, path)
+
+
+def _atomic_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def capture_to_cache(cfg: CaptureConfig, cache_dir: str | os.PathLike, tiles_for_layer: TilesFn, *, block: int,
+                     accelerator=None, teacher_backend: str = "auto", heat_dtype: torch.dtype = torch.float32,
+                     ) -> tuple[list[Path], ModelInfo]:
+    """Run the dense pipeline on every prompt and write the samples into `cache_dir`.
+
+    Prompts already marked done are skipped (resume); with an `accelerate.Accelerator` the prompts
+    are split between processes.
+
+    Returns:
+        (sorted sample files, the transformer's `ModelInfo`).
+    """
+    cache = Path(cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    prompts = read_prompts(cfg.prompts)
+    if accelerator is not None:
+        accelerator.wait_for_everyone()             # every process sees the same done-markers
+    todo = [i for i in range(len(prompts)) if not (cache / f"p{i:05d}.done").exists()]
+    info_path = cache / MODEL_INFO_FILE
+    mine = todo
+    if accelerator is not None and accelerator.num_processes > 1:
+        with accelerator.split_between_processes(todo) as part:
+            mine = list(part)
+    if mine or not info_path.exists():
+        device = accelerator.device if accelerator is not None and cfg.device is None else None
+        pipe, call_kwargs = load_capture_pipeline(cfg, device)
+        transformer = getattr(pipe, cfg.component, None)
+        if not isinstance(transformer, torch.nn.Module):
+            raise ValueError(f"component={cfg.component!r} is not a transformer of {type(pipe).__name__}.")
+        info = transformer_info(transformer)
+        if accelerator is None or accelerator.is_main_process:
+            _atomic_json(info_path, asdict(info))
+        from ..processors import observe
+
+        num_steps = int(call_kwargs["num_inference_steps"])
+        for i in mine:
+            steps = sample_steps(num_steps, cfg.steps_per_prompt, cfg.seed, i)
+            cap = TileFeatureCapture(tiles_for_layer, block, steps=steps, branches=cfg.branches,
+                                     teacher_backend=teacher_backend, heat_dtype=heat_dtype)
+            generator = torch.Generator("cpu").manual_seed(cfg.seed + i)
+            with observe(transformer, cap):
+                pipe(prompts[i], generator=generator, output_type="latent", **call_kwargs)
+            if not cap.samples:
+                raise ValueError(f"prompt {i} produced no self-attention records at steps {steps}; "
+                                 "is the pipeline's transformer supported by videosparse.processors?")
+            for (step, branch), layers in sorted(cap.samples.items()):
+                if len(layers) != info.num_layers:
+                    raise ValueError(f"prompt {i} step {step} branch {branch!r}: captured layers {sorted(layers)}, "
+                                     f"expected {info.num_layers}.")
+                meta = {"prompt_index": i, "prompt": prompts[i], "step": step, "branch": branch,
+                        "grid": list(cap.grids[(step, branch)]), "block": block}
+                write_sample(cache / f"p{i:05d}_s{step:04d}_{branch}.safetensors", layers, meta)
+            (cache / f"p{i:05d}.done").touch()
+            logger.info("captured prompt %d/%d (%d samples)", i + 1, len(prompts), len(cap.samples))
+        del pipe, transformer
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+    with open(info_path) as f:
+        d = json.load(f)
+    info = ModelInfo(d["model_class"], d["num_layers"], d["num_heads"], d["head_dim"], tuple(d["patch_size"]),
+                     d.get("text_position"))
+    files = sorted(p for p in cache.glob("p*_s*.safetensors"))
+    keep = {f"p{i:05d}" for i in range(len(prompts))}
+    files = [p for p in files if p.name.split("_")[0] in keep]
+    return files, info
+
+
+def split_by_prompt(files: Sequence[Path], val_fraction: float, seed: int) -> tuple[list[Path], list[Path]]:
+    """(train, val) split of sample files by prompt (no prompt in both); val empty when val_fraction is 0."""
+    prompts = sorted({p.name.split("_")[0] for p in files})
+    n_val = math.ceil(val_fraction * len(prompts)) if val_fraction > 0 else 0
+    n_val = min(n_val, len(prompts) - 1)
+    rng = random.Random(seed)
+    val_prompts = set(rng.sample(prompts, n_val)) if n_val > 0 else set()
+    train = [p for p in files if p.name.split("_")[0] not in val_prompts]
+    val = [p for p in files if p.name.split("_")[0] in val_prompts]
+    return train, val

@@ -1,0 +1,293 @@
+"""Configurations of the Veda distillation and of the head-aware tiling search.
+
+Frozen dataclasses validated in `__post_init__` (a bad value raises a `ValueError` naming the field,
+the value and what is allowed); they round-trip through JSON-safe dicts and are written beside every
+output (`distill_config.json`, `search_config.json`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from ..config import BLOCK_SIZES
+
+MIXED_PRECISION = ("no", "bf16", "fp16")
+CACHE_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an int >= {minimum}.")
+
+
+def _optional_positive_int(name: str, value: Any) -> None:
+    if value is not None:
+        _positive_int(name, value)
+
+
+def _density(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{name}={value!r} must be a number in (0, 1].")
+
+
+def _tiling(value: Any, block: int) -> Any:
+    if isinstance(value, (str, os.PathLike)):
+        return os.fspath(value)
+    if isinstance(value, (list, tuple)) and len(value) == 3 and all(isinstance(v, int) and v > 0 for v in value):
+        if value[0] * value[1] * value[2] != block:
+            raise ValueError(f"tiling={tuple(value)} has pt*ph*pw != block={block}.")
+        return tuple(value)
+    raise ValueError(f"tiling={value!r} must be (pt, ph, pw) with product block={block}, or a tiling JSON path.")
+
+
+def _prompts(value: Any) -> Any:
+    if isinstance(value, (str, os.PathLike)):
+        return os.fspath(value)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(p, str) for p in value):
+        return tuple(value)
+    raise ValueError(f"prompts={value!r} must be a non-empty list of strings or a path to a text file (one per line).")
+
+
+def read_prompts(prompts: Union[str, tuple[str, ...]]) -> list[str]:
+    """The prompt list: the tuple itself, or the non-empty lines of a text file."""
+    if isinstance(prompts, str):
+        if not os.path.isfile(prompts):
+            raise ValueError(f"prompts file {prompts!r} does not exist.")
+        with open(prompts) as f:
+            lines = [line.strip() for line in f if line.strip()]
+        if not lines:
+            raise ValueError(f"prompts file {prompts!r} holds no prompt.")
+        return lines
+    return list(prompts)
+
+
+class _JsonConfig:
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown fields {unknown} for {cls.__name__}; allowed: {sorted(names)}.")
+        return cls(**data)
+
+    def save(self, path: str | os.PathLike) -> None:
+        tmp = f"{os.fspath(path)}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike):
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+@dataclass(frozen=True)
+class CaptureConfig(_JsonConfig):
+    """What the dense runs capture: model, prompts, call settings, steps.
+
+    Args:
+        model (`str` or `None`): "reference" (the trained reference model), a hub id or local
+            pipeline directory, or None / "tiny" for the tiny random Wan pipeline built offline.
+        prompts: list of prompts or a text file with one prompt per line.
+        num_inference_steps, num_frames, height, width, guidance_scale: pipeline call settings;
+            None keeps the model's defaults.
+        steps_per_prompt (`int` or `None`): denoising steps sampled per prompt (None: every step).
+        branches (`tuple[str, ...]` or `None`): CFG branches kept ("cond", "uncond"); None keeps all.
+        seed (`int`): seed of the pipeline noise (prompt i uses seed + i) and of the step sampling.
+        device (`str` or `None`): default cuda when available.
+        dtype (`str` or `None`): pipeline dtype ("bfloat16", "float32", ...); default per device.
+        component (`str`): which transformer of the pipeline to distill ("transformer", "transformer_2").
+    """
+
+    model: str | None = None
+    prompts: Union[str, tuple[str, ...]] = ("a red circle moving left on a dark background",)
+    num_inference_steps: int | None = None
+    num_frames: int | None = None
+    height: int | None = None
+    width: int | None = None
+    guidance_scale: float | None = None
+    steps_per_prompt: int | None = None
+    branches: tuple[str, ...] | None = None
+    seed: int = 0
+    device: str | None = None
+    dtype: str | None = None
+    component: str = "transformer"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompts", _prompts(self.prompts))
+        for name in ("num_inference_steps", "num_frames", "height", "width", "steps_per_prompt"):
+            _optional_positive_int(name, getattr(self, name))
+        if self.branches is not None:
+            object.__setattr__(self, "branches", tuple(self.branches))
+        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={self.dtype!r} must be one of 'float32', 'bfloat16', 'float16' or None.")
+
+
+@dataclass(frozen=True)
+class DistillConfig(CaptureConfig):
+    """Distillation of a `VedaEstimator` from a model's dense attention (Veda, arXiv 2605.30325).
+
+    Capture fields (model, prompts, steps, ...) as in `CaptureConfig`, plus:
+
+    Args:
+        output_dir (`str`): where the estimator (`model.safetensors`, `config.json`), the training
+            log (`log.jsonl`), the checkpoints (`checkpoints/step_*`) and the captured samples
+            (`cache/`) go. Loadable by `VedaEstimator.from_pretrained` / `VedaConfig(estimator=...)`.
+        density (`float`, defaults to 0.1): density at which tile recall is logged.
+        tiling: the tile shape or tiling JSON the estimator's features are pooled with (the same one
+            must be used at inference; a JSON is copied to `output_dir/tiling.json`).
+        block (`int`, defaults to 128): tokens per tile.
+        epochs (`int`), max_steps (`int` or None): training length (max_steps wins when set).
+        learning_rate, weight_decay, warmup_steps, lr_scheduler: AdamW and a diffusers scheduler name.
+        gradient_accumulation_steps (`int`): samples per optimizer step.
+        mixed_precision (`str`): "no", "bf16" or "fp16" (accelerate; logits and the loss stay fp32).
+        checkpoint_every (`int`): optimizer steps between checkpoints (written atomically).
+        keep_checkpoints (`int`): newest checkpoints kept.
+        log_every (`int`): optimizer steps between log lines (loss, recall at `density`).
+        resume (`bool`): continue from the newest complete checkpoint in `output_dir`.
+        init_std (`float`): std of the projections' init (1e-4, see `VedaEstimator`).
+        cache_dtype (`str`): dtype of the cached teacher heat ("float32", "float16", "bfloat16").
+        val_fraction (`float`): fraction of samples held out for the final evaluation (0: none).
+        teacher_backend (`str`): "auto", "triton" or "torch".
+    """
+
+    output_dir: str = "veda-estimator"
+    density: float = 0.1
+    tiling: Any = (4, 4, 8)
+    block: int = 128
+    epochs: int = 10
+    max_steps: int | None = None
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_scheduler: str = "cosine"
+    gradient_accumulation_steps: int = 1
+    mixed_precision: str = "no"
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    resume: bool = True
+    init_std: float = 1e-4
+    cache_dtype: str = "float32"
+    val_fraction: float = 0.0
+    teacher_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.output_dir, (str, os.PathLike)) or not os.fspath(self.output_dir):
+            raise ValueError(f"output_dir={self.output_dir!r} must be a directory path.")
+        object.__setattr__(self, "output_dir", os.fspath(self.output_dir))
+        _density("density", self.density)
+        if self.block not in BLOCK_SIZES:
+            raise ValueError(f"block={self.block!r} must be one of {BLOCK_SIZES}.")
+        object.__setattr__(self, "tiling", _tiling(self.tiling, self.block))
+        _positive_int("epochs", self.epochs)
+        _optional_positive_int("max_steps", self.max_steps)
+        if not isinstance(self.learning_rate, (int, float)) or self.learning_rate <= 0:
+            raise ValueError(f"learning_rate={self.learning_rate!r} must be a number > 0.")
+        if not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
+            raise ValueError(f"weight_decay={self.weight_decay!r} must be a number >= 0.")
+        _positive_int("warmup_steps", self.warmup_steps, minimum=0)
+        _positive_int("gradient_accumulation_steps", self.gradient_accumulation_steps)
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise ValueError(f"mixed_precision={self.mixed_precision!r} must be one of {MIXED_PRECISION}.")
+        for name in ("checkpoint_every", "keep_checkpoints", "log_every"):
+            _positive_int(name, getattr(self, name))
+        if not isinstance(self.init_std, (int, float)) or self.init_std < 0:
+            raise ValueError(f"init_std={self.init_std!r} must be a number >= 0.")
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"cache_dtype={self.cache_dtype!r} must be one of {CACHE_DTYPES}.")
+        if not isinstance(self.val_fraction, (int, float)) or not 0 <= self.val_fraction < 1:
+            raise ValueError(f"val_fraction={self.val_fraction!r} must lie in [0, 1).")
+        if self.teacher_backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"teacher_backend={self.teacher_backend!r} must be one of 'auto', 'triton', 'torch'.")
+
+    def capture_config(self) -> CaptureConfig:
+        names = {f.name for f in dataclasses.fields(CaptureConfig)}
+        return CaptureConfig(**{k: v for k, v in self.to_dict().items() if k in names})
+
+
+@dataclass(frozen=True)
+class TilingSearchConfig(CaptureConfig):
+    """Head-aware tiling search on a model's dense attention.
+
+    Capture fields as in `CaptureConfig`, plus:
+
+    Args:
+        output (`str`): the tiling JSON to write (read by `VedaConfig(tiling=output)`).
+        density (`float`, defaults to 0.1): target density of the oracle top-k.
+        block (`int`, defaults to 128): tokens per tile (64 uses the 64-token candidates).
+        max_padding (`float`, defaults to 0.2): shapes padding the grid by more are excluded.
+        max_shapes_per_layer (`int`, defaults to 2).
+        layers (`tuple[int, ...]` or None): restrict the search to these layers (others keep the
+            first candidate); None searches all.
+        backend (`str`): kernel backend for the sparse outputs ("auto", "triton", "reference").
+    """
+
+    output: str = "tiling.json"
+    density: float = 0.1
+    block: int = 128
+    max_padding: float = 0.2
+    max_shapes_per_layer: int = 2
+    layers: tuple[int, ...] | None = None
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "output", os.fspath(self.output))
+        _density("density", self.density)
+        if self.block not in BLOCK_SIZES:
+            raise ValueError(f"block={self.block!r} must be one of {BLOCK_SIZES}.")
+        if not isinstance(self.max_padding, (int, float)) or not 0 <= self.max_padding < 1:
+            raise ValueError(f"max_padding={self.max_padding!r} must lie in [0, 1).")
+        _positive_int("max_shapes_per_layer", self.max_shapes_per_layer)
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(self.layers))
+        if self.backend not in ("auto", "triton", "reference"):
+            raise ValueError(f"backend={self.backend!r} must be one of 'auto', 'triton', 'reference'.")
+
+
+# ------------------------------------------------------------------------------------ command line
+def _cli_value(text: str) -> Any:
+    """A flag's value: JSON when it parses (numbers, lists, null, true/false), else the plain string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def add_config_arguments(parser, cls) -> None:
+    """Add `--config` (a JSON file to start from) and one `--field-name` flag per dataclass field of `cls`.
+
+    Values are parsed as JSON when possible (`--tiling [8,4,4]`, `--max-steps 100`, `--prompts
+    '["a cat", "a dog"]'`), else taken as strings (`--prompts prompts.txt`, `--model reference`).
+    """
+    parser.add_argument("--config", help=f"JSON {cls.__name__} to start from (e.g. the one written beside a run)")
+    for f in dataclasses.fields(cls):
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_cli_value, default=None,
+                            help=f"default: {f.default!r}")
+
+
+def config_from_namespace(ns, cls):
+    """The config of class `cls` from `--config` (if any) overridden by the flags that were given."""
+    data: dict[str, Any] = {}
+    if getattr(ns, "config", None):
+        with open(ns.config) as f:
+            data = json.load(f)
+    for f in dataclasses.fields(cls):
+        value = getattr(ns, f.name, None)
+        if value is not None:
+            data[f.name] = value
+    return cls.from_dict(data)

@@ -1,0 +1,83 @@
+"""Head-aware tiling search on a model's dense attention (the `videosparse search-tiling` command).
+
+Runs the dense pipeline on the prompts under `videosparse.processors.observe`, and for the sampled
+steps feeds every self-attention call to `videosparse.veda.tiling.search_tiling`, which scores the
+candidate tile shapes per (layer, head) and writes the JSON that `VedaConfig(tiling=path)` reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..veda.tiling import TilingSearchResult, search_tiling
+from .capture import load_capture_pipeline, sample_steps, transformer_info
+from .config import TilingSearchConfig, read_prompts
+
+logger = logging.getLogger(__name__)
+
+
+def iter_attention_records(cfg, pipe, call_kwargs: dict[str, Any], *, layers=None):
+    """Yield the self-attention records of the sampled steps, one pipeline call per prompt.
+
+    Records are collected during one pipeline call and yielded after it (q, k, v detached on the
+    pipeline's device). Steps follow `sample_steps(num_steps, cfg.steps_per_prompt, cfg.seed, i)`.
+    """
+    from ..processors import observe
+
+    transformer = getattr(pipe, cfg.component)
+    prompts = read_prompts(cfg.prompts)
+    num_steps = int(call_kwargs["num_inference_steps"])
+    for i, prompt in enumerate(prompts):
+        steps = set(sample_steps(num_steps, cfg.steps_per_prompt, cfg.seed, i))
+        records = []
+
+        def keep(record) -> None:
+            if record.step is not None and record.step not in steps:
+                return
+            if cfg.branches is not None and record.branch not in cfg.branches:
+                return
+            if layers is not None and record.layer not in layers:
+                return
+            record.q, record.k, record.v = record.q.detach(), record.k.detach(), record.v.detach()
+            records.append(record)
+
+        with observe(transformer, keep), torch.no_grad():
+            pipe(prompt, generator=torch.Generator("cpu").manual_seed(cfg.seed + i), output_type="latent", **call_kwargs)
+        logger.info("prompt %d/%d: %d attention records", i + 1, len(prompts), len(records))
+        yield from records
+
+
+def run_tiling_search(cfg: TilingSearchConfig) -> TilingSearchResult:
+    """Search per-(layer, head) tile shapes on a model and write `cfg.output` (JSON).
+
+    Args:
+        cfg: a `TilingSearchConfig` (model, prompts, steps, density, block, output, ...).
+
+    Returns:
+        The `TilingSearchResult` (its `.summary` compares the searched tiling with the best single shape).
+
+    Example:
+        >>> from videosparse.distill import TilingSearchConfig, run_tiling_search
+        >>> res = run_tiling_search(TilingSearchConfig(model="reference", output="tiling.json"))   # doctest: +SKIP
+    """
+    pipe, call_kwargs = load_capture_pipeline(cfg)
+    transformer = getattr(pipe, cfg.component, None)
+    if not isinstance(transformer, torch.nn.Module):
+        raise ValueError(f"component={cfg.component!r} is not a transformer of {type(pipe).__name__}.")
+    info = transformer_info(transformer)
+    records = iter_attention_records(cfg, pipe, call_kwargs, layers=None if cfg.layers is None else set(cfg.layers))
+    result = search_tiling(records, density=cfg.density, block=cfg.block, num_layers=info.num_layers,
+                           num_heads=info.num_heads, max_padding=cfg.max_padding,
+                           max_shapes_per_layer=cfg.max_shapes_per_layer, backend=cfg.backend,
+                           meta={"model_class": info.model_class, "num_layers": info.num_layers,
+                                 "num_heads": info.num_heads, "search_config": cfg.to_dict()})
+    out = Path(cfg.output)
+    if out.parent and not out.parent.exists():
+        os.makedirs(out.parent, exist_ok=True)
+    result.save(out)
+    return result

@@ -1,0 +1,393 @@
+"""Distillation of the Veda estimator with accelerate.
+
+`run_distillation(cfg)` = capture (dense runs -> samples on disk, see `capture.py`) + training:
+
+* every optimizer step takes one sample (or `gradient_accumulation_steps` of them): for every layer
+  the estimator's logits from the detached TripPool features against the teacher heat, with the
+  row-wise KL loss (`videosparse.veda.losses.tile_kl_loss`), averaged over layers;
+* `accelerate`: mixed precision, data parallel over samples under `accelerate launch`, checkpoints
+  with `save_state` into `checkpoints/step_XXXXXXXX` (written to a temp folder, renamed when
+  complete) and `load_state` + `skip_first_batches` on resume; the sample order depends only on the
+  seed and the epoch, so a killed-then-resumed run ends with the same weights as an uninterrupted one;
+* `log.jsonl`: loss and tile recall at the target density every `log_every` steps;
+* the output directory holds `model.safetensors` + `config.json` (`VedaEstimator.from_pretrained`),
+  `distill_config.json`, `metrics.json` (trained vs untrained KL and recall) and `tiling.json` when
+  the estimator was distilled on a searched tiling.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..method import ModelInfo
+from ..veda.estimator import VedaEstimator
+from ..veda.losses import tile_kl_loss, tile_recall
+from ..veda.method import mean_pooled_logits
+from ..veda.tiling import load_tiling
+from .capture import capture_to_cache, per_head_shapes, split_by_prompt
+from .config import DistillConfig
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+CHECKPOINT_PREFIX = "step_"
+TRAINER_STATE = "trainer_state.json"
+
+
+# ------------------------------------------------------------------------------------ data
+class TileSampleDataset(torch.utils.data.Dataset):
+    """Captured samples: item i is {layer: (qf, kf, heat)} of one (prompt, step, branch).
+
+    Args:
+        files: safetensors files written by `capture_to_cache`.
+        num_layers: layers every sample must hold.
+    """
+
+    def __init__(self, files: Sequence[Path], num_layers: int) -> None:
+        self.files = [Path(f) for f in files]
+        self.num_layers = num_layers
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        from safetensors.torch import load_file
+
+        t = load_file(str(self.files[i]))
+        try:
+            return {l: (t[f"q.{l}"], t[f"k.{l}"], t[f"heat.{l}"].float()) for l in range(self.num_layers)}
+        except KeyError as e:
+            raise ValueError(f"sample {self.files[i]} lacks {e.args[0]!r}; was it captured from another model?") from None
+
+
+class EpochShuffleSampler(torch.utils.data.Sampler[int]):
+    """A permutation of range(n) that depends only on (seed, epoch): resumable and reproducible."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _single(items):
+    return items[0]
+
+
+# ------------------------------------------------------------------------------------ objective
+class DistillObjective(nn.Module):
+    """Wraps the estimator so that one forward computes the loss over every layer of a sample.
+
+    (One forward per backward keeps DistributedDataParallel happy.)
+    """
+
+    def __init__(self, estimator: VedaEstimator) -> None:
+        super().__init__()
+        self.estimator = estimator
+
+    def forward(self, sample: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
+        """Mean KL over layers (fp32 scalar) and the detached logits per layer."""
+        losses, logits = [], {}
+        for layer in sorted(sample):
+            qf, kf, heat = sample[layer]
+            lg = self.estimator(qf, kf, layer)
+            losses.append(tile_kl_loss(lg, heat))
+            logits[layer] = lg.detach()
+        return torch.stack(losses).mean(), logits
+
+
+def _mean_recall(logits: dict[int, torch.Tensor], sample, density: float) -> dict[str, float]:
+    vals = [tile_recall(logits[l], sample[l][2], density) for l in sorted(logits)]
+    return {k: sum(v[k] for v in vals) / len(vals) for k in vals[0]}
+
+
+@torch.no_grad()
+def evaluate_estimator(estimator: VedaEstimator | None, files: Sequence[Path], num_layers: int, density: float,
+                       device: torch.device | str = "cpu") -> dict[str, Any]:
+    """KL and tile recall over samples, per layer and overall; `estimator=None` is the mean-pooled baseline.
+
+    Returns:
+        {"kl", "recall", "recall_offdiag", "layers": {layer: {...}}, "num_samples"}.
+    """
+    data = TileSampleDataset(files, num_layers)
+    per_layer: dict[int, list[dict[str, float]]] = {l: [] for l in range(num_layers)}
+    for i in range(len(data)):
+        sample = data[i]
+        for l, (qf, kf, heat) in sample.items():
+            qf, kf, heat = qf.to(device), kf.to(device), heat.to(device)
+            lg = mean_pooled_logits(qf, kf) if estimator is None else estimator(qf, kf, l)
+            rec = tile_recall(lg, heat, density)
+            per_layer[l].append({"kl": float(tile_kl_loss(lg, heat)), **rec})
+    layers = {l: {k: sum(d[k] for d in v) / len(v) for k in v[0]} for l, v in per_layer.items() if v}
+    out = {k: sum(d[k] for d in layers.values()) / len(layers) for k in ("kl", "recall", "recall_offdiag")}
+    return {**out, "layers": layers, "num_samples": len(data)}
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+def _checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints (folders renamed from their temp name, holding the trainer state), oldest first."""
+    found = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX) and (p / TRAINER_STATE).is_file():
+                try:
+                    found.append((int(p.name[len(CHECKPOINT_PREFIX):]), p))
+                except ValueError:
+                    continue
+    return sorted(found)
+
+
+def _save_checkpoint(accelerator, root: Path, state: dict[str, Any], keep: int) -> Path:
+    step = state["global_step"]
+    final = root / f"{CHECKPOINT_PREFIX}{step:08d}"
+    tmp = root / f".tmp_{CHECKPOINT_PREFIX}{step:08d}"
+    if accelerator.is_main_process:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with open(tmp / TRAINER_STATE, "w") as f:
+            json.dump(state, f)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for _, old in _checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+# ------------------------------------------------------------------------------------ training
+@dataclass
+class DistillResult:
+    """What `run_distillation` returns.
+
+    Attributes:
+        output_dir: the estimator directory.
+        global_step: optimizer steps done.
+        history: the log lines (loss, recall, lr per logged step).
+        metrics: final evaluation, trained vs untrained (mean-pooled) estimator.
+        resumed_from: the checkpoint the run resumed from, if any.
+    """
+
+    output_dir: Path
+    global_step: int
+    history: list[dict[str, Any]] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    resumed_from: Path | None = None
+
+
+def layer_tiles(tiling: Any, num_layers: int, num_heads: int, block: int) -> list[list[tuple[int, int, int]]]:
+    """Per layer, per head tile shapes from a shape or a tiling JSON path."""
+    if isinstance(tiling, str):
+        t = load_tiling(tiling, block)
+        return [list(t.tiles_for(l, num_heads)) for l in range(num_layers)]
+    return [per_head_shapes(tuple(tiling), num_heads) for _ in range(num_layers)]
+
+
+def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, *, accelerator=None,
+                    val_files: Sequence[Path] = (),
+                    step_callback: Callable[[int, dict[str, Any]], None] | None = None) -> DistillResult:
+    """Train a `VedaEstimator` on captured samples (see the module docstring).
+
+    Args:
+        cfg: the `DistillConfig` (output_dir, optimisation, checkpointing, logging fields).
+        files: training sample files.
+        info: the transformer's `ModelInfo` (recorded in the estimator's config).
+        accelerator: an `accelerate.Accelerator` (made from cfg when None).
+        val_files: held-out samples for the final evaluation (the training samples when empty).
+        step_callback: called as `step_callback(global_step, metrics)` after every optimizer step
+            (after any checkpoint of that step).
+
+    Returns:
+        `DistillResult`.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration, set_seed
+    from diffusers.optimization import get_scheduler
+    from tqdm.auto import tqdm
+
+    out = Path(cfg.output_dir)
+    if accelerator is None:
+        accelerator = Accelerator(mixed_precision=cfg.mixed_precision,
+                                  gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                                  project_config=ProjectConfiguration(project_dir=str(out)))
+    if not files:
+        raise ValueError("no training samples; capture at least one prompt.")
+    set_seed(cfg.seed)
+    tiles = layer_tiles(cfg.tiling, info.num_layers, info.num_heads, cfg.block)
+    estimator = VedaEstimator(info.model_class, info.num_layers, info.num_heads, info.head_dim, block=cfg.block,
+                              tile_shapes=[[list(s) for s in heads] for heads in tiles], init_std=cfg.init_std,
+                              density=cfg.density)
+    objective = DistillObjective(estimator)
+    optimizer = torch.optim.AdamW(objective.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    dataset = TileSampleDataset(files, info.num_layers)
+    sampler = EpochShuffleSampler(len(dataset), cfg.seed)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=1, sampler=sampler, collate_fn=_single)
+    steps_per_epoch = math.ceil(math.ceil(len(dataset) / accelerator.num_processes) / cfg.gradient_accumulation_steps)
+    total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
+    scheduler = get_scheduler(cfg.lr_scheduler, optimizer,
+                              num_warmup_steps=cfg.warmup_steps * accelerator.num_processes,
+                              num_training_steps=total_steps * accelerator.num_processes)
+    objective, optimizer, loader, scheduler = accelerator.prepare(objective, optimizer, loader, scheduler)
+    loader_len = len(loader)                                  # batches per epoch on this process
+
+    ckpt_root = out / CHECKPOINT_DIR
+    log_path = out / "log.jsonl"
+    global_step, epoch, batches_done = 0, 0, 0
+    resumed_from = None
+    history: list[dict[str, Any]] = []
+    found = _checkpoints(ckpt_root) if cfg.resume else []
+    if found:
+        resumed_from = found[-1][1]
+        accelerator.load_state(str(resumed_from))
+        with open(resumed_from / TRAINER_STATE) as f:
+            st = json.load(f)
+        global_step, epoch, batches_done = st["global_step"], st["epoch"], st["batches_done"]
+        logger.info("resumed from %s (step %d)", resumed_from, global_step)
+    if log_path.exists():
+        with open(log_path) as f:
+            history = [json.loads(line) for line in f if line.strip()]
+        history = [h for h in history if h["step"] <= global_step]
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "w") as f:
+            f.writelines(json.dumps(h) + "\n" for h in history)
+
+    progress = tqdm(total=total_steps, initial=global_step, desc="distill", disable=not accelerator.is_local_main_process)
+    running, running_n = 0.0, 0
+    while global_step < total_steps:
+        loader.set_epoch(epoch)
+        active = accelerator.skip_first_batches(loader, batches_done) if batches_done else loader
+        for sample in active:
+            with accelerator.accumulate(objective):
+                loss, logits = objective(sample)
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            batches_done += 1
+            running += float(accelerator.gather(loss.detach()).mean())
+            running_n += 1
+            if not accelerator.sync_gradients:
+                continue
+            global_step += 1
+            progress.update(1)
+            metrics: dict[str, Any] = {"step": global_step, "epoch": epoch, "loss": running / running_n,
+                                       "lr": scheduler.get_last_lr()[0]}
+            if global_step % cfg.log_every == 0 or global_step == total_steps or global_step == 1:
+                rec = _mean_recall(logits, sample, cfg.density)
+                metrics.update(rec)
+                history.append(metrics)
+                progress.set_postfix(loss=f"{metrics['loss']:.4f}", recall=f"{rec['recall']:.3f}")
+                if accelerator.is_main_process:
+                    with open(log_path, "a") as f:
+                        f.write(json.dumps(metrics) + "\n")
+                running, running_n = 0.0, 0
+            epoch_done = batches_done >= loader_len
+            if global_step % cfg.checkpoint_every == 0 or global_step == total_steps:
+                state = {"global_step": global_step, "epoch": epoch + 1 if epoch_done else epoch,
+                         "batches_done": 0 if epoch_done else batches_done}
+                _save_checkpoint(accelerator, ckpt_root, state, cfg.keep_checkpoints)
+            if step_callback is not None:
+                step_callback(global_step, metrics)
+            if global_step >= total_steps:
+                break
+        else:                                              # the epoch ran to its end
+            epoch += 1
+            batches_done = 0
+    progress.close()
+
+    accelerator.wait_for_everyone()
+    trained = accelerator.unwrap_model(objective).estimator
+    metrics_out: dict[str, Any] = {}
+    if accelerator.is_main_process:
+        trained = trained.float().eval()
+        eval_files = list(val_files) or list(files)
+        metrics_out = {
+            "split": "val" if val_files else "train",
+            "density": cfg.density,
+            "trained": evaluate_estimator(trained, eval_files, info.num_layers, cfg.density, accelerator.device),
+            "untrained_mean_pool": evaluate_estimator(None, eval_files, info.num_layers, cfg.density, accelerator.device),
+        }
+        _save_final(trained, out, cfg, metrics_out)
+    accelerator.wait_for_everyone()
+    return DistillResult(out, global_step, history, metrics_out, resumed_from)
+
+
+def _save_final(estimator: VedaEstimator, out: Path, cfg: DistillConfig, metrics: dict[str, Any]) -> None:
+    """Weights + config (save_pretrained into a temp folder, files moved in by rename), metrics, tiling."""
+    tmp = out / ".tmp_final"
+    shutil.rmtree(tmp, ignore_errors=True)
+    estimator.save_pretrained(tmp)
+    for name in os.listdir(tmp):
+        os.replace(tmp / name, out / name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    if isinstance(cfg.tiling, str):
+        shutil.copyfile(cfg.tiling, out / ".tiling.json.tmp")
+        os.replace(out / ".tiling.json.tmp", out / "tiling.json")
+    with open(out / ".metrics.json.tmp", "w") as f:
+        json.dump(metrics, f, indent=1)
+    os.replace(out / ".metrics.json.tmp", out / "metrics.json")
+
+
+def run_distillation(cfg: DistillConfig, *, step_callback: Callable[[int, dict[str, Any]], None] | None = None
+                     ) -> DistillResult:
+    """Distill a Veda estimator: capture samples from dense runs, then train (resumable).
+
+    Args:
+        cfg: a `DistillConfig`.
+        step_callback: optional `step_callback(global_step, metrics)` after every optimizer step.
+
+    Returns:
+        `DistillResult`; `cfg.output_dir` then loads with `VedaEstimator.from_pretrained` and
+        `VedaConfig(estimator=cfg.output_dir, tiling=...)`.
+
+    Example:
+        >>> from videosparse.distill import DistillConfig, run_distillation
+        >>> cfg = DistillConfig(model="reference", prompts="prompts.txt", output_dir="veda-ref", epochs=20)
+        >>> result = run_distillation(cfg)                                              # doctest: +SKIP
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    out = Path(cfg.output_dir)
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision,
+                              gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                              project_config=ProjectConfiguration(project_dir=str(out)))
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        cfg.save(out / "distill_config.json")
+    accelerator.wait_for_everyone()
+
+    def tiles_for_layer(layer: int, num_heads: int):
+        if isinstance(cfg.tiling, str):
+            return load_tiling(cfg.tiling, cfg.block).tiles_for(layer, num_heads)
+        return cfg.tiling
+
+    heat_dtype = getattr(torch, cfg.cache_dtype)
+    files, info = capture_to_cache(cfg.capture_config(), out / "cache", tiles_for_layer, block=cfg.block,
+                                   accelerator=accelerator, teacher_backend=cfg.teacher_backend, heat_dtype=heat_dtype)
+    train_files, val_files = split_by_prompt(files, cfg.val_fraction, cfg.seed)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return train_estimator(cfg, train_files, info, accelerator=accelerator, val_files=val_files,
+                           step_callback=step_callback)
