@@ -57,3 +57,7 @@ class SparseMethod:
             layer: index of the self-attention layer (0-based).
         """
         raise NotImplementedError
+
+    def stats(self) -> dict:
+        """Method-specific statistics for reports (e.g. calibrated thresholds); may sync the host."""
+        return {}

@@ -29,7 +29,7 @@ def errors(density: float, spread: float, seed: int) -> dict[str, float]:
     topk = VedaMethod(VedaConfig(density=density, block=BLOCK, tiling=(1, 4, 16), correction=True), INFO)
     plan_topk = topk.plan(q, k, v, LAYOUT, 0)
     realized = plan_topk.density(LAYOUT.num_tiles)
-    plan_sol = SolMethod(SolConfig(density=realized, tiling=(1, 4, 16)), INFO).plan(q, k, v, LAYOUT, 0)
+    plan_sol = SolMethod(SolConfig(block=64, density=realized, tiling=(1, 4, 16)), INFO).plan(q, k, v, LAYOUT, 0)
     out = {"density_topk": realized, "density_sol": plan_sol.density(LAYOUT.num_tiles)}
     for name, plan in (("topk", plan_topk), ("sol", plan_sol)):
         out[name] = rel_err(block_sparse_attention(q, k, v, plan.without_correction()), dense)

@@ -25,7 +25,7 @@ def _inputs(layout, B=1, H=2, D=64, shift=0.0):
 @pytest.mark.parametrize("text_len", [0, 70])
 def test_density_config_calibrates_once_per_layer_and_shape(text_len):
     layout = head_tiling((8, 16, 16), [(4, 4, 4), (2, 4, 8)], 2, block=64, text_len=text_len)
-    method = SolMethod(SolConfig(density=0.2), INFO)
+    method = SolMethod(SolConfig(block=64, density=0.2), INFO)
     q, k, v = _inputs(layout)
     plan = method.plan(q, k, v, layout, layer=0)
     plan.validate(q, k, v)
@@ -54,11 +54,11 @@ def test_tau_config_is_used_as_given_and_correction_flag():
     N = layout.num_tiles
     z = routing_zscores(tile_means_torch(q, 64), tile_centroids(k, v, 64)[0], 0.125, 1)
     for tau in (0.5, 1.5):
-        plan = SolMethod(SolConfig(tau=tau), INFO).plan(q, k, v, layout, 0)
+        plan = SolMethod(SolConfig(block=64, tau=tau), INFO).plan(q, k, v, layout, 0)
         assert torch.equal(plan.to_dense_mask(N), z > tau) and plan.has_correction
-    lo, hi = (SolMethod(SolConfig(tau=t), INFO).plan(q, k, v, layout, 0).density(N) for t in (0.5, 1.5))
+    lo, hi = (SolMethod(SolConfig(block=64, tau=t), INFO).plan(q, k, v, layout, 0).density(N) for t in (0.5, 1.5))
     assert lo > hi
-    plain = SolMethod(SolConfig(tau=1.0, correction=False), INFO)
+    plain = SolMethod(SolConfig(block=64, tau=1.0, correction=False), INFO)
     plan = plain.plan(q, k, v, layout, 0)
     assert not plan.has_correction and plain.calibrations() == {}
 
@@ -68,7 +68,7 @@ def test_plan_runs_on_reference_and_correction_matches_naive():
 
     layout = head_tiling((4, 8, 10), (1, 4, 16), 2, block=64, text_len=30)    # partial + global tiles
     q, k, v = (t.double() for t in _inputs(layout))
-    plan = SolMethod(SolConfig(density=0.4, tiling=(1, 4, 16)), INFO).plan(q, k, v, layout, 0)
+    plan = SolMethod(SolConfig(block=64, density=0.4, tiling=(1, 4, 16)), INFO).plan(q, k, v, layout, 0)
     out = block_sparse_attention(q, k, v, plan.with_correction(plan.k_mean.double(), plan.v_sum.double(),
                                                                plan.tile_len))
     ref = naive_attention(q, k, v, plan, correction=True)
@@ -78,8 +78,8 @@ def test_plan_runs_on_reference_and_correction_matches_naive():
 def test_static_width_plans_equal_tight_plans():
     layout = head_tiling((8, 8, 16), (4, 4, 4), 2, block=64)
     q, k, v = _inputs(layout)
-    tight = SolMethod(SolConfig(tau=1.0), INFO).plan(q, k, v, layout, 0)
-    static = SolMethod(SolConfig(tau=1.0), INFO)
+    tight = SolMethod(SolConfig(block=64, tau=1.0), INFO).plan(q, k, v, layout, 0)
+    static = SolMethod(SolConfig(block=64, tau=1.0), INFO)
     static.static_width = True
     wide = static.plan(q, k, v, layout, 0)
     assert wide.kv_index.shape[-1] == layout.num_tiles
@@ -89,7 +89,7 @@ def test_static_width_plans_equal_tight_plans():
 
 def test_unreachable_density_warns_once(caplog):
     layout = head_tiling((4, 4, 16), (1, 4, 16), 2, block=64)                 # 4 tiles: band alone is 10/16
-    method = SolMethod(SolConfig(density=0.2, tiling=(1, 4, 16)), INFO)
+    method = SolMethod(SolConfig(block=64, density=0.2, tiling=(1, 4, 16)), INFO)
     with caplog.at_level(logging.WARNING, logger="videosparse.sol.method"):
         plans = [method.plan(*_inputs(layout), layout, 3) for _ in range(2)]
     assert sum("below the density" in r.message for r in caplog.records) == 1

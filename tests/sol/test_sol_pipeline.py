@@ -1,4 +1,4 @@
-"""End to end: `videosparse.apply(pipe, SolConfig(density=0.2))` on the tiny offline Wan pipeline (CPU)."""
+"""End to end: `videosparse.apply(pipe, SolConfig(block=64, density=0.2))` on the tiny offline Wan pipeline (CPU)."""
 
 import numpy as np
 import pytest
@@ -17,7 +17,7 @@ KW = dict(prompt="a red circle moving left", negative_prompt="blue", num_frames=
 def test_apply_sol_density_02_end_to_end():
     pipe = build_tiny_wan_pipeline()
     pipe.set_progress_bar_config(disable=True)
-    handle = videosparse.apply(pipe, videosparse.SolConfig(density=0.2))
+    handle = videosparse.apply(pipe, videosparse.SolConfig(block=64, density=0.2))
     try:
         frames = pipe(**KW, generator=torch.Generator().manual_seed(0)).frames
         session = handle["transformer"]

@@ -158,6 +158,7 @@ class SparseSession:
             "dense_calls": sum(s["dense_calls"] for s in layers.values()),
             "density": kept / total if total else None,
             "layers": layers,
+            "method": self.method.stats() if self.method is not None else {},
         }
 
     def summary(self) -> str:

@@ -64,6 +64,10 @@ class SolMethod(SparseMethod):
         self._realized: dict[tuple, torch.Tensor] = {}
         self._warned: set[int] = set()
 
+    def stats(self) -> dict:
+        """Calibrated thresholds, keyed "layer L, H heads, S tokens" (see `calibrations`)."""
+        return {"calibrations": {f"layer {k[0]}, {k[1]} heads, {k[2]} tokens": v for k, v in self.calibrations().items()}}
+
     def calibrations(self) -> dict[tuple, dict[str, float]]:
         """Calibrated τ and the density it gave on its calibration call, per (layer, H, S, D, Mv, G).
 
