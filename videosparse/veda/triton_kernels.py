@@ -26,33 +26,8 @@ def _interpreting() -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------
-# TripPool: per tile [mean | max | min] of q and k, one pass over both.
+# TripPool: per tile [mean | max | min] of q and k, one launch over both.
 # ---------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _pool_one(X, stride_xs, stride_xd, OUT, stride_of, tile, S,
-              BLOCK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
-    """Pool rows [tile*BLOCK, min(S, (tile+1)*BLOCK)) of one (b, h) slice into OUT[0:3D] (fp32)."""
-    cols = tl.arange(0, BLOCK_D)
-    cmask = cols < D
-    acc_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
-    acc_max = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
-    acc_min = tl.full([BLOCK_D], float("inf"), dtype=tl.float32)
-    start = tile * BLOCK
-    for r0 in tl.static_range(0, BLOCK, CHUNK):
-        rows = start + r0 + tl.arange(0, CHUNK)
-        rmask = rows < S
-        m2 = rmask[:, None] & cmask[None, :]
-        ptrs = X + rows[:, None].to(tl.int64) * stride_xs + cols[None, :] * stride_xd
-        x = tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
-        acc_sum += tl.sum(x, 0)
-        acc_max = tl.maximum(acc_max, tl.max(tl.where(m2, x, float("-inf")), 0))
-        acc_min = tl.minimum(acc_min, tl.min(tl.where(m2, x, float("inf")), 0))
-    n = tl.minimum(S - start, BLOCK).to(tl.float32)
-    tl.store(OUT + cols * stride_of, acc_sum / n, mask=cmask)
-    tl.store(OUT + (D + cols) * stride_of, acc_max, mask=cmask)
-    tl.store(OUT + (2 * D + cols) * stride_of, acc_min, mask=cmask)
 
 
 @triton.jit
@@ -62,20 +37,47 @@ def _trippool_kernel(
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_fb, stride_fh, stride_fn, stride_ff,
     H, S,
-    BLOCK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, HAS_K: tl.constexpr,
+    BLOCK: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """grid = (num_tiles, B*H): program (tile, b*H+h) pools q's (and k's) tile into QF (KF)."""
+    """grid = (num_tiles, B*H, 2): program (tile, b*H+h, 0) pools q's tile into QF, (.., 1) k's into KF.
+
+    The tile is streamed in CHUNK-row pieces into elementwise fp32 accumulators (sum, max, min); the
+    cross-thread reductions run once at the end.
+    """
     tl.static_assert(BLOCK % CHUNK == 0)
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    f_off = b * stride_fb + h * stride_fh + tile.to(tl.int64) * stride_fn
-    _pool_one(Q + b * stride_qb + h * stride_qh, stride_qs, stride_qd, QF + f_off, stride_ff, tile, S,
-              BLOCK, D, BLOCK_D, CHUNK)
-    if HAS_K:
-        _pool_one(K + b * stride_kb + h * stride_kh, stride_ks, stride_kd, KF + f_off, stride_ff, tile, S,
-                  BLOCK, D, BLOCK_D, CHUNK)
+    if tl.program_id(2) == 0:
+        X = Q + b * stride_qb + h * stride_qh
+        stride_xs = stride_qs
+        stride_xd = stride_qd
+        OUT = QF
+    else:
+        X = K + b * stride_kb + h * stride_kh
+        stride_xs = stride_ks
+        stride_xd = stride_kd
+        OUT = KF
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    start = tile * BLOCK
+    acc_sum = tl.zeros([CHUNK, BLOCK_D], dtype=tl.float32)
+    acc_max = tl.full([CHUNK, BLOCK_D], float("-inf"), dtype=tl.float32)
+    acc_min = tl.full([CHUNK, BLOCK_D], float("inf"), dtype=tl.float32)
+    for r0 in tl.static_range(0, BLOCK, CHUNK):
+        rows = start + r0 + tl.arange(0, CHUNK)
+        m2 = (rows < S)[:, None] & cmask[None, :]
+        x = tl.load(X + rows[:, None].to(tl.int64) * stride_xs + cols[None, :] * stride_xd, mask=m2,
+                    other=0.0).to(tl.float32)
+        acc_sum += x
+        acc_max = tl.maximum(acc_max, tl.where(m2, x, float("-inf")))
+        acc_min = tl.minimum(acc_min, tl.where(m2, x, float("inf")))
+    n = tl.minimum(S - start, BLOCK).to(tl.float32)
+    o = OUT + b * stride_fb + h * stride_fh + tile.to(tl.int64) * stride_fn
+    tl.store(o + cols * stride_ff, tl.sum(acc_sum, 0) / n, mask=cmask)
+    tl.store(o + (D + cols) * stride_ff, tl.max(acc_max, 0), mask=cmask)
+    tl.store(o + (2 * D + cols) * stride_ff, tl.min(acc_min, 0), mask=cmask)
 
 
 def trippool_triton(q: torch.Tensor, k: torch.Tensor | None, block: int, num_tiles: int | None = None
@@ -103,12 +105,13 @@ def trippool_triton(q: torch.Tensor, k: torch.Tensor | None, block: int, num_til
     qf = torch.empty(B, H, n, 3 * D, dtype=torch.float32, device=q.device)
     kf = torch.empty_like(qf) if k is not None else qf
     kk = k if k is not None else q
-    chunk = min(block, 32)
-    _trippool_kernel[(n, B * H)](
+    block_d = triton.next_power_of_2(D)
+    chunk = max(1, min(block, 2048 // block_d))          # 3 fp32 accumulators of CHUNK x BLOCK_D per program
+    _trippool_kernel[(n, B * H, 2 if k is not None else 1)](
         q, kk, qf, kf,
         *q.stride(), *kk.stride(), *qf.stride(),
         H, S,
-        BLOCK=block, D=D, BLOCK_D=triton.next_power_of_2(D), CHUNK=chunk, HAS_K=k is not None,
+        BLOCK=block, D=D, BLOCK_D=block_d, CHUNK=chunk,
         num_warps=4,
     )
     return qf, (kf if k is not None else None)
@@ -223,3 +226,52 @@ def teacher_heat_triton(q: torch.Tensor, k: torch.Tensor, block: int, *, lse: to
         num_warps=8 if block * D >= 128 * 128 else 4, num_stages=2,
     )
     return heat
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ahead-of-time compile for sm_90 (works on a CPU-only machine): for CI checks of the generated code.
+# ---------------------------------------------------------------------------------------------------
+
+
+def compile_for_sm90(kernel: str, *, head_dim: int = 128, block: int = 128, dtype: str = "bf16",
+                     has_lse: bool = False):
+    """Compile `kernel` ("trippool" or "teacher") for sm_90 as a launch on contiguous tensors would.
+
+    Pointers, row strides and the sequence length get the 16-divisibility hint a real launch
+    specialises on (contiguous [B, H, S, D] tensors with S % 16 == 0); feature/head-dim strides are 1.
+    Returns the `CompiledKernel` (`.asm["ptx"]`, `.metadata`).
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptr = "*" + dtype
+    if kernel == "trippool":
+        fn = _trippool_kernel
+        pointers = dict(Q=ptr, K=ptr, QF="*fp32", KF="*fp32")
+        constants = dict(BLOCK=block, D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+                         CHUNK=max(1, min(block, 2048 // triton.next_power_of_2(head_dim))),
+                         stride_qd=1, stride_kd=1, stride_ff=1)
+        options = dict(num_warps=4)
+        divisible = ("S",)
+    elif kernel == "teacher":
+        fn = _teacher_kernel
+        pointers = dict(Q=ptr, K=ptr, LSE="*fp32", HEAT="*fp32")
+        constants = dict(BLOCK_M=block, BLOCK_N=block, D=head_dim, HAS_LSE=has_lse, UPCAST=False,
+                         stride_qd=1, stride_kd=1, stride_ls=1, stride_hn=1)
+        options = dict(num_warps=8 if block * head_dim >= 128 * 128 else 4, num_stages=2)
+        divisible = ("S", "Sk")
+    else:
+        raise ValueError(f"kernel={kernel!r} must be 'trippool' or 'teacher'.")
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = pointers[name]
+        elif name == "qk_scale":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+        if name in pointers or name in divisible or (name.startswith("stride") and name not in constants):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options=options)
