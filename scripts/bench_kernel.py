@@ -1,0 +1,394 @@
+"""Benchmark of the tile-skipping kernel against cuDNN SDPA, FlexAttention and FlashAttention-4 (GPU).
+
+One run checks correctness against the torch reference first, then times, side by side:
+ours (dense plan, random top-k plans, banded plans, with and without zero-order correction),
+cuDNN SDPA dense, FlexAttention with the same plan as a BlockMask (compiled), and FA4 block-sparse
+when `flash_attn.cute` imports. TFLOP/s counts the kept tiles only: 4 * S^2 * D * B * H * density / time.
+
+    python scripts/bench_kernel.py [--quick] [--out benchmarks/kernel_h200.json]
+    python scripts/bench_kernel.py --readme benchmarks/kernel_h200.json   # markdown table from a JSON
+
+Writes JSON (shapes, densities, GPU, versions, every timing) and prints a markdown table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {  # name: (B, H, S, D)
+    "12x32768 d128": (1, 12, 32768, 128),
+    "Wan1.3B 12x32760 d128": (1, 12, 32760, 128),
+    "Wan14B 40x75600 d128": (1, 40, 75600, 128),
+    "Hunyuan 24x118800 d128": (1, 24, 118800, 128),
+    "CogVideoX 48x17550 d64": (1, 48, 17550, 64),
+}
+DENSITIES = [1.0, 0.5, 0.25, 0.1, 0.05]
+DEVICE = "cuda"
+QUICK_SHAPES = ["12x32768 d128", "Wan14B 40x75600 d128", "CogVideoX 48x17550 d64"]
+PEER_SHAPES = ["12x32768 d128", "Wan14B 40x75600 d128", "CogVideoX 48x17550 d64"]
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ------------------------------------------------------------------ plans
+def random_plan(B, H, S, density, block, device, seed=0):
+    """Random top-k plan (diagonal forced, equal budget per row) built with the library's topk_plan."""
+    import torch
+
+    from videosparse.plan import dense_plan, topk_plan
+
+    if density >= 1.0:
+        return dense_plan(B, H, S, block, block, device=device)
+    M = math.ceil(S / block)
+    g = torch.Generator(device=device).manual_seed(seed)
+    scores = torch.rand(B, H, M, M, device=device, generator=g)
+    return topk_plan(scores, density, block=block)
+
+
+def banded_plan(B, H, S, density, block, device):
+    """Local plan: key tiles |i - j| <= w (a band about the diagonal), w from the density."""
+    import torch
+
+    from videosparse.plan import plan_from_mask
+
+    M = math.ceil(S / block)
+    w = max(0, round((density * M - 1) / 2))
+    i = torch.arange(M, device=device)
+    mask = ((i[:, None] - i[None, :]).abs() <= w).expand(B, H, M, M)
+    return plan_from_mask(mask.contiguous(), block, block)
+
+
+def plan_density(plan, S):
+    return float(plan.kv_count.double().sum()) / (plan.kv_count.numel() * math.ceil(S / plan.block_n))
+
+
+# ------------------------------------------------------------------ peers
+def make_flex(plan, S, device):
+    import torch
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    B, H, M, _ = plan.kv_index.shape
+    N = math.ceil(S / plan.block_n)
+    idx = torch.zeros(B, H, M, N, dtype=torch.int32, device=device)
+    idx[..., : plan.kv_index.shape[-1]] = plan.kv_index
+    zeros_cnt = torch.zeros_like(plan.kv_count)
+    mask_mod = None
+    if device == "cpu":
+        # eager Flex (CPU) computes densely through mask_mod; compiled Flex skips unlisted blocks and never
+        # evaluates mask_mod on full blocks, so on the GPU the default keeps one compiled kernel for all plans
+        tiles = plan.to_dense_mask(N)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return tiles[b, h, q_idx // plan.block_m, kv_idx // plan.block_n]
+
+    bm = BlockMask.from_kv_blocks(zeros_cnt, torch.zeros_like(idx), plan.kv_count, idx, BLOCK_SIZE=plan.block_n,
+                                  mask_mod=mask_mod, seq_lengths=(S, S))
+    fn = make_flex.compiled
+    if fn is None:
+        fn = make_flex.compiled = torch.compile(flex_attention)
+    return lambda q, k, v, scale: fn(q, k, v, block_mask=bm, scale=scale)
+
+
+make_flex.compiled = None
+
+
+def make_fa4(plan):
+    """FA4 block-sparse (q, k, v in (B, S, H, D)); None when flash_attn.cute is not importable."""
+    try:
+        from flash_attn.cute import flash_attn_func
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+    except Exception:
+        return None
+    import torch
+
+    if plan is None:
+        return lambda q, k, v, scale: flash_attn_func(q, k, v, softmax_scale=scale)
+    B, H, M, _ = plan.kv_index.shape
+    zc = torch.zeros_like(plan.kv_count)
+    zi = torch.zeros(B, H, M, 1, dtype=torch.int32, device=plan.kv_index.device)
+    bst = BlockSparseTensorsTorch(mask_block_cnt=zc, mask_block_idx=zi, full_block_cnt=plan.kv_count,
+                                  full_block_idx=plan.kv_index, block_size=(plan.block_m, plan.block_n))
+    return lambda q, k, v, scale: flash_attn_func(q, k, v, softmax_scale=scale, block_sparse_tensors=bst)
+
+
+def first(x):
+    return x[0] if isinstance(x, (tuple, list)) else x
+
+
+# ------------------------------------------------------------------ main parts
+def check_correctness(results, deadline):
+    """Triton backends vs the torch reference on moderate problems (fresh random inputs)."""
+    import torch
+
+    from videosparse.kernels import block_sparse_attention, reference_attention
+    from videosparse.sol.centroids import tile_centroids_torch
+
+    dev = DEVICE
+    cases = [  # B, H, S, D, dtype, plan kind, density, correction
+        (1, 4, 8190, 128, torch.bfloat16, "random", 0.25, False),
+        (1, 4, 8190, 128, torch.bfloat16, "random", 0.1, True),
+        (1, 4, 8192, 128, torch.bfloat16, "dense", 1.0, False),
+        (2, 3, 4000, 64, torch.float16, "banded", 0.3, True),
+        (2, 3, 4000, 64, torch.bfloat16, "random", 0.5, False),
+    ]
+    for backend in ("hopper", "triton_generic"):
+        for B, H, S, D, dt, kind, dens, corr in cases:
+            if time.time() > deadline:
+                return
+            torch.manual_seed(S + D)
+            q, k, v = (torch.randn(B, H, S, D, device=dev, dtype=dt) for _ in range(3))
+            plan = banded_plan(B, H, S, dens, 128, dev) if kind == "banded" else random_plan(B, H, S, dens, 128, dev)
+            if corr:
+                plan = plan.with_correction(*tile_centroids_torch(k, v, 128))
+            rec = dict(backend=backend, B=B, H=H, S=S, D=D, dtype=str(dt).split(".")[-1], plan=kind, density=dens,
+                       correction=corr)
+            try:
+                out, lse = block_sparse_attention(q, k, v, plan, return_lse=True, backend=backend)
+                ref, ref_lse = reference_attention(q, k, v, plan, D ** -0.5, return_lse=True)
+                rec["rel_err"] = float((out.float() - ref.float()).norm() / ref.float().norm())
+                rec["lse_max_err"] = float((lse - ref_lse).abs().max())
+                rec["ok"] = rec["rel_err"] < 1.5e-2 and rec["lse_max_err"] < 5e-2 and bool(torch.isfinite(out).all())
+            except Exception as e:  # recorded, the run goes on
+                rec["ok"] = False
+                rec["error"] = f"{type(e).__name__}: {e}"[:500]
+            log("check", rec)
+            results["correctness"].append(rec)
+
+
+def bench_shape(name, results, args, deadline):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+
+    from videosparse.kernels.triton_hopper import hopper_attention
+    from videosparse.sol.centroids import tile_centroids_torch
+
+    B, H, S, D = SHAPES[name]
+    dev = DEVICE
+    dt = torch.bfloat16
+    scale = D ** -0.5
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, S, D, device=dev, dtype=dt) for _ in range(3))
+    full_flops = 4.0 * S * S * D * B * H
+    big = full_flops > 5e14
+    bench = lambda fn: do_bench(fn, warmup=10 if big else 25, rep=60 if big else 100, return_mode="median")
+    rows = results["rows"]
+
+    def add(impl, plan_kind, target, density, ms, **extra):
+        row = dict(shape=name, B=B, H=H, S=S, D=D, impl=impl, plan=plan_kind, target_density=target,
+                   density=density, ms=ms, tflops=full_flops * density / (ms * 1e-3) / 1e12, **extra)
+        rows.append(row)
+        log(f"{name:24s} {impl:14s} {plan_kind:7s} d={density:.3f} {ms:9.3f} ms {row['tflops']:7.1f} TFLOP/s"
+            + "".join(f" {k}={v}" for k, v in extra.items()))
+        return row
+
+    # dense peers
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        ref_dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+        ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale))
+    add("cudnn", "dense", 1.0, 1.0, ms)
+    qt = kt = vt = None
+    do_peers = (name in PEER_SHAPES) and not args.no_peers
+    fa4_dense = make_fa4(None) if do_peers else None
+    if fa4_dense is not None:
+        qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        try:
+            o = first(fa4_dense(qt, kt, vt, scale)).transpose(1, 2)
+            err = float((o.float() - ref_dense.float()).norm() / ref_dense.float().norm())
+            add("fa4", "dense", 1.0, 1.0, bench(lambda: fa4_dense(qt, kt, vt, scale)), rel_err_vs_cudnn=round(err, 5))
+        except Exception as e:
+            log("fa4 dense failed:", type(e).__name__, str(e)[:300])
+            results["errors"].append(f"fa4 dense {name}: {type(e).__name__}: {str(e)[:300]}")
+            qt = None
+
+    densities = DENSITIES if not args.quick else [1.0, 0.25, 0.1, 0.05]
+    for kind in ("random", "banded"):
+        for target in densities:
+            if kind == "banded" and target >= 1.0:
+                continue
+            if time.time() > deadline:
+                results["errors"].append(f"deadline: skipped {name} {kind} {target} and later")
+                return
+            plan = random_plan(B, H, S, target, 128, dev) if kind == "random" else banded_plan(B, H, S, target, 128, dev)
+            dens = plan_density(plan, S)
+            out = hopper_attention(q, k, v, plan, scale)
+            extra = {}
+            if target >= 1.0:
+                extra["rel_err_vs_cudnn"] = round(float((out.float() - ref_dense.float()).norm() / ref_dense.float().norm()), 5)
+            ours = add("ours", kind, target, dens, bench(lambda: hopper_attention(q, k, v, plan, scale)), **extra)
+            cud = next(r for r in rows if r["shape"] == name and r["impl"] == "cudnn")
+            ours["speedup_vs_cudnn"] = cud["ms"] / ours["ms"]
+            if target < 1.0 and (kind == "random" or name == "12x32768 d128"):
+                cplan = plan.with_correction(*tile_centroids_torch(k, v, 128))
+                hopper_attention(q, k, v, cplan, scale)
+                cms = bench(lambda: hopper_attention(q, k, v, cplan, scale))
+                crow = add("ours+corr", kind, target, dens, cms, overhead=round(cms / ours["ms"] - 1, 4))
+                crow["speedup_vs_cudnn"] = cud["ms"] / cms
+            if do_peers and (kind == "random" or name == "12x32768 d128"):
+                try:
+                    flex = make_flex(plan, S, dev)
+                    o = flex(q, k, v, scale)
+                    err = float((o.float() - out.float()).norm() / out.float().norm())
+                    fr = add("flex", kind, target, dens, bench(lambda: flex(q, k, v, scale)), rel_err_vs_ours=round(err, 5))
+                    ours["ratio_flex"] = fr["ms"] / ours["ms"]
+                except Exception as e:
+                    log("flex failed:", type(e).__name__, str(e)[:300])
+                    results["errors"].append(f"flex {name} {kind} {target}: {type(e).__name__}: {str(e)[:300]}")
+                if qt is not None:
+                    try:
+                        fa4 = make_fa4(plan)
+                        o = first(fa4(qt, kt, vt, scale)).transpose(1, 2)
+                        err = float((o.float() - out.float()).norm() / out.float().norm())
+                        fr = add("fa4", kind, target, dens, bench(lambda: fa4(qt, kt, vt, scale)), rel_err_vs_ours=round(err, 5))
+                        ours["ratio_fa4"] = fr["ms"] / ours["ms"]
+                    except Exception as e:
+                        log("fa4 failed:", type(e).__name__, str(e)[:300])
+                        results["errors"].append(f"fa4 {name} {kind} {target}: {type(e).__name__}: {str(e)[:300]}")
+            del plan
+
+
+def bench_variants(results, args, deadline):
+    """Kernel variants at 12 x 32768 (and 32760: partial-tile mask), head dim 128 and 64."""
+    import torch
+    from triton.testing import do_bench
+
+    from videosparse.kernels.triton_generic import generic_attention
+    from videosparse.kernels.triton_hopper import hopper_attention
+
+    dev = DEVICE
+    for S, D in ((32768, 128), (32760, 128), (32768, 64)):
+        B, H = 1, 12
+        torch.manual_seed(1)
+        q, k, v = (torch.randn(B, H, S, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
+        flops = 4.0 * S * S * D * B * H
+        for target in (1.0, 0.1):
+            plan = random_plan(B, H, S, target, 128, dev)
+            dens = plan_density(plan, S)
+            variants = {
+                "default": lambda: hopper_attention(q, k, v, plan, D ** -0.5),
+                "no_ws": lambda: hopper_attention(q, k, v, plan, D ** -0.5, warp_specialize=False),
+                "flatten": lambda: hopper_attention(q, k, v, plan, D ** -0.5, flatten=True),
+                "stages3" if D == 128 else "stages2": lambda: hopper_attention(
+                    q, k, v, plan, D ** -0.5, num_stages=3 if D == 128 else 2),
+                "generic": lambda: generic_attention(q, k, v, plan, D ** -0.5),
+            }
+            for vname, fn in variants.items():
+                if time.time() > deadline:
+                    results["errors"].append("deadline: variants cut short")
+                    return
+                try:
+                    fn()
+                    ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+                    rec = dict(S=S, D=D, H=H, target_density=target, density=dens, variant=vname, ms=ms,
+                               tflops=flops * dens / (ms * 1e-3) / 1e12)
+                except Exception as e:
+                    rec = dict(S=S, D=D, target_density=target, variant=vname, error=f"{type(e).__name__}: {str(e)[:300]}")
+                log("variant", rec)
+                results["variants"].append(rec)
+
+
+# ------------------------------------------------------------------ report
+def render_markdown(results) -> str:
+    """README table: per shape and density, ours vs cuDNN dense, Flex and FA4 (random top-k plans)."""
+    meta = results.get("meta", {})
+    rows = results["rows"]
+    out = [f"Kernel benchmark on {meta.get('gpu', '?')} (torch {meta.get('torch', '?')}, triton {meta.get('triton', '?')}), "
+           "bf16, 128x128 tiles, random top-k plans; TFLOP/s on kept tiles (4·S²·D·H·density / time).", "",
+           "| shape | density | ours ms | ours TFLOP/s | +correction | vs cuDNN dense | Flex TFLOP/s | FA4 TFLOP/s | ours / FA4 |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        sub = [r for r in rows if r["shape"] == shape]
+        cud = next((r for r in sub if r["impl"] == "cudnn"), None)
+        for r in sub:
+            if r["impl"] != "ours" or r["plan"] != "random":
+                continue
+            td = r["target_density"]
+            pick = lambda impl: next((x for x in sub if x["impl"] == impl and x["target_density"] == td
+                                      and x["plan"] == "random"), None)
+            corr, flex, fa4 = pick("ours+corr"), pick("flex"), pick("fa4")
+            cell = lambda x, f: f.format(x) if x is not None else "–"
+            out.append("| {} | {:.3f} | {:.2f} | {:.0f} | {} | {} | {} | {} | {} |".format(
+                shape, r["density"], r["ms"], r["tflops"],
+                cell(corr and corr["overhead"] * 100, "+{:.1f}%"),
+                cell(cud and cud["ms"] / r["ms"], "{:.2f}×"),
+                cell(flex and flex["tflops"], "{:.0f}"), cell(fa4 and fa4["tflops"], "{:.0f}"),
+                cell(fa4 and fa4["ms"] / r["ms"], "{:.2f}")))
+        if cud is not None:
+            out.append(f"| {shape} | cuDNN dense | {cud['ms']:.2f} | {cud['tflops']:.0f} | | 1.00× | | | |")
+    return "\n".join(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer shapes and densities")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "kernel_h200.json"))
+    ap.add_argument("--shapes", nargs="*", help=f"subset of {list(SHAPES)}")
+    ap.add_argument("--no-peers", action="store_true", help="skip Flex and FA4")
+    ap.add_argument("--no-variants", action="store_true")
+    ap.add_argument("--deadline-s", type=float, default=480.0, help="stop starting new timings after this")
+    ap.add_argument("--readme", metavar="JSON", help="only render the markdown table of an earlier run")
+    args = ap.parse_args()
+    if args.readme:
+        print(render_markdown(json.loads(Path(args.readme).read_text())))
+        return
+    import torch
+    import triton
+
+    t0 = time.time()
+    deadline = t0 + args.deadline_s
+    results = dict(meta=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                             shapes=SHAPES, densities=DENSITIES, dtype="bfloat16", block=128, quick=args.quick,
+                             date=time.strftime("%Y-%m-%d %H:%M")),
+                   correctness=[], rows=[], variants=[], errors=[])
+    try:
+        import flash_attn.cute  # noqa: F401
+        results["meta"]["fa4"] = "importable"
+    except Exception as e:
+        results["meta"]["fa4"] = f"not importable: {type(e).__name__}: {str(e)[:200]}"
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        results["meta"]["wall_s"] = round(time.time() - t0, 1)
+        out_path.write_text(json.dumps(results, indent=1))
+
+    check_correctness(results, deadline)
+    save()
+    bad = [c for c in results["correctness"] if not c["ok"]]
+    if bad:
+        log(f"CORRECTNESS FAILED for {len(bad)} case(s); timing anyway, but the numbers are suspect")
+    shapes = args.shapes or (QUICK_SHAPES if args.quick else list(SHAPES))
+    # most important first: the target shape, Wan 14B, head dim 64, the variants, then the rest
+    steps = [n for n in shapes if n in PEER_SHAPES] + (["variants"] if not args.no_variants else []) \
+        + [n for n in shapes if n not in PEER_SHAPES]
+    for name in steps:
+        try:
+            if name == "variants":
+                bench_variants(results, args, deadline)
+            else:
+                bench_shape(name, results, args, deadline)
+        except Exception:
+            results["errors"].append(f"{name}: {traceback.format_exc()[-800:]}")
+            log(traceback.format_exc())
+        save()
+        torch.cuda.empty_cache()
+    log(f"wrote {out_path} ({time.time() - t0:.0f} s); correctness: "
+        f"{len(results['correctness']) - len(bad)}/{len(results['correctness'])} ok")
+    for e in results["errors"]:
+        log("error:", e[:300])
+    log(render_markdown(results))
+
+
+if __name__ == "__main__":
+    main()
