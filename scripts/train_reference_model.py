@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
         hint = hints[f.name]
         if f.name in ("alt_sizes", "transformer_overrides", "text_overrides"):
             p.add_argument(flag, type=json.loads, default=None, help=f"{f.name} as JSON")
+        elif hint is bool:
+            p.add_argument(flag, type=lambda v: v.lower() in ("1", "true", "yes"), default=None, metavar="BOOL")
         elif hint in (int, float, str):
             p.add_argument(flag, type=hint, default=None)
         else:  # optional number / str

@@ -79,6 +79,11 @@ class TrainConfig:
         resume: "auto" (latest checkpoint in output_dir if any), "none", or a checkpoint folder.
         transformer_overrides, text_overrides: changes to the model configs (tests use tiny models).
         export_dtype: "float16", "bfloat16" or "float32" storage of the exported weights.
+        init_from: a saved pipeline folder whose transformer and text encoder weights start a fresh run
+            (ignored when resuming from a checkpoint), e.g. the shipped weights for a continuation.
+        scale_batch_by_tokens: at sizes smaller than the main one, grow the batch so a step holds about as
+            many tokens as a main-size step (up to `max_batch_size`).
+        max_batch_size: cap of the scaled batch.
     """
 
     output_dir: str = "outputs/reference_train"
@@ -96,9 +101,8 @@ class TrainConfig:
     num_frames: int = DEFAULT_NUM_FRAMES
     height: int = DEFAULT_HEIGHT
     width: int = DEFAULT_WIDTH
-    p_default_size: float = 0.75
-    alt_sizes: tuple[tuple[int, int, int], ...] = ((8, 48, 48), (12, 48, 48), (16, 48, 48), (8, 64, 64),
-                                                   (16, 32, 32))
+    p_default_size: float = 0.3
+    alt_sizes: tuple[tuple[int, int, int], ...] = ((16, 32, 32), (8, 32, 32), (16, 48, 48), (12, 48, 48))
     p_empty_prompt: float = 0.1
     shift: float = SCHEDULER_SHIFT
     logit_normal_std: float = 1.0
@@ -110,13 +114,16 @@ class TrainConfig:
     transformer_overrides: dict[str, Any] = field(default_factory=dict)
     text_overrides: dict[str, Any] = field(default_factory=dict)
     export_dtype: str = "float16"
+    init_from: str | None = None
+    scale_batch_by_tokens: bool = True
+    max_batch_size: int = 128
 
     def __post_init__(self) -> None:
         if self.mixed_precision not in ("auto", "bf16", "fp16", "no"):
             raise ValueError(f"mixed_precision={self.mixed_precision!r}; choose 'auto', 'bf16', 'fp16' or 'no'.")
         if self.export_dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError(f"export_dtype={self.export_dtype!r}; choose 'float16', 'bfloat16' or 'float32'.")
-        for name in ("max_steps", "batch_size", "checkpoint_every", "keep_checkpoints", "log_every", "sample_steps"):
+        for name in ("max_steps", "batch_size", "max_batch_size", "checkpoint_every", "keep_checkpoints", "log_every", "sample_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1.")
         if not 0.0 <= self.p_default_size <= 1.0 or not 0.0 <= self.p_empty_prompt < 1.0:
@@ -176,6 +183,27 @@ def latest_checkpoint(output_dir: str) -> str | None:
 def _named_params(transformer, text_encoder) -> list[tuple[str, torch.nn.Parameter]]:
     return ([(f"transformer.{n}", p) for n, p in transformer.named_parameters()]
             + [(f"text_encoder.{n}", p) for n, p in text_encoder.named_parameters()])
+
+
+def _batch_for(cfg: TrainConfig, size: tuple[int, int, int]) -> int:
+    if not cfg.scale_batch_by_tokens:
+        return cfg.batch_size
+    ratio = (cfg.num_frames * cfg.height * cfg.width) / (size[0] * size[1] * size[2])
+    return max(cfg.batch_size, min(cfg.max_batch_size, int(round(cfg.batch_size * ratio))))
+
+
+def _load_initial_weights(transformer, text_encoder, folder: str) -> None:
+    from safetensors.torch import load_file
+
+    for module, sub in ((transformer, "transformer"), (text_encoder, "text_encoder")):
+        path = os.path.join(folder, sub, "diffusion_pytorch_model.safetensors")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"init_from={folder!r} has no {sub}/diffusion_pytorch_model.safetensors.")
+        state = {k: v.float() for k, v in load_file(path).items()}
+        missing, unexpected = module.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"init_from={folder!r}: {sub} weights do not match the model config "
+                             f"(missing {missing[:5]}, unexpected {unexpected[:5]}).")
 
 
 def _choose_size(cfg: TrainConfig, generator: torch.Generator) -> tuple[int, int, int]:
@@ -282,9 +310,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     pipe = build_reference_pipeline(seed=cfg.seed, transformer_overrides=cfg.transformer_overrides,
                                     text_overrides=cfg.text_overrides)
     tokenizer, text_encoder, transformer = pipe.tokenizer, pipe.text_encoder, pipe.transformer
-    # the output layer starts at zero (DiT-style), so the first predictions are 0 and training is smooth
-    torch.nn.init.zeros_(transformer.proj_out.weight)
-    torch.nn.init.zeros_(transformer.proj_out.bias)
+    if cfg.init_from:
+        _load_initial_weights(transformer, text_encoder, cfg.init_from)
+    else:
+        # the output layer starts at zero (DiT-style), so the first predictions are 0 and training is smooth
+        torch.nn.init.zeros_(transformer.proj_out.weight)
+        torch.nn.init.zeros_(transformer.proj_out.bias)
     transformer.train()
     text_encoder.train()
     named = _named_params(transformer, text_encoder)
@@ -376,12 +407,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             break
         data_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 101 + accelerator.process_index)
         T, H, W = _choose_size(cfg, data_gen)
-        video, prompts = clip_batch(cfg.batch_size, T, H, W, generator=data_gen, device=device,
+        batch = _batch_for(cfg, (T, H, W))
+        video, prompts = clip_batch(batch, T, H, W, generator=data_gen, device=device,
                                     p_empty_prompt=cfg.p_empty_prompt)
         noise_gen = torch.Generator(device=device).manual_seed(cfg.seed * 7_000_003 + step * 13
                                                                + accelerator.process_index)
         noise = torch.randn(video.shape, generator=noise_gen, device=device)
-        sigmas = sample_sigmas(cfg.batch_size, cfg.shift, cfg.logit_normal_std, noise_gen, device)
+        sigmas = sample_sigmas(batch, cfg.shift, cfg.logit_normal_std, noise_gen, device)
         with accelerator.autocast():
             loss = flow_matching_loss(transformer, text_encoder, tokenizer, video, prompts, sigmas, noise)
         accelerator.backward(loss)
