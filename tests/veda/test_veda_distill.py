@@ -140,5 +140,6 @@ def test_distill_config_validation(tmp_path):
         make_cfg(tmp_path, prompts=())
     with pytest.raises(ValueError, match="unknown fields \\['lr'\\]"):
         DistillConfig.from_dict({"lr": 1.0})
+    assert make_cfg(tmp_path, tiling="8x4x4").tiling == (8, 4, 4)
     cfg = make_cfg(tmp_path, tiling=(8, 4, 4))
     assert DistillConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -35,7 +36,9 @@ def _density(name: str, value: Any) -> None:
 
 
 def _tiling(value: Any, block: int) -> Any:
-    if isinstance(value, (str, os.PathLike)):
+    if isinstance(value, str) and re.fullmatch(r"\d+x\d+x\d+", value):       # "4x4x8", as the CLI writes it
+        value = tuple(int(v) for v in value.split("x"))
+    elif isinstance(value, (str, os.PathLike)):
         return os.fspath(value)
     if isinstance(value, (list, tuple)) and len(value) == 3 and all(isinstance(v, int) and v > 0 for v in value):
         if value[0] * value[1] * value[2] != block:

@@ -295,6 +295,9 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
                                        "lr": scheduler.get_last_lr()[0]}
             if global_step % cfg.log_every == 0 or global_step == total_steps or global_step == 1:
                 rec = _mean_recall(logits, sample, cfg.density)
+                keys = sorted(rec)
+                vals = accelerator.gather(torch.tensor([rec[k] for k in keys], device=accelerator.device)[None])
+                rec = dict(zip(keys, vals.float().nanmean(0).tolist()))              # mean over processes
                 metrics.update(rec)
                 history.append(metrics)
                 progress.set_postfix(loss=f"{metrics['loss']:.4f}", recall=f"{rec['recall']:.3f}")
