@@ -252,3 +252,19 @@ def test_training_smoke_run_resumes_exactly(tmp_path):
     for (name, pa), (_, pb) in zip(a.transformer.state_dict().items(), b.transformer.state_dict().items()):
         assert torch.equal(pa, pb), name
     assert json.load(open(tmp_path / "a" / "export" / "train_config.json"))["max_steps"] == 3
+    stages = json.load(open(tmp_path / "a" / "export" / "training_stages.json"))["stages"]
+    assert [(st["stage"], st["steps"], st["step_reached"]) for st in stages] == [(1, 1, 3)]
+
+
+def test_training_continues_from_exported_weights(tmp_path):
+    from videosparse.models.reference_train import train
+
+    train(_train_cfg(tmp_path / "a", max_steps=1, checkpoint_every=10))
+    cont = train(_train_cfg(tmp_path / "b", max_steps=1, checkpoint_every=10, init_from=str(tmp_path / "a" / "export"),
+                            learning_rate=0.0))
+    a = ref.load_reference_pipeline(path=tmp_path / "a" / "export")
+    b = ref.load_reference_pipeline(path=cont["export_dir"])
+    for (name, pa), (_, pb) in zip(a.transformer.state_dict().items(), b.transformer.state_dict().items()):
+        assert torch.equal(pa, pb), name                      # lr 0: the weights carry over unchanged
+    stages = json.load(open(os.path.join(cont["export_dir"], "training_stages.json")))["stages"]
+    assert [st["stage"] for st in stages] == [1, 2]

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 CONFIG_NAME = "train_config.json"
 STATE_NAME = "trainer_state.json"
 EMA_NAME = "ema.safetensors"
+STAGES_NAME = "training_stages.json"
 CHECKPOINT_PREFIX = "step-"
 
 SAMPLE_PROMPTS = (
@@ -240,10 +241,11 @@ def write_sample_grid(frames: torch.Tensor, path: str, cols: int = 2) -> None:
 
 
 def export_pipeline(transformer, text_encoder, tokenizer, export_dir: str, dtype: torch.dtype,
-                    config: TrainConfig | None = None) -> str:
+                    config: TrainConfig | None = None, stages: list[dict] | None = None) -> str:
     """Write a `ReferenceVideoPipeline` (safetensors) into `export_dir`, replacing it atomically.
 
-    The modules are copied to the CPU in `dtype`; `train_config.json` is written beside the weights.
+    The modules are copied to the CPU in `dtype`; `train_config.json` (and `training_stages.json`, the
+    history of the runs that led to these weights, if `stages` is given) are written beside the weights.
     """
     import copy
 
@@ -272,6 +274,9 @@ def export_pipeline(transformer, text_encoder, tokenizer, export_dir: str, dtype
     pipe.save_pretrained(tmp, safe_serialization=True)
     if config is not None:
         config.save(tmp)
+    if stages is not None:
+        with open(os.path.join(tmp, STAGES_NAME), "w") as f:
+            json.dump({"stages": stages}, f, indent=2)
     if os.path.exists(export_dir):
         shutil.rmtree(old, ignore_errors=True)
         os.rename(export_dir, old)
@@ -330,6 +335,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     ema.to(device)
 
     step = 0
+    first_step = 0
+    stages: list[dict] = []
+    if cfg.init_from and os.path.isfile(os.path.join(cfg.init_from, STAGES_NAME)):
+        with open(os.path.join(cfg.init_from, STAGES_NAME)) as f:
+            stages = list(json.load(f).get("stages", []))
     resume_from = None
     if cfg.resume == "auto":
         resume_from = latest_checkpoint(cfg.output_dir)
@@ -339,7 +349,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         accelerator.load_state(resume_from)
         with open(os.path.join(resume_from, STATE_NAME)) as f:
             state = json.load(f)
-        step = int(state["step"])
+        step = first_step = int(state["step"])
         ema_state = load_file(os.path.join(resume_from, EMA_NAME))
         for (name, _), shadow in zip(named, ema.shadow_params):
             shadow.copy_(ema_state[name].to(shadow.device, shadow.dtype))
@@ -399,7 +409,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     log_path = os.path.join(cfg.output_dir, "loss_log.jsonl")
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
-    running, n_running, last_loss = 0.0, 0, float("nan")
+    running, n_running, last_loss, last_logged = 0.0, 0, float("nan"), None
     stopped_early = False
     while step < cfg.max_steps:
         if cfg.max_minutes is not None and (time.time() - start_time) > cfg.max_minutes * 60.0:
@@ -431,10 +441,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             avg = running / n_running
             bar.set_postfix(loss=f"{avg:.4f}")
+            last_logged = {"step": step, "loss": avg, "lr": lr_schedule.get_last_lr()[0],
+                           "elapsed_s": round(time.time() - start_time, 1)}
             if accelerator.is_main_process:
                 with open(log_path, "a") as f:
-                    f.write(json.dumps({"step": step, "loss": avg, "lr": lr_schedule.get_last_lr()[0],
-                                        "elapsed_s": round(time.time() - start_time, 1)}) + "\n")
+                    f.write(json.dumps(last_logged) + "\n")
             running, n_running = 0.0, 0
         if step % cfg.checkpoint_every == 0 and step < cfg.max_steps:
             save_checkpoint(step, last_loss)
@@ -446,7 +457,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     export_dir = cfg.export_dir or os.path.join(cfg.output_dir, "export")
     if accelerator.is_main_process:
         dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.export_dtype]
-        with_ema(lambda: export_pipeline(unwrapped_tr, unwrapped_te, tokenizer, export_dir, dtype, cfg))
+        stage = {"stage": len(stages) + 1, "steps": step - first_step, "step_reached": step,
+                 "train_seconds": round(time.time() - start_time, 1), "last_logged": last_logged,
+                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                 "mixed_precision": mp, "config": cfg.to_dict()}
+        with_ema(lambda: export_pipeline(unwrapped_tr, unwrapped_te, tokenizer, export_dir, dtype, cfg,
+                                         stages + [stage]))
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return {"step": step, "loss": last_loss, "checkpoint": ckpt, "export_dir": export_dir, "sample": sample_path,
