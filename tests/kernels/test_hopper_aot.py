@@ -6,6 +6,10 @@ the loop), so a change that loses it, TMA or wgmma fails here before it reaches 
 
 from __future__ import annotations
 
+import re
+import subprocess
+from pathlib import Path
+
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -33,7 +37,7 @@ def hopper_module():
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_hopper_kernel_compiles_with_tma_wgmma_and_warp_specialization(hopper_module, name):
+def test_hopper_kernel_compiles_with_tma_wgmma_and_warp_specialization(hopper_module, name, tmp_path):
     d, dtype, bm, bn, centroids, mask_last, merge = VARIANTS[name]
     k = hopper_module.compile_for_sm90(head_dim=d, dtype=dtype, block_m=bm, block_n=bn, centroids=centroids,
                                        mask_last=mask_last, merge=merge)
@@ -43,6 +47,20 @@ def test_hopper_kernel_compiles_with_tma_wgmma_and_warp_specialization(hopper_mo
     assert "wgmma.mma_async" in ptx, "no wgmma in the PTX"
     assert "cp.async.bulk.tensor" in ptx, "no TMA loads in the PTX"
     assert k.metadata.shared <= SHARED_LIMIT, f"shared memory {k.metadata.shared} > {SHARED_LIMIT}"
+    local = _local_memory_bytes(k.asm["cubin"], tmp_path)
+    assert local in (None, 0), f"registers spill to {local} bytes of local memory"
+
+
+def _local_memory_bytes(cubin: bytes, where: Path):
+    """LOCAL bytes of the kernel from cuobjdump (shipped with triton); None when cuobjdump is missing."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    f = where / "k.cubin"
+    f.write_bytes(cubin)
+    text = subprocess.run([str(tool), "--dump-resource-usage", str(f)], capture_output=True, text=True).stdout
+    found = re.findall(r"LOCAL:(\d+)", text)
+    return max(map(int, found)) if found else None
 
 
 def test_aot_check_detects_lost_warp_specialization(hopper_module):
