@@ -7,32 +7,12 @@
 Every field of `DistillConfig` is a flag (underscores -> dashes, JSON values: `--tiling [8,4,4]`).
 """
 
-from __future__ import annotations
-
-import argparse
-import logging
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from videosparse.distill.config import DistillConfig, add_config_arguments, config_from_namespace  # noqa: E402
-
-
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(description="Distill a Veda tile estimator (arXiv 2605.30325).")
-    add_config_arguments(parser, DistillConfig)
-    cfg = config_from_namespace(parser.parse_args(argv), DistillConfig)
-    from videosparse.distill import run_distillation
-
-    result = run_distillation(cfg)
-    if result.metrics:
-        t, u = result.metrics["trained"], result.metrics["untrained_mean_pool"]
-        print(f"{result.global_step} steps: KL {t['kl']:.4f} (untrained {u['kl']:.4f}), recall at density "
-              f"{cfg.density}: {t['recall']:.3f} (untrained {u['recall']:.3f}) -> {result.output_dir}")
-    return 0
-
+from videosparse.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(["distill", *sys.argv[1:]]))

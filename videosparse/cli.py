@@ -150,12 +150,60 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     return run_evaluate(args)
 
 
+def _add_distill_parser(sub) -> None:
+    from .distill.config import DistillConfig, add_config_arguments
+
+    p = sub.add_parser("distill", help="distill a Veda tile estimator from the model's dense attention",
+                       description="Every DistillConfig field is a flag (JSON values allowed); runs under "
+                                   "`accelerate launch -m videosparse.cli distill ...` across GPUs.")
+    add_config_arguments(p, DistillConfig)
+    p.set_defaults(func=_run_distill)
+
+
+def _run_distill(args: argparse.Namespace) -> int:
+    from .distill import run_distillation
+    from .distill.config import DistillConfig, config_from_namespace
+
+    cfg = config_from_namespace(args, DistillConfig)
+    result = run_distillation(cfg)
+    if result.metrics:
+        t, u = result.metrics["trained"], result.metrics["untrained_mean_pool"]
+        print(f"{result.global_step} steps: KL {t['kl']:.4f} (untrained {u['kl']:.4f}), recall at density "
+              f"{cfg.density}: {t['recall']:.3f} (untrained {u['recall']:.3f}) -> {result.output_dir}")
+    return 0
+
+
+def _add_search_tiling_parser(sub) -> None:
+    from .distill.config import TilingSearchConfig, add_config_arguments
+
+    p = sub.add_parser("search-tiling", help="head-aware tile-shape search on captured attention",
+                       description="Every TilingSearchConfig field is a flag (JSON values allowed).")
+    add_config_arguments(p, TilingSearchConfig)
+    p.set_defaults(func=_run_search_tiling)
+
+
+def _run_search_tiling(args: argparse.Namespace) -> int:
+    from .distill import run_tiling_search
+    from .distill.config import TilingSearchConfig, config_from_namespace
+
+    cfg = config_from_namespace(args, TilingSearchConfig)
+    res = run_tiling_search(cfg)
+    s = res.summary
+    print(f"searched tiling: mean relative error {s['mean_rel_err_searched']:.4f}; best single shape "
+          f"{s['best_single_shape']}: {s['mean_rel_err_best_single']:.4f} -> {cfg.output}")
+    for layer, shapes in enumerate(res.tiling.layers):
+        print(f"  layer {layer}: " + " ".join("x".join(map(str, sh)) for sh in shapes))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="videosparse", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log INFO messages")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(sub)
     _add_evaluate_parser(sub)
+    _add_distill_parser(sub)
+    _add_search_tiling_parser(sub)
     return parser
 
 
