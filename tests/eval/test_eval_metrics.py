@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from videosparse.eval.attention import sample_steps
-from videosparse.eval.metrics import (dense_attention_tile_mass, load_lpips, psnr, psnr_per_frame, relative_l2, ssim,
-                                      ssim_per_frame, tile_recall)
+from videosparse.eval.metrics import (dense_attention_tile_mass, load_lpips, psnr, psnr_per_frame, psnr_video,
+                                      relative_l2, ssim, ssim_per_frame, tile_recall)
 from videosparse.eval.report import from_jsonable, to_jsonable
 from videosparse.plan import plan_from_mask
 
@@ -31,6 +31,15 @@ def test_psnr_of_known_noise_levels():
     noisy[1] += 0.1
     values = psnr_per_frame(noisy, ref)
     assert math.isinf(values[0]) and values[1] == pytest.approx(20.0, abs=1e-4)
+
+
+def test_video_psnr_pools_the_error_over_frames():
+    ref = _video()
+    assert psnr_video(ref + 0.1, ref) == pytest.approx(20.0, abs=1e-4)
+    noisy = ref.copy()
+    noisy[1:] += 0.1                       # frame 0 identical: MSE = 2/3 * 0.01, finite
+    assert psnr_video(noisy, ref) == pytest.approx(10 * math.log10(1 / (0.01 * 2 / 3)), abs=1e-4)
+    assert math.isinf(psnr_video(ref, ref))
 
 
 def test_identical_videos_give_inf_psnr_and_unit_ssim():

@@ -14,7 +14,8 @@ What one run does, cell by cell (a cell is one method, one prompt, one seed):
 1. **Quality and speed.** Generate with the method applied (dense is `DenseConfig`: diffusers' own
    attention through videosparse's processors, so it can be timed the same way), the generator
    seeded identically for every method. Per cell: PSNR and SSIM per frame vs the dense cell of the
-   same prompt and seed (dense vs itself: PSNR inf, SSIM 1), LPIPS when available; end-to-end wall
+   same prompt and seed (PSNR of the whole video, i.e. the MSE pooled over frames, plus the
+   per-frame values; dense vs itself: PSNR inf, SSIM 1), LPIPS when available; end-to-end wall
    time, transformer time (every forward, CUDA-synchronised), attention time and plan time (every
    self-attention call, CUDA events; `timing.AttentionTimer`); the session statistics (realised
    density per layer, load balance, sparse/dense calls). Frames are kept in `frames/` (fp16 .npy) so
@@ -50,7 +51,7 @@ import torch
 from ..processors import sessions as active_sessions
 from .attention import AttentionProbe, sample_steps
 from .generate import generate, write_video
-from .metrics import load_lpips, lpips_distance, psnr_per_frame, ssim_per_frame
+from .metrics import load_lpips, lpips_distance, psnr_per_frame, psnr_video, ssim_per_frame
 from .report import REPORT_FORMAT, environment, load_report, render_markdown, save_report
 from .spec import MethodSpec
 from .timing import AttentionTimer, pipeline_transformers
@@ -308,7 +309,7 @@ class Evaluation:
         ssim = ssim_per_frame(frames, reference)
         model = self._lpips_model()
         return {
-            "psnr_db": float(np.mean(psnr)), "psnr_per_frame": psnr,
+            "psnr_db": psnr_video(frames, reference), "psnr_per_frame": psnr,
             "ssim": float(np.mean(ssim)), "ssim_per_frame": ssim,
             "lpips": lpips_distance(model, frames, reference) if model is not None else None,
         }

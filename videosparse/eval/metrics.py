@@ -50,6 +50,23 @@ def psnr_per_frame(video: np.ndarray, reference: np.ndarray) -> list[float]:
     return [float(peak_signal_noise_ratio(x[None], y[None], data_range=1.0)) for x, y in zip(a, b)]
 
 
+def psnr_video(video: np.ndarray, reference: np.ndarray) -> float:
+    """PSNR in dB (data range 1) of the whole video: the MSE pooled over every frame and pixel.
+
+    Finite unless the videos are identical (then inf). Unlike the mean of per-frame PSNRs, one frame
+    that happens to match exactly (e.g. a background clipped to 0 in both) does not make it infinite.
+
+    Args:
+        video, reference: float [F, H, W, C] in [0, 1].
+    """
+    from torchmetrics.functional.image import peak_signal_noise_ratio
+
+    a, b = _frames(video), _frames(reference)
+    if a.shape != b.shape:
+        raise ValueError(f"video {tuple(a.shape)} and reference {tuple(b.shape)} differ in shape.")
+    return float(peak_signal_noise_ratio(a, b, data_range=1.0))
+
+
 def ssim_per_frame(video: np.ndarray, reference: np.ndarray) -> list[float]:
     """SSIM of every frame (Gaussian window 11, sigma 1.5, data range 1); 1.0 for identical frames.
 

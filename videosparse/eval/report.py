@@ -170,7 +170,8 @@ def _quality_markdown(report: dict) -> list[str]:
                      "tile recall", "mass kept", "oracle mass", "cells"], rows)
     lines += [
         "",
-        "*realised*: kept tile pairs / all pairs over the sparse calls; *attn work*: the fraction of dense "
+        "*PSNR*: of the whole video (MSE pooled over frames; per-frame values are in report.json), mean over "
+        "the cells. *realised*: kept tile pairs / all pairs over the sparse calls; *attn work*: the fraction of dense "
         "attention work done, dense-scheduled calls included. Attention-level columns are means over the "
         "sampled (step, layer) calls where the method runs sparse; recall is vs the oracle (top tiles by "
         "true attention mass at the same per-row budget).",
