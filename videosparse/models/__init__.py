@@ -7,6 +7,7 @@ _LAZY = {
     "load_reference_pipeline": "reference",
     "build_reference_pipeline": "reference",
     "ReferenceVideoPipeline": "reference",
+    "REFERENCE_CALL_DEFAULTS": "reference",
 }
 
 __all__ = list(_LAZY)

@@ -52,6 +52,12 @@ DEFAULT_HEIGHT = 64
 DEFAULT_WIDTH = 64
 DEFAULT_NUM_INFERENCE_STEPS = 10
 DEFAULT_GUIDANCE_SCALE = 4.0
+REFERENCE_CALL_DEFAULTS: dict[str, Any] = dict(
+    prompt=DEFAULT_PROMPT, num_frames=DEFAULT_NUM_FRAMES, height=DEFAULT_HEIGHT, width=DEFAULT_WIDTH,
+    num_inference_steps=DEFAULT_NUM_INFERENCE_STEPS, guidance_scale=DEFAULT_GUIDANCE_SCALE,
+    max_sequence_length=MAX_TEXT_LENGTH,
+)
+"""Keyword arguments of the default `videosparse generate` call (16 x 64 x 64 pixels = 4,096 video tokens)."""
 
 
 def video_token_grid(num_frames: int, height: int, width: int, patch_size=PATCH_SIZE) -> tuple[int, int, int]:
@@ -351,6 +357,6 @@ def load_reference_pipeline(device: torch.device | str = "cpu", dtype: torch.dty
 
 __all__ = [
     "DEFAULT_GUIDANCE_SCALE", "DEFAULT_HEIGHT", "DEFAULT_NUM_FRAMES", "DEFAULT_NUM_INFERENCE_STEPS", "DEFAULT_PROMPT",
-    "DEFAULT_WIDTH", "REFERENCE_WEIGHTS_DIR", "ReferenceVideoPipeline", "build_reference_pipeline", "encode_text",
+    "DEFAULT_WIDTH", "REFERENCE_CALL_DEFAULTS", "REFERENCE_WEIGHTS_DIR", "ReferenceVideoPipeline", "build_reference_pipeline", "encode_text",
     "load_reference_pipeline", "video_token_grid",
 ]
