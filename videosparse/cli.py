@@ -65,7 +65,8 @@ def method_config(args: argparse.Namespace):
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="hub id or local directory (default: the embedded model, offline)")
+    p.add_argument("--model", default=None,
+                   help="hub id or local directory; 'reference' (the default: the shipped model, offline) or 'tiny'")
     p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
 

@@ -23,7 +23,7 @@ PROMPTS = ("a red circle moving left", "a blue square moving up")
 
 
 def make_cfg(out: Path, **kw) -> DistillConfig:
-    args = dict(model=None, prompts=PROMPTS, num_inference_steps=2, output_dir=str(out), density=0.3,
+    args = dict(model="tiny", prompts=PROMPTS, num_inference_steps=2, output_dir=str(out), density=0.3,
                 max_steps=12, learning_rate=1e-3, log_every=2, checkpoint_every=4, keep_checkpoints=2, seed=3)
     args.update(kw)
     return DistillConfig(**args)

@@ -56,17 +56,9 @@ def load_capture_pipeline(cfg: CaptureConfig, device: str | torch.device | None 
 
     device = str(device or cfg.device or default_device())
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else default_dtype(device)
-    if cfg.model == "reference":
-        from ..models import load_reference_pipeline
-        from ..models import reference as ref
-
-        pipe = load_reference_pipeline(device=device, dtype=dtype)
-        defaults = dict(num_frames=ref.DEFAULT_NUM_FRAMES, height=ref.DEFAULT_HEIGHT, width=ref.DEFAULT_WIDTH,
-                        num_inference_steps=ref.DEFAULT_NUM_INFERENCE_STEPS, guidance_scale=ref.DEFAULT_GUIDANCE_SCALE)
-    else:
-        loaded = load_pipeline(None if cfg.model in (None, "tiny") else cfg.model, device, dtype)
-        pipe, defaults = loaded.pipe, dict(loaded.defaults)
-        defaults.pop("prompt", None)
+    loaded = load_pipeline(cfg.model, device, dtype)
+    pipe, defaults = loaded.pipe, dict(loaded.defaults)
+    defaults.pop("prompt", None)
     for name in ("num_frames", "height", "width", "num_inference_steps", "guidance_scale"):
         value = getattr(cfg, name)
         if value is not None:

@@ -37,14 +37,20 @@ def load_pipeline(model: str | None = None, device: str | None = None, dtype: to
     """Load `model` with diffusers' own loading code, or build the embedded default offline.
 
     Args:
-        model: a hub id (e.g. "Wan-AI/Wan2.1-T2V-1.3B-Diffusers") or a local directory; None for the
-            embedded default (built from configs, no download).
+        model: a hub id (e.g. "Wan-AI/Wan2.1-T2V-1.3B-Diffusers") or a local directory; None or
+            "reference" for the embedded default (the small reference model trained for this package,
+            shipped in it, loaded offline); "tiny" for a tiny random-weight Wan pipeline built from configs.
         device: "cuda", "cpu", ... (default: cuda when available).
         dtype: parameter dtype (default: bf16 on CUDA, fp32 on CPU).
     """
     device = device or default_device()
     dtype = dtype or default_dtype(device)
-    if model is None:
+    if model is None or model == "reference":
+        from .reference import REFERENCE_CALL_DEFAULTS, load_reference_pipeline
+
+        pipe = load_reference_pipeline(device=device, dtype=dtype)
+        loaded = LoadedPipeline(pipe, "videosparse reference model (shipped, offline)", dict(REFERENCE_CALL_DEFAULTS))
+    elif model == "tiny":
         from .tiny_wan import build_tiny_wan_pipeline
 
         pipe = build_tiny_wan_pipeline(dtype=dtype)
