@@ -63,9 +63,10 @@ def prompts_from_vocabulary(n: int, seed: int) -> list[str]:
 class HeldOutObserver:
     """Captures (TripPool, teacher) samples with the searched tiling and the oracle error of every shape."""
 
-    def __init__(self, tiling, block: int, density: float, steps: list[int]) -> None:
+    def __init__(self, tiling, block: int, density: float, steps: list[int], error_steps: list[int]) -> None:
         self.tiling, self.block, self.density = tiling, block, density
         self.steps = set(steps)
+        self.error_steps = set(error_steps)
         self.shapes = candidate_shapes(block)
         self.capture = TileFeatureCapture(lambda l, h: tiling.tiles_for(l, h), block, steps=steps)
         self.errors: dict[int, list[torch.Tensor]] = defaultdict(list)     # layer -> [n_shapes, H] per call
@@ -74,6 +75,8 @@ class HeldOutObserver:
         if rec.step not in self.steps:
             return
         self.capture(rec)
+        if rec.step not in self.error_steps:
+            return
         with torch.no_grad():
             e = head_errors(rec.q, rec.k, rec.v, rec.grid, self.shapes, density=self.density, block=self.block,
                             text_len=rec.text_len, text_position=rec.text_position or "after")
@@ -82,10 +85,12 @@ class HeldOutObserver:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--train-prompts", type=int, default=12)
-    ap.add_argument("--search-prompts", type=int, default=4)
-    ap.add_argument("--eval-prompts", type=int, default=4)
-    ap.add_argument("--steps-per-prompt", type=int, default=3)
+    ap.add_argument("--train-prompts", type=int, default=8)
+    ap.add_argument("--search-prompts", type=int, default=2)
+    ap.add_argument("--eval-prompts", type=int, default=3)
+    ap.add_argument("--steps-per-prompt", type=int, default=2, help="sampled steps per prompt (train, held-out recall)")
+    ap.add_argument("--search-steps", type=int, default=1, help="sampled steps per search prompt")
+    ap.add_argument("--error-steps", type=int, default=1, help="held-out steps per prompt with tiling errors")
     ap.add_argument("--density", type=float, default=0.1)
     ap.add_argument("--epochs", type=int, default=30)
     ap.add_argument("--learning-rate", type=float, default=1e-3)
@@ -105,7 +110,7 @@ def main() -> None:
     tiling_path = work / "tiling.json"
     if not tiling_path.exists():
         run_tiling_search(TilingSearchConfig(model="reference", prompts=tuple(search_prompts), output=str(tiling_path),
-                                             density=args.density, steps_per_prompt=2, seed=11))
+                                             density=args.density, steps_per_prompt=args.search_steps, seed=11))
     tiling = load_tiling(tiling_path)
     t_search = time.time()
 
@@ -130,7 +135,7 @@ def main() -> None:
     files = []
     for i, prompt in enumerate(eval_prompts):
         steps = sample_steps(int(call_kwargs["num_inference_steps"]), args.steps_per_prompt, 1234, i)
-        obs = HeldOutObserver(tiling, cfg.block, args.density, steps)
+        obs = HeldOutObserver(tiling, cfg.block, args.density, steps, steps[:args.error_steps])
         with observe(pipe.transformer, obs):
             pipe(prompt, generator=torch.Generator().manual_seed(1000 + i), output_type="latent", **call_kwargs)
         for (step, branch), layers in sorted(obs.capture.samples.items()):
@@ -162,7 +167,9 @@ def main() -> None:
                   "call": {k: v for k, v in call_kwargs.items()}},
         "density": args.density,
         "prompts": {"train": len(train_prompts), "search": len(search_prompts), "held_out": len(eval_prompts),
-                    "steps_per_prompt": args.steps_per_prompt, "held_out_samples": len(files)},
+                    "steps_per_prompt": args.steps_per_prompt, "search_steps_per_prompt": args.search_steps,
+                    "held_out_error_steps_per_prompt": args.error_steps, "held_out_samples": len(files),
+                    "held_out_error_calls": sum(len(es) for es in errors.values())},
         "recall": {
             "trained": trained["recall"], "untrained_mean_pool": untrained["recall"],
             "ratio": trained["recall"] / max(untrained["recall"], 1e-12),
