@@ -129,6 +129,9 @@ def test_killed_then_resumed_run_equals_uninterrupted(tmp_path, cache):
     # and resuming a finished run does no more steps
     again = run_distillation(cfg)
     assert again.global_step == 12 and again.resumed_from == out / "checkpoints" / "step_00000012"
+    # a checkpoint of another configuration is not silently continued
+    with pytest.raises(ValueError, match="different run \\(differs in \\['learning_rate'\\]\\)"):
+        run_distillation(make_cfg(out, learning_rate=2e-3))
 
 
 def test_distill_config_validation(tmp_path):

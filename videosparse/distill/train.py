@@ -154,6 +154,18 @@ def _checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+_RUN_FIELDS = ("seed", "epochs", "max_steps", "learning_rate", "weight_decay", "warmup_steps", "lr_scheduler",
+               "gradient_accumulation_steps", "mixed_precision", "init_std", "tiling", "block", "density")
+
+
+def _run_key(cfg: DistillConfig, files: Sequence[Path], num_processes: int) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed: training fields, the sample files, the process count."""
+    key = {name: cfg.to_dict()[name] for name in _RUN_FIELDS}
+    key["samples"] = [Path(f).name for f in files]
+    key["num_processes"] = num_processes
+    return key
+
+
 def _save_checkpoint(accelerator, root: Path, state: dict[str, Any], keep: int) -> Path:
     step = state["global_step"]
     final = root / f"{CHECKPOINT_PREFIX}{step:08d}"
@@ -255,12 +267,19 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
     global_step, epoch, batches_done = 0, 0, 0
     resumed_from = None
     history: list[dict[str, Any]] = []
+    run_key = _run_key(cfg, files, accelerator.num_processes)
     found = _checkpoints(ckpt_root) if cfg.resume else []
     if found:
         resumed_from = found[-1][1]
-        accelerator.load_state(str(resumed_from))
         with open(resumed_from / TRAINER_STATE) as f:
             st = json.load(f)
+        if st.get("run") != run_key:
+            diff = sorted(k for k in set(run_key) | set(st.get("run", {})) if run_key.get(k) != st.get("run", {}).get(k))
+            raise ValueError(
+                f"checkpoint {resumed_from} was written by a different run (differs in {diff}); resume it with the "
+                "same configuration, samples and process count, or use another output_dir (or resume=False)."
+            )
+        accelerator.load_state(str(resumed_from))
         global_step, epoch, batches_done = st["global_step"], st["epoch"], st["batches_done"]
         logger.info("resumed from %s (step %d)", resumed_from, global_step)
     if log_path.exists():
@@ -308,7 +327,7 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
             epoch_done = batches_done >= loader_len
             if global_step % cfg.checkpoint_every == 0 or global_step == total_steps:
                 state = {"global_step": global_step, "epoch": epoch + 1 if epoch_done else epoch,
-                         "batches_done": 0 if epoch_done else batches_done}
+                         "batches_done": 0 if epoch_done else batches_done, "run": run_key}
                 _save_checkpoint(accelerator, ckpt_root, state, cfg.keep_checkpoints)
             if step_callback is not None:
                 step_callback(global_step, metrics)
