@@ -101,6 +101,7 @@ def main() -> None:
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
+    sha_start = _weights_sha()
     train_prompts = prompts_from_vocabulary(args.train_prompts, seed=1)
     eval_prompts = [p for p in prompts_from_vocabulary(args.eval_prompts * 4, seed=2) if p not in train_prompts]
     eval_prompts = eval_prompts[:args.eval_prompts]
@@ -204,9 +205,11 @@ def main() -> None:
         },
         "wall_s": {"search": t_search - t_start, "distill": t_distill - t_search, "held_out": time.time() - t_distill},
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
-        "reference_weights_sha256": _weights_sha(),
+        "reference_weights_sha256": sha_start,
         "device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(),
     }
+    if _weights_sha() != sha_start:
+        raise SystemExit("the reference weights changed during the run; the figures mix two models (nothing written).")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

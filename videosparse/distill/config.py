@@ -101,8 +101,9 @@ class CaptureConfig(_JsonConfig):
     """What the dense runs capture: model, prompts, call settings, steps.
 
     Args:
-        model (`str` or `None`): "reference" (the trained reference model), a hub id or local
-            pipeline directory, or None / "tiny" for the tiny random Wan pipeline built offline.
+        model (`str` or `None`): None or "reference" (the reference model shipped in the package),
+            "tiny" (the tiny random Wan pipeline built offline), or a hub id / local pipeline directory
+            (see `videosparse.models.loading.load_pipeline`).
         prompts: list of prompts or a text file with one prompt per line.
         num_inference_steps, num_frames, height, width, guidance_scale: pipeline call settings;
             None keeps the model's defaults.
