@@ -3,7 +3,6 @@ import subprocess
 import sys
 
 import imageio.v3 as iio
-import pytest
 
 from videosparse.cli import build_parser, main, method_config
 from videosparse.config import SolConfig, VedaConfig

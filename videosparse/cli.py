@@ -10,7 +10,6 @@ import json
 import logging
 import sys
 
-import numpy as np
 import torch
 
 from .config import DenseConfig, SolConfig, VedaConfig

@@ -15,7 +15,6 @@ from videosparse.models import reference as ref
 from videosparse.models.reference_data import (
     BACKGROUNDS,
     COLORS,
-    DIRECTIONS,
     MOTIONS,
     SHAPES,
     VOCABULARY,

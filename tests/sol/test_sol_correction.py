@@ -1,9 +1,7 @@
 """Zero-order correction on structured synthetic attention: lower error at equal density, Sol and top-k."""
 
-import math
 
 import pytest
-import torch
 
 from videosparse import SolConfig, VedaConfig
 from videosparse.kernels import block_sparse_attention

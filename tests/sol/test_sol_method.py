@@ -1,7 +1,6 @@
 """SolMethod: plans through the method interface, τ caching, configs, and the Veda hybrid."""
 
 import logging
-import math
 
 import pytest
 import torch
