@@ -60,5 +60,11 @@ def block_sparse_attention(
         plan.validate(q, k, v)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    if torch.compiler.is_compiling():
+        # one opaque node for torch.compile (see ops.py); the backend is chosen when it runs
+        from .ops import run_op
+
+        out, lse = run_op(q, k, v, plan, scale, backend)
+        return (out, lse) if return_lse else out
     impl = select_backend(q, k, v, plan, backend)
     return impl(q, k, v, plan, scale, return_lse)
