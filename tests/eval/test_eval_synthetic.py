@@ -85,3 +85,23 @@ def test_script_entry_point_help():
     res = subprocess.run([sys.executable, "scripts/evaluate.py", "--help"], capture_output=True, text=True, timeout=120,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert res.returncode == 0 and "--synthetic" in res.stdout and "NAME[@DENSITY]" in res.stdout
+
+
+def test_shrunken_synthetic_run_compiled(tmp_path):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        specs = parse_method_specs(["veda@0.5:block=64:tiling=1x8x8"])
+        report = run_synthetic(["wan-1.3b"], specs, str(tmp_path), device="cpu", frames=9, height=128, width=256,
+                               layers=1, warmup=0, repeats=1, progress=False, compile_mode="aot_eager")
+    finally:
+        torch.set_num_threads(n)
+    section = report["synthetic"]["wan-1.3b"]
+    assert section["compile"] == "aot_eager"
+    dense, sparse = section["methods"]["dense"], section["methods"]["veda@0.5:block=64:tiling=1x8x8"]
+    assert dense["attention_s"] > 0 and 0 < section["dense_attention_share"] < 1   # SDPA timed outside the graph
+    assert sparse["attention_s"] is None and sparse["sparse_calls"] == 3 and sparse["forward_s"] > 0
+    assert 0 < sparse["output_rel_l2_vs_dense"] < 0.5
+    with pytest.raises(ValueError, match="compile_mode='fast'"):
+        run_synthetic(["wan-1.3b"], specs, str(tmp_path / "x"), device="cpu", frames=9, height=128, width=256,
+                      layers=1, warmup=0, repeats=1, progress=False, compile_mode="fast")

@@ -63,6 +63,10 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
                    help="time one forward of real-size transformers with random weights (GPU)")
     s.add_argument("--synthetic-layers", type=int, default=None, help="build only N blocks (default: all)")
     s.add_argument("--repeats", type=int, default=3, help="timed forwards per method (median reported)")
+    s.add_argument("--compile", default=None, metavar="MODE",
+                   choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs", "aot_eager"],
+                   help="time compiled dense vs compiled sparse: torch.compile mode (reduce-overhead = CUDA graphs; "
+                        "aot_eager only checks tracing)")
     s.add_argument("--warmup-forwards", type=int, default=1, help="untimed forwards per method")
 
 
@@ -128,7 +132,8 @@ def _run_synthetic(args: argparse.Namespace) -> int:
     dtype = DTYPES.get(args.dtype) if getattr(args, "dtype", None) else None
     report = run_synthetic(args.synthetic, specs, args.out, device=args.device, dtype=dtype, frames=args.frames,
                            height=args.height, width=args.width, layers=args.synthetic_layers,
-                           warmup=args.warmup_forwards, repeats=args.repeats, progress=not args.no_progress)
+                           warmup=args.warmup_forwards, repeats=args.repeats, progress=not args.no_progress,
+                           compile_mode=args.compile)
     for name in args.synthetic:
         section = report["synthetic"][name]
         print(f"{name}: grid {section['shape']['grid']} ({section['shape']['tokens']} tokens), dense attention share "

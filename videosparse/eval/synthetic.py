@@ -292,9 +292,44 @@ class SyntheticResult:
     setup: SyntheticSetup
     estimates: dict
     methods: dict[str, dict] = field(default_factory=dict)
+    compile_mode: str | None = None
 
 
-def _time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeats: int) -> tuple[dict, torch.Tensor]:
+COMPILE_MODES: dict[str, dict] = {
+    "default": {},
+    "reduce-overhead": {"mode": "reduce-overhead"},                      # CUDA graphs
+    "max-autotune-no-cudagraphs": {"mode": "max-autotune-no-cudagraphs"},
+    "aot_eager": {"backend": "aot_eager"},                              # traces only: a check, not a speed
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _dense_attention_seconds(setup: SyntheticSetup, device: torch.device, dtype: torch.dtype, repeats: int) -> float:
+    """Self-attention time of one dense forward, timed outside the model: layers x one SDPA call.
+
+    Under torch.compile the processors cannot be timed from inside the graph; SDPA is the same
+    kernel compiled or not, so this gives the dense attention share of a compiled forward.
+    """
+    shape = (1, setup.model.heads, setup.tokens, setup.model.head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
+    F = torch.nn.functional.scaled_dot_product_attention
+    F(q, k, v)
+    times = []
+    for _ in range(max(repeats, 1)):
+        _sync(device)
+        t0 = time.perf_counter()
+        F(q, k, v)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * setup.num_layers
+
+
+def _time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeats: int,
+                 compile_mode: str | None = None) -> tuple[dict, torch.Tensor]:
     from ..processors import apply, remove
 
     config = spec.config
@@ -306,25 +341,42 @@ def _time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repea
     forward, attention, plan = [], [], []
     try:
         with torch.no_grad():
-            for _ in range(warmup):
-                transformer(**inputs)
-            for _ in range(repeats):
-                ttimer, atimer = TransformerTimer([transformer]), AttentionTimer([transformer])
-                with ttimer(), atimer():
-                    out = transformer(**inputs)[0]
-                forward.append(ttimer.times[-1])
-                attention.append(atimer.attention_total)
-                plan.append(atimer.plan_total)
+            if compile_mode is not None:
+                # compiled: time whole forwards from outside (the graph hides the processors); the
+                # first calls compile the dense-step and sparse-step graphs
+                torch._dynamo.reset()
+                model = torch.compile(transformer, **COMPILE_MODES[compile_mode])
+                for _ in range(max(warmup, 2)):
+                    model(**inputs)
+                for _ in range(repeats):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    out = model(**inputs)[0]
+                    _sync(device)
+                    forward.append(time.perf_counter() - t0)
+                attention = plan = [None]
+            else:
+                for _ in range(warmup):
+                    transformer(**inputs)
+                for _ in range(repeats):
+                    ttimer, atimer = TransformerTimer([transformer]), AttentionTimer([transformer])
+                    with ttimer(), atimer():
+                        out = transformer(**inputs)[0]
+                    forward.append(ttimer.times[-1])
+                    attention.append(atimer.attention_total)
+                    plan.append(atimer.plan_total)
         stats = session.stats()
     finally:
         remove(transformer)
+        if compile_mode is not None:
+            torch._dynamo.reset()
     layers = stats["layers"].values()
     kept = sum((l["density"] or 0.0) * l["sparse_calls"] for l in layers)
     calls = stats["sparse_calls"] + stats["dense_calls"]
     row = {
         "config": config.to_dict(), "forward_s": statistics.median(forward), "forward_s_all": forward,
-        "attention_s": statistics.median(attention), "attention_s_all": attention,
-        "plan_s": statistics.median(plan), "realised_density": stats["density"] if spec.method != "dense" else 1.0,
+        "attention_s": None if attention[0] is None else statistics.median(attention), "attention_s_all": attention,
+        "plan_s": None if plan[0] is None else statistics.median(plan), "realised_density": stats["density"] if spec.method != "dense" else 1.0,
         "attention_work": (stats["dense_calls"] + kept) / calls if calls else 1.0,
         "sparse_calls": stats["sparse_calls"], "dense_calls": stats["dense_calls"],
         "layer_density": [l["density"] for l in layers],
@@ -339,7 +391,7 @@ def _time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repea
 def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.device, dtype: torch.dtype, *,
                         frames: int | None = None, height: int | None = None, width: int | None = None,
                         layers: int | None = None, warmup: int = 1, repeats: int = 3,
-                        progress: bool = True) -> SyntheticResult:
+                        progress: bool = True, compile_mode: str | None = None) -> SyntheticResult:
     """Time one forward of a synthetic model, dense vs each method.
 
     Args:
@@ -350,6 +402,10 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
         layers: build only this many transformer blocks (default: all).
         warmup: untimed forwards per method (kernel compilation, Sol's calibration).
         repeats: timed forwards per method (medians are reported).
+        compile_mode: None (eager) or a key of `COMPILE_MODES`: the transformer runs under
+            `torch.compile` with the method applied, compiled dense vs compiled sparse; attention
+            and plan times are then not separable, and the dense attention share comes from SDPA
+            timed outside the model (`_dense_attention_seconds`).
 
     Raises:
         ValueError: unknown model, no processor for its class, or a size that cannot run on `device`.
@@ -359,7 +415,7 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
     check_supported(setup)
     params = count_parameters(setup)
     est = check_feasible(setup, device, dtype, params)
-    result = SyntheticResult(name, setup, est)
+    result = SyntheticResult(name, setup, est, compile_mode=compile_mode)
     t0 = time.perf_counter()
     transformer = build_transformer(setup, device, dtype)
     inputs = make_inputs(setup, device, dtype)
@@ -369,8 +425,12 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
     from tqdm.auto import tqdm
 
     reference = None
+    if compile_mode is not None and compile_mode not in COMPILE_MODES:
+        raise ValueError(f"compile_mode={compile_mode!r} is not known; choose one of {sorted(COMPILE_MODES)}.")
     for spec in tqdm(specs, desc=f"synthetic {name}", disable=not progress, leave=False):
-        row, out = _time_method(transformer, inputs, spec, warmup, repeats)
+        row, out = _time_method(transformer, inputs, spec, warmup, repeats, compile_mode)
+        if compile_mode is not None and spec.method == "dense":
+            row["attention_s"] = _dense_attention_seconds(setup, device, dtype, repeats)
         if reference is None:
             reference = out.float()
         row["output_rel_l2_vs_dense"] = float((out.float() - reference).norm() / reference.norm().clamp_min(1e-30))
@@ -389,7 +449,8 @@ def summarize_synthetic(result: SyntheticResult, dtype: torch.dtype, warmup: int
     dense = next(iter(methods.values()))
     f = min(dense["attention_s"] / dense["forward_s"], 0.999999) if dense["forward_s"] else None
     for row in methods.values():
-        row["attention_share"] = row["attention_s"] / row["forward_s"] if row["forward_s"] else None
+        row["attention_share"] = (row["attention_s"] / row["forward_s"]
+                                  if row["forward_s"] and row["attention_s"] is not None else None)
         row["speedup"] = dense["forward_s"] / row["forward_s"] if row["forward_s"] else None
         row["speedup_attention"] = dense["attention_s"] / row["attention_s"] if row["attention_s"] else None
         row["amdahl_bound"] = 1.0 / ((1 - f) + f * row["attention_work"]) if f is not None else None
@@ -401,6 +462,7 @@ def summarize_synthetic(result: SyntheticResult, dtype: torch.dtype, warmup: int
         "config_summary": f"{setup.model.transformer_cls}, {setup.model.heads} heads x {setup.model.head_dim}, "
                           f"{setup.num_layers} layers",
         "shape": setup.describe(), "dtype": str(dtype), "warmup": warmup, "repeats": repeats,
+        "compile": result.compile_mode,
         "estimates": result.estimates, "dense_attention_share": f,
         "amdahl_bound_free_attention": 1.0 / (1 - f) if f is not None else None,
         "methods": methods,
@@ -410,7 +472,7 @@ def summarize_synthetic(result: SyntheticResult, dtype: torch.dtype, warmup: int
 def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, device: str | None = None,
                   dtype: torch.dtype | None = None, frames: int | None = None, height: int | None = None,
                   width: int | None = None, layers: int | None = None, warmup: int = 1, repeats: int = 3,
-                  progress: bool = True) -> dict:
+                  progress: bool = True, compile_mode: str | None = None) -> dict:
     """Synthetic speed mode for several models; writes report.json, report.md and one speedup plot per model.
 
     A rerun skips models already in `out_dir`'s report.json with the same methods, sizes and dtype.
@@ -423,7 +485,9 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    for name in names:  # refuse before writing anything
+    if compile_mode is not None and compile_mode not in COMPILE_MODES:   # refuse before writing anything
+        raise ValueError(f"compile_mode={compile_mode!r} is not known; choose one of {sorted(COMPILE_MODES)}.")
+    for name in names:
         setup = synthetic_setup(name, frames, height, width, layers)
         check_supported(setup)
         check_feasible(setup, device, dtype, count_parameters(setup))
@@ -438,11 +502,12 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
         setup = synthetic_setup(name, frames, height, width, layers)
         old = report["synthetic"].get(name)
         if (old and list(old.get("methods", {})) == labels and old.get("shape") == setup.describe()
-                and old.get("dtype") == str(dtype)):
+                and old.get("dtype") == str(dtype) and old.get("compile") == compile_mode):
             logger.info("synthetic %s: already in %s, skipped", name, path)
             continue
         result = run_synthetic_model(name, specs, device, dtype, frames=frames, height=height, width=width,
-                                     layers=layers, warmup=warmup, repeats=repeats, progress=progress)
+                                     layers=layers, warmup=warmup, repeats=repeats, progress=progress,
+                                     compile_mode=compile_mode)
         report["synthetic"][name] = summarize_synthetic(result, dtype, warmup, repeats)
         report["environment"] = environment(device)
         save_report(report, path)
