@@ -41,7 +41,8 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--estimator", default=None, help="veda: trained estimator directory or hub id")
     p.add_argument("--tiling", type=_tile, default=None, help="tile shape like 4x4x8, or a tiling JSON path")
     p.add_argument("--block", type=int, default=None, help="tokens per tile (128 or 64)")
-    p.add_argument("--dense-steps", type=_steps, default=0, help="initial dense steps (int) or fraction (float)")
+    p.add_argument("--dense-steps", type=_steps, default=0.2,
+                   help="initial dense steps: an int count or a float fraction (default 0.2)")
     p.add_argument("--dense-layers", type=_layers, default=(), help="comma-separated layers kept dense")
     p.add_argument("--correction", action=argparse.BooleanOptionalAction, default=None,
                    help="zero-order correction of skipped tiles (default: off for veda, on for sol)")

