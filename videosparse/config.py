@@ -112,9 +112,10 @@ class VedaConfig(_BaseConfig):
         estimator (`str`, `os.PathLike`, `VedaEstimator` or `None`): a trained estimator (a directory
             or hub id for `VedaEstimator.from_pretrained`, or the object). `None` uses the untrained
             estimator, i.e. mean-pooled q·k per tile (the VSA-style baseline).
-        tiling (`tuple[int, int, int]` or path): one tile shape (pt, ph, pw) for every head with
-            pt*ph*pw == block, or a JSON file written by `videosparse search-tiling` giving each
-            (layer, head) its own shape.
+        tiling (`tuple[int, int, int]`, path or `None`): one tile shape (pt, ph, pw) for every head
+            with pt*ph*pw == block, or a JSON file written by `videosparse search-tiling` giving each
+            (layer, head) its own shape. `None` (default): the tile shapes the estimator was trained
+            with, or (4, 4, 8) without an estimator.
         block (`int`, defaults to 128): tokens per tile, 128 or 64.
         dense_steps (`int` or `float`, defaults to 0.2): initial denoising steps run dense (an int
             count, or a float fraction of the steps). The early steps lay out the video; running the
@@ -133,7 +134,7 @@ class VedaConfig(_BaseConfig):
 
     density: float = 0.1
     estimator: Union[str, os.PathLike, Any, None] = None
-    tiling: Union[TileShape, str, os.PathLike] = (4, 4, 8)
+    tiling: Union[TileShape, str, os.PathLike, None] = None
     block: int = 128
     dense_steps: int | float = 0.2
     dense_layers: tuple[int, ...] = ()
@@ -146,7 +147,7 @@ class VedaConfig(_BaseConfig):
             raise ValueError(f"block={self.block!r} is not supported; choose one of {BLOCK_SIZES}.")
         if isinstance(self.tiling, (tuple, list)):
             object.__setattr__(self, "tiling", _check_tile(self.tiling, self.block))
-        elif not isinstance(self.tiling, (str, os.PathLike)):
+        elif self.tiling is not None and not isinstance(self.tiling, (str, os.PathLike)):
             raise TypeError(f"tiling={self.tiling!r} must be a tile shape (pt, ph, pw) or a path to a tiling JSON.")
         object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
         _check_dense_schedule(self.dense_steps, self.dense_layers)

@@ -117,7 +117,16 @@ def test_loading_is_safetensors_only_and_strict(tmp_path):
 def test_mismatched_estimator_is_a_clear_error(field, value, match):
     est = make_est(**{field: value})
     with pytest.raises(ValueError, match=match):
-        VedaMethod(VedaConfig(density=0.1, estimator=est), INFO)
+        VedaMethod(VedaConfig(density=0.1, estimator=est, tiling=(4, 4, 8)), INFO)
+
+
+def test_default_tiling_is_the_estimators_own():
+    per_head = [[(8, 4, 4), (2, 8, 8), (4, 4, 8)], (8, 4, 4)]
+    method = VedaMethod(VedaConfig(density=0.1, estimator=make_est(tile_shapes=per_head)), INFO)
+    assert [tuple(s) for s in method.tile_shapes(0, 3)] == [(8, 4, 4), (2, 8, 8), (4, 4, 8)]
+    assert method.head_shapes(1, 3) == [(8, 4, 4)] * 3
+    assert VedaMethod(VedaConfig(density=0.1), INFO).tile_shapes(0, 3) == (4, 4, 8)
+    assert VedaMethod(VedaConfig(density=0.1, block=64), INFO).tile_shapes(0, 3) == (4, 4, 4)
 
 
 def test_estimator_config_validation():

@@ -17,6 +17,7 @@ from .tiling import Tiling, load_tiling
 from .trippool import trippool_qk
 
 TileShape = tuple[int, int, int]
+DEFAULT_TILES: dict[int, TileShape] = {128: (4, 4, 8), 64: (4, 4, 4)}   # block -> shape without estimator/tiling
 
 
 def mean_pooled_logits(qf: torch.Tensor, kf: torch.Tensor) -> torch.Tensor:
@@ -52,8 +53,11 @@ class VedaMethod(SparseMethod):
                     f"{info.model_class} has {info.num_layers}."
                 )
         self.estimator: VedaEstimator | None = None
+        self._estimator_tiles: list | None = None
         if config.estimator is not None:
             est = load_estimator(config.estimator)
+            if config.tiling is None:   # the tile shapes the estimator was trained with
+                self._estimator_tiles = [[tuple(s) for s in heads] for heads in est.tile_shapes]
             est.check_compatible(
                 model_class=info.model_class, num_layers=info.num_layers, num_heads=info.num_heads,
                 head_dim=info.head_dim, block=config.block,
@@ -63,10 +67,12 @@ class VedaMethod(SparseMethod):
         self._kernel_backend = "torch" if config.backend == "reference" else "auto"
 
     def tile_shapes(self, layer: int, num_heads: int) -> TileShape | Sequence[TileShape]:
-        """One (pt, ph, pw) for all heads (fixed tiling) or one per head (tiling file)."""
-        if self.tiling is None:
-            return self.config.tiling
-        return self.tiling.tiles_for(layer, num_heads)
+        """One (pt, ph, pw) for all heads (fixed tiling) or one per head (tiling file or estimator)."""
+        if self.tiling is not None:
+            return self.tiling.tiles_for(layer, num_heads)
+        if self._estimator_tiles is not None:
+            return self._estimator_tiles[layer]
+        return self.config.tiling if self.config.tiling is not None else DEFAULT_TILES[self.block]
 
     def head_shapes(self, layer: int, num_heads: int) -> list[TileShape]:
         """The tile shape of every head of `layer`."""
