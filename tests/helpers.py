@@ -52,3 +52,47 @@ def naive_attention(q, k, v, plan: Plan, scale: float | None = None, correction:
     s = torch.where(tok, s_exact, s_mean)
     return torch.softmax(s, -1) @ v
 
+
+
+# ------------------------------------------------------------------ Triton interpreter in a child process
+# Triton decides interpreted vs compiled mode when it is imported, so interpreter tests run their cases
+# in one child process started with TRITON_INTERPRET=1; the pytest process itself is never switched.
+
+def interpreter_child(names, run_case) -> None:
+    """Child side: run each named case and print one `CASE {json}` line (errors as tracebacks)."""
+    import json
+    import traceback
+
+    for name in names:
+        try:
+            res = run_case(name)
+        except Exception:  # reported to the parent, which fails that case with the traceback
+            res = {"error": traceback.format_exc()}
+        print("CASE " + json.dumps({"name": name, **res}), flush=True)
+
+
+def run_interpreter_cases(script, names, timeout: int = 600) -> dict:
+    """Parent side: run `script` (a test module whose __main__ calls `interpreter_child`) under the
+    interpreter and return {case name: result dict}; fails the test when the child reports nothing."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("triton")
+    tests_dir = Path(__file__).resolve().parent
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(tests_dir.parent), str(tests_dir), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(script), *names], env=env, cwd=tests_dir.parent,
+                          capture_output=True, text=True, timeout=timeout)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("CASE "):
+            res = json.loads(line[5:])
+            results[res.pop("name")] = res
+    if not results:
+        pytest.fail(f"interpreter child produced no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    return results

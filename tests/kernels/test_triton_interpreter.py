@@ -9,16 +9,14 @@ triton in interpreter mode.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import interpreter_child, run_interpreter_cases
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -93,30 +91,13 @@ def _run_case(name: str) -> dict:
 
 def _child_main(names: list[str]) -> None:
     sys.path.insert(0, str(HERE.parent))
-    for name in names:
-        try:
-            res = _run_case(name)
-        except Exception:  # reported to the parent, which fails that case with the traceback
-            res = {"error": traceback.format_exc()}
-        print("CASE " + json.dumps({"name": name, **res}), flush=True)
+    interpreter_child(names, _run_case)
 
 
 # ---------------------------------------------------------------- parent side (pytest)
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE.parent), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *CASES], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("CASE "):
-            res = json.loads(line[5:])
-            results[res.pop("name")] = res
-    if not results:
-        pytest.fail(f"interpreter child produced no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-    return results
+    return run_interpreter_cases(Path(__file__).resolve(), list(CASES))
 
 
 def _tolerance(dtype: str, ref_rel_err: float) -> float:

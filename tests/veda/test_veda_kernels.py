@@ -8,16 +8,14 @@ per case; each parametrised test checks its own line. GPU tests (marked `gpu`) c
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import interpreter_child, run_interpreter_cases
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -91,30 +89,13 @@ def _run_case(name: str) -> dict:
 
 
 def _child_main(names: list[str]) -> None:
-    for name in names:
-        try:
-            res = _run_case(name)
-        except Exception:
-            res = {"error": traceback.format_exc()}
-        print("CASE " + json.dumps({"name": name, **res}), flush=True)
+    interpreter_child(names, _run_case)
 
 
 # ---------------------------------------------------------------- parent side (pytest)
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *CASES], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("CASE "):
-            res = json.loads(line[5:])
-            results[res.pop("name")] = res
-    if not results:
-        pytest.fail(f"interpreter child produced no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-    return results
+    return run_interpreter_cases(Path(__file__).resolve(), list(CASES))
 
 
 @pytest.mark.parametrize("name", list(CASES))
