@@ -50,3 +50,23 @@ def test_compiled_pipeline_call_recompiles_a_bounded_number_of_times():
     assert counters["stats"]["unique_graphs"] <= 3
     # frames: the forward, its resumption after the hook, and the dense/sparse variants (not one per step)
     assert counters["frames"]["total"] <= 6
+
+
+def test_compiled_sol_and_veda_with_correction_match_eager():
+    t = _WanCase()
+    for cfg in (videosparse.SolConfig(density=0.5, band=0, block=64, tiling=(1, 4, 16), dense_steps=0),
+                videosparse.VedaConfig(density=0.3, block=64, tiling=(1, 4, 16), dense_steps=0, correction=True)):
+        tr = t.make_transformer()
+        inputs = t.make_inputs(tr)
+        inputs.pop("timestep")
+        videosparse.apply(tr, cfg)
+        eager = {s: _run(tr, tr, inputs, s, "cond") for s in range(3, 7)}   # also calibrates Sol once
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(tr, backend="aot_eager")
+        for step in range(3, 7):
+            out = _run(tr, compiled, inputs, step, "cond")
+            assert (out - eager[step]).abs().max() <= 1e-5 * eager[step].abs().max()
+        assert counters["stats"]["unique_graphs"] <= 2
+        breaks = counters["graph_break"]
+        assert all("SparseContextHook._update" in reason for reason in breaks), list(breaks)

@@ -110,8 +110,8 @@ def test_veda_hybrid_adds_dispatched_correction(monkeypatch):
     from videosparse.veda.method import VedaMethod
 
     asked = []
-    real = centroids._use_triton
-    monkeypatch.setattr(centroids, "_use_triton", lambda x, backend: asked.append(backend) or real(x, backend))
+    real = centroids.tile_centroids_op
+    monkeypatch.setattr(centroids, "tile_centroids_op", lambda k, v, block: asked.append(block) or real(k, v, block))
     layout = head_tiling((4, 8, 16), (1, 4, 16), 2, block=64, text_len=20)
     q, k, v = _inputs(layout)
     plan = VedaMethod(VedaConfig(density=0.3, block=64, tiling=(1, 4, 16), correction=True), INFO).plan(

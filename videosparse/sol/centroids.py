@@ -88,6 +88,8 @@ def tile_centroids(
         k_mean fp32 [B, H, Nk, D], v_sum fp32 [B, H, Nk, D], tile_len int32 [Nk], as
         `tile_centroids_torch`.
     """
+    if backend == "auto":
+        return tile_centroids_op(k, v, block_n)     # one opaque node under torch.compile
     if _use_triton(k, backend):
         from .triton_centroids import tile_stats_triton
 
@@ -109,8 +111,56 @@ def tile_stats(
     Returns:
         q_mean fp32 [B, H, N, D], k_mean fp32 [B, H, N, D], v_sum fp32 [B, H, N, D], tile_len int32 [N].
     """
+    if backend == "auto":
+        return tile_stats_op(q, k, v, block)        # one opaque node under torch.compile
     if _use_triton(k, backend):
         from .triton_centroids import tile_stats_triton
 
         return tile_stats_triton(q, k, v, block)  # type: ignore[return-value]
     return (tile_means_torch(q, block), *tile_centroids_torch(k, v, block))
+
+
+# ---------------------------------------------------------------- custom ops ("auto": torch on CPU, Triton on CUDA)
+@torch.library.custom_op("videosparse::tile_centroids", mutates_args=())
+def tile_centroids_op(k: torch.Tensor, v: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tile_centroids_torch(k, v, block_n)
+
+
+@tile_centroids_op.register_kernel("cuda")
+def _tile_centroids_cuda(k, v, block_n):
+    if _use_triton(k, "auto"):
+        from .triton_centroids import tile_stats_triton
+
+        _, k_mean, v_sum, tile_len = tile_stats_triton(None, k, v, block_n)
+        return k_mean, v_sum, tile_len
+    return tile_centroids_torch(k, v, block_n)
+
+
+@tile_centroids_op.register_fake
+def _tile_centroids_fake(k, v, block_n):
+    B, H, S, D = k.shape
+    n = math.ceil(S / block_n)
+    return (k.new_empty((B, H, n, D), dtype=torch.float32), v.new_empty((B, H, n, D), dtype=torch.float32),
+            k.new_empty((n,), dtype=torch.int32))
+
+
+@torch.library.custom_op("videosparse::tile_stats", mutates_args=())
+def tile_stats_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (tile_means_torch(q, block), *tile_centroids_torch(k, v, block))
+
+
+@tile_stats_op.register_kernel("cuda")
+def _tile_stats_cuda(q, k, v, block):
+    if _use_triton(k, "auto"):
+        from .triton_centroids import tile_stats_triton
+
+        return tile_stats_triton(q, k, v, block)
+    return (tile_means_torch(q, block), *tile_centroids_torch(k, v, block))
+
+
+@tile_stats_op.register_fake
+def _tile_stats_fake(q, k, v, block):
+    B, H, S, D = k.shape
+    n = math.ceil(S / block)
+    return (q.new_empty((B, H, n, D), dtype=torch.float32), *_tile_centroids_fake(k, v, block))

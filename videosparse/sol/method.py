@@ -126,7 +126,8 @@ class SolMethod(SparseMethod):
         z = routing_zscores(q_mean[:, :, :Mv], k_mean[:, :, :Mv], 1.0 / math.sqrt(D), cfg.band)
         key = (layer, H, S, D, Mv, G)
         tau = self.tau(z, layout, layer, key)
-        plan = sol_plan_from_zscores(z, tau, G, block, width=N if self.static_width else None)
+        plan = sol_plan_from_zscores(z, tau, G, block,
+                                     width=N if self.static_width or torch.compiler.is_compiling() else None)
         if cfg.correction:
             plan = plan.with_correction(k_mean, v_sum, tile_len)
         return plan

@@ -78,9 +78,34 @@ def trippool_qk(q: torch.Tensor, k: torch.Tensor, block: int, num_tiles: int | N
     if q.shape != k.shape:
         raise ValueError(f"q and k must have the same shape; got {tuple(q.shape)} and {tuple(k.shape)}.")
     q, k = q.detach(), k.detach()
+    n = num_tiles if num_tiles is not None else math.ceil(q.shape[2] / block)
+    if backend == "auto":
+        return trippool_qk_op(q, k, block, n)      # one opaque node under torch.compile
     if _use_triton(q, block, backend):
         from .triton_kernels import trippool_triton
 
-        qf, kf = trippool_triton(q, k, block, num_tiles)
+        qf, kf = trippool_triton(q, k, block, n)
         return qf, kf  # type: ignore[return-value]
+    return trippool_torch(q, block, n), trippool_torch(k, block, n)
+
+
+@torch.library.custom_op("videosparse::trippool_qk", mutates_args=())
+def trippool_qk_op(q: torch.Tensor, k: torch.Tensor, block: int, num_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`trippool_qk(backend="auto")` as a custom op: torch on CPU, the fused Triton kernel on CUDA."""
     return trippool_torch(q, block, num_tiles), trippool_torch(k, block, num_tiles)
+
+
+@trippool_qk_op.register_kernel("cuda")
+def _trippool_qk_cuda(q, k, block, num_tiles):
+    if _use_triton(q, block, "auto"):
+        from .triton_kernels import trippool_triton
+
+        return trippool_triton(q, k, block, num_tiles)
+    return trippool_torch(q, block, num_tiles), trippool_torch(k, block, num_tiles)
+
+
+@trippool_qk_op.register_fake
+def _trippool_qk_fake(q, k, block, num_tiles):
+    B, H, _, D = q.shape
+    return q.new_empty((B, H, num_tiles, 3 * D), dtype=torch.float32), k.new_empty((B, H, num_tiles, 3 * D),
+                                                                                   dtype=torch.float32)
