@@ -11,7 +11,7 @@ import dataclasses
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Union
 
 from ..config import BLOCK_SIZES
