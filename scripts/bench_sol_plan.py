@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import time
 
@@ -29,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from _bench import bench, rel, versions  # noqa: E402
 from videosparse import SolConfig  # noqa: E402
 from videosparse.kernels import block_sparse_attention, select_backend  # noqa: E402
 from videosparse.layout import head_tiling  # noqa: E402
@@ -38,16 +38,6 @@ from videosparse.sol.method import SolMethod  # noqa: E402
 from videosparse.sol.threshold import routing_zscores, sol_plan_from_zscores  # noqa: E402
 
 
-def bench(fn, *, rep: int = 100) -> float:
-    """Median milliseconds of fn() (triton.testing.do_bench)."""
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=20, rep=rep, return_mode="median"))
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def run_block(q, k, v, grid, block: int, density: float, tiling, dense_ms: float | None, skip_kernel: bool) -> dict:
@@ -131,7 +121,6 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_sol_plan.py needs a CUDA GPU.")
-    import triton
 
     torch.manual_seed(0)
     H, D = args.heads, args.dim
@@ -143,8 +132,7 @@ def main() -> None:
         "density_target": args.density,
         "inputs": "random normal q, k, v",
         "gpu": torch.cuda.get_device_name(),
-        "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-                     "python": platform.python_version()},
+        "versions": versions(),
     }
     dense_ms = None
     if not args.skip_dense:

@@ -23,7 +23,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import time
 
@@ -31,6 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from _bench import bench as _bench, rel, versions  # noqa: E402
 from videosparse import VedaConfig  # noqa: E402
 from videosparse.kernels import block_sparse_attention, select_backend  # noqa: E402
 from videosparse.layout import head_tiling  # noqa: E402
@@ -43,15 +43,7 @@ from videosparse.veda.trippool import trippool_qk  # noqa: E402
 
 
 def bench(fn, *, rep: int = 100) -> float:
-    """Median milliseconds of fn() (triton.testing.do_bench)."""
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+    return _bench(fn, warmup=10, rep=rep)
 
 
 def main() -> None:
@@ -67,7 +59,6 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_veda_plan.py needs a CUDA GPU.")
-    import triton
 
     torch.manual_seed(0)
     H, D, block = args.heads, args.dim, 128
@@ -83,8 +74,7 @@ def main() -> None:
         "density_target": args.density,
         "inputs": "random normal q, k, v; estimator projections N(0, 0.02^2) (trained-like magnitude)",
         "gpu": torch.cuda.get_device_name(),
-        "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-                     "python": platform.python_version()},
+        "versions": versions(),
     }
     t: dict[str, float] = {}
 

@@ -19,6 +19,15 @@ import torch
 from .trippool import _use_triton
 
 
+def teacher_num_tiles(S: int, Sk: int, block: int, num_tiles: int | None) -> int:
+    """Tiles scored per side: `num_tiles`, or all tiles both sides have; ValueError outside [1, that]."""
+    limit = min(math.ceil(S / block), math.ceil(Sk / block))
+    n = limit if num_tiles is None else int(num_tiles)
+    if not 0 < n <= limit:
+        raise ValueError(f"num_tiles={num_tiles} must lie in [1, {limit}].")
+    return n
+
+
 def teacher_heat_torch(q: torch.Tensor, k: torch.Tensor, block: int, *, lse: torch.Tensor | None = None,
                        scale: float | None = None, num_tiles: int | None = None,
                        max_chunk_elems: int = 1 << 25) -> torch.Tensor:
@@ -40,10 +49,7 @@ def teacher_heat_torch(q: torch.Tensor, k: torch.Tensor, block: int, *, lse: tor
     Sk = k.shape[2]
     if scale is None:
         scale = 1.0 / math.sqrt(D)
-    Mq, Nk = math.ceil(S / block), math.ceil(Sk / block)
-    n = min(Mq, Nk) if num_tiles is None else int(num_tiles)
-    if not 0 < n <= min(Mq, Nk):
-        raise ValueError(f"num_tiles={num_tiles} must lie in [1, {min(Mq, Nk)}].")
+    n = teacher_num_tiles(S, Sk, block, num_tiles)
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
     kc = k.detach().to(cd)
     ncols = min(n * block, Sk)

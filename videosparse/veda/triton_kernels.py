@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .teacher import teacher_num_tiles
+
 LOG2E = 1.4426950408889634
 
 
@@ -208,10 +210,8 @@ def teacher_heat_triton(q: torch.Tensor, k: torch.Tensor, block: int, *, lse: to
         raise ValueError(f"block={block} must be a power of two >= 16 for the Triton teacher kernel.")
     if scale is None:
         scale = 1.0 / math.sqrt(D)
-    Mq, Nk = math.ceil(S / block), math.ceil(Sk / block)
-    n = min(Mq, Nk) if num_tiles is None else int(num_tiles)
-    if not 0 < n <= min(Mq, Nk):
-        raise ValueError(f"num_tiles={num_tiles} must lie in [1, {min(Mq, Nk)}].")
+    Nk = math.ceil(Sk / block)
+    n = teacher_num_tiles(S, Sk, block, num_tiles)
     if lse is not None and tuple(lse.shape) != (B, H, S):
         raise ValueError(f"lse has shape {tuple(lse.shape)}; expected ({B}, {H}, {S}).")
     heat = torch.empty(B, H, n, n, dtype=torch.float32, device=q.device)

@@ -1,0 +1,28 @@
+"""Helpers shared by the GPU benchmark scripts: timing, relative error, environment versions."""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+
+def bench(fn, *, warmup: int = 20, rep: int = 100) -> float:
+    """Median milliseconds of fn() (triton.testing.do_bench)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in fp64."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def versions() -> dict:
+    """torch, triton, CUDA and Python versions for the JSON."""
+    import triton
+
+    return {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version()}
