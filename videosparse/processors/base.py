@@ -38,7 +38,11 @@ class SparseAttentionMixin:
 
     # ---------------------------------------------------------------- decisions
     def _stats(self) -> LayerStats:
-        return self.session.layer_stats.setdefault(self.layer, LayerStats())  # prepared by the hook
+        """This layer's counters (made by the hook's `prepare`; made here only when called without it)."""
+        stats = self.session.layer_stats.get(self.layer)
+        if stats is None:
+            stats = self.session.layer_stats[self.layer] = LayerStats()
+        return stats
 
     def _warn_once(self, reason: str) -> None:
         stats = self._stats()

@@ -11,7 +11,7 @@ import torch
 from ..layout import HeadTiling
 from ..method import ModelInfo, SparseMethod
 from ..plan import Plan, topk_plan
-from ..sol.centroids import tile_centroids as tile_centroids_torch  # dispatching: Triton on CUDA
+from ..sol.centroids import tile_centroids  # dispatching: Triton on CUDA, torch elsewhere
 from .estimator import VedaEstimator, load_estimator
 from .tiling import Tiling, load_tiling
 from .trippool import trippool_qk
@@ -95,5 +95,5 @@ class VedaMethod(SparseMethod):
         scores = self.scores(q, k, layout, layer)
         plan = topk_plan(scores, self.config.density, num_global_tiles=layout.num_global_tiles, block=self.block)
         if self.config.correction:
-            plan = plan.with_correction(*tile_centroids_torch(k, v, self.block))
+            plan = plan.with_correction(*tile_centroids(k, v, self.block))
         return plan
