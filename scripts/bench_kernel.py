@@ -279,8 +279,7 @@ def bench_variants(results, args, deadline):
                 "default": lambda: hopper_attention(q, k, v, plan, D ** -0.5),
                 "no_ws": lambda: hopper_attention(q, k, v, plan, D ** -0.5, warp_specialize=False),
                 "flatten": lambda: hopper_attention(q, k, v, plan, D ** -0.5, flatten=True),
-                "stages3" if D == 128 else "stages2": lambda: hopper_attention(
-                    q, k, v, plan, D ** -0.5, num_stages=3 if D == 128 else 2),
+                "stages1": lambda: hopper_attention(q, k, v, plan, D ** -0.5, num_stages=1),
                 "generic": lambda: generic_attention(q, k, v, plan, D ** -0.5),
             }
             for vname, fn in variants.items():

@@ -72,3 +72,24 @@ def test_head_tiling_round_trip_mixed_shapes():
 def test_bad_layouts(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TileLayout(**kwargs)
+
+
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 128), (torch.float16, 64), (torch.float32, 12), (torch.bfloat16, 6)])
+@pytest.mark.parametrize("tiles", [(4, 4, 8), ((4, 4, 8), (2, 8, 8), (8, 2, 8))])
+def test_gather_scatter_wide_path_equals_plain_indexing(dtype, D, tiles):
+    """The 16-byte-element fast path moves exactly the bits plain indexing moves, also for strided inputs."""
+    ht = head_tiling((5, 7, 9), tiles, 3, 128)
+    S = ht.seq_len
+    fused = torch.randn(2, S, 3 * 3 * D).to(dtype)           # a chunk of a fused qkv projection: strided
+    for x in (torch.randn(2, S, 3, D).to(dtype), fused[..., 3 * D : 6 * D].unflatten(2, (3, D))):
+        if ht.uniform:
+            perm = ht.first.indices("cpu")[0].expand(3, S)
+        else:
+            perm = ht.head_indices("cpu")[0]
+        expected = torch.stack([x[:, perm[h], h] for h in range(3)], dim=1)
+        y = ht.gather(x)
+        assert y.is_contiguous() and torch.equal(y, expected)
+        back = ht.scatter(y)
+        assert torch.equal(back, x)
+        if D * x.element_size() % 16 == 0:
+            assert back.is_contiguous()                         # flatten(2, 3) after it needs no copy

@@ -44,6 +44,24 @@ def test_topk_plan_diagonal_budget_and_globals():
     p.validate(torch.zeros(B, H, N * 64 - 3, 8), torch.zeros(B, H, N * 64 - 3, 8))
 
 
+@pytest.mark.parametrize("density", [0.13, 0.25, 0.5, 0.02])
+@pytest.mark.parametrize("select_dtype", [torch.float32, torch.float16])
+def test_topk_plan_picks_the_top_budget_per_row(density, select_dtype):
+    """Uneven budgets (kmax and kmax - 1 per row) keep exactly each row's best tiles, in fp16 selection too."""
+    B, H, M = 2, 3, 23
+    g = torch.Generator().manual_seed(5)
+    scores = torch.stack([torch.randperm(M * M, generator=g).float().view(M, M) / 8 for _ in range(B * H)])
+    scores = scores.view(B, H, M, M)                      # distinct, exactly representable in fp16
+    scores[0, 1, :, 4] = float("-inf")
+    mask = topk_plan(scores, density, select_dtype=select_dtype).to_dense_mask(M)
+    budget = row_budgets(density, M, M)
+    s = scores.masked_fill(torch.eye(M, dtype=torch.bool), float("inf"))
+    order = s.argsort(-1, descending=True)
+    ranked_keep = torch.arange(M) < budget[:, None]
+    expected = torch.zeros_like(mask).scatter_(-1, order, ranked_keep.expand(B, H, M, M)) & (s > float("-inf"))
+    assert torch.equal(mask, expected)
+
+
 def test_topk_density_one_is_dense():
     p = topk_plan(torch.randn(1, 2, 6, 6), 1.0)
     d = dense_plan(1, 2, 6 * 128)

@@ -144,13 +144,38 @@ class TileLayout:
         """(B, S, H, D) in the original order -> (B, H, S, D) contiguous in tile order."""
         _check_seq(x, self.seq_len, "x")
         perm, _ = self.indices(x.device)
-        return x.transpose(1, 2)[:, :, perm]
+        xt = x.transpose(1, 2)
+        wide = _wide_view(xt)
+        if wide is not None:
+            return wide[:, :, perm].view(x.dtype)
+        return xt[:, :, perm]
 
     def scatter(self, y: torch.Tensor) -> torch.Tensor:
-        """(B, H, S, D) in tile order -> (B, S, H, D) in the original order (a view of a new tensor)."""
+        """(B, H, S, D) in tile order -> (B, S, H, D) in the original order (contiguous in eager mode)."""
         _check_seq(y, self.seq_len, "y", dim=2)
-        _, inv = self.indices(y.device)
+        perm, inv = self.indices(y.device)
+        B, H, S, D = y.shape
+        out = y.new_empty(B, S, H, D)
+        wide_out, wide_y = _wide_view(out.transpose(1, 2)), _wide_view(y)
+        if wide_out is not None and wide_y is not None:
+            wide_out[:, :, perm] = wide_y       # writes (B, S, H, D) contiguous: no copy before flatten
+            return out
         return y[:, :, inv].transpose(1, 2)
+
+
+def _wide_view(x: torch.Tensor) -> torch.Tensor | None:
+    """x reinterpreted with 16-byte elements along its last dim (same memory), or None.
+
+    The token gather/scatter moves whole D-vectors; with 16-byte elements torch's index kernels move
+    8 bf16 values per element instead of one (~3x faster on the H200 at Wan sizes). Eager only:
+    under torch.compile Inductor writes its own gather kernel and complex dtypes would get in its way.
+    """
+    if torch.compiler.is_compiling() or x.stride(-1) != 1 or x.is_complex():
+        return None
+    try:
+        return x.view(torch.complex128)
+    except RuntimeError:  # last dim or strides not a multiple of 16 bytes
+        return None
 
 
 def _check_seq(x: torch.Tensor, seq_len: int, name: str, dim: int = 1) -> None:
@@ -230,14 +255,23 @@ class HeadTiling:
         if H != len(self.tiles):
             raise ValueError(f"x has {H} heads but the tiling names {len(self.tiles)} tile shapes.")
         perm, _ = self.head_indices(x.device)
-        return torch.gather(x.transpose(1, 2), 2, perm[None, :, :, None].expand(B, H, S, D))
+        xt = x.transpose(1, 2)
+        wide = _wide_view(xt)
+        if wide is not None:
+            return torch.gather(wide, 2, perm[None, :, :, None].expand(B, H, S, wide.shape[-1])).view(x.dtype)
+        return torch.gather(xt, 2, perm[None, :, :, None].expand(B, H, S, D))
 
     def scatter(self, y: torch.Tensor) -> torch.Tensor:
         """(B, H, S, D) per-head tile order -> (B, S, H, D) original order."""
         if self.uniform:
             return self.first.scatter(y)
         B, H, S, D = y.shape
-        _, inv = self.head_indices(y.device)
+        perm, inv = self.head_indices(y.device)
+        out = y.new_empty(B, S, H, D)
+        wide_out, wide_y = _wide_view(out.transpose(1, 2)), _wide_view(y)
+        if wide_out is not None and wide_y is not None:
+            wide_out.scatter_(2, perm[None, :, :, None].expand(B, H, S, wide_y.shape[-1]), wide_y)
+            return out
         return torch.gather(y, 2, inv[None, :, :, None].expand(B, H, S, D)).transpose(1, 2)
 
 

@@ -152,6 +152,7 @@ def topk_plan(
     *,
     num_global_tiles: int = 0,
     block: int = 128,
+    select_dtype: torch.dtype = torch.float32,
 ) -> Plan:
     """Top-k plan from video-tile scores, with the diagonal forced and global tiles always kept.
 
@@ -163,6 +164,10 @@ def topk_plan(
         num_global_tiles: tiles after the video tiles (text); every video row keeps them, and their
             rows attend to every tile.
         block: tokens per tile (block_m == block_n).
+        select_dtype: dtype the top-k compares in. torch.float16 halves the radix select on CUDA
+            (0.36 vs 0.62 ms at 40x591x591 on the H200) for logits: scores closer than fp16's 11 bits
+            may swap at the budget boundary, and beyond +-65504 they saturate to +-inf. Keep fp32 for
+            probabilities (teacher heat), whose small values fp16 would flush to ties.
 
     Returns:
         A `Plan` over Mv + num_global_tiles query tiles and as many key tiles.
@@ -178,13 +183,21 @@ def topk_plan(
     budget = torch.tensor(budget_list, dtype=torch.long, device=device)  # [Mv]
     kmax = max(budget_list)
     eye = torch.eye(Mv, dtype=torch.bool, device=device)
-    s = scores.float().masked_fill(eye, float("inf"))
-    top = s.topk(kmax, dim=-1)                                         # [B, H, Mv, kmax]
+    s = scores.to(select_dtype).masked_fill(eye, float("inf"))
+    # budgets are kmax or kmax - 1 (`row_budget_list`): an unsorted top-kmax, and the rows with
+    # kmax - 1 drop their weakest pick (any other spread of budgets takes the ranked top-k)
+    spread = kmax - min(budget_list)
+    values, indices = s.topk(kmax, dim=-1, sorted=spread > 1)          # [B, H, Mv, kmax]
+    keep = values > float("-inf")
     slot = torch.arange(kmax, device=device)
-    keep = (slot < budget[:, None]) & (top.values > float("-inf"))
-    idx = torch.where(keep, top.indices, torch.full_like(top.indices, Nv)).sort(-1).values
+    if spread == 1:
+        weakest = values.argmin(-1, keepdim=True)
+        keep &= ~((budget < kmax)[:, None] & (slot == weakest))
+    elif spread > 1:
+        keep &= slot < budget[:, None]
+    idx = torch.where(keep, indices.to(torch.int32), Nv).sort(-1).values
     count = keep.sum(-1, dtype=torch.int32)
-    idx = torch.where(idx == Nv, torch.zeros_like(idx), idx)
+    idx = torch.where(idx == Nv, 0, idx)
     if G == 0:
         return Plan(idx.to(torch.int32).contiguous(), count.contiguous(), block, block)
     N = Mv + G

@@ -105,3 +105,17 @@ def test_shrunken_synthetic_run_compiled(tmp_path):
     with pytest.raises(ValueError, match="compile_mode='fast'"):
         run_synthetic(["wan-1.3b"], specs, str(tmp_path / "x"), device="cpu", frames=9, height=128, width=256,
                       layers=1, warmup=0, repeats=1, progress=False, compile_mode="fast")
+
+
+def test_synthetic_run_resumes_per_method(tmp_path):
+    """A run cut short keeps the methods it measured; the rerun runs only the rest and still compares with dense."""
+    kw = dict(device="cpu", frames=5, height=64, width=128, layers=1, warmup=0, repeats=1, progress=False)
+    first = run_synthetic(["wan-1.3b"], parse_method_specs(["veda@0.5:block=64:tiling=1x8x8"]), str(tmp_path), **kw)
+    kept = first["synthetic"]["wan-1.3b"]["methods"]
+    assert os.path.getsize(tmp_path / "dense_output_wan-1.3b.safetensors") > 0
+    specs = parse_method_specs(["veda@0.5:block=64:tiling=1x8x8", "sol@0.5:block=64"])
+    again = run_synthetic(["wan-1.3b"], specs, str(tmp_path), **kw)["synthetic"]["wan-1.3b"]["methods"]
+    assert list(again) == ["dense", "veda@0.5:block=64:tiling=1x8x8", "sol@0.5:block=64"]
+    for label in kept:                                   # measured once, not again
+        assert again[label]["forward_s_all"] == kept[label]["forward_s_all"]
+    assert 0 < again["sol@0.5:block=64"]["output_rel_l2_vs_dense"] < 1.0

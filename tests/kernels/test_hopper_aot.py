@@ -67,3 +67,15 @@ def test_aot_check_detects_lost_warp_specialization(hopper_module):
     """The same compile with warp specialization off must not pass the check above."""
     k = hopper_module.compile_for_sm90(head_dim=64, warp_specialize=False)
     assert "ttg.warp_specialize" not in k.asm["ttgir"]
+
+
+def test_hopper_refuses_stage_counts_that_return_nan():
+    """num_stages > 2 with warp specialization compiles but returns NaN on the H200: refused before launch."""
+    import torch
+
+    from videosparse.kernels import triton_hopper
+    from videosparse.plan import dense_plan
+
+    q = torch.randn(1, 1, 128, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="num_stages=3 with warp specialization"):
+        triton_hopper.hopper_attention(q, q, q, dense_plan(1, 1, 128), 0.125, num_stages=3)

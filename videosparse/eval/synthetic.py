@@ -391,7 +391,8 @@ def _time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repea
 def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.device, dtype: torch.dtype, *,
                         frames: int | None = None, height: int | None = None, width: int | None = None,
                         layers: int | None = None, warmup: int = 1, repeats: int = 3,
-                        progress: bool = True, compile_mode: str | None = None) -> SyntheticResult:
+                        progress: bool = True, compile_mode: str | None = None, done: dict | None = None,
+                        dense_output_path: str | None = None, on_method=None) -> SyntheticResult:
     """Time one forward of a synthetic model, dense vs each method.
 
     Args:
@@ -406,6 +407,11 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
             `torch.compile` with the method applied, compiled dense vs compiled sparse; attention
             and plan times are then not separable, and the dense attention share comes from SDPA
             timed outside the model (`_dense_attention_seconds`).
+        done: rows of methods measured by an earlier run (label -> row): kept, not run again.
+        dense_output_path: safetensors file holding the dense output, so that a resumed run can still
+            report each method's error vs dense; written after the dense forward.
+        on_method: called with the `SyntheticResult` after every method (the caller saves the report,
+            so a run cut short keeps what it measured).
 
     Raises:
         ValueError: unknown model, no processor for its class, or a size that cannot run on `device`.
@@ -424,17 +430,33 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
                 setup.tokens, result.estimates["build_s"])
     from tqdm.auto import tqdm
 
+    done = done or {}
     reference = None
+    if dense_output_path and specs[0].label in done and os.path.exists(dense_output_path):
+        from safetensors.torch import load_file
+
+        reference = load_file(dense_output_path, device=str(device))["dense_output"].float()
     if compile_mode is not None and compile_mode not in COMPILE_MODES:
         raise ValueError(f"compile_mode={compile_mode!r} is not known; choose one of {sorted(COMPILE_MODES)}.")
     for spec in tqdm(specs, desc=f"synthetic {name}", disable=not progress, leave=False):
+        if spec.label in done:
+            result.methods[spec.label] = done[spec.label]
+            continue
         row, out = _time_method(transformer, inputs, spec, warmup, repeats, compile_mode)
         if compile_mode is not None and spec.method == "dense":
             row["attention_s"] = _dense_attention_seconds(setup, device, dtype, repeats)
-        if reference is None:
+        if reference is None and spec.method == "dense":
             reference = out.float()
-        row["output_rel_l2_vs_dense"] = float((out.float() - reference).norm() / reference.norm().clamp_min(1e-30))
+            if dense_output_path:
+                from safetensors.torch import save_file
+
+                save_file({"dense_output": out.detach().contiguous().cpu()}, dense_output_path)
+        row["output_rel_l2_vs_dense"] = (
+            None if reference is None
+            else float((out.float() - reference).norm() / reference.norm().clamp_min(1e-30)))
         result.methods[spec.label] = row
+        if on_method is not None:
+            on_method(result)
         logger.info("synthetic %s %s: forward %.3f s, attention %.3f s, density %s", name, spec.label,
                     row["forward_s"], row["attention_s"], row["realised_density"])
     del transformer
@@ -475,7 +497,8 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
                   progress: bool = True, compile_mode: str | None = None) -> dict:
     """Synthetic speed mode for several models; writes report.json, report.md and one speedup plot per model.
 
-    A rerun skips models already in `out_dir`'s report.json with the same methods, sizes and dtype.
+    The report is saved after every method; a rerun with the same sizes, dtype and compile mode keeps
+    the methods already measured (and the dense output saved beside the report) and runs the rest.
 
     Returns:
         The report dict ("synthetic": model name -> section from `summarize_synthetic`).
@@ -501,16 +524,23 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
     for name in names:
         setup = synthetic_setup(name, frames, height, width, layers)
         old = report["synthetic"].get(name)
-        if (old and list(old.get("methods", {})) == labels and old.get("shape") == setup.describe()
-                and old.get("dtype") == str(dtype) and old.get("compile") == compile_mode):
+        done = {}
+        if (old and old.get("shape") == setup.describe() and old.get("dtype") == str(dtype)
+                and old.get("compile") == compile_mode and next(iter(old.get("methods", {})), None) == labels[0]):
+            done = {label: row for label, row in old["methods"].items() if label in labels}
+        if list(done) == labels:
             logger.info("synthetic %s: already in %s, skipped", name, path)
             continue
-        result = run_synthetic_model(name, specs, device, dtype, frames=frames, height=height, width=width,
-                                     layers=layers, warmup=warmup, repeats=repeats, progress=progress,
-                                     compile_mode=compile_mode)
-        report["synthetic"][name] = summarize_synthetic(result, dtype, warmup, repeats)
-        report["environment"] = environment(device)
-        save_report(report, path)
+
+        def save(result, name=name):
+            report["synthetic"][name] = summarize_synthetic(result, dtype, warmup, repeats)
+            report["environment"] = environment(device)
+            save_report(report, path)
+
+        run_synthetic_model(name, specs, device, dtype, frames=frames, height=height, width=width, layers=layers,
+                            warmup=warmup, repeats=repeats, progress=progress, compile_mode=compile_mode,
+                            done=done, dense_output_path=os.path.join(out_dir, f"dense_output_{name}.safetensors"),
+                            on_method=save)
     plots = []
     for name, section in report["synthetic"].items():
         points = {label: dict(row, family=row["config"]["method"] if label != "dense" else "dense",

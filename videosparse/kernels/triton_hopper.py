@@ -186,7 +186,10 @@ def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False
     corr = plan.has_correction
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if (return_lse or corr) else out
     if num_stages is None:
-        num_stages = 2 if D == 128 else 3
+        num_stages = 2
+    if warp_specialize and num_stages > MAX_WS_STAGES:
+        raise ValueError(f"num_stages={num_stages} with warp specialization returns NaN on the H200 with Triton 3.6 "
+                         f"(seen at head dim 64); use num_stages <= {MAX_WS_STAGES}, or warp_specialize=False.")
     if not INTERPRETED:
         triton.set_allocator(_alloc)
     grid = (num_programs or _num_programs(q.device, n_items),)
@@ -222,7 +225,7 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", block_m: int =
     from triton.compiler import ASTSource
 
     if num_stages is None:
-        num_stages = 2 if head_dim == 128 else 3
+        num_stages = 2
     ptr = "*" + dtype
     types = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", KV_INDEX="*i32", KV_COUNT="*i32", ORDER="*i32",
                  BIAS="*fp32", qk_scale="fp32")
@@ -236,9 +239,10 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", block_m: int =
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=num_stages))
 
 
-# Head dims the kernel compiles for but computes wrongly on a real sm_90 (found on the H200, 2026-11-30:
-# D=64 returns NaN in most rows at 128x128 and some at 64x64 tiles; D=128 matches the reference).
-BROKEN_HEAD_DIMS = (64,)
+# Triton 3.6 on the H200 (2026-11-30, scratch probe over stages x WS x flatten x tiles): with warp
+# specialization, num_stages 3 or 4 returns NaN in ~all rows at head dim 64 (the AOT compile and the
+# interpreter pass); 1 and 2 are exact. At head dim 128, 3 stages do not fit shared memory anyway.
+MAX_WS_STAGES = 2
 
 
 class HopperBackend:
@@ -254,9 +258,6 @@ class HopperBackend:
             why.append(f"dtype {q.dtype} is not fp16/bf16")
         if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
             why.append(f"head dim {q.shape[-1]} not in {SUPPORTED_HEAD_DIMS}")
-        elif q.shape[-1] in BROKEN_HEAD_DIMS:
-            why.append(f"head dim {q.shape[-1]} gives NaN on the H200 (benchmarks/kernel_h200.json correctness; "
-                       "the AOT compile and the interpreter pass): disabled until fixed, the generic kernel serves it")
         if plan.block_m not in SUPPORTED_BLOCKS or plan.block_n not in SUPPORTED_BLOCKS:
             why.append(f"tiles {plan.block_m}x{plan.block_n} not in {SUPPORTED_BLOCKS}")
         for name, t in (("q", q), ("k", k), ("v", v)):

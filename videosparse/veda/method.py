@@ -93,7 +93,9 @@ class VedaMethod(SparseMethod):
 
     def plan(self, q, k, v, layout: HeadTiling, layer: int) -> Plan:
         scores = self.scores(q, k, layout, layer)
-        plan = topk_plan(scores, self.config.density, num_global_tiles=layout.num_global_tiles, block=self.block)
+        # fp16 selection on CUDA: estimator logits are O(10), and the radix select runs over half the bits
+        plan = topk_plan(scores, self.config.density, num_global_tiles=layout.num_global_tiles, block=self.block,
+                         select_dtype=torch.float16 if scores.is_cuda else torch.float32)
         if self.config.correction:
             plan = plan.with_correction(*tile_centroids(k, v, self.block))
         return plan
