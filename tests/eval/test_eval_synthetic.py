@@ -119,3 +119,18 @@ def test_synthetic_run_resumes_per_method(tmp_path):
     for label in kept:                                   # measured once, not again
         assert again[label]["forward_s_all"] == kept[label]["forward_s_all"]
     assert 0 < again["sol@0.5:block=64"]["output_rel_l2_vs_dense"] < 1.0
+
+
+def test_cli_prints_compiled_rows(tmp_path, capsys):
+    """Compiled sparse rows have no attention time: the summary prints a dash, not a crash."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rc = main(["evaluate", "--synthetic", "wan-1.3b", "--device", "cpu", "--frames", "5", "--height", "64",
+                   "--width", "128", "--synthetic-layers", "1", "--compile", "aot_eager", "--methods",
+                   "veda@0.5:block=64:tiling=1x8x8", "--repeats", "1", "--warmup-forwards", "0", "--no-progress",
+                   "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(n)
+    out = capsys.readouterr().out
+    assert rc == 0 and "veda@0.5:block=64:tiling=1x8x8" in out and "attention   – s" in out

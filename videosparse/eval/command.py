@@ -140,8 +140,9 @@ def _run_synthetic(args: argparse.Namespace) -> int:
               f"{100 * section['dense_attention_share']:.1f}%, bound with attention free "
               f"{section['amdahl_bound_free_attention']:.2f}x")
         for label, r in section["methods"].items():
+            # compiled sparse rows have no attention/plan time (the graph hides the processors): "-"
             print(f"  {label:<28} density {_f(r['realised_density'], 6)}  forward {r['forward_s']:.3f} s  "
-                  f"attention {r['attention_s']:.3f} s (plan {r['plan_s']:.3f})  speedup {r['speedup']:.2f}x  "
+                  f"attention {_f(r['attention_s'], 3)} s (plan {_f(r['plan_s'], 3)})  speedup {r['speedup']:.2f}x  "
                   f"Amdahl bound {r['amdahl_bound']:.2f}x  sparse/dense calls {r['sparse_calls']}/{r['dense_calls']}")
     for note in report.get("notes", []):
         print(f"note: {note}")
