@@ -29,9 +29,20 @@ def test_real_sizes_are_refused_on_cpu():
             check_feasible(setup, torch.device("cpu"), torch.bfloat16, count_parameters(setup))
 
 
-def test_hunyuan_without_processor_is_refused(capsys):
-    assert main(["evaluate", "--synthetic", "hunyuan", "--out", "unused"]) == 2
-    assert "no attention processor for HunyuanVideoTransformer3DModel" in capsys.readouterr().err
+def test_shrunken_hunyuan_runs_sparse(tmp_path):
+    """HunyuanVideo has a processor now: one dual-stream block at a tiny size runs sparse on CPU (text after video)."""
+    setup = synthetic_setup("hunyuan", frames=5, height=128, width=128, layers=1)
+    inputs = make_inputs(setup, torch.device("cpu"), torch.float32)
+    assert tuple(inputs["encoder_attention_mask"].shape) == (1, 256) and inputs["encoder_attention_mask"].all()
+    specs = parse_method_specs(["veda@0.5:block=64:tiling=1x8x8"])
+    report = run_synthetic(["hunyuan"], specs, str(tmp_path), device="cpu", frames=5, height=128, width=128,
+                           layers=1, warmup=0, repeats=1, progress=False)
+    section = report["synthetic"]["hunyuan"]
+    assert section["shape"]["grid"] == [2, 8, 8] and section["shape"]["layers"] == 1
+    row = section["methods"]["veda@0.5:block=64:tiling=1x8x8"]
+    assert row["sparse_calls"] == 1 and row["dense_calls"] == 0 and row["fallbacks"] == []
+    assert 0.5 < row["realised_density"] < 1.0          # 2 video tiles + 4 text (global) tiles
+    assert 0 < row["output_rel_l2_vs_dense"] < 0.5
 
 
 def test_bad_sizes_are_refused():

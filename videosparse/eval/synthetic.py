@@ -18,8 +18,7 @@ wan-14b    Wan2.1 T2V 14B: 40 x 40 x 128     81 x 720 x 1280            21 x 45 
 hunyuan    HunyuanVideo: 20+40 x 24 x 128    129 x 720 x 1280           33 x 45 x 80 = 118,800
 =========  ================================  =========================  ======================
 
-HunyuanVideo runs only once videosparse has a processor for its transformer class; until then it
-is refused with the registry's message.
+A model whose transformer class has no videosparse processor is refused with the registry's message.
 """
 
 from __future__ import annotations

@@ -105,3 +105,29 @@ class SparseAttentionMixin:
         out = block_sparse_attention(qt, kt, vt, plan, backend=session.config.backend, validate=False)
         stats.record_sparse(plan.kv_count, layout.num_tiles)
         return layout.scatter(out)
+
+    def _record_stock_call(self, reason: str) -> None:
+        """Account a call that the model's stock processor serves for `reason` (warned once per layer
+        when a sparse method is active; dense configs count it silently, like any dense call)."""
+        if self.session.method is not None:
+            self._warn_once(reason)
+        self._stats().record_dense()
+
+    def attend_valid_prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: int,
+                            attention_mask=None) -> torch.Tensor:
+        """Self-attention under a key-padding mask that keeps the first `valid` tokens: [B, S, H, D] -> same.
+
+        For joint-attention models whose padded text tokens sit at the end of the sequence
+        (HunyuanVideo): rows [:valid] go through `attend` over the valid prefix alone (sparse or dense,
+        as it decides; the grid's `text_len` counts the valid text tokens only), rows [valid:] attend
+        densely to the valid keys, which is what the stock masked call gives them. `valid >= S` means
+        nothing is padded and `attend` runs on the whole sequence without the (all-true) mask. Under
+        context parallelism the sequence is split across ranks, so the stock masked call runs instead.
+        """
+        if getattr(self, "_parallel_config", None) is not None:
+            return self.attend(q, k, v, attention_mask)     # dense, with the stock mask
+        if valid >= q.shape[1]:
+            return self.attend(q, k, v, None)
+        head = self.attend(q[:, :valid], k[:, :valid], v[:, :valid], None)
+        tail = self._dense(q[:, valid:], k[:, :valid], v[:, :valid], None)
+        return torch.cat([head, tail], dim=1)

@@ -38,7 +38,7 @@ def register_model(transformer_cls: type, spec_factory: Callable[[], ModelSpec])
 
 
 def _register_builtin_models() -> None:
-    from diffusers import WanTransformer3DModel
+    from diffusers import HunyuanVideoTransformer3DModel, WanTransformer3DModel
 
     def wan_spec() -> ModelSpec:
         from .wan import WanSparseAttnProcessor, wan_grid
@@ -46,6 +46,16 @@ def _register_builtin_models() -> None:
         return ModelSpec(WanSparseAttnProcessor, lambda name, m: name.endswith("attn1"), wan_grid)
 
     register_model(WanTransformer3DModel, wan_spec)
+
+    def hunyuan_spec() -> ModelSpec:
+        from .hunyuan import HunyuanVideoSparseAttnProcessor, hunyuan_grid
+
+        # dual-stream and single-stream blocks; the token refiner (context_embedder) stays stock
+        return ModelSpec(HunyuanVideoSparseAttnProcessor,
+                         lambda name, m: name.startswith(("transformer_blocks.", "single_transformer_blocks.")),
+                         hunyuan_grid, text_position="after")
+
+    register_model(HunyuanVideoTransformer3DModel, hunyuan_spec)
 
 
 def model_spec(transformer: torch.nn.Module) -> ModelSpec:
@@ -58,11 +68,20 @@ def model_spec(transformer: torch.nn.Module) -> ModelSpec:
     raise ValueError(f"transformer class {type(transformer).__name__} is not supported; supported: {supported}.")
 
 
+def _patch_size(cfg) -> tuple[int, int, int]:
+    """(pt, ph, pw) from a config's `patch_size` (3-tuple, 2-tuple, or int with `patch_size_t`)."""
+    p = cfg.patch_size
+    if isinstance(p, int):
+        return (int(getattr(cfg, "patch_size_t", None) or 1), p, p)
+    p = tuple(int(v) for v in p)
+    return p if len(p) == 3 else (1, *p)
+
+
 def model_info(transformer: torch.nn.Module, spec: ModelSpec, num_layers: int) -> ModelInfo:
     cfg = transformer.config
     heads = int(cfg.num_attention_heads)
     head_dim = int(cfg.attention_head_dim)
-    patch = tuple(cfg.patch_size) if len(tuple(cfg.patch_size)) == 3 else (1, *tuple(cfg.patch_size))
+    patch = _patch_size(cfg)
     return ModelInfo(type(transformer).__name__, num_layers, heads, head_dim, patch, spec.text_position)
 
 

@@ -1,0 +1,134 @@
+import logging
+
+import torch
+from diffusers import HunyuanVideoTransformer3DModel
+from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
+
+import videosparse
+from videosparse.processors import sessions
+
+from tester import ProcessorTesterMixin
+
+TEXT = 8
+
+
+class TestHunyuanProcessors(ProcessorTesterMixin):
+    num_layers = 2          # one dual-stream + one single-stream block
+    head_dim = 64
+    tiling = (1, 4, 16)
+    block = 64
+
+    def make_transformer(self):
+        torch.manual_seed(0)
+        return HunyuanVideoTransformer3DModel(
+            in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=self.head_dim, num_layers=1,
+            num_single_layers=1, num_refiner_layers=1, mlp_ratio=2.0, patch_size=2, patch_size_t=1,
+            text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(8, 28, 28),
+        ).eval()
+
+    def make_inputs(self, transformer, valid=(TEXT,)):
+        g = torch.Generator().manual_seed(1)
+        B = len(valid)
+        mask = torch.arange(TEXT)[None, :] < torch.tensor(valid)[:, None]
+        # grid after patching: 3 x 7 x 18 = 378 video tokens (odd, partial last tile) + 8 text tokens after
+        return dict(
+            hidden_states=torch.randn(B, 4, 3, 14, 36, generator=g),
+            timestep=torch.tensor([500] * B),
+            encoder_hidden_states=torch.randn(B, TEXT, 16, generator=g),
+            encoder_attention_mask=mask,
+            pooled_projections=torch.randn(B, 8, generator=g),
+            guidance=torch.tensor([6000.0] * B),
+        )
+
+
+def _tiny():
+    t = TestHunyuanProcessors()
+    return t, t.make_transformer()
+
+
+def test_sparse_runs_on_video_blocks_only_refiner_untouched():
+    t, tr = _tiny()
+    inputs = t.make_inputs(tr)
+    dense = t.run(tr, inputs)
+    before = dict(tr.attn_processors)
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.5, tiling=t.tiling, block=t.block))
+    procs = tr.attn_processors
+    refiner = [n for n in procs if n.startswith("context_embedder.")]
+    assert refiner and all(procs[n] is before[n] for n in refiner)          # the text-only refiner stays stock
+    served = sorted(n for n in procs if procs[n] is not before[n])
+    assert all(type(before[n]) is HunyuanVideoAttnProcessor2_0 for n in served)
+    assert served == ["single_transformer_blocks.0.attn.processor", "transformer_blocks.0.attn.processor"]
+    out = t.run(tr, inputs)
+    s = sessions(tr)["transformer"].stats()
+    assert s["sparse_calls"] == 2 and s["dense_calls"] == 0 and 0.3 < s["density"] < 0.9
+    assert torch.isfinite(out).all() and not torch.equal(out, dense)
+    assert (out - dense).norm() / dense.norm() < 0.5
+
+
+def test_padded_text_mask_matches_stock():
+    """Masked (padded) text tokens: sparse over the valid prefix, padded rows dense over valid keys."""
+    t, tr = _tiny()
+    inputs = t.make_inputs(tr, valid=(5, 5))
+    ref = t.run(tr, inputs)
+    for config in (videosparse.DenseConfig(), videosparse.VedaConfig(density=1.0, tiling=t.tiling, block=t.block)):
+        videosparse.apply(tr, config)
+        out = t.run(tr, inputs)
+        assert (out - ref).abs().max() <= 1e-5, config
+        s = sessions(tr)["transformer"].stats()
+        if config.method != "dense":
+            assert s["sparse_calls"] == 2 and s["dense_calls"] == 0 and s["density"] == 1.0
+        videosparse.remove(tr)
+    # sparse at density < 1 on the padded batch: the padded text rows still equal a masked dense call
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.5, tiling=t.tiling, block=t.block))
+    out = t.run(tr, inputs)
+    assert torch.isfinite(out).all() and sessions(tr)["transformer"].stats()["sparse_calls"] == 2
+
+
+def test_padded_rows_get_stock_attention():
+    t, tr = _tiny()
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=t.tiling, block=t.block))
+    session = sessions(tr)["transformer"]
+    t.run(tr, t.make_inputs(tr, valid=(5,)))            # records grid (3, 7, 18) and 5 valid text tokens
+    assert session.context.text_len == 5
+    proc = next(p for p in tr.attn_processors.values() if hasattr(p, "attend_valid_prefix"))
+    S, valid = 378 + TEXT, 378 + 5
+    q, k, v = (torch.randn(1, S, 2, 64) for _ in range(3))
+    mask = (torch.arange(S) < valid)[None, None, None, :]
+    ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                           attn_mask=mask).transpose(1, 2)
+    out = proc.attend_valid_prefix(q, k, v, valid, mask)
+    assert (out[:, valid:] - ref[:, valid:]).abs().max() <= 1e-5
+    assert not torch.allclose(out[:, :valid], ref[:, :valid], atol=1e-3)   # the prefix really ran sparse
+
+
+def test_different_valid_lengths_fall_back_dense_with_warning(caplog):
+    t, tr = _tiny()
+    inputs = t.make_inputs(tr, valid=(8, 5))
+    ref = t.run(tr, inputs)
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.5, tiling=t.tiling, block=t.block))
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        out = t.run(tr, inputs)
+        t.run(tr, inputs)
+    assert torch.equal(out, ref)
+    s = sessions(tr)["transformer"].stats()
+    assert s["sparse_calls"] == 0 and s["dense_calls"] == 4
+    msgs = [r.message for r in caplog.records if "runs dense" in r.message]
+    assert len(msgs) == 2 and all("valid text lengths" in m and "[5, 8]" in m for m in msgs)   # once per layer
+    # the next forward with one valid length runs sparse again
+    t.run(tr, t.make_inputs(tr, valid=(6, 6)))
+    assert sessions(tr)["transformer"].stats()["sparse_calls"] == 2
+
+
+def test_sol_and_token_replace_variant():
+    """Sol runs on the joint layout; the I2V token-replace blocks use the same processor (density 1.0 = stock)."""
+    t, tr = _tiny()
+    inputs = t.make_inputs(tr, valid=(5,))
+    videosparse.apply(tr, videosparse.SolConfig(density=0.5, block=t.block))
+    out = t.run(tr, inputs)
+    assert torch.isfinite(out).all() and sessions(tr)["transformer"].stats()["sparse_calls"] == 2
+    torch.manual_seed(0)
+    tr = HunyuanVideoTransformer3DModel(**dict(tr.config, image_condition_type="token_replace")).eval()
+    ref = t.run(tr, inputs)
+    videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=t.tiling, block=t.block))
+    assert (t.run(tr, inputs) - ref).abs().max() <= 1e-5
+    assert sessions(tr)["transformer"].stats()["sparse_calls"] == 2

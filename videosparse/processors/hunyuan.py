@@ -1,0 +1,123 @@
+"""HunyuanVideo (`HunyuanVideoTransformer3DModel`): sparse self-attention processor and model facts.
+
+Both block kinds attend over one joint sequence [video; text] (text after the video): the dual-stream
+`transformer_blocks` project the text with the `add_*_proj` layers and concatenate it, the
+`single_transformer_blocks` get it already joined. RoPE covers the video part only. The token
+refiner's attention is text-only and keeps its stock processor.
+
+diffusers masks keys with a prefix mask: the video and the first `L_valid = encoder_attention_mask.sum()`
+text tokens are valid. `hunyuan_grid` computes `L_valid` once per forward and reports it as the text
+length, so the layouts cover the valid prefix; the processor runs sparse attention over that prefix
+and gives the padded text rows dense attention over the valid keys, as the stock processor does. A
+batch whose items have different `L_valid` runs the stock processor (one warning per layer).
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
+
+from .base import SparseAttentionMixin
+
+# Attribute of the `SparseSession` where `hunyuan_grid` leaves why the current forward cannot run sparse.
+_MASK_PROBLEM_ATTR = "hunyuan_mask_problem"
+
+
+class HunyuanVideoSparseAttnProcessor(SparseAttentionMixin, HunyuanVideoAttnProcessor2_0):
+    """`HunyuanVideoAttnProcessor2_0` whose joint self-attention runs through videosparse.
+
+    Projections, qk-norm and RoPE are diffusers' own; only the attention call changes. Calls without
+    text (the token refiner's layout) and forwards whose text masks differ across the batch go to the
+    stock processor untouched.
+    """
+
+    def __init__(self, session, layer: int, original=None) -> None:
+        HunyuanVideoAttnProcessor2_0.__init__(self)
+        self._init_sparse(session, layer, original)
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        stock = (attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        if encoder_hidden_states is None:
+            return HunyuanVideoAttnProcessor2_0.__call__(self, *stock)
+        problem = getattr(self.session, _MASK_PROBLEM_ATTR, None)
+        if problem is not None:
+            self._record_stock_call(problem)
+            return HunyuanVideoAttnProcessor2_0.__call__(self, *stock)
+        text_len = encoder_hidden_states.shape[1]
+        joint = attn.add_q_proj is None          # single-stream block: text goes through to_q/to_k/to_v too
+        if joint:
+            hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
+        query = attn.to_q(hidden_states).unflatten(2, (attn.heads, -1))
+        key = attn.to_k(hidden_states).unflatten(2, (attn.heads, -1))
+        value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        if image_rotary_emb is not None:
+            if joint:
+                query = torch.cat([apply_rotary_emb(query[:, :-text_len], image_rotary_emb, sequence_dim=1),
+                                   query[:, -text_len:]], dim=1)
+                key = torch.cat([apply_rotary_emb(key[:, :-text_len], image_rotary_emb, sequence_dim=1),
+                                 key[:, -text_len:]], dim=1)
+            else:
+                query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+                key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        if not joint:
+            enc_query = attn.add_q_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+            enc_key = attn.add_k_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+            enc_value = attn.add_v_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+            if attn.norm_added_q is not None:
+                enc_query = attn.norm_added_q(enc_query)
+            if attn.norm_added_k is not None:
+                enc_key = attn.norm_added_k(enc_key)
+            query = torch.cat([query, enc_query], dim=1)
+            key = torch.cat([key, enc_key], dim=1)
+            value = torch.cat([value, enc_value], dim=1)
+
+        # valid prefix: the video and the first ctx.text_len text tokens (padded text tokens come last)
+        valid = query.shape[1] - text_len + self.session.context.text_len
+        hidden_states = self.attend_valid_prefix(query, key, value, valid, attention_mask)
+        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+
+        hidden_states, encoder_hidden_states = hidden_states[:, :-text_len], hidden_states[:, -text_len:]
+        if getattr(attn, "to_out", None) is not None:
+            hidden_states = attn.to_out[0](hidden_states)
+            hidden_states = attn.to_out[1](hidden_states)
+        if getattr(attn, "to_add_out", None) is not None:
+            encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+        return hidden_states, encoder_hidden_states
+
+
+def _arg(args, kwargs, name: str, index: int):
+    return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
+
+
+def hunyuan_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
+    """Video grid after patching and the number of valid text tokens of this forward.
+
+    The valid text length is `encoder_attention_mask.sum(1)` (diffusers' own definition of the valid
+    prefix); it syncs the host once per forward. When it differs across the batch, the full text
+    length is returned and the forward is marked to run the stock processor.
+    """
+    from . import SESSION_ATTR
+
+    hidden_states = _arg(args, kwargs, "hidden_states", 0)
+    text = _arg(args, kwargs, "encoder_hidden_states", 2)
+    mask = _arg(args, kwargs, "encoder_attention_mask", 3)
+    _, _, F, H, W = hidden_states.shape
+    p, pt = module.config.patch_size, module.config.patch_size_t
+    grid = (F // pt, H // p, W // p)
+    text_len, problem = text.shape[1], None
+    if mask is not None:
+        lengths = sorted(set(mask.sum(dim=1, dtype=torch.int).tolist()))
+        if len(lengths) == 1:
+            text_len = lengths[0]
+        else:
+            problem = (f"the valid text lengths of encoder_attention_mask differ across the batch ({lengths}); "
+                       "sparse attention needs one length per forward (batch prompts of equal token count)")
+    session = getattr(module, SESSION_ATTR, None)
+    if session is not None:
+        setattr(session, _MASK_PROBLEM_ATTR, problem)
+    return grid, text_len
