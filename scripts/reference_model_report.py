@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="benchmarks/reference_model.json")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the pipeline default)")
     p.add_argument("--guidance", type=float, default=None)
+    p.add_argument("--shift", type=float, default=None,
+                   help="sampler time shift for the trained model (default: the saved scheduler's, 2.0)")
     p.add_argument("--num-prompts", type=int, default=None, help="first N adherence prompts (default: all 32)")
     p.add_argument("--attn-prompts", type=int, default=2, help="prompts for the attention-mass measurement")
     p.add_argument("--batch-size", type=int, default=8)
@@ -43,7 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     import diffusers
 
     from videosparse.models import reference as ref
-    from videosparse.models.reference_eval import ADHERENCE_PROMPTS, adherence_rate, attention_tile_mass
+    from videosparse.models.reference_eval import (
+        ADHERENCE_PROMPTS,
+        adherence_rate,
+        attention_tile_mass,
+        direction_word_separation,
+    )
 
     steps = args.steps or ref.DEFAULT_NUM_INFERENCE_STEPS
     guidance = args.guidance if args.guidance is not None else ref.DEFAULT_GUIDANCE_SCALE
@@ -53,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = False  # keep fp32 numbers close to the CPU's
 
     trained = ref.load_reference_pipeline(args.device, torch.float32, path=args.weights)
+    if args.shift is not None:
+        trained.scheduler = type(trained.scheduler).from_config(trained.scheduler.config, shift=args.shift)
     random_pipe = ref.build_reference_pipeline(seed=0).to(args.device)
     random_pipe.set_progress_bar_config(disable=True)
     weights_dir = args.weights or ref.REFERENCE_WEIGHTS_DIR
@@ -70,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             "train_config": json.load(open(train_cfg_path)) if os.path.isfile(train_cfg_path) else None,
         },
         "call": {**size, "num_inference_steps": steps, "guidance_scale": guidance,
+                 "scheduler_shift": trained.scheduler.config.shift,
                  "video_tokens": int(torch.tensor(ref.video_token_grid(**size)).prod())},
         "environment": {"device": args.device, "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda")
                         else None, "cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -80,6 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         out = fn()
         return out, round(time.time() - t0, 2)
+
+    # near 0: the text encoder has merged "left" with "right" (and "up" with "down"), see reference_eval
+    report["direction_word_separation"] = {"trained": direction_word_separation(trained),
+                                           "random": direction_word_separation(random_pipe)}
+    print(f"direction word separation (opposite / other axis): trained "
+          f"{report['direction_word_separation']['trained']['opposite_over_axis']:.3f}, random "
+          f"{report['direction_word_separation']['random']['opposite_over_axis']:.3f}", flush=True)
 
     adherence = {}
     for name, pipe in (("trained", trained), ("random", random_pipe)):

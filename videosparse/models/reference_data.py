@@ -33,6 +33,8 @@ COLORS: dict[str, tuple[float, float, float]] = {
 }
 SHAPES = ("circle", "square", "triangle", "ring", "cross")
 DIRECTIONS = ("left", "right", "up", "down")
+OPPOSITE: dict[str, str] = {"left": "right", "right": "left", "up": "down", "down": "up"}
+"""The direction a directional clip shows when played backwards."""
 MOTIONS = DIRECTIONS + ("bouncing", "rotating", "growing")
 BACKGROUNDS = ("dark", "light", "gray", "gradient")
 SIZES = ("small", "large")
@@ -105,14 +107,29 @@ def parse_prompt(prompt: str) -> ClipSpec:
                     pick(BACKGROUNDS, "background"), size, 1 if "," in words else 0)
 
 
-def sample_specs(n: int, generator: torch.Generator | None = None, *, p_size_word: float = 0.5) -> list[ClipSpec]:
-    """`n` clip descriptions drawn uniformly (colour, shape, motion, background, template, size word)."""
+def sample_specs(n: int, generator: torch.Generator | None = None, *, p_size_word: float = 0.5,
+                 p_directional: float | None = None) -> list[ClipSpec]:
+    """`n` clip descriptions drawn uniformly (colour, shape, motion, background, template, size word).
+
+    Args:
+        p_directional: probability that a clip moves left / right / up / down (the other motions share the
+            rest); None draws the motion uniformly over `MOTIONS` (4 / 7 directional).
+    """
+    if p_directional is not None and not 0.0 <= p_directional <= 1.0:
+        raise ValueError(f"p_directional={p_directional} must lie in [0, 1].")
     seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
     rng = random.Random(seed)
+    others = [m for m in MOTIONS if m not in DIRECTIONS]
     out = []
     for _ in range(n):
+        color = rng.choice(list(COLORS))
+        shape = rng.choice(SHAPES)
+        if p_directional is None:
+            motion = rng.choice(MOTIONS)
+        else:
+            motion = rng.choice(DIRECTIONS) if rng.random() < p_directional else rng.choice(others)
         out.append(ClipSpec(
-            color=rng.choice(list(COLORS)), shape=rng.choice(SHAPES), motion=rng.choice(MOTIONS),
+            color=color, shape=shape, motion=motion,
             background=rng.choice(BACKGROUNDS), size=rng.choice(SIZES) if rng.random() < p_size_word else None,
             template=rng.randrange(len(TEMPLATES)),
         ))
@@ -261,6 +278,13 @@ def render_clips(
     return video
 
 
+def reversed_twin(spec: ClipSpec) -> ClipSpec:
+    """The description of a directional clip played backwards: the same clip moving the opposite way."""
+    if spec.motion not in DIRECTIONS:
+        raise ValueError(f"only directional clips have a reversed twin; {spec.motion!r} is not one of {DIRECTIONS}.")
+    return ClipSpec(spec.color, spec.shape, OPPOSITE[spec.motion], spec.background, spec.size, spec.template)
+
+
 def clip_batch(
     batch_size: int,
     num_frames: int = 16,
@@ -270,14 +294,47 @@ def clip_batch(
     generator: torch.Generator | None = None,
     device: torch.device | str = "cpu",
     p_empty_prompt: float = 0.0,
-) -> tuple[torch.Tensor, list[str]]:
+    p_directional: float | None = None,
+    twin_fraction: float = 0.0,
+    return_twins: bool = False,
+):
     """A training batch: random clips [B, 3, T, H, W] in [-1, 1] and their prompts.
 
     With probability `p_empty_prompt` a prompt is replaced by "" (for classifier-free guidance).
-    """
-    specs = sample_specs(batch_size, generator)
-    video = render_clips(specs, num_frames, height, width, generator=generator, device=device)
-    drop = torch.rand(batch_size, generator=generator) < p_empty_prompt
-    prompts = ["" if d else sp.prompt for sp, d in zip(specs, drop.tolist())]
-    return video, prompts
 
+    Time-reversed twins (`twin_fraction` > 0): a share `twin_fraction` of the batch is made of pairs; the last
+    ``n = int(batch_size * twin_fraction / 2)`` clips are the first n clips (all directional) played backwards, with the opposite direction in their prompts. A
+    clip moving left played backwards is exactly a clip moving right (same distribution of start and travel),
+    so the twins are ordinary samples; in pairs they differ only in the order of the frames and in the
+    direction word, which gives the model a clean signal for the one thing it cannot get from any single
+    frame. A twin keeps its source's empty-prompt draw.
+
+    Args:
+        p_directional: see `sample_specs` (None: motions uniform).
+        twin_fraction: share of the batch in (source, time-reversed twin) pairs (0 to 1; 0.5: a quarter twins).
+        return_twins: also return `twin_of`, int64 [B]: for a twin the index of its source clip, else -1
+            (training gives a twin its source's noise level and time-reversed noise).
+
+    Returns:
+        (video, prompts), or (video, prompts, twin_of) if `return_twins`.
+    """
+    if not 0.0 <= twin_fraction <= 1.0:
+        raise ValueError(f"twin_fraction={twin_fraction} must lie in [0, 1].")
+    n_twins = int(batch_size * twin_fraction / 2)
+    if n_twins == 0:
+        specs = sample_specs(batch_size, generator, p_directional=p_directional)
+        video = render_clips(specs, num_frames, height, width, generator=generator, device=device)
+        twin_of = torch.full((batch_size,), -1, dtype=torch.long)
+    else:
+        specs = (sample_specs(n_twins, generator, p_directional=1.0)
+                 + sample_specs(batch_size - 2 * n_twins, generator, p_directional=p_directional))
+        video = render_clips(specs, num_frames, height, width, generator=generator, device=device)
+        video = torch.cat([video, video[:n_twins].flip(2)])
+        specs = specs + [reversed_twin(sp) for sp in specs[:n_twins]]
+        twin_of = torch.cat([torch.full((batch_size - n_twins,), -1, dtype=torch.long), torch.arange(n_twins)])
+    drop = torch.rand(batch_size, generator=generator) < p_empty_prompt
+    drop = torch.where(twin_of >= 0, drop[twin_of.clamp(min=0)], drop)
+    prompts = ["" if d else sp.prompt for sp, d in zip(specs, drop.tolist())]
+    if return_twins:
+        return video, prompts, twin_of
+    return video, prompts

@@ -73,6 +73,11 @@ class TrainConfig:
         p_empty_prompt: probability of an empty prompt (classifier-free guidance).
         shift: time shift of the noise levels (as in `FlowMatchEulerDiscreteScheduler(shift=...)`).
         logit_normal_std: spread of the logit-normal draw of the noise level before the shift.
+        logit_normal_mean: centre of that draw; > 0 trains more at high noise, where the layout and the motion
+            of a clip (and so the direction word) are decided. The exported scheduler's shift is `shift` either way.
+        p_directional: probability that a clip moves left / right / up / down (None: motions uniform, 4 / 7).
+        twin_fraction: share of each batch in pairs of a directional clip and its time-reversed twin (the
+            twin with the opposite direction word, the same noise level and time-reversed noise; `reference_data.clip_batch`).
         checkpoint_every: steps between checkpoints (and samples).
         keep_checkpoints: checkpoints kept on disk (oldest removed first).
         sample_steps: Euler steps of the sample clips.
@@ -107,6 +112,9 @@ class TrainConfig:
     p_empty_prompt: float = 0.1
     shift: float = SCHEDULER_SHIFT
     logit_normal_std: float = 1.0
+    logit_normal_mean: float = 0.0
+    p_directional: float | None = None
+    twin_fraction: float = 0.0
     checkpoint_every: int = 500
     keep_checkpoints: int = 2
     sample_steps: int = 20
@@ -130,6 +138,10 @@ class TrainConfig:
         if not 0.0 <= self.p_default_size <= 1.0 or not 0.0 <= self.p_empty_prompt < 1.0:
             raise ValueError(f"p_default_size={self.p_default_size} must lie in [0, 1] and "
                              f"p_empty_prompt={self.p_empty_prompt} in [0, 1).")
+        if self.p_directional is not None and not 0.0 <= self.p_directional <= 1.0:
+            raise ValueError(f"p_directional={self.p_directional} must lie in [0, 1] (or be None).")
+        if not 0.0 <= self.twin_fraction <= 1.0:
+            raise ValueError(f"twin_fraction={self.twin_fraction} must lie in [0, 1].")
         self.alt_sizes = tuple(tuple(int(x) for x in s) for s in self.alt_sizes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -149,9 +161,10 @@ class TrainConfig:
             json.dump(self.to_dict(), f, indent=2)
 
 
-def sample_sigmas(n: int, shift: float, std: float, generator: torch.Generator, device) -> torch.Tensor:
-    """Noise levels in (0, 1): logit-normal draws mapped by the scheduler's time shift. float32 [n]."""
-    u = torch.sigmoid(torch.randn(n, generator=generator, device=device) * std)
+def sample_sigmas(n: int, shift: float, std: float, generator: torch.Generator, device,
+                  mean: float = 0.0) -> torch.Tensor:
+    """Noise levels in (0, 1): logit-normal draws (centre `mean`) mapped by the scheduler's time shift. float32 [n]."""
+    u = torch.sigmoid(torch.randn(n, generator=generator, device=device) * std + mean)
     return shift * u / (1.0 + (shift - 1.0) * u)
 
 
@@ -164,6 +177,21 @@ def flow_matching_loss(transformer, text_encoder, tokenizer, video: torch.Tensor
     pred = transformer(hidden_states=noisy, timestep=sigmas * 1000.0, encoder_hidden_states=emb,
                        return_dict=False)[0]
     return F.mse_loss(pred.float(), (noise - video).float())
+
+
+def pair_twins(noise: torch.Tensor, sigmas: torch.Tensor, twin_of: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Give each time-reversed twin (``twin_of[i] >= 0``) its source's noise level and its noise reversed in
+    time, so a twin's noisy clip is exactly its source's played backwards: the pair then differs only in
+    the direction word, and the model can lower the loss of both only by following that word."""
+    twins = (twin_of >= 0).nonzero().flatten()
+    if twins.numel() == 0:
+        return noise, sigmas
+    src = twin_of[twins]
+    noise, sigmas = noise.clone(), sigmas.clone()
+    twins, src = twins.to(noise.device), src.to(noise.device)
+    noise[twins] = noise[src].flip(2)
+    sigmas[twins] = sigmas[src]
+    return noise, sigmas
 
 
 def _checkpoints(output_dir: str) -> list[str]:
@@ -418,12 +446,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         data_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 101 + accelerator.process_index)
         T, H, W = _choose_size(cfg, data_gen)
         batch = _batch_for(cfg, (T, H, W))
-        video, prompts = clip_batch(batch, T, H, W, generator=data_gen, device=device,
-                                    p_empty_prompt=cfg.p_empty_prompt)
+        video, prompts, twin_of = clip_batch(batch, T, H, W, generator=data_gen, device=device,
+                                             p_empty_prompt=cfg.p_empty_prompt, p_directional=cfg.p_directional,
+                                             twin_fraction=cfg.twin_fraction, return_twins=True)
         noise_gen = torch.Generator(device=device).manual_seed(cfg.seed * 7_000_003 + step * 13
                                                                + accelerator.process_index)
         noise = torch.randn(video.shape, generator=noise_gen, device=device)
-        sigmas = sample_sigmas(batch, cfg.shift, cfg.logit_normal_std, noise_gen, device)
+        sigmas = sample_sigmas(batch, cfg.shift, cfg.logit_normal_std, noise_gen, device, cfg.logit_normal_mean)
+        noise, sigmas = pair_twins(noise, sigmas, twin_of)
         with accelerator.autocast():
             loss = flow_matching_loss(transformer, text_encoder, tokenizer, video, prompts, sigmas, noise)
         accelerator.backward(loss)
