@@ -16,6 +16,7 @@ name       architecture                      default video              token gr
 wan-1.3b   Wan2.1 T2V 1.3B: 30 x 12 x 128    81 x 480 x 832             21 x 30 x 52 = 32,760
 wan-14b    Wan2.1 T2V 14B: 40 x 40 x 128     81 x 720 x 1280            21 x 45 x 80 = 75,600
 hunyuan    HunyuanVideo: 20+40 x 24 x 128    129 x 720 x 1280           33 x 45 x 80 = 118,800
+cogvideox  CogVideoX-5B: 42 x 48 x 64         49 x 480 x 720             13 x 30 x 45 = 17,550
 =========  ================================  =========================  ======================
 
 A model whose transformer class has no videosparse processor is refused with the registry's message.
@@ -109,6 +110,17 @@ SYNTHETIC_MODELS: dict[str, SyntheticModel] = {
              rope_theta=256.0, rope_axes_dim=(16, 56, 56)),
         (129, 720, 1280), text_len=256,
         description="HunyuanVideo (24 heads x 128, 20 dual + 40 single blocks), 720P 129 frames"),
+    "cogvideox": SyntheticModel(
+        "cogvideox", "CogVideoXTransformer3DModel",
+        dict(num_attention_heads=48, attention_head_dim=64, in_channels=16, out_channels=16, flip_sin_to_cos=True,
+             freq_shift=0, time_embed_dim=512, text_embed_dim=4096, num_layers=42, dropout=0.0,
+             attention_bias=True, sample_width=90, sample_height=60, sample_frames=49, patch_size=2,
+             temporal_compression_ratio=4, max_text_seq_length=226, activation_fn="gelu-approximate",
+             timestep_activation_fn="silu", norm_elementwise_affine=True, norm_eps=1e-5,
+             spatial_interpolation_scale=1.875, temporal_interpolation_scale=1.0,
+             use_rotary_positional_embeddings=True, use_learned_positional_embeddings=False),
+        (49, 480, 720), text_len=226,
+        description="CogVideoX-5B (48 heads x 64, 42 layers, text before video), 480x720 49 frames"),
 }
 
 
@@ -280,7 +292,22 @@ def make_inputs(setup: SyntheticSetup, device: torch.device, dtype: torch.dtype,
         inputs.update(encoder_attention_mask=torch.ones(1, m.text_len, device=device, dtype=torch.bool),
                       pooled_projections=randn(1, int(m.config["pooled_projection_dim"])),
                       guidance=torch.tensor([6000.0], device=device, dtype=torch.float32))
+    if m.transformer_cls == "CogVideoXTransformer3DModel":
+        inputs["hidden_states"] = inputs["hidden_states"].transpose(1, 2)       # (B, F, C, H, W)
+        inputs["image_rotary_emb"] = _cogvideox_rotary_emb(setup, device)
     return inputs
+
+
+def _cogvideox_rotary_emb(setup: SyntheticSetup, device: torch.device):
+    """The video RoPE (cos, sin) that `CogVideoXPipeline` passes to its transformer (CogVideoX 1.0 form)."""
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+    from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
+
+    cfg = setup.config
+    T, H, W = setup.grid
+    p = int(cfg["patch_size"])
+    crops = get_resize_crop_region_for_grid((H, W), cfg["sample_width"] // p, cfg["sample_height"] // p)
+    return get_3d_rotary_pos_embed(int(cfg["attention_head_dim"]), crops, (H, W), T, device=device)
 
 
 @dataclass

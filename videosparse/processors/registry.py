@@ -38,7 +38,7 @@ def register_model(transformer_cls: type, spec_factory: Callable[[], ModelSpec])
 
 
 def _register_builtin_models() -> None:
-    from diffusers import HunyuanVideoTransformer3DModel, WanTransformer3DModel
+    from diffusers import CogVideoXTransformer3DModel, HunyuanVideoTransformer3DModel, WanTransformer3DModel
 
     def wan_spec() -> ModelSpec:
         from .wan import WanSparseAttnProcessor, wan_grid
@@ -56,6 +56,14 @@ def _register_builtin_models() -> None:
                          hunyuan_grid, text_position="after")
 
     register_model(HunyuanVideoTransformer3DModel, hunyuan_spec)
+
+    def cogvideox_spec() -> ModelSpec:
+        from .cogvideox import CogVideoXSparseAttnProcessor, cogvideox_grid
+
+        return ModelSpec(CogVideoXSparseAttnProcessor, lambda name, m: name.endswith("attn1"), cogvideox_grid,
+                         text_position="before")
+
+    register_model(CogVideoXTransformer3DModel, cogvideox_spec)
 
 
 def model_spec(transformer: torch.nn.Module) -> ModelSpec:

@@ -1,0 +1,64 @@
+"""CogVideoX 1.0 / 1.5 (`CogVideoXTransformer3DModel`): sparse self-attention processor and model facts.
+
+Every block's `attn1` attends over the joint sequence [text; video] (the text, 226 tokens for the
+published checkpoints, comes first); RoPE, when the model uses it, covers the video part only.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
+from diffusers.models.embeddings import apply_rotary_emb
+
+from .base import SparseAttentionMixin
+
+
+class CogVideoXSparseAttnProcessor(SparseAttentionMixin, CogVideoXAttnProcessor2_0):
+    """`CogVideoXAttnProcessor2_0` whose joint self-attention runs through videosparse.
+
+    Projections, qk-norm and RoPE are diffusers' own; only the attention call changes. A call with an
+    attention mask (the model itself never passes one) goes to the stock processor.
+    """
+
+    def __init__(self, session, layer: int, original=None) -> None:
+        CogVideoXAttnProcessor2_0.__init__(self)
+        self._init_sparse(session, layer, original)
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states, attention_mask=None, image_rotary_emb=None):
+        if attention_mask is not None:
+            self._record_stock_call("an attention mask was given")
+            return CogVideoXAttnProcessor2_0.__call__(self, attn, hidden_states, encoder_hidden_states,
+                                                      attention_mask, image_rotary_emb)
+        text_len = encoder_hidden_states.size(1)
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        query = attn.to_q(hidden_states).unflatten(2, (attn.heads, -1))      # [B, S, H, D]
+        key = attn.to_k(hidden_states).unflatten(2, (attn.heads, -1))
+        value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        if image_rotary_emb is not None:
+            query = torch.cat([query[:, :text_len],
+                               apply_rotary_emb(query[:, text_len:], image_rotary_emb, sequence_dim=1)], dim=1)
+            if not attn.is_cross_attention:
+                key = torch.cat([key[:, :text_len],
+                                 apply_rotary_emb(key[:, text_len:], image_rotary_emb, sequence_dim=1)], dim=1)
+        hidden_states = self.attend(query, key, value).flatten(2, 3).type_as(query)
+        hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = attn.to_out[1](hidden_states)
+        encoder_hidden_states, hidden_states = hidden_states.split(
+            [text_len, hidden_states.size(1) - text_len], dim=1)
+        return hidden_states, encoder_hidden_states
+
+
+def cogvideox_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
+    """Video grid after patching from hidden_states (B, F, C, H, W), and the text length (text first).
+
+    CogVideoX 1.5 patches time too (`patch_size_t`); its pipeline pads the latent frames to a multiple.
+    """
+    hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    text = kwargs["encoder_hidden_states"] if "encoder_hidden_states" in kwargs else args[1]
+    _, F, _, H, W = hidden_states.shape
+    p, pt = module.config.patch_size, module.config.patch_size_t or 1
+    return (F // pt, H // p, W // p), text.shape[1]
