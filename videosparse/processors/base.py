@@ -63,6 +63,8 @@ class SparseAttentionMixin:
         unsupported = None
         if ctx.grid is None:
             unsupported = "no video grid recorded (was the transformer called through its forward?)"
+        elif ctx.unsupported is not None:
+            unsupported = ctx.unsupported
         elif attention_mask is not None:
             unsupported = "an attention mask was given"
         elif getattr(self, "_parallel_config", None) is not None:

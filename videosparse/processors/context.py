@@ -74,6 +74,7 @@ class CallContext:
     num_steps: int | None = None
     branch: str = "default"
     sparse_step: bool = True     # False inside the config's dense steps
+    unsupported: str | None = None   # why this forward cannot run sparse (from the model's grid_fn)
 
 
 @dataclass
@@ -192,7 +193,8 @@ class SparseContextHook(ModelHook):
 
     Args:
         session: the `SparseSession` to update.
-        grid_fn: (module, args, kwargs) -> ((T, H, W), text_len) for this model family.
+        grid_fn: (module, args, kwargs) -> ((T, H, W), text_len) for this model family, or
+            ((T, H, W), text_len, reason) where a non-None reason makes the whole forward dense.
     """
 
     _is_stateful = True
@@ -215,7 +217,9 @@ class SparseContextHook(ModelHook):
         the forward); the processors then read only plain flags, so steps do not recompile.
         """
         session, ctx = self.session, self.session.context
-        ctx.grid, ctx.text_len = self.grid_fn(module, args, kwargs)
+        found = self.grid_fn(module, args, kwargs)
+        ctx.grid, ctx.text_len = found[0], found[1]
+        ctx.unsupported = found[2] if len(found) > 2 else None
         cache_ctx = getattr(self.state_manager, "_context", None)
         ctx.branch = cache_ctx.name if cache_ctx is not None else "default"
         ctx.step, ctx.num_steps = self._step(cache_ctx, args, kwargs)

@@ -20,10 +20,6 @@ from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideo
 
 from .base import SparseAttentionMixin
 
-# Attribute of the `SparseSession` where `hunyuan_grid` leaves why the current forward cannot run sparse.
-_MASK_PROBLEM_ATTR = "hunyuan_mask_problem"
-
-
 class HunyuanVideoSparseAttnProcessor(SparseAttentionMixin, HunyuanVideoAttnProcessor2_0):
     """`HunyuanVideoAttnProcessor2_0` whose joint self-attention runs through videosparse.
 
@@ -40,7 +36,7 @@ class HunyuanVideoSparseAttnProcessor(SparseAttentionMixin, HunyuanVideoAttnProc
         stock = (attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         if encoder_hidden_states is None:
             return HunyuanVideoAttnProcessor2_0.__call__(self, *stock)
-        problem = getattr(self.session, _MASK_PROBLEM_ATTR, None)
+        problem = self.session.context.unsupported
         if problem is not None:
             self._record_stock_call(problem)
             return HunyuanVideoAttnProcessor2_0.__call__(self, *stock)
@@ -94,15 +90,14 @@ def _arg(args, kwargs, name: str, index: int):
     return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
 
 
-def hunyuan_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
-    """Video grid after patching and the number of valid text tokens of this forward.
+def hunyuan_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | None]:
+    """Video grid after patching, the number of valid text tokens of this forward, and why it must run
+    stock (None when it can run sparse).
 
     The valid text length is `encoder_attention_mask.sum(1)` (diffusers' own definition of the valid
     prefix); it syncs the host once per forward. When it differs across the batch, the full text
-    length is returned and the forward is marked to run the stock processor.
+    length is returned with the reason, and the forward runs the stock processor.
     """
-    from . import SESSION_ATTR
-
     hidden_states = _arg(args, kwargs, "hidden_states", 0)
     text = _arg(args, kwargs, "encoder_hidden_states", 2)
     mask = _arg(args, kwargs, "encoder_attention_mask", 3)
@@ -117,7 +112,4 @@ def hunyuan_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
         else:
             problem = (f"the valid text lengths of encoder_attention_mask differ across the batch ({lengths}); "
                        "sparse attention needs one length per forward (batch prompts of equal token count)")
-    session = getattr(module, SESSION_ATTR, None)
-    if session is not None:
-        setattr(session, _MASK_PROBLEM_ATTR, problem)
-    return grid, text_len
+    return grid, text_len, problem

@@ -19,7 +19,7 @@ class ModelSpec:
     Attributes:
         processor_cls: the sparse processor class (a subclass of the stock processor).
         is_self_attention: (module name, attention module) -> True for the layers to sparsify.
-        grid_fn: (transformer, forward args, kwargs) -> ((T, H, W), text_len).
+        grid_fn: (transformer, forward args, kwargs) -> ((T, H, W), text_len[, reason the forward must run dense]).
         text_position: where joint-attention text sits ("before"/"after"), None without joint text.
     """
 
