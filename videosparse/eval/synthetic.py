@@ -56,6 +56,8 @@ class SyntheticModel:
         latent_channels: VAE latent channels.
         vae_scale: (temporal, spatial) VAE compression: latent frames = (frames - 1) // t + 1.
         text_len, text_dim: text-encoder sequence length and width fed to the transformer.
+        joint_text: the text tokens join the video tokens in self-attention (HunyuanVideo, CogVideoX),
+            so attention runs over video + text tokens; otherwise they enter by cross-attention (Wan).
         description: one line for reports.
     """
 
@@ -67,6 +69,7 @@ class SyntheticModel:
     vae_scale: tuple[int, int] = (4, 8)
     text_len: int = 512
     text_dim: int = 4096
+    joint_text: bool = False
     description: str = ""
 
     @property
@@ -108,7 +111,7 @@ SYNTHETIC_MODELS: dict[str, SyntheticModel] = {
              num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1,
              qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768,
              rope_theta=256.0, rope_axes_dim=(16, 56, 56)),
-        (129, 720, 1280), text_len=256,
+        (129, 720, 1280), text_len=256, joint_text=True,
         description="HunyuanVideo (24 heads x 128, 20 dual + 40 single blocks), 720P 129 frames"),
     "cogvideox": SyntheticModel(
         "cogvideox", "CogVideoXTransformer3DModel",
@@ -119,7 +122,7 @@ SYNTHETIC_MODELS: dict[str, SyntheticModel] = {
              timestep_activation_fn="silu", norm_elementwise_affine=True, norm_eps=1e-5,
              spatial_interpolation_scale=1.875, temporal_interpolation_scale=1.0,
              use_rotary_positional_embeddings=True, use_learned_positional_embeddings=False),
-        (49, 480, 720), text_len=226,
+        (49, 480, 720), text_len=226, joint_text=True,
         description="CogVideoX-5B (48 heads x 64, 42 layers, text before video), 480x720 49 frames"),
 }
 
@@ -160,6 +163,11 @@ class SyntheticSetup:
         return math.prod(self.grid)
 
     @property
+    def attention_tokens(self) -> int:
+        """Tokens of one self-attention call: video, plus the text for joint-attention models."""
+        return self.tokens + (self.model.text_len if self.model.joint_text else 0)
+
+    @property
     def num_layers(self) -> int:
         cfg = self.config
         return int(cfg.get("num_layers", 0)) + int(cfg.get("num_single_layers", 0))
@@ -167,7 +175,8 @@ class SyntheticSetup:
     def describe(self) -> dict[str, Any]:
         return {"video": list(self.video), "latent": list(self.latent), "grid": list(self.grid),
                 "tokens": self.tokens, "heads": self.model.heads, "head_dim": self.model.head_dim,
-                "layers": self.num_layers, "text_tokens": self.model.text_len}
+                "layers": self.num_layers, "text_tokens": self.model.text_len,
+                "attention_tokens": self.attention_tokens}
 
 
 def synthetic_setup(name: str, frames: int | None = None, height: int | None = None, width: int | None = None,
@@ -207,7 +216,7 @@ def count_parameters(setup: SyntheticSetup) -> int:
 
 def estimate_flops(setup: SyntheticSetup, params: int) -> dict[str, float]:
     """Rough FLOPs of one forward: 4*S^2*D*H per self-attention layer, 2*S*params for the matmuls."""
-    S, H, D = setup.tokens, setup.model.heads, setup.model.head_dim
+    S, H, D = setup.attention_tokens, setup.model.heads, setup.model.head_dim
     attention = 4.0 * S * S * D * H * setup.num_layers
     linear = 2.0 * S * params
     return {"attention": attention, "linear": linear, "total": attention + linear}
@@ -340,7 +349,7 @@ def _dense_attention_seconds(setup: SyntheticSetup, device: torch.device, dtype:
     Under torch.compile the processors cannot be timed from inside the graph; SDPA is the same
     kernel compiled or not, so this gives the dense attention share of a compiled forward.
     """
-    shape = (1, setup.model.heads, setup.tokens, setup.model.head_dim)
+    shape = (1, setup.model.heads, setup.attention_tokens, setup.model.head_dim)
     q, k, v = (torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
     F = torch.nn.functional.scaled_dot_product_attention
     F(q, k, v)
