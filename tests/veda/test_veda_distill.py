@@ -58,6 +58,29 @@ def test_capture_samples_hold_features_and_teacher(cache):
     assert (cache / "p00000.done").exists() and (cache / "p00001.done").exists()
 
 
+def test_capture_resumes_only_matching_prompts(tmp_path, cache):
+    """A done prompt is reused only when its prompt text, settings and tiles are the ones asked for now."""
+    from videosparse.distill.capture import capture_to_cache
+
+    out = with_cache(tmp_path / "run", cache)
+    cfg = make_cfg(out)
+    before = {p.name: p.stat().st_mtime_ns for p in (out / "cache").glob("p*_s*.safetensors")}
+    capture_to_cache(cfg.capture_config(), out / "cache", lambda layer, heads: cfg.tiling, block=cfg.block)
+    after = {p.name: p.stat().st_mtime_ns for p in (out / "cache").glob("p*_s*.safetensors")}
+    assert after == before                                  # same settings: nothing recaptured
+    changed = make_cfg(out, prompts=[PROMPTS[0], "a blue square moving up on a dark background"])
+    files, _ = capture_to_cache(changed.capture_config(), out / "cache", lambda layer, heads: cfg.tiling,
+                                block=cfg.block)
+    from safetensors import safe_open
+
+    kept = {p.name: p.stat().st_mtime_ns for p in (out / "cache").glob("p00000_*.safetensors")}
+    assert all(before[n] == t for n, t in kept.items())     # prompt 0 unchanged: reused
+    for f in files:
+        if f.name.startswith("p00001"):
+            with safe_open(str(f), "pt") as h:
+                assert "blue square" in h.metadata()["prompt"]   # prompt 1 changed: recaptured
+
+
 def test_short_distillation_lowers_kl_and_writes_a_loadable_estimator(tmp_path, cache):
     out = with_cache(tmp_path / "run", cache)
     res = run_distillation(make_cfg(out, max_steps=24, log_every=4, checkpoint_every=8))

@@ -163,12 +163,30 @@ def _atomic_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+def _capture_key(cfg: CaptureConfig, prompt: str, block: int, tiles_for_layer: TilesFn, num_layers: int,
+                 num_heads: int) -> dict:
+    """Everything a prompt's captured samples depend on; stored in its done-marker (JSON-comparable)."""
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("prompts", "device")}
+    tiles = [tiles_for_layer(layer, num_heads) for layer in range(num_layers)]
+    return json.loads(json.dumps({"prompt": prompt, "settings": settings, "block": block, "tiles": tiles}))
+
+
+def _marker_matches(cache: Path, index: int, key: dict) -> bool:
+    """True when prompt `index` was captured with exactly `key` (an empty or older marker does not match)."""
+    marker = cache / f"p{index:05d}.done"
+    try:
+        return json.loads(marker.read_text()) == key
+    except (OSError, ValueError):
+        return False
+
+
 def capture_to_cache(cfg: CaptureConfig, cache_dir: str | os.PathLike, tiles_for_layer: TilesFn, *, block: int,
                      accelerator=None, teacher_backend: str = "auto", heat_dtype: torch.dtype = torch.float32,
                      ) -> tuple[list[Path], ModelInfo]:
     """Run the dense pipeline on every prompt and write the samples into `cache_dir`.
 
-    Prompts already marked done are skipped (resume); with an `accelerate.Accelerator` the prompts
+    Prompts already marked done with the same prompt text, settings, block and tile shapes are skipped
+    (resume); a marker from other settings is recaptured. With an `accelerate.Accelerator` the prompts
     are split between processes.
 
     Returns:
@@ -179,8 +197,11 @@ def capture_to_cache(cfg: CaptureConfig, cache_dir: str | os.PathLike, tiles_for
     prompts = read_prompts(cfg.prompts)
     if accelerator is not None:
         accelerator.wait_for_everyone()             # every process sees the same done-markers
-    todo = [i for i in range(len(prompts)) if not (cache / f"p{i:05d}.done").exists()]
     info_path = cache / MODEL_INFO_FILE
+    known = json.loads(info_path.read_text()) if info_path.exists() else None
+    todo = [i for i in range(len(prompts))
+            if known is None or not _marker_matches(cache, i, _capture_key(
+                cfg, prompts[i], block, tiles_for_layer, known["num_layers"], known["num_heads"]))]
     mine = todo
     if accelerator is not None and accelerator.num_processes > 1:
         with accelerator.split_between_processes(todo) as part:
@@ -198,6 +219,8 @@ def capture_to_cache(cfg: CaptureConfig, cache_dir: str | os.PathLike, tiles_for
 
         num_steps = int(call_kwargs["num_inference_steps"])
         for i in mine:
+            for stale in cache.glob(f"p{i:05d}_s*.safetensors"):   # an earlier capture with other settings
+                stale.unlink()
             steps = sample_steps(num_steps, cfg.steps_per_prompt, cfg.seed, i)
             cap = TileFeatureCapture(tiles_for_layer, block, steps=steps, branches=cfg.branches,
                                      teacher_backend=teacher_backend, heat_dtype=heat_dtype)
@@ -214,7 +237,8 @@ def capture_to_cache(cfg: CaptureConfig, cache_dir: str | os.PathLike, tiles_for
                 meta = {"prompt_index": i, "prompt": prompts[i], "step": step, "branch": branch,
                         "grid": list(cap.grids[(step, branch)]), "block": block}
                 write_sample(cache / f"p{i:05d}_s{step:04d}_{branch}.safetensors", layers, meta)
-            (cache / f"p{i:05d}.done").touch()
+            key = _capture_key(cfg, prompts[i], block, tiles_for_layer, info.num_layers, info.num_heads)
+            _atomic_json(cache / f"p{i:05d}.done", key)
             logger.info("captured prompt %d/%d (%d samples)", i + 1, len(prompts), len(cap.samples))
         del pipe, transformer
     if accelerator is not None:
