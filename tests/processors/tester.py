@@ -45,6 +45,14 @@ class ProcessorTesterMixin:
         s = sessions(tr)["transformer"].stats()
         assert s["sparse_calls"] > 0 and s["dense_calls"] == 0 and s["density"] == 1.0
 
+    def test_density_one_max_abs(self):
+        """Dense-equivalent sparse (density 1.0) matches the stock output to 1e-5 absolute."""
+        tr = self.make_transformer()
+        inputs = self.make_inputs(tr)
+        ref = self.run(tr, inputs)
+        videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=self.tiling, block=self.block))
+        assert (self.run(tr, inputs) - ref).abs().max() <= 1e-5
+
     def test_sparse_changes_output_and_reports_density(self):
         tr = self.make_transformer()
         inputs = self.make_inputs(tr)

@@ -20,6 +20,19 @@ from .context import AttentionRecord, LayerStats, SparseSession
 logger = logging.getLogger("videosparse")
 
 
+def project_heads(x: torch.Tensor, heads: int, to_q, to_k, to_v, norm_q=None, norm_k=None):
+    """q, k, v [B, S, H, D] from x [B, S, C]: three linear projections split into `heads`, with the
+    optional per-head q/k norms applied (the shape diffusers' joint-attention processors use)."""
+    query = to_q(x).unflatten(2, (heads, -1))
+    key = to_k(x).unflatten(2, (heads, -1))
+    value = to_v(x).unflatten(2, (heads, -1))
+    if norm_q is not None:
+        query = norm_q(query)
+    if norm_k is not None:
+        key = norm_k(key)
+    return query, key, value
+
+
 class SparseAttentionMixin:
     """Mixed into a model's stock processor class; one instance per self-attention layer.
 

@@ -10,7 +10,7 @@ import torch
 from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
 from diffusers.models.embeddings import apply_rotary_emb
 
-from .base import SparseAttentionMixin
+from .base import SparseAttentionMixin, project_heads
 
 
 class CogVideoXSparseAttnProcessor(SparseAttentionMixin, CogVideoXAttnProcessor2_0):
@@ -31,13 +31,8 @@ class CogVideoXSparseAttnProcessor(SparseAttentionMixin, CogVideoXAttnProcessor2
                                                       attention_mask, image_rotary_emb)
         text_len = encoder_hidden_states.size(1)
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-        query = attn.to_q(hidden_states).unflatten(2, (attn.heads, -1))      # [B, S, H, D]
-        key = attn.to_k(hidden_states).unflatten(2, (attn.heads, -1))
-        value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
+        query, key, value = project_heads(hidden_states, attn.heads, attn.to_q, attn.to_k, attn.to_v,
+                                          attn.norm_q, attn.norm_k)            # [B, S, H, D]
         if image_rotary_emb is not None:
             query = torch.cat([query[:, :text_len],
                                apply_rotary_emb(query[:, text_len:], image_rotary_emb, sequence_dim=1)], dim=1)

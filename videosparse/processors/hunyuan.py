@@ -18,7 +18,7 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
 
-from .base import SparseAttentionMixin
+from .base import SparseAttentionMixin, project_heads
 
 class HunyuanVideoSparseAttnProcessor(SparseAttentionMixin, HunyuanVideoAttnProcessor2_0):
     """`HunyuanVideoAttnProcessor2_0` whose joint self-attention runs through videosparse.
@@ -44,13 +44,8 @@ class HunyuanVideoSparseAttnProcessor(SparseAttentionMixin, HunyuanVideoAttnProc
         joint = attn.add_q_proj is None          # single-stream block: text goes through to_q/to_k/to_v too
         if joint:
             hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
-        query = attn.to_q(hidden_states).unflatten(2, (attn.heads, -1))
-        key = attn.to_k(hidden_states).unflatten(2, (attn.heads, -1))
-        value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
+        query, key, value = project_heads(hidden_states, attn.heads, attn.to_q, attn.to_k, attn.to_v,
+                                          attn.norm_q, attn.norm_k)
         if image_rotary_emb is not None:
             if joint:
                 query = torch.cat([apply_rotary_emb(query[:, :-text_len], image_rotary_emb, sequence_dim=1),
@@ -61,13 +56,9 @@ class HunyuanVideoSparseAttnProcessor(SparseAttentionMixin, HunyuanVideoAttnProc
                 query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
                 key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
         if not joint:
-            enc_query = attn.add_q_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-            enc_key = attn.add_k_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-            enc_value = attn.add_v_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-            if attn.norm_added_q is not None:
-                enc_query = attn.norm_added_q(enc_query)
-            if attn.norm_added_k is not None:
-                enc_key = attn.norm_added_k(enc_key)
+            enc_query, enc_key, enc_value = project_heads(encoder_hidden_states, attn.heads, attn.add_q_proj,
+                                                          attn.add_k_proj, attn.add_v_proj, attn.norm_added_q,
+                                                          attn.norm_added_k)
             query = torch.cat([query, enc_query], dim=1)
             key = torch.cat([key, enc_key], dim=1)
             value = torch.cat([value, enc_value], dim=1)
