@@ -282,15 +282,19 @@ def bench_variants(results, args, deadline):
                 "stages1": lambda: hopper_attention(q, k, v, plan, D ** -0.5, num_stages=1),
                 "generic": lambda: generic_attention(q, k, v, plan, D ** -0.5),
             }
+            base = None     # the default variant's output (checked against the reference above)
             for vname, fn in variants.items():
                 if time.time() > deadline:
                     results["errors"].append("deadline: variants cut short")
                     return
                 try:
-                    fn()
+                    out = fn().float()
+                    base = out if base is None else base
+                    diff = float((out - base).norm() / base.norm()) if torch.isfinite(out).all() else float("nan")
                     ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
                     rec = dict(S=S, D=D, H=H, target_density=target, density=dens, variant=vname, ms=ms,
-                               tflops=flops * dens / (ms * 1e-3) / 1e12)
+                               tflops=flops * dens / (ms * 1e-3) / 1e12, rel_diff_vs_default=diff,
+                               ok=bool(diff < 1e-2))
                 except Exception as e:
                     rec = dict(S=S, D=D, target_density=target, variant=vname, error=f"{type(e).__name__}: {str(e)[:300]}")
                 log("variant", rec)
