@@ -113,16 +113,21 @@ def run_evaluate(args: argparse.Namespace) -> int:
         print(f"{label:<36} {_f(s['realised_density'])} {_f(s['psnr_db'], 8, 2)} {_f(s['ssim'], 7, 4)} "
               f"{_f(s['attn_rel_l2'], 9, 4)} {_f(s['tile_recall'], 7)} {_f(s['speedup_transformer'], 7, 2)}x "
               f"{_f(s['amdahl_bound'], 6, 2)}x")
-    for note in report.get("notes", []):
-        print(f"note: {note}")
-    print(f"report: {args.out}/report.md, {args.out}/report.json")
-    return 0
+    return _print_notes(report, args.out)
 
 
 def _f(value, width: int = 8, digits: int = 3) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–".rjust(width)
     return f"{value:>{width}.{digits}f}"
+
+
+def _print_notes(report: dict, out: str) -> int:
+    """Print the report's notes and where it was written; the command's exit code (0)."""
+    for note in report.get("notes", []):
+        print(f"note: {note}")
+    print(f"report: {out}/report.md, {out}/report.json")
+    return 0
 
 
 def _run_synthetic(args: argparse.Namespace) -> int:
@@ -144,7 +149,4 @@ def _run_synthetic(args: argparse.Namespace) -> int:
             print(f"  {label:<28} density {_f(r['realised_density'], 6)}  forward {r['forward_s']:.3f} s  "
                   f"attention {_f(r['attention_s'], 3)} s (plan {_f(r['plan_s'], 3)})  speedup {r['speedup']:.2f}x  "
                   f"Amdahl bound {r['amdahl_bound']:.2f}x  sparse/dense calls {r['sparse_calls']}/{r['dense_calls']}")
-    for note in report.get("notes", []):
-        print(f"note: {note}")
-    print(f"report: {args.out}/report.md, {args.out}/report.json")
-    return 0
+    return _print_notes(report, args.out)

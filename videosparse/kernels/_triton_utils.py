@@ -61,6 +61,15 @@ def correction_inputs(plan: Plan, num_key_tiles: int, chunk: int, dtype: torch.d
     return k_mean, v_mean, bias[:, :ncp].contiguous()
 
 
+def launch_dims(q: torch.Tensor, k: torch.Tensor, plan: Plan):
+    """(B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order): the shapes and flat plan tensors both kernels launch with."""
+    B, H, S, D = q.shape
+    Sk = k.shape[2]
+    Mq, Nk = math.ceil(S / plan.block_m), math.ceil(Sk / plan.block_n)
+    kv_index, kv_count = flat_plan(plan)
+    return B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, work_order(kv_count)
+
+
 def flat_plan(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     """(kv_index [B*H*Mq, Kmax], kv_count [B*H*Mq]) as contiguous int32."""
     B, H, Mq, kmax = plan.kv_index.shape

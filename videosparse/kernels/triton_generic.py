@@ -16,15 +16,14 @@ Per item, in one online softmax (exp2 domain):
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 from ..plan import Plan
-from ._triton_utils import (LOG2E, NEG_BIG, correction_inputs, finish_rows, flat_plan, interpreter_active,
-                            softmax_step, work_order)
+from ._triton_utils import (LOG2E, NEG_BIG, correction_inputs, finish_rows, launch_dims, interpreter_active,
+                            softmax_step)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BLOCKS = (16, 32, 64, 128)
@@ -136,12 +135,8 @@ def generic_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = Fals
     Returns:
         out [B, H, S, D] contiguous in q's dtype (and lse).
     """
-    B, H, S, D = q.shape
-    Sk = k.shape[2]
+    B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = launch_dims(q, k, plan)
     bm, bn = plan.block_m, plan.block_n
-    Mq, Nk = math.ceil(S / bm), math.ceil(Sk / bn)
-    kv_index, kv_count = flat_plan(plan)
-    order = work_order(kv_count)
     out = torch.empty(B, H, S, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if return_lse else out
     if plan.has_correction:

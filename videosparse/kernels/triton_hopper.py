@@ -29,15 +29,13 @@ sm_90 compiler in Triton 3.6. num_warps must stay 4 (8 silently disables warp sp
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 from ..plan import Plan
-from ._triton_utils import (LOG2E, NEG_BIG, correction_inputs, finish_rows, flat_plan, merge_partial, softmax_step,
-                            work_order)
+from ._triton_utils import (LOG2E, NEG_BIG, correction_inputs, finish_rows, launch_dims, merge_partial, softmax_step)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BLOCKS = (64, 128)
@@ -175,12 +173,8 @@ def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False
     Returns:
         out [B, H, S, D] in q's dtype (and lse).
     """
-    B, H, S, D = q.shape
-    Sk = k.shape[2]
+    B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = launch_dims(q, k, plan)
     bm, bn = plan.block_m, plan.block_n
-    Mq, Nk = math.ceil(S / bm), math.ceil(Sk / bn)
-    kv_index, kv_count = flat_plan(plan)
-    order = work_order(kv_count)
     n_items = order.numel()
     out = torch.empty_like(q)
     corr = plan.has_correction

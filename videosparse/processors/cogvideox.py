@@ -11,6 +11,7 @@ from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
 from diffusers.models.embeddings import apply_rotary_emb
 
 from .base import SparseAttentionMixin, project_heads
+from .context import forward_arg
 
 
 class CogVideoXSparseAttnProcessor(SparseAttentionMixin, CogVideoXAttnProcessor2_0):
@@ -52,8 +53,8 @@ def cogvideox_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
 
     CogVideoX 1.5 patches time too (`patch_size_t`); its pipeline pads the latent frames to a multiple.
     """
-    hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    text = kwargs["encoder_hidden_states"] if "encoder_hidden_states" in kwargs else args[1]
+    hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
+    text = forward_arg(args, kwargs, "encoder_hidden_states", 1)
     _, F, _, H, W = hidden_states.shape
     p, pt = module.config.patch_size, module.config.patch_size_t or 1
     return (F // pt, H // p, W // p), text.shape[1]

@@ -188,6 +188,11 @@ class _BranchState(BaseState):
         self.calls = 0
 
 
+def forward_arg(args: tuple, kwargs: dict, name: str, index: int):
+    """Argument `name` of a transformer forward, given by keyword or at position `index` (None if absent)."""
+    return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
+
+
 class SparseContextHook(ModelHook):
     """Records grid, step index and branch of every transformer forward into the session.
 
@@ -224,7 +229,7 @@ class SparseContextHook(ModelHook):
         ctx.branch = cache_ctx.name if cache_ctx is not None else "default"
         ctx.step, ctx.num_steps = self._step(cache_ctx, args, kwargs)
         ctx.sparse_step = ctx.step is None or ctx.step >= session.config.dense_step_count(ctx.num_steps)
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        hidden = forward_arg(args, kwargs, "hidden_states", 0)
         session.prepare(ctx.grid, ctx.text_len, hidden.device, hidden.dtype)
         session.calls += 1
 

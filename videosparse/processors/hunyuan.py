@@ -19,6 +19,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
 
 from .base import SparseAttentionMixin, project_heads
+from .context import forward_arg
 
 class HunyuanVideoSparseAttnProcessor(SparseAttentionMixin, HunyuanVideoAttnProcessor2_0):
     """`HunyuanVideoAttnProcessor2_0` whose joint self-attention runs through videosparse.
@@ -77,10 +78,6 @@ class HunyuanVideoSparseAttnProcessor(SparseAttentionMixin, HunyuanVideoAttnProc
         return hidden_states, encoder_hidden_states
 
 
-def _arg(args, kwargs, name: str, index: int):
-    return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
-
-
 def hunyuan_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | None]:
     """Video grid after patching, the number of valid text tokens of this forward, and why it must run
     stock (None when it can run sparse).
@@ -89,9 +86,9 @@ def hunyuan_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str |
     prefix); it syncs the host once per forward. When it differs across the batch, the full text
     length is returned with the reason, and the forward runs the stock processor.
     """
-    hidden_states = _arg(args, kwargs, "hidden_states", 0)
-    text = _arg(args, kwargs, "encoder_hidden_states", 2)
-    mask = _arg(args, kwargs, "encoder_attention_mask", 3)
+    hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
+    text = forward_arg(args, kwargs, "encoder_hidden_states", 2)
+    mask = forward_arg(args, kwargs, "encoder_attention_mask", 3)
     _, _, F, H, W = hidden_states.shape
     p, pt = module.config.patch_size, module.config.patch_size_t
     grid = (F // pt, H // p, W // p)

@@ -6,6 +6,7 @@ import torch
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor, _get_qkv_projections
 
 from .base import SparseAttentionMixin
+from .context import forward_arg
 
 
 def _apply_rotary_emb(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
@@ -48,7 +49,7 @@ class WanSparseAttnProcessor(SparseAttentionMixin, WanAttnProcessor):
 
 def wan_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
     """Video grid after patching from the forward's hidden_states (B, C, F, H, W); Wan has no joint text."""
-    hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
     _, _, F, H, W = hidden_states.shape
     pt, ph, pw = module.config.patch_size
     return (F // pt, H // ph, W // pw), 0
