@@ -21,6 +21,8 @@ from typing import Sequence
 
 import torch
 
+from .rope import apply_interleaved_rope, rope_gather
+
 TEXT_POSITIONS = ("before", "after")
 
 
@@ -140,10 +142,19 @@ class TileLayout:
             self._device_cache[key] = (self.perm.to(device), self.inv.to(device))
         return self._device_cache[key]
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, S, H, D) in the original order -> (B, H, S, D) contiguous in tile order."""
+    def gather(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """(B, S, H, D) in the original order -> (B, H, S, D) contiguous in tile order.
+
+        rope: optional Wan rotary tables (freqs_cos, freqs_sin), [1, S, 1, D]: returns the gather of
+        `apply_interleaved_rope(x, *rope)`, fused into one pass where `rope_gather` applies.
+        """
         _check_seq(x, self.seq_len, "x")
         perm, _ = self.indices(x.device)
+        if rope is not None:
+            fused = rope_gather(x, perm, *rope)
+            if fused is not None:
+                return fused
+            x = apply_interleaved_rope(x, *rope)
         xt = x.transpose(1, 2)
         wide = _wide_view(xt)
         if wide is not None:
@@ -246,15 +257,21 @@ class HeadTiling:
             self._device_cache[key] = (perm.to(device), inv.to(device))
         return self._device_cache[key]
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, S, H, D) original order -> (B, H, S, D) contiguous, each head in its own tile order."""
+    def gather(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """(B, S, H, D) original order -> (B, H, S, D) contiguous, each head in its own tile order
+        (`rope` as in `TileLayout.gather`)."""
         if self.uniform:
-            return self.first.gather(x)
-        B, S, H, D = x.shape
+            return self.first.gather(x, rope)
         _check_seq(x, self.seq_len, "x")
-        if H != len(self.tiles):
-            raise ValueError(f"x has {H} heads but the tiling names {len(self.tiles)} tile shapes.")
+        if x.shape[2] != len(self.tiles):
+            raise ValueError(f"x has {x.shape[2]} heads but the tiling names {len(self.tiles)} tile shapes.")
         perm, _ = self.head_indices(x.device)
+        if rope is not None:
+            fused = rope_gather(x, perm, *rope)
+            if fused is not None:
+                return fused
+            x = apply_interleaved_rope(x, *rope)
+        B, S, H, D = x.shape
         xt = x.transpose(1, 2)
         wide = _wide_view(xt)
         if wide is not None:

@@ -1,8 +1,9 @@
 """The model-independent part of every sparse self-attention processor.
 
-`SparseAttentionMixin.attend(q, k, v, ...)` takes post-RoPE q, k, v in diffusers' layout
-(B, S, H, D) and returns the attention output in the same layout. It decides dense vs sparse for
-this call, and when sparse runs gather -> plan -> kernel -> scatter. The dense path always calls
+`SparseAttentionMixin.attend(q, k, v, ...)` takes q, k, v in diffusers' layout (B, S, H, D),
+post-RoPE or with Wan's rotary tables as `rope` (then the rotation is fused into the gather), and
+returns the attention output in the same layout. It decides dense vs sparse for this call, and when
+sparse runs gather -> plan -> kernel -> scatter. The dense path always calls
 diffusers' `dispatch_attention_fn` with the processor's `_attention_backend` and `_parallel_config`,
 so the user's backend choice and context parallelism keep working.
 """
@@ -15,6 +16,7 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 from ..kernels import block_sparse_attention
+from ..rope import apply_interleaved_rope
 from .context import AttentionRecord, LayerStats, SparseSession
 
 logger = logging.getLogger("videosparse")
@@ -99,9 +101,18 @@ class SparseAttentionMixin:
             parallel_config=getattr(self, "_parallel_config", None),
         )
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask=None) -> torch.Tensor:
-        """Self-attention of q, k, v [B, S, H, D] (diffusers order) -> [B, S, H, D]."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask=None,
+               rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Self-attention of q, k, v [B, S, H, D] (diffusers order) -> [B, S, H, D].
+
+        rope: Wan's rotary tables (freqs_cos, freqs_sin), still to be applied to q and k
+        (`apply_interleaved_rope`); the sparse path fuses the rotation into the tile-order gather.
+        """
         session = self.session
+        reason = self._dense_reason(q, attention_mask)
+        if rope is not None and (session.observers or reason is not None):
+            q, k = apply_interleaved_rope(q, *rope), apply_interleaved_rope(k, *rope)
+            rope = None
         if session.observers:
             ctx = session.context
             record = AttentionRecord(self.layer, q, k, v, ctx.grid, ctx.text_len, session.info.text_position,
@@ -109,13 +120,12 @@ class SparseAttentionMixin:
             for observer in session.observers:
                 observer(record)
         stats = self._stats()
-        reason = self._dense_reason(q, attention_mask)
         if reason is not None:
             stats.record_dense()
             return self._dense(q, k, v, attention_mask)
 
         layout = session.layouts[self.layer]
-        qt, kt, vt = layout.gather(q), layout.gather(k), layout.gather(v)
+        qt, kt, vt = layout.gather(q, rope), layout.gather(k, rope), layout.gather(v)
         plan = session.method.plan(qt, kt, vt, layout, self.layer)
         out = block_sparse_attention(qt, kt, vt, plan, backend=session.config.backend, validate=False)
         stats.record_sparse(plan.kv_count, layout.num_tiles)

@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import torch
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor, _get_qkv_projections
 
 from .base import SparseAttentionMixin
 from .context import forward_arg
 
 
-def _apply_rotary_emb(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
-    """Wan's interleaved RoPE on x [B, S, H, D], exactly as `WanAttnProcessor` applies it."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos = freqs_cos[..., 0::2]
-    sin = freqs_sin[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(x)
-
-
 class WanSparseAttnProcessor(SparseAttentionMixin, WanAttnProcessor):
     """`WanAttnProcessor` whose self-attention runs through videosparse.
 
-    Projections, qk-norm and RoPE are diffusers' own; only the attention call changes. Calls with
+    Projections and qk-norm are diffusers' own and RoPE is its math (`apply_interleaved_rope`); on
+    sparse calls the rotation is fused into the tile-order gather. Only the attention call changes. Calls with
     encoder states (cross-attention, image context) go to the stock processor untouched.
     """
 
@@ -38,10 +27,7 @@ class WanSparseAttnProcessor(SparseAttentionMixin, WanAttnProcessor):
         query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
         key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))
-        if rotary_emb is not None:
-            query = _apply_rotary_emb(query, *rotary_emb)
-            key = _apply_rotary_emb(key, *rotary_emb)
-        hidden_states = self.attend(query, key, value, attention_mask)
+        hidden_states = self.attend(query, key, value, attention_mask, rope=rotary_emb)
         hidden_states = hidden_states.flatten(2, 3).type_as(query)
         hidden_states = attn.to_out[0](hidden_states)
         return attn.to_out[1](hidden_states)

@@ -1,0 +1,134 @@
+"""Wan's RoPE fused with the tile-order gather: Triton kernel (interpreter) vs rope-then-gather in torch.
+
+The Triton cases run in one child process under TRITON_INTERPRET=1 (see tests/helpers.py); GPU tests
+(marked `gpu`) check a Wan 1.3B-size layer.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import interpreter_child, run_interpreter_cases
+
+# name: B, grid, tiles (one shape or one per head), H, D, x dtype, freqs dtype, x strided
+CASES = {
+    "fp32-partial-tiles": (2, (3, 5, 7), (2, 4, 4), 2, 32, "float32", "float64", False),
+    "fp16-heads-tiled": (1, (4, 6, 5), ((2, 4, 4), (4, 4, 2), (2, 4, 4)), 3, 64, "float16", "float32", False),
+    "fp32-strided-x": (2, (2, 4, 9), (2, 4, 4), 2, 16, "float32", "float32", True),
+    "bf16-d128": (1, (3, 4, 6), (2, 4, 4), 2, 128, "bfloat16", "bfloat16", False),
+}
+
+
+def _inputs(B, grid, H, D, dtype, fdtype, strided, seed):
+    g = torch.Generator().manual_seed(seed)
+    S = grid[0] * grid[1] * grid[2]
+    if strided:   # (B, H, S, D) storage viewed as (B, S, H, D): non-contiguous token and head strides
+        x = torch.randn(B, H, S, D, generator=g).to(dtype).transpose(1, 2)
+    else:
+        x = torch.randn(B, S, H, D, generator=g).to(dtype)
+    angle = torch.randn(1, S, 1, D // 2, generator=g, dtype=torch.float64) * 3
+    cos = angle.cos().repeat_interleave(2, -1).to(fdtype)    # Wan's tables repeat each frequency twice
+    sin = angle.sin().repeat_interleave(2, -1).to(fdtype)
+    return x, cos, sin
+
+
+def _layout(grid, tiles, H):
+    from videosparse.layout import head_tiling
+
+    return head_tiling(grid, tiles, H, block=32)
+
+
+def _run_case(name: str) -> dict:
+    from videosparse.rope import apply_interleaved_rope, rope_gather
+
+    B, grid, tiles, H, D, dtype, fdtype, strided = CASES[name]
+    x, cos, sin = _inputs(B, grid, H, D, getattr(torch, dtype), getattr(torch, fdtype), strided, sum(map(ord, name)))
+    layout = _layout(grid, tiles, H)
+    perm = layout.first.indices("cpu")[0] if layout.uniform else layout.head_indices("cpu")[0]
+    out = rope_gather(x, perm, cos, sin, backend="triton")
+    # reference: the stock math in fp32 (the kernel rounds once at the end), then the torch gather
+    ref = layout.gather(apply_interleaved_rope(x.float(), cos.float(), sin.float()))
+    err = float((out.float() - ref).norm() / ref.norm())
+    return {"rel_l2": err, "shape_ok": tuple(out.shape) == (B, H, x.shape[1], D),
+            "dtype_ok": out.dtype == x.dtype, "contiguous": out.is_contiguous()}
+
+
+# ---------------------------------------------------------------- parent side (pytest)
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict:
+    return run_interpreter_cases(Path(__file__).resolve(), list(CASES))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_rope_gather_triton_equals_rope_then_gather(interpreter_results, name):
+    res = interpreter_results[name]
+    assert "error" not in res, res.get("error")
+    assert res["shape_ok"] and res["dtype_ok"] and res["contiguous"]
+    tol = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}[CASES[name][5]]
+    assert res["rel_l2"] < tol, res
+
+
+def test_layout_gather_with_rope_equals_rope_then_gather_on_cpu():
+    """The torch fallback of `gather(x, rope)` (CPU) is exactly the stock rotation followed by the gather."""
+    from videosparse.rope import apply_interleaved_rope
+
+    for tiles, H in (((2, 4, 4), 2), (((2, 4, 4), (4, 4, 2)), 2)):
+        x, cos, sin = _inputs(2, (3, 5, 6), H, 16, torch.float32, torch.float64, False, 0)
+        layout = _layout((3, 5, 6), tiles, H)
+        torch.testing.assert_close(layout.gather(x, (cos, sin)), layout.gather(apply_interleaved_rope(x, cos, sin)),
+                                   rtol=0, atol=0)
+
+
+def test_apply_interleaved_rope_rotates_pairs():
+    """Pair (x0, x1) by angle a -> (x0 cos a - x1 sin a, x0 sin a + x1 cos a); norms are kept."""
+    from videosparse.rope import apply_interleaved_rope
+
+    x, cos, sin = _inputs(1, (2, 2, 2), 3, 8, torch.float64, torch.float64, False, 1)
+    out = apply_interleaved_rope(x, cos, sin)
+    c, s = cos[..., 0::2], sin[..., 0::2]
+    torch.testing.assert_close(out[..., 0::2], x[..., 0::2] * c - x[..., 1::2] * s)
+    torch.testing.assert_close(out[..., 1::2], x[..., 0::2] * s + x[..., 1::2] * c)
+    torch.testing.assert_close(out.unflatten(-1, (-1, 2)).norm(dim=-1), x.unflatten(-1, (-1, 2)).norm(dim=-1))
+
+
+def test_rope_gather_dispatch_and_errors():
+    from videosparse.rope import rope_gather
+
+    x, cos, sin = _inputs(1, (2, 2, 2), 2, 8, torch.float32, torch.float32, False, 2)
+    perm = torch.arange(8)
+    assert rope_gather(x, perm, cos, sin) is None              # auto on CPU: the caller's torch path
+    assert rope_gather(x, perm, cos, sin, backend="torch") is None
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        rope_gather(x, perm, cos, sin, backend="cuda")
+    x6, cos6, sin6 = _inputs(1, (2, 2, 2), 2, 6, torch.float32, torch.float32, False, 2)
+    with pytest.raises(ValueError, match="head dim 6"):
+        rope_gather(x6, perm, cos6, sin6, backend="triton")
+    with pytest.raises(ValueError, match=r"freqs_cos has shape \(1, 4, 1, 8\)"):
+        rope_gather(x, perm, cos[:, :4], sin, backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_rope_gather_at_wan_size(dtype):
+    from videosparse.layout import TileLayout
+    from videosparse.rope import apply_interleaved_rope
+
+    grid, H, D = (21, 30, 52), 12, 128
+    S = grid[0] * grid[1] * grid[2]
+    g = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(1, S, H * D, device="cuda", generator=g, dtype=dtype).unflatten(2, (H, D))
+    angle = torch.rand(1, S, 1, D // 2, device="cuda", generator=g, dtype=torch.float64) * 50
+    cos, sin = angle.cos().repeat_interleave(2, -1), angle.sin().repeat_interleave(2, -1)
+    layout = TileLayout(grid, (4, 4, 8))
+    out = layout.gather(x, (cos, sin))
+    ref = layout.gather(apply_interleaved_rope(x.double(), cos, sin))
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert out.dtype == dtype and err < (4e-3 if dtype == torch.bfloat16 else 5e-4), err
+
+
+if __name__ == "__main__":
+    interpreter_child(sys.argv[1:], _run_case)

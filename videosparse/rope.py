@@ -1,0 +1,81 @@
+"""Wan's interleaved rotary embedding, alone and fused with the tile-order gather.
+
+`apply_interleaved_rope` is the math of diffusers' `WanAttnProcessor` (pairs (x[2i], x[2i+1])
+rotated by cos[2i] / sin[2i+1]); the dense path and every fallback use it. `rope_gather` is the
+same rotation fused with the token gather of a `TileLayout`: one Triton pass reads x (B, S, H, D)
+in diffusers' order and writes RoPE(x) (B, H, S, D) in tile order, computing in fp32 and rounding
+once. In eager mode it replaces about a dozen elementwise kernels per tensor (the stock RoPE builds
+several full-size temporaries in the dtype of the rotary table) plus the gather's own copy; under
+torch.compile Inductor fuses the torch form itself, so the fused kernel is not used there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ROPE_BACKENDS = ("auto", "triton", "torch")
+
+
+def apply_interleaved_rope(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """Wan's interleaved RoPE on x [B, S, H, D], exactly as `WanAttnProcessor` applies it.
+
+    Args:
+        x: [B, S, H, D].
+        freqs_cos, freqs_sin: broadcastable to [B, S, H, D] (Wan's are [1, S, 1, D]), any float dtype.
+    """
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+def _fused_reason(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> str | None:
+    """Why the fused kernel cannot take these inputs (None: it can)."""
+    B, S, H, D = x.shape
+    half = D // 2
+    if D % 2 or half < 1 or half & (half - 1):
+        return f"head dim {D} is not twice a power of two"
+    for name, f in (("freqs_cos", freqs_cos), ("freqs_sin", freqs_sin)):
+        if f.dim() != 4 or f.shape[0] != 1 or f.shape[1] != S or f.shape[2] != 1 or f.shape[3] != D:
+            return f"{name} has shape {tuple(f.shape)}, not (1, {S}, 1, {D})"
+        if f.device != x.device:
+            return f"{name} is on {f.device}, x on {x.device}"
+    return None
+
+
+def rope_gather(x: torch.Tensor, perm: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor, *,
+                backend: str = "auto") -> torch.Tensor | None:
+    """RoPE(x) in tile order, in one pass; None when the fused kernel does not apply (the caller falls back).
+
+    Args:
+        x: [B, S, H, D] (any strides with a unit last dim), fp32/fp16/bf16.
+        perm: int64 [S] (one order for all heads) or [H, S] (one per head): tile position -> token.
+        freqs_cos, freqs_sin: [1, S, 1, D], Wan's rotary tables.
+        backend: "auto" (the Triton kernel on CUDA in eager mode, else None), "triton" (also on CPU
+            under TRITON_INTERPRET=1; a clear error when the inputs do not fit) or "torch" (None).
+
+    Returns:
+        [B, H, S, D] contiguous in x's dtype, or None.
+    """
+    if backend not in ROPE_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not supported; choose one of {ROPE_BACKENDS}.")
+    if backend == "torch":
+        return None
+    if backend == "auto":
+        if not x.is_cuda or torch.compiler.is_compiling() or x.stride(-1) != 1:
+            return None
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return None
+    reason = _fused_reason(x, freqs_cos, freqs_sin)
+    if reason is not None:
+        if backend == "triton":
+            raise ValueError(f"rope_gather(backend='triton') cannot run: {reason}.")
+        return None
+    from .kernels.triton_rope_gather import rope_gather_triton
+
+    return rope_gather_triton(x, perm, freqs_cos, freqs_sin)
