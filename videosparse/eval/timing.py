@@ -93,7 +93,7 @@ class AttentionTimer:
     """Times the self-attention calls of transformers that videosparse is applied to.
 
     For the duration of the context it wraps, per instance, every videosparse processor's
-    `attend(q, k, v)` (the whole attention: dense/sparse decision, gather, plan, kernel, scatter; not
+    `attend(q, k, v)` (the whole attention: dense/sparse decision, Wan's RoPE, gather, plan, kernel, scatter; not
     the projections, which dense and sparse share) and every session's `method.plan` (mask
     building). On CUDA each call is bracketed by CUDA events, so nothing synchronises inside the
     forward; the durations are read when the context closes. Nothing in `videosparse.processors`
@@ -133,9 +133,9 @@ class AttentionTimer:
         def wrap_attend(proc):
             original = proc.attend
 
-            def attend(q, k, v, attention_mask=None):
+            def attend(q, k, v, attention_mask=None, **kwargs):
                 begin = attn_clock.start(q.device)
-                out = original(q, k, v, attention_mask)
+                out = original(q, k, v, attention_mask, **kwargs)
                 attn_clock.stop(q.device, begin)
                 layers.append(proc.layer)
                 return out
