@@ -146,6 +146,29 @@ def row_budgets(density: float, num_rows: int, num_cols: int) -> torch.Tensor:
     return torch.tensor(row_budget_list(density, num_rows, num_cols), dtype=torch.long)
 
 
+_TOPK_CONSTANTS: dict[tuple, tuple[list[int], torch.Tensor, torch.Tensor]] = {}
+
+
+def _topk_constants(density: float, Mv: int, Nv: int, device: torch.device):
+    """(budget list, budget int64 [Mv], eye bool [Mv, Mv] on `device`), cached in eager mode.
+
+    Building the budget tensor copies a host list to the GPU, which (pageable memory) synchronises
+    the stream: once per layer and step it stalled the host, and the GPU idled while the host caught up.
+    """
+    key = (density, Mv, Nv, str(device))
+    hit = None if torch.compiler.is_compiling() else _TOPK_CONSTANTS.get(key)
+    if hit is not None:
+        return hit
+    budget_list = row_budget_list(density, Mv, Nv)
+    hit = (budget_list, torch.tensor(budget_list, dtype=torch.long, device=device),
+           torch.eye(Mv, dtype=torch.bool, device=device))
+    if not torch.compiler.is_compiling():   # under compile they are constants of the graph
+        if len(_TOPK_CONSTANTS) >= 64:
+            _TOPK_CONSTANTS.clear()
+        _TOPK_CONSTANTS[key] = hit
+    return hit
+
+
 def topk_plan(
     scores: torch.Tensor,
     density: float,
@@ -179,10 +202,8 @@ def topk_plan(
     B, H, Mv, Nv = scores.shape
     G = num_global_tiles
     device = scores.device
-    budget_list = row_budget_list(density, Mv, Nv)
-    budget = torch.tensor(budget_list, dtype=torch.long, device=device)  # [Mv]
+    budget_list, budget, eye = _topk_constants(density, Mv, Nv, device)    # list, [Mv] int64, [Mv, Mv] bool
     kmax = max(budget_list)
-    eye = torch.eye(Mv, dtype=torch.bool, device=device)
     s = scores.to(select_dtype).masked_fill(eye, float("inf"))
     # budgets are kmax or kmax - 1 (`row_budget_list`): an unsorted top-kmax, and the rows with
     # kmax - 1 drop their weakest pick (any other spread of budgets takes the ranked top-k)

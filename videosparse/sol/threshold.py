@@ -90,8 +90,8 @@ def routing_zscores(q_mean: torch.Tensor, k_mean: torch.Tensor, scale: float, ba
     centred = k_mean.float() - mu[:, :, None]
     d = (qf @ centred.transpose(-1, -2)) * scale                          # s_ij - a_i
     b = (qf.square() * var[:, :, None]).sum(-1, keepdim=True).sqrt() * scale
-    inf = torch.tensor(float("inf"), device=d.device)
-    z = torch.where(b > 0, d / b.clamp_min(torch.finfo(torch.float32).tiny), torch.where(d > 0, inf, -inf))
+    z = torch.where(b > 0, d / b.clamp_min(torch.finfo(torch.float32).tiny),
+                    torch.where(d > 0, float("inf"), float("-inf")))     # scalars: no host-to-device copy
     M, N = z.shape[-2:]
     if band >= 0 and M and N:
         forced = band_mask(max(M, N), band, z.device)[:M, :N]
@@ -140,8 +140,8 @@ def calibrate_tau(
     big = torch.finfo(torch.float32).max
     hi = torch.where(finite, z, -big).amax() if z.numel() else torch.zeros((), device=z.device)
     lo = torch.where(finite, z, big).amin() - 1.0 if z.numel() else torch.zeros((), device=z.device)
-    if not bool(finite.any()):                                          # only forced / degenerate pairs
-        lo = hi = torch.zeros((), device=z.device)
+    any_finite = finite.any()                                           # else only forced / degenerate pairs
+    hi, lo = torch.where(any_finite, hi, 0.0), torch.where(any_finite, lo, 0.0)   # (no host sync)
 
     def count(t: torch.Tensor) -> torch.Tensor:
         return (z > t).sum(dtype=torch.float64)
