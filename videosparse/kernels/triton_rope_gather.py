@@ -6,33 +6,47 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_T = 64   # tokens per program
+BLOCK_T = 32   # tokens per program; each program walks every head of its tokens
+
+
+@triton.jit
+def _rotation_tables(cos_ptr, sin_ptr, src, stride_cs, stride_ss, m, D: tl.constexpr):
+    """cos[src, 2i] and sin[src, 2i+1] as fp32 [BLOCK, D/2] (full rows loaded, then de-interleaved)."""
+    d = tl.arange(0, D)
+    cos = tl.load(cos_ptr + src[:, None] * stride_cs + d[None, :], mask=m, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + src[:, None] * stride_ss + d[None, :], mask=m, other=0.0).to(tl.float32)
+    c_even, _ = tl.split(tl.reshape(cos, [cos.shape[0], D // 2, 2]))
+    _, s_odd = tl.split(tl.reshape(sin, [sin.shape[0], D // 2, 2]))
+    return c_even, s_odd
 
 
 @triton.jit
 def _rope_gather_kernel(
     x_ptr, perm_ptr, cos_ptr, sin_ptr, out_ptr,
-    S, perm_stride_h, stride_xb, stride_xs, stride_xh, stride_cs, stride_ss,
-    HALF: tl.constexpr, BLOCK: tl.constexpr,
+    S, H, perm_stride_h, stride_xb, stride_xs, stride_xh, stride_cs, stride_ss,
+    D: tl.constexpr, BLOCK: tl.constexpr, PER_HEAD: tl.constexpr,
 ):
-    # program (token block, head, batch): out[b, h, t] = rope(x[b, perm[h, t], h]) for BLOCK positions t
+    # program (token block, batch): out[b, h, t] = rope(x[b, perm[h, t], h]) for BLOCK positions t, every h.
+    # Rows are read and written whole (coalesced); the pairs are split and re-joined in registers.
     pid_t = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    H = tl.num_programs(1)
+    b = tl.program_id(1).to(tl.int64)
     t = pid_t * BLOCK + tl.arange(0, BLOCK)
     valid = t < S
-    src = tl.load(perm_ptr + h * perm_stride_h + t, mask=valid, other=0).to(tl.int64)
-    pair = 2 * tl.arange(0, HALF)
     m = valid[:, None]
-    x_row = x_ptr + b.to(tl.int64) * stride_xb + src[:, None] * stride_xs + h * stride_xh + pair[None, :]
-    x1 = tl.load(x_row, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(x_row + 1, mask=m, other=0.0).to(tl.float32)
-    cos = tl.load(cos_ptr + src[:, None] * stride_cs + pair[None, :], mask=m, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + src[:, None] * stride_ss + pair[None, :] + 1, mask=m, other=0.0).to(tl.float32)
-    out_row = out_ptr + ((b.to(tl.int64) * H + h) * S + t[:, None]) * (2 * HALF) + pair[None, :]
-    tl.store(out_row, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=m)
-    tl.store(out_row + 1, (x1 * sin + x2 * cos).to(out_ptr.dtype.element_ty), mask=m)
+    d = tl.arange(0, D)
+    if not PER_HEAD:   # one order for all heads: tables loaded once per token block
+        src = tl.load(perm_ptr + t, mask=valid, other=0).to(tl.int64)
+        c, s = _rotation_tables(cos_ptr, sin_ptr, src, stride_cs, stride_ss, m, D)
+    for h in range(H):
+        if PER_HEAD:
+            src = tl.load(perm_ptr + h * perm_stride_h + t, mask=valid, other=0).to(tl.int64)
+            c, s = _rotation_tables(cos_ptr, sin_ptr, src, stride_cs, stride_ss, m, D)
+        x = tl.load(x_ptr + b * stride_xb + src[:, None] * stride_xs + h * stride_xh + d[None, :],
+                    mask=m, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(x, [BLOCK, D // 2, 2]))
+        out = tl.reshape(tl.join(x1 * c - x2 * s, x1 * s + x2 * c), [BLOCK, D])
+        tl.store(out_ptr + ((b * H + h) * S + t[:, None]) * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=m)
 
 
 def rope_gather_triton(x: torch.Tensor, perm: torch.Tensor, freqs_cos: torch.Tensor,
@@ -41,6 +55,7 @@ def rope_gather_triton(x: torch.Tensor, perm: torch.Tensor, freqs_cos: torch.Ten
     B, S, H, D = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
+    per_head = perm.dim() == 2
     if perm.dim() == 1 and perm.shape[0] == S:
         perm_stride_h = 0
     elif perm.shape == (H, S):
@@ -55,10 +70,10 @@ def rope_gather_triton(x: torch.Tensor, perm: torch.Tensor, freqs_cos: torch.Ten
     if sin.stride(-1) != 1:
         sin = sin.contiguous()
     out = torch.empty((B, H, S, D), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(S, BLOCK_T), H, B)
+    grid = (triton.cdiv(S, BLOCK_T), B)
     _rope_gather_kernel[grid](
         x, perm, cos, sin, out,
-        S, perm_stride_h, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), sin.stride(0),
-        HALF=D // 2, BLOCK=BLOCK_T, num_warps=4,
+        S, H, perm_stride_h, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), sin.stride(0),
+        D=D, BLOCK=BLOCK_T, PER_HEAD=per_head, num_warps=4,
     )
     return out
