@@ -278,7 +278,7 @@ def bench_variants(results, args, deadline):
             variants = {
                 "default": lambda: hopper_attention(q, k, v, plan, D ** -0.5),
                 "no_ws": lambda: hopper_attention(q, k, v, plan, D ** -0.5, warp_specialize=False),
-                "no_flatten": lambda: hopper_attention(q, k, v, plan, D ** -0.5, flatten=False),
+                "flatten": lambda: hopper_attention(q, k, v, plan, D ** -0.5, flatten=True),
                 "stages1": lambda: hopper_attention(q, k, v, plan, D ** -0.5, num_stages=1),
                 "generic": lambda: generic_attention(q, k, v, plan, D ** -0.5),
             }

@@ -24,7 +24,6 @@ VARIANTS = {
     "d64-exact-partial-merge": (64, "bf16", 128, 128, False, True, True),
     "d64-centroids": (64, "bf16", 128, 128, True, False, False),
     "d128-fp16-b64": (128, "fp16", 64, 64, False, True, False),
-    "d64-exact-partial": (64, "bf16", 128, 128, False, True, False),
 }
 
 
@@ -40,9 +39,8 @@ def hopper_module():
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_hopper_kernel_compiles_with_tma_wgmma_and_warp_specialization(hopper_module, name, tmp_path):
     d, dtype, bm, bn, centroids, mask_last, merge = VARIANTS[name]
-    flatten = not (centroids or merge)     # as `hopper_attention` runs it: flat loop without a correction
     k = hopper_module.compile_for_sm90(head_dim=d, dtype=dtype, block_m=bm, block_n=bn, centroids=centroids,
-                                       mask_last=mask_last, merge=merge, flatten=flatten)
+                                       mask_last=mask_last, merge=merge)
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     assert "ttg.warp_specialize" in ttgir, "warp specialization was dropped"
     assert k.metadata.num_warps > 4, "no producer/consumer warp groups were added"

@@ -154,7 +154,7 @@ def _num_programs(device: torch.device, n_items: int) -> int:
 
 
 def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False, *,
-                     num_stages: int | None = None, warp_specialize: bool = True, flatten: bool | None = None,
+                     num_stages: int | None = None, warp_specialize: bool = True, flatten: bool = False,
                      num_programs: int | None = None):
     """Run the Hopper kernel (inputs are assumed checked: see `HopperBackend.not_supported_reasons`).
 
@@ -168,9 +168,10 @@ def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False
         q: [B, H, S, D]; k, v: [B, H, Sk, D]; contiguous fp16/bf16 (fp32 under the interpreter).
         plan: the Plan; k_mean/v_sum/tile_len enable the zero-order correction.
         scale: softmax scale. return_lse: also return fp32 [B, H, S] natural-log LSE.
-        num_stages, warp_specialize, flatten, num_programs: tuning knobs for benchmarks. flatten=None
-            flattens the persistent loop of the exact pass when there is no correction (Triton 3.6 on the
-            H200: same output, 526 -> 559 TFLOP/s at density 0.1; the centroid pass does not compile flattened).
+        num_stages, warp_specialize, flatten, num_programs: tuning knobs for benchmarks. flatten=True
+            (flattened persistent loop) gives the same output without a correction but no steady gain
+            on the H200 (543 vs 520 TFLOP/s at density 0.1, 568 vs 574 dense, 12 x 32768); with a
+            correction it does not compile in Triton 3.6.
 
     Returns:
         out [B, H, S, D] in q's dtype (and lse).
@@ -189,8 +190,6 @@ def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False
     if flatten and corr:
         raise ValueError("flatten=True does not compile with the correction's centroid pass (Triton 3.6, "
                          "TMA lowering); use flatten=None or False with a correction plan.")
-    if flatten is None:
-        flatten = not corr
     if not INTERPRETED:
         triton.set_allocator(_alloc)
     grid = (num_programs or _num_programs(q.device, n_items),)
