@@ -1,5 +1,6 @@
 """Synthetic speed mode on CPU: real sizes are refused clearly, a shrunken model runs end to end."""
 
+import json
 import os
 import subprocess
 import sys
@@ -130,6 +131,12 @@ def test_synthetic_run_resumes_per_method(tmp_path):
     for label in kept:                                   # measured once, not again
         assert again[label]["forward_s_all"] == kept[label]["forward_s_all"]
     assert 0 < again["sol@0.5:block=64"]["output_rel_l2_vs_dense"] < 1.0
+    # a report written before a derived shape key existed (attention_tokens) still resumes
+    report = json.loads((tmp_path / "report.json").read_text())
+    del report["synthetic"]["wan-1.3b"]["shape"]["attention_tokens"]
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    third = run_synthetic(["wan-1.3b"], specs, str(tmp_path), **kw)["synthetic"]["wan-1.3b"]["methods"]
+    assert all(third[label]["forward_s_all"] == again[label]["forward_s_all"] for label in again)
 
 
 def test_cli_prints_compiled_rows(tmp_path, capsys):

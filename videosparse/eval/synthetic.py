@@ -560,7 +560,10 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
         setup = synthetic_setup(name, frames, height, width, layers)
         old = report["synthetic"].get(name)
         done = {}
-        if (old and old.get("shape") == setup.describe() and old.get("dtype") == str(dtype)
+        shape = setup.describe()
+        # a report written before a derived key (e.g. attention_tokens) existed still matches on the keys it has
+        same_shape = bool(old) and bool(old.get("shape")) and all(shape.get(k) == v for k, v in old["shape"].items())
+        if (same_shape and old.get("dtype") == str(dtype)
                 and old.get("compile") == compile_mode and next(iter(old.get("methods", {})), None) == labels[0]):
             done = {label: row for label, row in old["methods"].items() if label in labels}
         if list(done) == labels:
