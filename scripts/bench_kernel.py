@@ -226,7 +226,7 @@ def bench_shape(name, results, args, deadline):
             extra = {}
             if target >= 1.0:
                 extra["rel_err_vs_cudnn"] = round(float((out.float() - ref_dense.float()).norm() / ref_dense.float().norm()), 5)
-            ours = add("ours", kind, target, dens, bench(lambda: hopper_attention(q, k, v, plan, scale)), **extra)
+            ours = add("ours", kind, target, dens, bench(lambda p=plan: hopper_attention(q, k, v, p, scale)), **extra)
             cud = next(r for r in rows if r["shape"] == name and r["impl"] == "cudnn")
             ours["speedup_vs_cudnn"] = cud["ms"] / ours["ms"]
             if target < 1.0 and (kind == "random" or name == "12x32768 d128"):

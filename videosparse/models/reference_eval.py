@@ -21,6 +21,7 @@ import torch
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor, _get_qkv_projections
 
 from ..layout import TileLayout
+from ..rope import apply_interleaved_rope
 from .reference import video_token_grid
 from .reference_data import COLORS, DIRECTIONS, parse_prompt
 
@@ -160,15 +161,6 @@ def direction_word_separation(pipe, template: str = "a {color} circle moving {di
             "up_down": float(ud.mean()), "left_up": float(lu.mean())}
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Wan's rotary embedding on interleaved pairs (as in diffusers' WanAttnProcessor)
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * cos[..., 0::2] - x2 * sin[..., 1::2]
-    out[..., 1::2] = x1 * sin[..., 1::2] + x2 * cos[..., 0::2]
-    return out.type_as(x)
-
-
 def tile_mass_fraction(q: torch.Tensor, k: torch.Tensor, layout: TileLayout, top_fraction: float = 0.1,
                        chunk: int = 512) -> torch.Tensor:
     """Per head and query tile, the attention mass held by the top `top_fraction` of key tiles (oracle).
@@ -212,7 +204,7 @@ class _TileMassProcessor(WanAttnProcessor):
             query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
             key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
             if rotary_emb is not None:
-                query, key = _rope(query, *rotary_emb), _rope(key, *rotary_emb)
+                query, key = apply_interleaved_rope(query, *rotary_emb), apply_interleaved_rope(key, *rotary_emb)
             layout = TileLayout(grid=self.state["grid"], tile=self.tile, block=math.prod(self.tile))
             for b in range(query.shape[0]):
                 frac = tile_mass_fraction(query[b].transpose(0, 1), key[b].transpose(0, 1), layout,
