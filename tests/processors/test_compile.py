@@ -70,3 +70,36 @@ def test_compiled_sol_and_veda_with_correction_match_eager():
         assert counters["stats"]["unique_graphs"] <= 2
         breaks = counters["graph_break"]
         assert all("SparseContextHook._update" in reason for reason in breaks), list(breaks)
+
+
+def test_regional_compilation_compiles_one_block_for_every_layer():
+    """diffusers' `compile_repeated_blocks`: the processors read their layer's state from their own slot,
+    so one compiled block serves all layers (a dense layer adds one variant), output equal to eager."""
+    from diffusers import WanTransformer3DModel
+
+    t = _WanCase()
+    torch.manual_seed(0)
+    for cfg, graphs in ((videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64, dense_steps=0), 1),
+                        (videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64, dense_steps=0,
+                                                dense_layers=(0,)), 2),
+                        (videosparse.DenseConfig(), 1)):
+        tr = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=t.head_dim, in_channels=4,
+            out_channels=4, text_dim=16, freq_dim=32, ffn_dim=64, num_layers=6, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=64,
+        ).eval()
+        inputs = t.make_inputs(tr)
+        handle = videosparse.apply(tr, cfg)
+        with torch.no_grad():
+            eager = tr(**inputs, return_dict=False)[0]
+        torch._dynamo.reset()
+        counters.clear()
+        tr.compile_repeated_blocks(fullgraph=True, backend="eager")
+        with torch.no_grad():
+            out = tr(**inputs, return_dict=False)[0]
+        assert counters["stats"]["unique_graphs"] == graphs, (cfg, dict(counters["stats"]))
+        assert (out - eager).abs().max() <= 1e-5
+        stats = handle["transformer"].stats()
+        assert stats["sparse_calls"] + stats["dense_calls"] == 2 * 6      # eager + compiled, every layer counted
+        videosparse.remove(tr)
+    torch._dynamo.reset()

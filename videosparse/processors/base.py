@@ -47,17 +47,15 @@ class SparseAttentionMixin:
     def _init_sparse(self, session: SparseSession, layer: int, original=None) -> None:
         self.session = session
         self.layer = layer
+        self.slot = session.slot(layer)
         for attr in ("_attention_backend", "_parallel_config"):
             if original is not None and hasattr(original, attr):
                 setattr(self, attr, getattr(original, attr))
 
     # ---------------------------------------------------------------- decisions
     def _stats(self) -> LayerStats:
-        """This layer's counters (made by the hook's `prepare`; made here only when called without it)."""
-        stats = self.session.layer_stats.get(self.layer)
-        if stats is None:
-            stats = self.session.layer_stats[self.layer] = LayerStats()
-        return stats
+        """This layer's counters (in its slot: read without the layer index, see `LayerSlot`)."""
+        return self.slot.stats
 
     def _warn_once(self, reason: str) -> None:
         stats = self._stats()
@@ -67,10 +65,10 @@ class SparseAttentionMixin:
 
     def _dense_reason(self, q: torch.Tensor, attention_mask) -> str | None:
         """Why this call must run dense (None = sparse). Warnings only for unsupported inputs."""
-        session, cfg = self.session, self.session.config
+        session = self.session
         if session.method is None:
             return "dense config"
-        if cfg.is_dense_layer(self.layer):
+        if self.slot.dense:
             return "dense layer"
         ctx = session.context
         if not ctx.sparse_step:
@@ -124,7 +122,7 @@ class SparseAttentionMixin:
             stats.record_dense()
             return self._dense(q, k, v, attention_mask)
 
-        layout = session.layouts[self.layer]
+        layout = self.slot.layout
         qt, kt, vt = layout.gather(q, rope), layout.gather(k, rope), layout.gather(v)
         plan = session.method.plan(qt, kt, vt, layout, self.layer)
         out = block_sparse_attention(qt, kt, vt, plan, backend=session.config.backend, validate=False)

@@ -64,6 +64,25 @@ class LayerStats:
         }
 
 
+class LayerSlot:
+    """One self-attention layer's state, held by its processor as `processor.slot`.
+
+    The processors read their layout, counters and dense-layer flag as attributes of their own slot,
+    never through the layer index, so a block compiled once (diffusers' `compile_repeated_blocks`)
+    serves every layer with the same configuration instead of recompiling per layer index.
+
+    Attributes:
+        stats: the layer's `LayerStats`.
+        layout: its `HeadTiling` for the current grid (None before the first forward or for dense configs).
+        dense: the config runs this layer dense (`dense_layers`).
+    """
+
+    def __init__(self, dense: bool = False) -> None:
+        self.stats = LayerStats()
+        self.layout: HeadTiling | None = None
+        self.dense = dense
+
+
 @dataclass
 class CallContext:
     """Where the current transformer forward is: grid, text tokens, step and branch."""
@@ -103,7 +122,8 @@ class SparseSession:
         config: the method config.
         method: the `SparseMethod` (None for `DenseConfig`).
         context: the `CallContext` of the current forward.
-        layer_stats: `LayerStats` per self-attention layer index.
+        slots: one `LayerSlot` per self-attention layer (its layout, counters and dense flag).
+        layer_stats: `LayerStats` per self-attention layer index (a view of the slots).
     """
 
     def __init__(self, config, method, info, original_processors: dict[str, Any], scheduler=None) -> None:
@@ -113,12 +133,25 @@ class SparseSession:
         self.original_processors = original_processors
         self.scheduler = scheduler
         self.context = CallContext()
-        self.layer_stats: dict[int, LayerStats] = {}
+        self.slots: list[LayerSlot] = []
         self.observers: list[Callable[[AttentionRecord], None]] = []
         self.calls = 0
-        self.layouts: dict[int, HeadTiling] = {}
         self.kernel_problem: str | None = None   # why the fast path cannot serve the current inputs
         self._prepared_for: tuple | None = None
+
+    def slot(self, layer: int) -> LayerSlot:
+        """The `LayerSlot` of self-attention layer `layer` (made on first request)."""
+        while len(self.slots) <= layer:
+            self.slots.append(LayerSlot(dense=self.config.is_dense_layer(len(self.slots))))
+        return self.slots[layer]
+
+    @property
+    def layer_stats(self) -> dict[int, LayerStats]:
+        return {i: slot.stats for i, slot in enumerate(self.slots)}
+
+    @property
+    def layouts(self) -> dict[int, HeadTiling | None]:
+        return {i: slot.layout for i, slot in enumerate(self.slots)}
 
     def prepare(self, grid: tuple[int, int, int], text_len: int, device: torch.device, dtype: torch.dtype) -> None:
         """Build every layer's tile layout (index tensors on `device`) and check the kernel, once per shape.
@@ -130,20 +163,17 @@ class SparseSession:
             return
         info, method = self.info, self.method
         for layer in range(info.num_layers):
-            stats = self.layer_stats.get(layer)
-            if stats is None:
-                self.layer_stats[layer] = LayerStats(device)
-            elif stats.counts.device != torch.device(device):
+            stats = self.slot(layer).stats
+            if stats.counts.device != torch.device(device):
                 stats.counts, stats.balance = stats.counts.to(device), stats.balance.to(device)
         self._prepared_for = key
         if method is None:
             return
-        self.layouts = {}
         for layer in range(info.num_layers):
             tiles = method.tile_shapes(layer, info.num_heads)
             layout = head_tiling(grid, tiles, info.num_heads, method.block, text_len, info.text_position or "after")
             layout.warm(device)
-            self.layouts[layer] = layout
+            self.slot(layer).layout = layout
         self.kernel_problem = fast_path_problem(self.config.backend, device, dtype, info.num_heads, info.head_dim,
                                                 method.block, getattr(self.config, "correction", False))
 
@@ -171,7 +201,8 @@ class SparseSession:
         )
 
     def reset_stats(self) -> None:
-        self.layer_stats.clear()
+        for slot in self.slots:
+            slot.stats = LayerStats(slot.stats.counts.device)
         self.calls = 0
 
     def __repr__(self) -> str:
