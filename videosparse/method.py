@@ -39,6 +39,13 @@ class SparseMethod:
     def __init__(self, config, info: ModelInfo) -> None:
         self.config = config
         self.info = info
+        # per-layer state a method may keep (Sol's calibrated thresholds); each processor hands its
+        # layer's dict to `plan` as `state`, so compiled code never looks it up by the layer index
+        self.layer_states: dict[int, dict] = {}
+
+    def layer_state(self, layer: int) -> dict:
+        """The state dict of `layer` (made on first request)."""
+        return self.layer_states.setdefault(layer, {})
 
     @property
     def block(self) -> int:
@@ -48,13 +55,15 @@ class SparseMethod:
         """One (pt, ph, pw) for every head of `layer`, or one per head."""
         return self.config.tiling
 
-    def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: HeadTiling, layer: int) -> Plan:
+    def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: HeadTiling, layer: int,
+             state: dict | None = None) -> Plan:
         """The plan for one call.
 
         Args:
             q, k, v: [B, H, S, D] in tile order (each head in its own tile shape), contiguous.
             layout: the `HeadTiling` used to gather them (num_tiles, num_video_tiles, tile_len).
             layer: index of the self-attention layer (0-based).
+            state: `layer_state(layer)`, passed by the processors (None: looked up from `layer`).
         """
         raise NotImplementedError
 

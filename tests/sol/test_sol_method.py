@@ -32,11 +32,11 @@ def test_density_config_calibrates_once_per_layer_and_shape(text_len):
     assert abs(plan.density(N) - 0.2) <= 0.01
     cal = method.calibrations()
     assert len(cal) == 1 and abs(next(iter(cal.values()))["density"] - plan.density(N)) < 1e-12
-    tau = next(iter(method._tau.values()))
+    tau = method.layer_state(0)[(2, layout.seq_len, 64, layout.num_video_tiles, layout.num_global_tiles)][0]
     # a second call of the same layer and shape reuses τ: its plan is "z > cached τ" on the new data
     q2, k2, v2 = _inputs(layout, shift=0.1)
     plan2 = method.plan(q2, k2, v2, layout, layer=0)
-    assert len(method.calibrations()) == 1 and next(iter(method._tau.values())) is tau
+    assert len(method.calibrations()) == 1 and next(iter(method.layer_state(0).values()))[0] is tau
     Mv = layout.num_video_tiles
     z2 = routing_zscores(tile_means_torch(q2, 64)[:, :, :Mv], tile_centroids(k2, v2, 64)[0][:, :, :Mv], 0.125, 1)
     assert torch.equal(plan2.to_dense_mask(N), sol_mask(z2, tau, layout.num_global_tiles))

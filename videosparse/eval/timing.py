@@ -145,9 +145,9 @@ class AttentionTimer:
         def wrap_plan(method):
             original = method.plan
 
-            def plan(q, k, v, layout, layer):
+            def plan(q, k, v, layout, layer, *args, **kwargs):
                 begin = plan_clock.start(q.device)
-                out = original(q, k, v, layout, layer)
+                out = original(q, k, v, layout, layer, *args, **kwargs)
                 plan_clock.stop(q.device, begin)
                 return out
 

@@ -124,7 +124,7 @@ class SparseAttentionMixin:
 
         layout = self.slot.layout
         qt, kt, vt = layout.gather(q, rope), layout.gather(k, rope), layout.gather(v)
-        plan = session.method.plan(qt, kt, vt, layout, self.layer)
+        plan = session.method.plan(qt, kt, vt, layout, self.layer, self.slot.method_state)
         out = block_sparse_attention(qt, kt, vt, plan, backend=session.config.backend, validate=False)
         stats.record_sparse(plan.kv_count, layout.num_tiles)
         return layout.scatter(out)

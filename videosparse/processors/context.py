@@ -75,12 +75,14 @@ class LayerSlot:
         stats: the layer's `LayerStats`.
         layout: its `HeadTiling` for the current grid (None before the first forward or for dense configs).
         dense: the config runs this layer dense (`dense_layers`).
+        method_state: the method's state dict for this layer (`SparseMethod.layer_state`), handed to `plan`.
     """
 
-    def __init__(self, dense: bool = False) -> None:
+    def __init__(self, dense: bool = False, method_state: dict | None = None) -> None:
         self.stats = LayerStats()
         self.layout: HeadTiling | None = None
         self.dense = dense
+        self.method_state = {} if method_state is None else method_state
 
 
 @dataclass
@@ -142,7 +144,9 @@ class SparseSession:
     def slot(self, layer: int) -> LayerSlot:
         """The `LayerSlot` of self-attention layer `layer` (made on first request)."""
         while len(self.slots) <= layer:
-            self.slots.append(LayerSlot(dense=self.config.is_dense_layer(len(self.slots))))
+            i = len(self.slots)
+            self.slots.append(LayerSlot(dense=self.config.is_dense_layer(i),
+                                        method_state=self.method.layer_state(i) if self.method is not None else None))
         return self.slots[layer]
 
     @property

@@ -60,8 +60,6 @@ class SolMethod(SparseMethod):
         if not isinstance(config, SolConfig):
             raise TypeError(f"SolMethod needs a SolConfig; got {type(config).__name__}.")
         super().__init__(config, info)
-        self._tau: dict[tuple, torch.Tensor] = {}
-        self._realized: dict[tuple, torch.Tensor] = {}
         self._warned: set[int] = set()
 
     def stats(self) -> dict:
@@ -73,16 +71,21 @@ class SolMethod(SparseMethod):
 
         Converts to Python floats (a host sync): for reports, not for the hot path.
         """
-        return {key: {"tau": float(t), "density": float(self._realized[key])} for key, t in self._tau.items()}
+        return {(layer, *shape): {"tau": float(tau), "density": float(realized)}
+                for layer, state in sorted(self.layer_states.items()) for shape, (tau, realized) in state.items()}
 
-    def tau(self, z: torch.Tensor, layout: HeadTiling, layer: int, key: tuple) -> torch.Tensor | float:
-        """τ for this call: the configured one, or the cached / freshly calibrated one."""
+    def tau(self, z: torch.Tensor, layout: HeadTiling, layer: int, key: tuple,
+            state: dict | None = None) -> torch.Tensor | float:
+        """τ for this call: the configured one, or the one cached in the layer's state (calibrated on its
+        first call per shape `key`)."""
         cfg = self.config
         if cfg.tau is not None:
             return float(cfg.tau)
-        cached = self._tau.get(key)
+        state = self.layer_state(layer) if state is None else state
+        cached = state.get(key)
         if cached is not None:
-            return cached if cached.device == z.device else cached.to(z.device)
+            tau = cached[0]
+            return tau if tau.device == z.device else tau.to(z.device)
         Mv, G = layout.num_video_tiles, layout.num_global_tiles
         N = Mv + G
         floor = forced_pairs(Mv, G, cfg.band) / (N * N)
@@ -94,19 +97,21 @@ class SolMethod(SparseMethod):
                 layer, cfg.density, cfg.band, G, N, floor,
             )
         tau, realized = calibrate_tau(z, float(cfg.density), G, cfg.band)
-        self._tau[key], self._realized[key] = tau, realized
+        state[key] = (tau, realized)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("Sol layer %d %s: tau=%.4f gives density %.4f (target %.4f)",
                          layer, key[1:], float(tau), float(realized), cfg.density)
         return tau
 
-    def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: HeadTiling, layer: int) -> Plan:
+    def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: HeadTiling, layer: int,
+             state: dict | None = None) -> Plan:
         """The Sol plan for one attention call.
 
         Args:
             q, k, v: [B, H, S, D] in tile order (each head in its own tile shape), bf16/fp16/fp32.
             layout: the `HeadTiling` that gathered them (num_video_tiles, num_global_tiles).
             layer: self-attention layer index.
+            state: the layer's state dict (`layer_state(layer)`; the processors pass it).
 
         Returns:
             `Plan` with block_m == block_n == config.block over N = ceil(S / block) tiles, and
@@ -124,8 +129,8 @@ class SolMethod(SparseMethod):
             )
         q_mean, k_mean, v_sum, tile_len = tile_stats(q, k, v, block, backend=_CENTROID_BACKEND[cfg.backend])
         z = routing_zscores(q_mean[:, :, :Mv], k_mean[:, :, :Mv], 1.0 / math.sqrt(D), cfg.band)
-        key = (layer, H, S, D, Mv, G)
-        tau = self.tau(z, layout, layer, key)
+        key = (H, S, D, Mv, G)
+        tau = self.tau(z, layout, layer, key, state)
         plan = sol_plan_from_zscores(z, tau, G, block,
                                      width=N if self.static_width or torch.compiler.is_compiling() else None)
         if cfg.correction:

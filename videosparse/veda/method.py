@@ -91,7 +91,7 @@ class VedaMethod(SparseMethod):
         with torch.no_grad():
             return self.estimator(qf, kf, layer)
 
-    def plan(self, q, k, v, layout: HeadTiling, layer: int) -> Plan:
+    def plan(self, q, k, v, layout: HeadTiling, layer: int, state: dict | None = None) -> Plan:
         scores = self.scores(q, k, layout, layer)
         # fp16 selection on CUDA: estimator logits are O(10), and the radix select runs over half the bits
         plan = topk_plan(scores, self.config.density, num_global_tiles=layout.num_global_tiles, block=self.block,
