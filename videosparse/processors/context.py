@@ -67,8 +67,8 @@ class LayerStats:
 class LayerSlot:
     """One self-attention layer's state, held by its processor as `processor.slot`.
 
-    The processors read their layout, counters and dense-layer flag as attributes of their own slot,
-    never through the layer index, so a block compiled once (diffusers' `compile_repeated_blocks`)
+    The processors read their layout, counters, dense-layer flag and method state as attributes of
+    their own slot, never through the layer index, so a block compiled once (diffusers' `compile_repeated_blocks`)
     serves every layer with the same configuration instead of recompiling per layer index.
 
     Attributes:
@@ -124,7 +124,7 @@ class SparseSession:
         config: the method config.
         method: the `SparseMethod` (None for `DenseConfig`).
         context: the `CallContext` of the current forward.
-        slots: one `LayerSlot` per self-attention layer (its layout, counters and dense flag).
+        slots: one `LayerSlot` per self-attention layer (layout, counters, dense flag, method state).
         layer_stats: `LayerStats` per self-attention layer index (a view of the slots).
     """
 
