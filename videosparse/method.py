@@ -47,6 +47,10 @@ class SparseMethod:
         """The state dict of `layer` (made on first request)."""
         return self.layer_states.setdefault(layer, {})
 
+    def prepare(self, device: torch.device | str) -> None:
+        """Called eagerly (outside compiled graphs) before the first forward on `device` and when the
+        grid or device changes: move weights, fill `layer_states`. The base method does nothing."""
+
     @property
     def block(self) -> int:
         return self.config.block

@@ -74,13 +74,18 @@ def test_compiled_sol_and_veda_with_correction_match_eager():
 
 def test_regional_compilation_compiles_one_block_for_every_layer():
     """diffusers' `compile_repeated_blocks`: the processors read their layer's state (layout, counters,
-    Sol's calibrated threshold) from their own slot, so one compiled block serves all layers (a dense
+    Sol's calibrated threshold, the estimator's weights) from their own slot, so one compiled block serves all layers (a dense
     layer adds one variant); output equal to eager (which also calibrated Sol)."""
     from diffusers import WanTransformer3DModel
 
+    from videosparse.veda import VedaEstimator
+
     t = _WanCase()
     torch.manual_seed(0)
+    # a trained-like estimator (large init so it changes the picks): its per-layer weights come from the slots
+    estimator = VedaEstimator("WanTransformer3DModel", 6, 2, t.head_dim, block=64, tile_shapes=(1, 4, 16), init_std=0.5)
     for cfg, graphs in ((videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64, dense_steps=0), 1),
+                        (videosparse.VedaConfig(density=0.5, estimator=estimator, block=64, dense_steps=0), 1),
                         (videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64, dense_steps=0,
                                                 dense_layers=(0,)), 2),
                         (videosparse.SolConfig(density=0.5, band=0, block=64, tiling=(1, 4, 16), dense_steps=0), 1),

@@ -178,6 +178,7 @@ class SparseSession:
             layout = head_tiling(grid, tiles, info.num_heads, method.block, text_len, info.text_position or "after")
             layout.warm(device)
             self.slot(layer).layout = layout
+        method.prepare(device)
         self.kernel_problem = fast_path_problem(self.config.backend, device, dtype, info.num_heads, info.head_dim,
                                                 method.block, getattr(self.config, "correction", False))
 

@@ -115,8 +115,27 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer={layer} is out of range for an estimator of {self.num_layers} layers.")
         weight = (self.proj_q if which == "q" else self.proj_k)[layer]               # [H, 3D, D]
+        return self.project_with(feat, weight)
+
+    @staticmethod
+    def project_with(feat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """`project` with one layer's weight [H, 3D, D] given (no checks): fp32 [B, H, N, D]."""
+        D = weight.shape[-1]
         delta = torch.matmul(feat.to(weight.dtype), weight)
         return feat[..., :D].float() + delta.float()
+
+    @staticmethod
+    def logits_with(q_feat: torch.Tensor, k_feat: torch.Tensor, weight_q: torch.Tensor,
+                    weight_k: torch.Tensor) -> torch.Tensor:
+        """`forward` with one layer's weights [H, 3D, D] given instead of the layer index (no checks).
+
+        The sparse processors call this with weights their layer slot holds, so compiled code does not
+        index the parameters by a Python layer number (one compiled block then serves every layer).
+        """
+        q_hat = VedaEstimator.project_with(q_feat, weight_q)
+        k_hat = VedaEstimator.project_with(k_feat, weight_k)
+        with torch.autocast(device_type=q_hat.device.type, enabled=False):
+            return (q_hat @ k_hat.transpose(-1, -2)) / math.sqrt(weight_q.shape[-1])
 
     def forward(self, q_feat: torch.Tensor, k_feat: torch.Tensor, layer: int) -> torch.Tensor:
         """Tile logits.

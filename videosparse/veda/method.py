@@ -81,18 +81,35 @@ class VedaMethod(SparseMethod):
             return [tuple(shapes)] * num_heads  # type: ignore[list-item]
         return [tuple(s) for s in shapes]  # type: ignore[misc]
 
-    def scores(self, q: torch.Tensor, k: torch.Tensor, layout: HeadTiling, layer: int) -> torch.Tensor:
-        """fp32 [B, H, Mv, Mv] tile logits over the video tiles (q, k: [B, H, S, D] in tile order)."""
+    def prepare(self, device: torch.device | str) -> None:
+        """Move the estimator to `device` and give every layer's state its weights (see `scores`)."""
+        if self.estimator is None:
+            return
+        if self.estimator.proj_q.device != torch.device(device):
+            self.estimator.to(device)
+        for layer in range(self.estimator.num_layers):
+            self.layer_state(layer)["weights"] = (self.estimator.proj_q[layer], self.estimator.proj_k[layer])
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor, layout: HeadTiling, layer: int,
+               state: dict | None = None) -> torch.Tensor:
+        """fp32 [B, H, Mv, Mv] tile logits over the video tiles (q, k: [B, H, S, D] in tile order).
+
+        With a trained estimator the layer's weights come from `state` when `prepare` put them there
+        (no indexing by the layer number, so one compiled block serves every layer), else by index.
+        """
         qf, kf = trippool_qk(q, k, self.block, layout.num_video_tiles, backend=self._kernel_backend)
         if self.estimator is None:
             return mean_pooled_logits(qf, kf)
+        weights = state.get("weights") if state is not None else None
+        if weights is not None and weights[0].device == q.device:
+            return VedaEstimator.logits_with(qf, kf, *weights)
         if self.estimator.proj_q.device != q.device:
             self.estimator.to(q.device)
         with torch.no_grad():
             return self.estimator(qf, kf, layer)
 
     def plan(self, q, k, v, layout: HeadTiling, layer: int, state: dict | None = None) -> Plan:
-        scores = self.scores(q, k, layout, layer)
+        scores = self.scores(q, k, layout, layer, state)
         # fp16 selection on CUDA: estimator logits are O(10), and the radix select runs over half the bits
         plan = topk_plan(scores, self.config.density, num_global_tiles=layout.num_global_tiles, block=self.block,
                          select_dtype=torch.float16 if scores.is_cuda else torch.float32)
