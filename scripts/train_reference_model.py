@@ -6,11 +6,19 @@
         --export-dir videosparse/models/reference_weights
     # resume: run the same command again (the latest checkpoint in --output-dir is picked up)
     # continue from the shipped weights with the direction-focused data (time-reversed twins of directional
-    # clips with the opposite direction word, more training at high noise), as proposed for issue 4:
+    # clips with the opposite direction word, more training at high noise), as tried for issue 4
+    # (benchmarks/reference_model_stage4_h200.json: not enough):
     accelerate launch scripts/train_reference_model.py --init-from videosparse/models/reference_weights \
         --output-dir /tmp/run4 --export-dir /tmp/export/reference_weights --seed 3 --max-minutes 3.5 \
         --warmup-steps 50 --p-default-size 0.3 --alt-sizes '[[16,32,32],[8,32,32],[16,48,48],[12,48,48]]' \
         --checkpoint-every 100000 --sample-steps 10 --twin-fraction 0.5 --logit-normal-mean 0.5
+    # the same continuation with absolute-position input channels (Wan sees positions only relatively, so
+    # "starts on the right" is hard to produce): the plain weights are widened with zero-initialised
+    # channels, so training starts from exactly the shipped model
+    accelerate launch scripts/train_reference_model.py --init-from videosparse/models/reference_weights \
+        --transformer-overrides '{"in_channels": 6}' --output-dir /tmp/run5 \
+        --export-dir /tmp/export/reference_weights --seed 4 --max-minutes 4 --warmup-steps 50 \
+        --checkpoint-every 100000 --sample-steps 10 --logit-normal-mean 0.5
 
 Every field of `videosparse.models.reference_train.TrainConfig` is an option (--batch-size, --max-steps,
 --checkpoint-every, ...); `--config run.json` reads them from a file first.

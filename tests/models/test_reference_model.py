@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -326,3 +327,32 @@ def test_training_continues_from_exported_weights(tmp_path):
         assert torch.equal(pa, pb), name                      # lr 0: the weights carry over unchanged
     stages = json.load(open(os.path.join(cont["export_dir"], "training_stages.json")))["stages"]
     assert [st["stage"] for st in stages] == [1, 2]
+
+
+def test_position_channels_widen_a_plain_model_without_changing_it(tmp_path):
+    """`in_channels = out + 3` appends (t, y, x) ramps to the input; a continuation from plain weights
+    zero-initialises the new patch-embedding channels, so before training it predicts exactly what the
+    plain model did, and the pipeline still returns 3-channel frames."""
+    from videosparse.models.reference_train import train
+
+    ramps = ref.position_channels(2, 3, 4, 5)
+    assert ramps.shape == (2, 3, 3, 4, 5)
+    assert torch.equal(ramps[0, 0, :, 0, 0], torch.tensor([-1.0, 0.0, 1.0]))          # t
+    assert torch.equal(ramps[0, 2, 0, 0], torch.linspace(-1, 1, 5))                     # x
+    train(_train_cfg(tmp_path / "a", max_steps=1, checkpoint_every=10))
+    wide = train(_train_cfg(tmp_path / "b", max_steps=1, checkpoint_every=10, learning_rate=0.0,
+                            init_from=str(tmp_path / "a" / "export"),
+                            transformer_overrides={**TINY, "in_channels": 6}))
+    a = ref.load_reference_pipeline(path=tmp_path / "a" / "export")
+    b = ref.load_reference_pipeline(path=wide["export_dir"])
+    assert b.transformer.config.in_channels == 6 and b.transformer.config.out_channels == 3
+    torch.testing.assert_close(b.transformer.patch_embedding.weight[:, :3], a.transformer.patch_embedding.weight)
+    assert not b.transformer.patch_embedding.weight[:, 3:].any()
+    kw = dict(num_frames=4, height=16, width=16, num_inference_steps=2, output_type="pt")
+    fa = a("a red circle moving left", generator=torch.Generator().manual_seed(0), **kw).frames
+    fb = b("a red circle moving left", generator=torch.Generator().manual_seed(0), **kw).frames
+    assert fb.shape == fa.shape and fa.shape[2] == 3
+    torch.testing.assert_close(fb, fa, rtol=0, atol=1e-5)
+    odd = SimpleNamespace(config=SimpleNamespace(in_channels=5, out_channels=3))
+    with pytest.raises(ValueError, match="in_channels=5"):
+        ref.transformer_input(odd, torch.zeros(1, 3, 1, 2, 2))

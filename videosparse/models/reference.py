@@ -46,6 +46,40 @@ REFERENCE_TRANSFORMER_CONFIG: dict[str, Any] = dict(
 REFERENCE_TEXT_CONFIG: dict[str, Any] = dict(dim=TEXT_DIM, num_layers=2, num_heads=4, ffn_dim=512,
                                              max_length=MAX_TEXT_LENGTH)
 SCHEDULER_SHIFT = 2.0
+POSITION_CHANNELS = 3   # (t, y, x) ramps appended to the input when in_channels == out_channels + 3
+
+
+def position_channels(batch: int, num_frames: int, height: int, width: int, device=None,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Absolute-position input channels: [B, 3, T, H, W] ramps of (t, y, x), each from -1 to 1.
+
+    Wan's transformer sees positions only relatively (3D RoPE), so "starts on the right" is hard for
+    a small model to produce; a transformer built with `in_channels = out_channels + 3` gets these
+    ramps next to the noisy video (the pipeline and the training script append them).
+    """
+    def ramp(n: int) -> torch.Tensor:
+        return torch.linspace(-1.0, 1.0, n, device=device, dtype=dtype) if n > 1 else torch.zeros(1, device=device, dtype=dtype)
+
+    t, y, x = torch.meshgrid(ramp(num_frames), ramp(height), ramp(width), indexing="ij")
+    return torch.stack([t, y, x])[None].expand(batch, -1, -1, -1, -1)
+
+
+def transformer_input(transformer, video: torch.Tensor) -> torch.Tensor:
+    """`video` [B, C, T, H, W] with the position channels appended when the transformer takes them.
+
+    Raises:
+        ValueError: if in_channels - out_channels is neither 0 nor `POSITION_CHANNELS`.
+    """
+    config = transformer.config if hasattr(transformer, "config") else transformer.module.config  # DDP-wrapped
+    extra = config.in_channels - config.out_channels
+    if extra == 0:
+        return video
+    if extra != POSITION_CHANNELS:
+        raise ValueError(f"transformer has in_channels={config.in_channels}, out_channels={config.out_channels}; "
+                         f"the reference pipeline supports in = out (plain) or in = out + {POSITION_CHANNELS} "
+                         "(position channels).")
+    B, _, T, H, W = video.shape
+    return torch.cat([video, position_channels(B, T, H, W, video.device, video.dtype)], dim=1)
 
 DEFAULT_NUM_FRAMES = 16
 DEFAULT_HEIGHT = 64
@@ -93,7 +127,8 @@ class ReferenceVideoPipeline(DiffusionPipeline):
     Args:
         tokenizer (`PreTrainedTokenizerFast`): word-level tokenizer.
         text_encoder (`ReferenceTextEncoder`): tiny text encoder.
-        transformer (`WanTransformer3DModel`): the denoiser, in_channels = out_channels = 3.
+        transformer (`WanTransformer3DModel`): the denoiser, out_channels = 3; in_channels = 3, or 6 with
+            the absolute-position channels (`position_channels`) appended to its input.
         scheduler (`FlowMatchEulerDiscreteScheduler`): the sampler.
 
     Example:
@@ -175,7 +210,7 @@ class ReferenceVideoPipeline(DiffusionPipeline):
             return latents.to(device=device, dtype=dtype)
         if isinstance(generator, list) and len(generator) != batch_size:
             raise ValueError(f"got {len(generator)} generators for a batch of {batch_size}.")
-        shape = (batch_size, self.transformer.config.in_channels, num_frames, height, width)
+        shape = (batch_size, self.transformer.config.out_channels, num_frames, height, width)
         return randn_tensor(shape, generator=generator, device=device, dtype=dtype)
 
     @property
@@ -270,7 +305,7 @@ class ReferenceVideoPipeline(DiffusionPipeline):
                 if self.interrupt:
                     continue
                 self._current_timestep = t
-                model_input = latents.to(transformer_dtype)
+                model_input = transformer_input(self.transformer, latents.to(transformer_dtype))
                 timestep = t.expand(latents.shape[0])
                 context = dict(step_index=i, num_inference_steps=len(timesteps), timestep=t,
                                sigma=float(self.scheduler.sigmas[i]))

@@ -34,6 +34,7 @@ from .reference import (
     ReferenceVideoPipeline,
     build_reference_pipeline,
     encode_text,
+    transformer_input,
 )
 from .reference_data import clip_batch
 
@@ -174,8 +175,8 @@ def flow_matching_loss(transformer, text_encoder, tokenizer, video: torch.Tensor
     emb = encode_text(tokenizer, text_encoder, prompts, video.device)
     s = sigmas.view(-1, 1, 1, 1, 1)
     noisy = (1.0 - s) * video + s * noise
-    pred = transformer(hidden_states=noisy, timestep=sigmas * 1000.0, encoder_hidden_states=emb,
-                       return_dict=False)[0]
+    pred = transformer(hidden_states=transformer_input(transformer, noisy), timestep=sigmas * 1000.0,
+                       encoder_hidden_states=emb, return_dict=False)[0]
     return F.mse_loss(pred.float(), (noise - video).float())
 
 
@@ -221,6 +222,21 @@ def _batch_for(cfg: TrainConfig, size: tuple[int, int, int]) -> int:
     return max(cfg.batch_size, min(cfg.max_batch_size, int(round(cfg.batch_size * ratio))))
 
 
+def _widen_patch_embedding(state: dict[str, torch.Tensor], transformer) -> dict[str, torch.Tensor]:
+    """Weights of a plain model for one with position channels (`in_channels` = out + 3): the extra input
+    channels of the patch embedding start at zero, so the widened model computes exactly what the
+    plain one did and learns to use the positions from there."""
+    key = "patch_embedding.weight"
+    want = transformer.patch_embedding.weight.shape              # [dim, in_channels, pt, ph, pw]
+    have = state.get(key)
+    if have is None or have.shape == want or have.shape[0] != want[0] or have.shape[2:] != want[2:] \
+            or have.shape[1] > want[1]:
+        return state
+    wide = have.new_zeros(want)
+    wide[:, :have.shape[1]] = have
+    return {**state, key: wide}
+
+
 def _load_initial_weights(transformer, text_encoder, folder: str) -> None:
     from safetensors.torch import load_file
 
@@ -229,6 +245,8 @@ def _load_initial_weights(transformer, text_encoder, folder: str) -> None:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"init_from={folder!r} has no {sub}/diffusion_pytorch_model.safetensors.")
         state = {k: v.float() for k, v in load_file(path).items()}
+        if sub == "transformer":
+            state = _widen_patch_embedding(state, module)
         missing, unexpected = module.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"init_from={folder!r}: {sub} weights do not match the model config "
