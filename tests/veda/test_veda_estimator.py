@@ -58,6 +58,15 @@ def test_untrained_estimator_equals_mean_pooled_qk(grid):
     assert float(fresh.proj_q.detach().std()) == pytest.approx(1e-4, rel=0.05)
 
 
+def test_logits_with_given_weights_equal_the_indexed_forward():
+    """The processors' path (a layer's weights from its slot) computes exactly what forward(layer) does."""
+    est = make_est(init_std=0.3)
+    qf, kf = torch.randn(2, 3, 7, 96), torch.randn(2, 3, 7, 96)
+    for layer in range(2):
+        torch.testing.assert_close(VedaEstimator.logits_with(qf, kf, est.proj_q[layer], est.proj_k[layer]),
+                                   est(qf, kf, layer), rtol=0, atol=0)
+
+
 def test_estimator_trains_through_projection_only():
     est = make_est()
     qf, kf = torch.randn(1, 3, 5, 96), torch.randn(1, 3, 5, 96)
