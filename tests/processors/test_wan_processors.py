@@ -63,11 +63,8 @@ def test_apply_remove_without_cache_context_leaves_module_dict_identical():
         assert torch.equal(tr(**inputs, return_dict=False)[0], ref)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [(2, 4, 16), (4, 4, 8)])
-def test_gpu_density_one_with_fused_rope_matches_stock(tiles):
-    """On CUDA the sparse path fuses RoPE into the gather (Triton); at density 1 the forward equals the
-    stock processor's up to bf16 rounding (the fused rotation rounds once, the stock one per op)."""
+def _cuda_wan():
+    """A 2-layer bf16 Wan transformer with head dim 128 on CUDA and its inputs (grid 5 x 15 x 17, partial tiles)."""
     torch.manual_seed(0)
     tr = WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=128, in_channels=4, out_channels=4,
@@ -78,6 +75,15 @@ def test_gpu_density_one_with_fused_rope_matches_stock(tiles):
     inputs = dict(hidden_states=torch.randn(1, 4, 5, 30, 34, generator=g, device="cuda", dtype=torch.bfloat16),
                   timestep=torch.tensor([500], device="cuda"),
                   encoder_hidden_states=torch.randn(1, 8, 16, generator=g, device="cuda", dtype=torch.bfloat16))
+    return tr, inputs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [(2, 4, 16), (4, 4, 8)])
+def test_gpu_density_one_with_fused_rope_matches_stock(tiles):
+    """On CUDA the sparse path fuses RoPE into the gather (Triton); at density 1 the forward equals the
+    stock processor's up to bf16 rounding (the fused rotation rounds once, the stock one per op)."""
+    tr, inputs = _cuda_wan()
     with torch.no_grad():
         ref = tr(**inputs, return_dict=False)[0].float()
         videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=tiles, dense_steps=0))
@@ -92,16 +98,7 @@ def test_gpu_sparse_forward_has_no_host_sync():
     layer (e.g. a host list copied to the device) left the H200 idle ~1 ms per layer at Wan 1.3B."""
     import warnings
 
-    torch.manual_seed(0)
-    tr = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=128, in_channels=4, out_channels=4,
-        text_dim=16, freq_dim=32, ffn_dim=256, num_layers=2, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", rope_max_seq_len=64,
-    ).eval().to("cuda", torch.bfloat16)
-    g = torch.Generator("cuda").manual_seed(1)
-    inputs = dict(hidden_states=torch.randn(1, 4, 5, 30, 34, generator=g, device="cuda", dtype=torch.bfloat16),
-                  timestep=torch.tensor([500], device="cuda"),
-                  encoder_hidden_states=torch.randn(1, 8, 16, generator=g, device="cuda", dtype=torch.bfloat16))
+    tr, inputs = _cuda_wan()
     videosparse.apply(tr, videosparse.VedaConfig(density=0.2, dense_steps=0))
     with torch.no_grad():
         tr(**inputs)
