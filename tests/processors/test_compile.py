@@ -74,8 +74,8 @@ def test_compiled_sol_and_veda_with_correction_match_eager():
 
 def test_regional_compilation_compiles_one_block_for_every_layer():
     """diffusers' `compile_repeated_blocks`: the processors read their layer's state (layout, counters,
-    Sol's calibrated threshold, the estimator's weights) from their own slot, so one compiled block serves all layers (a dense
-    layer adds one variant); output equal to eager (which also calibrated Sol)."""
+    Sol's calibrated threshold, the estimator's weights) from their own slot, so one compiled block
+    serves all layers (a dense layer adds one variant); output equal to eager (which also calibrated Sol)."""
     from diffusers import WanTransformer3DModel
 
     from videosparse.veda import VedaEstimator
