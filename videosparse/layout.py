@@ -150,11 +150,9 @@ class TileLayout:
         """
         _check_seq(x, self.seq_len, "x")
         perm, _ = self.indices(x.device)
-        if rope is not None:
-            fused = rope_gather(x, perm, *rope)
-            if fused is not None:
-                return fused
-            x = apply_interleaved_rope(x, *rope)
+        fused, x = _rope_first(x, perm, rope)
+        if fused is not None:
+            return fused
         xt = x.transpose(1, 2)
         wide = _wide_view(xt)
         if wide is not None:
@@ -172,6 +170,15 @@ class TileLayout:
             wide_out[:, :, perm] = wide_y       # writes (B, S, H, D) contiguous: no copy before flatten
             return out
         return y[:, :, inv].transpose(1, 2)
+
+
+def _rope_first(x: torch.Tensor, perm: torch.Tensor, rope) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(RoPE(x) already gathered by `perm` when the fused kernel applies, else None; x, rotated when
+    `rope` is given and the fused kernel did not apply). rope: Wan's (freqs_cos, freqs_sin) or None."""
+    if rope is None:
+        return None, x
+    fused = rope_gather(x, perm, *rope)
+    return (fused, x) if fused is not None else (None, apply_interleaved_rope(x, *rope))
 
 
 def _wide_view(x: torch.Tensor) -> torch.Tensor | None:
@@ -266,11 +273,9 @@ class HeadTiling:
         if x.shape[2] != len(self.tiles):
             raise ValueError(f"x has {x.shape[2]} heads but the tiling names {len(self.tiles)} tile shapes.")
         perm, _ = self.head_indices(x.device)
-        if rope is not None:
-            fused = rope_gather(x, perm, *rope)
-            if fused is not None:
-                return fused
-            x = apply_interleaved_rope(x, *rope)
+        fused, x = _rope_first(x, perm, rope)
+        if fused is not None:
+            return fused
         B, S, H, D = x.shape
         xt = x.transpose(1, 2)
         wide = _wide_view(xt)

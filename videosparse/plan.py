@@ -156,16 +156,16 @@ def _topk_constants(density: float, Mv: int, Nv: int, device: torch.device):
     the stream: once per layer and step it stalled the host, and the GPU idled while the host caught up.
     """
     key = (density, Mv, Nv, str(device))
-    hit = None if torch.compiler.is_compiling() else _TOPK_CONSTANTS.get(key)
-    if hit is not None:
-        return hit
-    budget_list = row_budget_list(density, Mv, Nv)
-    hit = (budget_list, torch.tensor(budget_list, dtype=torch.long, device=device),
-           torch.eye(Mv, dtype=torch.bool, device=device))
-    if not torch.compiler.is_compiling():   # under compile they are constants of the graph
-        if len(_TOPK_CONSTANTS) >= 64:
-            _TOPK_CONSTANTS.clear()
-        _TOPK_CONSTANTS[key] = hit
+    cached = not torch.compiler.is_compiling()      # under compile they are constants of the graph
+    hit = _TOPK_CONSTANTS.get(key) if cached else None
+    if hit is None:
+        budget_list = row_budget_list(density, Mv, Nv)
+        hit = (budget_list, torch.tensor(budget_list, dtype=torch.long, device=device),
+               torch.eye(Mv, dtype=torch.bool, device=device))
+        if cached:
+            if len(_TOPK_CONSTANTS) >= 64:
+                _TOPK_CONSTANTS.clear()
+            _TOPK_CONSTANTS[key] = hit
     return hit
 
 

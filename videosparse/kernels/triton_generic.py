@@ -16,7 +16,6 @@ Per item, in one online softmax (exp2 domain):
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

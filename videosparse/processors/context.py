@@ -153,10 +153,6 @@ class SparseSession:
     def layer_stats(self) -> dict[int, LayerStats]:
         return {i: slot.stats for i, slot in enumerate(self.slots)}
 
-    @property
-    def layouts(self) -> dict[int, HeadTiling | None]:
-        return {i: slot.layout for i, slot in enumerate(self.slots)}
-
     def prepare(self, grid: tuple[int, int, int], text_len: int, device: torch.device, dtype: torch.dtype) -> None:
         """Build every layer's tile layout (index tensors on `device`) and check the kernel, once per shape.
 
