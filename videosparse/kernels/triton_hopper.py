@@ -64,6 +64,7 @@ def _hopper_fwd(
     NUM_STAGES: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     FLATTEN: tl.constexpr,
+    SKIP_LOG2: tl.constexpr = 0.0,
 ):
     """One pass of block-sparse attention over a persistent grid.
 
@@ -72,6 +73,9 @@ def _hopper_fwd(
                      the log2-domain column bias BIAS [N_ITEMS, NCP] (log2 len, -inf for exact tiles and pad).
     MERGE: O, LSE already hold a partial result (normalised out, natural-log lse) of this item from an
     earlier pass; it is combined with this pass in the epilogue (same online-softmax algebra).
+    SKIP_LOG2 > 0 (exact pass, benchmarks only): online skip; a listed tile whose every score lies more
+    than SKIP_LOG2 (log2 units) below the running max of its row is dropped (no exp, no P.V). It needs
+    WARP_SPECIALIZE=False (a run-time `if` in the loop).
     """
     tl.static_assert(HEAD_DIM % 16 == 0)
     tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0)
@@ -119,6 +123,11 @@ def _hopper_fwd(
             if CENTROIDS:
                 bias = desc_b.load([item, start]).reshape([BLOCK_N])
                 acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale, bias, True)
+            elif SKIP_LOG2 > 0:
+                bias = tl.where(start + offs_n < SK, 0.0, float("-inf"))
+                gap = tl.max(tl.max(qk * qk_scale + bias[None, :], 1) - m_i, 0)
+                if gap > -SKIP_LOG2:
+                    acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale, bias, True)
             elif MASK_LAST:
                 bias = tl.where(start + offs_n < SK, 0.0, float("-inf"))
                 acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale, bias, True)
@@ -155,7 +164,7 @@ def _num_programs(device: torch.device, n_items: int) -> int:
 
 def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False, *,
                      num_stages: int | None = None, warp_specialize: bool = True, flatten: bool = False,
-                     num_programs: int | None = None):
+                     num_programs: int | None = None, online_skip: float | None = None, num_warps: int = 4):
     """Run the Hopper kernel (inputs are assumed checked: see `HopperBackend.not_supported_reasons`).
 
     Without correction: one pass over the listed tiles. With correction (plan carries k_mean, v_sum,
@@ -172,6 +181,11 @@ def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False
             (flattened persistent loop) gives the same output without a correction but no steady gain
             on the H200 (543 vs 520 TFLOP/s at density 0.1, 568 vs 574 dense, 12 x 32768); with a
             correction it does not compile in Triton 3.6.
+        num_warps: 4; 8 only with warp_specialize=False (with it, 8 silently loses warp specialization).
+        online_skip: benchmarks only (issue: Sol's inline sparsification). A listed key tile whose scores
+            (scale * q.k) all lie more than `online_skip` (natural-log units) below the running max of
+            every row is dropped; not exact. Needs warp_specialize=False. Measured slower: see
+            scripts/bench_online_skip.py and benchmarks/online_skip_h200.json.
 
     Returns:
         out [B, H, S, D] in q's dtype (and lse).
@@ -187,6 +201,15 @@ def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False
     if warp_specialize and num_stages > MAX_WS_STAGES:
         raise ValueError(f"num_stages={num_stages} with warp specialization returns NaN on the H200 with Triton 3.6 "
                          f"(seen at head dim 64); use num_stages <= {MAX_WS_STAGES}, or warp_specialize=False.")
+    if online_skip is not None:
+        if not online_skip > 0:
+            raise ValueError(f"online_skip={online_skip!r} must be a positive score gap (natural-log units), or None.")
+        if warp_specialize:
+            raise ValueError("online_skip needs warp_specialize=False: its run-time `if` turns warp specialization "
+                             "off in Triton 3.6.")
+    if num_warps not in (4, 8) or (warp_specialize and num_warps != 4):
+        raise ValueError(f"num_warps={num_warps!r}: use 4, or 8 with warp_specialize=False (Triton 3.6 drops warp "
+                         "specialization at 8 warps without a word).")
     if flatten and corr:
         raise ValueError("flatten=True does not compile with the correction's centroid pass (Triton 3.6, "
                          "TMA lowering); use flatten=None or False with a correction plan.")
@@ -195,7 +218,7 @@ def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False
     grid = (num_programs or _num_programs(q.device, n_items),)
     common = dict(HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, UPCAST=INTERPRETED and q.dtype != torch.float32,
                   NUM_STAGES=num_stages, WARP_SPECIALIZE=warp_specialize, FLATTEN=flatten,
-                  num_warps=4, num_stages=num_stages)
+                  num_warps=num_warps, num_stages=num_stages)
     if corr:
         k_mean, v_mean, bias = correction_inputs(plan, Nk, bn, q.dtype)
         _hopper_fwd[grid](
@@ -209,13 +232,15 @@ def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False
         kv_index, kv_count, order, lse,
         scale * LOG2E,
         S, Sk, B * H, Mq, kv_index.shape[1], 0, n_items,
-        CENTROIDS=False, MASK_LAST=(Sk % bn) != 0, MERGE=corr, STORE_LSE=return_lse, **common)
+        CENTROIDS=False, MASK_LAST=(Sk % bn) != 0, MERGE=corr, STORE_LSE=return_lse,
+        SKIP_LOG2=float(online_skip or 0.0) * LOG2E, **common)
     return (out, lse) if return_lse else out
 
 
 def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", block_m: int = 128, block_n: int = 128,
                      centroids: bool = False, mask_last: bool = True, merge: bool = False, store_lse: bool = True,
-                     num_stages: int | None = None, warp_specialize: bool = True, flatten: bool = False):
+                     num_stages: int | None = None, warp_specialize: bool = True, flatten: bool = False,
+                     skip_log2: float = 0.0):
     """Compile the kernel ahead of time for sm_90 (works on a CPU-only machine); returns the CompiledKernel.
 
     Inspect `.asm["ttgir"]` (warp specialization: `ttg.warp_specialize`), `.asm["ptx"]` (`wgmma`,
@@ -233,7 +258,7 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", block_m: int =
         types[name] = "i32"
     constants = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CENTROIDS=centroids,
                      MASK_LAST=mask_last, MERGE=merge, STORE_LSE=store_lse, UPCAST=False, NUM_STAGES=num_stages,
-                     WARP_SPECIALIZE=warp_specialize, FLATTEN=flatten)
+                     WARP_SPECIALIZE=warp_specialize, FLATTEN=flatten, SKIP_LOG2=skip_log2)
     signature = {name: types.get(name, "constexpr") for name in _hopper_fwd.arg_names}
     src = ASTSource(_hopper_fwd, signature, constants)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=num_stages))
