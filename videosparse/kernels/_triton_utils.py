@@ -76,48 +76,12 @@ def flat_plan(plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     return (plan.kv_index.reshape(B * H * Mq, kmax).contiguous(), plan.kv_count.reshape(-1).contiguous())
 
 
-# PTX for a pair of adjacent elements (pack=2): the first on the MUFU (ex2.approx), the second as in
-# `exp2_poly` on the FMA/ALU units, clamped at 2**-126 (no zero for -inf: < 1.2e-38 where exp2 gives 0)
-_EXP2_PAIR_PTX = tl.constexpr("""
-{
-.reg .f32 x, n, f, p;
-.reg .s32 ni, pi;
-ex2.approx.ftz.f32 $0, $2;
-max.f32 x, $3, 0fC2FC0000;
-cvt.rmi.f32.f32 n, x;
-sub.f32 f, x, n;
-fma.rn.f32 p, f, 0f3D9F61BC, 0f3E674A0C;
-fma.rn.f32 p, p, f, 0f3F323856;
-fma.rn.f32 p, p, f, 0f3F7FF711;
-cvt.rzi.s32.f32 ni, n;
-shl.b32 ni, ni, 23;
-mov.b32 pi, p;
-add.s32 pi, pi, ni;
-mov.b32 $1, pi;
-}
-""")
-
-
 @triton.jit
-def exp2_split(s, EXP_EMULATION: tl.constexpr):
-    """exp2 of s (fp32); EXP_EMULATION=2: every second element of each thread's registers on the FMA
-    units (a degree-3 polynomial, relative error < 2e-4) and the rest on the MUFU (FA4's trick for
-    MUFU-bound tiles); 0: all on the MUFU."""
-    tl.static_assert(EXP_EMULATION == 0 or EXP_EMULATION == 2)
-    if EXP_EMULATION == 2:
-        p = tl.inline_asm_elementwise(_EXP2_PAIR_PTX, "=r,=r,r,r", [s], dtype=tl.float32, is_pure=True, pack=2)
-    else:
-        p = tl.math.exp2(s)
-    return p
-
-
-@triton.jit
-def softmax_step(acc, l_i, m_i, qk, v, qk_scale, bias, HAS_BIAS: tl.constexpr, EXP_EMULATION: tl.constexpr = 0):
+def softmax_step(acc, l_i, m_i, qk, v, qk_scale, bias, HAS_BIAS: tl.constexpr):
     """One online-softmax update with raw logits qk [M, N] (fp32), values v [N, D].
 
     Logits are scaled by qk_scale (= scale * log2 e) and shifted by `bias` [N] (log2 domain,
-    -inf masks a column) when HAS_BIAS. EXP_EMULATION: see `exp2_split`. Returns the new
-    (acc, l_i, m_i), m_i in the log2 domain.
+    -inf masks a column) when HAS_BIAS. Returns the new (acc, l_i, m_i), m_i in the log2 domain.
     """
     if HAS_BIAS:
         s = qk * qk_scale + bias[None, :]
@@ -126,7 +90,7 @@ def softmax_step(acc, l_i, m_i, qk, v, qk_scale, bias, HAS_BIAS: tl.constexpr, E
     else:
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         s = qk * qk_scale - m_new[:, None]
-    p = exp2_split(s, EXP_EMULATION)
+    p = tl.math.exp2(s)
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]

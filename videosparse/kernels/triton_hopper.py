@@ -65,7 +65,6 @@ def _hopper_fwd(
     WARP_SPECIALIZE: tl.constexpr,
     FLATTEN: tl.constexpr,
     SKIP_LOG2: tl.constexpr = 0.0,
-    EXP_EMULATION: tl.constexpr = 0,
 ):
     """One pass of block-sparse attention over a persistent grid.
 
@@ -123,17 +122,17 @@ def _hopper_fwd(
             qk = tl.dot(q, tl.trans(k))
             if CENTROIDS:
                 bias = desc_b.load([item, start]).reshape([BLOCK_N])
-                acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale, bias, True, EXP_EMULATION)
+                acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale, bias, True)
             elif SKIP_LOG2 > 0:
                 bias = tl.where(start + offs_n < SK, 0.0, float("-inf"))
                 gap = tl.max(tl.max(qk * qk_scale + bias[None, :], 1) - m_i, 0)
                 if gap > -SKIP_LOG2:
-                    acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale, bias, True, EXP_EMULATION)
+                    acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale, bias, True)
             elif MASK_LAST:
                 bias = tl.where(start + offs_n < SK, 0.0, float("-inf"))
-                acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale, bias, True, EXP_EMULATION)
+                acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale, bias, True)
             else:
-                acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale, qk_scale, False, EXP_EMULATION)
+                acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale, qk_scale, False)
 
         rows = mt * BLOCK_M + offs_m
         row_ok = rows < S
@@ -165,8 +164,7 @@ def _num_programs(device: torch.device, n_items: int) -> int:
 
 def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False, *,
                      num_stages: int | None = None, warp_specialize: bool = True, flatten: bool = False,
-                     num_programs: int | None = None, online_skip: float | None = None, num_warps: int = 4,
-                     exp_emulation: int = 0):
+                     num_programs: int | None = None, online_skip: float | None = None, num_warps: int = 4):
     """Run the Hopper kernel (inputs are assumed checked: see `HopperBackend.not_supported_reasons`).
 
     Without correction: one pass over the listed tiles. With correction (plan carries k_mean, v_sum,
@@ -184,8 +182,6 @@ def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False
             on the H200 (543 vs 520 TFLOP/s at density 0.1, 568 vs 574 dense, 12 x 32768); with a
             correction it does not compile in Triton 3.6.
         num_warps: 4; 8 only with warp_specialize=False (with it, 8 silently loses warp specialization).
-        exp_emulation: 0, or 2: every second softmax exp2 on the FMA units (a polynomial, relative
-            error < 2e-4) instead of the MUFU (inline PTX: GPU only).
         online_skip: benchmarks only (issue: Sol's inline sparsification). A listed key tile whose scores
             (scale * q.k) all lie more than `online_skip` (natural-log units) below the running max of
             every row is dropped; not exact. Needs warp_specialize=False. Measured slower: see
@@ -214,10 +210,6 @@ def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False
     if num_warps not in (4, 8) or (warp_specialize and num_warps != 4):
         raise ValueError(f"num_warps={num_warps!r}: use 4, or 8 with warp_specialize=False (Triton 3.6 drops warp "
                          "specialization at 8 warps without a word).")
-    if exp_emulation not in (0, 2):
-        raise ValueError(f"exp_emulation={exp_emulation!r}: use 0 (off) or 2 (every second exp2 emulated).")
-    if exp_emulation and INTERPRETED:
-        raise ValueError("exp_emulation is inline PTX; the Triton interpreter cannot run it.")
     if flatten and corr:
         raise ValueError("flatten=True does not compile with the correction's centroid pass (Triton 3.6, "
                          "TMA lowering); use flatten=None or False with a correction plan.")
@@ -226,7 +218,6 @@ def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False
     grid = (num_programs or _num_programs(q.device, n_items),)
     common = dict(HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, UPCAST=INTERPRETED and q.dtype != torch.float32,
                   NUM_STAGES=num_stages, WARP_SPECIALIZE=warp_specialize, FLATTEN=flatten,
-                  EXP_EMULATION=exp_emulation,
                   num_warps=num_warps, num_stages=num_stages)
     if corr:
         k_mean, v_mean, bias = correction_inputs(plan, Nk, bn, q.dtype)
@@ -249,7 +240,7 @@ def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False
 def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", block_m: int = 128, block_n: int = 128,
                      centroids: bool = False, mask_last: bool = True, merge: bool = False, store_lse: bool = True,
                      num_stages: int | None = None, warp_specialize: bool = True, flatten: bool = False,
-                     skip_log2: float = 0.0, exp_emulation: int = 0):
+                     skip_log2: float = 0.0):
     """Compile the kernel ahead of time for sm_90 (works on a CPU-only machine); returns the CompiledKernel.
 
     Inspect `.asm["ttgir"]` (warp specialization: `ttg.warp_specialize`), `.asm["ptx"]` (`wgmma`,
@@ -267,8 +258,7 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", block_m: int =
         types[name] = "i32"
     constants = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CENTROIDS=centroids,
                      MASK_LAST=mask_last, MERGE=merge, STORE_LSE=store_lse, UPCAST=False, NUM_STAGES=num_stages,
-                     WARP_SPECIALIZE=warp_specialize, FLATTEN=flatten, SKIP_LOG2=skip_log2,
-                     EXP_EMULATION=exp_emulation)
+                     WARP_SPECIALIZE=warp_specialize, FLATTEN=flatten, SKIP_LOG2=skip_log2)
     signature = {name: types.get(name, "constexpr") for name in _hopper_fwd.arg_names}
     src = ASTSource(_hopper_fwd, signature, constants)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=num_stages))
