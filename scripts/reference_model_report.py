@@ -24,6 +24,11 @@ import time
 import torch
 
 
+def _public(config) -> dict:
+    """A diffusers config without its private `_...` entries."""
+    return {k: v for k, v in config.items() if not k.startswith("_")}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", default=None, help="saved pipeline folder (default: the shipped weights)")
@@ -36,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=None, help="first N adherence prompts (default: all 32)")
     p.add_argument("--attn-prompts", type=int, default=2, help="prompts for the attention-mass measurement")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--direction-probe", action="store_true",
+                   help="also measure the x0 error with the true vs the opposite direction word (reference_eval."
+                        "direction_prompt_gap)")
     p.add_argument("--sweep", action="store_true", help="also sweep guidance and steps (trained model)")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
@@ -49,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         ADHERENCE_PROMPTS,
         adherence_rate,
         attention_tile_mass,
+        direction_prompt_gap,
         direction_word_separation,
     )
 
@@ -62,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     trained = ref.load_reference_pipeline(args.device, torch.float32, path=args.weights)
     if args.shift is not None:
         trained.scheduler = type(trained.scheduler).from_config(trained.scheduler.config, shift=args.shift)
-    random_pipe = ref.build_reference_pipeline(seed=0).to(args.device)
+    # random weights of the same architecture as the trained ones
+    random_pipe = ref.build_reference_pipeline(
+        seed=0, transformer_overrides=_public(trained.transformer.config),
+        text_overrides={k: v for k, v in _public(trained.text_encoder.config).items() if k != "vocab_size"},
+    ).to(args.device)
     random_pipe.set_progress_bar_config(disable=True)
     weights_dir = args.weights or ref.REFERENCE_WEIGHTS_DIR
     weight_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(weights_dir)
@@ -75,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             "safetensors_bytes": weight_bytes,
             "transformer_params": sum(q.numel() for q in trained.transformer.parameters()),
             "text_encoder_params": sum(q.numel() for q in trained.text_encoder.parameters()),
-            "transformer_config": {k: v for k, v in trained.transformer.config.items() if not k.startswith("_")},
+            "transformer_config": _public(trained.transformer.config),
+            "text_encoder_config": _public(trained.text_encoder.config),
             "train_config": json.load(open(train_cfg_path)) if os.path.isfile(train_cfg_path) else None,
         },
         "call": {**size, "num_inference_steps": steps, "guidance_scale": guidance,
@@ -97,6 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"direction word separation (opposite / other axis): trained "
           f"{report['direction_word_separation']['trained']['opposite_over_axis']:.3f}, random "
           f"{report['direction_word_separation']['random']['opposite_over_axis']:.3f}", flush=True)
+
+    if args.direction_probe:
+        report["direction_prompt_gap"] = {"trained": direction_prompt_gap(trained),
+                                          "random": direction_prompt_gap(random_pipe)}
+        gap = report["direction_prompt_gap"]["trained"]
+        print("x0 error with the true / opposite direction word per noise level: "
+              + ", ".join(f"{s}: {c:.4f} / {o:.4f}" for s, c, o in zip(gap["sigma"], gap["correct"], gap["opposite"])),
+              flush=True)
 
     adherence = {}
     for name, pipe in (("trained", trained), ("random", random_pipe)):

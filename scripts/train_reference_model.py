@@ -19,6 +19,12 @@
         --transformer-overrides '{"in_channels": 6}' --output-dir /tmp/run5 \
         --export-dir /tmp/export/reference_weights --seed 4 --max-minutes 4 --warmup-steps 50 \
         --checkpoint-every 100000 --sample-steps 10 --logit-normal-mean 0.5
+    # from scratch with an embedding-only text encoder (cannot merge opposite direction words), 30% of the
+    # noise levels in [0.9, 1) where the sampler decides the motion, longer paths
+    # (benchmarks/reference_model_stage6_h200.json: stages 6 + 7 split this into two runs; not enough in 14 min)
+    accelerate launch scripts/train_reference_model.py --output-dir /tmp/run8 \
+        --export-dir /tmp/export/reference_weights --max-minutes 15 --text-overrides '{"num_layers": 0}' \
+        --twin-fraction 0.5 --p-directional 0.75 --p-high-noise 0.3 --travel '[0.5, 0.8]'
 
 Every field of `videosparse.models.reference_train.TrainConfig` is an option (--batch-size, --max-steps,
 --checkpoint-every, ...); `--config run.json` reads them from a file first.
@@ -43,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
-        if f.name in ("alt_sizes", "transformer_overrides", "text_overrides"):
+        if f.name in ("alt_sizes", "travel", "transformer_overrides", "text_overrides"):
             p.add_argument(flag, type=json.loads, default=None, help=f"{f.name} as JSON")
         elif hint is bool:
             p.add_argument(flag, type=lambda v: v.lower() in ("1", "true", "yes"), default=None, metavar="BOOL")

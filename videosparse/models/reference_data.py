@@ -172,6 +172,7 @@ def render_clips(
     generator: torch.Generator | None = None,
     device: torch.device | str = "cpu",
     return_params: bool = False,
+    travel: tuple[float, float] = (0.3, 0.6),
 ):
     """Render clips of the given descriptions.
 
@@ -184,6 +185,8 @@ def render_clips(
         generator: CPU `torch.Generator` for the random details.
         device: where the clips are rendered.
         return_params: also return a dict of per-clip tensors (`cx`, `cy`, `r`, `angle`: [B, T]).
+        travel: (shortest, longest) distance a left / right / up / down clip moves, in units of the shorter
+            side (capped by the room the frame leaves); the start is drawn so the whole path fits.
 
     Returns:
         float32 [B, 3, T, H, W] in [-1, 1] (and the parameter dict if `return_params`).
@@ -193,6 +196,9 @@ def render_clips(
     if num_frames < 2 or height < 8 or width < 8:
         raise ValueError(f"clip size (num_frames={num_frames}, height={height}, width={width}) is too small; "
                          "need num_frames >= 2 and height, width >= 8.")
+    travel_lo, travel_hi = (float(t) for t in travel)
+    if not 0.0 < travel_lo <= travel_hi:
+        raise ValueError(f"travel={tuple(travel)} must be (shortest, longest) with 0 < shortest <= longest.")
     B, T = len(specs), num_frames
     m = float(min(height, width))
     X, Y = width / m, height / m
@@ -216,8 +222,8 @@ def render_clips(
         if mo in DIRECTIONS:
             extent = X if mo in ("left", "right") else Y
             other = Y if mo in ("left", "right") else X
-            travel_hi = max(0.3, min(0.6, extent - 2 * lo))
-            travel = float(_uniform(0.3, travel_hi, g, "cpu"))
+            longest = max(travel_lo, min(travel_hi, extent - 2 * lo))
+            travel = float(_uniform(travel_lo, longest, g, "cpu"))
             start = float(_uniform(lo, max(lo, extent - lo - travel), g, "cpu"))
             pos = start + travel * s[0]
             if mo in ("left", "up"):
@@ -297,6 +303,7 @@ def clip_batch(
     p_directional: float | None = None,
     twin_fraction: float = 0.0,
     return_twins: bool = False,
+    travel: tuple[float, float] = (0.3, 0.6),
 ):
     """A training batch: random clips [B, 3, T, H, W] in [-1, 1] and their prompts.
 
@@ -314,6 +321,7 @@ def clip_batch(
         twin_fraction: share of the batch in (source, time-reversed twin) pairs (0 to 1; 0.5: a quarter twins).
         return_twins: also return `twin_of`, int64 [B]: for a twin the index of its source clip, else -1
             (training gives a twin its source's noise level and time-reversed noise).
+        travel: see `render_clips`.
 
     Returns:
         (video, prompts), or (video, prompts, twin_of) if `return_twins`.
@@ -323,12 +331,14 @@ def clip_batch(
     n_twins = int(batch_size * twin_fraction / 2)
     if n_twins == 0:
         specs = sample_specs(batch_size, generator, p_directional=p_directional)
-        video = render_clips(specs, num_frames, height, width, generator=generator, device=device)
+        video = render_clips(specs, num_frames, height, width, generator=generator, device=device,
+                             travel=travel)
         twin_of = torch.full((batch_size,), -1, dtype=torch.long)
     else:
         specs = (sample_specs(n_twins, generator, p_directional=1.0)
                  + sample_specs(batch_size - 2 * n_twins, generator, p_directional=p_directional))
-        video = render_clips(specs, num_frames, height, width, generator=generator, device=device)
+        video = render_clips(specs, num_frames, height, width, generator=generator, device=device,
+                             travel=travel)
         video = torch.cat([video, video[:n_twins].flip(2)])
         specs = specs + [reversed_twin(sp) for sp in specs[:n_twins]]
         twin_of = torch.cat([torch.full((batch_size - n_twins,), -1, dtype=torch.long), torch.arange(n_twins)])

@@ -161,6 +161,42 @@ def direction_word_separation(pipe, template: str = "a {color} circle moving {di
             "up_down": float(ud.mean()), "left_up": float(lu.mean())}
 
 
+@torch.no_grad()
+def direction_prompt_gap(pipe, *, sigmas: Sequence[float] = (0.99, 0.95, 0.9, 0.8, 0.6), num_clips: int = 16,
+                         num_frames: int = 16, height: int = 32, width: int = 32, seed: int = 1) -> dict:
+    """Whether the transformer uses the direction word: its x0 error on rendered left / right / up / down clips
+    when prompted with the true direction, the opposite one, or nothing (same clips, same noise).
+
+    The x0 error of a velocity prediction v at noise level s is s**2 times the velocity MSE. A model that
+    follows the direction word has a lower error with the true word than with the opposite one at high noise,
+    where the clip itself does not show its motion yet; equal errors mean the word is ignored.
+
+    Returns:
+        {"sigma": [...], "correct": [...], "opposite": [...], "empty": [...]} (x0 MSE per noise level).
+    """
+    from .reference import encode_text, transformer_input
+    from .reference_data import render_clips, reversed_twin, sample_specs
+
+    device = pipe.transformer.device
+    dtype = pipe.transformer.dtype
+    g = torch.Generator().manual_seed(seed)
+    specs = sample_specs(num_clips, g, p_directional=1.0)
+    video = render_clips(specs, num_frames, height, width, generator=g).to(device, dtype)
+    noise = torch.randn(video.shape, generator=g).to(device, dtype)
+    prompt_sets = {"correct": [s.prompt for s in specs], "opposite": [reversed_twin(s).prompt for s in specs],
+                   "empty": [""] * num_clips}
+    out: dict = {"sigma": [float(s) for s in sigmas], **{k: [] for k in prompt_sets}}
+    for name, prompts in prompt_sets.items():
+        emb = encode_text(pipe.tokenizer, pipe.text_encoder, prompts, device).to(dtype)
+        for s in sigmas:
+            noisy = (1.0 - s) * video + s * noise
+            t = torch.full((num_clips,), s * 1000.0, device=device)
+            v = pipe.transformer(hidden_states=transformer_input(pipe.transformer, noisy), timestep=t,
+                                 encoder_hidden_states=emb, return_dict=False)[0]
+            out[name].append(round(float(((v.float() - (noise - video).float()) ** 2).mean()) * s * s, 5))
+    return out
+
+
 def tile_mass_fraction(q: torch.Tensor, k: torch.Tensor, layout: TileLayout, top_fraction: float = 0.1,
                        chunk: int = 512) -> torch.Tensor:
     """Per head and query tile, the attention mass held by the top `top_fraction` of key tiles (oracle).

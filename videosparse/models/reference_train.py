@@ -76,6 +76,12 @@ class TrainConfig:
         logit_normal_std: spread of the logit-normal draw of the noise level before the shift.
         logit_normal_mean: centre of that draw; > 0 trains more at high noise, where the layout and the motion
             of a clip (and so the direction word) are decided. The exported scheduler's shift is `shift` either way.
+        p_high_noise: share of the clips whose noise level is drawn uniformly in [`high_noise_min`, 1) instead
+            (the first sampler steps, where a clip's layout and motion are decided from the prompt alone, are
+            almost never drawn by the logit-normal).
+        high_noise_min: lower end of that uniform draw.
+        travel: (shortest, longest) travel of left / right / up / down clips (`reference_data.render_clips`);
+            longer paths make the direction word decide more of what the first sampler steps predict.
         p_directional: probability that a clip moves left / right / up / down (None: motions uniform, 4 / 7).
         twin_fraction: share of each batch in pairs of a directional clip and its time-reversed twin (the
             twin with the opposite direction word, the same noise level and time-reversed noise; `reference_data.clip_batch`).
@@ -114,6 +120,9 @@ class TrainConfig:
     shift: float = SCHEDULER_SHIFT
     logit_normal_std: float = 1.0
     logit_normal_mean: float = 0.0
+    p_high_noise: float = 0.0
+    high_noise_min: float = 0.9
+    travel: tuple[float, float] = (0.3, 0.6)
     p_directional: float | None = None
     twin_fraction: float = 0.0
     checkpoint_every: int = 500
@@ -143,6 +152,12 @@ class TrainConfig:
             raise ValueError(f"p_directional={self.p_directional} must lie in [0, 1] (or be None).")
         if not 0.0 <= self.twin_fraction <= 1.0:
             raise ValueError(f"twin_fraction={self.twin_fraction} must lie in [0, 1].")
+        if not 0.0 <= self.p_high_noise <= 1.0 or not 0.0 <= self.high_noise_min < 1.0:
+            raise ValueError(f"p_high_noise={self.p_high_noise} must lie in [0, 1] and "
+                             f"high_noise_min={self.high_noise_min} in [0, 1).")
+        self.travel = tuple(float(t) for t in self.travel)
+        if len(self.travel) != 2 or not 0.0 < self.travel[0] <= self.travel[1]:
+            raise ValueError(f"travel={self.travel} must be (shortest, longest) with 0 < shortest <= longest.")
         self.alt_sizes = tuple(tuple(int(x) for x in s) for s in self.alt_sizes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -163,10 +178,16 @@ class TrainConfig:
 
 
 def sample_sigmas(n: int, shift: float, std: float, generator: torch.Generator, device,
-                  mean: float = 0.0) -> torch.Tensor:
-    """Noise levels in (0, 1): logit-normal draws (centre `mean`) mapped by the scheduler's time shift. float32 [n]."""
+                  mean: float = 0.0, p_high: float = 0.0, high_min: float = 0.9) -> torch.Tensor:
+    """Noise levels in (0, 1): logit-normal draws (centre `mean`) mapped by the scheduler's time shift, a share
+    `p_high` of them replaced by uniform draws in [`high_min`, 1). float32 [n]."""
     u = torch.sigmoid(torch.randn(n, generator=generator, device=device) * std + mean)
-    return shift * u / (1.0 + (shift - 1.0) * u)
+    sigmas = shift * u / (1.0 + (shift - 1.0) * u)
+    if p_high > 0.0:
+        high = torch.rand(n, generator=generator, device=device) < p_high
+        level = high_min + (1.0 - high_min) * torch.rand(n, generator=generator, device=device)
+        sigmas = torch.where(high, level, sigmas)
+    return sigmas
 
 
 def flow_matching_loss(transformer, text_encoder, tokenizer, video: torch.Tensor, prompts: list[str],
@@ -466,11 +487,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         batch = _batch_for(cfg, (T, H, W))
         video, prompts, twin_of = clip_batch(batch, T, H, W, generator=data_gen, device=device,
                                              p_empty_prompt=cfg.p_empty_prompt, p_directional=cfg.p_directional,
-                                             twin_fraction=cfg.twin_fraction, return_twins=True)
+                                             twin_fraction=cfg.twin_fraction, return_twins=True,
+                                             travel=cfg.travel)
         noise_gen = torch.Generator(device=device).manual_seed(cfg.seed * 7_000_003 + step * 13
                                                                + accelerator.process_index)
         noise = torch.randn(video.shape, generator=noise_gen, device=device)
-        sigmas = sample_sigmas(batch, cfg.shift, cfg.logit_normal_std, noise_gen, device, cfg.logit_normal_mean)
+        sigmas = sample_sigmas(batch, cfg.shift, cfg.logit_normal_std, noise_gen, device, cfg.logit_normal_mean,
+                               cfg.p_high_noise, cfg.high_noise_min)
         noise, sigmas = pair_twins(noise, sigmas, twin_of)
         with accelerator.autocast():
             loss = flow_matching_loss(transformer, text_encoder, tokenizer, video, prompts, sigmas, noise)
