@@ -174,8 +174,8 @@ def direction_prompt_gap(pipe, *, sigmas: Sequence[float] = (0.99, 0.95, 0.9, 0.
     Returns:
         {"sigma": [...], "correct": [...], "opposite": [...], "empty": [...]} (x0 MSE per noise level).
     """
-    from .reference import encode_text, transformer_input
     from .reference_data import render_clips, reversed_twin, sample_specs
+    from .reference_train import flow_matching_loss
 
     device = pipe.transformer.device
     dtype = pipe.transformer.dtype
@@ -187,13 +187,10 @@ def direction_prompt_gap(pipe, *, sigmas: Sequence[float] = (0.99, 0.95, 0.9, 0.
                    "empty": [""] * num_clips}
     out: dict = {"sigma": [float(s) for s in sigmas], **{k: [] for k in prompt_sets}}
     for name, prompts in prompt_sets.items():
-        emb = encode_text(pipe.tokenizer, pipe.text_encoder, prompts, device).to(dtype)
         for s in sigmas:
-            noisy = (1.0 - s) * video + s * noise
-            t = torch.full((num_clips,), s * 1000.0, device=device)
-            v = pipe.transformer(hidden_states=transformer_input(pipe.transformer, noisy), timestep=t,
-                                 encoder_hidden_states=emb, return_dict=False)[0]
-            out[name].append(round(float(((v.float() - (noise - video).float()) ** 2).mean()) * s * s, 5))
+            level = torch.full((num_clips,), float(s), device=device)
+            loss = flow_matching_loss(pipe.transformer, pipe.text_encoder, pipe.tokenizer, video, prompts, level, noise)
+            out[name].append(round(float(loss) * s * s, 5))
     return out
 
 
