@@ -122,3 +122,20 @@ def test_other_settings_refuse_the_directory(evaluated, loaded):
     other = EvalSettings(settings.methods, settings.prompts, [0], dict(CALL, num_inference_steps=3))
     with pytest.raises(ValueError, match="other settings"):
         run_evaluation(loaded, other, out, progress=False)
+
+
+def test_missing_video_writer_still_completes_the_report(loaded, tmp_path, monkeypatch):
+    """A machine without ffmpeg for imageio (diffusers raises AttributeError) gets its report, with a note."""
+    import videosparse.eval.evaluate as evaluate_module
+
+    def no_ffmpeg(frames, path, fps=8):
+        raise AttributeError("Unable to find a compatible ffmpeg installation in your environment")
+
+    monkeypatch.setattr(evaluate_module, "write_video", no_ffmpeg)
+    settings = EvalSettings(parse_method_specs(["dense", "sol@0.5"]), BUILTIN_PROMPTS[:1], [0],
+                            dict(CALL, num_inference_steps=1), attn_cells=0)
+    report = run_evaluation(loaded, settings, str(tmp_path), progress=False)
+    assert report["artifacts"]["videos"] == []
+    assert any("videos not written" in n and "ffmpeg" in n for n in report["notes"])
+    assert "sol@0.5" in report["summary"] and (tmp_path / "report.md").is_file()
+    assert json.loads((tmp_path / "report.json").read_text())["summary"]["sol@0.5"]["cells"] == 1

@@ -430,7 +430,10 @@ class Evaluation:
                       "patch_size": list(info.patch_size)}
         return model, shapes
 
-    def write_videos(self) -> list[str]:
+    def write_videos(self) -> tuple[list[str], str | None]:
+        """Side-by-side mp4 per prompt (first seed). Returns (paths relative to the output dir, None), or the
+        paths written so far and the reason when no video can be written (e.g. no ffmpeg for imageio): the
+        report is still completed then."""
         s = self.settings
         paths = []
         seed = s.seeds[0]
@@ -443,9 +446,12 @@ class Evaluation:
 
             frames = side_by_side([self._frames(c) for _, c in present], [m.label for m, _ in present])
             path = os.path.join(self.out_dir, "videos", f"prompt{p:02d}_seed{seed}.mp4")
-            write_video(frames, path, fps=s.fps)
+            try:
+                write_video(frames, path, fps=s.fps)
+            except (AttributeError, ImportError, OSError, RuntimeError) as err:   # diffusers: AttributeError
+                return paths, f"{type(err).__name__}: {str(err).strip().splitlines()[-1]}"
             paths.append(os.path.relpath(path, self.out_dir))
-        return paths
+        return paths, None
 
     def write_plots(self, summary: dict) -> list[str]:
         from .plots import plot_error_heatmap, plot_quality_vs_density, plot_speedup_vs_density
@@ -477,6 +483,9 @@ class Evaluation:
                             for layer in comp.get("layers", {}).values() for reason in layer.get("fallbacks", [])})
         if fallbacks:
             notes.append("Some calls fell back to dense attention: " + "; ".join(fallbacks))
+        videos, video_error = self.write_videos()
+        if video_error:
+            notes.append(f"Side-by-side videos not written ({video_error}); the frames are in frames/*.npy.")
         notes = list(dict.fromkeys(notes))
         self.report.update(
             environment=environment(self.device), model=model, shapes=shapes,
@@ -486,7 +495,7 @@ class Evaluation:
             methods={m.label: {"config": m.config.to_dict(), "family": m.family} for m in s.methods},
             summary=summary, notes=notes, updated=time.strftime("%Y-%m-%dT%H:%M:%S"),
         )
-        self.report["artifacts"] = {"videos": self.write_videos(), "plots": self.write_plots(summary),
+        self.report["artifacts"] = {"videos": videos, "plots": self.write_plots(summary),
                                     "report_md": "report.md", "report_json": "report.json"}
         self._save()
         with open(os.path.join(self.out_dir, "report.md"), "w") as f:
