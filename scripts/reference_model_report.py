@@ -9,7 +9,8 @@ Writes JSON (default benchmarks/reference_model.json) with
   object has the prompted colour and moves in the prompted direction (trained, and random weights);
 * attention: per self-attention layer, the fraction of attention mass the top 10% of 128-token key tiles
   hold per query tile, chosen by the oracle (the dense attention itself), trained vs random, for two
-  tile shapes; "uniform" is what evenly spread attention would give.
+  tile shapes; "uniform" is what evenly spread attention would give;
+* with `--sparse-methods`: the adherence of the trained model under each sparse attention config.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also measure the x0 error with the true vs the opposite direction word (reference_eval."
                         "direction_prompt_gap)")
     p.add_argument("--sweep", action="store_true", help="also sweep guidance and steps (trained model)")
+    p.add_argument("--sparse-methods", nargs="+", default=None, metavar="SPEC",
+                   help="also score adherence with sparse attention applied (evaluate's method specs, e.g. veda@0.1 "
+                        "sol@0.25); bf16 on CUDA (the Triton kernels), float32 on the CPU")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
     if args.threads:
@@ -144,6 +148,30 @@ def main(argv: list[str] | None = None) -> int:
                   f"{ {k: round(v, 3) for k, v in res['per_layer'].items()} } (uniform {res['uniform']:.3f})",
                   flush=True)
     report["attention_top10_tile_mass"] = {"prompts": list(attn_prompts), **attention}
+
+    if args.sparse_methods:
+        import videosparse
+        from videosparse.eval.spec import parse_method_specs
+
+        specs = parse_method_specs(args.sparse_methods)         # validated before any generation
+        sparse_dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+        sparse_pipe = ref.load_reference_pipeline(args.device, sparse_dtype, path=args.weights)
+        sparse_pipe.scheduler = trained.scheduler
+        methods = {}
+        for spec in specs:
+            if not spec.is_dense:
+                videosparse.apply(sparse_pipe, spec.config)
+            try:
+                res, secs = timed(lambda: adherence_rate(sparse_pipe, prompts, num_inference_steps=steps,
+                                                         guidance_scale=guidance, batch_size=args.batch_size, **size))
+            finally:
+                if not spec.is_dense:
+                    videosparse.remove(sparse_pipe)
+            methods[spec.label] = {"config": spec.config.to_dict(), "seconds": secs,
+                                   **{k: res[k] for k in ("rate", "color_rate", "direction_rate", "num_prompts")}}
+            print(f"adherence {spec.label} ({sparse_dtype}): {res['rate']:.3f} (colour {res['color_rate']:.3f}, "
+                  f"direction {res['direction_rate']:.3f}) in {secs}s", flush=True)
+        report["adherence_sparse"] = {"dtype": str(sparse_dtype), "methods": methods}
 
     if args.sweep:
         sweep = []

@@ -381,7 +381,7 @@ def test_position_channels_widen_a_plain_model_without_changing_it(tmp_path):
     assert ramps.shape == (2, 3, 3, 4, 5)
     assert torch.equal(ramps[0, 0, :, 0, 0], torch.tensor([-1.0, 0.0, 1.0]))          # t
     assert torch.equal(ramps[0, 2, 0, 0], torch.linspace(-1, 1, 5))                     # x
-    train(_train_cfg(tmp_path / "a", max_steps=1, checkpoint_every=10))
+    train(_train_cfg(tmp_path / "a", max_steps=1, checkpoint_every=10, transformer_overrides={**TINY, "in_channels": 3}))
     wide = train(_train_cfg(tmp_path / "b", max_steps=1, checkpoint_every=10, learning_rate=0.0,
                             init_from=str(tmp_path / "a" / "export"),
                             transformer_overrides={**TINY, "in_channels": 6}))
@@ -398,3 +398,24 @@ def test_position_channels_widen_a_plain_model_without_changing_it(tmp_path):
     odd = SimpleNamespace(config=SimpleNamespace(in_channels=5, out_channels=3))
     with pytest.raises(ValueError, match="in_channels=5"):
         ref.transformer_input(odd, torch.zeros(1, 3, 1, 2, 2))
+
+
+def test_training_command_line_defaults_are_the_shipped_recipe_and_take_none():
+    import importlib.util
+
+    from videosparse.models.reference_train import TrainConfig
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "train_reference_model.py")
+    spec = importlib.util.spec_from_file_location("train_reference_model", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.config_from_args([]) == TrainConfig()
+    shipped = json.load(open(os.path.join(ref.REFERENCE_WEIGHTS_DIR, "training_stages.json")))["stages"][0]["config"]
+    for name in ("p_high_noise", "travel", "p_directional", "twin_fraction", "batch_size", "learning_rate"):
+        assert getattr(TrainConfig(), name) == (tuple(shipped[name]) if name == "travel" else shipped[name]), name
+    assert shipped["transformer_overrides"] == {"in_channels": ref.REFERENCE_TRANSFORMER_CONFIG["in_channels"]}
+    assert shipped["text_overrides"] == {"num_layers": ref.REFERENCE_TEXT_CONFIG["num_layers"]}
+    old = script.config_from_args(["--p-directional", "null", "--twin-fraction", "0", "--travel", "[0.3, 0.6]",
+                                   "--max-minutes", "6"])
+    assert old.p_directional is None and old.twin_fraction == 0.0 and old.travel == (0.3, 0.6)
+    assert old.max_minutes == 6.0

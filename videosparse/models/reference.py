@@ -38,15 +38,18 @@ REFERENCE_WEIGHTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)),
 
 PATCH_SIZE = (1, 4, 4)
 TEXT_DIM = 256
+POSITION_CHANNELS = 3   # (t, y, x) ramps appended to the input when in_channels == out_channels + 3
+# the shipped model's architecture: 3 RGB channels in and out, plus the position ramps on the input
 REFERENCE_TRANSFORMER_CONFIG: dict[str, Any] = dict(
-    patch_size=PATCH_SIZE, num_attention_heads=3, attention_head_dim=128, in_channels=3, out_channels=3,
+    patch_size=PATCH_SIZE, num_attention_heads=3, attention_head_dim=128, in_channels=3 + POSITION_CHANNELS,
+    out_channels=3,
     text_dim=TEXT_DIM, freq_dim=256, ffn_dim=1024, num_layers=4, cross_attn_norm=True,
     qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
 )
-REFERENCE_TEXT_CONFIG: dict[str, Any] = dict(dim=TEXT_DIM, num_layers=2, num_heads=4, ffn_dim=512,
+# embedding-only (num_layers 0): encoder layers trained here merged "left" with "right" (benchmarks/reference_model*.json)
+REFERENCE_TEXT_CONFIG: dict[str, Any] = dict(dim=TEXT_DIM, num_layers=0, num_heads=4, ffn_dim=512,
                                              max_length=MAX_TEXT_LENGTH)
 SCHEDULER_SHIFT = 2.0
-POSITION_CHANNELS = 3   # (t, y, x) ramps appended to the input when in_channels == out_channels + 3
 
 
 def position_channels(batch: int, num_frames: int, height: int, width: int, device=None,
