@@ -381,7 +381,8 @@ def test_position_channels_widen_a_plain_model_without_changing_it(tmp_path):
     assert ramps.shape == (2, 3, 3, 4, 5)
     assert torch.equal(ramps[0, 0, :, 0, 0], torch.tensor([-1.0, 0.0, 1.0]))          # t
     assert torch.equal(ramps[0, 2, 0, 0], torch.linspace(-1, 1, 5))                     # x
-    train(_train_cfg(tmp_path / "a", max_steps=1, checkpoint_every=10, transformer_overrides={**TINY, "in_channels": 3}))
+    train(_train_cfg(tmp_path / "a", max_steps=1, checkpoint_every=10,
+                     transformer_overrides={**TINY, "in_channels": 3}))
     wide = train(_train_cfg(tmp_path / "b", max_steps=1, checkpoint_every=10, learning_rate=0.0,
                             init_from=str(tmp_path / "a" / "export"),
                             transformer_overrides={**TINY, "in_channels": 6}))

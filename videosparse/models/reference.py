@@ -7,7 +7,9 @@ structure. Its parts are ordinary diffusers / transformers objects:
 
 * transformer: diffusers' `WanTransformer3DModel` (3 heads of dim 128, 4 layers) working directly on
   RGB pixels with patch (1, 4, 4), so the stock Wan attention processors (and videosparse's) run on it;
-* text: a word-level `tokenizers` tokenizer and `ReferenceTextEncoder` (embeddings + 2 layers);
+  its input also carries 3 absolute-position channels (`position_channels`);
+* text: a word-level `tokenizers` tokenizer and `ReferenceTextEncoder` (token + position embeddings and a
+  norm: the shipped encoder has no transformer layers, which kept opposite direction words apart);
 * scheduler: `FlowMatchEulerDiscreteScheduler` (rectified flow, velocity = noise - data).
 
 The default clip, 16 frames of 64x64 pixels, is a (16, 16, 16) token grid: 4,096 video tokens.
@@ -46,7 +48,8 @@ REFERENCE_TRANSFORMER_CONFIG: dict[str, Any] = dict(
     text_dim=TEXT_DIM, freq_dim=256, ffn_dim=1024, num_layers=4, cross_attn_norm=True,
     qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
 )
-# embedding-only (num_layers 0): encoder layers trained here merged "left" with "right" (benchmarks/reference_model*.json)
+# embedding-only (num_layers 0): encoder layers trained here merged "left" with "right"
+# (benchmarks/reference_model_stage5_h200.json)
 REFERENCE_TEXT_CONFIG: dict[str, Any] = dict(dim=TEXT_DIM, num_layers=0, num_heads=4, ffn_dim=512,
                                              max_length=MAX_TEXT_LENGTH)
 SCHEDULER_SHIFT = 2.0

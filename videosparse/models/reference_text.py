@@ -3,7 +3,7 @@
 The tokenizer is a `tokenizers` WordLevel model over the closed vocabulary of the procedural prompts
 (`reference_data.VOCABULARY`), wrapped as a transformers fast tokenizer so that it saves as
 ``tokenizer.json`` and loads with ``from_pretrained``. The text encoder is a learned embedding table
-(plus learned positions) and a couple of pre-norm transformer encoder layers, a diffusers
+(plus learned positions) and `num_layers` pre-norm transformer encoder layers (0 for the shipped model), a diffusers
 `ModelMixin`/`ConfigMixin` saved as safetensors.
 """
 
