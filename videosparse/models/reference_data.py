@@ -136,6 +136,14 @@ def sample_specs(n: int, generator: torch.Generator | None = None, *, p_size_wor
     return out
 
 
+def check_travel(travel) -> tuple[float, float]:
+    """`travel` as (shortest, longest) floats; ValueError unless 0 < shortest <= longest."""
+    travel = tuple(float(t) for t in travel)
+    if len(travel) != 2 or not 0.0 < travel[0] <= travel[1]:
+        raise ValueError(f"travel={travel} must be (shortest, longest) with 0 < shortest <= longest.")
+    return travel
+
+
 def _uniform(lo, hi, generator, device):
     """One uniform sample per element of the broadcast of lo and hi (float32 tensors)."""
     lo, hi = torch.broadcast_tensors(torch.as_tensor(lo, dtype=torch.float32), torch.as_tensor(hi, dtype=torch.float32))
@@ -196,9 +204,7 @@ def render_clips(
     if num_frames < 2 or height < 8 or width < 8:
         raise ValueError(f"clip size (num_frames={num_frames}, height={height}, width={width}) is too small; "
                          "need num_frames >= 2 and height, width >= 8.")
-    travel_lo, travel_hi = (float(t) for t in travel)
-    if not 0.0 < travel_lo <= travel_hi:
-        raise ValueError(f"travel={tuple(travel)} must be (shortest, longest) with 0 < shortest <= longest.")
+    travel_lo, travel_hi = check_travel(travel)
     B, T = len(specs), num_frames
     m = float(min(height, width))
     X, Y = width / m, height / m
@@ -329,19 +335,12 @@ def clip_batch(
     if not 0.0 <= twin_fraction <= 1.0:
         raise ValueError(f"twin_fraction={twin_fraction} must lie in [0, 1].")
     n_twins = int(batch_size * twin_fraction / 2)
-    if n_twins == 0:
-        specs = sample_specs(batch_size, generator, p_directional=p_directional)
-        video = render_clips(specs, num_frames, height, width, generator=generator, device=device,
-                             travel=travel)
-        twin_of = torch.full((batch_size,), -1, dtype=torch.long)
-    else:
-        specs = (sample_specs(n_twins, generator, p_directional=1.0)
-                 + sample_specs(batch_size - 2 * n_twins, generator, p_directional=p_directional))
-        video = render_clips(specs, num_frames, height, width, generator=generator, device=device,
-                             travel=travel)
-        video = torch.cat([video, video[:n_twins].flip(2)])
-        specs = specs + [reversed_twin(sp) for sp in specs[:n_twins]]
-        twin_of = torch.cat([torch.full((batch_size - n_twins,), -1, dtype=torch.long), torch.arange(n_twins)])
+    specs = sample_specs(n_twins, generator, p_directional=1.0) if n_twins else []   # twin sources first
+    specs += sample_specs(batch_size - 2 * n_twins, generator, p_directional=p_directional)
+    video = render_clips(specs, num_frames, height, width, generator=generator, device=device, travel=travel)
+    video = torch.cat([video, video[:n_twins].flip(2)])
+    specs = specs + [reversed_twin(sp) for sp in specs[:n_twins]]
+    twin_of = torch.cat([torch.full((batch_size - n_twins,), -1, dtype=torch.long), torch.arange(n_twins)])
     drop = torch.rand(batch_size, generator=generator) < p_empty_prompt
     drop = torch.where(twin_of >= 0, drop[twin_of.clamp(min=0)], drop)
     prompts = ["" if d else sp.prompt for sp, d in zip(specs, drop.tolist())]

@@ -36,7 +36,7 @@ from .reference import (
     encode_text,
     transformer_input,
 )
-from .reference_data import clip_batch
+from .reference_data import check_travel, clip_batch
 
 logger = logging.getLogger(__name__)
 
@@ -159,9 +159,7 @@ class TrainConfig:
         if not 0.0 <= self.p_high_noise <= 1.0 or not 0.0 <= self.high_noise_min < 1.0:
             raise ValueError(f"p_high_noise={self.p_high_noise} must lie in [0, 1] and "
                              f"high_noise_min={self.high_noise_min} in [0, 1).")
-        self.travel = tuple(float(t) for t in self.travel)
-        if len(self.travel) != 2 or not 0.0 < self.travel[0] <= self.travel[1]:
-            raise ValueError(f"travel={self.travel} must be (shortest, longest) with 0 < shortest <= longest.")
+        self.travel = check_travel(self.travel)
         self.alt_sizes = tuple(tuple(int(x) for x in s) for s in self.alt_sizes)
 
     def to_dict(self) -> dict[str, Any]:
