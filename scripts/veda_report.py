@@ -100,6 +100,12 @@ def main() -> None:
                     help="10 = DistillConfig's default; 30 and 60 gave the same recall on prompts held out of training")
     ap.add_argument("--learning-rate", type=float, default=1e-3)
     ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--num-frames", type=int, default=None, help="pipeline call size (default: the model's, 16)")
+    ap.add_argument("--height", type=int, default=None, help="default: the model's (64)")
+    ap.add_argument("--width", type=int, default=None, help="default: the model's (64)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="pipeline dtype (default: float32 on the CPU, bfloat16 on CUDA)")
+    ap.add_argument("--block", type=int, default=128, choices=[64, 128], help="tokens per tile")
     ap.add_argument("--work-dir", default="outputs/veda_report")
     ap.add_argument("--out", default="benchmarks/veda_quality.json")
     args = ap.parse_args()
@@ -112,21 +118,23 @@ def main() -> None:
     eval_prompts = [p for p in prompts_from_vocabulary(args.eval_prompts * 4, seed=2) if p not in train_prompts]
     eval_prompts = eval_prompts[:args.eval_prompts]
     search_prompts = train_prompts[:args.search_prompts]
+    call = {"num_frames": args.num_frames, "height": args.height, "width": args.width, "dtype": args.dtype}
 
     # 1. tiling search -------------------------------------------------------------------------
     tiling_path = work / "tiling.json"
     tiling_reused = tiling_path.exists()
     if not tiling_reused:
         run_tiling_search(TilingSearchConfig(model="reference", prompts=tuple(search_prompts), output=str(tiling_path),
-                                             density=args.density, steps_per_prompt=args.search_steps, seed=11))
+                                             density=args.density, steps_per_prompt=args.search_steps, seed=11,
+                                             block=args.block, **call))
     tiling = load_tiling(tiling_path)
     t_search = time.time()
 
     # 2. distillation --------------------------------------------------------------------------
     cfg = DistillConfig(model="reference", prompts=tuple(train_prompts), steps_per_prompt=args.steps_per_prompt,
                         output_dir=str(work / "estimator"), density=args.density, tiling=str(tiling_path),
-                        epochs=args.epochs, learning_rate=args.learning_rate, weight_decay=args.weight_decay,
-                        log_every=50, checkpoint_every=500, seed=0)
+                        block=args.block, epochs=args.epochs, learning_rate=args.learning_rate,
+                        weight_decay=args.weight_decay, log_every=50, checkpoint_every=500, seed=0, **call)
     cache_dir = work / "estimator" / "cache"
     capture_reused = sum((cache_dir / f"p{i:05d}.done").exists() for i in range(len(train_prompts)))
     result = run_distillation(cfg)

@@ -54,6 +54,15 @@ def test_search_picks_planted_shape_per_head_and_layer():
     assert err[(8, 4, 4)] < 0.05 < min(v for s, v in err.items() if s != (8, 4, 4))
 
 
+@pytest.mark.gpu
+def test_search_on_cuda_tensors_picks_planted_shape():
+    """Captured q/k/v live on the GPU in a CUDA distillation run: the search must not mix devices."""
+    plants = [(8, 4, 4), (4, 4, 8)]
+    q, k, v = (t.cuda() for t in planted(GRID, plants))
+    res = search_tiling([record(0, GRID, q, k, v)], density=DENSITY, num_layers=1, num_heads=2)
+    assert list(res.tiling.layers[0]) == plants
+
+
 def test_majority_vote_over_samples():
     a, b = (8, 4, 4), (8, 8, 2)
     samples = [record(0, GRID, *planted(GRID, [s], seed=i)) for i, s in enumerate([a, b, a])]

@@ -262,7 +262,7 @@ def search_tiling(
         heads_seen = H
         B = rec.q.shape[0]
         e = e / B
-        mask = torch.tensor([s in allowed for s in shapes_all])
+        mask = torch.tensor([s in allowed for s in shapes_all], device=e.device)
         e_masked = e.masked_fill(~mask[:, None], math.inf)
         best = e_masked.argmin(0)
         votes.setdefault(layer, [Counter() for _ in range(H)])
