@@ -142,7 +142,7 @@ def check_correctness(results, deadline):
         (2, 3, 4000, 64, torch.float16, "banded", 0.3, True),
         (2, 3, 4000, 64, torch.bfloat16, "random", 0.5, False),
     ]
-    for backend in ("hopper", "triton_generic"):
+    for backend in ("gluon_hopper", "hopper", "triton_generic"):
         for B, H, S, D, dt, kind, dens, corr in cases:
             if time.time() > deadline:
                 return
@@ -171,7 +171,7 @@ def bench_shape(name, results, args, deadline):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
 
-    from videosparse.kernels.triton_hopper import hopper_attention
+    from videosparse.kernels import block_sparse_attention, select_backend
     from videosparse.sol.centroids import tile_centroids_torch
 
     B, H, S, D = SHAPES[name]
@@ -222,17 +222,21 @@ def bench_shape(name, results, args, deadline):
                 return
             plan = random_plan(B, H, S, target, 128, dev) if kind == "random" else banded_plan(B, H, S, target, 128, dev)
             dens = plan_density(plan, S)
-            out = hopper_attention(q, k, v, plan, scale)
-            extra = {}
+
+            def ours_fn(p):   # what users run: the auto backend, plan already validated
+                return block_sparse_attention(q, k, v, p, scale=scale, validate=False)
+
+            out = ours_fn(plan)
+            extra = {"backend": select_backend(q, k, v, plan).name}
             if target >= 1.0:
                 extra["rel_err_vs_cudnn"] = round(float((out.float() - ref_dense.float()).norm() / ref_dense.float().norm()), 5)
-            ours = add("ours", kind, target, dens, bench(lambda p=plan: hopper_attention(q, k, v, p, scale)), **extra)
+            ours = add("ours", kind, target, dens, bench(lambda p=plan: ours_fn(p)), **extra)
             cud = next(r for r in rows if r["shape"] == name and r["impl"] == "cudnn")
             ours["speedup_vs_cudnn"] = cud["ms"] / ours["ms"]
             if target < 1.0 and (kind == "random" or name == "12x32768 d128"):
                 cplan = plan.with_correction(*tile_centroids_torch(k, v, 128))
-                hopper_attention(q, k, v, cplan, scale)
-                cms = bench(lambda: hopper_attention(q, k, v, cplan, scale))
+                ours_fn(cplan)
+                cms = bench(lambda: ours_fn(cplan))
                 crow = add("ours+corr", kind, target, dens, cms, overhead=round(cms / ours["ms"] - 1, 4))
                 crow["speedup_vs_cudnn"] = cud["ms"] / cms
             if do_peers and (kind == "random" or name == "12x32768 d128"):
@@ -263,6 +267,8 @@ def bench_variants(results, args, deadline):
     import torch
     from triton.testing import do_bench
 
+    from videosparse.kernels import block_sparse_attention
+    from videosparse.kernels.gluon_hopper import gluon_attention
     from videosparse.kernels.triton_generic import generic_attention
     from videosparse.kernels.triton_hopper import hopper_attention
 
@@ -276,12 +282,15 @@ def bench_variants(results, args, deadline):
             plan = random_plan(B, H, S, target, 128, dev)
             dens = plan_density(plan, S)
             variants = {
-                "default": lambda: hopper_attention(q, k, v, plan, D ** -0.5),
-                "no_ws": lambda: hopper_attention(q, k, v, plan, D ** -0.5, warp_specialize=False),
-                "flatten": lambda: hopper_attention(q, k, v, plan, D ** -0.5, flatten=True),
-                "stages1": lambda: hopper_attention(q, k, v, plan, D ** -0.5, num_stages=1),
+                "default": lambda: block_sparse_attention(q, k, v, plan, validate=False),
+                "gluon_2stages": lambda: gluon_attention(q, k, v, plan, D ** -0.5, num_stages=2),
+                "gluon_pingpong": lambda: gluon_attention(q, k, v, plan, D ** -0.5, pingpong=True),
+                "triton_hopper": lambda: hopper_attention(q, k, v, plan, D ** -0.5),
+                "triton_hopper_no_ws": lambda: hopper_attention(q, k, v, plan, D ** -0.5, warp_specialize=False),
                 "generic": lambda: generic_attention(q, k, v, plan, D ** -0.5),
             }
+            if D == 64:
+                variants["gluon_3stages"] = lambda: gluon_attention(q, k, v, plan, D ** -0.5, num_stages=3)
             base = None     # the default variant's output (checked against the reference above)
             for vname, fn in variants.items():
                 if time.time() > deadline:

@@ -1,4 +1,5 @@
-"""Ahead-of-time compile of the Hopper kernel for sm_90 on CPU: warp specialization, TMA and wgmma must be in it.
+"""Ahead-of-time compile of the Hopper kernels (Triton and Gluon) for sm_90 on CPU: warp specialization, TMA
+and wgmma must be in them.
 
 Triton 3.6 drops warp specialization silently (num_warps=8, a run-time `if` or a second dot outside
 the loop), so a change that loses it, TMA or wgmma fails here before it reaches a GPU.
@@ -79,3 +80,41 @@ def test_hopper_refuses_stage_counts_that_return_nan():
     q = torch.randn(1, 1, 128, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="num_stages=3 with warp specialization"):
         triton_hopper.hopper_attention(q, q, q, dense_plan(1, 1, 128), 0.125, num_stages=3)
+
+
+# Gluon kernel: (head_dim, dtype, num_stages, merge, mask_last)
+GLUON_VARIANTS = {
+    "d128-bf16-3stages-partial": (128, "bf16", 3, False, True),
+    "d128-fp16-merge": (128, "fp16", 3, True, False),
+    "d64-bf16-2stages-merge-partial": (64, "bf16", 2, True, True),
+}
+
+
+@pytest.mark.parametrize("name", list(GLUON_VARIANTS))
+def test_gluon_kernel_compiles_with_two_consumer_warpgroups_tma_and_wgmma(name, tmp_path):
+    pytest.importorskip("triton.experimental.gluon")
+    from videosparse.kernels import gluon_hopper
+
+    d, dtype, stages, merge, mask_last = GLUON_VARIANTS[name]
+    k = gluon_hopper.compile_for_sm90(head_dim=d, dtype=dtype, num_stages=stages, merge=merge, mask_last=mask_last)
+    ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
+    assert "ttg.warp_specialize" in ttgir
+    assert k.metadata.num_warps == 12, "expected 4 (consumer 0) + 4 (consumer 1) + 4 (loader warp, rounded) warps"
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    assert "setmaxnreg" in ptx, "no register reallocation between loader and consumers"
+    assert k.metadata.shared <= SHARED_LIMIT, f"shared memory {k.metadata.shared} > {SHARED_LIMIT}"
+    local = _local_memory_bytes(k.asm["cubin"], tmp_path)
+    assert local in (None, 0), f"registers spill to {local} bytes of local memory"
+
+
+def test_gluon_backend_declines_cpu_and_unsupported_inputs_with_reasons():
+    import torch
+
+    pytest.importorskip("triton.experimental.gluon")
+    from videosparse.kernels.gluon_hopper import BACKEND
+    from videosparse.plan import dense_plan
+
+    q = torch.randn(1, 1, 200, 96)
+    why = " ".join(BACKEND.not_supported_reasons(q, q, q, dense_plan(1, 1, 200, 64, 64)))
+    for part in ("compute capability 9.x", "float32", "head dim 96", "64x64"):
+        assert part in why

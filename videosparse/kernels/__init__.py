@@ -1,7 +1,8 @@
 """Block-sparse attention kernels and their dispatch.
 
 `block_sparse_attention(q, k, v, plan)` runs a `Plan` on the best backend for the inputs:
-Hopper Triton kernel (TMA + warp specialization) -> generic Triton kernel -> torch reference.
+Hopper Gluon kernel (explicit warp-specialized schedule, 128x128 tiles) -> Hopper Triton kernel (TMA +
+automatic warp specialization) -> generic Triton kernel -> torch reference.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from .reference import reference_attention
 __all__ = ["block_sparse_attention", "reference_attention", "register_backend", "select_backend"]
 
 # Triton backends, imported on first use (the package imports without triton). Auto order:
-# hopper -> triton_generic -> reference; backend="triton" tries hopper, then triton_generic.
+# gluon_hopper -> hopper -> triton_generic -> reference; backend="triton" tries them in that order
+# (on CPU, under TRITON_INTERPRET=1, gluon_hopper declines: Gluon has no interpreter).
+register_backend("gluon_hopper", "videosparse.kernels.gluon_hopper:BACKEND", before="reference", triton=True)
 register_backend("hopper", "videosparse.kernels.triton_hopper:BACKEND", before="reference", triton=True)
 register_backend("triton_generic", "videosparse.kernels.triton_generic:BACKEND", before="reference", triton=True)
 

@@ -220,13 +220,7 @@ def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False
                   NUM_STAGES=num_stages, WARP_SPECIALIZE=warp_specialize, FLATTEN=flatten,
                   num_warps=num_warps, num_stages=num_stages)
     if corr:
-        k_mean, v_mean, bias = correction_inputs(plan, Nk, bn, q.dtype)
-        _hopper_fwd[grid](
-            q, k_mean, v_mean, out, lse,
-            kv_index, kv_count, order, bias,
-            scale * LOG2E,
-            S, Nk, B * H, Mq, kv_index.shape[1], bias.shape[1], n_items,
-            CENTROIDS=True, MASK_LAST=False, MERGE=False, STORE_LSE=True, **common)
+        centroid_pass(q, k, plan, scale, out, lse, num_programs=grid[0], **common)
     _hopper_fwd[grid](
         q, k, v, out, lse,
         kv_index, kv_count, order, lse,
@@ -235,6 +229,28 @@ def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False
         CENTROIDS=False, MASK_LAST=(Sk % bn) != 0, MERGE=corr, STORE_LSE=return_lse,
         SKIP_LOG2=float(online_skip or 0.0) * LOG2E, **common)
     return (out, lse) if return_lse else out
+
+
+def centroid_pass(q, k, plan: Plan, scale: float, out, lse, *, num_programs: int | None = None, **options) -> None:
+    """The zero-order correction's first launch: the centroids of each item's skipped tiles, written as a
+    partial result (normalised out, natural-log lse) into `out` [B, H, S, D] and `lse` fp32 [B, H, S]; an
+    exact pass with MERGE (this module's or `gluon_hopper`'s) folds it in. k [B, H, Sk, D] gives Sk only."""
+    B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = launch_dims(q, k, plan)
+    k_mean, v_mean, bias = correction_inputs(plan, Nk, plan.block_n, q.dtype)
+    if not options:
+        options = dict(HEAD_DIM=D, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+                       UPCAST=INTERPRETED and q.dtype != torch.float32, NUM_STAGES=2,
+                       WARP_SPECIALIZE=True, FLATTEN=False, num_warps=4, num_stages=2)
+    if not INTERPRETED:
+        triton.set_allocator(_alloc)
+    n_items = order.numel()
+    grid = (num_programs or _num_programs(q.device, n_items),)
+    _hopper_fwd[grid](
+        q, k_mean, v_mean, out, lse,
+        kv_index, kv_count, order, bias,
+        scale * LOG2E,
+        S, Nk, B * H, Mq, kv_index.shape[1], bias.shape[1], n_items,
+        CENTROIDS=True, MASK_LAST=False, MERGE=False, STORE_LSE=True, **options)
 
 
 def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", block_m: int = 128, block_n: int = 128,

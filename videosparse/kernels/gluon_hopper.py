@@ -1,0 +1,366 @@
+"""Hopper (sm_90) tile-skipping attention forward written in Gluon: an explicit FA3-style schedule.
+
+Triton's automatic warp specialization (`triton_hopper`) gives one consumer warpgroup whose softmax
+does not overlap its own GEMMs. This kernel writes the schedule out:
+
+* one loader warp: TMA loads of the two Q halves of the work item, then the listed K and V tiles into
+  a ring of `NUM_STAGES` shared-memory stages (K and V have their own ready barriers, so the score
+  GEMM can start before V lands);
+* two consumer warpgroups, each owning 64 of the 128 query rows: per key tile the score GEMM
+  S_j = Q K_j^T is issued asynchronously *before* the P_{j-1} V_{j-1} GEMM of the previous tile, and
+  the online softmax of S_j runs while P_{j-1} V_{j-1} is still in the tensor cores (in-warpgroup
+  pipelining). With two warpgroups the warp scheduler interleaves one's softmax with the other's
+  GEMMs; `PINGPONG=True` enforces that order with a pair of mbarriers (FA3's ping-pong).
+* persistent grid, work items (batch*head, query tile) longest-first as in `triton_hopper`.
+
+Semantics are those of `reference.block_sparse_attention_reference` without the zero-order
+correction (the dispatch keeps correction plans on `triton_hopper`). Rows past S are not stored; key
+columns past Sk in the last tile are masked. Needs a CUDA device of compute capability 9.x; compile
+it ahead of time on any machine with `compile_for_sm90`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from ..plan import Plan
+from ._triton_utils import LOG2E, launch_dims
+
+HALF_M = 64            # query rows per consumer warpgroup
+BLOCK_M = 2 * HALF_M   # query rows per work item (two consumer warpgroups)
+NEG_BIG = gl.constexpr(-1.0e30)
+
+
+@gluon.jit
+def _loader(desc_q, desc_k, desc_v, KV_INDEX, KV_COUNT, ORDER, S, SK, MQ, KMAX, N_ITEMS,
+            q_smem, k_smem, v_smem, bars, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+            MASK_LAST: gl.constexpr, PINGPONG: gl.constexpr):
+    """1 warp: Q halves per item, then the listed K/V tiles into the stage ring."""
+    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
+    c = 0
+    t = 0
+    for it in range(gl.program_id(0), N_ITEMS, gl.num_programs(0)):
+        item = gl.load(ORDER + it)
+        bh = item // MQ
+        mt = item % MQ
+        n = gl.load(KV_COUNT + item)
+        mbarrier.wait(q_empty, (t & 1) ^ 1)
+        mbarrier.expect(q_ready, 2 * desc_q.block_type.nbytes)
+        row0 = bh * S + mt * 128
+        tma.async_copy_global_to_shared(desc_q, [row0, 0], q_ready, q_smem.index(0))
+        tma.async_copy_global_to_shared(desc_q, [row0 + 64, 0], q_ready, q_smem.index(1))
+        row = KV_INDEX + item.to(gl.int64) * KMAX
+        for j in range(n):
+            s = c % NUM_STAGES
+            ph = (c // NUM_STAGES) & 1
+            start = gl.load(row + j) * BLOCK_N
+            mbarrier.wait(k_empty.index(s), ph ^ 1)
+            mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc_k, [bh * SK + start, 0], k_ready.index(s), k_smem.index(s))
+            mbarrier.wait(v_empty.index(s), ph ^ 1)
+            mbarrier.expect(v_ready.index(s), desc_v.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc_v, [bh * SK + start, 0], v_ready.index(s), v_smem.index(s))
+            c += 1
+        t += 1
+
+
+@gluon.jit
+def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX, N_ITEMS,
+             q_smem, k_smem, v_smem, bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+             NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr,
+             MERGE: gl.constexpr, PINGPONG: gl.constexpr):
+    """One consumer warpgroup (rows WG*64 .. WG*64+63 of each item): pipelined QK^T / softmax / PV."""
+    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
+    dtype: gl.constexpr = O.dtype.element_ty
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q_half = q_smem.index(WG)
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    c = 0
+    t = 0
+    turns = 0
+    for it in range(gl.program_id(0), N_ITEMS, gl.num_programs(0)):
+        item = gl.load(ORDER + it)
+        bh = item // MQ
+        mt = item % MQ
+        n = gl.load(KV_COUNT + item)
+        row = KV_INDEX + item.to(gl.int64) * KMAX
+        m_i = gl.full([64], NEG_BIG, gl.float32, layout=row_s)
+        l_i = gl.zeros([64], gl.float32, layout=row_s)
+        acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
+        zero_s = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
+        mbarrier.wait(q_ready, t & 1)
+        if n > 0:
+            # prologue: S_0 and its softmax
+            s0 = c % NUM_STAGES
+            mbarrier.wait(k_ready.index(s0), (c // NUM_STAGES) & 1)
+            if PINGPONG:
+                mbarrier.wait(turn.index(WG), turns & 1)
+            qk = warpgroup_mma(q_half, k_smem.index(s0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - WG), count=1)
+                turns += 1
+            qk = warpgroup_mma_wait(0, deps=(qk,))
+            mbarrier.arrive(k_empty.index(s0), count=1)
+            if n == 1:
+                mbarrier.arrive(q_empty, count=1)
+            if MASK_LAST:
+                start = gl.load(row) * BLOCK_N
+                qk = gl.where((start + cols < SK)[None, :], qk, float("-inf"))
+            m_i = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+            p = gl.exp2(qk * qk_scale - m_i[:, None])
+            l_i = gl.sum(p, 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            for j in range(1, n):
+                cj = c + j
+                sj = cj % NUM_STAGES
+                sp = (cj - 1) % NUM_STAGES
+                mbarrier.wait(k_ready.index(sj), (cj // NUM_STAGES) & 1)
+                mbarrier.wait(v_ready.index(sp), ((cj - 1) // NUM_STAGES) & 1)
+                if PINGPONG:
+                    mbarrier.wait(turn.index(WG), turns & 1)
+                qk_tok = warpgroup_mma(q_half, k_smem.index(sj).permute((1, 0)), zero_s, use_acc=False,
+                                       is_async=True)
+                acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(1 - WG), count=1)
+                    turns += 1
+                qk = warpgroup_mma_wait(1, deps=(qk_tok,))
+                mbarrier.arrive(k_empty.index(sj), count=1)
+                if j == n - 1:
+                    mbarrier.arrive(q_empty, count=1)
+                if MASK_LAST:
+                    start = gl.load(row + j) * BLOCK_N
+                    qk = gl.where((start + cols < SK)[None, :], qk, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+                alpha = gl.exp2(m_i - m_new)
+                p = gl.exp2(qk * qk_scale - m_new[:, None])
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+                acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+                mbarrier.arrive(v_empty.index(sp), count=1)
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+            sl = (c + n - 1) % NUM_STAGES
+            mbarrier.wait(v_ready.index(sl), ((c + n - 1) // NUM_STAGES) & 1)
+            if PINGPONG:
+                mbarrier.wait(turn.index(WG), turns & 1)
+            acc_tok = warpgroup_mma(p_op, v_smem.index(sl), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - WG), count=1)
+                turns += 1
+            acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+            mbarrier.arrive(v_empty.index(sl), count=1)
+        else:
+            mbarrier.arrive(q_empty, count=1)
+        c += n
+        t += 1
+        # epilogue: (MERGE: fold in the stored partial result) out = acc / l, lse = (m + log2 l) ln 2
+        m_o = gl.convert_layout(m_i, row_o)
+        l_o = gl.convert_layout(l_i, row_o)
+        rows = mt * 128 + WG * 64 + gl.arange(0, 64, layout=row_o)
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        row_ok = rows < S
+        o_ptr = O + (bh.to(gl.int64) * S + rows)[:, None] * HEAD_DIM + offs_d[None, :]
+        lse_ptr = LSE + bh.to(gl.int64) * S + rows
+        if MERGE:
+            o_prev = gl.load(o_ptr, mask=row_ok[:, None], other=0.0).to(gl.float32)
+            t_prev = gl.load(lse_ptr, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+            m_new = gl.maximum(m_o, t_prev)
+            a = gl.exp2(m_o - m_new)
+            b = gl.exp2(t_prev - m_new)
+            acc = acc * a[:, None] + o_prev * b[:, None]
+            l_o = l_o * a + b
+            m_o = m_new
+        seen = l_o > 0.0
+        out = acc / gl.where(seen, l_o, 1.0)[:, None]
+        gl.store(o_ptr, out.to(dtype), mask=row_ok[:, None])
+        if STORE_LSE:
+            lse = gl.where(seen, (m_o + gl.log2(gl.where(seen, l_o, 1.0))) * 0.6931471805599453, float("-inf"))
+            gl.store(lse_ptr, lse, mask=row_ok)
+
+
+@gluon.jit
+def _consumer0(O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX, N_ITEMS, q_smem, k_smem, v_smem, bars,
+               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr,
+               STORE_LSE: gl.constexpr, MERGE: gl.constexpr, PINGPONG: gl.constexpr):
+    _consume(0, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX, N_ITEMS, q_smem, k_smem, v_smem,
+             bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, MERGE, PINGPONG)
+
+
+@gluon.jit
+def _worker_consumer1(desc_q, desc_k, desc_v, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX,
+                      N_ITEMS, q_smem, k_smem, v_smem, bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                      NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr,
+                      MERGE: gl.constexpr, PINGPONG: gl.constexpr):
+    _consume(1, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX, N_ITEMS, q_smem, k_smem, v_smem,
+             bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, MERGE, PINGPONG)
+
+
+@gluon.jit
+def _worker_loader(desc_q, desc_k, desc_v, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX,
+                   N_ITEMS, q_smem, k_smem, v_smem, bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr,
+                   MERGE: gl.constexpr, PINGPONG: gl.constexpr):
+    _loader(desc_q, desc_k, desc_v, KV_INDEX, KV_COUNT, ORDER, S, SK, MQ, KMAX, N_ITEMS, q_smem, k_smem, v_smem,
+            bars, BLOCK_N, NUM_STAGES, MASK_LAST, PINGPONG)
+
+
+@gluon.jit
+def _gluon_fwd(Q, K, V, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, N_BH, MQ, KMAX, N_ITEMS,
+               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+               MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr, MERGE: gl.constexpr, PINGPONG: gl.constexpr):
+    """Q, O [N_BH*S, D]; K, V [N_BH*SK, D]; LSE fp32 [N_BH*S]; plan KV_INDEX [items, KMAX], KV_COUNT, ORDER."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
+    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    desc_q = tma.make_tensor_descriptor(Q, shape=[N_BH * S, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                        block_shape=[64, HEAD_DIM], layout=q_sl)
+    desc_k = tma.make_tensor_descriptor(K, shape=[N_BH * SK, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                        block_shape=[BLOCK_N, HEAD_DIM], layout=kv_sl)
+    desc_v = tma.make_tensor_descriptor(V, shape=[N_BH * SK, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                        block_shape=[BLOCK_N, HEAD_DIM], layout=kv_sl)
+    q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], q_sl)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_sl)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_sl)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=2)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    if PINGPONG:   # warpgroup 0 issues its GEMMs first
+        mbarrier.arrive(turn.index(0), count=1)
+    bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn)
+    # (worker arguments are written out in each tuple: a tuple held in a variable turns constexprs into tensors)
+    gl.warp_specialize([
+        (_consumer0, (O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX, N_ITEMS, q_smem, k_smem, v_smem,
+                      bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, MERGE, PINGPONG)),
+        (_worker_consumer1, (desc_q, desc_k, desc_v, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX,
+                             N_ITEMS, q_smem, k_smem, v_smem, bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST,
+                             STORE_LSE, MERGE, PINGPONG)),
+        (_worker_loader, (desc_q, desc_k, desc_v, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX,
+                          N_ITEMS, q_smem, k_smem, v_smem, bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST,
+                          STORE_LSE, MERGE, PINGPONG)),
+    ], [4, 1], [240, 24])
+
+
+def _alloc(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def default_stages(head_dim: int) -> int:
+    """K/V ring depth: 3 at head dim 128 (224 KB of shared memory; 583 vs 511 TFLOP/s at density 0.1 on
+    the H200), 2 at 64 (3 is no faster there)."""
+    return 3 if head_dim == 128 else 2
+
+
+def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False, *, num_stages: int | None = None,
+                    pingpong: bool = False, num_programs: int | None = None, maxnreg: int = 168):
+    """Run the Gluon kernel (inputs are assumed checked: see `GluonHopperBackend.not_supported_reasons`).
+
+    With a correction plan (k_mean / v_sum / tile_len), `triton_hopper.centroid_pass` first writes the
+    skipped tiles' partial result into out / lse, and this kernel folds it in (MERGE) in its epilogue.
+
+    Args:
+        q: [B, H, S, D]; k, v: [B, H, Sk, D]; contiguous fp16/bf16 on an sm_90 device; D in (64, 128).
+        plan: a Plan of 128x128 tiles.
+        scale: softmax scale. return_lse: also return fp32 [B, H, S] natural-log LSE.
+        num_stages (default `default_stages(D)`), pingpong, num_programs, maxnreg: tuning knobs
+            (benchmarks). pingpong=True (FA3's enforced alternation of the two warpgroups' GEMMs) was
+            not faster on the H200 (536 vs 583 TFLOP/s at density 0.1).
+
+    Returns:
+        out [B, H, S, D] in q's dtype (and lse).
+    """
+    from .triton_hopper import centroid_pass
+
+    B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = launch_dims(q, k, plan)
+    corr = plan.has_correction
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if (return_lse or corr) else out
+    n_items = order.numel()
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    grid = (num_programs or max(1, min(n_items, sms)),)
+    if corr:
+        centroid_pass(q, k, plan, scale, out, lse, num_programs=grid[0])
+    triton.set_allocator(_alloc)
+    _gluon_fwd[grid](q, k, v, out, lse, kv_index, kv_count, order, scale * LOG2E,
+                     S, Sk, B * H, Mq, kv_index.shape[1], n_items,
+                     HEAD_DIM=D, BLOCK_N=plan.block_n, NUM_STAGES=num_stages or default_stages(D),
+                     MASK_LAST=(Sk % plan.block_n) != 0, STORE_LSE=return_lse or corr, MERGE=corr,
+                     PINGPONG=pingpong, num_warps=4, maxnreg=maxnreg)
+    return (out, lse) if return_lse else out
+
+
+def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: int | None = None,
+                     mask_last: bool = True, store_lse: bool = True, merge: bool = False, pingpong: bool = False,
+                     maxnreg: int = 168):
+    """Compile the kernel ahead of time for sm_90 (works on a CPU-only machine); returns the CompiledKernel.
+
+    Inspect `.asm["ttgir"]` (`ttg.warp_specialize`), `.asm["ptx"]` (`wgmma`, `cp.async.bulk.tensor`,
+    `setmaxnreg`) and `.metadata.shared` (bytes of shared memory).
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    ptr = "*" + dtype
+    types = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", KV_INDEX="*i32", KV_COUNT="*i32", ORDER="*i32",
+                 qk_scale="fp32")
+    for name in ("S", "SK", "N_BH", "MQ", "KMAX", "N_ITEMS"):
+        types[name] = "i32"
+    constants = dict(HEAD_DIM=head_dim, BLOCK_N=128, NUM_STAGES=num_stages or default_stages(head_dim),
+                     MASK_LAST=mask_last, STORE_LSE=store_lse, MERGE=merge, PINGPONG=pingpong)
+    signature = {name: types.get(name, "constexpr") for name in _gluon_fwd.arg_names}
+    src = GluonASTSource(_gluon_fwd, signature, constants)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
+
+
+def _hopper_available(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] == 9
+
+
+class GluonHopperBackend:
+    """Backend object for the dispatch registry ("gluon_hopper"): first in the auto order on sm_90."""
+
+    name = "gluon_hopper"
+
+    def not_supported_reasons(self, q, k, v, plan: Plan) -> list[str]:
+        why = []
+        if not _hopper_available(q.device):
+            why.append(f"needs a CUDA GPU of compute capability 9.x (q is on {q.device}; Gluon has no interpreter)")
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            why.append(f"dtype {q.dtype} is not fp16/bf16")
+        if q.shape[-1] not in (64, 128):
+            why.append(f"head dim {q.shape[-1]} not in (64, 128)")
+        if plan.block_m != BLOCK_M or plan.block_n != 128:
+            why.append(f"tiles {plan.block_m}x{plan.block_n} are not 128x128")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not t.is_contiguous():
+                why.append(f"{name} is not contiguous")
+        return why
+
+    def __call__(self, q, k, v, plan: Plan, scale: float, return_lse: bool):
+        return gluon_attention(q, k, v, plan, scale, return_lse)
+
+
+BACKEND = GluonHopperBackend()
