@@ -29,6 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from ..plan import Plan
 from ._triton_utils import LOG2E, launch_dims
+from .triton_hopper import HopperBackend, centroid_pass
 
 HALF_M = 64            # query rows per consumer warpgroup
 BLOCK_M = 2 * HALF_M   # query rows per work item (two consumer warpgroups)
@@ -192,32 +193,6 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, S
 
 
 @gluon.jit
-def _consumer0(O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX, N_ITEMS, q_smem, k_smem, v_smem, bars,
-               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr,
-               STORE_LSE: gl.constexpr, MERGE: gl.constexpr, PINGPONG: gl.constexpr):
-    _consume(0, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX, N_ITEMS, q_smem, k_smem, v_smem,
-             bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, MERGE, PINGPONG)
-
-
-@gluon.jit
-def _worker_consumer1(desc_q, desc_k, desc_v, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX,
-                      N_ITEMS, q_smem, k_smem, v_smem, bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                      NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr,
-                      MERGE: gl.constexpr, PINGPONG: gl.constexpr):
-    _consume(1, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX, N_ITEMS, q_smem, k_smem, v_smem,
-             bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, MERGE, PINGPONG)
-
-
-@gluon.jit
-def _worker_loader(desc_q, desc_k, desc_v, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX,
-                   N_ITEMS, q_smem, k_smem, v_smem, bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                   NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr,
-                   MERGE: gl.constexpr, PINGPONG: gl.constexpr):
-    _loader(desc_q, desc_k, desc_v, KV_INDEX, KV_COUNT, ORDER, S, SK, MQ, KMAX, N_ITEMS, q_smem, k_smem, v_smem,
-            bars, BLOCK_N, NUM_STAGES, MASK_LAST, PINGPONG)
-
-
-@gluon.jit
 def _gluon_fwd(Q, K, V, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, N_BH, MQ, KMAX, N_ITEMS,
                HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr, MERGE: gl.constexpr, PINGPONG: gl.constexpr):
@@ -253,16 +228,15 @@ def _gluon_fwd(Q, K, V, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, N_BH
     if PINGPONG:   # warpgroup 0 issues its GEMMs first
         mbarrier.arrive(turn.index(0), count=1)
     bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn)
-    # (worker arguments are written out in each tuple: a tuple held in a variable turns constexprs into tensors)
+    # partition arguments are written out in each tuple: a tuple held in a variable turns constexprs into
+    # tensors. Default partition: consumer warpgroup 0; workers: consumer warpgroup 1 and the loader warp.
     gl.warp_specialize([
-        (_consumer0, (O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX, N_ITEMS, q_smem, k_smem, v_smem,
-                      bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, MERGE, PINGPONG)),
-        (_worker_consumer1, (desc_q, desc_k, desc_v, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX,
-                             N_ITEMS, q_smem, k_smem, v_smem, bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST,
-                             STORE_LSE, MERGE, PINGPONG)),
-        (_worker_loader, (desc_q, desc_k, desc_v, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX,
-                          N_ITEMS, q_smem, k_smem, v_smem, bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST,
-                          STORE_LSE, MERGE, PINGPONG)),
+        (_consume, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX, N_ITEMS, q_smem, k_smem, v_smem,
+                    bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, MERGE, PINGPONG)),
+        (_consume, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX, N_ITEMS, q_smem, k_smem, v_smem,
+                    bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, MERGE, PINGPONG)),
+        (_loader, (desc_q, desc_k, desc_v, KV_INDEX, KV_COUNT, ORDER, S, SK, MQ, KMAX, N_ITEMS, q_smem, k_smem,
+                   v_smem, bars, BLOCK_N, NUM_STAGES, MASK_LAST, PINGPONG)),
     ], [4, 1], [240, 24])
 
 
@@ -294,8 +268,6 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
     Returns:
         out [B, H, S, D] in q's dtype (and lse).
     """
-    from .triton_hopper import centroid_pass
-
     B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = launch_dims(q, k, plan)
     corr = plan.has_correction
     out = torch.empty_like(q)
@@ -337,28 +309,18 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
 
 
-def _hopper_available(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] == 9
+class GluonHopperBackend(HopperBackend):
+    """Backend object for the dispatch registry ("gluon_hopper"): first in the auto order on sm_90.
 
-
-class GluonHopperBackend:
-    """Backend object for the dispatch registry ("gluon_hopper"): first in the auto order on sm_90."""
+    Accepts what the Triton Hopper backend accepts, with 128x128 tiles only (on CPU it declines:
+    Gluon has no interpreter)."""
 
     name = "gluon_hopper"
 
     def not_supported_reasons(self, q, k, v, plan: Plan) -> list[str]:
-        why = []
-        if not _hopper_available(q.device):
-            why.append(f"needs a CUDA GPU of compute capability 9.x (q is on {q.device}; Gluon has no interpreter)")
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            why.append(f"dtype {q.dtype} is not fp16/bf16")
-        if q.shape[-1] not in (64, 128):
-            why.append(f"head dim {q.shape[-1]} not in (64, 128)")
-        if plan.block_m != BLOCK_M or plan.block_n != 128:
+        why = super().not_supported_reasons(q, k, v, plan)
+        if (plan.block_m, plan.block_n) != (BLOCK_M, 128):
             why.append(f"tiles {plan.block_m}x{plan.block_n} are not 128x128")
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if not t.is_contiguous():
-                why.append(f"{name} is not contiguous")
         return why
 
     def __call__(self, q, k, v, plan: Plan, scale: float, return_lse: bool):
