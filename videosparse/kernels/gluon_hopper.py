@@ -37,18 +37,21 @@ NEG_BIG = gl.constexpr(-1.0e30)
 
 
 @gluon.jit
+def _work_item(ORDER, KV_COUNT, it, MQ):
+    """(item, batch*head, query tile, kv_count) of the it-th work item (longest first)."""
+    item = gl.load(ORDER + it)
+    return item, item // MQ, item % MQ, gl.load(KV_COUNT + item)
+
+
+@gluon.jit
 def _loader(desc_q, desc_k, desc_v, KV_INDEX, KV_COUNT, ORDER, S, SK, MQ, KMAX, N_ITEMS,
-            q_smem, k_smem, v_smem, bars, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-            MASK_LAST: gl.constexpr, PINGPONG: gl.constexpr):
+            q_smem, k_smem, v_smem, bars, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     """1 warp: Q halves per item, then the listed K/V tiles into the stage ring."""
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
     c = 0
     t = 0
     for it in range(gl.program_id(0), N_ITEMS, gl.num_programs(0)):
-        item = gl.load(ORDER + it)
-        bh = item // MQ
-        mt = item % MQ
-        n = gl.load(KV_COUNT + item)
+        item, bh, mt, n = _work_item(ORDER, KV_COUNT, it, MQ)
         mbarrier.wait(q_empty, (t & 1) ^ 1)
         mbarrier.expect(q_ready, 2 * desc_q.block_type.nbytes)
         row0 = bh * S + mt * 128
@@ -90,10 +93,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, S
     t = 0
     turns = 0
     for it in range(gl.program_id(0), N_ITEMS, gl.num_programs(0)):
-        item = gl.load(ORDER + it)
-        bh = item // MQ
-        mt = item % MQ
-        n = gl.load(KV_COUNT + item)
+        item, bh, mt, n = _work_item(ORDER, KV_COUNT, it, MQ)
         row = KV_INDEX + item.to(gl.int64) * KMAX
         m_i = gl.full([64], NEG_BIG, gl.float32, layout=row_s)
         l_i = gl.zeros([64], gl.float32, layout=row_s)
@@ -236,7 +236,7 @@ def _gluon_fwd(Q, K, V, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, N_BH
         (_consume, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX, N_ITEMS, q_smem, k_smem, v_smem,
                     bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, MERGE, PINGPONG)),
         (_loader, (desc_q, desc_k, desc_v, KV_INDEX, KV_COUNT, ORDER, S, SK, MQ, KMAX, N_ITEMS, q_smem, k_smem,
-                   v_smem, bars, BLOCK_N, NUM_STAGES, MASK_LAST, PINGPONG)),
+                   v_smem, bars, BLOCK_N, NUM_STAGES)),
     ], [4, 1], [240, 24])
 
 
