@@ -38,6 +38,8 @@ def _backends():
     (9000, 64, torch.float16, "banded", True),
     (9000, 64, torch.bfloat16, "random", False),
     (5000, 128, torch.float16, "empty", False),
+    (50, 64, torch.bfloat16, "dense", False),          # fewer rows than one TMA box
+    (50, 128, torch.float16, "random", True),
     (5000, 128, torch.bfloat16, "empty", True),
 ])
 def test_kernel_matches_reference_at_real_size(backend, S, D, dtype, plan_kind, correction):
