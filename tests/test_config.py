@@ -39,3 +39,13 @@ def test_dense_step_count():
     assert VedaConfig(dense_steps=3).dense_step_count(50) == 3
     assert VedaConfig(dense_steps=0.2).dense_step_count(50) == 10
     assert VedaConfig(dense_steps=0.2).dense_step_count(None) == 0
+
+
+def test_config_backends_are_the_dispatch_names():
+    """A config may name any backend the dispatch knows (escape hatch: e.g. "hopper" instead of the Gluon kernel)."""
+    from videosparse.config import BACKENDS
+    from videosparse.kernels.dispatch import _REGISTRY
+
+    assert set(BACKENDS) == {"auto", "triton"} | set(_REGISTRY)
+    assert VedaConfig(backend="hopper").backend == "hopper"
+    assert SolConfig(density=0.1, backend="triton_generic").backend == "triton_generic"

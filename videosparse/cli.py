@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from .config import DenseConfig, SolConfig, VedaConfig
+from .config import BACKENDS, DenseConfig, SolConfig, VedaConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -46,7 +46,8 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-layers", type=_layers, default=(), help="comma-separated layers kept dense")
     p.add_argument("--correction", action=argparse.BooleanOptionalAction, default=None,
                    help="zero-order correction of skipped tiles (default: off for veda, on for sol)")
-    p.add_argument("--backend", default="auto", choices=["auto", "triton", "reference"])
+    p.add_argument("--backend", default="auto", choices=list(BACKENDS),
+                   help="kernel backend: auto, triton, reference or one kernel by name")
 
 
 def method_config(args: argparse.Namespace):

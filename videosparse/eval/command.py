@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from ..config import BACKENDS
 from .spec import parse_method_specs
 from .synthetic import SYNTHETIC_MODELS, default_synthetic_specs
 
@@ -34,7 +35,7 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
                    help="method grid, NAME[@DENSITY][:KEY=VALUE...], e.g. dense veda@0.5 sol@0.5 "
                         "veda@0.1:dense_steps=0.2 sol:tau=1.5 (dense is always added as the reference; default: "
                         f"{' '.join(DEFAULT_METHODS)}; synthetic: {' '.join(default_synthetic_specs())})")
-    p.add_argument("--backend", default=None, choices=["auto", "triton", "reference"],
+    p.add_argument("--backend", default=None, choices=list(BACKENDS),
                    help="kernel backend for specs that do not name one")
     p.add_argument("--out", default="eval_out", help="output directory (a rerun skips the cells already in it)")
     p.add_argument("--overwrite", action="store_true", help="start afresh when report.json has other settings")
