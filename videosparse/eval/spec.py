@@ -18,7 +18,7 @@ dense_layers       comma-separated layer indices, ``0,1,29``
 correction         on/off (also true/false, yes/no, 1/0)
 tiling             ``PTxPHxPW`` (e.g. ``8x4x4``) or the path of a tiling JSON
 estimator          a directory or hub id
-backend            auto / triton / reference, or a kernel name (gluon_hopper / hopper / triton_generic)
+backend            auto / triton / reference / gluon_hopper / hopper / triton_generic
 =================  =====================================================================
 
 Examples::
