@@ -7,16 +7,18 @@ does not overlap its own GEMMs. This kernel writes the schedule out:
   a ring of `NUM_STAGES` shared-memory stages (K and V have their own ready barriers, so the score
   GEMM can start before V lands);
 * two consumer warpgroups, each owning 64 of the 128 query rows: per key tile the score GEMM
-  S_j = Q K_j^T is issued asynchronously *before* the P_{j-1} V_{j-1} GEMM of the previous tile, and
-  the online softmax of S_j runs while P_{j-1} V_{j-1} is still in the tensor cores (in-warpgroup
-  pipelining). With two warpgroups the warp scheduler interleaves one's softmax with the other's
-  GEMMs; `PINGPONG=True` enforces that order with a pair of mbarriers (FA3's ping-pong).
+  S_j = Q K_j^T is issued asynchronously *before* the P_{j-1} V_{j-1} GEMM of the previous tile, so
+  that the online softmax of S_j can run while P_{j-1} V_{j-1} is in the tensor cores. (The ptxas of
+  CUDA 12.8 that Triton 3.6 ships does not keep that overlap: it places the P.V wait before the row-max
+  shuffles; `scripts/inspect_gluon_sass.py` shows it.) The two warpgroups interleave one's softmax
+  with the other's GEMMs; `PINGPONG=True` enforces that order with a pair of mbarriers (FA3's
+  ping-pong; not faster here).
 * persistent grid, work items (batch*head, query tile) longest-first as in `triton_hopper`.
 
-Semantics are those of `reference.block_sparse_attention_reference` without the zero-order
-correction (the dispatch keeps correction plans on `triton_hopper`). Rows past S are not stored; key
-columns past Sk in the last tile are masked. Needs a CUDA device of compute capability 9.x; compile
-it ahead of time on any machine with `compile_for_sm90`.
+Semantics are those of `reference.reference_attention`. With the zero-order correction,
+`triton_hopper.centroid_pass` writes the skipped tiles' partial result first and this kernel folds it
+in (MERGE). Rows past S are not stored; key columns past Sk in the last tile are masked. Needs a CUDA
+device of compute capability 9.x; compile it ahead of time on any machine with `compile_for_sm90`.
 """
 
 from __future__ import annotations
