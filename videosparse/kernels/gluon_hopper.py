@@ -264,8 +264,9 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
         plan: a Plan of 128x128 tiles.
         scale: softmax scale. return_lse: also return fp32 [B, H, S] natural-log LSE.
         num_stages (default `default_stages(D)`), pingpong, num_programs, maxnreg: tuning knobs
-            (benchmarks). pingpong=True (FA3's enforced alternation of the two warpgroups' GEMMs) was
-            not faster on the H200 (536 vs 583 TFLOP/s at density 0.1).
+            (benchmarks). pingpong=True (FA3's enforced alternation of the two warpgroups' GEMMs) gave no
+            steady gain on the H200 (557 vs 544 TFLOP/s at density 0.1, 609 vs 613 dense;
+            benchmarks/kernel_variants_h200.json).
 
     Returns:
         out [B, H, S, D] in q's dtype (and lse).
