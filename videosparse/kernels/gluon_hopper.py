@@ -46,6 +46,16 @@ def _work_item(ORDER, KV_COUNT, it, MQ):
 
 
 @gluon.jit
+def _mask_partial_tile(qk, row, j, cols, SK, BLOCK_N: gl.constexpr):
+    """Scores of step j with the keys past SK set to -inf when key tile kv_index[j] is the partial last one
+    (kv_index is sorted, so only the item's last entry can be)."""
+    start = gl.load(row + j) * BLOCK_N
+    if start + BLOCK_N > SK:
+        qk = gl.where((start + cols < SK)[None, :], qk, float("-inf"))
+    return qk
+
+
+@gluon.jit
 def _loader(desc_q, desc_k, desc_v, KV_INDEX, KV_COUNT, ORDER, S, SK, MQ, KMAX, N_ITEMS,
             q_smem, k_smem, v_smem, bars, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     """1 warp: Q halves per item, then the listed K/V tiles into the stage ring."""
@@ -116,10 +126,8 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, S
             mbarrier.arrive(k_empty.index(s0), count=1)
             if n == 1:
                 mbarrier.arrive(q_empty, count=1)
-            if MASK_LAST:   # only the partial last key tile pays for the mask (kv_index is sorted)
-                start = gl.load(row) * BLOCK_N
-                if start + BLOCK_N > SK:
-                    qk = gl.where((start + cols < SK)[None, :], qk, float("-inf"))
+            if MASK_LAST:
+                qk = _mask_partial_tile(qk, row, 0, cols, SK, BLOCK_N)
             m_i = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
             p = gl.exp2(qk * qk_scale - m_i[:, None])
             l_i = gl.sum(p, 1)
@@ -143,9 +151,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, S
                 if j == n - 1:
                     mbarrier.arrive(q_empty, count=1)
                 if MASK_LAST:
-                    start = gl.load(row + j) * BLOCK_N
-                    if start + BLOCK_N > SK:
-                        qk = gl.where((start + cols < SK)[None, :], qk, float("-inf"))
+                    qk = _mask_partial_tile(qk, row, j, cols, SK, BLOCK_N)
                 m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
                 alpha = gl.exp2(m_i - m_new)
                 p = gl.exp2(qk * qk_scale - m_new[:, None])
