@@ -24,6 +24,7 @@ def test_pipeline_apply_remove_bit_identical_and_steps_seen():
     stats = handle["transformer"].stats()
     assert stats["transformer_calls"] == 6
     assert stats["dense_calls"] == 2 * 2 and stats["sparse_calls"] == 2 * 2 * 2   # 2 layers, cond+uncond
+    assert stats["kernel_backend"] == "reference"      # what the sparse calls ran on (auto, CPU)
     assert not np.array_equal(sparse, ref)
     videosparse.remove(pipe)
     assert np.array_equal(_run(pipe), ref)

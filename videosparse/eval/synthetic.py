@@ -417,6 +417,7 @@ def _time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repea
         "layer_density": [l["density"] for l in layers],
         "load_balance": [l["load_balance"] for l in layers],
         "fallbacks": sorted({r for l in layers for r in l["fallbacks"]}),
+        "kernel_backend": stats.get("kernel_backend"),
     }
     if device.type == "cuda":
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30

@@ -19,7 +19,7 @@ import torch
 from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.hooks.hooks import BaseState, StateManager
 
-from ..kernels.probe import fast_path_problem
+from ..kernels.probe import probe_kernel
 from ..layout import HeadTiling, head_tiling
 
 logger = logging.getLogger("videosparse")
@@ -139,6 +139,7 @@ class SparseSession:
         self.observers: list[Callable[[AttentionRecord], None]] = []
         self.calls = 0
         self.kernel_problem: str | None = None   # why the fast path cannot serve the current inputs
+        self.kernel_backend: str | None = None   # the kernel backend the sparse calls run on (None: not probed)
         self._prepared_for: tuple | None = None
 
     def slot(self, layer: int) -> LayerSlot:
@@ -175,8 +176,9 @@ class SparseSession:
             layout.warm(device)
             self.slot(layer).layout = layout
         method.prepare(device)
-        self.kernel_problem = fast_path_problem(self.config.backend, device, dtype, info.num_heads, info.head_dim,
-                                                method.block, getattr(self.config, "correction", False))
+        probe = probe_kernel(self.config.backend, device, dtype, info.num_heads, info.head_dim, method.block,
+                             getattr(self.config, "correction", False))
+        self.kernel_backend, self.kernel_problem = probe.backend, probe.problem
 
     def stats(self) -> dict[str, Any]:
         """Per-layer and overall statistics (realised density, load balance, sparse/dense calls)."""
@@ -189,6 +191,7 @@ class SparseSession:
             "sparse_calls": sum(s["sparse_calls"] for s in layers.values()),
             "dense_calls": sum(s["dense_calls"] for s in layers.values()),
             "density": kept / total if total else None,
+            "kernel_backend": self.kernel_backend,
             "layers": layers,
             "method": self.method.stats() if self.method is not None else {},
         }
