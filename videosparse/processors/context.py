@@ -202,6 +202,7 @@ class SparseSession:
         return (
             f"videosparse[{self.config.method}]: {s['transformer_calls']} transformer calls, "
             f"{s['sparse_calls']} sparse / {s['dense_calls']} dense attention calls, realised density {dens}"
+            + (f", kernel {s['kernel_backend']}" if s["kernel_backend"] and s["sparse_calls"] else "")
         )
 
     def reset_stats(self) -> None:
