@@ -118,9 +118,11 @@ def _run_generate(args: argparse.Namespace) -> int:
     per_step = result.transformer_total_s / steps
     summary = {"model": loaded.name, "config": config.to_dict(), "call": call, "video": path,
                "wall_s": result.wall_s, "transformer_s_per_step": per_step, "stats": result.stats}
-    density = (result.stats or {}).get("transformer", {}).get("density")
+    tstats = (result.stats or {}).get("transformer", {})
+    density, kernel = tstats.get("density"), tstats.get("kernel_backend")
     print(f"{config.method}: {per_step * 1000:.1f} ms transformer time per step, {result.wall_s:.1f} s in all"
-          + (f", realised density {density:.3f}" if density is not None else ""))
+          + (f", realised density {density:.3f}" if density is not None else "")
+          + (f", kernel {kernel}" if kernel and tstats.get("sparse_calls") else ""))
     if args.compare_dense:
         dense = generate(pipe, None, call, seed=args.seed, device=device)
         dense_step = dense.transformer_total_s / steps
