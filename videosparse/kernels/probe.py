@@ -40,4 +40,3 @@ def probe_kernel(backend: str, device: torch.device | str, dtype: torch.dtype, n
     if impl.name == "reference" and device.type == "cuda" and backend == "auto":
         return KernelProbe(impl.name, f"no fast kernel serves dtype {dtype}, head dim {head_dim} on {device}")
     return KernelProbe(impl.name, None)
-
