@@ -85,6 +85,22 @@ def _loader(desc_q, desc_k, desc_v, KV_INDEX, KV_COUNT, ORDER, S, SK, MQ, KMAX, 
 
 
 @gluon.jit
+def _await_turn(turn, WG: gl.constexpr, turns, PINGPONG: gl.constexpr):
+    """PINGPONG: wait until it is this warpgroup's turn to issue its GEMMs."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), turns & 1)
+
+
+@gluon.jit
+def _pass_turn(turn, WG: gl.constexpr, turns, PINGPONG: gl.constexpr):
+    """PINGPONG: hand the turn to the other warpgroup; returns this warpgroup's turn count."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+        turns += 1
+    return turns
+
+
+@gluon.jit
 def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX, N_ITEMS,
              q_smem, k_smem, v_smem, bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr,
@@ -116,12 +132,9 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, S
             # prologue: S_0 and its softmax
             s0 = c % NUM_STAGES
             mbarrier.wait(k_ready.index(s0), (c // NUM_STAGES) & 1)
-            if PINGPONG:
-                mbarrier.wait(turn.index(WG), turns & 1)
+            _await_turn(turn, WG, turns, PINGPONG)
             qk = warpgroup_mma(q_half, k_smem.index(s0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - WG), count=1)
-                turns += 1
+            turns = _pass_turn(turn, WG, turns, PINGPONG)
             qk = warpgroup_mma_wait(0, deps=(qk,))
             mbarrier.arrive(k_empty.index(s0), count=1)
             if n == 1:
@@ -138,14 +151,11 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, S
                 sp = (cj - 1) % NUM_STAGES
                 mbarrier.wait(k_ready.index(sj), (cj // NUM_STAGES) & 1)
                 mbarrier.wait(v_ready.index(sp), ((cj - 1) // NUM_STAGES) & 1)
-                if PINGPONG:
-                    mbarrier.wait(turn.index(WG), turns & 1)
+                _await_turn(turn, WG, turns, PINGPONG)
                 qk_tok = warpgroup_mma(q_half, k_smem.index(sj).permute((1, 0)), zero_s, use_acc=False,
                                        is_async=True)
                 acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
-                if PINGPONG:
-                    mbarrier.arrive(turn.index(1 - WG), count=1)
-                    turns += 1
+                turns = _pass_turn(turn, WG, turns, PINGPONG)
                 qk = warpgroup_mma_wait(1, deps=(qk_tok,))
                 mbarrier.arrive(k_empty.index(sj), count=1)
                 if j == n - 1:
@@ -163,12 +173,9 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, S
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
             sl = (c + n - 1) % NUM_STAGES
             mbarrier.wait(v_ready.index(sl), ((c + n - 1) // NUM_STAGES) & 1)
-            if PINGPONG:
-                mbarrier.wait(turn.index(WG), turns & 1)
+            _await_turn(turn, WG, turns, PINGPONG)
             acc_tok = warpgroup_mma(p_op, v_smem.index(sl), acc, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - WG), count=1)
-                turns += 1
+            turns = _pass_turn(turn, WG, turns, PINGPONG)
             acc = warpgroup_mma_wait(0, deps=(acc_tok,))
             mbarrier.arrive(v_empty.index(sl), count=1)
         else:
@@ -277,7 +284,8 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
     Returns:
         out [B, H, S, D] in q's dtype (and lse).
     """
-    B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = launch_dims(q, k, plan)
+    dims = launch_dims(q, k, plan)
+    B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = dims
     corr = plan.has_correction
     out = torch.empty_like(q)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if (return_lse or corr) else out
@@ -285,7 +293,7 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     grid = (num_programs or max(1, min(n_items, sms)),)
     if corr:
-        centroid_pass(q, k, plan, scale, out, lse, num_programs=grid[0])
+        centroid_pass(q, plan, scale, out, lse, dims, num_programs=grid[0])
     triton.set_allocator(_alloc)
     _gluon_fwd[grid](q, k, v, out, lse, kv_index, kv_count, order, scale * LOG2E,
                      S, Sk, B * H, Mq, kv_index.shape[1], n_items,

@@ -190,7 +190,8 @@ def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False
     Returns:
         out [B, H, S, D] in q's dtype (and lse).
     """
-    B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = launch_dims(q, k, plan)
+    dims = launch_dims(q, k, plan)
+    B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = dims
     bm, bn = plan.block_m, plan.block_n
     n_items = order.numel()
     out = torch.empty_like(q)
@@ -220,7 +221,7 @@ def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False
                   NUM_STAGES=num_stages, WARP_SPECIALIZE=warp_specialize, FLATTEN=flatten,
                   num_warps=num_warps, num_stages=num_stages)
     if corr:
-        centroid_pass(q, k, plan, scale, out, lse, num_programs=grid[0], **common)
+        centroid_pass(q, plan, scale, out, lse, dims, num_programs=grid[0], **common)
     _hopper_fwd[grid](
         q, k, v, out, lse,
         kv_index, kv_count, order, lse,
@@ -231,11 +232,13 @@ def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False
     return (out, lse) if return_lse else out
 
 
-def centroid_pass(q, k, plan: Plan, scale: float, out, lse, *, num_programs: int | None = None, **options) -> None:
+def centroid_pass(q, plan: Plan, scale: float, out, lse, dims, *, num_programs: int | None = None,
+                  **options) -> None:
     """The zero-order correction's first launch: the centroids of each item's skipped tiles, written as a
     partial result (normalised out, natural-log lse) into `out` [B, H, S, D] and `lse` fp32 [B, H, S]; an
-    exact pass with MERGE (this module's or `gluon_hopper`'s) folds it in. k [B, H, Sk, D] gives Sk only."""
-    B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = launch_dims(q, k, plan)
+    exact pass with MERGE (this module's or `gluon_hopper`'s) folds it in. `dims`: the caller's
+    `launch_dims(q, k, plan)`."""
+    B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = dims
     k_mean, v_mean, bias = correction_inputs(plan, Nk, plan.block_n, q.dtype)
     if not options:
         options = dict(HEAD_DIM=D, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
