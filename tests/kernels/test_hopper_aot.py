@@ -82,11 +82,11 @@ def test_hopper_refuses_stage_counts_that_return_nan():
         triton_hopper.hopper_attention(q, q, q, dense_plan(1, 1, 128), 0.125, num_stages=3)
 
 
-# Gluon kernel: (head_dim, dtype, num_stages, merge, mask_last)
+# Gluon kernel: (head_dim, dtype, num_stages, correction, mask_last)
 GLUON_VARIANTS = {
     "d128-bf16-3stages-partial": (128, "bf16", 3, False, True),
-    "d128-fp16-merge": (128, "fp16", 3, True, False),
-    "d64-bf16-2stages-merge-partial": (64, "bf16", 2, True, True),
+    "d128-fp16-correction": (128, "fp16", 3, True, False),
+    "d64-bf16-2stages-correction-partial": (64, "bf16", 2, True, True),
 }
 
 
@@ -95,8 +95,9 @@ def test_gluon_kernel_compiles_with_two_consumer_warpgroups_tma_and_wgmma(name, 
     pytest.importorskip("triton.experimental.gluon")
     from videosparse.kernels import gluon_hopper
 
-    d, dtype, stages, merge, mask_last = GLUON_VARIANTS[name]
-    k = gluon_hopper.compile_for_sm90(head_dim=d, dtype=dtype, num_stages=stages, merge=merge, mask_last=mask_last)
+    d, dtype, stages, correction, mask_last = GLUON_VARIANTS[name]
+    k = gluon_hopper.compile_for_sm90(head_dim=d, dtype=dtype, num_stages=stages, correction=correction,
+                                      mask_last=mask_last)
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     assert "ttg.warp_specialize" in ttgir
     assert k.metadata.num_warps == 12, "expected 4 (consumer 0) + 4 (consumer 1) + 4 (loader warp, rounded) warps"

@@ -30,8 +30,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from ..plan import Plan
-from ._triton_utils import LOG2E, launch_dims
-from .triton_hopper import HopperBackend, centroid_pass
+from ._triton_utils import LOG2E, correction_inputs, launch_dims
+from .triton_hopper import HopperBackend
 
 HALF_M = 64            # query rows per consumer warpgroup
 BLOCK_M = 2 * HALF_M   # query rows per work item (two consumer warpgroups)
@@ -46,19 +46,10 @@ def _work_item(ORDER, KV_COUNT, it, MQ):
 
 
 @gluon.jit
-def _mask_partial_tile(qk, row, j, cols, SK, BLOCK_N: gl.constexpr):
-    """Scores of step j with the keys past SK set to -inf when key tile kv_index[j] is the partial last one
-    (kv_index is sorted, so only the item's last entry can be)."""
-    start = gl.load(row + j) * BLOCK_N
-    if start + BLOCK_N > SK:
-        qk = gl.where((start + cols < SK)[None, :], qk, float("-inf"))
-    return qk
-
-
-@gluon.jit
-def _loader(desc_q, desc_k, desc_v, KV_INDEX, KV_COUNT, ORDER, S, SK, MQ, KMAX, N_ITEMS,
+def _loader(desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX, N_ITEMS, NCH,
             q_smem, k_smem, v_smem, bars, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """1 warp: Q halves per item, then the listed K/V tiles into the stage ring."""
+    """1 warp: Q halves per item, then the listed K/V tiles and the NCH centroid chunks (k_mean / v_mean rows of
+    the item's head; 0 without a correction) into the stage ring."""
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
     c = 0
     t = 0
@@ -70,16 +61,25 @@ def _loader(desc_q, desc_k, desc_v, KV_INDEX, KV_COUNT, ORDER, S, SK, MQ, KMAX, 
         tma.async_copy_global_to_shared(desc_q, [row0, 0], q_ready, q_smem.index(0))
         tma.async_copy_global_to_shared(desc_q, [row0 + 64, 0], q_ready, q_smem.index(1))
         row = KV_INDEX + item.to(gl.int64) * KMAX
-        for j in range(n):
+        for j in range(n + NCH):
             s = c % NUM_STAGES
             ph = (c // NUM_STAGES) & 1
-            start = gl.load(row + j) * BLOCK_N
+            if j < n:
+                key_row = bh * SK + gl.load(row + j) * BLOCK_N
+            else:
+                key_row = bh * NK + (j - n) * BLOCK_N
             mbarrier.wait(k_empty.index(s), ph ^ 1)
             mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_k, [bh * SK + start, 0], k_ready.index(s), k_smem.index(s))
+            if j < n:
+                tma.async_copy_global_to_shared(desc_k, [key_row, 0], k_ready.index(s), k_smem.index(s))
+            else:
+                tma.async_copy_global_to_shared(desc_km, [key_row, 0], k_ready.index(s), k_smem.index(s))
             mbarrier.wait(v_empty.index(s), ph ^ 1)
             mbarrier.expect(v_ready.index(s), desc_v.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_v, [bh * SK + start, 0], v_ready.index(s), v_smem.index(s))
+            if j < n:
+                tma.async_copy_global_to_shared(desc_v, [key_row, 0], v_ready.index(s), v_smem.index(s))
+            else:
+                tma.async_copy_global_to_shared(desc_vm, [key_row, 0], v_ready.index(s), v_smem.index(s))
             c += 1
         t += 1
 
@@ -100,12 +100,27 @@ def _pass_turn(turn, WG: gl.constexpr, turns, PINGPONG: gl.constexpr):
     return turns
 
 
+def _fix_scores(qk, j, n, row, bias_row, cols, SK, inv_scale, BLOCK_N: gl.constexpr, MASK_LAST: gl.constexpr,
+                CORR: gl.constexpr):
+    """Raw scores of step j: exact tile (j < n; keys past SK masked on the partial last tile, kv_index is
+    sorted) or centroid chunk j - n (CORR: + log2(len) / qk_scale, -inf for exact tiles and padding)."""
+    if j < n:
+        if MASK_LAST:
+            start = gl.load(row + j) * BLOCK_N
+            if start + BLOCK_N > SK:
+                qk = gl.where((start + cols < SK)[None, :], qk, float("-inf"))
+    elif CORR:
+        qk = qk + (gl.load(bias_row + (j - n) * BLOCK_N + cols) * inv_scale)[None, :]
+    return qk
+
+
 @gluon.jit
-def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX, N_ITEMS,
-             q_smem, k_smem, v_smem, bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_ITEMS, NCP,
+             NCH, q_smem, k_smem, v_smem, bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr,
-             MERGE: gl.constexpr, PINGPONG: gl.constexpr):
-    """One consumer warpgroup (rows WG*64 .. WG*64+63 of each item): pipelined QK^T / softmax / PV."""
+             CORR: gl.constexpr, PINGPONG: gl.constexpr):
+    """One consumer warpgroup (rows WG*64 .. WG*64+63 of each item): pipelined QK^T / softmax / PV over the
+    item's exact tiles, then (CORR) its centroid chunks."""
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
     dtype: gl.constexpr = O.dtype.element_ty
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -117,18 +132,21 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, S
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     q_half = q_smem.index(WG)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    inv_scale = 1.0 / qk_scale
     c = 0
     t = 0
     turns = 0
     for it in range(gl.program_id(0), N_ITEMS, gl.num_programs(0)):
         item, bh, mt, n = _work_item(ORDER, KV_COUNT, it, MQ)
         row = KV_INDEX + item.to(gl.int64) * KMAX
+        bias_row = BIAS + item.to(gl.int64) * NCP
+        n_all = n + NCH
         m_i = gl.full([64], NEG_BIG, gl.float32, layout=row_s)
         l_i = gl.zeros([64], gl.float32, layout=row_s)
         acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
         zero_s = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
         mbarrier.wait(q_ready, t & 1)
-        if n > 0:
+        if n_all > 0:
             # prologue: S_0 and its softmax
             s0 = c % NUM_STAGES
             mbarrier.wait(k_ready.index(s0), (c // NUM_STAGES) & 1)
@@ -137,15 +155,14 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, S
             turns = _pass_turn(turn, WG, turns, PINGPONG)
             qk = warpgroup_mma_wait(0, deps=(qk,))
             mbarrier.arrive(k_empty.index(s0), count=1)
-            if n == 1:
+            if n_all == 1:
                 mbarrier.arrive(q_empty, count=1)
-            if MASK_LAST:
-                qk = _mask_partial_tile(qk, row, 0, cols, SK, BLOCK_N)
+            qk = _fix_scores(qk, 0, n, row, bias_row, cols, SK, inv_scale, BLOCK_N, MASK_LAST, CORR)
             m_i = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
             p = gl.exp2(qk * qk_scale - m_i[:, None])
             l_i = gl.sum(p, 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-            for j in range(1, n):
+            for j in range(1, n_all):
                 cj = c + j
                 sj = cj % NUM_STAGES
                 sp = (cj - 1) % NUM_STAGES
@@ -158,10 +175,9 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, S
                 turns = _pass_turn(turn, WG, turns, PINGPONG)
                 qk = warpgroup_mma_wait(1, deps=(qk_tok,))
                 mbarrier.arrive(k_empty.index(sj), count=1)
-                if j == n - 1:
+                if j == n_all - 1:
                     mbarrier.arrive(q_empty, count=1)
-                if MASK_LAST:
-                    qk = _mask_partial_tile(qk, row, j, cols, SK, BLOCK_N)
+                qk = _fix_scores(qk, j, n, row, bias_row, cols, SK, inv_scale, BLOCK_N, MASK_LAST, CORR)
                 m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
                 alpha = gl.exp2(m_i - m_new)
                 p = gl.exp2(qk * qk_scale - m_new[:, None])
@@ -171,8 +187,8 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, S
                 mbarrier.arrive(v_empty.index(sp), count=1)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
-            sl = (c + n - 1) % NUM_STAGES
-            mbarrier.wait(v_ready.index(sl), ((c + n - 1) // NUM_STAGES) & 1)
+            sl = (c + n_all - 1) % NUM_STAGES
+            mbarrier.wait(v_ready.index(sl), ((c + n_all - 1) // NUM_STAGES) & 1)
             _await_turn(turn, WG, turns, PINGPONG)
             acc_tok = warpgroup_mma(p_op, v_smem.index(sl), acc, is_async=True)
             turns = _pass_turn(turn, WG, turns, PINGPONG)
@@ -180,9 +196,9 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, S
             mbarrier.arrive(v_empty.index(sl), count=1)
         else:
             mbarrier.arrive(q_empty, count=1)
-        c += n
+        c += n_all
         t += 1
-        # epilogue: (MERGE: fold in the stored partial result) out = acc / l, lse = (m + log2 l) ln 2
+        # epilogue: out = acc / l, lse = (m + log2 l) ln 2; rows past S dropped
         m_o = gl.convert_layout(m_i, row_o)
         l_o = gl.convert_layout(l_i, row_o)
         rows = mt * 128 + WG * 64 + gl.arange(0, 64, layout=row_o)
@@ -190,15 +206,6 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, S
         row_ok = rows < S
         o_ptr = O + (bh.to(gl.int64) * S + rows)[:, None] * HEAD_DIM + offs_d[None, :]
         lse_ptr = LSE + bh.to(gl.int64) * S + rows
-        if MERGE:
-            o_prev = gl.load(o_ptr, mask=row_ok[:, None], other=0.0).to(gl.float32)
-            t_prev = gl.load(lse_ptr, mask=row_ok, other=float("-inf")) * 1.4426950408889634
-            m_new = gl.maximum(m_o, t_prev)
-            a = gl.exp2(m_o - m_new)
-            b = gl.exp2(t_prev - m_new)
-            acc = acc * a[:, None] + o_prev * b[:, None]
-            l_o = l_o * a + b
-            m_o = m_new
         seen = l_o > 0.0
         out = acc / gl.where(seen, l_o, 1.0)[:, None]
         gl.store(o_ptr, out.to(dtype), mask=row_ok[:, None])
@@ -208,10 +215,14 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, S
 
 
 @gluon.jit
-def _gluon_fwd(Q, K, V, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, N_BH, MQ, KMAX, N_ITEMS,
-               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-               MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr, MERGE: gl.constexpr, PINGPONG: gl.constexpr):
-    """Q, O [N_BH*S, D]; K, V [N_BH*SK, D]; LSE fp32 [N_BH*S]; plan KV_INDEX [items, KMAX], KV_COUNT, ORDER."""
+def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, NK, NCP, N_BH, MQ, KMAX,
+               N_ITEMS, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+               MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr, CORR: gl.constexpr, PINGPONG: gl.constexpr):
+    """Q, O [N_BH*S, D]; K, V [N_BH*SK, D]; LSE fp32 [N_BH*S]; plan KV_INDEX [items, KMAX], KV_COUNT, ORDER.
+
+    CORR: KM, VM [N_BH*NK, D] tile centroids (k_mean, v_sum/len) and BIAS fp32 [items, NCP] (log2 len; -inf
+    for the item's exact tiles and for padding), NCP = NK rounded up to BLOCK_N.
+    """
     dtype: gl.constexpr = Q.dtype.element_ty
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
     kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -221,6 +232,16 @@ def _gluon_fwd(Q, K, V, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, N_BH
                                         block_shape=[BLOCK_N, HEAD_DIM], layout=kv_sl)
     desc_v = tma.make_tensor_descriptor(V, shape=[N_BH * SK, HEAD_DIM], strides=[HEAD_DIM, 1],
                                         block_shape=[BLOCK_N, HEAD_DIM], layout=kv_sl)
+    if CORR:
+        desc_km = tma.make_tensor_descriptor(KM, shape=[N_BH * NK, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                             block_shape=[BLOCK_N, HEAD_DIM], layout=kv_sl)
+        desc_vm = tma.make_tensor_descriptor(VM, shape=[N_BH * NK, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                             block_shape=[BLOCK_N, HEAD_DIM], layout=kv_sl)
+        NCH = NCP // BLOCK_N
+    else:
+        desc_km = desc_k
+        desc_vm = desc_v
+        NCH = 0
     q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], q_sl)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_sl)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_sl)
@@ -246,12 +267,12 @@ def _gluon_fwd(Q, K, V, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, N_BH
     # partition arguments are written out in each tuple: a tuple held in a variable turns constexprs into
     # tensors. Default partition: consumer warpgroup 0; workers: consumer warpgroup 1 and the loader warp.
     gl.warp_specialize([
-        (_consume, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX, N_ITEMS, q_smem, k_smem, v_smem,
-                    bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, MERGE, PINGPONG)),
-        (_consume, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, MQ, KMAX, N_ITEMS, q_smem, k_smem, v_smem,
-                    bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, MERGE, PINGPONG)),
-        (_loader, (desc_q, desc_k, desc_v, KV_INDEX, KV_COUNT, ORDER, S, SK, MQ, KMAX, N_ITEMS, q_smem, k_smem,
-                   v_smem, bars, BLOCK_N, NUM_STAGES)),
+        (_consume, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_ITEMS, NCP, NCH, q_smem,
+                    k_smem, v_smem, bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, CORR, PINGPONG)),
+        (_consume, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_ITEMS, NCP, NCH, q_smem,
+                    k_smem, v_smem, bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, CORR, PINGPONG)),
+        (_loader, (desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX, N_ITEMS,
+                   NCH, q_smem, k_smem, v_smem, bars, BLOCK_N, NUM_STAGES)),
     ], [4, 1], [240, 24])
 
 
@@ -269,8 +290,9 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
                     pingpong: bool = False, num_programs: int | None = None, maxnreg: int = 168):
     """Run the Gluon kernel (inputs are assumed checked: see `GluonHopperBackend.not_supported_reasons`).
 
-    With a correction plan (k_mean / v_sum / tile_len), `triton_hopper.centroid_pass` first writes the
-    skipped tiles' partial result into out / lse, and this kernel folds it in (MERGE) in its epilogue.
+    With a correction plan (k_mean / v_sum / tile_len) the skipped tiles enter the same online softmax
+    through their centroids: after its exact tiles each work item runs ceil(Nk/128) centroid chunks
+    (k_mean, v_sum/len, bias log2 len; -inf for the item's exact tiles), in the same kernel.
 
     Args:
         q: [B, H, S, D]; k, v: [B, H, Sk, D]; contiguous fp16/bf16 on an sm_90 device; D in (64, 128).
@@ -284,27 +306,28 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
     Returns:
         out [B, H, S, D] in q's dtype (and lse).
     """
-    dims = launch_dims(q, k, plan)
-    B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = dims
+    B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = launch_dims(q, k, plan)
     corr = plan.has_correction
     out = torch.empty_like(q)
-    lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if (return_lse or corr) else out
+    lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if return_lse else out
+    if corr:
+        k_mean, v_mean, bias = correction_inputs(plan, Nk, plan.block_n, q.dtype)
+    else:
+        k_mean, v_mean, bias = k, v, lse
     n_items = order.numel()
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     grid = (num_programs or max(1, min(n_items, sms)),)
-    if corr:
-        centroid_pass(q, plan, scale, out, lse, dims, num_programs=grid[0])
     triton.set_allocator(_alloc)
-    _gluon_fwd[grid](q, k, v, out, lse, kv_index, kv_count, order, scale * LOG2E,
-                     S, Sk, B * H, Mq, kv_index.shape[1], n_items,
+    _gluon_fwd[grid](q, k, v, k_mean, v_mean, bias, out, lse, kv_index, kv_count, order, scale * LOG2E,
+                     S, Sk, Nk, bias.shape[-1] if corr else 0, B * H, Mq, kv_index.shape[1], n_items,
                      HEAD_DIM=D, BLOCK_N=plan.block_n, NUM_STAGES=num_stages or default_stages(D),
-                     MASK_LAST=(Sk % plan.block_n) != 0, STORE_LSE=return_lse or corr, MERGE=corr,
+                     MASK_LAST=(Sk % plan.block_n) != 0, STORE_LSE=return_lse, CORR=corr,
                      PINGPONG=pingpong, num_warps=4, maxnreg=maxnreg)
     return (out, lse) if return_lse else out
 
 
 def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: int | None = None,
-                     mask_last: bool = True, store_lse: bool = True, merge: bool = False, pingpong: bool = False,
+                     mask_last: bool = True, store_lse: bool = True, correction: bool = False, pingpong: bool = False,
                      maxnreg: int = 168):
     """Compile the kernel ahead of time for sm_90 (works on a CPU-only machine); returns the CompiledKernel.
 
@@ -315,12 +338,12 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
     from triton.experimental.gluon._runtime import GluonASTSource
 
     ptr = "*" + dtype
-    types = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", KV_INDEX="*i32", KV_COUNT="*i32", ORDER="*i32",
-                 qk_scale="fp32")
-    for name in ("S", "SK", "N_BH", "MQ", "KMAX", "N_ITEMS"):
+    types = dict(Q=ptr, K=ptr, V=ptr, KM=ptr, VM=ptr, BIAS="*fp32", O=ptr, LSE="*fp32", KV_INDEX="*i32",
+                 KV_COUNT="*i32", ORDER="*i32", qk_scale="fp32")
+    for name in ("S", "SK", "NK", "NCP", "N_BH", "MQ", "KMAX", "N_ITEMS"):
         types[name] = "i32"
     constants = dict(HEAD_DIM=head_dim, BLOCK_N=128, NUM_STAGES=num_stages or default_stages(head_dim),
-                     MASK_LAST=mask_last, STORE_LSE=store_lse, MERGE=merge, PINGPONG=pingpong)
+                     MASK_LAST=mask_last, STORE_LSE=store_lse, CORR=correction, PINGPONG=pingpong)
     signature = {name: types.get(name, "constexpr") for name in _gluon_fwd.arg_names}
     src = GluonASTSource(_gluon_fwd, signature, constants)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
