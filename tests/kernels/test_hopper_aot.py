@@ -82,11 +82,11 @@ def test_hopper_refuses_stage_counts_that_return_nan():
         triton_hopper.hopper_attention(q, q, q, dense_plan(1, 1, 128), 0.125, num_stages=3)
 
 
-# Gluon kernel: (head_dim, dtype, num_stages, correction, mask_last)
+# Gluon kernel: (head_dim, dtype, num_stages, correction, mask_last, q_buffers)
 GLUON_VARIANTS = {
-    "d128-bf16-3stages-partial": (128, "bf16", 3, False, True),
-    "d128-fp16-correction": (128, "fp16", 3, True, False),
-    "d64-bf16-2stages-correction-partial": (64, "bf16", 2, True, True),
+    "d128-bf16-3stages-1qbuf-partial": (128, "bf16", 3, False, True, 1),
+    "d128-fp16-2stages-2qbufs-correction": (128, "fp16", 2, True, False, 2),
+    "d64-bf16-2stages-2qbufs-correction-partial": (64, "bf16", 2, True, True, 2),
 }
 
 
@@ -95,9 +95,9 @@ def test_gluon_kernel_compiles_with_two_consumer_warpgroups_tma_and_wgmma(name, 
     pytest.importorskip("triton.experimental.gluon")
     from videosparse.kernels import gluon_hopper
 
-    d, dtype, stages, correction, mask_last = GLUON_VARIANTS[name]
+    d, dtype, stages, correction, mask_last, q_buffers = GLUON_VARIANTS[name]
     k = gluon_hopper.compile_for_sm90(head_dim=d, dtype=dtype, num_stages=stages, correction=correction,
-                                      mask_last=mask_last)
+                                      mask_last=mask_last, q_buffers=q_buffers)
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     assert "ttg.warp_specialize" in ttgir
     assert k.metadata.num_warps == 12, "expected 4 (consumer 0) + 4 (consumer 1) + 4 (loader warp, rounded) warps"
@@ -119,3 +119,17 @@ def test_gluon_backend_declines_cpu_and_unsupported_inputs_with_reasons():
     why = " ".join(BACKEND.not_supported_reasons(q, q, q, dense_plan(1, 1, 200, 64, 64)))
     for part in ("compute capability 9.x", "float32", "head dim 96", "64x64"):
         assert part in why
+
+
+def test_gluon_refuses_buffers_that_do_not_fit_shared_memory():
+    import torch
+
+    pytest.importorskip("triton.experimental.gluon")
+    from videosparse.kernels.gluon_hopper import gluon_attention
+    from videosparse.plan import dense_plan
+
+    q = torch.randn(1, 1, 256, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="shared memory"):
+        gluon_attention(q, q, q, dense_plan(1, 1, 256), 0.1, num_stages=3, q_buffers=2)
+    with pytest.raises(ValueError, match="q_buffers"):
+        gluon_attention(q, q, q, dense_plan(1, 1, 256), 0.1, q_buffers=3)

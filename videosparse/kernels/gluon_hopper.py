@@ -36,6 +36,7 @@ from .triton_hopper import HopperBackend
 HALF_M = 64            # query rows per consumer warpgroup
 BLOCK_M = 2 * HALF_M   # query rows per work item (two consumer warpgroups)
 NEG_BIG = gl.constexpr(-1.0e30)
+SHARED_LIMIT = 227 * 1024 - 1024   # sm_90 shared memory per block, less room for the barriers
 
 
 @gluon.jit
@@ -51,15 +52,17 @@ def _loader(desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER,
     """1 warp: Q halves per item, then the listed K/V tiles and the NCH centroid chunks (k_mean / v_mean rows of
     the item's head; 0 without a correction) into the stage ring."""
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
+    Q_BUFS: gl.constexpr = q_ready.type.shape[0]
     c = 0
     t = 0
     for it in range(gl.program_id(0), N_ITEMS, gl.num_programs(0)):
         item, bh, mt, n = _work_item(ORDER, KV_COUNT, it, MQ)
-        mbarrier.wait(q_empty, (t & 1) ^ 1)
-        mbarrier.expect(q_ready, 2 * desc_q.block_type.nbytes)
+        qb = t % Q_BUFS
+        mbarrier.wait(q_empty.index(qb), ((t // Q_BUFS) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(qb), 2 * desc_q.block_type.nbytes)
         row0 = bh * S + mt * 128
-        tma.async_copy_global_to_shared(desc_q, [row0, 0], q_ready, q_smem.index(0))
-        tma.async_copy_global_to_shared(desc_q, [row0 + 64, 0], q_ready, q_smem.index(1))
+        tma.async_copy_global_to_shared(desc_q, [row0, 0], q_ready.index(qb), q_smem.index(2 * qb))
+        tma.async_copy_global_to_shared(desc_q, [row0 + 64, 0], q_ready.index(qb), q_smem.index(2 * qb + 1))
         row = KV_INDEX + item.to(gl.int64) * KMAX
         for j in range(n + NCH):
             s = c % NUM_STAGES
@@ -122,6 +125,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
     """One consumer warpgroup (rows WG*64 .. WG*64+63 of each item): pipelined QK^T / softmax / PV over the
     item's exact tiles, then (CORR) its centroid chunks."""
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
+    Q_BUFS: gl.constexpr = q_ready.type.shape[0]
     dtype: gl.constexpr = O.dtype.element_ty
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -130,7 +134,6 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    q_half = q_smem.index(WG)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     inv_scale = 1.0 / qk_scale
     c = 0
@@ -145,7 +148,9 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
         l_i = gl.zeros([64], gl.float32, layout=row_s)
         acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
         zero_s = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
-        mbarrier.wait(q_ready, t & 1)
+        qb = t % Q_BUFS
+        mbarrier.wait(q_ready.index(qb), (t // Q_BUFS) & 1)
+        q_half = q_smem.index(2 * qb + WG)
         if n_all > 0:
             # prologue: S_0 and its softmax
             s0 = c % NUM_STAGES
@@ -156,7 +161,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
             qk = warpgroup_mma_wait(0, deps=(qk,))
             mbarrier.arrive(k_empty.index(s0), count=1)
             if n_all == 1:
-                mbarrier.arrive(q_empty, count=1)
+                mbarrier.arrive(q_empty.index(qb), count=1)
             qk = _fix_scores(qk, 0, n, row, bias_row, cols, SK, inv_scale, BLOCK_N, MASK_LAST, CORR)
             m_i = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
             p = gl.exp2(qk * qk_scale - m_i[:, None])
@@ -176,7 +181,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
                 qk = warpgroup_mma_wait(1, deps=(qk_tok,))
                 mbarrier.arrive(k_empty.index(sj), count=1)
                 if j == n_all - 1:
-                    mbarrier.arrive(q_empty, count=1)
+                    mbarrier.arrive(q_empty.index(qb), count=1)
                 qk = _fix_scores(qk, j, n, row, bias_row, cols, SK, inv_scale, BLOCK_N, MASK_LAST, CORR)
                 m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
                 alpha = gl.exp2(m_i - m_new)
@@ -195,7 +200,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
             acc = warpgroup_mma_wait(0, deps=(acc_tok,))
             mbarrier.arrive(v_empty.index(sl), count=1)
         else:
-            mbarrier.arrive(q_empty, count=1)
+            mbarrier.arrive(q_empty.index(qb), count=1)
         c += n_all
         t += 1
         # epilogue: out = acc / l, lse = (m + log2 l) ln 2; rows past S dropped
@@ -217,7 +222,8 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
 @gluon.jit
 def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, NK, NCP, N_BH, MQ, KMAX,
                N_ITEMS, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-               MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr, CORR: gl.constexpr, PINGPONG: gl.constexpr):
+               MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr, CORR: gl.constexpr, PINGPONG: gl.constexpr,
+               Q_BUFS: gl.constexpr):
     """Q, O [N_BH*S, D]; K, V [N_BH*SK, D]; LSE fp32 [N_BH*S]; plan KV_INDEX [items, KMAX], KV_COUNT, ORDER.
 
     CORR: KM, VM [N_BH*NK, D] tile centroids (k_mean, v_sum/len) and BIAS fp32 [items, NCP] (log2 len; -inf
@@ -242,18 +248,19 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scal
         desc_km = desc_k
         desc_vm = desc_v
         NCH = 0
-    q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], q_sl)
+    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, 64, HEAD_DIM], q_sl)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_sl)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_sl)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=2)
+    for i in gl.static_range(Q_BUFS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -287,7 +294,7 @@ def default_stages(head_dim: int) -> int:
 
 
 def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False, *, num_stages: int | None = None,
-                    pingpong: bool = False, num_programs: int | None = None, maxnreg: int = 168):
+                    q_buffers: int = 2, pingpong: bool = False, num_programs: int | None = None, maxnreg: int = 168):
     """Run the Gluon kernel (inputs are assumed checked: see `GluonHopperBackend.not_supported_reasons`).
 
     With a correction plan (k_mean / v_sum / tile_len) the skipped tiles enter the same online softmax
@@ -298,15 +305,22 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
         q: [B, H, S, D]; k, v: [B, H, Sk, D]; contiguous fp16/bf16 on an sm_90 device; D in (64, 128).
         plan: a Plan of 128x128 tiles.
         scale: softmax scale. return_lse: also return fp32 [B, H, S] natural-log LSE.
-        num_stages (default `default_stages(D)`), pingpong, num_programs, maxnreg: tuning knobs
-            (benchmarks). pingpong=True (FA3's enforced alternation of the two warpgroups' GEMMs) gave no
-            steady gain on the H200 (557 vs 544 TFLOP/s at density 0.1, 609 vs 613 dense;
-            benchmarks/kernel_variants_h200.json).
+        num_stages (default `default_stages(D)`): depth of the K/V ring.
+        q_buffers (1 or 2): Q tiles in shared memory; with 2 the loader fetches the next item's Q and
+            first K/V tiles while the consumers still work on the current item.
+        pingpong, num_programs, maxnreg: tuning knobs (benchmarks). pingpong=True (FA3's enforced
+            alternation of the two warpgroups' GEMMs) gave no steady gain on the H200 (557 vs 544 TFLOP/s
+            at density 0.1, 609 vs 613 dense; benchmarks/kernel_variants_h200.json).
 
     Returns:
         out [B, H, S, D] in q's dtype (and lse).
     """
     B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = launch_dims(q, k, plan)
+    stages = num_stages or default_stages(D)
+    smem = (2 * q_buffers * HALF_M + 2 * stages * plan.block_n) * D * q.element_size()
+    if q_buffers not in (1, 2) or smem > SHARED_LIMIT:
+        raise ValueError(f"q_buffers={q_buffers!r}, num_stages={stages!r} at head dim {D}: need q_buffers in (1, 2) "
+                         f"and Q + K/V buffers within {SHARED_LIMIT} bytes of shared memory (this asks {smem}).")
     corr = plan.has_correction
     out = torch.empty_like(q)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if return_lse else out
@@ -320,15 +334,15 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
     triton.set_allocator(_alloc)
     _gluon_fwd[grid](q, k, v, k_mean, v_mean, bias, out, lse, kv_index, kv_count, order, scale * LOG2E,
                      S, Sk, Nk, bias.shape[-1] if corr else 0, B * H, Mq, kv_index.shape[1], n_items,
-                     HEAD_DIM=D, BLOCK_N=plan.block_n, NUM_STAGES=num_stages or default_stages(D),
+                     HEAD_DIM=D, BLOCK_N=plan.block_n, NUM_STAGES=stages,
                      MASK_LAST=(Sk % plan.block_n) != 0, STORE_LSE=return_lse, CORR=corr,
-                     PINGPONG=pingpong, num_warps=4, maxnreg=maxnreg)
+                     PINGPONG=pingpong, Q_BUFS=q_buffers, num_warps=4, maxnreg=maxnreg)
     return (out, lse) if return_lse else out
 
 
 def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: int | None = None,
                      mask_last: bool = True, store_lse: bool = True, correction: bool = False, pingpong: bool = False,
-                     maxnreg: int = 168):
+                     q_buffers: int = 2, maxnreg: int = 168):
     """Compile the kernel ahead of time for sm_90 (works on a CPU-only machine); returns the CompiledKernel.
 
     Inspect `.asm["ttgir"]` (`ttg.warp_specialize`), `.asm["ptx"]` (`wgmma`, `cp.async.bulk.tensor`,
@@ -343,7 +357,8 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
     for name in ("S", "SK", "NK", "NCP", "N_BH", "MQ", "KMAX", "N_ITEMS"):
         types[name] = "i32"
     constants = dict(HEAD_DIM=head_dim, BLOCK_N=128, NUM_STAGES=num_stages or default_stages(head_dim),
-                     MASK_LAST=mask_last, STORE_LSE=store_lse, CORR=correction, PINGPONG=pingpong)
+                     MASK_LAST=mask_last, STORE_LSE=store_lse, CORR=correction, PINGPONG=pingpong,
+                     Q_BUFS=q_buffers)
     signature = {name: types.get(name, "constexpr") for name in _gluon_fwd.arg_names}
     src = GluonASTSource(_gluon_fwd, signature, constants)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
