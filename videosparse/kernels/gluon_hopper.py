@@ -118,6 +118,34 @@ def _fix_scores(qk, j, n, row, bias_row, cols, SK, inv_scale, BLOCK_N: gl.conste
 
 
 @gluon.jit
+def _first_softmax(qk, qk_scale, dtype: gl.constexpr, p_layout: gl.constexpr):
+    """Online-softmax state (m, l in the log2 domain, P as the P.V register operand) after an item's first tile."""
+    m_i = gl.maximum(gl.max(qk, 1) * qk_scale, NEG_BIG)
+    p = gl.exp2(qk * qk_scale - m_i[:, None])
+    return m_i, gl.sum(p, 1), gl.convert_layout(p.to(dtype), p_layout)
+
+
+@gluon.jit
+def _store_rows(acc, m_i, l_i, bh, mt, O, LSE, S, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STORE_LSE: gl.constexpr):
+    """Epilogue of one warpgroup's 64 rows: out = acc / l, lse = (m + log2 l) ln 2; rows past S dropped; rows
+    that saw no key give 0 and -inf."""
+    o_layout: gl.constexpr = acc.type.layout
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    m_o = gl.convert_layout(m_i, row_o)
+    l_o = gl.convert_layout(l_i, row_o)
+    rows = mt * 128 + WG * 64 + gl.arange(0, 64, layout=row_o)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    row_ok = rows < S
+    seen = l_o > 0.0
+    out = acc / gl.where(seen, l_o, 1.0)[:, None]
+    o_ptr = O + (bh.to(gl.int64) * S + rows)[:, None] * HEAD_DIM + offs_d[None, :]
+    gl.store(o_ptr, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    if STORE_LSE:
+        lse = gl.where(seen, (m_o + gl.log2(gl.where(seen, l_o, 1.0))) * 0.6931471805599453, float("-inf"))
+        gl.store(LSE + bh.to(gl.int64) * S + rows, lse, mask=row_ok)
+
+
+@gluon.jit
 def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_ITEMS, NCP,
              NCH, q_smem, k_smem, v_smem, bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr,
@@ -163,10 +191,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
             if n_all == 1:
                 mbarrier.arrive(q_empty.index(qb), count=1)
             qk = _fix_scores(qk, 0, n, row, bias_row, cols, SK, inv_scale, BLOCK_N, MASK_LAST, CORR)
-            m_i = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
-            p = gl.exp2(qk * qk_scale - m_i[:, None])
-            l_i = gl.sum(p, 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            m_i, l_i, p_op = _first_softmax(qk, qk_scale, dtype, p_layout)
             for j in range(1, n_all):
                 cj = c + j
                 sj = cj % NUM_STAGES
@@ -203,27 +228,133 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
             mbarrier.arrive(q_empty.index(qb), count=1)
         c += n_all
         t += 1
-        # epilogue: out = acc / l, lse = (m + log2 l) ln 2; rows past S dropped
-        m_o = gl.convert_layout(m_i, row_o)
-        l_o = gl.convert_layout(l_i, row_o)
-        rows = mt * 128 + WG * 64 + gl.arange(0, 64, layout=row_o)
-        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        row_ok = rows < S
-        o_ptr = O + (bh.to(gl.int64) * S + rows)[:, None] * HEAD_DIM + offs_d[None, :]
-        lse_ptr = LSE + bh.to(gl.int64) * S + rows
-        seen = l_o > 0.0
-        out = acc / gl.where(seen, l_o, 1.0)[:, None]
-        gl.store(o_ptr, out.to(dtype), mask=row_ok[:, None])
-        if STORE_LSE:
-            lse = gl.where(seen, (m_o + gl.log2(gl.where(seen, l_o, 1.0))) * 0.6931471805599453, float("-inf"))
-            gl.store(lse_ptr, lse, mask=row_ok)
+        _store_rows(acc, m_i, l_i, bh, mt, O, LSE, S, WG, HEAD_DIM, STORE_LSE)
+
+
+@gluon.jit
+def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_ITEMS,
+                   NCP, NCH, q_smem, k_smem, v_smem, bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr, CORR: gl.constexpr):
+    """`_consume` with the pipeline carried across work items: an item's last P.V GEMM is issued after the
+    next item's first score GEMM, and its epilogue runs while that GEMM's softmax is done (no idle tensor
+    cores at item boundaries from this warpgroup)."""
+    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
+    Q_BUFS: gl.constexpr = q_ready.type.shape[0]
+    dtype: gl.constexpr = O.dtype.element_ty
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    inv_scale = 1.0 / qk_scale
+    zero_s = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
+    zero_o = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
+    c = 0
+    t = 0
+    # state of the previous item whose last P.V is still to issue (pend = 1)
+    pend = 0
+    pv_c = 0
+    prev_bh = 0
+    prev_mt = 0
+    acc = zero_o
+    m_i = gl.full([64], NEG_BIG, gl.float32, layout=row_s)
+    l_i = gl.zeros([64], gl.float32, layout=row_s)
+    p_op = gl.convert_layout(zero_s.to(dtype), p_layout)
+    for it in range(gl.program_id(0), N_ITEMS, gl.num_programs(0)):
+        item, bh, mt, n = _work_item(ORDER, KV_COUNT, it, MQ)
+        row = KV_INDEX + item.to(gl.int64) * KMAX
+        bias_row = BIAS + item.to(gl.int64) * NCP
+        n_all = n + NCH
+        qb = t % Q_BUFS
+        mbarrier.wait(q_ready.index(qb), (t // Q_BUFS) & 1)
+        q_half = q_smem.index(2 * qb + WG)
+        if n_all > 0:
+            s0 = c % NUM_STAGES
+            mbarrier.wait(k_ready.index(s0), (c // NUM_STAGES) & 1)
+            qk_tok = warpgroup_mma(q_half, k_smem.index(s0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            if pend == 1:
+                sp = pv_c % NUM_STAGES
+                mbarrier.wait(v_ready.index(sp), (pv_c // NUM_STAGES) & 1)
+                acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+                qk = warpgroup_mma_wait(1, deps=(qk_tok,))
+                mbarrier.arrive(k_empty.index(s0), count=1)
+                qk = _fix_scores(qk, 0, n, row, bias_row, cols, SK, inv_scale, BLOCK_N, MASK_LAST, CORR)
+                m_n, l_n, p_n = _first_softmax(qk, qk_scale, dtype, p_layout)
+                acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+                mbarrier.arrive(v_empty.index(sp), count=1)
+                _store_rows(acc, m_i, l_i, prev_bh, prev_mt, O, LSE, S, WG, HEAD_DIM, STORE_LSE)
+            else:
+                qk = warpgroup_mma_wait(0, deps=(qk_tok,))
+                mbarrier.arrive(k_empty.index(s0), count=1)
+                qk = _fix_scores(qk, 0, n, row, bias_row, cols, SK, inv_scale, BLOCK_N, MASK_LAST, CORR)
+                m_n, l_n, p_n = _first_softmax(qk, qk_scale, dtype, p_layout)
+            if n_all == 1:
+                mbarrier.arrive(q_empty.index(qb), count=1)
+            m_i = m_n
+            l_i = l_n
+            p_op = p_n
+            acc = zero_o
+            for j in range(1, n_all):
+                cj = c + j
+                sj = cj % NUM_STAGES
+                sp = (cj - 1) % NUM_STAGES
+                mbarrier.wait(k_ready.index(sj), (cj // NUM_STAGES) & 1)
+                mbarrier.wait(v_ready.index(sp), ((cj - 1) // NUM_STAGES) & 1)
+                qk_tok = warpgroup_mma(q_half, k_smem.index(sj).permute((1, 0)), zero_s, use_acc=False,
+                                       is_async=True)
+                acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+                qk = warpgroup_mma_wait(1, deps=(qk_tok,))
+                mbarrier.arrive(k_empty.index(sj), count=1)
+                if j == n_all - 1:
+                    mbarrier.arrive(q_empty.index(qb), count=1)
+                qk = _fix_scores(qk, j, n, row, bias_row, cols, SK, inv_scale, BLOCK_N, MASK_LAST, CORR)
+                m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+                alpha = gl.exp2(m_i - m_new)
+                p = gl.exp2(qk * qk_scale - m_new[:, None])
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+                acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+                mbarrier.arrive(v_empty.index(sp), count=1)
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+            pend = 1
+            pv_c = c + n_all - 1
+            prev_bh = bh
+            prev_mt = mt
+        else:
+            # an item without tiles: finish the pending one, then write this item's empty rows
+            mbarrier.arrive(q_empty.index(qb), count=1)
+            if pend == 1:
+                sp = pv_c % NUM_STAGES
+                mbarrier.wait(v_ready.index(sp), (pv_c // NUM_STAGES) & 1)
+                acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+                mbarrier.arrive(v_empty.index(sp), count=1)
+                _store_rows(acc, m_i, l_i, prev_bh, prev_mt, O, LSE, S, WG, HEAD_DIM, STORE_LSE)
+            pend = 0
+            m_i = gl.full([64], NEG_BIG, gl.float32, layout=row_s)
+            l_i = gl.zeros([64], gl.float32, layout=row_s)
+            acc = zero_o
+            _store_rows(acc, m_i, l_i, bh, mt, O, LSE, S, WG, HEAD_DIM, STORE_LSE)
+        c += n_all
+        t += 1
+    if pend == 1:
+        sp = pv_c % NUM_STAGES
+        mbarrier.wait(v_ready.index(sp), (pv_c // NUM_STAGES) & 1)
+        acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+        mbarrier.arrive(v_empty.index(sp), count=1)
+        _store_rows(acc, m_i, l_i, prev_bh, prev_mt, O, LSE, S, WG, HEAD_DIM, STORE_LSE)
 
 
 @gluon.jit
 def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, NK, NCP, N_BH, MQ, KMAX,
                N_ITEMS, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr, CORR: gl.constexpr, PINGPONG: gl.constexpr,
-               Q_BUFS: gl.constexpr):
+               Q_BUFS: gl.constexpr, CROSS: gl.constexpr):
     """Q, O [N_BH*S, D]; K, V [N_BH*SK, D]; LSE fp32 [N_BH*S]; plan KV_INDEX [items, KMAX], KV_COUNT, ORDER.
 
     CORR: KM, VM [N_BH*NK, D] tile centroids (k_mean, v_sum/len) and BIAS fp32 [items, NCP] (log2 len; -inf
@@ -273,14 +404,26 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scal
     bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn)
     # partition arguments are written out in each tuple: a tuple held in a variable turns constexprs into
     # tensors. Default partition: consumer warpgroup 0; workers: consumer warpgroup 1 and the loader warp.
-    gl.warp_specialize([
-        (_consume, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_ITEMS, NCP, NCH, q_smem,
-                    k_smem, v_smem, bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, CORR, PINGPONG)),
-        (_consume, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_ITEMS, NCP, NCH, q_smem,
-                    k_smem, v_smem, bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, CORR, PINGPONG)),
-        (_loader, (desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX, N_ITEMS,
-                   NCH, q_smem, k_smem, v_smem, bars, BLOCK_N, NUM_STAGES)),
-    ], [4, 1], [240, 24])
+    if CROSS:
+        gl.warp_specialize([
+            (_consume_cross, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_ITEMS, NCP, NCH,
+                              q_smem, k_smem, v_smem, bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE,
+                              CORR)),
+            (_consume_cross, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_ITEMS, NCP, NCH,
+                              q_smem, k_smem, v_smem, bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE,
+                              CORR)),
+            (_loader, (desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX,
+                       N_ITEMS, NCH, q_smem, k_smem, v_smem, bars, BLOCK_N, NUM_STAGES)),
+        ], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([
+            (_consume, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_ITEMS, NCP, NCH, q_smem,
+                        k_smem, v_smem, bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, CORR, PINGPONG)),
+            (_consume, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_ITEMS, NCP, NCH, q_smem,
+                        k_smem, v_smem, bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, CORR, PINGPONG)),
+            (_loader, (desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX, N_ITEMS,
+                       NCH, q_smem, k_smem, v_smem, bars, BLOCK_N, NUM_STAGES)),
+        ], [4, 1], [240, 24])
 
 
 def _alloc(size: int, alignment: int, stream):
@@ -294,7 +437,8 @@ def default_stages(head_dim: int) -> int:
 
 
 def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False, *, num_stages: int | None = None,
-                    q_buffers: int = 2, pingpong: bool = False, num_programs: int | None = None, maxnreg: int = 168):
+                    q_buffers: int = 2, cross_item: bool = False, pingpong: bool = False,
+                    num_programs: int | None = None, maxnreg: int = 168):
     """Run the Gluon kernel (inputs are assumed checked: see `GluonHopperBackend.not_supported_reasons`).
 
     With a correction plan (k_mean / v_sum / tile_len) the skipped tiles enter the same online softmax
@@ -308,6 +452,7 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
         num_stages (default `default_stages(D)`): depth of the K/V ring.
         q_buffers (1 or 2): Q tiles in shared memory; with 2 the loader fetches the next item's Q and
             first K/V tiles while the consumers still work on the current item.
+        cross_item: carry the pipeline across work items (`_consume_cross`; not with pingpong).
         pingpong, num_programs, maxnreg: tuning knobs (benchmarks). pingpong=True (FA3's enforced
             alternation of the two warpgroups' GEMMs) gave no steady gain on the H200 (557 vs 544 TFLOP/s
             at density 0.1, 609 vs 613 dense; benchmarks/kernel_variants_h200.json).
@@ -318,6 +463,8 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
     B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = launch_dims(q, k, plan)
     stages = num_stages or default_stages(D)
     smem = (2 * q_buffers * HALF_M + 2 * stages * plan.block_n) * D * q.element_size()
+    if cross_item and pingpong:
+        raise ValueError("cross_item=True does not combine with pingpong=True.")
     if q_buffers not in (1, 2) or smem > SHARED_LIMIT:
         raise ValueError(f"q_buffers={q_buffers!r}, num_stages={stages!r} at head dim {D}: need q_buffers in (1, 2) "
                          f"and Q + K/V buffers within {SHARED_LIMIT} bytes of shared memory (this asks {smem}).")
@@ -336,13 +483,13 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
                      S, Sk, Nk, bias.shape[-1] if corr else 0, B * H, Mq, kv_index.shape[1], n_items,
                      HEAD_DIM=D, BLOCK_N=plan.block_n, NUM_STAGES=stages,
                      MASK_LAST=(Sk % plan.block_n) != 0, STORE_LSE=return_lse, CORR=corr,
-                     PINGPONG=pingpong, Q_BUFS=q_buffers, num_warps=4, maxnreg=maxnreg)
+                     PINGPONG=pingpong, Q_BUFS=q_buffers, CROSS=cross_item, num_warps=4, maxnreg=maxnreg)
     return (out, lse) if return_lse else out
 
 
 def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: int | None = None,
                      mask_last: bool = True, store_lse: bool = True, correction: bool = False, pingpong: bool = False,
-                     q_buffers: int = 2, maxnreg: int = 168):
+                     q_buffers: int = 2, cross_item: bool = False, maxnreg: int = 168):
     """Compile the kernel ahead of time for sm_90 (works on a CPU-only machine); returns the CompiledKernel.
 
     Inspect `.asm["ttgir"]` (`ttg.warp_specialize`), `.asm["ptx"]` (`wgmma`, `cp.async.bulk.tensor`,
@@ -358,7 +505,7 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
         types[name] = "i32"
     constants = dict(HEAD_DIM=head_dim, BLOCK_N=128, NUM_STAGES=num_stages or default_stages(head_dim),
                      MASK_LAST=mask_last, STORE_LSE=store_lse, CORR=correction, PINGPONG=pingpong,
-                     Q_BUFS=q_buffers)
+                     Q_BUFS=q_buffers, CROSS=cross_item)
     signature = {name: types.get(name, "constexpr") for name in _gluon_fwd.arg_names}
     src = GluonASTSource(_gluon_fwd, signature, constants)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
