@@ -15,9 +15,9 @@ does not overlap its own GEMMs. This kernel writes the schedule out:
   ping-pong; not faster here).
 * persistent grid, work items (batch*head, query tile) longest-first as in `triton_hopper`.
 
-Semantics are those of `reference.reference_attention`. With the zero-order correction,
-`triton_hopper.centroid_pass` writes the skipped tiles' partial result first and this kernel folds it
-in (MERGE). Rows past S are not stored; key columns past Sk in the last tile are masked. Needs a CUDA
+Semantics are those of `reference.reference_attention`. With the zero-order correction each item's
+centroid chunks (k_mean, v_sum/len, bias log2 len; -inf for its exact tiles) follow its exact tiles in
+the same loop. Rows past S are not stored; key columns past Sk in the last tile are masked. Needs a CUDA
 device of compute capability 9.x; compile it ahead of time on any machine with `compile_for_sm90`.
 """
 
