@@ -278,13 +278,14 @@ def bench_variants(results, args, deadline):
         torch.manual_seed(1)
         q, k, v = (torch.randn(B, H, S, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
         flops = 4.0 * S * S * D * B * H
-        for target in (1.0, 0.1):
+        for target in (1.0, 0.1, 0.05):
             plan = random_plan(B, H, S, target, 128, dev)
             dens = plan_density(plan, S)
             variants = {
                 "default": lambda: block_sparse_attention(q, k, v, plan, validate=False),
-                "gluon_3stages": lambda: gluon_attention(q, k, v, plan, D ** -0.5, num_stages=3),
-                "gluon_pingpong": lambda: gluon_attention(q, k, v, plan, D ** -0.5, pingpong=True),
+                "gluon_no_cross": lambda: gluon_attention(q, k, v, plan, D ** -0.5, cross_item=False),
+                "gluon_1_q_buffer": lambda: gluon_attention(q, k, v, plan, D ** -0.5, cross_item=False, q_buffers=1),
+                "gluon_pingpong": lambda: gluon_attention(q, k, v, plan, D ** -0.5, cross_item=False, pingpong=True),
                 "triton_hopper": lambda: hopper_attention(q, k, v, plan, D ** -0.5),
                 "triton_hopper_no_ws": lambda: hopper_attention(q, k, v, plan, D ** -0.5, warp_specialize=False),
                 "generic": lambda: generic_attention(q, k, v, plan, D ** -0.5),

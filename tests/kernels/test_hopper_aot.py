@@ -82,11 +82,12 @@ def test_hopper_refuses_stage_counts_that_return_nan():
         triton_hopper.hopper_attention(q, q, q, dense_plan(1, 1, 128), 0.125, num_stages=3)
 
 
-# Gluon kernel: (head_dim, dtype, num_stages, correction, mask_last, q_buffers)
+# Gluon kernel: (head_dim, dtype, num_stages, correction, mask_last, q_buffers, cross_item)
 GLUON_VARIANTS = {
-    "d128-bf16-3stages-1qbuf-partial": (128, "bf16", 3, False, True, 1),
-    "d128-fp16-2stages-2qbufs-correction": (128, "fp16", 2, True, False, 2),
-    "d64-bf16-2stages-2qbufs-correction-partial": (64, "bf16", 2, True, True, 2),
+    "d128-bf16-3stages-1qbuf-partial": (128, "bf16", 3, False, True, 1, False),
+    "d128-bf16-2stages-2qbufs-correction-per-item": (128, "bf16", 2, True, True, 2, False),
+    "d128-fp16-2stages-2qbufs-correction-cross": (128, "fp16", 2, True, False, 2, True),
+    "d64-bf16-2stages-2qbufs-correction-partial-cross": (64, "bf16", 2, True, True, 2, True),
 }
 
 
@@ -95,9 +96,9 @@ def test_gluon_kernel_compiles_with_two_consumer_warpgroups_tma_and_wgmma(name, 
     pytest.importorskip("triton.experimental.gluon")
     from videosparse.kernels import gluon_hopper
 
-    d, dtype, stages, correction, mask_last, q_buffers = GLUON_VARIANTS[name]
+    d, dtype, stages, correction, mask_last, q_buffers, cross = GLUON_VARIANTS[name]
     k = gluon_hopper.compile_for_sm90(head_dim=d, dtype=dtype, num_stages=stages, correction=correction,
-                                      mask_last=mask_last, q_buffers=q_buffers)
+                                      mask_last=mask_last, q_buffers=q_buffers, cross_item=cross)
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     assert "ttg.warp_specialize" in ttgir
     assert k.metadata.num_warps == 12, "expected 4 (consumer 0) + 4 (consumer 1) + 4 (loader warp, rounded) warps"

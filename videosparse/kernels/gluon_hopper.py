@@ -13,7 +13,9 @@ does not overlap its own GEMMs. This kernel writes the schedule out:
   shuffles; `scripts/inspect_gluon_sass.py` shows it.) The two warpgroups interleave one's softmax
   with the other's GEMMs; `PINGPONG=True` enforces that order with a pair of mbarriers (FA3's
   ping-pong; not faster here).
-* persistent grid, work items (batch*head, query tile) longest-first as in `triton_hopper`.
+* persistent grid, work items (batch*head, query tile) longest-first as in `triton_hopper`; two Q
+  buffers let the loader fetch the next item's Q and first K/V tiles early, and (`CROSS`, the default)
+  an item's last P.V GEMM and epilogue overlap the next item's first score GEMM and softmax.
 
 Semantics are those of `reference.reference_attention`. With the zero-order correction each item's
 centroid chunks (k_mean, v_sum/len, bias log2 len; -inf for its exact tiles) follow its exact tiles in
@@ -103,6 +105,7 @@ def _pass_turn(turn, WG: gl.constexpr, turns, PINGPONG: gl.constexpr):
     return turns
 
 
+@gluon.jit
 def _fix_scores(qk, j, n, row, bias_row, cols, SK, inv_scale, BLOCK_N: gl.constexpr, MASK_LAST: gl.constexpr,
                 CORR: gl.constexpr):
     """Raw scores of step j: exact tile (j < n; keys past SK masked on the partial last tile, kv_index is
@@ -439,7 +442,7 @@ def default_stages(head_dim: int) -> int:
 
 
 def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False, *, num_stages: int | None = None,
-                    q_buffers: int = 2, cross_item: bool = False, pingpong: bool = False,
+                    q_buffers: int = 2, cross_item: bool = True, pingpong: bool = False,
                     num_programs: int | None = None, maxnreg: int = 168):
     """Run the Gluon kernel (inputs are assumed checked: see `GluonHopperBackend.not_supported_reasons`).
 
@@ -454,7 +457,9 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
         num_stages (default `default_stages(D)`): depth of the K/V ring.
         q_buffers (1 or 2): Q tiles in shared memory; with 2 the loader fetches the next item's Q and
             first K/V tiles while the consumers still work on the current item.
-        cross_item: carry the pipeline across work items (`_consume_cross`; not with pingpong).
+        cross_item (default True): carry the pipeline across work items (`_consume_cross`; not with
+            pingpong). 593 vs 553-565 TFLOP/s at density 0.1 on the H200 (scratch probe; see
+            benchmarks/kernel_variants_h200.json for the same-run A/B).
         pingpong, num_programs, maxnreg: tuning knobs (benchmarks). pingpong=True (FA3's enforced
             alternation of the two warpgroups' GEMMs) gave no steady gain on the H200 (557 vs 544 TFLOP/s
             at density 0.1, 609 vs 613 dense; benchmarks/kernel_variants_h200.json).
@@ -491,7 +496,7 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
 
 def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: int | None = None,
                      mask_last: bool = True, store_lse: bool = True, correction: bool = False, pingpong: bool = False,
-                     q_buffers: int = 2, cross_item: bool = False, maxnreg: int = 168):
+                     q_buffers: int = 2, cross_item: bool = True, maxnreg: int = 168):
     """Compile the kernel ahead of time for sm_90 (works on a CPU-only machine); returns the CompiledKernel.
 
     Inspect `.asm["ttgir"]` (`ttg.warp_specialize`), `.asm["ptx"]` (`wgmma`, `cp.async.bulk.tensor`,
