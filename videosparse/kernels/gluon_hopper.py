@@ -458,11 +458,11 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
         q_buffers (1 or 2): Q tiles in shared memory; with 2 the loader fetches the next item's Q and
             first K/V tiles while the consumers still work on the current item.
         cross_item (default True): carry the pipeline across work items (`_consume_cross`; not with
-            pingpong). 593 vs 553-565 TFLOP/s at density 0.1 on the H200 (scratch probe; see
-            benchmarks/kernel_variants_h200.json for the same-run A/B).
+            pingpong). Same-run A/B on the H200 (benchmarks/kernel_h200.json, "variants"): 619 vs
+            549 TFLOP/s at density 0.1 on 12 x 32,760, 525 vs 521 at 0.05 on 12 x 32,768.
         pingpong, num_programs, maxnreg: tuning knobs (benchmarks). pingpong=True (FA3's enforced
-            alternation of the two warpgroups' GEMMs) gave no steady gain on the H200 (557 vs 544 TFLOP/s
-            at density 0.1, 609 vs 613 dense; benchmarks/kernel_variants_h200.json).
+            alternation of the two warpgroups' GEMMs) gave no steady gain on the H200 (571 vs 566 TFLOP/s
+            at density 0.1 and 511 vs 521 at 0.05 against the per-item pipeline; kernel_h200.json).
 
     Returns:
         out [B, H, S, D] in q's dtype (and lse).

@@ -236,7 +236,7 @@ def centroid_pass(q, plan: Plan, scale: float, out, lse, dims, *, num_programs: 
                   **options) -> None:
     """The zero-order correction's first launch: the centroids of each item's skipped tiles, written as a
     partial result (normalised out, natural-log lse) into `out` [B, H, S, D] and `lse` fp32 [B, H, S]; an
-    exact pass with MERGE (this module's or `gluon_hopper`'s) folds it in. `dims`: the caller's
+    exact pass with MERGE folds it in. `dims`: the caller's
     `launch_dims(q, k, plan)`."""
     B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = dims
     k_mean, v_mean, bias = correction_inputs(plan, Nk, plan.block_n, q.dtype)

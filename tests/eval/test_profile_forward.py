@@ -1,0 +1,54 @@
+"""scripts/profile_forward.py: kernel categories, and a CPU smoke run on a one-block Wan."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "profile_forward.py"
+
+
+@pytest.fixture(scope="module")
+def profile_forward():
+    spec = importlib.util.spec_from_file_location("profile_forward", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name, category", [
+    ("_gluon_fwd", "sparse kernel"),
+    ("_hopper_fwd", "sparse kernel"),
+    ("triton_poi_fused_add_block_sparse_attention_copy_eq_index_scalar", "inductor fused"),
+    ("triton_red_fused__fused_rms_norm__scaled_dot_product_cudnn_attention_permute_view_14", "inductor fused"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7", "dense attention"),
+    ("nvjet_sm90_tst_256x152_64x4_1x2_h_bz_coopA_bias_TNT", "gemm"),
+    ("_trippool_kernel", "plan building"),
+    ("void at::native::sbtopk::gatherTopK<c10::Half, unsigned int, 2, false>", "plan building"),
+    ("_rope_gather_kernel", "layout gather"),
+    ("Memset (Device)", "copies"),
+    ("some_new_kernel", "other"),
+])
+def test_kernel_categories(profile_forward, name, category):
+    assert profile_forward.kernel_category(name) == category
+
+
+def test_cpu_smoke_run_writes_a_report(profile_forward, tmp_path):
+    out = tmp_path / "profile.json"
+    report = profile_forward.main(["--model", "wan-1.3b", "--frames", "5", "--height", "128", "--width", "128",
+                                   "--layers", "1", "--device", "cpu", "--methods", "dense", "veda@0.5:block=64",
+                                   "--warmup", "1", "--repeats", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert report["meta"]["grid"] == [2, 8, 8] and report["meta"]["layers"] == 1
+    for label in ("dense", "veda@0.5:block=64"):
+        row = report["methods"][label]
+        assert row["forward_ms"] > 0 and row["busy_ms"] > 0
+        assert sum(row["by_category_ms"].values()) == pytest.approx(row["busy_ms"])
+        assert row["top_kernels"] and row["idle_gaps"] is None     # no device timeline on CPU
+    assert "gemm" in report["methods"]["dense"]["by_category_ms"]
+
+
+def test_bad_repeats_are_refused(profile_forward):
+    with pytest.raises(SystemExit):
+        profile_forward.main(["--repeats", "0", "--device", "cpu"])
