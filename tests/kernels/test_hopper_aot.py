@@ -122,7 +122,7 @@ def test_gluon_backend_declines_cpu_and_unsupported_inputs_with_reasons():
         assert part in why
 
 
-def test_gluon_refuses_buffers_that_do_not_fit_shared_memory():
+def test_gluon_refuses_buffers_that_do_not_fit_shared_memory_and_pingpong_across_items():
     import torch
 
     pytest.importorskip("triton.experimental.gluon")
@@ -134,3 +134,5 @@ def test_gluon_refuses_buffers_that_do_not_fit_shared_memory():
         gluon_attention(q, q, q, dense_plan(1, 1, 256), 0.1, num_stages=3, q_buffers=2)
     with pytest.raises(ValueError, match="q_buffers"):
         gluon_attention(q, q, q, dense_plan(1, 1, 256), 0.1, q_buffers=3)
+    with pytest.raises(ValueError, match="pingpong=True needs cross_item=False"):
+        gluon_attention(q, q, q, dense_plan(1, 1, 256), 0.1, pingpong=True)

@@ -471,7 +471,7 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
     stages = num_stages or default_stages(D)
     smem = (2 * q_buffers * HALF_M + 2 * stages * plan.block_n) * D * q.element_size()
     if cross_item and pingpong:
-        raise ValueError("cross_item=True does not combine with pingpong=True.")
+        raise ValueError("pingpong=True needs cross_item=False (the cross-item pipeline has no ping-pong turns).")
     if q_buffers not in (1, 2) or smem > SHARED_LIMIT:
         raise ValueError(f"q_buffers={q_buffers!r}, num_stages={stages!r} at head dim {D}: need q_buffers in (1, 2) "
                          f"and Q + K/V buffers within {SHARED_LIMIT} bytes of shared memory (this asks {smem}).")
@@ -505,6 +505,8 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    if cross_item and pingpong:
+        raise ValueError("pingpong=True needs cross_item=False (the cross-item pipeline has no ping-pong turns).")
     ptr = "*" + dtype
     types = dict(Q=ptr, K=ptr, V=ptr, KM=ptr, VM=ptr, BIAS="*fp32", O=ptr, LSE="*fp32", KV_INDEX="*i32",
                  KV_COUNT="*i32", ORDER="*i32", qk_scale="fp32")
