@@ -149,6 +149,44 @@ def _store_rows(acc, m_i, l_i, bh, mt, O, LSE, S, WG: gl.constexpr, HEAD_DIM: gl
 
 
 @gluon.jit
+def _tile_loop(WG: gl.constexpr, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, turns, row, bias_row, cols, SK,
+               qk_scale, inv_scale, zero_s, k_smem, v_smem, bars, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+               MASK_LAST: gl.constexpr, CORR: gl.constexpr, PINGPONG: gl.constexpr):
+    """Steps 1 .. n_all-1 of an item: S_j = Q K_j^T issued before P_{j-1} V_{j-1}, online softmax of S_j while
+    P.V runs; releases each K stage after its score GEMM, each V stage after its P.V, Q after the last
+    score GEMM. Returns (acc, m_i, l_i, p_op, turns); the last P.V (P_{n_all-1}) is left to the caller."""
+    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
+    dtype: gl.constexpr = p_op.dtype
+    p_layout: gl.constexpr = p_op.type.layout
+    row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    for j in range(1, n_all):
+        cj = c + j
+        sj = cj % NUM_STAGES
+        sp = (cj - 1) % NUM_STAGES
+        mbarrier.wait(k_ready.index(sj), (cj // NUM_STAGES) & 1)
+        mbarrier.wait(v_ready.index(sp), ((cj - 1) // NUM_STAGES) & 1)
+        _await_turn(turn, WG, turns, PINGPONG)
+        qk_tok = warpgroup_mma(q_half, k_smem.index(sj).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+        turns = _pass_turn(turn, WG, turns, PINGPONG)
+        qk = warpgroup_mma_wait(1, deps=(qk_tok,))
+        mbarrier.arrive(k_empty.index(sj), count=1)
+        if j == n_all - 1:
+            mbarrier.arrive(q_empty.index(qb), count=1)
+        qk = _fix_scores(qk, j, n, row, bias_row, cols, SK, inv_scale, BLOCK_N, MASK_LAST, CORR)
+        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(qk * qk_scale - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+        mbarrier.arrive(v_empty.index(sp), count=1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+    return acc, m_i, l_i, p_op, turns
+
+
+@gluon.jit
 def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_ITEMS, NCP,
              NCH, q_smem, k_smem, v_smem, bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr,
@@ -164,7 +202,6 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     inv_scale = 1.0 / qk_scale
     c = 0
@@ -195,31 +232,9 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
                 mbarrier.arrive(q_empty.index(qb), count=1)
             qk = _fix_scores(qk, 0, n, row, bias_row, cols, SK, inv_scale, BLOCK_N, MASK_LAST, CORR)
             m_i, l_i, p_op = _first_softmax(qk, qk_scale, dtype, p_layout)
-            for j in range(1, n_all):
-                cj = c + j
-                sj = cj % NUM_STAGES
-                sp = (cj - 1) % NUM_STAGES
-                mbarrier.wait(k_ready.index(sj), (cj // NUM_STAGES) & 1)
-                mbarrier.wait(v_ready.index(sp), ((cj - 1) // NUM_STAGES) & 1)
-                _await_turn(turn, WG, turns, PINGPONG)
-                qk_tok = warpgroup_mma(q_half, k_smem.index(sj).permute((1, 0)), zero_s, use_acc=False,
-                                       is_async=True)
-                acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
-                turns = _pass_turn(turn, WG, turns, PINGPONG)
-                qk = warpgroup_mma_wait(1, deps=(qk_tok,))
-                mbarrier.arrive(k_empty.index(sj), count=1)
-                if j == n_all - 1:
-                    mbarrier.arrive(q_empty.index(qb), count=1)
-                qk = _fix_scores(qk, j, n, row, bias_row, cols, SK, inv_scale, BLOCK_N, MASK_LAST, CORR)
-                m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
-                alpha = gl.exp2(m_i - m_new)
-                p = gl.exp2(qk * qk_scale - m_new[:, None])
-                l_i = l_i * alpha + gl.sum(p, 1)
-                m_i = m_new
-                acc = warpgroup_mma_wait(0, deps=(acc_tok,))
-                mbarrier.arrive(v_empty.index(sp), count=1)
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc, m_i, l_i, p_op, turns = _tile_loop(WG, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, turns, row,
+                                                    bias_row, cols, SK, qk_scale, inv_scale, zero_s, k_smem, v_smem,
+                                                    bars, BLOCK_N, NUM_STAGES, MASK_LAST, CORR, PINGPONG)
             sl = (c + n_all - 1) % NUM_STAGES
             mbarrier.wait(v_ready.index(sl), ((c + n_all - 1) // NUM_STAGES) & 1)
             _await_turn(turn, WG, turns, PINGPONG)
@@ -250,13 +265,13 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     inv_scale = 1.0 / qk_scale
     zero_s = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
     zero_o = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
     c = 0
     t = 0
+    turns = 0     # unused: the cross-item pipeline has no ping-pong turns (`_tile_loop` passes it through)
     # state of the previous item whose last P.V is still to issue (pend = 1)
     pend = 0
     pv_c = 0
@@ -300,29 +315,9 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
             l_i = l_n
             p_op = p_n
             acc = zero_o
-            for j in range(1, n_all):
-                cj = c + j
-                sj = cj % NUM_STAGES
-                sp = (cj - 1) % NUM_STAGES
-                mbarrier.wait(k_ready.index(sj), (cj // NUM_STAGES) & 1)
-                mbarrier.wait(v_ready.index(sp), ((cj - 1) // NUM_STAGES) & 1)
-                qk_tok = warpgroup_mma(q_half, k_smem.index(sj).permute((1, 0)), zero_s, use_acc=False,
-                                       is_async=True)
-                acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
-                qk = warpgroup_mma_wait(1, deps=(qk_tok,))
-                mbarrier.arrive(k_empty.index(sj), count=1)
-                if j == n_all - 1:
-                    mbarrier.arrive(q_empty.index(qb), count=1)
-                qk = _fix_scores(qk, j, n, row, bias_row, cols, SK, inv_scale, BLOCK_N, MASK_LAST, CORR)
-                m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
-                alpha = gl.exp2(m_i - m_new)
-                p = gl.exp2(qk * qk_scale - m_new[:, None])
-                l_i = l_i * alpha + gl.sum(p, 1)
-                m_i = m_new
-                acc = warpgroup_mma_wait(0, deps=(acc_tok,))
-                mbarrier.arrive(v_empty.index(sp), count=1)
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc, m_i, l_i, p_op, turns = _tile_loop(WG, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, turns, row,
+                                                    bias_row, cols, SK, qk_scale, inv_scale, zero_s, k_smem, v_smem,
+                                                    bars, BLOCK_N, NUM_STAGES, MASK_LAST, CORR, False)
             pend = 1
             pv_c = c + n_all - 1
             prev_bh = bh
