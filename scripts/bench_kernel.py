@@ -290,6 +290,10 @@ def bench_variants(results, args, deadline):
                 "triton_hopper_no_ws": lambda: hopper_attention(q, k, v, plan, D ** -0.5, warp_specialize=False),
                 "generic": lambda: generic_attention(q, k, v, plan, D ** -0.5),
             }
+            if D == 64:     # deeper K/V rings fit next to two Q buffers only at head dim 64
+                for st in (3, 4):
+                    variants[f"gluon_{st}_stages"] = (
+                        lambda st=st: gluon_attention(q, k, v, plan, D ** -0.5, num_stages=st))
             base = None     # the default variant's output (checked against the reference above)
             for vname, fn in variants.items():
                 if time.time() > deadline:
