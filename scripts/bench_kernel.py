@@ -290,6 +290,12 @@ def bench_variants(results, args, deadline):
                 "triton_hopper_no_ws": lambda: hopper_attention(q, k, v, plan, D ** -0.5, warp_specialize=False),
                 "generic": lambda: generic_attention(q, k, v, plan, D ** -0.5),
             }
+            # P from shared memory (softmax under the previous P.V; not GPU-verified before this run): at
+            # head dim 128 it fits with one Q buffer only, so the cross-item one-buffer run is its baseline
+            qb = 1 if D == 128 else 2
+            variants["gluon_p_in_smem"] = lambda qb=qb: gluon_attention(q, k, v, plan, D ** -0.5, p_in_smem=True,
+                                                                        q_buffers=qb)
+            variants["gluon_1_q_buffer_cross"] = lambda: gluon_attention(q, k, v, plan, D ** -0.5, q_buffers=1)
             if D == 64:     # deeper K/V rings fit next to two Q buffers only at head dim 64
                 for st in (3, 4):
                     variants[f"gluon_{st}_stages"] = (

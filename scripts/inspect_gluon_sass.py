@@ -31,7 +31,7 @@ def sass_ops(cubin: bytes, tools: Path) -> list[str]:
         path.write_bytes(cubin)
         text = subprocess.run([str(tools / "cuobjdump"), "-sass", str(path)], capture_output=True, text=True).stdout
     return [m.group(1).strip() for line in text.splitlines()
-            for m in [re.search(r"/\*[0-9a-f]{4}\*/\s+(.*?);", line)] if m]
+            for m in [re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line)] if m]
 
 
 def overlap_per_loop(ops: list[str]) -> list[int]:

@@ -10,7 +10,11 @@ the script counts the MUFU.EX2 (exponentials) that ptxas leaves between the two 
 * ``pairs``: two steps per iteration, P in two register sets;
 * ``+waits``: the real step's mbarrier waits for K_j and V_{j-1} (spin loops) at the start of each step;
 * ``+lagged-sum``: the row sum taken from the in-flight bf16 P after its wait (keeps its registers live);
-* ``+cond-release``: the real step's conditional arrive (the item's Q released after its last S_j).
+* ``+cond-release``: the real step's conditional arrive (the item's Q released after its last S_j);
+* ``smem``: P.V reads P from one shared-memory buffer (P_j stored after P_{j-1} V_{j-1} has completed);
+  ``smem2``: two buffers, P_j stored into the other one before the P.V wait;
+* ``ws1`` / ``ws2``: the loop in a persistent warp-specialized kernel with one consumer warpgroup, or two
+  (the kernel's layout: two 4-warp consumer partitions and a 1-warp worker).
 
     python scripts/probe_ptxas_overlap.py [--head-dim 64]
 """
@@ -27,7 +31,8 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental import gluon
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,8 +69,66 @@ def _step(j, n, q_smem, k, v, acc, p_in, m, l, zero, scale, bars,
 
 
 @gluon.jit
+def _step_smem(j, n, q_smem, k, v, acc, p_in, p_out, m, l, zero, scale, bars,
+               WAITS: gl.constexpr, COND_RELEASE: gl.constexpr, TWO_BUFFERS: gl.constexpr):
+    """`_step` with P in shared memory: P.V reads P_{j-1} from buffer p_in while P_j is stored into p_out,
+    before the P.V wait when the buffers differ, after it otherwise; returns (acc, m, l)."""
+    if WAITS:
+        mbarrier.wait(bars.index(0), j & 1)
+        mbarrier.wait(bars.index(1), j & 1)
+    qk_tok = warpgroup_mma(q_smem, k.permute((1, 0)), zero, use_acc=False, is_async=True)
+    acc_tok = warpgroup_mma(p_in, v, acc, is_async=True)
+    qk = warpgroup_mma_wait(1, deps=(qk_tok,))
+    mbarrier.arrive(bars.index(2), count=1)
+    if COND_RELEASE:
+        if j == n - 1:
+            mbarrier.arrive(bars.index(3), count=1)
+    m_new = gl.maximum(m, gl.max(qk, 1) * scale)
+    alpha = gl.exp2(m - m_new)
+    p = gl.exp2(qk * scale - m_new[:, None])
+    l = l * alpha + gl.sum(p, 1)
+    if TWO_BUFFERS:
+        p_out.store(p.to(p_out.dtype))
+        acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+    else:
+        acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+        p_out.store(p.to(p_out.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+    return acc, m_new, l
+
+
+@gluon.jit
+def _ws_consumer(O, N, scale, q_smem, k_smem, v_smem, p_smem, bars, HEAD_DIM: gl.constexpr, WAITS: gl.constexpr,
+                 COND_RELEASE: gl.constexpr, P_SMEM: gl.constexpr):
+    """Persistent consumer: items it, N of them, each with a trip count read from O[it]; P in shared memory."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    row: gl.constexpr = gl.SliceLayout(1, s_layout)
+    zero = gl.zeros([64, 128], gl.float32, layout=s_layout)
+    l = gl.zeros([64], gl.float32, layout=row)
+    m = gl.full([64], -1e30, gl.float32, layout=row)
+    for it in range(gl.program_id(0), N, gl.num_programs(0)):
+        n = gl.load(O + it).to(gl.int32)
+        acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
+        for j in range(1, n):
+            acc, m, l = _step_smem(j, n, q_smem, k_smem.index(j % 2), v_smem.index(1 - j % 2), acc,
+                                   p_smem.index((j + 1) % P_SMEM), p_smem.index(j % P_SMEM), m, l, zero, scale, bars,
+                                   WAITS, COND_RELEASE, P_SMEM == 2)
+        offs = gl.arange(0, 64, layout=row)
+        gl.store(O + it * 64 + offs, l + gl.convert_layout(gl.sum(acc, 1), row))
+
+
+@gluon.jit
+def _ws_idle(bars):
+    mbarrier.arrive(bars.index(0), count=1)
+
+
+@gluon.jit
 def _probe(Q, O, N, scale, HEAD_DIM: gl.constexpr, PAIRS: gl.constexpr, WAITS: gl.constexpr,
-           LAGGED_SUM: gl.constexpr, COND_RELEASE: gl.constexpr):
+           LAGGED_SUM: gl.constexpr, COND_RELEASE: gl.constexpr, P_SMEM: gl.constexpr, WS: gl.constexpr):
     dtype: gl.constexpr = Q.dtype.element_ty
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
     kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, HEAD_DIM], dtype)
@@ -80,12 +143,31 @@ def _probe(Q, O, N, scale, HEAD_DIM: gl.constexpr, PAIRS: gl.constexpr, WAITS: g
     bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(4):
         mbarrier.init(bars.index(i), count=1)
+    p_smem = gl.allocate_shared_memory(dtype, [2, 64, 128], gl.NVMMASharedLayout.get_default_for([64, 128], dtype))
     acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
     zero = gl.zeros([64, 128], gl.float32, layout=s_layout)
     pa = gl.convert_layout(zero.to(dtype), p_layout)
     l = gl.zeros([64], gl.float32, layout=row)
     m = gl.full([64], -1e30, gl.float32, layout=row)
-    if PAIRS:
+    if WS == 1:
+        gl.warp_specialize([
+            (_ws_consumer, (O, N, scale, q_smem, k_smem, v_smem, p_smem, bars, HEAD_DIM, WAITS, COND_RELEASE, P_SMEM)),
+            (_ws_idle, (bars,)),
+        ], [1], [24])
+    elif WS == 2:
+        gl.warp_specialize([
+            (_ws_consumer, (O, N, scale, q_smem, k_smem, v_smem, p_smem, bars, HEAD_DIM, WAITS, COND_RELEASE, P_SMEM)),
+            (_ws_consumer, (O, N, scale, q_smem, k_smem, v_smem, p_smem, bars, HEAD_DIM, WAITS, COND_RELEASE, P_SMEM)),
+            (_ws_idle, (bars,)),
+        ], [4, 1], [240, 24])
+    elif P_SMEM:
+        for j in range(N):
+            acc, m, l = _step_smem(j, N, q_smem, k_smem.index(j % 2), v_smem.index(1 - j % 2), acc,
+                                   p_smem.index((j + 1) % P_SMEM), p_smem.index(j % P_SMEM), m, l, zero, scale, bars,
+                                   WAITS, COND_RELEASE, P_SMEM == 2)
+        offs = gl.arange(0, 64, layout=row)
+        gl.store(O + offs, l + gl.convert_layout(gl.sum(acc, 1), row))
+    elif PAIRS:
         for i in range(N // 2):
             acc, pb, m, l = _step(2 * i, N, q_smem, k_smem.index(0), v_smem.index(1), acc, pa, m, l, zero, scale, bars,
                                   WAITS, LAGGED_SUM, COND_RELEASE)
@@ -95,16 +177,22 @@ def _probe(Q, O, N, scale, HEAD_DIM: gl.constexpr, PAIRS: gl.constexpr, WAITS: g
         for j in range(N):
             acc, pa, m, l = _step(j, N, q_smem, k_smem.index(j % 2), v_smem.index(1 - j % 2), acc, pa, m, l, zero,
                                   scale, bars, WAITS, LAGGED_SUM, COND_RELEASE)
-    offs = gl.arange(0, 64, layout=row)
-    gl.store(O + offs, l + gl.convert_layout(gl.sum(acc, 1), row))
+    if WS == 0 and not P_SMEM:
+        offs = gl.arange(0, 64, layout=row)
+        gl.store(O + offs, l + gl.convert_layout(gl.sum(acc, 1), row))
 
 
-VARIANTS = {   # name: (PAIRS, WAITS, LAGGED_SUM, COND_RELEASE)
-    "single": (0, 0, 0, 0),
-    "pairs": (1, 0, 0, 0),
-    "pairs+waits": (1, 1, 0, 0),
-    "pairs+waits+lagged-sum": (1, 1, 1, 0),
-    "pairs+waits+lagged-sum+cond-release": (1, 1, 1, 1),
+FLAGS = ("PAIRS", "WAITS", "LAGGED_SUM", "COND_RELEASE", "P_SMEM", "WS")
+VARIANTS = {   # name: values of FLAGS
+    "single": (0, 0, 0, 0, 0, 0),
+    "pairs": (1, 0, 0, 0, 0, 0),
+    "pairs+waits": (1, 1, 0, 0, 0, 0),
+    "pairs+waits+lagged-sum": (1, 1, 1, 0, 0, 0),
+    "pairs+waits+lagged-sum+cond-release": (1, 1, 1, 1, 0, 0),
+    "smem+waits+cond-release": (0, 1, 0, 1, 1, 0),
+    "smem2+waits+cond-release": (0, 1, 0, 1, 2, 0),
+    "ws1-smem2+waits+cond-release": (0, 1, 0, 1, 2, 1),
+    "ws2-smem2+waits+cond-release": (0, 1, 0, 1, 2, 2),
 }
 
 
@@ -115,10 +203,10 @@ def main(argv: list[str] | None = None) -> dict[str, list[int]]:
     args = ap.parse_args(argv)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     signature = {"Q": "*bf16", "O": "*fp32", "N": "i32", "scale": "fp32"}
-    signature.update({k: "constexpr" for k in ("HEAD_DIM", "PAIRS", "WAITS", "LAGGED_SUM", "COND_RELEASE")})
+    signature.update({k: "constexpr" for k in ("HEAD_DIM",) + FLAGS})
     counts = {}
     for name in args.variants or list(VARIANTS):
-        flags = dict(zip(("PAIRS", "WAITS", "LAGGED_SUM", "COND_RELEASE"), VARIANTS[name]), HEAD_DIM=args.head_dim)
+        flags = dict(zip(FLAGS, VARIANTS[name]), HEAD_DIM=args.head_dim)
         kernel = triton.compile(GluonASTSource(_probe, signature, flags), target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=4))
         counts[name] = overlap_per_loop(sass_ops(kernel.asm["cubin"], tools))

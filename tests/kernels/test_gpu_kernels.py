@@ -45,9 +45,15 @@ def _backends():
 def test_kernel_matches_reference_at_real_size(backend, S, D, dtype, plan_kind, correction):
     if backend not in _backends():
         pytest.skip(f"{backend} needs another GPU generation")
-    from videosparse.kernels import block_sparse_attention, reference_attention
+    from videosparse.kernels import block_sparse_attention
 
-    run = lambda q, k, v, plan: block_sparse_attention(q, k, v, plan, return_lse=True, backend=backend)  # noqa: E731
+    _check(lambda q, k, v, plan: block_sparse_attention(q, k, v, plan, return_lse=True, backend=backend),
+           S, D, dtype, plan_kind, correction)
+
+
+def _check(run, S, D, dtype, plan_kind, correction):
+    """run(q, k, v, plan) -> (out, lse) against the reference on fresh inputs, B=2, H=4."""
+    from videosparse.kernels import reference_attention
     from videosparse.plan import Plan, dense_plan
     from videosparse.sol.centroids import tile_centroids_torch
 
@@ -72,6 +78,25 @@ def test_kernel_matches_reference_at_real_size(backend, S, D, dtype, plan_kind, 
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)
     assert float((lse[finite] - ref_lse[finite]).abs().max()) < 2e-2
+
+
+@pytest.mark.parametrize("knobs", ["p_in_smem", "per_item", "one_q_buffer"])
+@pytest.mark.parametrize("S,D,dtype,plan_kind,correction", [
+    (16380, 128, torch.bfloat16, "random", True),
+    (9000, 64, torch.float16, "banded", False),
+    (5000, 128, torch.bfloat16, "empty", True),
+    (50, 64, torch.bfloat16, "dense", False),
+])
+def test_gluon_variants_match_reference(knobs, S, D, dtype, plan_kind, correction):
+    """The Gluon kernel's non-default schedules (benchmark variants) give the reference's answer too."""
+    if "gluon_hopper" not in _backends():
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    from videosparse.kernels.gluon_hopper import gluon_attention
+
+    kwargs = {"p_in_smem": dict(p_in_smem=True, q_buffers=1 if D == 128 else 2),
+              "per_item": dict(cross_item=False), "one_q_buffer": dict(q_buffers=1)}[knobs]
+    _check(lambda q, k, v, plan: gluon_attention(q, k, v, plan, D ** -0.5, return_lse=True, **kwargs),
+           S, D, dtype, plan_kind, correction)
 
 
 def test_auto_picks_the_fastest_backend_on_this_gpu():

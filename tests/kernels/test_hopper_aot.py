@@ -136,6 +136,10 @@ def test_gluon_refuses_buffers_that_do_not_fit_shared_memory_and_pingpong_across
         gluon_attention(q, q, q, dense_plan(1, 1, 256), 0.1, q_buffers=3)
     with pytest.raises(ValueError, match="pingpong=True needs cross_item=False"):
         gluon_attention(q, q, q, dense_plan(1, 1, 256), 0.1, pingpong=True)
+    with pytest.raises(ValueError, match="p_in_smem=True needs cross_item=True"):
+        gluon_attention(q, q, q, dense_plan(1, 1, 256), 0.1, p_in_smem=True, cross_item=False)
+    with pytest.raises(ValueError, match="shared memory"):      # 2 Q buffers + P buffers do not fit at d128
+        gluon_attention(q, q, q, dense_plan(1, 1, 256), 0.1, p_in_smem=True)
 
 
 def _load_script(name):
@@ -163,3 +167,25 @@ def test_ptxas_overlap_probe_compiles_its_loops_for_sm90():
     counts = probe.main(["--variants", "single", "pairs"])
     assert len(counts["single"]) == 1 and len(counts["pairs"]) == 2      # one count per loop step
     assert all(0 <= c <= 66 for cs in counts.values() for c in cs)
+
+
+@pytest.mark.parametrize("head_dim,q_buffers,correction", [(128, 1, False), (64, 2, True)])
+def test_gluon_p_in_smem_keeps_the_softmax_under_the_pv_gemm(head_dim, q_buffers, correction, tmp_path):
+    """With P in two shared buffers per warpgroup, ptxas leaves every exponential of the softmax between the
+    wait for S_j and the wait for P_{j-1} V_{j-1} (with P in registers it leaves none); a change that loses
+    this overlap fails here."""
+    pytest.importorskip("triton.experimental.gluon")
+    from pathlib import Path
+
+    import triton
+
+    from videosparse.kernels import gluon_hopper
+
+    inspect = _load_script("inspect_gluon_sass")
+    k = gluon_hopper.compile_for_sm90(head_dim=head_dim, q_buffers=q_buffers, correction=correction, p_in_smem=True)
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    counts = inspect.overlap_per_loop(inspect.sass_ops(k.asm["cubin"], tools))
+    assert len(counts) == 4, counts          # first softmax and tile loop, in each of the two consumers
+    assert min(counts) >= 64, f"exponentials under the P.V GEMM per loop: {counts}"
+    assert k.metadata.shared <= SHARED_LIMIT
+    assert _local_memory_bytes(k.asm["cubin"], tmp_path) in (None, 0), "registers spill"

@@ -16,6 +16,8 @@ does not overlap its own GEMMs. This kernel writes the schedule out:
 * persistent grid, work items (batch*head, query tile) longest-first as in `triton_hopper`; two Q
   buffers let the loader fetch the next item's Q and first K/V tiles early, and (`CROSS`, the default)
   an item's last P.V GEMM and epilogue overlap the next item's first score GEMM and softmax.
+* `P_SMEM` (off by default, not yet run on a GPU): P.V reads P from two shared buffers per warpgroup;
+  with P in registers ptxas waits for the P.V GEMM before the softmax, from shared memory it does not.
 
 Semantics are those of `reference.reference_attention`. With the zero-order correction each item's
 centroid chunks (k_mean, v_sum/len, bias log2 len; -inf for its exact tiles) follow its exact tiles in
@@ -29,7 +31,8 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
 from ..plan import Plan
 from ._triton_utils import LOG2E, correction_inputs, launch_dims
@@ -121,11 +124,37 @@ def _fix_scores(qk, j, n, row, bias_row, cols, SK, inv_scale, BLOCK_N: gl.conste
 
 
 @gluon.jit
-def _first_softmax(qk, qk_scale, dtype: gl.constexpr, p_layout: gl.constexpr):
-    """Online-softmax state (m, l in the log2 domain, P as the P.V register operand) after an item's first tile."""
+def _first_softmax(qk, qk_scale):
+    """Online-softmax state (m, l in the log2 domain, P fp32) after an item's first tile."""
     m_i = gl.maximum(gl.max(qk, 1) * qk_scale, NEG_BIG)
     p = gl.exp2(qk * qk_scale - m_i[:, None])
-    return m_i, gl.sum(p, 1), gl.convert_layout(p.to(dtype), p_layout)
+    return m_i, gl.sum(p, 1), p
+
+
+@gluon.jit
+def _pv_issue(p_op, p_bufs, g, WG: gl.constexpr, v, acc, P_SMEM: gl.constexpr):
+    """Issue P_g V_g asynchronously (g: the warpgroup's running tile count), P from registers (p_op) or,
+    P_SMEM, from the warpgroup's shared buffer g % 2."""
+    if P_SMEM:
+        tok = warpgroup_mma(p_bufs.index(2 * WG + g % 2), v, acc, is_async=True)
+    else:
+        tok = warpgroup_mma(p_op, v, acc, is_async=True)
+    return tok
+
+
+@gluon.jit
+def _p_put(p, p_bufs, g, WG: gl.constexpr):
+    """P_SMEM: P_g (fp32 registers) into the warpgroup's shared buffer g % 2. The P.V that may still run reads
+    the other buffer (P_{g-1}); the last reader of this one (P_{g-2} V) has been waited for."""
+    p_bufs.index(2 * WG + g % 2).store(p.to(p_bufs.dtype))
+
+
+@gluon.jit
+def _p_publish():
+    """P_SMEM: after `_p_put`, before the P.V that reads it: fence for the async proxy, then a warpgroup
+    barrier so that every thread's part is in shared memory before any thread issues the GEMM."""
+    fence_async_shared()
+    gl.thread_barrier()
 
 
 @gluon.jit
@@ -149,12 +178,18 @@ def _store_rows(acc, m_i, l_i, bh, mt, O, LSE, S, WG: gl.constexpr, HEAD_DIM: gl
 
 
 @gluon.jit
-def _tile_loop(WG: gl.constexpr, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, turns, row, bias_row, cols, SK,
-               qk_scale, inv_scale, zero_s, k_smem, v_smem, bars, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-               MASK_LAST: gl.constexpr, CORR: gl.constexpr, PINGPONG: gl.constexpr):
+def _tile_loop(WG: gl.constexpr, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, p_bufs, turns, row, bias_row, cols,
+               SK, qk_scale, inv_scale, zero_s, k_smem, v_smem, bars, BLOCK_N: gl.constexpr,
+               NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, CORR: gl.constexpr, PINGPONG: gl.constexpr,
+               P_SMEM: gl.constexpr):
     """Steps 1 .. n_all-1 of an item: S_j = Q K_j^T issued before P_{j-1} V_{j-1}, online softmax of S_j while
     P.V runs; releases each K stage after its score GEMM, each V stage after its P.V, Q after the last
-    score GEMM. Returns (acc, m_i, l_i, p_op, turns); the last P.V (P_{n_all-1}) is left to the caller."""
+    score GEMM. Returns (acc, m_i, l_i, p_op, turns); the last P.V (P_{n_all-1}) is left to the caller.
+
+    P_SMEM: P.V reads P from two shared buffers per warpgroup, P_j is stored into one while P_{j-1} V_{j-1}
+    reads the other (p_op is passed through unused). With P in registers ptxas packs the new P into the
+    registers the in-flight P.V still reads and so waits for that GEMM before the softmax; with two shared
+    buffers it keeps the softmax under it (`scripts/probe_ptxas_overlap.py`, `scripts/inspect_gluon_sass.py`)."""
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
     dtype: gl.constexpr = p_op.dtype
     p_layout: gl.constexpr = p_op.type.layout
@@ -167,7 +202,7 @@ def _tile_loop(WG: gl.constexpr, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, t
         mbarrier.wait(v_ready.index(sp), ((cj - 1) // NUM_STAGES) & 1)
         _await_turn(turn, WG, turns, PINGPONG)
         qk_tok = warpgroup_mma(q_half, k_smem.index(sj).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+        acc_tok = _pv_issue(p_op, p_bufs, cj - 1, WG, v_smem.index(sp), acc, P_SMEM)
         turns = _pass_turn(turn, WG, turns, PINGPONG)
         qk = warpgroup_mma_wait(1, deps=(qk_tok,))
         mbarrier.arrive(k_empty.index(sj), count=1)
@@ -179,10 +214,15 @@ def _tile_loop(WG: gl.constexpr, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, t
         p = gl.exp2(qk * qk_scale - m_new[:, None])
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
+        if P_SMEM:
+            _p_put(p, p_bufs, cj, WG)
         acc = warpgroup_mma_wait(0, deps=(acc_tok,))
         mbarrier.arrive(v_empty.index(sp), count=1)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        if P_SMEM:
+            _p_publish()
+        else:
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
     return acc, m_i, l_i, p_op, turns
 
 
@@ -231,10 +271,12 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
             if n_all == 1:
                 mbarrier.arrive(q_empty.index(qb), count=1)
             qk = _fix_scores(qk, 0, n, row, bias_row, cols, SK, inv_scale, BLOCK_N, MASK_LAST, CORR)
-            m_i, l_i, p_op = _first_softmax(qk, qk_scale, dtype, p_layout)
-            acc, m_i, l_i, p_op, turns = _tile_loop(WG, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, turns, row,
-                                                    bias_row, cols, SK, qk_scale, inv_scale, zero_s, k_smem, v_smem,
-                                                    bars, BLOCK_N, NUM_STAGES, MASK_LAST, CORR, PINGPONG)
+            m_i, l_i, p = _first_softmax(qk, qk_scale)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc, m_i, l_i, p_op, turns = _tile_loop(WG, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, q_half, turns,
+                                                    row, bias_row, cols, SK, qk_scale, inv_scale, zero_s, k_smem,
+                                                    v_smem, bars, BLOCK_N, NUM_STAGES, MASK_LAST, CORR, PINGPONG,
+                                                    False)
             sl = (c + n_all - 1) % NUM_STAGES
             mbarrier.wait(v_ready.index(sl), ((c + n_all - 1) // NUM_STAGES) & 1)
             _await_turn(turn, WG, turns, PINGPONG)
@@ -251,11 +293,13 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
 
 @gluon.jit
 def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_ITEMS,
-                   NCP, NCH, q_smem, k_smem, v_smem, bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                   NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr, CORR: gl.constexpr):
+                   NCP, NCH, q_smem, k_smem, v_smem, p_smem, bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr, CORR: gl.constexpr,
+                   P_SMEM: gl.constexpr):
     """`_consume` with the pipeline carried across work items: an item's last P.V GEMM is issued after the
     next item's first score GEMM, and its epilogue runs while that GEMM's softmax is done (no idle tensor
-    cores at item boundaries from this warpgroup)."""
+    cores at item boundaries from this warpgroup). P_SMEM: P.V reads P from p_smem[2 WG + g % 2] (see
+    `_tile_loop`)."""
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
     Q_BUFS: gl.constexpr = q_ready.type.shape[0]
     dtype: gl.constexpr = O.dtype.element_ty
@@ -280,7 +324,7 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
     acc = zero_o
     m_i = gl.full([64], NEG_BIG, gl.float32, layout=row_s)
     l_i = gl.zeros([64], gl.float32, layout=row_s)
-    p_op = gl.convert_layout(zero_s.to(dtype), p_layout)
+    p_op = gl.convert_layout(zero_s.to(dtype), p_layout)     # unused with P_SMEM
     for it in range(gl.program_id(0), N_ITEMS, gl.num_programs(0)):
         item, bh, mt, n = _work_item(ORDER, KV_COUNT, it, MQ)
         row = KV_INDEX + item.to(gl.int64) * KMAX
@@ -296,28 +340,42 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
             if pend == 1:
                 sp = pv_c % NUM_STAGES
                 mbarrier.wait(v_ready.index(sp), (pv_c // NUM_STAGES) & 1)
-                acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+                acc_tok = _pv_issue(p_op, p_smem, pv_c, WG, v_smem.index(sp), acc, P_SMEM)
                 qk = warpgroup_mma_wait(1, deps=(qk_tok,))
                 mbarrier.arrive(k_empty.index(s0), count=1)
                 qk = _fix_scores(qk, 0, n, row, bias_row, cols, SK, inv_scale, BLOCK_N, MASK_LAST, CORR)
-                m_n, l_n, p_n = _first_softmax(qk, qk_scale, dtype, p_layout)
+                m_n, l_n, p = _first_softmax(qk, qk_scale)
+                if P_SMEM:
+                    _p_put(p, p_smem, c, WG)
+                    p_n = p_op
+                else:
+                    p_n = gl.convert_layout(p.to(dtype), p_layout)
                 acc = warpgroup_mma_wait(0, deps=(acc_tok,))
                 mbarrier.arrive(v_empty.index(sp), count=1)
+                if P_SMEM:
+                    _p_publish()
                 _store_rows(acc, m_i, l_i, prev_bh, prev_mt, O, LSE, S, WG, HEAD_DIM, STORE_LSE)
             else:
                 qk = warpgroup_mma_wait(0, deps=(qk_tok,))
                 mbarrier.arrive(k_empty.index(s0), count=1)
                 qk = _fix_scores(qk, 0, n, row, bias_row, cols, SK, inv_scale, BLOCK_N, MASK_LAST, CORR)
-                m_n, l_n, p_n = _first_softmax(qk, qk_scale, dtype, p_layout)
+                m_n, l_n, p = _first_softmax(qk, qk_scale)
+                if P_SMEM:
+                    _p_put(p, p_smem, c, WG)
+                    _p_publish()
+                    p_n = p_op
+                else:
+                    p_n = gl.convert_layout(p.to(dtype), p_layout)
             if n_all == 1:
                 mbarrier.arrive(q_empty.index(qb), count=1)
             m_i = m_n
             l_i = l_n
             p_op = p_n
             acc = zero_o
-            acc, m_i, l_i, p_op, turns = _tile_loop(WG, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, turns, row,
-                                                    bias_row, cols, SK, qk_scale, inv_scale, zero_s, k_smem, v_smem,
-                                                    bars, BLOCK_N, NUM_STAGES, MASK_LAST, CORR, False)
+            acc, m_i, l_i, p_op, turns = _tile_loop(WG, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, p_smem, turns,
+                                                    row, bias_row, cols, SK, qk_scale, inv_scale, zero_s, k_smem,
+                                                    v_smem, bars, BLOCK_N, NUM_STAGES, MASK_LAST, CORR, False,
+                                                    P_SMEM)
             pend = 1
             pv_c = c + n_all - 1
             prev_bh = bh
@@ -328,7 +386,7 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
             if pend == 1:
                 sp = pv_c % NUM_STAGES
                 mbarrier.wait(v_ready.index(sp), (pv_c // NUM_STAGES) & 1)
-                acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+                acc_tok = _pv_issue(p_op, p_smem, pv_c, WG, v_smem.index(sp), acc, P_SMEM)
                 acc = warpgroup_mma_wait(0, deps=(acc_tok,))
                 mbarrier.arrive(v_empty.index(sp), count=1)
                 _store_rows(acc, m_i, l_i, prev_bh, prev_mt, O, LSE, S, WG, HEAD_DIM, STORE_LSE)
@@ -342,7 +400,7 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
     if pend == 1:
         sp = pv_c % NUM_STAGES
         mbarrier.wait(v_ready.index(sp), (pv_c // NUM_STAGES) & 1)
-        acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+        acc_tok = _pv_issue(p_op, p_smem, pv_c, WG, v_smem.index(sp), acc, P_SMEM)
         acc = warpgroup_mma_wait(0, deps=(acc_tok,))
         mbarrier.arrive(v_empty.index(sp), count=1)
         _store_rows(acc, m_i, l_i, prev_bh, prev_mt, O, LSE, S, WG, HEAD_DIM, STORE_LSE)
@@ -352,7 +410,7 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
 def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, NK, NCP, N_BH, MQ, KMAX,
                N_ITEMS, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr, CORR: gl.constexpr, PINGPONG: gl.constexpr,
-               Q_BUFS: gl.constexpr, CROSS: gl.constexpr):
+               Q_BUFS: gl.constexpr, CROSS: gl.constexpr, P_SMEM: gl.constexpr):
     """Q, O [N_BH*S, D]; K, V [N_BH*SK, D]; LSE fp32 [N_BH*S]; plan KV_INDEX [items, KMAX], KV_COUNT, ORDER.
 
     CORR: KM, VM [N_BH*NK, D] tile centroids (k_mean, v_sum/len) and BIAS fp32 [items, NCP] (log2 len; -inf
@@ -380,6 +438,11 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scal
     q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, 64, HEAD_DIM], q_sl)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_sl)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_sl)
+    if P_SMEM:   # two P buffers per consumer warpgroup (cross-item pipeline only)
+        p_smem = gl.allocate_shared_memory(dtype, [4, 64, BLOCK_N],
+                                           gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
+    else:
+        p_smem = q_smem
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -405,11 +468,11 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scal
     if CROSS:
         gl.warp_specialize([
             (_consume_cross, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_ITEMS, NCP, NCH,
-                              q_smem, k_smem, v_smem, bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE,
-                              CORR)),
+                              q_smem, k_smem, v_smem, p_smem, bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST,
+                              STORE_LSE, CORR, P_SMEM)),
             (_consume_cross, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_ITEMS, NCP, NCH,
-                              q_smem, k_smem, v_smem, bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE,
-                              CORR)),
+                              q_smem, k_smem, v_smem, p_smem, bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST,
+                              STORE_LSE, CORR, P_SMEM)),
             (_loader, (desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX,
                        N_ITEMS, NCH, q_smem, k_smem, v_smem, bars, BLOCK_N, NUM_STAGES)),
         ], [4, 1], [240, 24])
@@ -438,7 +501,7 @@ def default_stages(head_dim: int) -> int:
 
 def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False, *, num_stages: int | None = None,
                     q_buffers: int = 2, cross_item: bool = True, pingpong: bool = False,
-                    num_programs: int | None = None, maxnreg: int = 168):
+                    p_in_smem: bool = False, num_programs: int | None = None, maxnreg: int = 168):
     """Run the Gluon kernel (inputs are assumed checked: see `GluonHopperBackend.not_supported_reasons`).
 
     With a correction plan (k_mean / v_sum / tile_len) the skipped tiles enter the same online softmax
@@ -455,6 +518,9 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
         cross_item (default True): carry the pipeline across work items (`_consume_cross`; not with
             pingpong). Same-run A/B on the H200 (benchmarks/kernel_h200.json, "variants"): 619 vs
             549 TFLOP/s at density 0.1 on 12 x 32,760, 525 vs 521 at 0.05 on 12 x 32,768.
+        p_in_smem: P.V reads P from shared memory (two 64 x 128 buffers per consumer warpgroup, 64 KB in
+            all: at head dim 128 only with q_buffers=1; cross-item pipeline only), so that ptxas keeps each
+            softmax under the previous tile's P.V (see `_tile_loop`). Not yet run on a GPU: off by default.
         pingpong, num_programs, maxnreg: tuning knobs (benchmarks). pingpong=True (FA3's enforced
             alternation of the two warpgroups' GEMMs) gave no steady gain on the H200 (571 vs 566 TFLOP/s
             at density 0.1 and 511 vs 521 at 0.05 against the per-item pipeline; kernel_h200.json).
@@ -464,9 +530,13 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
     """
     B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = launch_dims(q, k, plan)
     stages = num_stages or default_stages(D)
-    smem = (2 * q_buffers * HALF_M + 2 * stages * plan.block_n) * D * q.element_size()
+    smem = ((2 * q_buffers * HALF_M + 2 * stages * plan.block_n) * D
+            + (4 * HALF_M * plan.block_n if p_in_smem else 0)) * q.element_size()
     if cross_item and pingpong:
         raise ValueError("pingpong=True needs cross_item=False (the cross-item pipeline has no ping-pong turns).")
+    if p_in_smem and not cross_item:
+        raise ValueError("p_in_smem=True needs cross_item=True (only the cross-item pipeline reads P from shared "
+                         "memory).")
     if q_buffers not in (1, 2) or smem > SHARED_LIMIT:
         raise ValueError(f"q_buffers={q_buffers!r}, num_stages={stages!r} at head dim {D}: need q_buffers in (1, 2) "
                          f"and Q + K/V buffers within {SHARED_LIMIT} bytes of shared memory (this asks {smem}).")
@@ -485,13 +555,14 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
                      S, Sk, Nk, bias.shape[-1] if corr else 0, B * H, Mq, kv_index.shape[1], n_items,
                      HEAD_DIM=D, BLOCK_N=plan.block_n, NUM_STAGES=stages,
                      MASK_LAST=(Sk % plan.block_n) != 0, STORE_LSE=return_lse, CORR=corr,
-                     PINGPONG=pingpong, Q_BUFS=q_buffers, CROSS=cross_item, num_warps=4, maxnreg=maxnreg)
+                     PINGPONG=pingpong, Q_BUFS=q_buffers, CROSS=cross_item, P_SMEM=p_in_smem, num_warps=4,
+                     maxnreg=maxnreg)
     return (out, lse) if return_lse else out
 
 
 def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: int | None = None,
                      mask_last: bool = True, store_lse: bool = True, correction: bool = False, pingpong: bool = False,
-                     q_buffers: int = 2, cross_item: bool = True, maxnreg: int = 168):
+                     q_buffers: int = 2, cross_item: bool = True, p_in_smem: bool = False, maxnreg: int = 168):
     """Compile the kernel ahead of time for sm_90 (works on a CPU-only machine); returns the CompiledKernel.
 
     Inspect `.asm["ttgir"]` (`ttg.warp_specialize`), `.asm["ptx"]` (`wgmma`, `cp.async.bulk.tensor`,
@@ -509,7 +580,7 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
         types[name] = "i32"
     constants = dict(HEAD_DIM=head_dim, BLOCK_N=128, NUM_STAGES=num_stages or default_stages(head_dim),
                      MASK_LAST=mask_last, STORE_LSE=store_lse, CORR=correction, PINGPONG=pingpong,
-                     Q_BUFS=q_buffers, CROSS=cross_item)
+                     Q_BUFS=q_buffers, CROSS=cross_item, P_SMEM=p_in_smem)
     signature = {name: types.get(name, "constexpr") for name in _gluon_fwd.arg_names}
     src = GluonASTSource(_gluon_fwd, signature, constants)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
