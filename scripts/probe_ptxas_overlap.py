@@ -22,6 +22,7 @@ the script counts the MUFU.EX2 (exponentials) that ptxas leaves between the two 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -40,11 +41,10 @@ from inspect_gluon_sass import overlap_per_loop, sass_ops  # noqa: E402
 
 
 @gluon.jit
-def _step(j, n, q_smem, k, v, acc, p_in, m, l, zero, scale, bars,
-          WAITS: gl.constexpr, LAGGED_SUM: gl.constexpr, COND_RELEASE: gl.constexpr):
-    """One tile step; returns (acc, P_j as the next P.V operand, m, l)."""
-    dtype: gl.constexpr = p_in.dtype
-    p_layout: gl.constexpr = p_in.type.layout
+def _issue_and_softmax(j, n, q_smem, k, v, acc, p_in, m, zero, scale, bars,
+                       WAITS: gl.constexpr, COND_RELEASE: gl.constexpr):
+    """Front of a tile step: issue S_j and P_{j-1} V_{j-1} (p_in: registers or a shared buffer), wait for
+    S_j, softmax. Returns (P.V token, P_j fp32, alpha, new row max)."""
     if WAITS:
         mbarrier.wait(bars.index(0), j & 1)
         mbarrier.wait(bars.index(1), j & 1)
@@ -58,6 +58,15 @@ def _step(j, n, q_smem, k, v, acc, p_in, m, l, zero, scale, bars,
     m_new = gl.maximum(m, gl.max(qk, 1) * scale)
     alpha = gl.exp2(m - m_new)
     p = gl.exp2(qk * scale - m_new[:, None])
+    return acc_tok, p, alpha, m_new
+
+
+@gluon.jit
+def _step(j, n, q_smem, k, v, acc, p_in, m, l, zero, scale, bars,
+          WAITS: gl.constexpr, LAGGED_SUM: gl.constexpr, COND_RELEASE: gl.constexpr):
+    """One tile step with P in registers; returns (acc, P_j as the next P.V operand, m, l)."""
+    acc_tok, p, alpha, m_new = _issue_and_softmax(j, n, q_smem, k, v, acc, p_in, m, zero, scale, bars, WAITS,
+                                                  COND_RELEASE)
     if LAGGED_SUM:
         acc = warpgroup_mma_wait(0, deps=(acc_tok,))
         l = l * alpha + gl.convert_layout(gl.sum(p_in.to(gl.float32), 1), l.type.layout)
@@ -65,7 +74,7 @@ def _step(j, n, q_smem, k, v, acc, p_in, m, l, zero, scale, bars,
         l = l * alpha + gl.sum(p, 1)
         acc = warpgroup_mma_wait(0, deps=(acc_tok,))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
-    return acc, gl.convert_layout(p.to(dtype), p_layout), m_new, l
+    return acc, gl.convert_layout(p.to(p_in.dtype), p_in.type.layout), m_new, l
 
 
 @gluon.jit
@@ -73,19 +82,8 @@ def _step_smem(j, n, q_smem, k, v, acc, p_in, p_out, m, l, zero, scale, bars,
                WAITS: gl.constexpr, COND_RELEASE: gl.constexpr, TWO_BUFFERS: gl.constexpr):
     """`_step` with P in shared memory: P.V reads P_{j-1} from buffer p_in while P_j is stored into p_out,
     before the P.V wait when the buffers differ, after it otherwise; returns (acc, m, l)."""
-    if WAITS:
-        mbarrier.wait(bars.index(0), j & 1)
-        mbarrier.wait(bars.index(1), j & 1)
-    qk_tok = warpgroup_mma(q_smem, k.permute((1, 0)), zero, use_acc=False, is_async=True)
-    acc_tok = warpgroup_mma(p_in, v, acc, is_async=True)
-    qk = warpgroup_mma_wait(1, deps=(qk_tok,))
-    mbarrier.arrive(bars.index(2), count=1)
-    if COND_RELEASE:
-        if j == n - 1:
-            mbarrier.arrive(bars.index(3), count=1)
-    m_new = gl.maximum(m, gl.max(qk, 1) * scale)
-    alpha = gl.exp2(m - m_new)
-    p = gl.exp2(qk * scale - m_new[:, None])
+    acc_tok, p, alpha, m_new = _issue_and_softmax(j, n, q_smem, k, v, acc, p_in, m, zero, scale, bars, WAITS,
+                                                  COND_RELEASE)
     l = l * alpha + gl.sum(p, 1)
     if TWO_BUFFERS:
         p_out.store(p.to(p_out.dtype))
@@ -200,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[int]]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
     ap.add_argument("--variants", nargs="*", choices=sorted(VARIANTS), help="default: all")
+    ap.add_argument("--out", help="write the counts as JSON (merged into the file's entry for this head dim)")
     args = ap.parse_args(argv)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     signature = {"Q": "*bf16", "O": "*fp32", "N": "i32", "scale": "fp32"}
@@ -211,6 +210,14 @@ def main(argv: list[str] | None = None) -> dict[str, list[int]]:
                                 options=dict(num_warps=4))
         counts[name] = overlap_per_loop(sass_ops(kernel.asm["cubin"], tools))
         print(f"head dim {args.head_dim} {name:38s} exponentials under P.V per step: {counts[name]}", flush=True)
+    if args.out:
+        out = Path(args.out)
+        report = json.loads(out.read_text()) if out.exists() else {
+            "what": "MUFU.EX2 between the score-GEMM wait and the P.V wait, per loop step, in the sm_90 SASS of "
+                    "minimal Gluon loops (scripts/probe_ptxas_overlap.py); 64-66 = softmax fully under P.V",
+            "triton": triton.__version__}
+        report[f"head_dim_{args.head_dim}"] = {**report.get(f"head_dim_{args.head_dim}", {}), **counts}
+        out.write_text(json.dumps(report, indent=1))
     return counts
 
 
