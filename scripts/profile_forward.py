@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from videosparse.eval.spec import parse_method_specs  # noqa: E402
-from videosparse.eval.synthetic import COMPILE_MODES, build_transformer, make_inputs, synthetic_setup  # noqa: E402
-from videosparse.processors import apply, remove  # noqa: E402
+from videosparse.eval.synthetic import (  # noqa: E402
+    COMPILE_MODES, build_transformer, make_inputs, method_applied, synthetic_setup)
 
 # (category, substrings of a lower-cased kernel name); the first match wins. Inductor's kernels
 # ("triton_poi_...", "triton_red_...") are named after the ops they fuse, so they are taken first.
@@ -93,34 +93,24 @@ def profile_method(transformer, inputs: dict, spec, compile_mode: str | None, wa
 
     device = inputs["hidden_states"].device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    apply(transformer, spec.config)
-    try:
-        model = transformer
-        if compile_mode is not None:
-            torch._dynamo.reset()
-            model = torch.compile(transformer, **COMPILE_MODES[compile_mode])
-        times = []
-        with torch.no_grad():
-            t0 = time.perf_counter()
-            for _ in range(warmup):
-                model(**inputs)
+    times = []
+    with method_applied(transformer, spec.config, compile_mode) as (model, _), torch.no_grad():
+        t0 = time.perf_counter()
+        for _ in range(warmup):
+            model(**inputs)
+        sync()
+        warm_s = time.perf_counter() - t0
+        for _ in range(repeats):
             sync()
-            warm_s = time.perf_counter() - t0
-            for _ in range(repeats):
-                sync()
-                t = time.perf_counter()
-                model(**inputs)
-                sync()
-                times.append(time.perf_counter() - t)
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-            with profile(activities=activities) as prof:
-                sync()
-                model(**inputs)
-                sync()
-    finally:
-        remove(transformer)
-        if compile_mode is not None:
-            torch._dynamo.reset()
+            t = time.perf_counter()
+            model(**inputs)
+            sync()
+            times.append(time.perf_counter() - t)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            sync()
+            model(**inputs)
+            sync()
     row = {"forward_ms": statistics.median(times) * 1e3, "forward_ms_all": [t * 1e3 for t in times],
            "warmup_s": warm_s}
     row.update(summarize_profile(prof, "CUDA" if device.type == "cuda" else "CPU"))

@@ -1,12 +1,23 @@
-"""Shared test helpers: naive attention and random plans."""
+"""Shared test helpers: naive attention, random plans, loading a script from scripts/."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from pathlib import Path
 
 import torch
 
 from videosparse.plan import Plan, plan_from_mask
+
+
+def load_script(name: str):
+    """The module of scripts/<name>.py (scripts are not a package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

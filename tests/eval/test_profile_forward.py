@@ -1,20 +1,14 @@
 """scripts/profile_forward.py: kernel categories, and a CPU smoke run on a one-block Wan."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "profile_forward.py"
+from helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def profile_forward():
-    spec = importlib.util.spec_from_file_location("profile_forward", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("profile_forward")
 
 
 @pytest.mark.parametrize("name, category", [

@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 triton = pytest.importorskip("triton")
 
@@ -142,19 +143,8 @@ def test_gluon_refuses_buffers_that_do_not_fit_shared_memory_and_pingpong_across
         gluon_attention(q, q, q, dense_plan(1, 1, 256), 0.1, p_in_smem=True)
 
 
-def _load_script(name):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_sass_overlap_count_reads_the_instructions_between_the_two_gemm_waits():
-    inspect = _load_script("inspect_gluon_sass")
+    inspect = load_script("inspect_gluon_sass")
     ops = ["HGMMA a", "WARPGROUP.DEPBAR.LE gsb0, 0x1", "MUFU.EX2 R1, R2", "FMUL", "MUFU.EX2 R3, R4",
            "WARPGROUP.DEPBAR.LE gsb0, 0x0", "MUFU.EX2 R5, R6",
            "WARPGROUP.DEPBAR.LE gsb0, 0x1", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "MUFU.EX2 R7, R8"]
@@ -163,7 +153,7 @@ def test_sass_overlap_count_reads_the_instructions_between_the_two_gemm_waits():
 
 def test_ptxas_overlap_probe_compiles_its_loops_for_sm90():
     pytest.importorskip("triton.experimental.gluon")
-    probe = _load_script("probe_ptxas_overlap")
+    probe = load_script("probe_ptxas_overlap")
     counts = probe.main(["--variants", "single", "pairs"])
     assert len(counts["single"]) == 1 and len(counts["pairs"]) == 2      # one count per loop step
     assert all(0 <= c <= 66 for cs in counts.values() for c in cs)
@@ -181,7 +171,7 @@ def test_gluon_p_in_smem_keeps_the_softmax_under_the_pv_gemm(head_dim, q_buffers
 
     from videosparse.kernels import gluon_hopper
 
-    inspect = _load_script("inspect_gluon_sass")
+    inspect = load_script("inspect_gluon_sass")
     k = gluon_hopper.compile_for_sm90(head_dim=head_dim, q_buffers=q_buffers, correction=correction, p_in_smem=True)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     counts = inspect.overlap_per_loop(inspect.sass_ops(k.asm["cubin"], tools))

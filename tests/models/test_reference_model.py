@@ -402,14 +402,11 @@ def test_position_channels_widen_a_plain_model_without_changing_it(tmp_path):
 
 
 def test_training_command_line_defaults_are_the_shipped_recipe_and_take_none():
-    import importlib.util
+    from helpers import load_script
 
     from videosparse.models.reference_train import TrainConfig
 
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "train_reference_model.py")
-    spec = importlib.util.spec_from_file_location("train_reference_model", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("train_reference_model")
     assert script.config_from_args([]) == TrainConfig()
     shipped = json.load(open(os.path.join(ref.REFERENCE_WEIGHTS_DIR, "training_stages.json")))["stages"][0]["config"]
     for name in ("p_high_noise", "travel", "p_directional", "twin_fraction", "batch_size", "learning_rate"):

@@ -24,6 +24,7 @@ A model whose transformer class has no videosparse processor is refused with the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -363,48 +364,57 @@ def _dense_attention_seconds(setup: SyntheticSetup, device: torch.device, dtype:
     return statistics.median(times) * setup.num_layers
 
 
-def _time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeats: int,
-                 compile_mode: str | None = None) -> tuple[dict, torch.Tensor]:
+@contextlib.contextmanager
+def method_applied(transformer, config, compile_mode: str | None = None):
+    """Apply `config` to `transformer`, wrapped in `torch.compile` when `compile_mode` (a key of
+    `COMPILE_MODES`) is given. Yields (the module to call, its SparseSession); on exit the processors are
+    removed and Dynamo is reset."""
     from ..processors import apply, remove
 
-    config = spec.config
-    sessions = apply(transformer, config)
-    session = sessions["transformer"]
-    device = inputs["hidden_states"].device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    forward, attention, plan = [], [], []
+    session = apply(transformer, config)["transformer"]
     try:
-        with torch.no_grad():
-            if compile_mode is not None:
-                # compiled: time whole forwards from outside (the graph hides the processors); the
-                # first calls compile the dense-step and sparse-step graphs
-                torch._dynamo.reset()
-                model = torch.compile(transformer, **COMPILE_MODES[compile_mode])
-                for _ in range(max(warmup, 2)):
-                    model(**inputs)
-                for _ in range(repeats):
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    out = model(**inputs)[0]
-                    _sync(device)
-                    forward.append(time.perf_counter() - t0)
-                attention = plan = [None]
-            else:
-                for _ in range(warmup):
-                    transformer(**inputs)
-                for _ in range(repeats):
-                    ttimer, atimer = TransformerTimer([transformer]), AttentionTimer([transformer])
-                    with ttimer(), atimer():
-                        out = transformer(**inputs)[0]
-                    forward.append(ttimer.times[-1])
-                    attention.append(atimer.attention_total)
-                    plan.append(atimer.plan_total)
-        stats = session.stats()
+        model = transformer
+        if compile_mode is not None:
+            torch._dynamo.reset()
+            model = torch.compile(transformer, **COMPILE_MODES[compile_mode])
+        yield model, session
     finally:
         remove(transformer)
         if compile_mode is not None:
             torch._dynamo.reset()
+
+
+def _time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeats: int,
+                 compile_mode: str | None = None) -> tuple[dict, torch.Tensor]:
+    config = spec.config
+    device = inputs["hidden_states"].device
+    forward, attention, plan = [], [], []
+    with method_applied(transformer, config, compile_mode) as (model, session), torch.no_grad():
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        if compile_mode is not None:
+            # compiled: time whole forwards from outside (the graph hides the processors); the
+            # first calls compile the dense-step and sparse-step graphs
+            for _ in range(max(warmup, 2)):
+                model(**inputs)
+            for _ in range(repeats):
+                _sync(device)
+                t0 = time.perf_counter()
+                out = model(**inputs)[0]
+                _sync(device)
+                forward.append(time.perf_counter() - t0)
+            attention = plan = [None]
+        else:
+            for _ in range(warmup):
+                transformer(**inputs)
+            for _ in range(repeats):
+                ttimer, atimer = TransformerTimer([transformer]), AttentionTimer([transformer])
+                with ttimer(), atimer():
+                    out = transformer(**inputs)[0]
+                forward.append(ttimer.times[-1])
+                attention.append(atimer.attention_total)
+                plan.append(atimer.plan_total)
+        stats = session.stats()
     layers = stats["layers"].values()
     kept = sum((l["density"] or 0.0) * l["sparse_calls"] for l in layers)
     calls = stats["sparse_calls"] + stats["dense_calls"]

@@ -44,6 +44,13 @@ NEG_BIG = gl.constexpr(-1.0e30)
 SHARED_LIMIT = 227 * 1024 - 1024   # sm_90 shared memory per block, less room for the barriers
 
 
+@gluon.constexpr_function
+def _wgmma_layout(n):
+    """Register layout of one consumer warpgroup's 64 x n wgmma accumulator (scores: n = BLOCK_N; output:
+    n = HEAD_DIM)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
 @gluon.jit
 def _work_item(ORDER, KV_COUNT, it, MQ):
     """(item, batch*head, query tile, kv_count) of the it-th work item (longest first)."""
@@ -236,10 +243,8 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
     Q_BUFS: gl.constexpr = q_ready.type.shape[0]
     dtype: gl.constexpr = O.dtype.element_ty
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -303,10 +308,8 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
     Q_BUFS: gl.constexpr = q_ready.type.shape[0]
     dtype: gl.constexpr = O.dtype.element_ty
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
