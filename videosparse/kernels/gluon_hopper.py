@@ -297,6 +297,20 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
 
 
 @gluon.jit
+def _finish_pending(WG: gl.constexpr, pv_c, acc, m_i, l_i, p_op, p_smem, v_smem, v_ready, v_empty, bh, mt, O, LSE, S,
+                    HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, STORE_LSE: gl.constexpr,
+                    P_SMEM: gl.constexpr):
+    """Cross-item pipeline: the pending item's last P.V (tile pv_c) when no next score GEMM goes with it, then
+    its epilogue."""
+    sp = pv_c % NUM_STAGES
+    mbarrier.wait(v_ready.index(sp), (pv_c // NUM_STAGES) & 1)
+    acc_tok = _pv_issue(p_op, p_smem, pv_c, WG, v_smem.index(sp), acc, P_SMEM)
+    acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+    mbarrier.arrive(v_empty.index(sp), count=1)
+    _store_rows(acc, m_i, l_i, bh, mt, O, LSE, S, WG, HEAD_DIM, STORE_LSE)
+
+
+@gluon.jit
 def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_ITEMS,
                    NCP, NCH, q_smem, k_smem, v_smem, p_smem, bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr, CORR: gl.constexpr,
@@ -387,12 +401,8 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
             # an item without tiles: finish the pending one, then write this item's empty rows
             mbarrier.arrive(q_empty.index(qb), count=1)
             if pend == 1:
-                sp = pv_c % NUM_STAGES
-                mbarrier.wait(v_ready.index(sp), (pv_c // NUM_STAGES) & 1)
-                acc_tok = _pv_issue(p_op, p_smem, pv_c, WG, v_smem.index(sp), acc, P_SMEM)
-                acc = warpgroup_mma_wait(0, deps=(acc_tok,))
-                mbarrier.arrive(v_empty.index(sp), count=1)
-                _store_rows(acc, m_i, l_i, prev_bh, prev_mt, O, LSE, S, WG, HEAD_DIM, STORE_LSE)
+                _finish_pending(WG, pv_c, acc, m_i, l_i, p_op, p_smem, v_smem, v_ready, v_empty, prev_bh, prev_mt, O,
+                                LSE, S, HEAD_DIM, NUM_STAGES, STORE_LSE, P_SMEM)
             pend = 0
             m_i = gl.full([64], NEG_BIG, gl.float32, layout=row_s)
             l_i = gl.zeros([64], gl.float32, layout=row_s)
@@ -401,12 +411,8 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
         c += n_all
         t += 1
     if pend == 1:
-        sp = pv_c % NUM_STAGES
-        mbarrier.wait(v_ready.index(sp), (pv_c // NUM_STAGES) & 1)
-        acc_tok = _pv_issue(p_op, p_smem, pv_c, WG, v_smem.index(sp), acc, P_SMEM)
-        acc = warpgroup_mma_wait(0, deps=(acc_tok,))
-        mbarrier.arrive(v_empty.index(sp), count=1)
-        _store_rows(acc, m_i, l_i, prev_bh, prev_mt, O, LSE, S, WG, HEAD_DIM, STORE_LSE)
+        _finish_pending(WG, pv_c, acc, m_i, l_i, p_op, p_smem, v_smem, v_ready, v_empty, prev_bh, prev_mt, O, LSE, S,
+                        HEAD_DIM, NUM_STAGES, STORE_LSE, P_SMEM)
 
 
 @gluon.jit
