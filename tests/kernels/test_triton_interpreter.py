@@ -40,8 +40,50 @@ CASES = {
 }
 
 
+# correction inputs (one Triton launch) vs their torch version; name: B, H, S, block, D, density, dtype, extra
+PREP_CASES = {
+    "prep-b128-odd": (2, 3, 1000, 128, 128, 0.3, "bfloat16", ""),
+    "prep-b64-empty-rows": (1, 2, 333, 64, 64, 0.5, "float16", "empty"),
+    "prep-b64-long-lists": (1, 1, 5000, 64, 64, 0.6, "float32", ""),     # Kmax > 32: several list blocks
+}
+
+
 # ---------------------------------------------------------------- child side (TRITON_INTERPRET=1)
+def _run_prep_case(name: str) -> dict:
+    from helpers import random_plan
+
+    from videosparse.kernels._triton_utils import correction_inputs, correction_inputs_torch
+    from videosparse.plan import Plan
+    from videosparse.sol.centroids import tile_centroids_torch
+
+    B, H, S, block, D, density, dtype, extra = PREP_CASES[name]
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    k, v = (torch.randn(B, H, S, D, generator=g).to(getattr(torch, dtype)) for _ in range(2))
+    plan = random_plan(B, H, S, block, block, density, seed=S)
+    if extra == "empty":
+        count = plan.kv_count.clone()
+        count[:, :, ::2] = 0
+        plan = Plan(plan.kv_index, count, block, block)
+    plan = plan.with_correction(*tile_centroids_torch(k, v, block))
+    Nk = math.ceil(S / block)
+    got = correction_inputs(plan, Nk, block, k.dtype)
+    want = correction_inputs_torch(plan, Nk, block, k.dtype)
+    finite = torch.isfinite(want[2])
+    return {
+        "kmax": plan.kv_index.shape[-1],
+        "shapes_ok": [tuple(a.shape) for a in got] == [tuple(b.shape) for b in want]
+        and [a.dtype for a in got] == [b.dtype for b in want],
+        # the interpreter rounds to bf16 by truncation: one unit in the last place
+        "k_mean_rel": float((got[0].float() - want[0].float()).norm() / want[0].float().norm()),
+        "v_mean_rel": float((got[1].float() - want[1].float()).norm() / want[1].float().norm()),
+        "bias_inf_match": bool(torch.equal(torch.isinf(got[2]), ~finite)),
+        "bias_max_err": float((got[2][finite] - want[2][finite]).abs().max()),
+    }
+
+
 def _run_case(name: str) -> dict:
+    if name in PREP_CASES:
+        return _run_prep_case(name)
     from helpers import random_plan, rel_err
 
     from videosparse.kernels import block_sparse_attention, reference_attention
@@ -97,7 +139,7 @@ def _child_main(names: list[str]) -> None:
 # ---------------------------------------------------------------- parent side (pytest)
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    return run_interpreter_cases(Path(__file__).resolve(), list(CASES))
+    return run_interpreter_cases(Path(__file__).resolve(), [*CASES, *PREP_CASES])
 
 
 def _tolerance(dtype: str, ref_rel_err: float) -> float:
@@ -119,6 +161,19 @@ def test_triton_kernel_matches_reference(interpreter_results, name):
     assert res["rel_err"] <= _tolerance(dtype, res["ref_rel_err"]), res
     assert res["lse_err"] <= (1e-4 if dtype == "float32" else 2e-2), res
     assert res["lse_inf_match"] and res["empty_rows_zero"], res
+
+
+@pytest.mark.parametrize("name", list(PREP_CASES))
+def test_correction_inputs_kernel_matches_torch(interpreter_results, name):
+    res = interpreter_results.get(name)
+    assert res is not None, f"case {name} did not report"
+    assert "error" not in res, res.get("error")
+    assert res["shapes_ok"] and res["bias_inf_match"], res
+    tol = {"bfloat16": 1e-2, "float16": 1e-3, "float32": 1e-7}[PREP_CASES[name][6]]
+    assert res["k_mean_rel"] <= tol and res["v_mean_rel"] <= tol, res
+    assert res["bias_max_err"] <= 1e-6, res
+    if name == "prep-b64-long-lists":
+        assert res["kmax"] > 32, res
 
 
 def test_triton_on_cpu_without_interpreter_gives_reasons():
