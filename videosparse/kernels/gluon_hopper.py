@@ -16,8 +16,9 @@ does not overlap its own GEMMs. This kernel writes the schedule out:
 * persistent grid, work items (batch*head, query tile) longest-first as in `triton_hopper`; two Q
   buffers let the loader fetch the next item's Q and first K/V tiles early, and (`CROSS`, the default)
   an item's last P.V GEMM and epilogue overlap the next item's first score GEMM and softmax.
-* `P_SMEM` (off by default, not yet run on a GPU): P.V reads P from two shared buffers per warpgroup;
-  with P in registers ptxas waits for the P.V GEMM before the softmax, from shared memory it does not.
+* `P_SMEM` (off by default): P.V reads P from two shared buffers per warpgroup; with P in registers
+  ptxas waits for the P.V GEMM before the softmax, from shared memory it does not. Correct on the H200
+  but not faster (equal at head dim 128, 6-9% slower at 64): the other warpgroup already fills the gap.
 
 Semantics are those of `reference.reference_attention`. With the zero-order correction each item's
 centroid chunks (k_mean, v_sum/len, bias log2 len; -inf for its exact tiles) follow its exact tiles in
@@ -529,7 +530,8 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
             549 TFLOP/s at density 0.1 on 12 x 32,760, 525 vs 521 at 0.05 on 12 x 32,768.
         p_in_smem: P.V reads P from shared memory (two 64 x 128 buffers per consumer warpgroup, 64 KB in
             all: at head dim 128 only with q_buffers=1; cross-item pipeline only), so that ptxas keeps each
-            softmax under the previous tile's P.V (see `_tile_loop`). Not yet run on a GPU: off by default.
+            softmax under the previous tile's P.V (see `_tile_loop`). Off by default: on the H200 it
+            is as fast as q_buffers=1 without it at head dim 128 and 6-9% slower at 64 (kernel_h200.json).
         pingpong, num_programs, maxnreg: tuning knobs (benchmarks). pingpong=True (FA3's enforced
             alternation of the two warpgroups' GEMMs) gave no steady gain on the H200 (571 vs 566 TFLOP/s
             at density 0.1 and 511 vs 521 at 0.05 against the per-item pipeline; kernel_h200.json).
