@@ -526,15 +526,17 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
         q_buffers (1 or 2): Q tiles in shared memory; with 2 the loader fetches the next item's Q and
             first K/V tiles while the consumers still work on the current item.
         cross_item (default True): carry the pipeline across work items (`_consume_cross`; not with
-            pingpong). Same-run A/B on the H200 (benchmarks/kernel_h200.json, "variants"): 619 vs
-            549 TFLOP/s at density 0.1 on 12 x 32,760, 525 vs 521 at 0.05 on 12 x 32,768.
+            pingpong). Same-run A/B on the H200 (benchmarks/kernel_h200.json, "variants"): 579 vs
+            535 TFLOP/s at density 0.1 on 12 x 32,760 (619 vs 549 a session earlier), 524 vs 516 at 0.05
+            on 12 x 32,768.
         p_in_smem: P.V reads P from shared memory (two 64 x 128 buffers per consumer warpgroup, 64 KB in
             all: at head dim 128 only with q_buffers=1; cross-item pipeline only), so that ptxas keeps each
             softmax under the previous tile's P.V (see `_tile_loop`). Off by default: on the H200 it
             is as fast as q_buffers=1 without it at head dim 128 and 6-9% slower at 64 (kernel_h200.json).
         pingpong, num_programs, maxnreg: tuning knobs (benchmarks). pingpong=True (FA3's enforced
-            alternation of the two warpgroups' GEMMs) gave no steady gain on the H200 (571 vs 566 TFLOP/s
-            at density 0.1 and 511 vs 521 at 0.05 against the per-item pipeline; kernel_h200.json).
+            alternation of the two warpgroups' GEMMs) gave no steady gain on the H200 against the
+            per-item pipeline (kernel_h200.json: 608 vs 552 TFLOP/s at density 0.1 on 12 x 32,768, but
+            571 vs 566 there a session earlier and 548 vs 535 on 12 x 32,760; 505 vs 516 at 0.05).
 
     Returns:
         out [B, H, S, D] in q's dtype (and lse).
