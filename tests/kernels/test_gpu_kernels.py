@@ -110,3 +110,23 @@ def test_auto_picks_the_fastest_backend_on_this_gpu():
     assert select_backend(q64, q64, q64, dense_plan(1, 2, 1000, device="cuda")).name == _backends()[0]
     # fp32 on the GPU is not a Triton case: auto falls back to the reference
     assert select_backend(q.float(), q.float(), q.float(), dense_plan(1, 2, 1000, device="cuda")).name == "reference"
+
+
+@pytest.mark.parametrize("S,block,density", [(75600, 128, 0.1), (17550, 64, 0.3), (1000, 128, 1.0)])
+def test_correction_inputs_kernel_matches_torch_at_real_size(S, block, density):
+    """The one-launch correction inputs equal their torch version (Kmax 60+ at the Wan 14B shape)."""
+    from videosparse.kernels._triton_utils import correction_inputs, correction_inputs_torch
+    from videosparse.sol.centroids import tile_centroids_torch
+
+    B, H, D = 1, 4, 128
+    k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    plan = random_plan(B, H, S, block, block, density, seed=S, device="cuda")
+    plan = plan.with_correction(*tile_centroids_torch(k, v, block))
+    Nk = math.ceil(S / block)
+    got = correction_inputs(plan, Nk, block, k.dtype)
+    want = correction_inputs_torch(plan, Nk, block, k.dtype)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])        # bf16 tolerance: Triton's fp32 division may differ by an ulp
+    finite = torch.isfinite(want[2])
+    assert torch.equal(torch.isinf(got[2]), ~finite)
+    assert torch.allclose(got[2][finite], want[2][finite], atol=1e-6, rtol=0)
