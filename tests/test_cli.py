@@ -21,6 +21,8 @@ def test_bad_arguments_exit_with_clear_error(capsys):
     assert "density=2.0" in capsys.readouterr().err
     assert main(["generate", "--steps", "-1"]) == 2
     assert "--steps=-1" in capsys.readouterr().err
+    assert main(["generate", "--out", "/tmp/video"]) == 2        # no video extension: refused before any work
+    assert "'/tmp/video' needs a video file extension" in capsys.readouterr().err
 
 
 def test_generate_writes_playable_mp4(tmp_path):

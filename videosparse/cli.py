@@ -9,12 +9,15 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 import torch
 
 from .config import BACKENDS, DenseConfig, SolConfig, VedaConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# containers diffusers' export_to_video (imageio + ffmpeg) writes
+VIDEO_SUFFIXES = (".mp4", ".mkv", ".mov", ".webm", ".avi")
 
 
 def _tile(text: str):
@@ -85,7 +88,7 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("--guidance-scale", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fps", type=int, default=8)
-    p.add_argument("--out", default="video.mp4", help="output mp4 path")
+    p.add_argument("--out", default="video.mp4", help="output video path (.mp4, .mkv, .mov, .webm or .avi)")
     p.add_argument("--compare-dense", action="store_true", help="also run dense with the same seed and compare")
     p.add_argument("--json", default=None, help="also write the summary as JSON here")
     p.set_defaults(func=_run_generate)
@@ -99,6 +102,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name}={value} must be a positive integer.")
+    if Path(args.out).suffix.lower() not in VIDEO_SUFFIXES:
+        raise ValueError(f"--out {args.out!r} needs a video file extension, one of {', '.join(VIDEO_SUFFIXES)} "
+                         "(checked before the pipeline runs).")
     config = method_config(args)
     loaded = load_pipeline(args.model, args.device, DTYPES.get(args.dtype))
     pipe = loaded.pipe
