@@ -179,3 +179,21 @@ def test_gluon_p_in_smem_keeps_the_softmax_under_the_pv_gemm(head_dim, q_buffers
     assert min(counts) >= 64, f"exponentials under the P.V GEMM per loop: {counts}"
     assert k.metadata.shared <= SHARED_LIMIT
     assert _local_memory_bytes(k.asm["cubin"], tmp_path) in (None, 0), "registers spill"
+
+
+@pytest.mark.parametrize("out_dtype,chunk,d_p2", [("bf16", 128, 128), ("fp16", 64, 64), ("fp32", 128, 128)])
+def test_correction_inputs_kernel_compiles_for_sm90(hopper_module, out_dtype, chunk, d_p2):
+    """The one-launch correction inputs kernel compiles for sm_90 (the interpreter tests do not compile it)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from videosparse.kernels._triton_utils import _correction_inputs_kernel
+
+    sig = dict(KV_INDEX="*i32", KV_COUNT="*i32", TILE_LEN="*i32", K_MEAN="*fp32", V_SUM="*fp32",
+               KM_OUT="*" + out_dtype, VM_OUT="*" + out_dtype, BIAS="*fp32", N_ITEMS="i32", NK="i32", NCP="i32",
+               KMAX="i32", N_ROWS="i32", D="i32", D_P2="constexpr", CHUNK="constexpr", KB="constexpr",
+               ROWS="constexpr")
+    src = ASTSource(_correction_inputs_kernel, sig, dict(D_P2=d_p2, CHUNK=chunk, KB=32, ROWS=16))
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    assert ".entry _correction_inputs_kernel" in k.asm["ptx"]
+    assert k.metadata.shared <= SHARED_LIMIT
