@@ -60,6 +60,20 @@ def _work_item(ORDER, KV_COUNT, it, MQ):
 
 
 @gluon.jit
+def _item_start(ORDER, KV_COUNT, KV_INDEX, BIAS, it, t, MQ, KMAX, NCP, NCH, q_smem, q_ready, WG: gl.constexpr):
+    """A consumer's start of its t-th work item (the it-th of the order): waits for the item's Q; returns
+    (bh, mt, n exact tiles, its kv_index row, its bias row, n_all = n + NCH steps, Q buffer, this
+    warpgroup's Q half)."""
+    item, bh, mt, n = _work_item(ORDER, KV_COUNT, it, MQ)
+    row = KV_INDEX + item.to(gl.int64) * KMAX
+    bias_row = BIAS + item.to(gl.int64) * NCP
+    Q_BUFS: gl.constexpr = q_ready.type.shape[0]
+    qb = t % Q_BUFS
+    mbarrier.wait(q_ready.index(qb), (t // Q_BUFS) & 1)
+    return bh, mt, n, row, bias_row, n + NCH, qb, q_smem.index(2 * qb + WG)
+
+
+@gluon.jit
 def _loader(desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX, N_ITEMS, NCH,
             q_smem, k_smem, v_smem, bars, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     """1 warp: Q halves per item, then the listed K/V tiles and the NCH centroid chunks (k_mean / v_mean rows of
@@ -158,6 +172,18 @@ def _p_put(p, p_bufs, g, WG: gl.constexpr):
 
 
 @gluon.jit
+def _p_stage(p, p_op, p_bufs, g, WG: gl.constexpr, P_SMEM: gl.constexpr):
+    """P_g for the next P.V: into shared memory (P_SMEM; `_p_publish` still to come, p_op passed through) or
+    as the register operand in p_op's dtype and layout."""
+    if P_SMEM:
+        _p_put(p, p_bufs, g, WG)
+        p_next = p_op
+    else:
+        p_next = gl.convert_layout(p.to(p_op.dtype), p_op.type.layout)
+    return p_next
+
+
+@gluon.jit
 def _p_publish():
     """P_SMEM: after `_p_put`, before the P.V that reads it: fence for the async proxy, then a warpgroup
     barrier so that every thread's part is in shared memory before any thread issues the GEMM."""
@@ -242,7 +268,6 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
     """One consumer warpgroup (rows WG*64 .. WG*64+63 of each item): pipelined QK^T / softmax / PV over the
     item's exact tiles, then (CORR) its centroid chunks."""
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
-    Q_BUFS: gl.constexpr = q_ready.type.shape[0]
     dtype: gl.constexpr = O.dtype.element_ty
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
@@ -254,17 +279,12 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
     t = 0
     turns = 0
     for it in range(gl.program_id(0), N_ITEMS, gl.num_programs(0)):
-        item, bh, mt, n = _work_item(ORDER, KV_COUNT, it, MQ)
-        row = KV_INDEX + item.to(gl.int64) * KMAX
-        bias_row = BIAS + item.to(gl.int64) * NCP
-        n_all = n + NCH
+        bh, mt, n, row, bias_row, n_all, qb, q_half = _item_start(ORDER, KV_COUNT, KV_INDEX, BIAS, it, t, MQ, KMAX,
+                                                                  NCP, NCH, q_smem, q_ready, WG)
         m_i = gl.full([64], NEG_BIG, gl.float32, layout=row_s)
         l_i = gl.zeros([64], gl.float32, layout=row_s)
         acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
         zero_s = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
-        qb = t % Q_BUFS
-        mbarrier.wait(q_ready.index(qb), (t // Q_BUFS) & 1)
-        q_half = q_smem.index(2 * qb + WG)
         if n_all > 0:
             # prologue: S_0 and its softmax
             s0 = c % NUM_STAGES
@@ -321,7 +341,6 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
     cores at item boundaries from this warpgroup). P_SMEM: P.V reads P from p_smem[2 WG + g % 2] (see
     `_tile_loop`)."""
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
-    Q_BUFS: gl.constexpr = q_ready.type.shape[0]
     dtype: gl.constexpr = O.dtype.element_ty
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
@@ -344,13 +363,8 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
     l_i = gl.zeros([64], gl.float32, layout=row_s)
     p_op = gl.convert_layout(zero_s.to(dtype), p_layout)     # unused with P_SMEM
     for it in range(gl.program_id(0), N_ITEMS, gl.num_programs(0)):
-        item, bh, mt, n = _work_item(ORDER, KV_COUNT, it, MQ)
-        row = KV_INDEX + item.to(gl.int64) * KMAX
-        bias_row = BIAS + item.to(gl.int64) * NCP
-        n_all = n + NCH
-        qb = t % Q_BUFS
-        mbarrier.wait(q_ready.index(qb), (t // Q_BUFS) & 1)
-        q_half = q_smem.index(2 * qb + WG)
+        bh, mt, n, row, bias_row, n_all, qb, q_half = _item_start(ORDER, KV_COUNT, KV_INDEX, BIAS, it, t, MQ, KMAX,
+                                                                  NCP, NCH, q_smem, q_ready, WG)
         if n_all > 0:
             s0 = c % NUM_STAGES
             mbarrier.wait(k_ready.index(s0), (c // NUM_STAGES) & 1)
@@ -363,11 +377,7 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
                 mbarrier.arrive(k_empty.index(s0), count=1)
                 qk = _fix_scores(qk, 0, n, row, bias_row, cols, SK, inv_scale, BLOCK_N, MASK_LAST, CORR)
                 m_n, l_n, p = _first_softmax(qk, qk_scale)
-                if P_SMEM:
-                    _p_put(p, p_smem, c, WG)
-                    p_n = p_op
-                else:
-                    p_n = gl.convert_layout(p.to(dtype), p_layout)
+                p_n = _p_stage(p, p_op, p_smem, c, WG, P_SMEM)
                 acc = warpgroup_mma_wait(0, deps=(acc_tok,))
                 mbarrier.arrive(v_empty.index(sp), count=1)
                 if P_SMEM:
@@ -378,12 +388,9 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
                 mbarrier.arrive(k_empty.index(s0), count=1)
                 qk = _fix_scores(qk, 0, n, row, bias_row, cols, SK, inv_scale, BLOCK_N, MASK_LAST, CORR)
                 m_n, l_n, p = _first_softmax(qk, qk_scale)
+                p_n = _p_stage(p, p_op, p_smem, c, WG, P_SMEM)
                 if P_SMEM:
-                    _p_put(p, p_smem, c, WG)
                     _p_publish()
-                    p_n = p_op
-                else:
-                    p_n = gl.convert_layout(p.to(dtype), p_layout)
             if n_all == 1:
                 mbarrier.arrive(q_empty.index(qb), count=1)
             m_i = m_n
