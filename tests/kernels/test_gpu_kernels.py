@@ -80,7 +80,7 @@ def _check(run, S, D, dtype, plan_kind, correction):
     assert float((lse[finite] - ref_lse[finite]).abs().max()) < 2e-2
 
 
-@pytest.mark.parametrize("knobs", ["p_in_smem", "per_item", "one_q_buffer"])
+@pytest.mark.parametrize("knobs", ["p_in_smem", "per_item", "one_q_buffer", "register_store"])
 @pytest.mark.parametrize("S,D,dtype,plan_kind,correction", [
     (16380, 128, torch.bfloat16, "random", True),
     (9000, 64, torch.float16, "banded", False),
@@ -94,7 +94,8 @@ def test_gluon_variants_match_reference(knobs, S, D, dtype, plan_kind, correctio
     from videosparse.kernels.gluon_hopper import gluon_attention
 
     kwargs = {"p_in_smem": dict(p_in_smem=True, q_buffers=1 if D == 128 else 2),
-              "per_item": dict(cross_item=False), "one_q_buffer": dict(q_buffers=1)}[knobs]
+              "per_item": dict(cross_item=False), "one_q_buffer": dict(q_buffers=1),
+              "register_store": dict(tma_store=False)}[knobs]
     _check(lambda q, k, v, plan: gluon_attention(q, k, v, plan, D ** -0.5, return_lse=True, **kwargs),
            S, D, dtype, plan_kind, correction)
 

@@ -110,6 +110,19 @@ def test_gluon_kernel_compiles_with_two_consumer_warpgroups_tma_and_wgmma(name, 
     assert local in (None, 0), f"registers spill to {local} bytes of local memory"
 
 
+def test_gluon_cross_item_kernel_stores_outputs_with_tma():
+    """The default schedule (cross-item, two Q buffers) writes outputs with TMA stores from shared memory and
+    waits for them to read it; register stores (tma_store=False) and the per-item schedule have none."""
+    pytest.importorskip("triton.experimental.gluon")
+    from videosparse.kernels import gluon_hopper
+
+    tma_store = "cp.async.bulk.tensor.2d.global.shared"
+    ptx = gluon_hopper.compile_for_sm90().asm["ptx"]
+    assert tma_store in ptx and "cp.async.bulk.wait_group.read" in ptx
+    assert tma_store not in gluon_hopper.compile_for_sm90(tma_store=False).asm["ptx"]
+    assert tma_store not in gluon_hopper.compile_for_sm90(cross_item=False).asm["ptx"]
+
+
 def test_gluon_backend_declines_cpu_and_unsupported_inputs_with_reasons():
     import torch
 
