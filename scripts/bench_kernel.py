@@ -166,6 +166,21 @@ def check_correctness(results, deadline):
             results["correctness"].append(rec)
 
 
+def time_interleaved(fns, rounds, bench):
+    """{name: [ms per round]}: every callable timed once per round, the order reversed every other round, so
+    that clock and power drift (the H200 runs at its power cap) fall on all of them alike."""
+    times = {name: [] for name in fns}
+    for r in range(rounds):
+        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            times[name].append(bench(fns[name]))
+    return times
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
+
+
 def bench_shape(name, results, args, deadline):
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -185,32 +200,38 @@ def bench_shape(name, results, args, deadline):
     bench = lambda fn: do_bench(fn, warmup=10 if big else 25, rep=60 if big else 100, return_mode="median")
     rows = results["rows"]
 
-    def add(impl, plan_kind, target, density, ms, **extra):
+    def add(impl, plan_kind, target, density, ms_rounds, **extra):
+        ms = median(ms_rounds)
         row = dict(shape=name, B=B, H=H, S=S, D=D, impl=impl, plan=plan_kind, target_density=target,
-                   density=density, ms=ms, tflops=full_flops * density / (ms * 1e-3) / 1e12, **extra)
+                   density=density, ms=ms, tflops=full_flops * density / (ms * 1e-3) / 1e12,
+                   ms_rounds=[round(x, 4) for x in ms_rounds], **extra)
         rows.append(row)
         log(f"{name:24s} {impl:14s} {plan_kind:7s} d={density:.3f} {ms:9.3f} ms {row['tflops']:7.1f} TFLOP/s"
             + "".join(f" {k}={v}" for k, v in extra.items()))
         return row
 
-    # dense peers
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        ref_dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
-        ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale))
-    add("cudnn", "dense", 1.0, 1.0, ms)
+    def sdpa():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    ref_dense = sdpa()
     qt = kt = vt = None
     do_peers = (name in PEER_SHAPES) and not args.no_peers
     fa4_dense = make_fa4(None) if do_peers else None
+    dense_peers = {"cudnn": sdpa}       # timed with ours on the dense plan, interleaved
+    dense_extra = {"cudnn": {}}
     if fa4_dense is not None:
         qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
         try:
             o = first(fa4_dense(qt, kt, vt, scale)).transpose(1, 2)
             err = float((o.float() - ref_dense.float()).norm() / ref_dense.float().norm())
-            add("fa4", "dense", 1.0, 1.0, bench(lambda: fa4_dense(qt, kt, vt, scale)), rel_err_vs_cudnn=round(err, 5))
+            dense_peers["fa4"] = lambda: fa4_dense(qt, kt, vt, scale)
+            dense_extra["fa4"] = dict(rel_err_vs_cudnn=round(err, 5))
         except Exception as e:
             log("fa4 dense failed:", type(e).__name__, str(e)[:300])
             results["errors"].append(f"fa4 dense {name}: {type(e).__name__}: {str(e)[:300]}")
             qt = None
+    cud = None
 
     densities = DENSITIES if not args.quick else [1.0, 0.25, 0.1, 0.05]
     for kind in ("random", "banded"):
@@ -227,25 +248,24 @@ def bench_shape(name, results, args, deadline):
                 return block_sparse_attention(q, k, v, p, scale=scale, validate=False)
 
             out = ours_fn(plan)
-            extra = {"backend": select_backend(q, k, v, plan).name}
+            fns = {"ours": lambda p=plan: ours_fn(p)}
+            extra = {"ours": {"backend": select_backend(q, k, v, plan).name}}
             if target >= 1.0:
-                extra["rel_err_vs_cudnn"] = round(float((out.float() - ref_dense.float()).norm() / ref_dense.float().norm()), 5)
-            ours = add("ours", kind, target, dens, bench(lambda p=plan: ours_fn(p)), **extra)
-            cud = next(r for r in rows if r["shape"] == name and r["impl"] == "cudnn")
-            ours["speedup_vs_cudnn"] = cud["ms"] / ours["ms"]
+                extra["ours"]["rel_err_vs_cudnn"] = round(float((out.float() - ref_dense.float()).norm()
+                                                                / ref_dense.float().norm()), 5)
+                for peer, fn in dense_peers.items():
+                    fns[peer + "@dense"] = fn
             if target < 1.0 and (kind == "random" or name == "12x32768 d128"):
                 cplan = plan.with_correction(*tile_centroids_torch(k, v, 128))
                 ours_fn(cplan)
-                cms = bench(lambda: ours_fn(cplan))
-                crow = add("ours+corr", kind, target, dens, cms, overhead=round(cms / ours["ms"] - 1, 4))
-                crow["speedup_vs_cudnn"] = cud["ms"] / cms
+                fns["ours+corr"] = lambda: ours_fn(cplan)
             if do_peers and (kind == "random" or name == "12x32768 d128"):
                 try:
                     flex = make_flex(plan, S, dev)
                     o = flex(q, k, v, scale)
-                    err = float((o.float() - out.float()).norm() / out.float().norm())
-                    fr = add("flex", kind, target, dens, bench(lambda: flex(q, k, v, scale)), rel_err_vs_ours=round(err, 5))
-                    ours["ratio_flex"] = fr["ms"] / ours["ms"]
+                    extra["flex"] = dict(rel_err_vs_ours=round(float((o.float() - out.float()).norm()
+                                                                     / out.float().norm()), 5))
+                    fns["flex"] = lambda flex=flex: flex(q, k, v, scale)
                 except Exception as e:
                     log("flex failed:", type(e).__name__, str(e)[:300])
                     results["errors"].append(f"flex {name} {kind} {target}: {type(e).__name__}: {str(e)[:300]}")
@@ -253,12 +273,29 @@ def bench_shape(name, results, args, deadline):
                     try:
                         fa4 = make_fa4(plan)
                         o = first(fa4(qt, kt, vt, scale)).transpose(1, 2)
-                        err = float((o.float() - out.float()).norm() / out.float().norm())
-                        fr = add("fa4", kind, target, dens, bench(lambda: fa4(qt, kt, vt, scale)), rel_err_vs_ours=round(err, 5))
-                        ours["ratio_fa4"] = fr["ms"] / ours["ms"]
+                        extra["fa4"] = dict(rel_err_vs_ours=round(float((o.float() - out.float()).norm()
+                                                                        / out.float().norm()), 5))
+                        fns["fa4"] = lambda fa4=fa4: fa4(qt, kt, vt, scale)
                     except Exception as e:
                         log("fa4 failed:", type(e).__name__, str(e)[:300])
                         results["errors"].append(f"fa4 {name} {kind} {target}: {type(e).__name__}: {str(e)[:300]}")
+            times = time_interleaved(fns, args.rounds, bench)
+            for peer in dense_peers:
+                if peer + "@dense" in times:
+                    r = add(peer, "dense", 1.0, 1.0, times[peer + "@dense"], **dense_extra[peer])
+                    cud = r if peer == "cudnn" else cud
+            ours = add("ours", kind, target, dens, times["ours"], **extra["ours"])
+            if cud is not None:
+                ours["speedup_vs_cudnn"] = cud["ms"] / ours["ms"]
+            if "ours+corr" in times:
+                crow = add("ours+corr", kind, target, dens, times["ours+corr"])
+                crow["overhead"] = round(crow["ms"] / ours["ms"] - 1, 4)
+                if cud is not None:
+                    crow["speedup_vs_cudnn"] = cud["ms"] / crow["ms"]
+            for peer in ("flex", "fa4"):
+                if peer in times:
+                    pr = add(peer, kind, target, dens, times[peer], **extra[peer])
+                    ours["ratio_" + peer] = pr["ms"] / ours["ms"]
             del plan
 
 
@@ -296,25 +333,35 @@ def bench_variants(results, args, deadline):
             variants["gluon_p_in_smem"] = lambda qb=qb: gluon_attention(q, k, v, plan, D ** -0.5, p_in_smem=True,
                                                                         q_buffers=qb)
             variants["gluon_1_q_buffer_cross"] = lambda: gluon_attention(q, k, v, plan, D ** -0.5, q_buffers=1)
+            variants["gluon_register_store"] = lambda: gluon_attention(q, k, v, plan, D ** -0.5, tma_store=False)
             if D == 64:     # deeper K/V rings fit next to two Q buffers only at head dim 64
                 for st in (3, 4):
                     variants[f"gluon_{st}_stages"] = (
                         lambda st=st: gluon_attention(q, k, v, plan, D ** -0.5, num_stages=st))
+            if time.time() > deadline:
+                results["errors"].append("deadline: variants cut short")
+                return
             base = None     # the default variant's output (checked against the reference above)
+            diffs, runnable = {}, {}
             for vname, fn in variants.items():
-                if time.time() > deadline:
-                    results["errors"].append("deadline: variants cut short")
-                    return
                 try:
                     out = fn().float()
                     base = out if base is None else base
-                    diff = float((out - base).norm() / base.norm()) if torch.isfinite(out).all() else float("nan")
-                    ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
-                    rec = dict(S=S, D=D, H=H, target_density=target, density=dens, variant=vname, ms=ms,
-                               tflops=flops * dens / (ms * 1e-3) / 1e12, rel_diff_vs_default=diff,
-                               ok=bool(diff < 1e-2))
+                    finite = bool(torch.isfinite(out).all())
+                    diffs[vname] = float((out - base).norm() / base.norm()) if finite else float("nan")
+                    runnable[vname] = fn
                 except Exception as e:
-                    rec = dict(S=S, D=D, target_density=target, variant=vname, error=f"{type(e).__name__}: {str(e)[:300]}")
+                    rec = dict(S=S, D=D, target_density=target, variant=vname,
+                               error=f"{type(e).__name__}: {str(e)[:300]}")
+                    log("variant", rec)
+                    results["variants"].append(rec)
+            times = time_interleaved(runnable, args.rounds, lambda fn: do_bench(fn, warmup=25, rep=100,
+                                                                                return_mode="median"))
+            for vname, ms_rounds in times.items():
+                ms = median(ms_rounds)
+                rec = dict(S=S, D=D, H=H, target_density=target, density=dens, variant=vname, ms=ms,
+                           tflops=flops * dens / (ms * 1e-3) / 1e12, ms_rounds=[round(x, 4) for x in ms_rounds],
+                           rel_diff_vs_default=diffs[vname], ok=bool(diffs[vname] < 1e-2))
                 log("variant", rec)
                 results["variants"].append(rec)
 
@@ -341,12 +388,46 @@ def render_markdown(results) -> str:
             cell = lambda x, f: f.format(x) if x is not None else "–"
             out.append("| {} | {:.3f} | {:.2f} | {:.0f} | {} | {} | {} | {} | {} |".format(
                 shape, r["density"], r["ms"], r["tflops"],
-                cell(corr and corr["overhead"] * 100, "+{:.1f}%"),
+                cell(corr and corr["overhead"] * 100, "{:+.1f}%"),
                 cell(cud and cud["ms"] / r["ms"], "{:.2f}×"),
                 cell(flex and flex["tflops"], "{:.0f}"), cell(fa4 and fa4["tflops"], "{:.0f}"),
                 cell(fa4 and fa4["ms"] / r["ms"], "{:.2f}")))
         if cud is not None:
             out.append(f"| {shape} | cuDNN dense | {cud['ms']:.2f} | {cud['tflops']:.0f} | | 1.00× | | | |")
+    return "\n".join(out)
+
+
+VARIANT_LABELS = {  # bench_variants name: README label
+    "default": "Gluon, pipeline across items, TMA-store epilogue (default)",
+    "gluon_register_store": "Gluon, across items, outputs stored from registers",
+    "gluon_1_q_buffer_cross": "Gluon, across items, 1 Q buffer",
+    "gluon_p_in_smem": "Gluon, across items, P in shared memory (1 Q buffer at d128)",
+    "gluon_3_stages": "Gluon, across items, 3 K/V stages",
+    "gluon_4_stages": "Gluon, across items, 4 K/V stages",
+    "gluon_no_cross": "Gluon, pipeline per item",
+    "gluon_1_q_buffer": "Gluon, per item, 1 Q buffer",
+    "gluon_pingpong": "Gluon, per item, FA3 ping-pong",
+    "triton_hopper": "Triton Hopper kernel (TMA + automatic warp specialization)",
+    "triton_hopper_no_ws": "Triton Hopper kernel without warp specialization",
+    "generic": "generic Triton kernel",
+}
+
+
+def render_variants(results) -> str:
+    """README table of the "variants" part: TFLOP/s on kept tiles per variant and (S, D, density)."""
+    recs = [r for r in results.get("variants", []) if "tflops" in r]
+    if not recs:
+        return ""
+    cols = list(dict.fromkeys((r["S"], r["D"], r["target_density"]) for r in recs))
+    head = ["variant"] + [f"{S} d{D} {t:g}" for S, D, t in cols]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in dict.fromkeys([n for n in VARIANT_LABELS] + [r["variant"] for r in recs]):
+        cells = []
+        for key in cols:
+            hit = next((r for r in recs if r["variant"] == name and (r["S"], r["D"], r["target_density"]) == key), None)
+            cells.append(f"{hit['tflops']:.0f}" if hit else "–")
+        if any(c != "–" for c in cells):
+            out.append("| " + " | ".join([VARIANT_LABELS.get(name, name)] + cells) + " |")
     return "\n".join(out)
 
 
@@ -357,11 +438,15 @@ def main():
     ap.add_argument("--shapes", nargs="*", help=f"subset of {list(SHAPES)}")
     ap.add_argument("--no-peers", action="store_true", help="skip Flex and FA4")
     ap.add_argument("--no-variants", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="timings per implementation, interleaved with the others of the same shape and plan; "
+                         "the median is reported (default 3)")
     ap.add_argument("--deadline-s", type=float, default=480.0, help="stop starting new timings after this")
     ap.add_argument("--readme", metavar="JSON", help="only render the markdown table of an earlier run")
     args = ap.parse_args()
     if args.readme:
-        print(render_markdown(json.loads(Path(args.readme).read_text())))
+        results = json.loads(Path(args.readme).read_text())
+        print(render_markdown(results) + "\n\n" + render_variants(results))
         return
     import torch
     import triton
@@ -370,6 +455,7 @@ def main():
     deadline = t0 + args.deadline_s
     results = dict(meta=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                              shapes=SHAPES, densities=DENSITIES, dtype="bfloat16", block=128, quick=args.quick,
+                             rounds=args.rounds,
                              date=time.strftime("%Y-%m-%d %H:%M")),
                    correctness=[], rows=[], variants=[], errors=[])
     try:
@@ -408,7 +494,7 @@ def main():
         f"{len(results['correctness']) - len(bad)}/{len(results['correctness'])} ok")
     for e in results["errors"]:
         log("error:", e[:300])
-    log(render_markdown(results))
+    log(render_markdown(results) + "\n\n" + render_variants(results))
 
 
 if __name__ == "__main__":

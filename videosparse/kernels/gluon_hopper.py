@@ -202,7 +202,8 @@ def _store_lse(m_i, l_i, seen, rows, row_ok, bh, LSE, S, STORE_LSE: gl.constexpr
 
 @gluon.jit
 def _store_rows(acc, m_i, l_i, bh, mt, O, LSE, S, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STORE_LSE: gl.constexpr):
-    """Epilogue of one warpgroup's 64 rows from registers: out = acc / l (and the lse); rows past S dropped;
+    """Epilogue of one warpgroup's 64 rows from registers: out = acc * (1 / l) (one reciprocal per row, not
+    a division per element), and the lse; rows past S dropped;
     rows that saw no key give 0 and -inf."""
     o_layout: gl.constexpr = acc.type.layout
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -212,7 +213,7 @@ def _store_rows(acc, m_i, l_i, bh, mt, O, LSE, S, WG: gl.constexpr, HEAD_DIM: gl
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     row_ok = rows < S
     seen = l_o > 0.0
-    out = acc / gl.where(seen, l_o, 1.0)[:, None]
+    out = acc * (1.0 / gl.where(seen, l_o, 1.0))[:, None]
     o_ptr = O + (bh.to(gl.int64) * S + rows)[:, None] * HEAD_DIM + offs_d[None, :]
     gl.store(o_ptr, out.to(O.dtype.element_ty), mask=row_ok[:, None])
     _store_lse(m_o, l_o, seen, rows, row_ok, bh, LSE, S, STORE_LSE)
@@ -230,7 +231,7 @@ def _epilogue(acc, m_i, l_i, bh, mt, O, LSE, S, desc_o, o_smem, WG: gl.constexpr
             row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
             l_o = gl.convert_layout(l_i, row_o)
             seen = l_o > 0.0
-            o_smem.store((acc / gl.where(seen, l_o, 1.0)[:, None]).to(o_smem.dtype))
+            o_smem.store((acc * (1.0 / gl.where(seen, l_o, 1.0))[:, None]).to(o_smem.dtype))
             fence_async_shared()
             gl.thread_barrier()
             tma.async_copy_shared_to_global(desc_o, [bh * S + mt * 128 + WG * 64, 0], o_smem)
