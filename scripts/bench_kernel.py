@@ -241,7 +241,8 @@ def bench_shape(name, results, args, deadline):
             if time.time() > deadline:
                 results["errors"].append(f"deadline: skipped {name} {kind} {target} and later")
                 return
-            plan = random_plan(B, H, S, target, 128, dev) if kind == "random" else banded_plan(B, H, S, target, 128, dev)
+            plan = (random_plan(B, H, S, target, 128, dev) if kind == "random"
+                    else banded_plan(B, H, S, target, 128, dev))
             dens = plan_density(plan, S)
 
             def ours_fn(p):   # what users run: the auto backend, plan already validated
@@ -366,6 +367,63 @@ def bench_variants(results, args, deadline):
                 results["variants"].append(rec)
 
 
+ITEM_SWEEP = dict(B=1, H=48, S=32768, head_dims=(128, 64), counts=(8, 16, 32, 64), dtype="bfloat16")
+
+
+def fixed_count_plan(B, H, S, n, block, device, seed=1):
+    """Every query tile lists exactly n random key tiles (sorted): all work items equally long."""
+    import torch
+
+    from videosparse.plan import Plan
+
+    M = math.ceil(S / block)
+    g = torch.Generator(device=device).manual_seed(seed)
+    idx = torch.rand(B, H, M, M, device=device, generator=g).topk(n, dim=-1).indices.sort(-1).values
+    count = torch.full((B, H, M), n, dtype=torch.int32, device=device)
+    return Plan(idx.to(torch.int32).contiguous(), count, block, block)
+
+
+def fit_item_cost(points):
+    """Least-squares fit of us per wave = fixed + n * per_tile over (n, us_per_wave) points."""
+    k = len(points)
+    sx = sum(n for n, _ in points)
+    sy = sum(t for _, t in points)
+    sxx = sum(n * n for n, _ in points)
+    sxy = sum(n * t for n, t in points)
+    per_tile = (k * sxy - sx * sy) / (k * sxx - sx * sx)
+    return dict(fixed_us=(sy - per_tile * sx) / k, per_tile_us=per_tile)
+
+
+def bench_item_sweep(results, args, deadline):
+    """Where the time of a work item goes: plans with exactly n key tiles per query tile (n = 8..64) at 48 heads
+    of 32,768 tokens (93 waves of 132 items), ours timed in interleaved rounds; fits the time per wave of work
+    items as fixed + n * per-tile cost (the fixed part is what sparse plans pay more than dense per tile)."""
+    import torch
+    from triton.testing import do_bench
+
+    from videosparse.kernels import block_sparse_attention
+
+    B, H, S = ITEM_SWEEP["B"], ITEM_SWEEP["H"], ITEM_SWEEP["S"]
+    for D in ITEM_SWEEP["head_dims"]:
+        torch.manual_seed(2)
+        q, k, v = (torch.randn(B, H, S, D, device=DEVICE, dtype=getattr(torch, ITEM_SWEEP["dtype"])) for _ in range(3))
+        items = B * H * math.ceil(S / 128)
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        waves = math.ceil(items / sms)
+        plans = {n: fixed_count_plan(B, H, S, n, 128, DEVICE) for n in ITEM_SWEEP["counts"]}
+        fns = {n: (lambda p=p, qkv=(q, k, v): block_sparse_attention(*qkv, p, validate=False))
+               for n, p in plans.items()}
+        if time.time() > deadline:
+            results["errors"].append("deadline: item sweep skipped")
+            return
+        times = time_interleaved(fns, args.rounds, lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        rows = [dict(D=D, H=H, S=S, n=n, items=items, waves=waves, ms=median(t), ms_rounds=[round(x, 4) for x in t],
+                     us_per_wave=median(t) * 1e3 / waves) for n, t in times.items()]
+        fit = fit_item_cost([(r["n"], r["us_per_wave"]) for r in rows])
+        results["item_sweep"].append(dict(D=D, rows=rows, **fit))
+        log(f"item sweep d{D}: fixed {fit['fixed_us']:.2f} us per work item, {fit['per_tile_us']:.3f} us per key tile")
+
+
 # ------------------------------------------------------------------ report
 def render_markdown(results) -> str:
     """README table: per shape and density, ours vs cuDNN dense, Flex and FA4 (random top-k plans)."""
@@ -438,6 +496,8 @@ def main():
     ap.add_argument("--shapes", nargs="*", help=f"subset of {list(SHAPES)}")
     ap.add_argument("--no-peers", action="store_true", help="skip Flex and FA4")
     ap.add_argument("--no-variants", action="store_true")
+    ap.add_argument("--item-sweep", action="store_true",
+                    help="also fit the fixed cost per work item and the cost per key tile (fixed-count plans)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="timings per implementation, interleaved with the others of the same shape and plan; "
                          "the median is reported (default 3)")
@@ -457,7 +517,7 @@ def main():
                              shapes=SHAPES, densities=DENSITIES, dtype="bfloat16", block=128, quick=args.quick,
                              rounds=args.rounds,
                              date=time.strftime("%Y-%m-%d %H:%M")),
-                   correctness=[], rows=[], variants=[], errors=[])
+                   correctness=[], rows=[], variants=[], item_sweep=[], errors=[])
     try:
         import flash_attn.cute  # noqa: F401
         results["meta"]["fa4"] = "importable"
@@ -478,11 +538,13 @@ def main():
     shapes = args.shapes or (QUICK_SHAPES if args.quick else list(SHAPES))
     # most important first: the target shape, Wan 14B, head dim 64, the variants, then the rest
     steps = [n for n in shapes if n in PEER_SHAPES] + (["variants"] if not args.no_variants else []) \
-        + [n for n in shapes if n not in PEER_SHAPES]
+        + (["item sweep"] if args.item_sweep else []) + [n for n in shapes if n not in PEER_SHAPES]
     for name in steps:
         try:
             if name == "variants":
                 bench_variants(results, args, deadline)
+            elif name == "item sweep":
+                bench_item_sweep(results, args, deadline)
             else:
                 bench_shape(name, results, args, deadline)
         except Exception:

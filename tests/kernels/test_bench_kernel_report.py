@@ -40,3 +40,38 @@ def test_report_tables_come_from_the_json_rows():
     assert vt[3] == f"| {bench.VARIANT_LABELS['gluon_register_store']} | 380 |"
     assert len(vt) == 4          # the failed variant has no timing and no row
     assert bench.render_variants(dict(variants=[])) == ""
+
+
+def test_item_sweep_fits_fixed_and_per_tile_cost(monkeypatch):
+    """The work-item sweep: equal-length items from fixed-count plans, a least-squares fit of time per wave
+    (run on CPU with a tiny shape, the reference backend and a stand-in timer)."""
+    import types
+
+    import torch
+    import triton.testing
+
+    bench = load_script("bench_kernel")
+    fit = bench.fit_item_cost([(8, 5.0 + 8 * 1.5), (16, 5.0 + 16 * 1.5), (32, 5.0 + 32 * 1.5)])
+    assert abs(fit["fixed_us"] - 5.0) < 1e-9 and abs(fit["per_tile_us"] - 1.5) < 1e-9
+
+    plan = bench.fixed_count_plan(2, 3, 1000, 3, 128, "cpu")
+    q = torch.randn(2, 3, 1000, 64)
+    plan.validate(q, q, q)
+    assert bool((plan.kv_count == 3).all()) and plan.kv_index.shape == (2, 3, 8, 3)
+
+    ran = []
+
+    def timer(fn, **kwargs):
+        out = fn()
+        ran.append(out.shape)
+        return 1.0 + 0.25 * len(ran)       # later calls "slower": the fit must still come out finite
+
+    monkeypatch.setattr(triton.testing, "do_bench", timer)
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "ITEM_SWEEP", dict(B=1, H=2, S=300, head_dims=(64,), counts=(1, 2, 3), dtype="float32"))
+    results = dict(item_sweep=[], errors=[])
+    bench.bench_item_sweep(results, types.SimpleNamespace(rounds=2), deadline=float("inf"))
+    (sweep,) = results["item_sweep"]
+    assert [r["n"] for r in sweep["rows"]] == [1, 2, 3] and len(ran) == 6
+    assert all(r["waves"] == 6 and len(r["ms_rounds"]) == 2 for r in sweep["rows"])    # 1 x 2 x 3 items, 1 "SM"
+    assert set(sweep) >= {"fixed_us", "per_tile_us"} and results["errors"] == []
