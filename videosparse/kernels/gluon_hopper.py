@@ -202,9 +202,8 @@ def _store_lse(m_i, l_i, seen, rows, row_ok, bh, LSE, S, STORE_LSE: gl.constexpr
 
 @gluon.jit
 def _store_rows(acc, m_i, l_i, bh, mt, O, LSE, S, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STORE_LSE: gl.constexpr):
-    """Epilogue of one warpgroup's 64 rows from registers: out = acc * (1 / l) (one reciprocal per row, not
-    a division per element), and the lse; rows past S dropped;
-    rows that saw no key give 0 and -inf."""
+    """Epilogue of one warpgroup's 64 rows from registers: out = acc * (1 / l) (one reciprocal per row, not a
+    division per element) and the lse; rows past S dropped; rows that saw no key give 0 and -inf."""
     o_layout: gl.constexpr = acc.type.layout
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     m_o = gl.convert_layout(m_i, row_o)
@@ -222,8 +221,8 @@ def _store_rows(acc, m_i, l_i, bh, mt, O, LSE, S, WG: gl.constexpr, HEAD_DIM: gl
 @gluon.jit
 def _epilogue(acc, m_i, l_i, bh, mt, O, LSE, S, desc_o, o_smem, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
               STORE_LSE: gl.constexpr, EPI_TMA: gl.constexpr):
-    """One warpgroup's 64 rows out. EPI_TMA and all 64 rows below S: out = acc / l into o_smem (the finished
-    item's Q half), then an asynchronous TMA store (the caller waits for it with `_release_q` before the
+    """One warpgroup's 64 rows out. EPI_TMA and all 64 rows below S: out = acc * (1 / l) into o_smem (the
+    finished item's Q half), then an asynchronous TMA store (the caller waits for it with `_release_q` before the
     buffer is reused); otherwise `_store_rows` from registers."""
     if EPI_TMA:
         if mt * 128 + WG * 64 + 64 <= S:
