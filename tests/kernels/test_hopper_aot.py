@@ -194,6 +194,37 @@ def test_gluon_p_in_smem_keeps_the_softmax_under_the_pv_gemm(head_dim, q_buffers
     assert _local_memory_bytes(k.asm["cubin"], tmp_path) in (None, 0), "registers spill"
 
 
+@pytest.mark.parametrize("head_dim,cross_item,waits", [(128, True, 4), (64, True, 4), (128, False, 2)])
+def test_gluon_correction_bias_loads_hide_under_the_score_gemm(head_dim, cross_item, waits):
+    """With the zero-order correction, each centroid step's bias row is loaded after its score GEMM is issued
+    and before the wait for it (32 values per thread), so the load latency hides under the GEMM; a change
+    that moves the load behind the wait fails here. Without the correction no load sits there."""
+    pytest.importorskip("triton.experimental.gluon")
+    import triton
+
+    from videosparse.kernels import gluon_hopper
+
+    inspect = load_script("inspect_gluon_sass")
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+    def loads_before_score_waits(**kwargs):
+        ops = inspect.sass_ops(gluon_hopper.compile_for_sm90(head_dim=head_dim, cross_item=cross_item,
+                                                             **kwargs).asm["cubin"], tools)
+        counts, start = [], 0
+        for i, op in enumerate(ops):
+            if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1"):     # wait for S_j, P_{j-1} V_{j-1} may run on
+                seg = ops[start:i]
+                first_gemm = next((k for k, x in enumerate(seg) if x.startswith("HGMMA")), len(seg))
+                counts.append(sum(bool(re.search(r"(^|\s)LDG", x)) for x in seg[first_gemm:]))   # global loads
+            if "DEPBAR" in op:
+                start = i
+        return counts
+
+    with_corr = loads_before_score_waits(correction=True)
+    assert len(with_corr) == waits and min(with_corr) >= 16, with_corr
+    assert loads_before_score_waits(correction=False) == [0] * waits
+
+
 @pytest.mark.parametrize("out_dtype,chunk,d_p2", [("bf16", 128, 128), ("fp16", 64, 64), ("fp32", 128, 128)])
 def test_correction_inputs_kernel_compiles_for_sm90(hopper_module, out_dtype, chunk, d_p2):
     """The one-launch correction inputs kernel compiles for sm_90 (the interpreter tests do not compile it)."""

@@ -132,17 +132,33 @@ def _pass_turn(turn, WG: gl.constexpr, turns, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _fix_scores(qk, j, n, row, bias_row, cols, SK, inv_scale, BLOCK_N: gl.constexpr, MASK_LAST: gl.constexpr,
-                CORR: gl.constexpr):
-    """Raw scores of step j: exact tile (j < n; keys past SK masked on the partial last tile, kv_index is
-    sorted) or centroid chunk j - n (CORR: + log2(len) / qk_scale, -inf for exact tiles and padding)."""
+def _step_bias(j, n, bias_row, cols, inv_scale, BLOCK_N: gl.constexpr, CORR: gl.constexpr):
+    """CORR: the bias of centroid step j >= n in raw-score units (log2(len) / qk_scale; -inf for exact tiles and
+    padding), fp32 [BLOCK_N] (zeros, unused, for exact tiles: ptxas branches over the load). Issued before the
+    wait for the step's score GEMM, so that the load's latency hides under the GEMM."""
+    if CORR:
+        if j >= n:
+            bias = gl.load(bias_row + (j - n) * BLOCK_N + cols) * inv_scale
+        else:
+            bias = gl.zeros_like(cols, dtype=gl.float32)
+    else:
+        bias = 0.0
+    return bias
+
+
+@gluon.jit
+def _fix_scores(qk, j, n, row, bias, cols, SK, BLOCK_N: gl.constexpr, MASK_LAST: gl.constexpr, CORR: gl.constexpr):
+    """Raw scores of step j: exact tile (j < n; keys past SK masked on the partial last tile, which can only be
+    the last listed one: kv_index rows are strictly increasing) or centroid chunk j - n (CORR: + `bias` of
+    `_step_bias`)."""
     if j < n:
         if MASK_LAST:
-            start = gl.load(row + j) * BLOCK_N
-            if start + BLOCK_N > SK:
-                qk = gl.where((start + cols < SK)[None, :], qk, float("-inf"))
+            if j == n - 1:
+                start = gl.load(row + j) * BLOCK_N
+                if start + BLOCK_N > SK:
+                    qk = gl.where((start + cols < SK)[None, :], qk, float("-inf"))
     elif CORR:
-        qk = qk + (gl.load(bias_row + (j - n) * BLOCK_N + cols) * inv_scale)[None, :]
+        qk = qk + bias[None, :]
     return qk
 
 
@@ -280,6 +296,7 @@ def _tile_loop(WG: gl.constexpr, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, p
         qk_tok = warpgroup_mma(q_half, k_smem.index(sj).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         acc_tok = _pv_issue(p_op, p_bufs, cj - 1, WG, v_smem.index(sp), acc, P_SMEM)
         turns = _pass_turn(turn, WG, turns, PINGPONG)
+        bias = _step_bias(j, n, bias_row, cols, inv_scale, BLOCK_N, CORR)
         qk = warpgroup_mma_wait(1, deps=(qk_tok,))
         mbarrier.arrive(k_empty.index(sj), count=1)
         if EPI_TMA:
@@ -287,7 +304,7 @@ def _tile_loop(WG: gl.constexpr, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, p
                 _release_q(q_empty, rel_qb)
         elif j == n_all - 1:
             mbarrier.arrive(q_empty.index(qb), count=1)
-        qk = _fix_scores(qk, j, n, row, bias_row, cols, SK, inv_scale, BLOCK_N, MASK_LAST, CORR)
+        qk = _fix_scores(qk, j, n, row, bias, cols, SK, BLOCK_N, MASK_LAST, CORR)
         m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(qk * qk_scale - m_new[:, None])
@@ -341,7 +358,8 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
             mbarrier.arrive(k_empty.index(s0), count=1)
             if n_all == 1:
                 mbarrier.arrive(q_empty.index(qb), count=1)
-            qk = _fix_scores(qk, 0, n, row, bias_row, cols, SK, inv_scale, BLOCK_N, MASK_LAST, CORR)
+            qk = _fix_scores(qk, 0, n, row, _step_bias(0, n, bias_row, cols, inv_scale, BLOCK_N, CORR), cols, SK,
+                             BLOCK_N, MASK_LAST, CORR)
             m_i, l_i, p = _first_softmax(qk, qk_scale)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc, m_i, l_i, p_op, turns = _tile_loop(WG, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, q_half, turns,
@@ -416,13 +434,14 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
             s0 = c % NUM_STAGES
             mbarrier.wait(k_ready.index(s0), (c // NUM_STAGES) & 1)
             qk_tok = warpgroup_mma(q_half, k_smem.index(s0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            bias = _step_bias(0, n, bias_row, cols, inv_scale, BLOCK_N, CORR)
             if pend == 1:
                 sp = pv_c % NUM_STAGES
                 mbarrier.wait(v_ready.index(sp), (pv_c // NUM_STAGES) & 1)
                 acc_tok = _pv_issue(p_op, p_smem, pv_c, WG, v_smem.index(sp), acc, P_SMEM)
                 qk = warpgroup_mma_wait(1, deps=(qk_tok,))
                 mbarrier.arrive(k_empty.index(s0), count=1)
-                qk = _fix_scores(qk, 0, n, row, bias_row, cols, SK, inv_scale, BLOCK_N, MASK_LAST, CORR)
+                qk = _fix_scores(qk, 0, n, row, bias, cols, SK, BLOCK_N, MASK_LAST, CORR)
                 m_n, l_n, p = _first_softmax(qk, qk_scale)
                 p_n = _p_stage(p, p_op, p_smem, c, WG, P_SMEM)
                 acc = warpgroup_mma_wait(0, deps=(acc_tok,))
@@ -435,7 +454,7 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
             else:
                 qk = warpgroup_mma_wait(0, deps=(qk_tok,))
                 mbarrier.arrive(k_empty.index(s0), count=1)
-                qk = _fix_scores(qk, 0, n, row, bias_row, cols, SK, inv_scale, BLOCK_N, MASK_LAST, CORR)
+                qk = _fix_scores(qk, 0, n, row, bias, cols, SK, BLOCK_N, MASK_LAST, CORR)
                 m_n, l_n, p = _first_softmax(qk, qk_scale)
                 p_n = _p_stage(p, p_op, p_smem, c, WG, P_SMEM)
                 if P_SMEM:
