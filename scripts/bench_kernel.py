@@ -41,6 +41,24 @@ def log(*a):
     print(*a, flush=True)
 
 
+GPU_STATE_FIELDS = ("clocks.sm", "clocks.max.sm", "power.draw", "power.limit", "temperature.gpu",
+                    "clocks_throttle_reasons.active")
+
+
+def gpu_state(run=None):
+    """nvidia-smi's SM clock, power and throttle reasons now ({} without nvidia-smi): the H200 runs these loops
+    at its power cap (throttle reason 0x4), so each run records the state at its start and end."""
+    import subprocess
+
+    run = run or (lambda cmd: subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout)
+    try:
+        line = run(["nvidia-smi", "--query-gpu=" + ",".join(GPU_STATE_FIELDS), "--format=csv,noheader"])
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    values = [v.strip() for v in (line or "").splitlines()[0].split(",")] if line and line.strip() else []
+    return dict(zip(GPU_STATE_FIELDS, values)) if len(values) == len(GPU_STATE_FIELDS) else {}
+
+
 # ------------------------------------------------------------------ plans
 def random_plan(B, H, S, density, block, device, seed=0):
     """Random top-k plan (diagonal forced, equal budget per row) built with the library's topk_plan."""
@@ -530,6 +548,7 @@ def main():
         results["meta"]["wall_s"] = round(time.time() - t0, 1)
         out_path.write_text(json.dumps(results, indent=1))
 
+    results["meta"]["gpu_state_start"] = gpu_state()
     check_correctness(results, deadline)
     save()
     bad = [c for c in results["correctness"] if not c["ok"]]
@@ -552,6 +571,8 @@ def main():
             log(traceback.format_exc())
         save()
         torch.cuda.empty_cache()
+    results["meta"]["gpu_state_end"] = gpu_state()
+    save()
     log(f"wrote {out_path} ({time.time() - t0:.0f} s); correctness: "
         f"{len(results['correctness']) - len(bad)}/{len(results['correctness'])} ok")
     for e in results["errors"]:

@@ -75,3 +75,18 @@ def test_item_sweep_fits_fixed_and_per_tile_cost(monkeypatch):
     assert [r["n"] for r in sweep["rows"]] == [1, 2, 3] and len(ran) == 6
     assert all(r["waves"] == 6 and len(r["ms_rounds"]) == 2 for r in sweep["rows"])    # 1 x 2 x 3 items, 1 "SM"
     assert set(sweep) >= {"fixed_us", "per_tile_us"} and results["errors"] == []
+
+
+def test_gpu_state_reads_nvidia_smi_and_is_empty_without_it():
+    bench = load_script("bench_kernel")
+    line = "1755 MHz, 1980 MHz, 688.12 W, 700.00 W, 51, 0x0000000000000004\n"
+    state = bench.gpu_state(run=lambda cmd: line)
+    assert state["clocks.sm"] == "1755 MHz" and state["clocks_throttle_reasons.active"] == "0x0000000000000004"
+    assert set(state) == set(bench.GPU_STATE_FIELDS)
+
+    def missing(cmd):
+        raise FileNotFoundError("nvidia-smi")
+
+    assert bench.gpu_state(run=missing) == {}
+    assert bench.gpu_state(run=lambda cmd: "") == {}
+    assert bench.gpu_state(run=lambda cmd: "[N/A], 1980 MHz\n") == {}       # unexpected answer: no state
