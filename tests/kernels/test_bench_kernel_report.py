@@ -90,3 +90,24 @@ def test_gpu_state_reads_nvidia_smi_and_is_empty_without_it():
     assert bench.gpu_state(run=missing) == {}
     assert bench.gpu_state(run=lambda cmd: "") == {}
     assert bench.gpu_state(run=lambda cmd: "[N/A], 1980 MHz\n") == {}       # unexpected answer: no state
+
+
+def test_ab_gluon_loads_a_kernel_copy_from_another_revision(tmp_path):
+    """scripts/ab_gluon.py imports a gluon_hopper.py copy kept outside the package (relative imports rewritten)
+    as its own module, which compiles for sm_90 like the package's kernel."""
+    import pytest
+
+    pytest.importorskip("triton.experimental.gluon")
+    from pathlib import Path
+
+    ab = load_script("ab_gluon")
+    src = Path(__file__).resolve().parents[2] / "videosparse" / "kernels" / "gluon_hopper.py"
+    copy = tmp_path / "old_gluon.py"
+    copy.write_text(src.read_text())
+    mod = ab.load_kernel_module(copy, name="ab_test_gluon_copy")
+    from videosparse.kernels import gluon_hopper
+
+    assert mod is not gluon_hopper and mod.gluon_attention is not gluon_hopper.gluon_attention
+    assert mod._gluon_fwd is not gluon_hopper._gluon_fwd
+    kernel = mod.compile_for_sm90(head_dim=64)
+    assert "wgmma.mma_async" in kernel.asm["ptx"]
