@@ -1,7 +1,7 @@
 """A/B of the Gluon kernel against another version of itself (GPU): interleaved rounds, median, outputs compared.
 
-The baseline is a copy of `videosparse/kernels/gluon_hopper.py` from another revision (the GPU machine gets
-the working tree without git history, so extract it first and carry it along):
+The baseline is a copy of `videosparse/kernels/gluon_hopper.py` from another revision (extract it where git
+history is at hand and carry the file along; the GPU machine gets a copy of the working tree):
 
     git show 382209d:videosparse/kernels/gluon_hopper.py > baseline_gluon.py
     python scripts/ab_gluon.py --baseline baseline_gluon.py [--correction] [--rounds 5] [--out ab.json]
