@@ -103,8 +103,11 @@ def test_triton_kernel_equals_torch_under_interpreter(interpreter_results, name)
     res = interpreter_results[name]
     assert "error" not in res, res.get("error")
     assert res["shape_ok"] and res["dtype_ok"]
-    # both sides upcast the same (b)f16 inputs to fp32: only fp32 rounding differs
-    assert res["max_abs"] <= 1e-5 * max(1.0, res["scale"]), res
+    # both sides upcast the same (b)f16 inputs to fp32: only fp32 rounding differs. The teacher's heat is
+    # exp(q.k * scale - lse) <= 1 with logits up to ~30 here (q, k ~ N(0, 4), D = 64), so a rounding error of
+    # eps32 * |logit| * sqrt(D) ~ 3e-5 in the exponent moves it by up to that much; CPU matmul blocking (and so
+    # the rounding) can vary between runs: 1e-5 failed once in CI at 1.7e-5 on the same seeded inputs
+    assert res["max_abs"] <= 5e-5 * max(1.0, res["scale"]), res
 
 
 @pytest.mark.parametrize("S,block,D", [(300, 64, 32), (256, 128, 16), (129, 64, 16)])
