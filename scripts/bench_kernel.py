@@ -20,6 +20,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from statistics import median
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -192,11 +193,6 @@ def time_interleaved(fns, rounds, bench):
         for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
             times[name].append(bench(fns[name]))
     return times
-
-
-def median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
 
 
 def bench_shape(name, results, args, deadline):
@@ -403,13 +399,10 @@ def fixed_count_plan(B, H, S, n, block, device, seed=1):
 
 def fit_item_cost(points):
     """Least-squares fit of us per wave = fixed + n * per_tile over (n, us_per_wave) points."""
-    k = len(points)
-    sx = sum(n for n, _ in points)
-    sy = sum(t for _, t in points)
-    sxx = sum(n * n for n, _ in points)
-    sxy = sum(n * t for n, t in points)
-    per_tile = (k * sxy - sx * sy) / (k * sxx - sx * sx)
-    return dict(fixed_us=(sy - per_tile * sx) / k, per_tile_us=per_tile)
+    import numpy as np
+
+    per_tile, fixed = np.polyfit([n for n, _ in points], [t for _, t in points], 1)
+    return dict(fixed_us=float(fixed), per_tile_us=float(per_tile))
 
 
 def bench_item_sweep(results, args, deadline):

@@ -209,51 +209,49 @@ def _p_publish():
 
 
 @gluon.jit
-def _store_lse(m_i, l_i, seen, rows, row_ok, bh, LSE, S, STORE_LSE: gl.constexpr):
+def _normalized_rows(acc, m_i, l_i, mt, WG: gl.constexpr):
+    """One warpgroup's 64 finished rows: (out = acc * (1 / l), one reciprocal per row rather than a division per
+    element; m, l and `seen` = l > 0 in the rows' layout; the row indices). Rows that saw no key give 0."""
+    row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    m_o = gl.convert_layout(m_i, row_o)
+    l_o = gl.convert_layout(l_i, row_o)
+    seen = l_o > 0.0
+    out = acc * (1.0 / gl.where(seen, l_o, 1.0))[:, None]
+    return out, m_o, l_o, seen, mt * 128 + WG * 64 + gl.arange(0, 64, layout=row_o)
+
+
+@gluon.jit
+def _store_lse(m_o, l_o, seen, rows, bh, LSE, S, STORE_LSE: gl.constexpr):
     """STORE_LSE: lse = (m + log2 l) ln 2 of the rows (-inf for rows that saw no key; rows past S dropped)."""
     if STORE_LSE:
-        lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-        gl.store(LSE + bh.to(gl.int64) * S + rows, lse, mask=row_ok)
+        lse = gl.where(seen, (m_o + gl.log2(gl.where(seen, l_o, 1.0))) * 0.6931471805599453, float("-inf"))
+        gl.store(LSE + bh.to(gl.int64) * S + rows, lse, mask=rows < S)
 
 
 @gluon.jit
 def _store_rows(acc, m_i, l_i, bh, mt, O, LSE, S, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STORE_LSE: gl.constexpr):
-    """Epilogue of one warpgroup's 64 rows from registers: out = acc * (1 / l) (one reciprocal per row, not a
-    division per element) and the lse; rows past S dropped; rows that saw no key give 0 and -inf."""
-    o_layout: gl.constexpr = acc.type.layout
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    m_o = gl.convert_layout(m_i, row_o)
-    l_o = gl.convert_layout(l_i, row_o)
-    rows = mt * 128 + WG * 64 + gl.arange(0, 64, layout=row_o)
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    row_ok = rows < S
-    seen = l_o > 0.0
-    out = acc * (1.0 / gl.where(seen, l_o, 1.0))[:, None]
+    """Epilogue of one warpgroup's 64 rows from registers (`_normalized_rows`) and the lse; rows past S
+    dropped."""
+    out, m_o, l_o, seen, rows = _normalized_rows(acc, m_i, l_i, mt, WG)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc.type.layout))
     o_ptr = O + (bh.to(gl.int64) * S + rows)[:, None] * HEAD_DIM + offs_d[None, :]
-    gl.store(o_ptr, out.to(O.dtype.element_ty), mask=row_ok[:, None])
-    _store_lse(m_o, l_o, seen, rows, row_ok, bh, LSE, S, STORE_LSE)
+    gl.store(o_ptr, out.to(O.dtype.element_ty), mask=(rows < S)[:, None])
+    _store_lse(m_o, l_o, seen, rows, bh, LSE, S, STORE_LSE)
 
 
 @gluon.jit
 def _epilogue(acc, m_i, l_i, bh, mt, O, LSE, S, desc_o, o_smem, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
               STORE_LSE: gl.constexpr, EPI_TMA: gl.constexpr):
-    """One warpgroup's 64 rows out. EPI_TMA and all 64 rows below S: out = acc * (1 / l) into o_smem (the
+    """One warpgroup's 64 rows out. EPI_TMA and all 64 rows below S: the normalised rows into o_smem (the
     finished item's Q half), then an asynchronous TMA store (the caller waits for it with `_release_q` before the
     buffer is reused); otherwise `_store_rows` from registers."""
-    if EPI_TMA:
-        if mt * 128 + WG * 64 + 64 <= S:
-            o_layout: gl.constexpr = acc.type.layout
-            row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-            l_o = gl.convert_layout(l_i, row_o)
-            seen = l_o > 0.0
-            o_smem.store((acc * (1.0 / gl.where(seen, l_o, 1.0))[:, None]).to(o_smem.dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-            tma.async_copy_shared_to_global(desc_o, [bh * S + mt * 128 + WG * 64, 0], o_smem)
-            rows = mt * 128 + WG * 64 + gl.arange(0, 64, layout=row_o)
-            _store_lse(gl.convert_layout(m_i, row_o), l_o, seen, rows, rows < S, bh, LSE, S, STORE_LSE)
-        else:
-            _store_rows(acc, m_i, l_i, bh, mt, O, LSE, S, WG, HEAD_DIM, STORE_LSE)
+    if EPI_TMA and mt * 128 + WG * 64 + 64 <= S:
+        out, m_o, l_o, seen, rows = _normalized_rows(acc, m_i, l_i, mt, WG)
+        o_smem.store(out.to(o_smem.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(desc_o, [bh * S + mt * 128 + WG * 64, 0], o_smem)
+        _store_lse(m_o, l_o, seen, rows, bh, LSE, S, STORE_LSE)
     else:
         _store_rows(acc, m_i, l_i, bh, mt, O, LSE, S, WG, HEAD_DIM, STORE_LSE)
 
