@@ -504,7 +504,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer shapes and densities")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "kernel_h200.json"))
-    ap.add_argument("--shapes", nargs="*", help=f"subset of {list(SHAPES)}")
+    ap.add_argument("--shapes", nargs="*", help=f"subset of {list(SHAPES)} (given empty: none, e.g. with --item-sweep)")
     ap.add_argument("--no-peers", action="store_true", help="skip Flex and FA4")
     ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--item-sweep", action="store_true",
@@ -547,7 +547,7 @@ def main():
     bad = [c for c in results["correctness"] if not c["ok"]]
     if bad:
         log(f"CORRECTNESS FAILED for {len(bad)} case(s); timing anyway, but the numbers are suspect")
-    shapes = args.shapes or (QUICK_SHAPES if args.quick else list(SHAPES))
+    shapes = args.shapes if args.shapes is not None else (QUICK_SHAPES if args.quick else list(SHAPES))
     # most important first: the target shape, Wan 14B, head dim 64, the variants, then the rest
     steps = [n for n in shapes if n in PEER_SHAPES] + (["variants"] if not args.no_variants else []) \
         + (["item sweep"] if args.item_sweep else []) + [n for n in shapes if n not in PEER_SHAPES]

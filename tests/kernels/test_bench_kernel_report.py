@@ -111,3 +111,35 @@ def test_ab_gluon_loads_a_kernel_copy_from_another_revision(tmp_path):
     assert mod._gluon_fwd is not gluon_hopper._gluon_fwd
     kernel = mod.compile_for_sm90(head_dim=64)
     assert "wgmma.mma_async" in kernel.asm["ptx"]
+
+
+def test_ncu_stall_summary_splits_roles_and_weights_by_samples(tmp_path):
+    """scripts/ncu_stalls.py on a hand-made source page: code between USETMAXREG markers is labelled by what it
+    issues, and shares, stall reasons and the instruction mix are weighted by samples and executed counts."""
+    import csv
+
+    ncu = load_script("ncu_stalls")
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
+              "Instructions Executed", "stall_barrier", "stall_wait", "stall_long_sb", "stall_wait (Not Issued)"]
+    lines = [("USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0", 0, 0, 0, 0, 0),      # consumer code
+             ("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR12], RZ, !UPT", 10, 100, 0, 10, 0),
+             ("WARPGROUP.DEPBAR.LE gsb0, 0x0", 30, 100, 30, 0, 0),
+             ("@!P1 MUFU.EX2 R1, R1", 20, 300, 0, 20, 0),
+             ("USETMAXREG.DEALLOC.CTAPOOL 0x18", 0, 0, 0, 0, 0),             # loader code
+             ("UTMALDG.2D [UR8], [UR14]", 5, 10, 0, 0, 5),
+             ("@!P3 BRA 0x100", 35, 10, 0, 0, 35)]
+    path = tmp_path / "source.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(['"Kernel Name"', "_gluon_fwd"])
+        w.writerow(header)
+        for i, (sass, samples, executed, barrier, wait, long_sb) in enumerate(lines):
+            w.writerow([hex(0x1000 + 16 * i), sass, samples, samples, executed, barrier, wait, long_sb, 0])
+    roles = ncu.summarize_source(path)
+    assert set(roles) == {"consumer", "loader"}
+    consumer, loader = roles["consumer"], roles["loader"]
+    assert consumer["sample_share"] == 60.0 and loader["sample_share"] == 40.0
+    assert consumer["stalls"] == {"barrier": 50.0, "wait": 50.0}
+    assert loader["stalls"] == {"long_sb": 100.0}
+    assert consumer["instruction_mix"]["MUFU"] == 60.0          # predicated instructions count by their opcode
+    assert consumer["hottest"][0] == dict(sass="WARPGROUP.DEPBAR.LE gsb0, 0x0", share=50.0, stalls={"barrier": 100.0})
