@@ -134,7 +134,10 @@ def profile(density: float, args, work: Path) -> dict:
            "SpeedOfLight", "--section", "ComputeWorkloadAnalysis", "-f", "-o", str(rep), sys.executable,
            __file__, "--launch", str(density), "--seq", str(args.seq), "--heads", str(args.heads),
            "--head-dim", str(args.head_dim), "--launches", str(args.launches)]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if res.returncode != 0 or not Path(f"{rep}.ncu-rep").is_file():
+        tail = (res.stdout + res.stderr)[-2000:]
+        raise RuntimeError(f"ncu failed (exit {res.returncode}) at density {density}:\n{tail}")
     src, det = work / f"source_{density}.csv", work / f"details_{density}.csv"
     for page, path, extra in (("source", src, ["--print-source", "sass"]), ("details", det, [])):
         with open(path, "w") as f:
