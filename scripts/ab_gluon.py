@@ -22,6 +22,7 @@ import sys
 import tempfile
 import types
 from pathlib import Path
+from statistics import median
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -59,7 +60,7 @@ def main(argv=None):
     import torch
     from triton.testing import do_bench
 
-    from bench_kernel import median, random_plan, time_interleaved
+    from bench_kernel import random_plan, time_interleaved
     from videosparse.kernels.gluon_hopper import gluon_attention
     from videosparse.sol.centroids import tile_centroids_torch
 
