@@ -349,6 +349,7 @@ def bench_variants(results, args, deadline):
                                                                         q_buffers=qb)
             variants["gluon_1_q_buffer_cross"] = lambda: gluon_attention(q, k, v, plan, D ** -0.5, q_buffers=1)
             variants["gluon_register_store"] = lambda: gluon_attention(q, k, v, plan, D ** -0.5, tma_store=False)
+            variants["gluon_no_tail_split"] = lambda: gluon_attention(q, k, v, plan, D ** -0.5, split_tail=False)
             if D == 64:     # deeper K/V rings fit next to two Q buffers only at head dim 64
                 for st in (3, 4):
                     variants[f"gluon_{st}_stages"] = (
@@ -467,7 +468,8 @@ def render_markdown(results) -> str:
 
 
 VARIANT_LABELS = {  # bench_variants name: README label
-    "default": "Gluon, pipeline across items, TMA-store epilogue (default)",
+    "default": "Gluon, pipeline across items, TMA-store epilogue, last wave split (default)",
+    "gluon_no_tail_split": "Gluon, across items, last wave not split",
     "gluon_register_store": "Gluon, across items, outputs stored from registers",
     "gluon_1_q_buffer_cross": "Gluon, across items, 1 Q buffer",
     "gluon_p_in_smem": "Gluon, across items, P in shared memory (1 Q buffer at d128)",

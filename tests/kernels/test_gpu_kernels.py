@@ -80,7 +80,8 @@ def _check(run, S, D, dtype, plan_kind, correction):
     assert float((lse[finite] - ref_lse[finite]).abs().max()) < 2e-2
 
 
-@pytest.mark.parametrize("knobs", ["p_in_smem", "per_item", "one_q_buffer", "register_store"])
+@pytest.mark.parametrize("knobs", ["p_in_smem", "per_item", "one_q_buffer", "register_store", "no_tail_split",
+                                   "seven_programs"])
 @pytest.mark.parametrize("S,D,dtype,plan_kind,correction", [
     (16380, 128, torch.bfloat16, "random", True),
     (9000, 64, torch.float16, "banded", False),
@@ -95,9 +96,39 @@ def test_gluon_variants_match_reference(knobs, S, D, dtype, plan_kind, correctio
 
     kwargs = {"p_in_smem": dict(p_in_smem=True, q_buffers=1 if D == 128 else 2),
               "per_item": dict(cross_item=False), "one_q_buffer": dict(q_buffers=1),
-              "register_store": dict(tma_store=False)}[knobs]
+              "register_store": dict(tma_store=False), "no_tail_split": dict(split_tail=False),
+              # 7 persistent programs: the last wave's items cut into up to 7 parts (`tail_split`)
+              "seven_programs": dict(num_programs=7, split_tail=True)}[knobs]
     _check(lambda q, k, v, plan: gluon_attention(q, k, v, plan, D ** -0.5, return_lse=True, **kwargs),
            S, D, dtype, plan_kind, correction)
+
+
+@pytest.mark.parametrize("S,D,plan_kind,correction,programs", [
+    (9000, 64, "banded", True, None),      # B*H*Mq = 568 items on 132 SMs: 40 left, 3 parts
+    (5000, 128, "empty", True, None),      # 320 items: 56 left, 2 parts; empty items among them
+    (2560, 128, "dense", False, None),     # 160 items: 28 left, 4 parts of 5 tiles
+    (2000, 128, "random", False, 6),       # 128 items on 6 programs: 2 left, up to 3 parts of 1-2 tiles
+])
+def test_gluon_tail_split_matches_whole_items(S, D, plan_kind, correction, programs):
+    """The split tail (parts merged by `combine_parts`) gives the reference's answer, and the unsplit kernel's
+    within bf16 rounding."""
+    if "gluon_hopper" not in _backends():
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    from videosparse.kernels.gluon_hopper import gluon_attention
+
+    outs = {}
+
+    def run(q, k, v, plan, split):
+        outs[split] = gluon_attention(q, k, v, plan, D ** -0.5, return_lse=True, split_tail=split,
+                                      num_programs=programs)
+        return outs[split]
+
+    _check(lambda q, k, v, plan: (run(q, k, v, plan, False), run(q, k, v, plan, True))[1],
+           S, D, torch.bfloat16, plan_kind, correction)
+    assert rel_err(outs[True][0], outs[False][0]) < 8e-3
+    finite = torch.isfinite(outs[False][1])
+    assert torch.equal(torch.isfinite(outs[True][1]), finite)
+    assert float((outs[True][1][finite] - outs[False][1][finite]).abs().max()) < 1e-3
 
 
 def test_auto_picks_the_fastest_backend_on_this_gpu():

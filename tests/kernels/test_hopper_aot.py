@@ -83,12 +83,14 @@ def test_hopper_refuses_stage_counts_that_return_nan():
         triton_hopper.hopper_attention(q, q, q, dense_plan(1, 1, 128), 0.125, num_stages=3)
 
 
-# Gluon kernel: (head_dim, dtype, num_stages, correction, mask_last, q_buffers, cross_item)
+# Gluon kernel: (head_dim, dtype, num_stages, correction, mask_last, q_buffers, cross_item, split_tail)
 GLUON_VARIANTS = {
-    "d128-bf16-3stages-1qbuf-partial": (128, "bf16", 3, False, True, 1, False),
-    "d128-bf16-2stages-2qbufs-correction-per-item": (128, "bf16", 2, True, True, 2, False),
-    "d128-fp16-2stages-2qbufs-correction-cross": (128, "fp16", 2, True, False, 2, True),
-    "d64-bf16-2stages-2qbufs-correction-partial-cross": (64, "bf16", 2, True, True, 2, True),
+    "d128-bf16-3stages-1qbuf-partial": (128, "bf16", 3, False, True, 1, False, False),
+    "d128-bf16-2stages-2qbufs-correction-per-item": (128, "bf16", 2, True, True, 2, False, False),
+    "d128-fp16-2stages-2qbufs-correction-cross": (128, "fp16", 2, True, False, 2, True, False),
+    "d64-bf16-2stages-2qbufs-correction-partial-cross": (64, "bf16", 2, True, True, 2, True, False),
+    "d128-bf16-2stages-2qbufs-cross-split-tail": (128, "bf16", 2, False, True, 2, True, True),
+    "d64-fp16-2stages-2qbufs-correction-cross-split-tail": (64, "fp16", 2, True, True, 2, True, True),
 }
 
 
@@ -97,9 +99,9 @@ def test_gluon_kernel_compiles_with_two_consumer_warpgroups_tma_and_wgmma(name, 
     pytest.importorskip("triton.experimental.gluon")
     from videosparse.kernels import gluon_hopper
 
-    d, dtype, stages, correction, mask_last, q_buffers, cross = GLUON_VARIANTS[name]
+    d, dtype, stages, correction, mask_last, q_buffers, cross, split = GLUON_VARIANTS[name]
     k = gluon_hopper.compile_for_sm90(head_dim=d, dtype=dtype, num_stages=stages, correction=correction,
-                                      mask_last=mask_last, q_buffers=q_buffers, cross_item=cross)
+                                      mask_last=mask_last, q_buffers=q_buffers, cross_item=cross, split_tail=split)
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     assert "ttg.warp_specialize" in ttgir
     assert k.metadata.num_warps == 12, "expected 4 (consumer 0) + 4 (consumer 1) + 4 (loader warp, rounded) warps"

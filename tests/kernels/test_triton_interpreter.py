@@ -48,7 +48,77 @@ PREP_CASES = {
 }
 
 
+# tail split of the Gluon kernel: its parts (from the reference) merged by the combine kernel vs the whole
+# items; name: B, H, S, D, density, programs, extra
+SPLIT_CASES = {
+    "split-d64-no-split": (2, 3, 1000, 64, 0.5, 5, ""),       # 48 items on 5 programs: 3 left, 5 // 3 = 1 part
+    "split-d128-partial-tile": (1, 2, 900, 128, 0.6, 3, ""),   # 16 items on 3: 1 left, 3 parts; 4-row last tile
+    "split-d64-dense": (1, 1, 1100, 64, 1.0, 7, "dense"),      # 9 items on 7: 2 left, 3 parts of 3 tiles
+    "split-d64-empty-rows": (1, 3, 640, 64, 0.8, 7, "empty"),  # 15 items on 7: 1 left, 2 parts (Kmax 5)
+}
+
+
 # ---------------------------------------------------------------- child side (TRITON_INTERPRET=1)
+def _run_split_case(name: str) -> dict:
+    from helpers import random_plan, rel_err
+
+    from videosparse.kernels import reference_attention
+    from videosparse.kernels._triton_utils import work_order
+    from videosparse.kernels.tail_split import combine_parts, combine_parts_torch, tail_split, work_units
+    from videosparse.plan import Plan, dense_plan
+
+    B, H, S, D, density, programs, extra = SPLIT_CASES[name]
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    q, k, v = (torch.randn(B, H, S, D, generator=g) for _ in range(3))
+    plan = dense_plan(B, H, S) if extra == "dense" else random_plan(B, H, S, 128, 128, density, seed=S)
+    if extra == "empty":
+        count = plan.kv_count.clone()
+        count[:, :, ::2] = 0
+        plan = Plan(plan.kv_index, count, 128, 128)
+    Mq = plan.kv_count.shape[-1]
+    order = work_order(plan.kv_count)
+    n_full, parts = tail_split(order.numel(), programs, plan.kv_index.shape[-1])
+    item, lo, n, last, slot = work_units(order, plan.kv_count, n_full, parts)
+    n_slots = int((slot >= 0).sum())
+    o_part = torch.full((n_slots * 128, D), float("nan"))
+    lse_part = torch.full((n_slots * 128,), float("nan"))
+    covered = torch.zeros_like(plan.kv_index, dtype=torch.int64).view(B * H * Mq, -1)
+    flat_index = plan.kv_index.view(B * H * Mq, -1)
+    for it, start, cnt, sl in zip(item.tolist(), lo.tolist(), n.tolist(), slot.tolist()):
+        covered[it, start:start + cnt] += 1
+        if sl < 0:
+            continue
+        bh, mt = divmod(it, Mq)
+        rows = slice(mt * 128, min(S, (mt + 1) * 128))
+        qs = q.view(B * H, S, D)[bh, rows][None, None]
+        ks, vs = (t.view(B * H, S, D)[bh][None, None] for t in (k, v))
+        sub = Plan(flat_index[it, start:start + max(cnt, 1)].clone().view(1, 1, 1, -1),
+                   torch.tensor([cnt], dtype=torch.int32).view(1, 1, 1), 128, 128)
+        o, lse = reference_attention(qs, ks, vs, sub, D ** -0.5, return_lse=True)
+        nr = o.shape[2]
+        o_part[sl * 128:sl * 128 + nr] = o[0, 0]
+        lse_part[sl * 128:sl * 128 + nr] = lse[0, 0]
+    ref, ref_lse = reference_attention(q, k, v, plan, D ** -0.5, return_lse=True)
+    res = {"parts": parts, "n_split": order.numel() - n_full, "units": int(item.numel())}
+    for impl, fn in (("triton", combine_parts), ("torch", combine_parts_torch)):
+        out, lse = ref.clone(), ref_lse.clone()
+        split_items = order[n_full:].long()
+        for it in split_items.tolist():
+            bh, mt = divmod(it, Mq)
+            out.view(B * H, S, D)[bh, mt * 128:(mt + 1) * 128] = float("nan")
+            lse.view(B * H, S)[bh, mt * 128:(mt + 1) * 128] = float("nan")
+        fn(o_part, lse_part, out, lse, order, n_full, parts, Mq)
+        finite = torch.isfinite(ref_lse)
+        res[impl] = {"rel_err": rel_err(out, ref),
+                     "lse_err": float((lse - ref_lse)[finite].abs().max()),
+                     "lse_inf_match": bool(torch.equal(torch.isinf(lse), ~finite))}
+    valid = torch.arange(flat_index.shape[1]) < plan.kv_count.view(-1, 1)
+    res["tiles_covered_once"] = bool(torch.equal(covered, valid.long()))
+    res["chunks_once_per_item"] = bool(torch.equal(torch.bincount(item[last.bool()], minlength=B * H * Mq),
+                                                   torch.ones(B * H * Mq, dtype=torch.long)))
+    return res
+
+
 def _run_prep_case(name: str) -> dict:
     from helpers import random_plan
 
@@ -84,6 +154,8 @@ def _run_prep_case(name: str) -> dict:
 def _run_case(name: str) -> dict:
     if name in PREP_CASES:
         return _run_prep_case(name)
+    if name in SPLIT_CASES:
+        return _run_split_case(name)
     from helpers import random_plan, rel_err
 
     from videosparse.kernels import block_sparse_attention, reference_attention
@@ -139,7 +211,7 @@ def _child_main(names: list[str]) -> None:
 # ---------------------------------------------------------------- parent side (pytest)
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    return run_interpreter_cases(Path(__file__).resolve(), [*CASES, *PREP_CASES])
+    return run_interpreter_cases(Path(__file__).resolve(), [*CASES, *PREP_CASES, *SPLIT_CASES])
 
 
 def _tolerance(dtype: str, ref_rel_err: float) -> float:
@@ -174,6 +246,23 @@ def test_correction_inputs_kernel_matches_torch(interpreter_results, name):
     assert res["bias_max_err"] <= 1e-6, res
     if name == "prep-b64-long-lists":
         assert res["kmax"] > 32, res
+
+
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_tail_split_parts_merge_to_the_whole_items(interpreter_results, name):
+    """The work units of `tail_split` cover every listed tile of every item once (centroid chunks once per
+    item), and their partial outputs, merged by the combine kernel (and its torch version), give the items'
+    rows and LSE."""
+    res = interpreter_results.get(name)
+    assert res is not None, f"case {name} did not report"
+    assert "error" not in res, res.get("error")
+    assert res["tiles_covered_once"] and res["chunks_once_per_item"], res
+    expected_parts = {"split-d64-no-split": 1, "split-d128-partial-tile": 3, "split-d64-dense": 3,
+                      "split-d64-empty-rows": 2}[name]
+    assert res["parts"] == expected_parts, res
+    for impl in ("triton", "torch"):
+        assert res[impl]["rel_err"] < 1e-5 and res[impl]["lse_err"] < 1e-4, res
+        assert res[impl]["lse_inf_match"], res
 
 
 def test_triton_on_cpu_without_interpreter_gives_reasons():

@@ -16,7 +16,9 @@ does not overlap its own GEMMs. This kernel writes the schedule out:
 * persistent grid, work items (batch*head, query tile) longest-first as in `triton_hopper`; two Q
   buffers let the loader fetch the next item's Q and first K/V tiles early, and (`CROSS`, the default)
   an item's last P.V GEMM and epilogue overlap the next item's first score GEMM and softmax; the epilogue
-  stages the output in the finished item's Q half and stores it with TMA (asynchronous).
+  stages the output in the finished item's Q half and stores it with TMA (asynchronous). The items of
+  the last, partly filled wave are cut into parts for the idle SMs (`SPLIT`, `tail_split`), whose
+  partial outputs a small Triton kernel merges.
 * `P_SMEM` (off by default): P.V reads P from two shared buffers per warpgroup; with P in registers
   ptxas waits for the P.V GEMM before the softmax, from shared memory it does not. Correct on the H200
   but not faster (equal at head dim 128, 6-9% slower at 64): the other warpgroup already fills the gap.
@@ -38,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..plan import Plan
 from ._triton_utils import LOG2E, correction_inputs, launch_dims
+from .tail_split import AUTO_MIN_SAVED, combine_parts, tail_split
 from .triton_hopper import HopperBackend
 
 HALF_M = 64            # query rows per consumer warpgroup
@@ -61,38 +64,63 @@ def _work_item(ORDER, KV_COUNT, it, MQ):
 
 
 @gluon.jit
-def _item_start(ORDER, KV_COUNT, KV_INDEX, BIAS, it, t, MQ, KMAX, NCP, NCH, q_smem, q_ready, WG: gl.constexpr):
-    """A consumer's start of its t-th work item (the it-th of the order): waits for the item's Q; returns
-    (bh, mt, n exact tiles, its kv_index row, its bias row, n_all = n + NCH steps, Q buffer, this
+def _work_unit(ORDER, KV_COUNT, KV_INDEX, u, MQ, KMAX, NCH, N_FULL, PARTS, SPLIT: gl.constexpr):
+    """Work unit u (`tail_split`): (item, bh, mt, its kv_index row from its first tile on, n exact tiles, n_all =
+    n + its centroid chunks, workspace slot; -1: a whole item). SPLIT: units from N_FULL on are parts of the
+    last items (tiles [p n / PARTS, (p + 1) n / PARTS), the centroid chunks with the last part)."""
+    if SPLIT:
+        tail = (u >= N_FULL).to(gl.int32)
+        v = (u - N_FULL) * tail
+        k = 1 + (PARTS - 1) * tail
+        part = v % k
+        item, bh, mt, total = _work_item(ORDER, KV_COUNT, u + tail * (N_FULL + v // k - u), MQ)
+        lo = part * total // k
+        n = (part + 1) * total // k - lo
+        n_all = n + NCH * (part == k - 1).to(gl.int32)
+        slot = tail * (v + 1) - 1
+    else:
+        item, bh, mt, n = _work_item(ORDER, KV_COUNT, u, MQ)
+        lo = 0
+        n_all = n + NCH
+        slot = -1
+    return item, bh, mt, KV_INDEX + item.to(gl.int64) * KMAX + lo, n, n_all, slot
+
+
+@gluon.jit
+def _item_start(ORDER, KV_COUNT, KV_INDEX, BIAS, it, t, MQ, KMAX, NCP, NCH, N_FULL, PARTS, q_smem, q_ready,
+                WG: gl.constexpr, SPLIT: gl.constexpr):
+    """A consumer's start of its t-th work unit (unit it, `_work_unit`): waits for the item's Q; returns
+    (bh, mt, n exact tiles, its kv_index row, its bias row, n_all steps, workspace slot, Q buffer, this
     warpgroup's Q half)."""
-    item, bh, mt, n = _work_item(ORDER, KV_COUNT, it, MQ)
-    row = KV_INDEX + item.to(gl.int64) * KMAX
+    item, bh, mt, row, n, n_all, slot = _work_unit(ORDER, KV_COUNT, KV_INDEX, it, MQ, KMAX, NCH, N_FULL, PARTS,
+                                                   SPLIT)
     bias_row = BIAS + item.to(gl.int64) * NCP
     Q_BUFS: gl.constexpr = q_ready.type.shape[0]
     qb = t % Q_BUFS
     mbarrier.wait(q_ready.index(qb), (t // Q_BUFS) & 1)
-    return bh, mt, n, row, bias_row, n + NCH, qb, q_smem.index(2 * qb + WG)
+    return bh, mt, n, row, bias_row, n_all, slot, qb, q_smem.index(2 * qb + WG)
 
 
 @gluon.jit
-def _loader(desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX, N_ITEMS, NCH,
-            q_smem, k_smem, v_smem, bars, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """1 warp: Q halves per item, then the listed K/V tiles and the NCH centroid chunks (k_mean / v_mean rows of
-    the item's head; 0 without a correction) into the stage ring."""
+def _loader(desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX, N_UNITS, NCH,
+            N_FULL, PARTS, q_smem, k_smem, v_smem, bars, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+            SPLIT: gl.constexpr):
+    """1 warp: Q halves per work unit, then its listed K/V tiles and centroid chunks (k_mean / v_mean rows of
+    the item's head; NCH = 0 without a correction) into the stage ring."""
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
     Q_BUFS: gl.constexpr = q_ready.type.shape[0]
     c = 0
     t = 0
-    for it in range(gl.program_id(0), N_ITEMS, gl.num_programs(0)):
-        item, bh, mt, n = _work_item(ORDER, KV_COUNT, it, MQ)
+    for it in range(gl.program_id(0), N_UNITS, gl.num_programs(0)):
+        item, bh, mt, row, n, n_all, slot = _work_unit(ORDER, KV_COUNT, KV_INDEX, it, MQ, KMAX, NCH, N_FULL, PARTS,
+                                                       SPLIT)
         qb = t % Q_BUFS
         mbarrier.wait(q_empty.index(qb), ((t // Q_BUFS) & 1) ^ 1)
         mbarrier.expect(q_ready.index(qb), 2 * desc_q.block_type.nbytes)
         row0 = bh * S + mt * 128
         tma.async_copy_global_to_shared(desc_q, [row0, 0], q_ready.index(qb), q_smem.index(2 * qb))
         tma.async_copy_global_to_shared(desc_q, [row0 + 64, 0], q_ready.index(qb), q_smem.index(2 * qb + 1))
-        row = KV_INDEX + item.to(gl.int64) * KMAX
-        for j in range(n + NCH):
+        for j in range(n_all):
             s = c % NUM_STAGES
             ph = (c // NUM_STAGES) & 1
             if j < n:
@@ -321,7 +349,7 @@ def _tile_loop(WG: gl.constexpr, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, p
 
 
 @gluon.jit
-def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_ITEMS, NCP,
+def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP,
              NCH, q_smem, k_smem, v_smem, bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr,
              CORR: gl.constexpr, PINGPONG: gl.constexpr):
@@ -338,9 +366,10 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
     c = 0
     t = 0
     turns = 0
-    for it in range(gl.program_id(0), N_ITEMS, gl.num_programs(0)):
-        bh, mt, n, row, bias_row, n_all, qb, q_half = _item_start(ORDER, KV_COUNT, KV_INDEX, BIAS, it, t, MQ, KMAX,
-                                                                  NCP, NCH, q_smem, q_ready, WG)
+    for it in range(gl.program_id(0), N_UNITS, gl.num_programs(0)):
+        bh, mt, n, row, bias_row, n_all, slot, qb, q_half = _item_start(ORDER, KV_COUNT, KV_INDEX, BIAS, it, t, MQ,
+                                                                        KMAX, NCP, NCH, 0, 1, q_smem, q_ready, WG,
+                                                                        False)
         m_i = gl.full([64], NEG_BIG, gl.float32, layout=row_s)
         l_i = gl.zeros([64], gl.float32, layout=row_s)
         acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
@@ -379,29 +408,46 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
 
 
 @gluon.jit
-def _finish_pending(WG: gl.constexpr, pv_c, acc, m_i, l_i, p_op, p_smem, v_smem, v_ready, v_empty, bh, mt, O, LSE, S,
-                    desc_o, o_smem, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, STORE_LSE: gl.constexpr,
-                    P_SMEM: gl.constexpr, EPI_TMA: gl.constexpr):
-    """Cross-item pipeline: the pending item's last P.V (tile pv_c) when no next score GEMM goes with it, then
+def _unit_epilogue(acc, m_i, l_i, bh, mt, slot, O, LSE, S, desc_o, o_smem, O_PART, LSE_PART, WG: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STORE_LSE: gl.constexpr, EPI_TMA: gl.constexpr, SPLIT: gl.constexpr):
+    """`_epilogue` of a work unit: a part of a split item (slot >= 0) writes its 128 normalised rows (fp32) and
+    their lse to workspace slot `slot` (`tail_split.combine_parts` merges them), a whole item to O."""
+    if SPLIT:
+        if slot >= 0:
+            _store_rows(acc, m_i, l_i, slot, 0, O_PART, LSE_PART, 128, WG, HEAD_DIM, True)
+        else:
+            _epilogue(acc, m_i, l_i, bh, mt, O, LSE, S, desc_o, o_smem, WG, HEAD_DIM, STORE_LSE, EPI_TMA)
+    else:
+        _epilogue(acc, m_i, l_i, bh, mt, O, LSE, S, desc_o, o_smem, WG, HEAD_DIM, STORE_LSE, EPI_TMA)
+
+
+@gluon.jit
+def _finish_pending(WG: gl.constexpr, pv_c, acc, m_i, l_i, p_op, p_smem, v_smem, v_ready, v_empty, bh, mt, slot, O,
+                    LSE, S, desc_o, o_smem, O_PART, LSE_PART, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+                    STORE_LSE: gl.constexpr, P_SMEM: gl.constexpr, EPI_TMA: gl.constexpr, SPLIT: gl.constexpr):
+    """Cross-item pipeline: the pending unit's last P.V (tile pv_c) when no next score GEMM goes with it, then
     its epilogue."""
     sp = pv_c % NUM_STAGES
     mbarrier.wait(v_ready.index(sp), (pv_c // NUM_STAGES) & 1)
     acc_tok = _pv_issue(p_op, p_smem, pv_c, WG, v_smem.index(sp), acc, P_SMEM)
     acc = warpgroup_mma_wait(0, deps=(acc_tok,))
     mbarrier.arrive(v_empty.index(sp), count=1)
-    _epilogue(acc, m_i, l_i, bh, mt, O, LSE, S, desc_o, o_smem, WG, HEAD_DIM, STORE_LSE, EPI_TMA)
+    _unit_epilogue(acc, m_i, l_i, bh, mt, slot, O, LSE, S, desc_o, o_smem, O_PART, LSE_PART, WG, HEAD_DIM, STORE_LSE,
+                   EPI_TMA, SPLIT)
 
 
 @gluon.jit
-def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_ITEMS,
-                   NCP, NCH, q_smem, k_smem, v_smem, p_smem, bars, desc_o, HEAD_DIM: gl.constexpr,
-                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr,
-                   STORE_LSE: gl.constexpr, CORR: gl.constexpr, P_SMEM: gl.constexpr, EPI_TMA: gl.constexpr):
+def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS,
+                   NCP, NCH, N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, p_smem, bars, desc_o,
+                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr,
+                   STORE_LSE: gl.constexpr, CORR: gl.constexpr, P_SMEM: gl.constexpr, EPI_TMA: gl.constexpr,
+                   SPLIT: gl.constexpr):
     """`_consume` with the pipeline carried across work items: an item's last P.V GEMM is issued after the
     next item's first score GEMM, and its epilogue runs while that GEMM's softmax is done (no idle tensor
     cores at item boundaries from this warpgroup). P_SMEM: P.V reads P from p_smem[2 WG + g % 2] (see
     `_tile_loop`). EPI_TMA: the epilogue stages the output in the finished item's Q half and stores it with
-    TMA; that Q buffer goes back to the loader at the next item's second step (`_release_q`)."""
+    TMA; that Q buffer goes back to the loader at the next item's second step (`_release_q`). SPLIT: the work
+    units of `tail_split`; a part of a split item ends with `_unit_epilogue` into the workspace."""
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
     dtype: gl.constexpr = O.dtype.element_ty
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
@@ -421,13 +467,15 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
     prev_bh = 0
     prev_mt = 0
     prev_qb = 0
+    prev_slot = -1
     acc = zero_o
     m_i = gl.full([64], NEG_BIG, gl.float32, layout=row_s)
     l_i = gl.zeros([64], gl.float32, layout=row_s)
     p_op = gl.convert_layout(zero_s.to(dtype), p_layout)     # unused with P_SMEM
-    for it in range(gl.program_id(0), N_ITEMS, gl.num_programs(0)):
-        bh, mt, n, row, bias_row, n_all, qb, q_half = _item_start(ORDER, KV_COUNT, KV_INDEX, BIAS, it, t, MQ, KMAX,
-                                                                  NCP, NCH, q_smem, q_ready, WG)
+    for it in range(gl.program_id(0), N_UNITS, gl.num_programs(0)):
+        bh, mt, n, row, bias_row, n_all, slot, qb, q_half = _item_start(ORDER, KV_COUNT, KV_INDEX, BIAS, it, t, MQ,
+                                                                        KMAX, NCP, NCH, N_FULL, PARTS, q_smem,
+                                                                        q_ready, WG, SPLIT)
         if n_all > 0:
             s0 = c % NUM_STAGES
             mbarrier.wait(k_ready.index(s0), (c // NUM_STAGES) & 1)
@@ -446,8 +494,9 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
                 mbarrier.arrive(v_empty.index(sp), count=1)
                 if P_SMEM:
                     _p_publish()
-                _epilogue(acc, m_i, l_i, prev_bh, prev_mt, O, LSE, S, desc_o, q_smem.index(2 * prev_qb + WG), WG,
-                          HEAD_DIM, STORE_LSE, EPI_TMA)
+                _unit_epilogue(acc, m_i, l_i, prev_bh, prev_mt, prev_slot, O, LSE, S, desc_o,
+                               q_smem.index(2 * prev_qb + WG), O_PART, LSE_PART, WG, HEAD_DIM, STORE_LSE, EPI_TMA,
+                               SPLIT)
                 rel_qb = prev_qb
             else:
                 qk = warpgroup_mma_wait(0, deps=(qk_tok,))
@@ -477,35 +526,43 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
             prev_bh = bh
             prev_mt = mt
             prev_qb = qb
+            prev_slot = slot
         else:
             # an item without tiles: finish the pending one, then write this item's empty rows
             mbarrier.arrive(q_empty.index(qb), count=1)
             if pend == 1:
-                _finish_pending(WG, pv_c, acc, m_i, l_i, p_op, p_smem, v_smem, v_ready, v_empty, prev_bh, prev_mt, O,
-                                LSE, S, desc_o, q_smem.index(2 * prev_qb + WG), HEAD_DIM, NUM_STAGES, STORE_LSE,
-                                P_SMEM, EPI_TMA)
+                _finish_pending(WG, pv_c, acc, m_i, l_i, p_op, p_smem, v_smem, v_ready, v_empty, prev_bh, prev_mt,
+                                prev_slot, O, LSE, S, desc_o, q_smem.index(2 * prev_qb + WG), O_PART, LSE_PART,
+                                HEAD_DIM, NUM_STAGES, STORE_LSE, P_SMEM, EPI_TMA, SPLIT)
                 if EPI_TMA:
                     _release_q(q_empty, prev_qb)
             pend = 0
             m_i = gl.full([64], NEG_BIG, gl.float32, layout=row_s)
             l_i = gl.zeros([64], gl.float32, layout=row_s)
             acc = zero_o
-            _store_rows(acc, m_i, l_i, bh, mt, O, LSE, S, WG, HEAD_DIM, STORE_LSE)
+            _unit_epilogue(acc, m_i, l_i, bh, mt, slot, O, LSE, S, desc_o, q_smem.index(2 * qb + WG), O_PART,
+                           LSE_PART, WG, HEAD_DIM, STORE_LSE, False, SPLIT)
         c += n_all
         t += 1
     if pend == 1:
-        _finish_pending(WG, pv_c, acc, m_i, l_i, p_op, p_smem, v_smem, v_ready, v_empty, prev_bh, prev_mt, O, LSE, S,
-                        desc_o, q_smem.index(2 * prev_qb + WG), HEAD_DIM, NUM_STAGES, STORE_LSE, P_SMEM, EPI_TMA)
+        _finish_pending(WG, pv_c, acc, m_i, l_i, p_op, p_smem, v_smem, v_ready, v_empty, prev_bh, prev_mt, prev_slot,
+                        O, LSE, S, desc_o, q_smem.index(2 * prev_qb + WG), O_PART, LSE_PART, HEAD_DIM, NUM_STAGES,
+                        STORE_LSE, P_SMEM, EPI_TMA, SPLIT)
     if EPI_TMA:
         tma.store_wait(0)
 
 
 @gluon.jit
-def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, NK, NCP, N_BH, MQ, KMAX,
-               N_ITEMS, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-               MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr, CORR: gl.constexpr, PINGPONG: gl.constexpr,
-               Q_BUFS: gl.constexpr, CROSS: gl.constexpr, P_SMEM: gl.constexpr, EPI_TMA: gl.constexpr):
+def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, NK, NCP,
+               N_BH, MQ, KMAX, N_UNITS, N_FULL, PARTS, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+               NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr, CORR: gl.constexpr,
+               PINGPONG: gl.constexpr, Q_BUFS: gl.constexpr, CROSS: gl.constexpr, P_SMEM: gl.constexpr,
+               EPI_TMA: gl.constexpr, SPLIT: gl.constexpr):
     """Q, O [N_BH*S, D]; K, V [N_BH*SK, D]; LSE fp32 [N_BH*S]; plan KV_INDEX [items, KMAX], KV_COUNT, ORDER.
+
+    Work units (`tail_split`): N_UNITS = N_FULL + (items - N_FULL) * PARTS; SPLIT (cross-item pipeline only): the
+    units from N_FULL on are parts of the last items, written to O_PART fp32 [(N_UNITS - N_FULL) * 128, D] and
+    LSE_PART fp32 (natural log) for `tail_split.combine_parts`.
 
     EPI_TMA (cross-item pipeline with two Q buffers only): outputs go through shared memory and TMA stores.
 
@@ -568,25 +625,25 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, KV_INDEX, KV_COUNT, ORDER, qk_scal
     # tensors. Default partition: consumer warpgroup 0; workers: consumer warpgroup 1 and the loader warp.
     if CROSS:
         gl.warp_specialize([
-            (_consume_cross, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_ITEMS, NCP, NCH,
-                              q_smem, k_smem, v_smem, p_smem, bars, desc_o, HEAD_DIM, BLOCK_N, NUM_STAGES,
-                              MASK_LAST, STORE_LSE, CORR, P_SMEM, EPI_TMA)),
-            (_consume_cross, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_ITEMS, NCP, NCH,
-                              q_smem, k_smem, v_smem, p_smem, bars, desc_o, HEAD_DIM, BLOCK_N, NUM_STAGES,
-                              MASK_LAST, STORE_LSE, CORR, P_SMEM, EPI_TMA)),
+            (_consume_cross, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH,
+                              N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, p_smem, bars, desc_o,
+                              HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, CORR, P_SMEM, EPI_TMA, SPLIT)),
+            (_consume_cross, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH,
+                              N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, p_smem, bars, desc_o,
+                              HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, CORR, P_SMEM, EPI_TMA, SPLIT)),
             (_loader, (desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX,
-                       N_ITEMS, NCH, q_smem, k_smem, v_smem, bars, BLOCK_N, NUM_STAGES)),
+                       N_UNITS, NCH, N_FULL, PARTS, q_smem, k_smem, v_smem, bars, BLOCK_N, NUM_STAGES, SPLIT)),
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
-            (_consume, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_ITEMS, NCP, NCH,
+            (_consume, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH,
                         q_smem, k_smem, v_smem, bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, CORR,
                         PINGPONG)),
-            (_consume, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_ITEMS, NCP, NCH,
+            (_consume, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH,
                         q_smem, k_smem, v_smem, bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, CORR,
                         PINGPONG)),
             (_loader, (desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX,
-                       N_ITEMS, NCH, q_smem, k_smem, v_smem, bars, BLOCK_N, NUM_STAGES)),
+                       N_UNITS, NCH, 0, 1, q_smem, k_smem, v_smem, bars, BLOCK_N, NUM_STAGES, False)),
         ], [4, 1], [240, 24])
 
 
@@ -602,8 +659,8 @@ def default_stages(head_dim: int) -> int:
 
 def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False, *, num_stages: int | None = None,
                     q_buffers: int = 2, cross_item: bool = True, pingpong: bool = False,
-                    p_in_smem: bool = False, tma_store: bool = True, num_programs: int | None = None,
-                    maxnreg: int = 168):
+                    p_in_smem: bool = False, tma_store: bool = True, split_tail: bool | None = None,
+                    num_programs: int | None = None, maxnreg: int = 168):
     """Run the Gluon kernel (inputs are assumed checked: see `GluonHopperBackend.not_supported_reasons`).
 
     With a correction plan (k_mean / v_sum / tile_len) the skipped tiles enter the same online softmax
@@ -630,6 +687,10 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
             a partial last query tile from registers). Register stores cost ~1.7 us per work item on the H200
             (an A/B with the stores predicated off); interleaved A/B, 12 x 32,768 d128: +3.0% at density
             0.1 (585 vs 568 TFLOP/s), +5.7% at 0.05 (549 vs 520), +0.9% at 0.25, equal dense; d64 +0.8% to +3%.
+        split_tail (cross-item pipeline only): cut the items of the last, partly filled wave of the persistent
+            grid into parts for the idle SMs and merge them afterwards (`tail_split`). None (default): when
+            that saves enough work (`tail_split.AUTO_MIN_SAVED`); True: whenever the last wave has room;
+            False: never.
         pingpong, num_programs, maxnreg: tuning knobs (benchmarks). pingpong=True (FA3's enforced
             alternation of the two warpgroups' GEMMs) gave no steady gain on the H200 against the
             per-item pipeline (kernel_h200.json: 608 vs 552 TFLOP/s at density 0.1 on 12 x 32,768, but
@@ -658,22 +719,35 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
     else:
         k_mean, v_mean, bias = k, v, lse
     n_items = order.numel()
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    grid = (num_programs or max(1, min(n_items, sms)),)
+    programs = num_programs or torch.cuda.get_device_properties(q.device).multi_processor_count
+    if split_tail is False or not cross_item:
+        n_full, parts = n_items, 1
+    else:
+        n_full, parts = tail_split(n_items, programs, kv_index.shape[1], 0.0 if split_tail else AUTO_MIN_SAVED / D)
+    n_units = n_full + (n_items - n_full) * parts
+    if parts > 1:
+        o_part = torch.empty((n_units - n_full) * BLOCK_M, D, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((n_units - n_full) * BLOCK_M, dtype=torch.float32, device=q.device)
+    else:
+        o_part, lse_part = out, lse
+    grid = (max(1, min(n_units, programs)),)
     triton.set_allocator(_alloc)
-    _gluon_fwd[grid](q, k, v, k_mean, v_mean, bias, out, lse, kv_index, kv_count, order, scale * LOG2E,
-                     S, Sk, Nk, bias.shape[-1] if corr else 0, B * H, Mq, kv_index.shape[1], n_items,
-                     HEAD_DIM=D, BLOCK_N=plan.block_n, NUM_STAGES=stages,
+    _gluon_fwd[grid](q, k, v, k_mean, v_mean, bias, out, lse, o_part, lse_part, kv_index, kv_count, order,
+                     scale * LOG2E, S, Sk, Nk, bias.shape[-1] if corr else 0, B * H, Mq, kv_index.shape[1], n_units,
+                     n_full, parts, HEAD_DIM=D, BLOCK_N=plan.block_n, NUM_STAGES=stages,
                      MASK_LAST=(Sk % plan.block_n) != 0, STORE_LSE=return_lse, CORR=corr,
                      PINGPONG=pingpong, Q_BUFS=q_buffers, CROSS=cross_item, P_SMEM=p_in_smem,
-                     EPI_TMA=tma_store and cross_item and q_buffers == 2, num_warps=4, maxnreg=maxnreg)
+                     EPI_TMA=tma_store and cross_item and q_buffers == 2, SPLIT=parts > 1, num_warps=4,
+                     maxnreg=maxnreg)
+    if parts > 1:
+        combine_parts(o_part, lse_part, out, lse if return_lse else None, order, n_full, parts, Mq)
     return (out, lse) if return_lse else out
 
 
 def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: int | None = None,
                      mask_last: bool = True, store_lse: bool = True, correction: bool = False, pingpong: bool = False,
                      q_buffers: int = 2, cross_item: bool = True, p_in_smem: bool = False, tma_store: bool = True,
-                     maxnreg: int = 168):
+                     split_tail: bool = False, maxnreg: int = 168):
     """Compile the kernel ahead of time for sm_90 (works on a CPU-only machine); returns the CompiledKernel.
 
     Inspect `.asm["ttgir"]` (`ttg.warp_specialize`), `.asm["ptx"]` (`wgmma`, `cp.async.bulk.tensor`,
@@ -685,14 +759,14 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
     if cross_item and pingpong:
         raise ValueError("pingpong=True needs cross_item=False (the cross-item pipeline has no ping-pong turns).")
     ptr = "*" + dtype
-    types = dict(Q=ptr, K=ptr, V=ptr, KM=ptr, VM=ptr, BIAS="*fp32", O=ptr, LSE="*fp32", KV_INDEX="*i32",
-                 KV_COUNT="*i32", ORDER="*i32", qk_scale="fp32")
-    for name in ("S", "SK", "NK", "NCP", "N_BH", "MQ", "KMAX", "N_ITEMS"):
+    types = dict(Q=ptr, K=ptr, V=ptr, KM=ptr, VM=ptr, BIAS="*fp32", O=ptr, LSE="*fp32", O_PART="*fp32",
+                 LSE_PART="*fp32", KV_INDEX="*i32", KV_COUNT="*i32", ORDER="*i32", qk_scale="fp32")
+    for name in ("S", "SK", "NK", "NCP", "N_BH", "MQ", "KMAX", "N_UNITS", "N_FULL", "PARTS"):
         types[name] = "i32"
     constants = dict(HEAD_DIM=head_dim, BLOCK_N=128, NUM_STAGES=num_stages or default_stages(head_dim),
                      MASK_LAST=mask_last, STORE_LSE=store_lse, CORR=correction, PINGPONG=pingpong,
                      Q_BUFS=q_buffers, CROSS=cross_item, P_SMEM=p_in_smem,
-                     EPI_TMA=tma_store and cross_item and q_buffers == 2)
+                     EPI_TMA=tma_store and cross_item and q_buffers == 2, SPLIT=split_tail and cross_item)
     signature = {name: types.get(name, "constexpr") for name in _gluon_fwd.arg_names}
     src = GluonASTSource(_gluon_fwd, signature, constants)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
