@@ -102,3 +102,31 @@ def test_topk_plan_builds_no_host_tensors_after_the_first_call(monkeypatch):
     again = topk_plan(scores, 0.2)
     assert calls == []
     assert torch.equal(again.kv_index, first.kv_index) and torch.equal(again.kv_count, first.kv_count)
+
+
+@pytest.mark.parametrize("globals_", [0, 3])
+@pytest.mark.parametrize("density", [0.07, 0.3, 1.0])
+def test_builders_attach_the_work_order_the_kernels_would_sort(globals_, density):
+    """topk_plan and dense_plan carry `order` from their row budgets: equal to the kernels' stable
+    longest-first sort of kv_count (so the kernels skip that sort), cached across calls."""
+    from videosparse.kernels._triton_utils import work_order
+
+    plan = topk_plan(torch.randn(2, 3, 25, 25), density, num_global_tiles=globals_)
+    assert plan.order.dtype == torch.int32 and torch.equal(plan.order, work_order(plan.kv_count))
+    assert topk_plan(torch.randn(2, 3, 25, 25), density, num_global_tiles=globals_).order is plan.order
+    dense = dense_plan(2, 3, 1000)
+    assert torch.equal(dense.order, work_order(dense.kv_count))
+    q = torch.zeros(2, 3, 1000, 16)
+    dense.validate(q, q)
+
+
+def test_validate_rejects_an_order_that_is_not_a_permutation():
+    q = torch.zeros(1, 2, 300, 16)
+    good = dense_plan(1, 2, 300)
+    Plan(good.kv_index, good.kv_count, order=good.order.flip(0).contiguous()).validate(q, q)   # any permutation
+    with pytest.raises(ValueError, match="permutation of 0..5"):
+        Plan(good.kv_index, good.kv_count, order=torch.zeros(6, dtype=torch.int32)).validate(q, q)
+    with pytest.raises(ValueError, match=r"int32 \[6\]"):
+        Plan(good.kv_index, good.kv_count, order=good.order.long()).validate(q, q)
+    with pytest.raises(ValueError, match=r"int32 \[6\]"):
+        Plan(good.kv_index, good.kv_count, order=good.order[:5]).validate(q, q)

@@ -10,6 +10,9 @@ every backend, so it can be checked against the reference and executed by the fa
     k_mean    [B, H, Nk, D]           optional: mean key of every key tile       (zero-order
     v_sum     [B, H, Nk, D]           optional: sum of values of every key tile   correction of
     tile_len  [Nk]                    optional: real tokens of every key tile     skipped tiles)
+    order     int32 [B*H*Mq]          optional: the order the kernels take the (b*H + h)*Mq + m rows in,
+                                      longest first (a permutation); builders that know their row
+                                      lengths on the host attach it, otherwise the kernels sort kv_count
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class Plan:
     k_mean: torch.Tensor | None = None
     v_sum: torch.Tensor | None = None
     tile_len: torch.Tensor | None = None
+    order: torch.Tensor | None = None
 
     @property
     def has_correction(self) -> bool:
@@ -96,6 +100,13 @@ class Plan:
                     raise ValueError(f"{name} has shape {tuple(t.shape)}; expected ({B}, {H}, {Nk}, {D}){at}.")
             if tuple(self.tile_len.shape) != (Nk,):
                 raise ValueError(f"tile_len has shape {tuple(self.tile_len.shape)}; expected ({Nk},){at}.")
+        if self.order is not None:
+            n = B * H * Mq
+            if self.order.dtype != torch.int32 or tuple(self.order.shape) != (n,) or self.order.device != q.device:
+                raise ValueError(f"order must be int32 [{n}] on {q.device} (a permutation of the B*H*Mq rows); got "
+                                 f"{self.order.dtype} {tuple(self.order.shape)} on {self.order.device}{at}.")
+            if not bool((torch.bincount(self.order.long().clamp(0, n), minlength=n + 1)[:n] == 1).all()):
+                raise ValueError(f"order is not a permutation of 0..{n - 1}{at}.")
 
     def to_dense_mask(self, num_key_tiles: int) -> torch.Tensor:
         """bool [B, H, Mq, Nk]: True where the plan keeps the tile exactly."""
@@ -105,6 +116,28 @@ class Plan:
         idx = torch.where(valid, self.kv_index.long(), num_key_tiles)
         mask.scatter_(-1, idx, True)
         return mask[..., :num_key_tiles]
+
+
+_ORDERS: dict[tuple, torch.Tensor] = {}
+
+
+def row_order(row_lengths: list[int], groups: int, device: torch.device | str) -> torch.Tensor | None:
+    """int32 [groups * len(row_lengths)]: the plan rows g * len + m (every group g of B*H has the same
+    planned row lengths) longest first, stable: what the kernels' sort of kv_count gives when the lengths
+    are these, computed on the host once per (lengths, groups, device) and cached. The kernels then skip
+    their sort (one ~20 us launch per call at 3,072 rows on the H200). None under torch.compile (a host
+    sort and copy per call in the graph would cost more): the kernel custom op sorts."""
+    if torch.compiler.is_compiling():
+        return None
+    key = (tuple(row_lengths), groups, str(device))
+    hit = _ORDERS.get(key)
+    if hit is None:
+        lengths = torch.tensor(row_lengths, dtype=torch.int32).repeat(groups)
+        hit = torch.sort(lengths, descending=True, stable=True).indices.to(torch.int32).to(device)
+        if len(_ORDERS) >= 64:
+            _ORDERS.clear()
+        _ORDERS[key] = hit
+    return hit
 
 
 def plan_from_mask(mask: torch.Tensor, block_m: int = 128, block_n: int = 128) -> Plan:
@@ -127,7 +160,7 @@ def dense_plan(batch: int, heads: int, seq_len: int, block_m: int = 128, block_n
     Mq, Nk = math.ceil(seq_len / block_m), math.ceil(seq_len / block_n)
     index = torch.arange(Nk, dtype=torch.int32, device=device).expand(batch, heads, Mq, Nk).contiguous()
     count = torch.full((batch, heads, Mq), Nk, dtype=torch.int32, device=device)
-    return Plan(index, count, block_m, block_n)
+    return Plan(index, count, block_m, block_n, order=row_order([Nk] * Mq, batch * heads, device))
 
 
 def row_budget_list(density: float, num_rows: int, num_cols: int) -> list[int]:
@@ -193,7 +226,8 @@ def topk_plan(
             probabilities (teacher heat), whose small values fp16 would flush to ties.
 
     Returns:
-        A `Plan` over Mv + num_global_tiles query tiles and as many key tiles.
+        A `Plan` over Mv + num_global_tiles query tiles and as many key tiles, with its work order from the
+        row budgets (rows whose -inf columns leave them short keep their budget's place).
     """
     if scores.dim() != 4 or scores.shape[-1] != scores.shape[-2]:
         raise ValueError(f"scores must be [B, H, Mv, Mv]; got {tuple(scores.shape)}.")
@@ -220,7 +254,8 @@ def topk_plan(
     count = keep.sum(-1, dtype=torch.int32)
     idx = torch.where(idx == Nv, 0, idx)
     if G == 0:
-        return Plan(idx.to(torch.int32).contiguous(), count.contiguous(), block, block)
+        return Plan(idx.to(torch.int32).contiguous(), count.contiguous(), block, block,
+                    order=row_order(budget_list, B * H, device))
     N = Mv + G
     # video rows: selected video tiles then every global tile, packed left
     glob = torch.arange(Mv, N, device=device).expand(B, H, Mv, G)
@@ -232,4 +267,5 @@ def topk_plan(
     rows[:, :, :Mv] = video_part
     rows[:, :, Mv:] = torch.arange(N, device=device)
     counts = torch.cat([count + G, torch.full((B, H, G), N, dtype=torch.int32, device=device)], -1)
-    return Plan(rows.to(torch.int32).contiguous(), counts.contiguous(), block, block)   # global rows: N wide
+    order = row_order([b + G for b in budget_list] + [N] * G, B * H, device)
+    return Plan(rows.to(torch.int32).contiguous(), counts.contiguous(), block, block, order=order)   # global: N wide

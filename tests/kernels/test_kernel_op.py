@@ -13,8 +13,11 @@ def test_opcheck_with_and_without_correction():
     q, k, v = (torch.randn(2, 3, 300, 64) for _ in range(3))
     p = random_plan(2, 3, 300, 64, 64, 0.3, seed=4)
     base = (q, k, v, p.kv_index, p.kv_count, 64, 64)
-    torch.library.opcheck(block_sparse_attention_op, (*base, None, None, None, 0.125, "reference"))
-    torch.library.opcheck(block_sparse_attention_op, (*base, *tile_centroids_torch(k, v, 64), 0.125, "reference"))
+    torch.library.opcheck(block_sparse_attention_op, (*base, None, None, None, None, 0.125, "reference"))
+    torch.library.opcheck(block_sparse_attention_op, (*base, *tile_centroids_torch(k, v, 64), None, 0.125,
+                                                      "reference"))
+    order = torch.randperm(p.kv_count.numel()).to(torch.int32)      # any permutation of the rows
+    torch.library.opcheck(block_sparse_attention_op, (*base, None, None, None, order, 0.125, "reference"))
 
 
 def test_fullgraph_compile_matches_eager():
