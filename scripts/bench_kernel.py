@@ -31,11 +31,12 @@ SHAPES = {  # name: (B, H, S, D)
     "Wan14B 40x75600 d128": (1, 40, 75600, 128),
     "Hunyuan 24x118800 d128": (1, 24, 118800, 128),
     "CogVideoX 48x17550 d64": (1, 48, 17550, 64),
+    "12x32768 d64": (1, 12, 32768, 64),          # the head-dim-64 target shape
 }
 DENSITIES = [1.0, 0.5, 0.25, 0.1, 0.05]
 DEVICE = "cuda"
 QUICK_SHAPES = ["12x32768 d128", "Wan14B 40x75600 d128", "CogVideoX 48x17550 d64"]
-PEER_SHAPES = ["12x32768 d128", "Wan14B 40x75600 d128", "CogVideoX 48x17550 d64"]
+PEER_SHAPES = ["12x32768 d128", "Wan14B 40x75600 d128", "CogVideoX 48x17550 d64", "12x32768 d64"]
 
 
 def log(*a):
