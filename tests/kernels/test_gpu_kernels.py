@@ -115,16 +115,20 @@ def test_gluon_tail_split_matches_whole_items(S, D, plan_kind, correction, progr
     if "gluon_hopper" not in _backends():
         pytest.skip("the Gluon kernel needs an sm_90 GPU")
     from videosparse.kernels.gluon_hopper import gluon_attention
+    from videosparse.kernels.tail_split import tail_split
 
-    outs = {}
+    outs, parts = {}, []
 
     def run(q, k, v, plan, split):
+        sms = programs or torch.cuda.get_device_properties(q.device).multi_processor_count
+        parts.append(tail_split(plan.kv_count.numel(), sms, plan.kv_index.shape[-1])[1])
         outs[split] = gluon_attention(q, k, v, plan, D ** -0.5, return_lse=True, split_tail=split,
                                       num_programs=programs)
         return outs[split]
 
     _check(lambda q, k, v, plan: (run(q, k, v, plan, False), run(q, k, v, plan, True))[1],
            S, D, torch.bfloat16, plan_kind, correction)
+    assert parts[-1] > 1, "the case was meant to split its last wave"
     assert rel_err(outs[True][0], outs[False][0]) < 8e-3
     finite = torch.isfinite(outs[False][1])
     assert torch.equal(torch.isfinite(outs[True][1]), finite)
