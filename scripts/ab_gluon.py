@@ -22,7 +22,6 @@ import sys
 import tempfile
 import types
 from pathlib import Path
-from statistics import median
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -58,9 +57,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     import torch
-    from triton.testing import do_bench
 
-    from bench_kernel import random_plan, time_interleaved
+    from bench_kernel import interleaved_ab, random_plan
     from videosparse.kernels.gluon_hopper import gluon_attention
     from videosparse.sol.centroids import tile_centroids_torch
 
@@ -77,10 +75,7 @@ def main(argv=None):
             kept = plan.density(math.ceil(S / 128))
             fns = {"new": lambda p=plan: gluon_attention(q, k, v, p, D ** -0.5),
                    "baseline": lambda p=plan: base.gluon_attention(q, k, v, p, D ** -0.5)}
-            out_new, out_base = (fn().float() for fn in fns.values())
-            diff = float((out_new - out_base).norm() / out_base.norm())
-            times = time_interleaved(fns, args.rounds, lambda fn: do_bench(fn, warmup=10, rep=80, return_mode="median"))
-            tf = {n: 4.0 * S * S * D * B * H * kept / median(t) / 1e9 for n, t in times.items()}
+            tf, times, diff = interleaved_ab(fns, 4.0 * S * S * D * B * H * kept, args.rounds)
             rows.append(dict(shape=name, density=kept, correction=args.correction, tflops=tf, ms_rounds=times,
                              rel_diff=diff))
             print(f"{name} density {kept:.3f}{' +corr' if args.correction else ''}: new {tf['new']:.0f} "

@@ -15,7 +15,6 @@ import math
 import sys
 from dataclasses import replace
 from pathlib import Path
-from statistics import median
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -32,9 +31,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     import torch
-    from triton.testing import do_bench
 
-    from bench_kernel import random_plan, time_interleaved
+    from bench_kernel import interleaved_ab, random_plan
     from videosparse.kernels import block_sparse_attention
 
     rows = []
@@ -44,11 +42,8 @@ def main(argv=None):
             plan = random_plan(1, H, S, density, 128, "cuda")
             fns = {"order": lambda p=plan: block_sparse_attention(q, k, v, p, validate=False),
                    "sort": lambda p=replace(plan, order=None): block_sparse_attention(q, k, v, p, validate=False)}
-            a, b = (fn().float() for fn in fns.values())
-            diff = float((a - b).norm() / b.norm())
-            times = time_interleaved(fns, args.rounds, lambda fn: do_bench(fn, warmup=10, rep=80, return_mode="median"))
             kept = plan.density(math.ceil(S / 128))
-            tf = {n: 4.0 * S * S * D * H * kept / median(t) / 1e9 for n, t in times.items()}
+            tf, times, diff = interleaved_ab(fns, 4.0 * S * S * D * H * kept, args.rounds)
             rows.append(dict(shape=f"{H}x{S} d{D}", density=kept, tflops=tf, ms_rounds=times, rel_diff=diff))
             print(f"{H}x{S} d{D} density {kept:.3f}: order {tf['order']:.0f} sort {tf['sort']:.0f} TFLOP/s "
                   f"({tf['order'] / tf['sort'] - 1:+.1%}), outputs differ by {diff:.1e}", flush=True)

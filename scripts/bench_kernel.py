@@ -196,6 +196,18 @@ def time_interleaved(fns, rounds, bench):
     return times
 
 
+def interleaved_ab(fns, flops, rounds):
+    """Two or more callables with equal outputs timed in interleaved rounds (`time_interleaved`, do_bench medians):
+    ({name: TFLOP/s at the median of its rounds}, {name: [ms per round]}, ||first - last|| / ||last|| of their
+    outputs). flops: the work one call does."""
+    from triton.testing import do_bench
+
+    outs = [fn().float() for fn in fns.values()]
+    diff = float((outs[0] - outs[-1]).norm() / outs[-1].norm())
+    times = time_interleaved(fns, rounds, lambda fn: do_bench(fn, warmup=10, rep=80, return_mode="median"))
+    return {n: flops / median(t) / 1e9 for n, t in times.items()}, times, diff
+
+
 def bench_shape(name, results, args, deadline):
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel

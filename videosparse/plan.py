@@ -118,6 +118,17 @@ class Plan:
         return mask[..., :num_key_tiles]
 
 
+def _cached(cache: dict, key: tuple, build):
+    """cache[key], built by build() on a miss; the cache is emptied once it holds 64 entries."""
+    hit = cache.get(key)
+    if hit is None:
+        hit = build()
+        if len(cache) >= 64:
+            cache.clear()
+        cache[key] = hit
+    return hit
+
+
 _ORDERS: dict[tuple, torch.Tensor] = {}
 
 
@@ -129,15 +140,12 @@ def row_order(row_lengths: list[int], groups: int, device: torch.device | str) -
     sort and copy per call in the graph would cost more): the kernel custom op sorts."""
     if torch.compiler.is_compiling():
         return None
-    key = (tuple(row_lengths), groups, str(device))
-    hit = _ORDERS.get(key)
-    if hit is None:
+
+    def build():
         lengths = torch.tensor(row_lengths, dtype=torch.int32).repeat(groups)
-        hit = torch.sort(lengths, descending=True, stable=True).indices.to(torch.int32).to(device)
-        if len(_ORDERS) >= 64:
-            _ORDERS.clear()
-        _ORDERS[key] = hit
-    return hit
+        return torch.sort(lengths, descending=True, stable=True).indices.to(torch.int32).to(device)
+
+    return _cached(_ORDERS, (tuple(row_lengths), groups, str(device)), build)
 
 
 def plan_from_mask(mask: torch.Tensor, block_m: int = 128, block_n: int = 128) -> Plan:
@@ -188,18 +196,14 @@ def _topk_constants(density: float, Mv: int, Nv: int, device: torch.device):
     Building the budget tensor copies a host list to the GPU, which (pageable memory) synchronises
     the stream: once per layer and step it stalled the host, and the GPU idled while the host caught up.
     """
-    key = (density, Mv, Nv, str(device))
-    cached = not torch.compiler.is_compiling()      # under compile they are constants of the graph
-    hit = _TOPK_CONSTANTS.get(key) if cached else None
-    if hit is None:
+    def build():
         budget_list = row_budget_list(density, Mv, Nv)
-        hit = (budget_list, torch.tensor(budget_list, dtype=torch.long, device=device),
-               torch.eye(Mv, dtype=torch.bool, device=device))
-        if cached:
-            if len(_TOPK_CONSTANTS) >= 64:
-                _TOPK_CONSTANTS.clear()
-            _TOPK_CONSTANTS[key] = hit
-    return hit
+        return (budget_list, torch.tensor(budget_list, dtype=torch.long, device=device),
+                torch.eye(Mv, dtype=torch.bool, device=device))
+
+    if torch.compiler.is_compiling():      # under compile they are constants of the graph
+        return build()
+    return _cached(_TOPK_CONSTANTS, (density, Mv, Nv, str(device)), build)
 
 
 def topk_plan(
