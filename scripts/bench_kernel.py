@@ -333,7 +333,7 @@ def bench_variants(results, args, deadline):
     from triton.testing import do_bench
 
     from videosparse.kernels import block_sparse_attention
-    from videosparse.kernels.gluon_hopper import gluon_attention
+    from videosparse.kernels.gluon_hopper import default_late_k_release, gluon_attention
     from videosparse.kernels.triton_generic import generic_attention
     from videosparse.kernels.triton_hopper import hopper_attention
 
@@ -363,6 +363,9 @@ def bench_variants(results, args, deadline):
             variants["gluon_1_q_buffer_cross"] = lambda: gluon_attention(q, k, v, plan, D ** -0.5, q_buffers=1)
             variants["gluon_register_store"] = lambda: gluon_attention(q, k, v, plan, D ** -0.5, tma_store=False)
             variants["gluon_no_tail_split"] = lambda: gluon_attention(q, k, v, plan, D ** -0.5, split_tail=False)
+            # the other K-release position than this head dim's default (`default_late_k_release`)
+            variants["gluon_k_release_flipped"] = lambda: gluon_attention(
+                q, k, v, plan, D ** -0.5, late_k_release=not default_late_k_release(D))
             if D == 64:     # deeper K/V rings fit next to two Q buffers only at head dim 64
                 for st in (3, 4):
                     variants[f"gluon_{st}_stages"] = (
@@ -483,6 +486,7 @@ def render_markdown(results) -> str:
 VARIANT_LABELS = {  # bench_variants name: README label
     "default": "Gluon, pipeline across items, TMA-store epilogue, last wave split (default)",
     "gluon_no_tail_split": "Gluon, across items, last wave not split",
+    "gluon_k_release_flipped": "Gluon, across items, K released at the other point (d128: early, d64: late)",
     "gluon_register_store": "Gluon, across items, outputs stored from registers",
     "gluon_1_q_buffer_cross": "Gluon, across items, 1 Q buffer",
     "gluon_p_in_smem": "Gluon, across items, P in shared memory (1 Q buffer at d128)",

@@ -678,8 +678,9 @@ def default_late_k_release(head_dim: int) -> bool:
     The release's warpgroup `bar.sync` otherwise makes ptxas wait for the in-flight P.V GEMM first, so the softmax
     no longer overlaps it within the warpgroup; released late, it does (66 of 66 exponentials between the two
     waits, `scripts/inspect_gluon_sass.py`) but the loader gets the stage a softmax later. Measured on the H200
-    (interleaved A/B, `benchmarks/ab_gluon_late_k_h200.json`): at head dim 128 it gains dense and is even on sparse
-    plans, at 64 it loses on sparse plans, so it is on at 128 only."""
+    (interleaved A/Bs, `benchmarks/ab_gluon_late_k_h200.json`, `..._all_head_dims_h200.json`): at head dim 128 it
+    gains 0.5-2.6% dense and is even on sparse plans, at 64 it loses 1-5% on sparse plans (at the item
+    boundaries: `..._boundary_h200.json`), so it is on at 128 only."""
     return head_dim == 128
 
 
