@@ -6,6 +6,11 @@ history is at hand and carry the file along; the GPU machine gets a copy of the 
     git show 382209d:videosparse/kernels/gluon_hopper.py > baseline_gluon.py
     python scripts/ab_gluon.py --baseline baseline_gluon.py [--correction] [--rounds 5] [--out ab.json]
 
+Without --baseline both sides run this tree's kernel, told apart by their keyword arguments to
+`gluon_attention` (Python dict literals), e.g. the K stage released early and only the Q release late:
+
+    python scripts/ab_gluon.py --new-kwargs "{'late_k_release': False, 'late_q_release': True}"
+
 Shapes: 12 x 32,768 at head dim 128 and 64 and Wan 1.3B's 12 x 32,760 (partial last tile), random top-k
 plans at densities 0.25 / 0.1 / 0.05 (bf16). Prints TFLOP/s on kept tiles of both and the relative
 difference of their outputs.
@@ -48,7 +53,9 @@ def load_kernel_module(path: str | Path, name: str = "baseline_gluon_hopper") ->
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--baseline", required=True, help="gluon_hopper.py of the other revision")
+    ap.add_argument("--baseline", help="gluon_hopper.py of the other revision (default: this tree's)")
+    ap.add_argument("--new-kwargs", default="{}", help="keyword arguments of the new side, a dict literal")
+    ap.add_argument("--baseline-kwargs", default="{}", help="keyword arguments of the baseline side")
     ap.add_argument("--correction", action="store_true", help="plans with the zero-order correction")
     ap.add_argument("--densities", type=float, nargs="*", default=[0.25, 0.1, 0.05])
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
@@ -62,7 +69,12 @@ def main(argv=None):
     from videosparse.kernels.gluon_hopper import gluon_attention
     from videosparse.sol.centroids import tile_centroids_torch
 
-    base = load_kernel_module(args.baseline)
+    import ast
+
+    from videosparse.kernels import gluon_hopper
+
+    base = load_kernel_module(args.baseline) if args.baseline else gluon_hopper
+    new_kw, base_kw = ast.literal_eval(args.new_kwargs), ast.literal_eval(args.baseline_kwargs)
     rows = []
     for name in args.shapes:
         B, H, S, D = SHAPES[name]
@@ -73,15 +85,16 @@ def main(argv=None):
             if args.correction:
                 plan = plan.with_correction(*tile_centroids_torch(k, v, 128))
             kept = plan.density(math.ceil(S / 128))
-            fns = {"new": lambda p=plan: gluon_attention(q, k, v, p, D ** -0.5),
-                   "baseline": lambda p=plan: base.gluon_attention(q, k, v, p, D ** -0.5)}
+            fns = {"new": lambda p=plan: gluon_attention(q, k, v, p, D ** -0.5, **new_kw),
+                   "baseline": lambda p=plan: base.gluon_attention(q, k, v, p, D ** -0.5, **base_kw)}
             tf, times, diff = interleaved_ab(fns, 4.0 * S * S * D * B * H * kept, args.rounds)
             rows.append(dict(shape=name, density=kept, correction=args.correction, tflops=tf, ms_rounds=times,
                              rel_diff=diff))
             print(f"{name} density {kept:.3f}{' +corr' if args.correction else ''}: new {tf['new']:.0f} "
                   f"baseline {tf['baseline']:.0f} TFLOP/s ({tf['new'] / tf['baseline'] - 1:+.1%}), "
                   f"outputs differ by {diff:.1e}", flush=True)
-    Path(args.out).write_text(json.dumps(dict(baseline=str(args.baseline), rows=rows), indent=1))
+    Path(args.out).write_text(json.dumps(dict(baseline=str(args.baseline or "this tree"), new_kwargs=new_kw,
+                                              baseline_kwargs=base_kw, rows=rows), indent=1))
     return rows
 
 

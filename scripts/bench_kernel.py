@@ -366,6 +366,9 @@ def bench_variants(results, args, deadline):
             # the other K-release position than this head dim's default (`default_late_k_release`)
             variants["gluon_k_release_flipped"] = lambda: gluon_attention(
                 q, k, v, plan, D ** -0.5, late_k_release=not default_late_k_release(D))
+            # K stage released early, only the conditional Q release after the softmax (same SASS overlap)
+            variants["gluon_late_q_only"] = lambda: gluon_attention(q, k, v, plan, D ** -0.5, late_k_release=False,
+                                                                    late_q_release=True)
             if D == 64:     # deeper K/V rings fit next to two Q buffers only at head dim 64
                 for st in (3, 4):
                     variants[f"gluon_{st}_stages"] = (
@@ -487,6 +490,7 @@ VARIANT_LABELS = {  # bench_variants name: README label
     "default": "Gluon, pipeline across items, TMA-store epilogue, last wave split (default)",
     "gluon_no_tail_split": "Gluon, across items, last wave not split",
     "gluon_k_release_flipped": "Gluon, across items, K released at the other point (d128: early, d64: late)",
+    "gluon_late_q_only": "Gluon, across items, K released early, Q release after the softmax",
     "gluon_register_store": "Gluon, across items, outputs stored from registers",
     "gluon_1_q_buffer_cross": "Gluon, across items, 1 Q buffer",
     "gluon_p_in_smem": "Gluon, across items, P in shared memory (1 Q buffer at d128)",

@@ -11,6 +11,10 @@ the script counts the MUFU.EX2 (exponentials) that ptxas leaves between the two 
 * ``+waits``: the real step's mbarrier waits for K_j and V_{j-1} (spin loops) at the start of each step;
 * ``+lagged-sum``: the row sum taken from the in-flight bf16 P after its wait (keeps its registers live);
 * ``+cond-release``: the real step's conditional arrive (the item's Q released after its last S_j);
+* ``+late-release``: the K-stage arrive (and the conditional one) after the softmax instead of right after the
+  wait for S_j (the kernel's `late_k_release`). The counts show that the conditional arrive, a branch, is what
+  matters: behind the softmax it keeps ptxas from hoisting the P.V wait above it (64-66), while the
+  unconditional arrive alone, early or late, leaves 0;
 * ``smem``: P.V reads P from one shared-memory buffer (P_j stored after P_{j-1} V_{j-1} has completed);
   ``smem2``: two buffers, P_j stored into the other one before the P.V wait;
 * ``ws1`` / ``ws2``: the loop in a persistent warp-specialized kernel with one consumer warpgroup, or two
@@ -41,32 +45,42 @@ from inspect_gluon_sass import overlap_per_loop, sass_ops  # noqa: E402
 
 
 @gluon.jit
+def _release(j, n, bars, COND_RELEASE: gl.constexpr):
+    """The step's K-stage arrive, and (COND_RELEASE) the item's Q arrive after its last S_j."""
+    mbarrier.arrive(bars.index(2), count=1)
+    if COND_RELEASE:
+        if j == n - 1:
+            mbarrier.arrive(bars.index(3), count=1)
+
+
+@gluon.jit
 def _issue_and_softmax(j, n, q_smem, k, v, acc, p_in, m, zero, scale, bars,
-                       WAITS: gl.constexpr, COND_RELEASE: gl.constexpr):
+                       WAITS: gl.constexpr, COND_RELEASE: gl.constexpr, LATE_RELEASE: gl.constexpr):
     """Front of a tile step: issue S_j and P_{j-1} V_{j-1} (p_in: registers or a shared buffer), wait for
-    S_j, softmax. Returns (P.V token, P_j fp32, alpha, new row max)."""
+    S_j, softmax; the arrives right after the S_j wait, or (LATE_RELEASE) after the softmax. Returns (P.V
+    token, P_j fp32, alpha, new row max)."""
     if WAITS:
         mbarrier.wait(bars.index(0), j & 1)
         mbarrier.wait(bars.index(1), j & 1)
     qk_tok = warpgroup_mma(q_smem, k.permute((1, 0)), zero, use_acc=False, is_async=True)
     acc_tok = warpgroup_mma(p_in, v, acc, is_async=True)
     qk = warpgroup_mma_wait(1, deps=(qk_tok,))
-    mbarrier.arrive(bars.index(2), count=1)
-    if COND_RELEASE:
-        if j == n - 1:
-            mbarrier.arrive(bars.index(3), count=1)
+    if not LATE_RELEASE:
+        _release(j, n, bars, COND_RELEASE)
     m_new = gl.maximum(m, gl.max(qk, 1) * scale)
     alpha = gl.exp2(m - m_new)
     p = gl.exp2(qk * scale - m_new[:, None])
+    if LATE_RELEASE:
+        _release(j, n, bars, COND_RELEASE)
     return acc_tok, p, alpha, m_new
 
 
 @gluon.jit
 def _step(j, n, q_smem, k, v, acc, p_in, m, l, zero, scale, bars,
-          WAITS: gl.constexpr, LAGGED_SUM: gl.constexpr, COND_RELEASE: gl.constexpr):
+          WAITS: gl.constexpr, LAGGED_SUM: gl.constexpr, COND_RELEASE: gl.constexpr, LATE_RELEASE: gl.constexpr):
     """One tile step with P in registers; returns (acc, P_j as the next P.V operand, m, l)."""
     acc_tok, p, alpha, m_new = _issue_and_softmax(j, n, q_smem, k, v, acc, p_in, m, zero, scale, bars, WAITS,
-                                                  COND_RELEASE)
+                                                  COND_RELEASE, LATE_RELEASE)
     if LAGGED_SUM:
         acc = warpgroup_mma_wait(0, deps=(acc_tok,))
         l = l * alpha + gl.convert_layout(gl.sum(p_in.to(gl.float32), 1), l.type.layout)
@@ -83,7 +97,7 @@ def _step_smem(j, n, q_smem, k, v, acc, p_in, p_out, m, l, zero, scale, bars,
     """`_step` with P in shared memory: P.V reads P_{j-1} from buffer p_in while P_j is stored into p_out,
     before the P.V wait when the buffers differ, after it otherwise; returns (acc, m, l)."""
     acc_tok, p, alpha, m_new = _issue_and_softmax(j, n, q_smem, k, v, acc, p_in, m, zero, scale, bars, WAITS,
-                                                  COND_RELEASE)
+                                                  COND_RELEASE, False)
     l = l * alpha + gl.sum(p, 1)
     if TWO_BUFFERS:
         p_out.store(p.to(p_out.dtype))
@@ -126,7 +140,8 @@ def _ws_idle(bars):
 
 @gluon.jit
 def _probe(Q, O, N, scale, HEAD_DIM: gl.constexpr, PAIRS: gl.constexpr, WAITS: gl.constexpr,
-           LAGGED_SUM: gl.constexpr, COND_RELEASE: gl.constexpr, P_SMEM: gl.constexpr, WS: gl.constexpr):
+           LAGGED_SUM: gl.constexpr, COND_RELEASE: gl.constexpr, P_SMEM: gl.constexpr, WS: gl.constexpr,
+           LATE_RELEASE: gl.constexpr):
     dtype: gl.constexpr = Q.dtype.element_ty
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
     kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, HEAD_DIM], dtype)
@@ -168,29 +183,36 @@ def _probe(Q, O, N, scale, HEAD_DIM: gl.constexpr, PAIRS: gl.constexpr, WAITS: g
     elif PAIRS:
         for i in range(N // 2):
             acc, pb, m, l = _step(2 * i, N, q_smem, k_smem.index(0), v_smem.index(1), acc, pa, m, l, zero, scale, bars,
-                                  WAITS, LAGGED_SUM, COND_RELEASE)
+                                  WAITS, LAGGED_SUM, COND_RELEASE, LATE_RELEASE)
             acc, pa, m, l = _step(2 * i + 1, N, q_smem, k_smem.index(1), v_smem.index(0), acc, pb, m, l, zero, scale,
-                                  bars, WAITS, LAGGED_SUM, COND_RELEASE)
+                                  bars, WAITS, LAGGED_SUM, COND_RELEASE, LATE_RELEASE)
     else:
         for j in range(N):
             acc, pa, m, l = _step(j, N, q_smem, k_smem.index(j % 2), v_smem.index(1 - j % 2), acc, pa, m, l, zero,
-                                  scale, bars, WAITS, LAGGED_SUM, COND_RELEASE)
+                                  scale, bars, WAITS, LAGGED_SUM, COND_RELEASE, LATE_RELEASE)
     if WS == 0 and not P_SMEM:
         offs = gl.arange(0, 64, layout=row)
         gl.store(O + offs, l + gl.convert_layout(gl.sum(acc, 1), row))
 
 
-FLAGS = ("PAIRS", "WAITS", "LAGGED_SUM", "COND_RELEASE", "P_SMEM", "WS")
+FLAGS = ("PAIRS", "WAITS", "LAGGED_SUM", "COND_RELEASE", "P_SMEM", "WS", "LATE_RELEASE")
 VARIANTS = {   # name: values of FLAGS
-    "single": (0, 0, 0, 0, 0, 0),
-    "pairs": (1, 0, 0, 0, 0, 0),
-    "pairs+waits": (1, 1, 0, 0, 0, 0),
-    "pairs+waits+lagged-sum": (1, 1, 1, 0, 0, 0),
-    "pairs+waits+lagged-sum+cond-release": (1, 1, 1, 1, 0, 0),
-    "smem+waits+cond-release": (0, 1, 0, 1, 1, 0),
-    "smem2+waits+cond-release": (0, 1, 0, 1, 2, 0),
-    "ws1-smem2+waits+cond-release": (0, 1, 0, 1, 2, 1),
-    "ws2-smem2+waits+cond-release": (0, 1, 0, 1, 2, 2),
+    "single": (0, 0, 0, 0, 0, 0, 0),
+    "pairs": (1, 0, 0, 0, 0, 0, 0),
+    "pairs+waits": (1, 1, 0, 0, 0, 0, 0),
+    "pairs+waits+lagged-sum": (1, 1, 1, 0, 0, 0, 0),
+    "pairs+waits+lagged-sum+cond-release": (1, 1, 1, 1, 0, 0, 0),
+    "smem+waits+cond-release": (0, 1, 0, 1, 1, 0, 0),
+    "smem2+waits+cond-release": (0, 1, 0, 1, 2, 0, 0),
+    "ws1-smem2+waits+cond-release": (0, 1, 0, 1, 2, 1, 0),
+    "ws2-smem2+waits+cond-release": (0, 1, 0, 1, 2, 2, 0),
+    "single+waits": (0, 1, 0, 0, 0, 0, 0),
+    "single+waits+cond-release": (0, 1, 0, 1, 0, 0, 0),
+    "single+late-release": (0, 0, 0, 0, 0, 0, 1),
+    "single+cond-release+late-release": (0, 0, 0, 1, 0, 0, 1),
+    "single+waits+late-release": (0, 1, 0, 0, 0, 0, 1),
+    "single+waits+cond-release+late-release": (0, 1, 0, 1, 0, 0, 1),
+    "pairs+waits+late-release": (1, 1, 0, 0, 0, 0, 1),
 }
 
 

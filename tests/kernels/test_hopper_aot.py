@@ -196,14 +196,15 @@ def test_gluon_p_in_smem_keeps_the_softmax_under_the_pv_gemm(head_dim, q_buffers
     assert _local_memory_bytes(k.asm["cubin"], tmp_path) in (None, 0), "registers spill"
 
 
-@pytest.mark.parametrize("head_dim,late_k,correction", [(128, None, False), (128, None, True), (64, True, False),
-                                                      (64, None, False)])
-def test_gluon_late_k_release_keeps_the_tile_loop_softmax_under_the_pv_gemm(head_dim, late_k, correction):
-    """With P in registers, a K-stage release (a warpgroup bar.sync, then one thread's mbarrier arrive) between the
-    P.V issue and the softmax makes ptxas wait for that GEMM first: 0 exponentials under it. Released after the
-    softmax (`late_k_release`, the default at head dim 128) every exponential of the tile loop stays between the
-    two waits, in both consumers; a change that loses this fails here. At head dim 64 the default keeps the early
-    release (faster there on sparse plans) and the count is 0."""
+@pytest.mark.parametrize("head_dim,late_k,late_q,correction", [
+    (128, None, None, False), (128, None, None, True), (64, None, None, False), (64, True, None, False),
+    (128, False, True, False), (64, False, True, False), (128, True, False, False)])
+def test_gluon_late_release_keeps_the_tile_loop_softmax_under_the_pv_gemm(head_dim, late_k, late_q, correction):
+    """With P in registers, ptxas hoists the wait for P_{j-1} V_{j-1} above the softmax of S_j when nothing
+    separates them (0 exponentials under the GEMM); the step's conditional Q release placed after the softmax
+    (`late_q_release`, with `late_k_release` by default; on at head dim 128) is a branch between them, and every
+    exponential of the tile loop stays between the two waits, in both consumers, wherever the K arrive goes. A
+    change that loses this fails here."""
     pytest.importorskip("triton.experimental.gluon")
     from pathlib import Path
 
@@ -212,14 +213,15 @@ def test_gluon_late_k_release_keeps_the_tile_loop_softmax_under_the_pv_gemm(head
     from videosparse.kernels import gluon_hopper
 
     inspect = load_script("inspect_gluon_sass")
-    k = gluon_hopper.compile_for_sm90(head_dim=head_dim, correction=correction, late_k_release=late_k)
+    k = gluon_hopper.compile_for_sm90(head_dim=head_dim, correction=correction, late_k_release=late_k,
+                                      late_q_release=late_q)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     counts = inspect.overlap_per_loop(inspect.sass_ops(k.asm["cubin"], tools))
     half = len(counts) // 2          # per consumer: the item's first step, then the tile loop's copies
     loops = counts[1:half] + counts[half + 1:]
     assert len(counts) % 2 == 0 and loops, counts
-    late = gluon_hopper.default_late_k_release(head_dim) if late_k is None else late_k
-    if late:
+    late_k = gluon_hopper.default_late_k_release(head_dim) if late_k is None else late_k
+    if late_k if late_q is None else late_q:
         assert min(loops) >= 64, f"exponentials under the P.V GEMM per loop: {counts}"
     else:
         assert max(loops) == 0, counts
@@ -230,7 +232,7 @@ def test_gluon_correction_bias_loads_hide_under_the_score_gemm(head_dim, cross_i
     """With the zero-order correction, each centroid step's bias row is loaded after its score GEMM is issued
     and before the wait for it (32 values per thread), so the load latency hides under the GEMM; a change
     that moves the load behind the wait fails here. Without the correction no load sits there. Checked on the
-    early K-release schedule (`late_k_release=False`): with the late release (the default at head dim 128) ptxas
+    early release schedule (`late_k_release=False`): with the late one (the default at head dim 128) ptxas
     duplicates the score wait into the exact-tile and centroid branches and hoists 9 of the 32 loads before it,
     which this count does not follow (correction A/B: benchmarks/ab_gluon_late_k_all_head_dims_correction_h200.json)."""
     pytest.importorskip("triton.experimental.gluon")

@@ -8,13 +8,12 @@ does not overlap its own GEMMs. This kernel writes the schedule out:
   GEMM can start before V lands);
 * two consumer warpgroups, each owning 64 of the 128 query rows: per key tile the score GEMM
   S_j = Q K_j^T is issued asynchronously *before* the P_{j-1} V_{j-1} GEMM of the previous tile, so
-  that the online softmax of S_j can run while P_{j-1} V_{j-1} is in the tensor cores. ptxas keeps that
-  overlap only if no warpgroup `bar.sync` sits between the P.V issue and the softmax: Triton 3.6 puts one
-  before every mbarrier arrive of a 4-warp partition, and with P in registers ptxas then waits for the P.V
-  GEMM before it. `LATE_K` (the default at head dim 128) therefore releases each K stage after the softmax
-  (`default_late_k_release`; `scripts/inspect_gluon_sass.py` counts the overlap). The two warpgroups also
-  interleave one's softmax with the other's GEMMs; `PINGPONG=True` enforces that order with a pair of
-  mbarriers (FA3's ping-pong; not faster here).
+  that the online softmax of S_j can run while P_{j-1} V_{j-1} is in the tensor cores. With P in registers
+  ptxas keeps that overlap only if a branch separates the softmax from the P.V wait (otherwise it hoists the
+  wait above the softmax): `LATE_Q` puts the step's conditional Q-buffer release there, `LATE_K` the K-stage
+  release (both on by default at head dim 128: `default_late_k_release`; `scripts/inspect_gluon_sass.py`
+  counts the overlap). The two warpgroups also interleave one's softmax with the other's GEMMs;
+  `PINGPONG=True` enforces that order with a pair of mbarriers (FA3's ping-pong; not faster here).
 * persistent grid, work items (batch*head, query tile) longest-first as in `triton_hopper`; two Q
   buffers let the loader fetch the next item's Q and first K/V tiles early, and (`CROSS`, the default)
   an item's last P.V GEMM and epilogue overlap the next item's first score GEMM and softmax; the epilogue
@@ -296,11 +295,10 @@ def _release_q(q_empty, qb):
 
 
 @gluon.jit
-def _release_k(k_empty, sj, q_empty, qb, rel_qb, j, n_all, EPI_TMA: gl.constexpr):
-    """Step j of `_tile_loop`, after its score GEMM: K stage sj back to the loader, and the Q buffer that this step
-    frees (EPI_TMA: at step 1 the previous item's, rel_qb, once its output's TMA store has read it; otherwise this
-    item's after its last score GEMM)."""
-    mbarrier.arrive(k_empty.index(sj), count=1)
+def _release_q_at_step(q_empty, qb, rel_qb, j, n_all, EPI_TMA: gl.constexpr):
+    """Step j of `_tile_loop`, after its score GEMM: the Q buffer that this step frees, if any (EPI_TMA: at step 1
+    the previous item's, rel_qb, once its output's TMA store has read it; otherwise this item's after its last
+    score GEMM). A branch: placed after the softmax it keeps ptxas's P.V wait behind the softmax (`_tile_loop`)."""
     if EPI_TMA:
         if j == 1 and rel_qb >= 0:
             _release_q(q_empty, rel_qb)
@@ -312,18 +310,20 @@ def _release_k(k_empty, sj, q_empty, qb, rel_qb, j, n_all, EPI_TMA: gl.constexpr
 def _tile_loop(WG: gl.constexpr, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, p_bufs, turns, row, bias_row, cols,
                SK, qk_scale, inv_scale, zero_s, k_smem, v_smem, bars, rel_qb, BLOCK_N: gl.constexpr,
                NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, CORR: gl.constexpr, PINGPONG: gl.constexpr,
-               P_SMEM: gl.constexpr, EPI_TMA: gl.constexpr, LATE_K: gl.constexpr):
+               P_SMEM: gl.constexpr, EPI_TMA: gl.constexpr, LATE_K: gl.constexpr, LATE_Q: gl.constexpr):
     """Steps 1 .. n_all-1 of an item: S_j = Q K_j^T issued before P_{j-1} V_{j-1}, online softmax of S_j while
     P.V runs; releases each K stage after its score GEMM (LATE_K: after the softmax), each V stage after its
     P.V, and Q after the last score GEMM (EPI_TMA: instead, at step 1, Q buffer rel_qb of the previous item,
-    whose output the TMA store read from it; rel_qb < 0: none) (`_release_k`). Returns (acc, m_i, l_i, p_op,
-    turns); the last P.V (P_{n_all-1}) is left to the caller.
+    whose output the TMA store read from it; rel_qb < 0: none) (`_release_q_at_step`; LATE_Q: after the
+    softmax). Returns (acc, m_i, l_i, p_op, turns); the last P.V (P_{n_all-1}) is left to the caller.
 
-    With P in registers and the early K release, ptxas waits for the P.V GEMM at the release's bar.sync, before
-    the softmax; LATE_K moves that bar.sync behind it and the softmax stays under the GEMM. P_SMEM: P.V reads P
-    from two shared buffers per warpgroup, P_j is stored into one while P_{j-1} V_{j-1} reads the other (p_op
-    is passed through unused); that also keeps the softmax under it, at the cost of a store and a barrier per
-    tile (`scripts/probe_ptxas_overlap.py`, `scripts/inspect_gluon_sass.py`)."""
+    With P in registers, ptxas hoists the P.V wait above the softmax when both sit in one basic block; the
+    conditional Q release placed after the softmax (LATE_Q) is a branch between them, and the softmax stays
+    under the GEMM (66 of 66 exponentials; where the K arrive goes does not matter for that:
+    `scripts/probe_ptxas_overlap.py` "+late-release" variants, `scripts/inspect_gluon_sass.py`). P_SMEM: P.V
+    reads P from two shared buffers per warpgroup, P_j is stored into one while P_{j-1} V_{j-1} reads the other
+    (p_op is passed through unused); that also keeps the softmax under it, at the cost of a store and a
+    barrier per tile."""
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
     dtype: gl.constexpr = p_op.dtype
     p_layout: gl.constexpr = p_op.type.layout
@@ -341,7 +341,9 @@ def _tile_loop(WG: gl.constexpr, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, p
         bias = _step_bias(j, n, bias_row, cols, inv_scale, BLOCK_N, CORR)
         qk = warpgroup_mma_wait(1, deps=(qk_tok,))
         if not LATE_K:
-            _release_k(k_empty, sj, q_empty, qb, rel_qb, j, n_all, EPI_TMA)
+            mbarrier.arrive(k_empty.index(sj), count=1)
+        if not LATE_Q:
+            _release_q_at_step(q_empty, qb, rel_qb, j, n_all, EPI_TMA)
         qk = _fix_scores(qk, j, n, row, bias, cols, SK, BLOCK_N, MASK_LAST, CORR)
         m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
         alpha = gl.exp2(m_i - m_new)
@@ -349,7 +351,9 @@ def _tile_loop(WG: gl.constexpr, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, p
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
         if LATE_K:
-            _release_k(k_empty, sj, q_empty, qb, rel_qb, j, n_all, EPI_TMA)
+            mbarrier.arrive(k_empty.index(sj), count=1)
+        if LATE_Q:
+            _release_q_at_step(q_empty, qb, rel_qb, j, n_all, EPI_TMA)
         if P_SMEM:
             _p_put(p, p_bufs, cj, WG)
         acc = warpgroup_mma_wait(0, deps=(acc_tok,))
@@ -366,7 +370,7 @@ def _tile_loop(WG: gl.constexpr, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, p
 def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP,
              NCH, q_smem, k_smem, v_smem, bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr,
-             CORR: gl.constexpr, PINGPONG: gl.constexpr, LATE_K: gl.constexpr):
+             CORR: gl.constexpr, PINGPONG: gl.constexpr, LATE_K: gl.constexpr, LATE_Q: gl.constexpr):
     """One consumer warpgroup (rows WG*64 .. WG*64+63 of each item): pipelined QK^T / softmax / PV over the
     item's exact tiles, then (CORR) its centroid chunks."""
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
@@ -406,7 +410,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
             acc, m_i, l_i, p_op, turns = _tile_loop(WG, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, q_half, turns,
                                                     row, bias_row, cols, SK, qk_scale, inv_scale, zero_s, k_smem,
                                                     v_smem, bars, -1, BLOCK_N, NUM_STAGES, MASK_LAST, CORR, PINGPONG,
-                                                    False, False, LATE_K)
+                                                    False, False, LATE_K, LATE_Q)
             sl = (c + n_all - 1) % NUM_STAGES
             mbarrier.wait(v_ready.index(sl), ((c + n_all - 1) // NUM_STAGES) & 1)
             _await_turn(turn, WG, turns, PINGPONG)
@@ -455,7 +459,7 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
                    NCP, NCH, N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, p_smem, bars, desc_o,
                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr,
                    STORE_LSE: gl.constexpr, CORR: gl.constexpr, P_SMEM: gl.constexpr, EPI_TMA: gl.constexpr,
-                   SPLIT: gl.constexpr, LATE_K: gl.constexpr):
+                   SPLIT: gl.constexpr, LATE_K: gl.constexpr, LATE_Q: gl.constexpr):
     """`_consume` with the pipeline carried across work items: an item's last P.V GEMM is issued after the
     next item's first score GEMM, and its epilogue runs while that GEMM's softmax is done (no idle tensor
     cores at item boundaries from this warpgroup). P_SMEM: P.V reads P from p_smem[2 WG + g % 2] (see
@@ -534,7 +538,7 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
             acc, m_i, l_i, p_op, turns = _tile_loop(WG, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, p_smem, turns,
                                                     row, bias_row, cols, SK, qk_scale, inv_scale, zero_s, k_smem,
                                                     v_smem, bars, rel_qb, BLOCK_N, NUM_STAGES, MASK_LAST, CORR,
-                                                    False, P_SMEM, EPI_TMA, LATE_K)
+                                                    False, P_SMEM, EPI_TMA, LATE_K, LATE_Q)
             pend = 1
             pv_c = c + n_all - 1
             prev_bh = bh
@@ -571,7 +575,7 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COU
                N_BH, MQ, KMAX, N_UNITS, N_FULL, PARTS, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr, CORR: gl.constexpr,
                PINGPONG: gl.constexpr, Q_BUFS: gl.constexpr, CROSS: gl.constexpr, P_SMEM: gl.constexpr,
-               EPI_TMA: gl.constexpr, SPLIT: gl.constexpr, LATE_K: gl.constexpr):
+               EPI_TMA: gl.constexpr, SPLIT: gl.constexpr, LATE_K: gl.constexpr, LATE_Q: gl.constexpr):
     """Q, O [N_BH*S, D]; K, V [N_BH*SK, D]; LSE fp32 [N_BH*S]; plan KV_INDEX [items, KMAX], KV_COUNT, ORDER.
 
     Work units (`tail_split`): N_UNITS = N_FULL + (items - N_FULL) * PARTS; SPLIT (cross-item pipeline only): the
@@ -642,11 +646,11 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COU
             (_consume_cross, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH,
                               N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, p_smem, bars, desc_o,
                               HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, CORR, P_SMEM, EPI_TMA, SPLIT,
-                              LATE_K)),
+                              LATE_K, LATE_Q)),
             (_consume_cross, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH,
                               N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, p_smem, bars, desc_o,
                               HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, CORR, P_SMEM, EPI_TMA, SPLIT,
-                              LATE_K)),
+                              LATE_K, LATE_Q)),
             (_loader, (desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX,
                        N_UNITS, NCH, N_FULL, PARTS, q_smem, k_smem, v_smem, bars, BLOCK_N, NUM_STAGES, SPLIT)),
         ], [4, 1], [240, 24])
@@ -654,10 +658,10 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COU
         gl.warp_specialize([
             (_consume, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH,
                         q_smem, k_smem, v_smem, bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, CORR,
-                        PINGPONG, LATE_K)),
+                        PINGPONG, LATE_K, LATE_Q)),
             (_consume, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH,
                         q_smem, k_smem, v_smem, bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, CORR,
-                        PINGPONG, LATE_K)),
+                        PINGPONG, LATE_K, LATE_Q)),
             (_loader, (desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX,
                        N_UNITS, NCH, 0, 1, q_smem, k_smem, v_smem, bars, BLOCK_N, NUM_STAGES, False)),
         ], [4, 1], [240, 24])
@@ -674,20 +678,23 @@ def default_stages(head_dim: int) -> int:
 
 
 def default_late_k_release(head_dim: int) -> bool:
-    """Release each K stage after the softmax of its scores rather than right after its score GEMM (`_tile_loop`).
-    The release's warpgroup `bar.sync` otherwise makes ptxas wait for the in-flight P.V GEMM first, so the softmax
-    no longer overlaps it within the warpgroup; released late, it does (66 of 66 exponentials between the two
-    waits, `scripts/inspect_gluon_sass.py`) but the loader gets the stage a softmax later. Measured on the H200
-    (interleaved A/Bs, `benchmarks/ab_gluon_late_k_h200.json`, `..._all_head_dims_h200.json`): at head dim 128 it
-    gains 0.5-2.6% dense and is even on sparse plans, at 64 it loses 1-5% on sparse plans (at the item
-    boundaries: `..._boundary_h200.json`), so it is on at 128 only."""
+    """Release each K stage, and the Q buffer a step frees, after the softmax of its scores rather than right after
+    its score GEMM (`_tile_loop`). With the conditional Q release (a branch) behind the softmax, ptxas keeps the
+    softmax under the previous tile's P.V GEMM within the warpgroup (66 of 66 exponentials between the two waits,
+    `scripts/inspect_gluon_sass.py`; 0 otherwise), but the loader gets each K stage a softmax later. Measured on
+    the H200 (interleaved A/Bs, `benchmarks/ab_gluon_late_k_h200.json`, `..._all_head_dims_h200.json`): at head dim
+    128 it gains 0.5-2.6% dense and is even on sparse plans, at 64 it loses 1-5% on sparse plans (at the item
+    boundaries: `..._boundary_h200.json`), so it is on at 128 only. Not yet measured: the K stage released early
+    and only the Q release late (`late_k_release=False, late_q_release=True`), which keeps the same overlap in
+    the SASS."""
     return head_dim == 128
 
 
 def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False, *, num_stages: int | None = None,
                     q_buffers: int = 2, cross_item: bool = True, pingpong: bool = False,
                     p_in_smem: bool = False, tma_store: bool = True, split_tail: bool | None = None,
-                    late_k_release: bool | None = None, num_programs: int | None = None, maxnreg: int = 168):
+                    late_k_release: bool | None = None, late_q_release: bool | None = None,
+                    num_programs: int | None = None, maxnreg: int = 168):
     """Run the Gluon kernel (inputs are assumed checked: see `GluonHopperBackend.not_supported_reasons`).
 
     With a correction plan (k_mean / v_sum / tile_len) the skipped tiles enter the same online softmax
@@ -719,7 +726,9 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
             that saves enough work (`tail_split.AUTO_MIN_SAVED`); True: whenever the last wave has room;
             False: never.
         late_k_release (None: `default_late_k_release(D)`, on at head dim 128): release each K stage after the
-            softmax of its scores, so that the softmax overlaps the previous tile's P.V within the warpgroup.
+            softmax of its scores. late_q_release (None: as late_k_release): release the Q buffer a step frees
+            after the softmax; this branch behind the softmax is what lets it overlap the previous tile's P.V
+            within the warpgroup.
         pingpong, num_programs, maxnreg: tuning knobs (benchmarks). pingpong=True (FA3's enforced
             alternation of the two warpgroups' GEMMs) gave no steady gain on the H200 against the
             per-item pipeline (kernel_h200.json: 608 vs 552 TFLOP/s at density 0.1 on 12 x 32,768, but
@@ -760,6 +769,7 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
     else:
         o_part, lse_part = out, lse
     grid = (max(1, min(n_units, programs)),)
+    late_k = default_late_k_release(D) if late_k_release is None else late_k_release
     triton.set_allocator(_alloc)
     _gluon_fwd[grid](q, k, v, k_mean, v_mean, bias, out, lse, o_part, lse_part, kv_index, kv_count, order,
                      scale * LOG2E, S, Sk, Nk, bias.shape[-1] if corr else 0, B * H, Mq, kv_index.shape[1], n_units,
@@ -767,7 +777,7 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
                      MASK_LAST=(Sk % plan.block_n) != 0, STORE_LSE=return_lse, CORR=corr,
                      PINGPONG=pingpong, Q_BUFS=q_buffers, CROSS=cross_item, P_SMEM=p_in_smem,
                      EPI_TMA=tma_store and cross_item and q_buffers == 2, SPLIT=parts > 1,
-                     LATE_K=default_late_k_release(D) if late_k_release is None else late_k_release, num_warps=4,
+                     LATE_K=late_k, LATE_Q=late_k if late_q_release is None else late_q_release, num_warps=4,
                      maxnreg=maxnreg)
     if parts > 1:
         combine_parts(o_part, lse_part, out, lse if return_lse else None, order, n_full, parts, Mq)
@@ -777,7 +787,8 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
 def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: int | None = None,
                      mask_last: bool = True, store_lse: bool = True, correction: bool = False, pingpong: bool = False,
                      q_buffers: int = 2, cross_item: bool = True, p_in_smem: bool = False, tma_store: bool = True,
-                     split_tail: bool = False, late_k_release: bool | None = None, maxnreg: int = 168):
+                     split_tail: bool = False, late_k_release: bool | None = None,
+                     late_q_release: bool | None = None, maxnreg: int = 168):
     """Compile the kernel ahead of time for sm_90 (works on a CPU-only machine); returns the CompiledKernel.
 
     Inspect `.asm["ttgir"]` (`ttg.warp_specialize`), `.asm["ptx"]` (`wgmma`, `cp.async.bulk.tensor`,
@@ -789,6 +800,7 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
     if cross_item and pingpong:
         raise ValueError("pingpong=True needs cross_item=False (the cross-item pipeline has no ping-pong turns).")
     ptr = "*" + dtype
+    late_k = default_late_k_release(head_dim) if late_k_release is None else late_k_release
     types = dict(Q=ptr, K=ptr, V=ptr, KM=ptr, VM=ptr, BIAS="*fp32", O=ptr, LSE="*fp32", O_PART="*fp32",
                  LSE_PART="*fp32", KV_INDEX="*i32", KV_COUNT="*i32", ORDER="*i32", qk_scale="fp32")
     for name in ("S", "SK", "NK", "NCP", "N_BH", "MQ", "KMAX", "N_UNITS", "N_FULL", "PARTS"):
@@ -797,7 +809,7 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
                      MASK_LAST=mask_last, STORE_LSE=store_lse, CORR=correction, PINGPONG=pingpong,
                      Q_BUFS=q_buffers, CROSS=cross_item, P_SMEM=p_in_smem,
                      EPI_TMA=tma_store and cross_item and q_buffers == 2, SPLIT=split_tail and cross_item,
-                     LATE_K=default_late_k_release(head_dim) if late_k_release is None else late_k_release)
+                     LATE_K=late_k, LATE_Q=late_k if late_q_release is None else late_q_release)
     signature = {name: types.get(name, "constexpr") for name in _gluon_fwd.arg_names}
     src = GluonASTSource(_gluon_fwd, signature, constants)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
