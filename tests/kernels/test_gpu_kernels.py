@@ -81,7 +81,7 @@ def _check(run, S, D, dtype, plan_kind, correction):
 
 
 @pytest.mark.parametrize("knobs", ["p_in_smem", "per_item", "one_q_buffer", "register_store", "no_tail_split",
-                                   "seven_programs"])
+                                   "seven_programs", "release_flipped", "late_q_only", "overlap_all"])
 @pytest.mark.parametrize("S,D,dtype,plan_kind,correction", [
     (16380, 128, torch.bfloat16, "random", True),
     (9000, 64, torch.float16, "banded", False),
@@ -98,7 +98,11 @@ def test_gluon_variants_match_reference(knobs, S, D, dtype, plan_kind, correctio
               "per_item": dict(cross_item=False), "one_q_buffer": dict(q_buffers=1),
               "register_store": dict(tma_store=False), "no_tail_split": dict(split_tail=False),
               # 7 persistent programs: the last wave's items cut into up to 7 parts (`tail_split`)
-              "seven_programs": dict(num_programs=7, split_tail=True)}[knobs]
+              "seven_programs": dict(num_programs=7, split_tail=True),
+              # the release points of `_tile_loop` and the first step (default: both late at d128 only)
+              "release_flipped": dict(late_k_release=D != 128),
+              "late_q_only": dict(late_k_release=False, late_q_release=True),
+              "overlap_all": dict(late_k_release=False, late_q_release=True, first_step_overlap=True)}[knobs]
     _check(lambda q, k, v, plan: gluon_attention(q, k, v, plan, D ** -0.5, return_lse=True, **kwargs),
            S, D, dtype, plan_kind, correction)
 

@@ -227,6 +227,29 @@ def test_gluon_late_release_keeps_the_tile_loop_softmax_under_the_pv_gemm(head_d
         assert max(loops) == 0, counts
 
 
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_gluon_first_step_overlap_keeps_every_softmax_under_a_pv_gemm(head_dim):
+    """`first_step_overlap=True` (with only the Q release late in the tile loop): the item's first softmax stays
+    under the previous item's last P.V too, so every loop of both consumers counts 64-66 exponentials; without
+    it the first step counts 0."""
+    pytest.importorskip("triton.experimental.gluon")
+    import triton
+
+    from videosparse.kernels import gluon_hopper
+
+    inspect = load_script("inspect_gluon_sass")
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+    def counts(first):
+        k = gluon_hopper.compile_for_sm90(head_dim=head_dim, late_k_release=False, late_q_release=True,
+                                          first_step_overlap=first)
+        return inspect.overlap_per_loop(inspect.sass_ops(k.asm["cubin"], tools))
+
+    on, off = counts(True), counts(False)
+    assert len(on) == 4 and min(on) >= 64, on
+    assert off[0] == off[2] == 0 and min(off[1], off[3]) >= 64, off
+
+
 @pytest.mark.parametrize("head_dim,cross_item,waits", [(128, True, 4), (64, True, 4), (128, False, 2)])
 def test_gluon_correction_bias_loads_hide_under_the_score_gemm(head_dim, cross_item, waits):
     """With the zero-order correction, each centroid step's bias row is loaded after its score GEMM is issued

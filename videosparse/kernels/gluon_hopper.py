@@ -459,13 +459,15 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
                    NCP, NCH, N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, p_smem, bars, desc_o,
                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr,
                    STORE_LSE: gl.constexpr, CORR: gl.constexpr, P_SMEM: gl.constexpr, EPI_TMA: gl.constexpr,
-                   SPLIT: gl.constexpr, LATE_K: gl.constexpr, LATE_Q: gl.constexpr):
+                   SPLIT: gl.constexpr, LATE_K: gl.constexpr, LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr):
     """`_consume` with the pipeline carried across work items: an item's last P.V GEMM is issued after the
     next item's first score GEMM, and its epilogue runs while that GEMM's softmax is done (no idle tensor
-    cores at item boundaries from this warpgroup). P_SMEM: P.V reads P from p_smem[2 WG + g % 2] (see
-    `_tile_loop`). EPI_TMA: the epilogue stages the output in the finished item's Q half and stores it with
-    TMA; that Q buffer goes back to the loader at the next item's second step (`_release_q`). SPLIT: the work
-    units of `tail_split`; a part of a split item ends with `_unit_epilogue` into the workspace."""
+    cores at item boundaries from this warpgroup). FIRST_OVERLAP: the first step releases its K stage after the
+    softmax, inside a branch, so that the softmax also overlaps the previous item's last P.V. P_SMEM: P.V reads
+    P from p_smem[2 WG + g % 2] (see `_tile_loop`). EPI_TMA: the epilogue stages the output in the finished
+    item's Q half and stores it with TMA; that Q buffer goes back to the loader at the next item's second step
+    (`_release_q`). SPLIT: the work units of `tail_split`; a part of a split item ends with `_unit_epilogue`
+    into the workspace."""
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
     dtype: gl.constexpr = O.dtype.element_ty
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
@@ -504,9 +506,15 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
                 mbarrier.wait(v_ready.index(sp), (pv_c // NUM_STAGES) & 1)
                 acc_tok = _pv_issue(p_op, p_smem, pv_c, WG, v_smem.index(sp), acc, P_SMEM)
                 qk = warpgroup_mma_wait(1, deps=(qk_tok,))
-                mbarrier.arrive(k_empty.index(s0), count=1)
+                if not FIRST_OVERLAP:
+                    mbarrier.arrive(k_empty.index(s0), count=1)
                 qk = _fix_scores(qk, 0, n, row, bias, cols, SK, BLOCK_N, MASK_LAST, CORR)
                 m_n, l_n, p = _first_softmax(qk, qk_scale)
+                if FIRST_OVERLAP:
+                    # always taken (c counts steps): the branch keeps ptxas from hoisting the wait for the
+                    # previous item's last P.V above this softmax (see `_tile_loop`)
+                    if c >= 0:
+                        mbarrier.arrive(k_empty.index(s0), count=1)
                 p_n = _p_stage(p, p_op, p_smem, c, WG, P_SMEM)
                 acc = warpgroup_mma_wait(0, deps=(acc_tok,))
                 mbarrier.arrive(v_empty.index(sp), count=1)
@@ -575,7 +583,8 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COU
                N_BH, MQ, KMAX, N_UNITS, N_FULL, PARTS, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr, CORR: gl.constexpr,
                PINGPONG: gl.constexpr, Q_BUFS: gl.constexpr, CROSS: gl.constexpr, P_SMEM: gl.constexpr,
-               EPI_TMA: gl.constexpr, SPLIT: gl.constexpr, LATE_K: gl.constexpr, LATE_Q: gl.constexpr):
+               EPI_TMA: gl.constexpr, SPLIT: gl.constexpr, LATE_K: gl.constexpr, LATE_Q: gl.constexpr,
+               FIRST_OVERLAP: gl.constexpr):
     """Q, O [N_BH*S, D]; K, V [N_BH*SK, D]; LSE fp32 [N_BH*S]; plan KV_INDEX [items, KMAX], KV_COUNT, ORDER.
 
     Work units (`tail_split`): N_UNITS = N_FULL + (items - N_FULL) * PARTS; SPLIT (cross-item pipeline only): the
@@ -646,11 +655,11 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COU
             (_consume_cross, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH,
                               N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, p_smem, bars, desc_o,
                               HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, CORR, P_SMEM, EPI_TMA, SPLIT,
-                              LATE_K, LATE_Q)),
+                              LATE_K, LATE_Q, FIRST_OVERLAP)),
             (_consume_cross, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH,
                               N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, p_smem, bars, desc_o,
                               HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, CORR, P_SMEM, EPI_TMA, SPLIT,
-                              LATE_K, LATE_Q)),
+                              LATE_K, LATE_Q, FIRST_OVERLAP)),
             (_loader, (desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX,
                        N_UNITS, NCH, N_FULL, PARTS, q_smem, k_smem, v_smem, bars, BLOCK_N, NUM_STAGES, SPLIT)),
         ], [4, 1], [240, 24])
@@ -694,7 +703,7 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
                     q_buffers: int = 2, cross_item: bool = True, pingpong: bool = False,
                     p_in_smem: bool = False, tma_store: bool = True, split_tail: bool | None = None,
                     late_k_release: bool | None = None, late_q_release: bool | None = None,
-                    num_programs: int | None = None, maxnreg: int = 168):
+                    first_step_overlap: bool = False, num_programs: int | None = None, maxnreg: int = 168):
     """Run the Gluon kernel (inputs are assumed checked: see `GluonHopperBackend.not_supported_reasons`).
 
     With a correction plan (k_mean / v_sum / tile_len) the skipped tiles enter the same online softmax
@@ -728,7 +737,9 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
         late_k_release (None: `default_late_k_release(D)`, on at head dim 128): release each K stage after the
             softmax of its scores. late_q_release (None: as late_k_release): release the Q buffer a step frees
             after the softmax; this branch behind the softmax is what lets it overlap the previous tile's P.V
-            within the warpgroup.
+            within the warpgroup. first_step_overlap (cross-item pipeline; off: not yet measured on the GPU):
+            the same for an item's first softmax and the previous item's last P.V (its K stage released
+            after that softmax).
         pingpong, num_programs, maxnreg: tuning knobs (benchmarks). pingpong=True (FA3's enforced
             alternation of the two warpgroups' GEMMs) gave no steady gain on the H200 against the
             per-item pipeline (kernel_h200.json: 608 vs 552 TFLOP/s at density 0.1 on 12 x 32,768, but
@@ -777,8 +788,8 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
                      MASK_LAST=(Sk % plan.block_n) != 0, STORE_LSE=return_lse, CORR=corr,
                      PINGPONG=pingpong, Q_BUFS=q_buffers, CROSS=cross_item, P_SMEM=p_in_smem,
                      EPI_TMA=tma_store and cross_item and q_buffers == 2, SPLIT=parts > 1,
-                     LATE_K=late_k, LATE_Q=late_k if late_q_release is None else late_q_release, num_warps=4,
-                     maxnreg=maxnreg)
+                     LATE_K=late_k, LATE_Q=late_k if late_q_release is None else late_q_release,
+                     FIRST_OVERLAP=first_step_overlap, num_warps=4, maxnreg=maxnreg)
     if parts > 1:
         combine_parts(o_part, lse_part, out, lse if return_lse else None, order, n_full, parts, Mq)
     return (out, lse) if return_lse else out
@@ -788,7 +799,7 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
                      mask_last: bool = True, store_lse: bool = True, correction: bool = False, pingpong: bool = False,
                      q_buffers: int = 2, cross_item: bool = True, p_in_smem: bool = False, tma_store: bool = True,
                      split_tail: bool = False, late_k_release: bool | None = None,
-                     late_q_release: bool | None = None, maxnreg: int = 168):
+                     late_q_release: bool | None = None, first_step_overlap: bool = False, maxnreg: int = 168):
     """Compile the kernel ahead of time for sm_90 (works on a CPU-only machine); returns the CompiledKernel.
 
     Inspect `.asm["ttgir"]` (`ttg.warp_specialize`), `.asm["ptx"]` (`wgmma`, `cp.async.bulk.tensor`,
@@ -809,7 +820,8 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
                      MASK_LAST=mask_last, STORE_LSE=store_lse, CORR=correction, PINGPONG=pingpong,
                      Q_BUFS=q_buffers, CROSS=cross_item, P_SMEM=p_in_smem,
                      EPI_TMA=tma_store and cross_item and q_buffers == 2, SPLIT=split_tail and cross_item,
-                     LATE_K=late_k, LATE_Q=late_k if late_q_release is None else late_q_release)
+                     LATE_K=late_k, LATE_Q=late_k if late_q_release is None else late_q_release,
+                     FIRST_OVERLAP=first_step_overlap)
     signature = {name: types.get(name, "constexpr") for name in _gluon_fwd.arg_names}
     src = GluonASTSource(_gluon_fwd, signature, constants)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
