@@ -154,6 +154,8 @@ def test_gluon_refuses_buffers_that_do_not_fit_shared_memory_and_pingpong_across
         gluon_attention(q, q, q, dense_plan(1, 1, 256), 0.1, pingpong=True)
     with pytest.raises(ValueError, match="p_in_smem=True needs cross_item=True"):
         gluon_attention(q, q, q, dense_plan(1, 1, 256), 0.1, p_in_smem=True, cross_item=False)
+    with pytest.raises(ValueError, match="first_step_overlap=True needs cross_item=True"):
+        gluon_attention(q, q, q, dense_plan(1, 1, 256), 0.1, first_step_overlap=True, cross_item=False)
     with pytest.raises(ValueError, match="shared memory"):      # 2 Q buffers + P buffers do not fit at d128
         gluon_attention(q, q, q, dense_plan(1, 1, 256), 0.1, p_in_smem=True)
 

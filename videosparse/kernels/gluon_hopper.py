@@ -757,6 +757,9 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
     if p_in_smem and not cross_item:
         raise ValueError("p_in_smem=True needs cross_item=True (only the cross-item pipeline reads P from shared "
                          "memory).")
+    if first_step_overlap and not cross_item:
+        raise ValueError("first_step_overlap=True needs cross_item=True (only the cross-item pipeline overlaps an "
+                         "item's first softmax with the previous item's last P.V).")
     if q_buffers not in (1, 2) or smem > SHARED_LIMIT:
         raise ValueError(f"q_buffers={q_buffers!r}, num_stages={stages!r} at head dim {D}: need q_buffers in (1, 2) "
                          f"and Q + K/V buffers within {SHARED_LIMIT} bytes of shared memory (this asks {smem}).")
