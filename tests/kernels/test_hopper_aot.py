@@ -176,6 +176,15 @@ def test_ptxas_overlap_probe_compiles_its_loops_for_sm90():
     assert all(0 <= c <= 66 for cs in counts.values() for c in cs)
 
 
+def test_loop_carry_probe_reads_the_outer_loops_iter_args():
+    """scripts/probe_triton_loop_carry.py: its two control kernels carry the reassigned value (the bound-only one
+    does not in Triton 3.6, a frontend bug the README describes; not asserted, so a fixed Triton passes)."""
+    pytest.importorskip("triton.experimental.gluon")
+    result = load_script("probe_triton_loop_carry").main()
+    assert result["also_in_body"] and result["no_inner_loop"], result
+    assert isinstance(result["bound_only"], bool)
+
+
 @pytest.mark.parametrize("head_dim,q_buffers,correction", [(128, 1, False), (64, 2, True)])
 def test_gluon_p_in_smem_keeps_the_softmax_under_the_pv_gemm(head_dim, q_buffers, correction, tmp_path):
     """With P in two shared buffers per warpgroup, ptxas leaves every exponential of the softmax between the
