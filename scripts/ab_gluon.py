@@ -19,6 +19,7 @@ difference of their outputs.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
 import json
 import math
@@ -68,8 +69,6 @@ def main(argv=None):
     from bench_kernel import interleaved_ab, random_plan
     from videosparse.kernels.gluon_hopper import gluon_attention
     from videosparse.sol.centroids import tile_centroids_torch
-
-    import ast
 
     from videosparse.kernels import gluon_hopper
 

@@ -363,7 +363,7 @@ def bench_variants(results, args, deadline):
             variants["gluon_1_q_buffer_cross"] = lambda: gluon_attention(q, k, v, plan, D ** -0.5, q_buffers=1)
             variants["gluon_register_store"] = lambda: gluon_attention(q, k, v, plan, D ** -0.5, tma_store=False)
             variants["gluon_no_tail_split"] = lambda: gluon_attention(q, k, v, plan, D ** -0.5, split_tail=False)
-            # the other K-release position than this head dim's default (`default_late_k_release`)
+            # the step's releases at the other point than this head dim's default (`default_late_k_release`)
             variants["gluon_k_release_flipped"] = lambda: gluon_attention(
                 q, k, v, plan, D ** -0.5, late_k_release=not default_late_k_release(D))
             # K stage released early, only the conditional Q release after the softmax (same SASS overlap)
@@ -491,7 +491,7 @@ def render_markdown(results) -> str:
 VARIANT_LABELS = {  # bench_variants name: README label
     "default": "Gluon, pipeline across items, TMA-store epilogue, last wave split (default)",
     "gluon_no_tail_split": "Gluon, across items, last wave not split",
-    "gluon_k_release_flipped": "Gluon, across items, K released at the other point (d128: early, d64: late)",
+    "gluon_k_release_flipped": "Gluon, across items, releases at the other point (d128: early, d64: late)",
     "gluon_late_q_only": "Gluon, across items, K released early, Q release after the softmax",
     "gluon_overlap_all": "Gluon, across items, as the one above and the first softmax under the last P.V",
     "gluon_register_store": "Gluon, across items, outputs stored from registers",
