@@ -67,10 +67,8 @@ def main(argv=None):
     import torch
 
     from bench_kernel import interleaved_ab, random_plan
-    from videosparse.kernels.gluon_hopper import gluon_attention
-    from videosparse.sol.centroids import tile_centroids_torch
-
     from videosparse.kernels import gluon_hopper
+    from videosparse.sol.centroids import tile_centroids_torch
 
     base = load_kernel_module(args.baseline) if args.baseline else gluon_hopper
     new_kw, base_kw = ast.literal_eval(args.new_kwargs), ast.literal_eval(args.baseline_kwargs)
@@ -84,7 +82,7 @@ def main(argv=None):
             if args.correction:
                 plan = plan.with_correction(*tile_centroids_torch(k, v, 128))
             kept = plan.density(math.ceil(S / 128))
-            fns = {"new": lambda p=plan: gluon_attention(q, k, v, p, D ** -0.5, **new_kw),
+            fns = {"new": lambda p=plan: gluon_hopper.gluon_attention(q, k, v, p, D ** -0.5, **new_kw),
                    "baseline": lambda p=plan: base.gluon_attention(q, k, v, p, D ** -0.5, **base_kw)}
             tf, times, diff = interleaved_ab(fns, 4.0 * S * S * D * B * H * kept, args.rounds)
             rows.append(dict(shape=name, density=kept, correction=args.correction, tflops=tf, ms_rounds=times,
