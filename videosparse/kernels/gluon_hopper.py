@@ -430,11 +430,8 @@ def _unit_epilogue(acc, m_i, l_i, bh, mt, slot, O, LSE, S, desc_o, o_smem, O_PAR
                    HEAD_DIM: gl.constexpr, STORE_LSE: gl.constexpr, EPI_TMA: gl.constexpr, SPLIT: gl.constexpr):
     """`_epilogue` of a work unit: a part of a split item (slot >= 0) writes its 128 normalised rows (fp32) and
     their lse to workspace slot `slot` (`tail_split.combine_parts` merges them), a whole item to O."""
-    if SPLIT:
-        if slot >= 0:
-            _store_rows(acc, m_i, l_i, slot, 0, O_PART, LSE_PART, 128, WG, HEAD_DIM, True)
-        else:
-            _epilogue(acc, m_i, l_i, bh, mt, O, LSE, S, desc_o, o_smem, WG, HEAD_DIM, STORE_LSE, EPI_TMA)
+    if SPLIT and slot >= 0:
+        _store_rows(acc, m_i, l_i, slot, 0, O_PART, LSE_PART, 128, WG, HEAD_DIM, True)
     else:
         _epilogue(acc, m_i, l_i, bh, mt, O, LSE, S, desc_o, o_smem, WG, HEAD_DIM, STORE_LSE, EPI_TMA)
 
