@@ -81,7 +81,8 @@ def _check(run, S, D, dtype, plan_kind, correction):
 
 
 @pytest.mark.parametrize("knobs", ["p_in_smem", "per_item", "one_q_buffer", "register_store", "no_tail_split",
-                                   "seven_programs", "release_flipped", "late_q_only", "overlap_all"])
+                                   "seven_programs", "release_flipped", "late_q_only", "overlap_all",
+                                   "no_first_overlap"])
 @pytest.mark.parametrize("S,D,dtype,plan_kind,correction", [
     (16380, 128, torch.bfloat16, "random", True),
     (9000, 64, torch.float16, "banded", False),
@@ -102,7 +103,8 @@ def test_gluon_variants_match_reference(knobs, S, D, dtype, plan_kind, correctio
               # the release points of `_tile_loop` and the first step (default: both late at d128 only)
               "release_flipped": dict(late_k_release=D != 128),
               "late_q_only": dict(late_k_release=False, late_q_release=True),
-              "overlap_all": dict(late_k_release=False, late_q_release=True, first_step_overlap=True)}[knobs]
+              "overlap_all": dict(late_k_release=False, late_q_release=True, first_step_overlap=True),
+              "no_first_overlap": dict(first_step_overlap=False)}[knobs]
     _check(lambda q, k, v, plan: gluon_attention(q, k, v, plan, D ** -0.5, return_lse=True, **kwargs),
            S, D, dtype, plan_kind, correction)
 

@@ -242,7 +242,7 @@ def test_gluon_late_release_keeps_the_tile_loop_softmax_under_the_pv_gemm(head_d
 def test_gluon_first_step_overlap_keeps_every_softmax_under_a_pv_gemm(head_dim):
     """`first_step_overlap=True` (with only the Q release late in the tile loop): the item's first softmax stays
     under the previous item's last P.V too, so every loop of both consumers counts 64-66 exponentials; without
-    it the first step counts 0."""
+    it the first step counts 0. It is the default."""
     pytest.importorskip("triton.experimental.gluon")
     import triton
 
@@ -259,6 +259,10 @@ def test_gluon_first_step_overlap_keeps_every_softmax_under_a_pv_gemm(head_dim):
     on, off = counts(True), counts(False)
     assert len(on) == 4 and min(on) >= 64, on
     assert off[0] == off[2] == 0 and min(off[1], off[3]) >= 64, off
+    # on by default (with the default releases): each consumer's first step is under a P.V GEMM
+    default = inspect.overlap_per_loop(inspect.sass_ops(gluon_hopper.compile_for_sm90(head_dim=head_dim).asm["cubin"],
+                                                        tools))
+    assert default[0] >= 64 and default[len(default) // 2] >= 64, default
 
 
 @pytest.mark.parametrize("head_dim,cross_item,waits", [(128, True, 4), (64, True, 4), (128, False, 2)])

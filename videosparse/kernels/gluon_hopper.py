@@ -700,7 +700,7 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
                     q_buffers: int = 2, cross_item: bool = True, pingpong: bool = False,
                     p_in_smem: bool = False, tma_store: bool = True, split_tail: bool | None = None,
                     late_k_release: bool | None = None, late_q_release: bool | None = None,
-                    first_step_overlap: bool = False, num_programs: int | None = None, maxnreg: int = 168):
+                    first_step_overlap: bool | None = None, num_programs: int | None = None, maxnreg: int = 168):
     """Run the Gluon kernel (inputs are assumed checked: see `GluonHopperBackend.not_supported_reasons`).
 
     With a correction plan (k_mean / v_sum / tile_len) the skipped tiles enter the same online softmax
@@ -734,9 +734,12 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
         late_k_release (None: `default_late_k_release(D)`, on at head dim 128): release each K stage after the
             softmax of its scores. late_q_release (None: as late_k_release): release the Q buffer a step frees
             after the softmax; this branch behind the softmax is what lets it overlap the previous tile's P.V
-            within the warpgroup. first_step_overlap (cross-item pipeline; off: not yet measured on the GPU):
+            within the warpgroup. first_step_overlap (None: on with the cross-item pipeline, which it needs):
             the same for an item's first softmax and the previous item's last P.V (its K stage released
-            after that softmax).
+            after that softmax; 64 of 64 exponentials under that GEMM, 0 without). Interleaved A/Bs on the
+            H200 (benchmarks/ab_gluon_first_step_overlap_h200.json, ..._correction_h200.json): d128 +0.7 /
+            +1.0 / +0.7% at density 1 / 0.1 / 0.05 on 12 x 32,768 (+1.0 / +1.5 / -0.2% on 12 x 32,760),
+            d64 +1.0 / -0.3 / +1.7%, with the correction +0.1 to +1.4%; outputs bitwise equal.
         pingpong, num_programs, maxnreg: tuning knobs (benchmarks). pingpong=True (FA3's enforced
             alternation of the two warpgroups' GEMMs) gave no steady gain on the H200 against the
             per-item pipeline (kernel_h200.json: 608 vs 552 TFLOP/s at density 0.1 on 12 x 32,768, but
@@ -754,7 +757,9 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
     if p_in_smem and not cross_item:
         raise ValueError("p_in_smem=True needs cross_item=True (only the cross-item pipeline reads P from shared "
                          "memory).")
-    if first_step_overlap and not cross_item:
+    if first_step_overlap is None:
+        first_step_overlap = cross_item
+    elif first_step_overlap and not cross_item:
         raise ValueError("first_step_overlap=True needs cross_item=True (only the cross-item pipeline overlaps an "
                          "item's first softmax with the previous item's last P.V).")
     if q_buffers not in (1, 2) or smem > SHARED_LIMIT:
@@ -799,7 +804,8 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
                      mask_last: bool = True, store_lse: bool = True, correction: bool = False, pingpong: bool = False,
                      q_buffers: int = 2, cross_item: bool = True, p_in_smem: bool = False, tma_store: bool = True,
                      split_tail: bool = False, late_k_release: bool | None = None,
-                     late_q_release: bool | None = None, first_step_overlap: bool = False, maxnreg: int = 168):
+                     late_q_release: bool | None = None, first_step_overlap: bool | None = None,
+                     maxnreg: int = 168):
     """Compile the kernel ahead of time for sm_90 (works on a CPU-only machine); returns the CompiledKernel.
 
     Inspect `.asm["ttgir"]` (`ttg.warp_specialize`), `.asm["ptx"]` (`wgmma`, `cp.async.bulk.tensor`,
@@ -821,7 +827,7 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
                      Q_BUFS=q_buffers, CROSS=cross_item, P_SMEM=p_in_smem,
                      EPI_TMA=tma_store and cross_item and q_buffers == 2, SPLIT=split_tail and cross_item,
                      LATE_K=late_k, LATE_Q=late_k if late_q_release is None else late_q_release,
-                     FIRST_OVERLAP=first_step_overlap)
+                     FIRST_OVERLAP=cross_item if first_step_overlap is None else first_step_overlap)
     signature = {name: types.get(name, "constexpr") for name in _gluon_fwd.arg_names}
     src = GluonASTSource(_gluon_fwd, signature, constants)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
