@@ -348,18 +348,10 @@ def bench_variants(results, args, deadline):
             dens = plan_density(plan, S)
             variants = {
                 "default": lambda: block_sparse_attention(q, k, v, plan, validate=False),
-                "gluon_no_cross": lambda: gluon_attention(q, k, v, plan, D ** -0.5, cross_item=False),
-                "gluon_1_q_buffer": lambda: gluon_attention(q, k, v, plan, D ** -0.5, cross_item=False, q_buffers=1),
-                "gluon_pingpong": lambda: gluon_attention(q, k, v, plan, D ** -0.5, cross_item=False, pingpong=True),
                 "triton_hopper": lambda: hopper_attention(q, k, v, plan, D ** -0.5),
                 "triton_hopper_no_ws": lambda: hopper_attention(q, k, v, plan, D ** -0.5, warp_specialize=False),
                 "generic": lambda: generic_attention(q, k, v, plan, D ** -0.5),
             }
-            # P from shared memory (softmax under the previous P.V; not GPU-verified before this run): at
-            # head dim 128 it fits with one Q buffer only, so the cross-item one-buffer run is its baseline
-            qb = 1 if D == 128 else 2
-            variants["gluon_p_in_smem"] = lambda qb=qb: gluon_attention(q, k, v, plan, D ** -0.5, p_in_smem=True,
-                                                                        q_buffers=qb)
             variants["gluon_1_q_buffer_cross"] = lambda: gluon_attention(q, k, v, plan, D ** -0.5, q_buffers=1)
             variants["gluon_register_store"] = lambda: gluon_attention(q, k, v, plan, D ** -0.5, tma_store=False)
             variants["gluon_no_tail_split"] = lambda: gluon_attention(q, k, v, plan, D ** -0.5, split_tail=False)
@@ -497,12 +489,12 @@ VARIANT_LABELS = {  # bench_variants name: README label
     "gluon_no_first_overlap": "Gluon, across items, an item's first softmax not under the last P.V",
     "gluon_register_store": "Gluon, across items, outputs stored from registers",
     "gluon_1_q_buffer_cross": "Gluon, across items, 1 Q buffer",
-    "gluon_p_in_smem": "Gluon, across items, P in shared memory (1 Q buffer at d128)",
+    "gluon_p_in_smem": "Gluon, across items, P in shared memory (1 Q buffer at d128; removed)",
     "gluon_3_stages": "Gluon, across items, 3 K/V stages",
     "gluon_4_stages": "Gluon, across items, 4 K/V stages",
-    "gluon_no_cross": "Gluon, pipeline per item",
-    "gluon_1_q_buffer": "Gluon, per item, 1 Q buffer",
-    "gluon_pingpong": "Gluon, per item, FA3 ping-pong",
+    "gluon_no_cross": "Gluon, pipeline per item (removed)",
+    "gluon_1_q_buffer": "Gluon, per item, 1 Q buffer (removed)",
+    "gluon_pingpong": "Gluon, per item, FA3 ping-pong (removed)",
     "triton_hopper": "Triton Hopper kernel (TMA + automatic warp specialization)",
     "triton_hopper_no_ws": "Triton Hopper kernel without warp specialization",
     "generic": "generic Triton kernel",

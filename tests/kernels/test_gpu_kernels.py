@@ -80,7 +80,7 @@ def _check(run, S, D, dtype, plan_kind, correction):
     assert float((lse[finite] - ref_lse[finite]).abs().max()) < 2e-2
 
 
-@pytest.mark.parametrize("knobs", ["p_in_smem", "per_item", "one_q_buffer", "register_store", "no_tail_split",
+@pytest.mark.parametrize("knobs", ["one_q_buffer", "register_store", "no_tail_split",
                                    "seven_programs", "release_flipped", "late_q_only", "overlap_all",
                                    "no_first_overlap"])
 @pytest.mark.parametrize("S,D,dtype,plan_kind,correction", [
@@ -95,8 +95,7 @@ def test_gluon_variants_match_reference(knobs, S, D, dtype, plan_kind, correctio
         pytest.skip("the Gluon kernel needs an sm_90 GPU")
     from videosparse.kernels.gluon_hopper import gluon_attention
 
-    kwargs = {"p_in_smem": dict(p_in_smem=True, q_buffers=1 if D == 128 else 2),
-              "per_item": dict(cross_item=False), "one_q_buffer": dict(q_buffers=1),
+    kwargs = {"one_q_buffer": dict(q_buffers=1),
               "register_store": dict(tma_store=False), "no_tail_split": dict(split_tail=False),
               # 7 persistent programs: the last wave's items cut into up to 7 parts (`tail_split`)
               "seven_programs": dict(num_programs=7, split_tail=True),

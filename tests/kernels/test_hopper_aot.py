@@ -83,14 +83,14 @@ def test_hopper_refuses_stage_counts_that_return_nan():
         triton_hopper.hopper_attention(q, q, q, dense_plan(1, 1, 128), 0.125, num_stages=3)
 
 
-# Gluon kernel: (head_dim, dtype, num_stages, correction, mask_last, q_buffers, cross_item, split_tail)
+# Gluon kernel: (head_dim, dtype, num_stages, correction, mask_last, q_buffers, split_tail)
 GLUON_VARIANTS = {
-    "d128-bf16-3stages-1qbuf-partial": (128, "bf16", 3, False, True, 1, False, False),
-    "d128-bf16-2stages-2qbufs-correction-per-item": (128, "bf16", 2, True, True, 2, False, False),
-    "d128-fp16-2stages-2qbufs-correction-cross": (128, "fp16", 2, True, False, 2, True, False),
-    "d64-bf16-2stages-2qbufs-correction-partial-cross": (64, "bf16", 2, True, True, 2, True, False),
-    "d128-bf16-2stages-2qbufs-cross-split-tail": (128, "bf16", 2, False, True, 2, True, True),
-    "d64-fp16-2stages-2qbufs-correction-cross-split-tail": (64, "fp16", 2, True, True, 2, True, True),
+    "d128-bf16-3stages-1qbuf-partial": (128, "bf16", 3, False, True, 1, False),
+    "d128-bf16-2stages-1qbuf-correction": (128, "bf16", 2, True, True, 1, False),
+    "d128-fp16-2stages-2qbufs-correction": (128, "fp16", 2, True, False, 2, False),
+    "d64-bf16-2stages-2qbufs-correction-partial": (64, "bf16", 2, True, True, 2, False),
+    "d128-bf16-2stages-2qbufs-split-tail": (128, "bf16", 2, False, True, 2, True),
+    "d64-fp16-2stages-2qbufs-correction-split-tail": (64, "fp16", 2, True, True, 2, True),
 }
 
 
@@ -99,9 +99,9 @@ def test_gluon_kernel_compiles_with_two_consumer_warpgroups_tma_and_wgmma(name, 
     pytest.importorskip("triton.experimental.gluon")
     from videosparse.kernels import gluon_hopper
 
-    d, dtype, stages, correction, mask_last, q_buffers, cross, split = GLUON_VARIANTS[name]
+    d, dtype, stages, correction, mask_last, q_buffers, split = GLUON_VARIANTS[name]
     k = gluon_hopper.compile_for_sm90(head_dim=d, dtype=dtype, num_stages=stages, correction=correction,
-                                      mask_last=mask_last, q_buffers=q_buffers, cross_item=cross, split_tail=split)
+                                      mask_last=mask_last, q_buffers=q_buffers, split_tail=split)
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     assert "ttg.warp_specialize" in ttgir
     assert k.metadata.num_warps == 12, "expected 4 (consumer 0) + 4 (consumer 1) + 4 (loader warp, rounded) warps"
@@ -112,9 +112,9 @@ def test_gluon_kernel_compiles_with_two_consumer_warpgroups_tma_and_wgmma(name, 
     assert local in (None, 0), f"registers spill to {local} bytes of local memory"
 
 
-def test_gluon_cross_item_kernel_stores_outputs_with_tma():
-    """The default schedule (cross-item, two Q buffers) writes outputs with TMA stores from shared memory and
-    waits for them to read it; register stores (tma_store=False) and the per-item schedule have none."""
+def test_gluon_kernel_stores_outputs_with_tma():
+    """The default schedule (two Q buffers) writes outputs with TMA stores from shared memory and waits for them
+    to read it; register stores (tma_store=False) and one Q buffer have none."""
     pytest.importorskip("triton.experimental.gluon")
     from videosparse.kernels import gluon_hopper
 
@@ -122,7 +122,7 @@ def test_gluon_cross_item_kernel_stores_outputs_with_tma():
     ptx = gluon_hopper.compile_for_sm90().asm["ptx"]
     assert tma_store in ptx and "cp.async.bulk.wait_group.read" in ptx
     assert tma_store not in gluon_hopper.compile_for_sm90(tma_store=False).asm["ptx"]
-    assert tma_store not in gluon_hopper.compile_for_sm90(cross_item=False).asm["ptx"]
+    assert tma_store not in gluon_hopper.compile_for_sm90(q_buffers=1).asm["ptx"]
 
 
 def test_gluon_backend_declines_cpu_and_unsupported_inputs_with_reasons():
@@ -138,7 +138,7 @@ def test_gluon_backend_declines_cpu_and_unsupported_inputs_with_reasons():
         assert part in why
 
 
-def test_gluon_refuses_buffers_that_do_not_fit_shared_memory_and_pingpong_across_items():
+def test_gluon_refuses_buffers_that_do_not_fit_shared_memory():
     import torch
 
     pytest.importorskip("triton.experimental.gluon")
@@ -150,14 +150,6 @@ def test_gluon_refuses_buffers_that_do_not_fit_shared_memory_and_pingpong_across
         gluon_attention(q, q, q, dense_plan(1, 1, 256), 0.1, num_stages=3, q_buffers=2)
     with pytest.raises(ValueError, match="q_buffers"):
         gluon_attention(q, q, q, dense_plan(1, 1, 256), 0.1, q_buffers=3)
-    with pytest.raises(ValueError, match="pingpong=True needs cross_item=False"):
-        gluon_attention(q, q, q, dense_plan(1, 1, 256), 0.1, pingpong=True)
-    with pytest.raises(ValueError, match="p_in_smem=True needs cross_item=True"):
-        gluon_attention(q, q, q, dense_plan(1, 1, 256), 0.1, p_in_smem=True, cross_item=False)
-    with pytest.raises(ValueError, match="first_step_overlap=True needs cross_item=True"):
-        gluon_attention(q, q, q, dense_plan(1, 1, 256), 0.1, first_step_overlap=True, cross_item=False)
-    with pytest.raises(ValueError, match="shared memory"):      # 2 Q buffers + P buffers do not fit at d128
-        gluon_attention(q, q, q, dense_plan(1, 1, 256), 0.1, p_in_smem=True)
 
 
 def test_sass_overlap_count_reads_the_instructions_between_the_two_gemm_waits():
@@ -183,28 +175,6 @@ def test_loop_carry_probe_reads_the_outer_loops_iter_args():
     result = load_script("probe_triton_loop_carry").main()
     assert result["also_in_body"] and result["no_inner_loop"], result
     assert isinstance(result["bound_only"], bool)
-
-
-@pytest.mark.parametrize("head_dim,q_buffers,correction", [(128, 1, False), (64, 2, True)])
-def test_gluon_p_in_smem_keeps_the_softmax_under_the_pv_gemm(head_dim, q_buffers, correction, tmp_path):
-    """With P in two shared buffers per warpgroup, ptxas leaves every exponential of the softmax between the
-    wait for S_j and the wait for P_{j-1} V_{j-1} (with P in registers it leaves none); a change that loses
-    this overlap fails here."""
-    pytest.importorskip("triton.experimental.gluon")
-    from pathlib import Path
-
-    import triton
-
-    from videosparse.kernels import gluon_hopper
-
-    inspect = load_script("inspect_gluon_sass")
-    k = gluon_hopper.compile_for_sm90(head_dim=head_dim, q_buffers=q_buffers, correction=correction, p_in_smem=True)
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    counts = inspect.overlap_per_loop(inspect.sass_ops(k.asm["cubin"], tools))
-    assert len(counts) == 4, counts          # first softmax and tile loop, in each of the two consumers
-    assert min(counts) >= 64, f"exponentials under the P.V GEMM per loop: {counts}"
-    assert k.metadata.shared <= SHARED_LIMIT
-    assert _local_memory_bytes(k.asm["cubin"], tmp_path) in (None, 0), "registers spill"
 
 
 @pytest.mark.parametrize("head_dim,late_k,late_q,correction", [
@@ -265,8 +235,8 @@ def test_gluon_first_step_overlap_keeps_every_softmax_under_a_pv_gemm(head_dim):
     assert default[0] >= 64 and default[len(default) // 2] >= 64, default
 
 
-@pytest.mark.parametrize("head_dim,cross_item,waits", [(128, True, 4), (64, True, 4), (128, False, 2)])
-def test_gluon_correction_bias_loads_hide_under_the_score_gemm(head_dim, cross_item, waits):
+@pytest.mark.parametrize("head_dim,q_buffers", [(128, 2), (64, 2), (128, 1)])
+def test_gluon_correction_bias_loads_hide_under_the_score_gemm(head_dim, q_buffers):
     """With the zero-order correction, each centroid step's bias row is loaded after its score GEMM is issued
     and before the wait for it (32 values per thread), so the load latency hides under the GEMM; a change
     that moves the load behind the wait fails here. Without the correction no load sits there. Checked on the
@@ -282,7 +252,7 @@ def test_gluon_correction_bias_loads_hide_under_the_score_gemm(head_dim, cross_i
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
     def loads_before_score_waits(**kwargs):
-        ops = inspect.sass_ops(gluon_hopper.compile_for_sm90(head_dim=head_dim, cross_item=cross_item,
+        ops = inspect.sass_ops(gluon_hopper.compile_for_sm90(head_dim=head_dim, q_buffers=q_buffers,
                                                              late_k_release=False, **kwargs).asm["cubin"], tools)
         counts, start = [], 0
         for i, op in enumerate(ops):
@@ -295,8 +265,8 @@ def test_gluon_correction_bias_loads_hide_under_the_score_gemm(head_dim, cross_i
         return counts
 
     with_corr = loads_before_score_waits(correction=True)
-    assert len(with_corr) == waits and min(with_corr) >= 16, with_corr
-    assert loads_before_score_waits(correction=False) == [0] * waits
+    assert len(with_corr) == 4 and min(with_corr) >= 16, with_corr
+    assert loads_before_score_waits(correction=False) == [0] * 4
 
 
 @pytest.mark.parametrize("out_dtype,chunk,d_p2", [("bf16", 128, 128), ("fp16", 64, 64), ("fp32", 128, 128)])

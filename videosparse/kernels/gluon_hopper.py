@@ -12,17 +12,18 @@ does not overlap its own GEMMs. This kernel writes the schedule out:
   ptxas keeps that overlap only if a branch separates the softmax from the P.V wait (otherwise it hoists the
   wait above the softmax): `LATE_Q` puts the step's conditional Q-buffer release there, `LATE_K` the K-stage
   release (both on by default at head dim 128: `default_late_k_release`; `scripts/inspect_gluon_sass.py`
-  counts the overlap). The two warpgroups also interleave one's softmax with the other's GEMMs;
-  `PINGPONG=True` enforces that order with a pair of mbarriers (FA3's ping-pong; not faster here).
+  counts the overlap). The two warpgroups also interleave one's softmax with the other's GEMMs.
 * persistent grid, work items (batch*head, query tile) longest-first as in `triton_hopper`; two Q
-  buffers let the loader fetch the next item's Q and first K/V tiles early, and (`CROSS`, the default)
-  an item's last P.V GEMM and epilogue overlap the next item's first score GEMM and softmax; the epilogue
+  buffers let the loader fetch the next item's Q and first K/V tiles early, and the pipeline is carried
+  across items: an item's last P.V GEMM and epilogue overlap the next item's first score GEMM and softmax
+  (`FIRST_OVERLAP`: that softmax also stays under the P.V GEMM); the epilogue
   stages the output in the finished item's Q half and stores it with TMA (asynchronous). The items of
   the last, partly filled wave are cut into parts for the idle SMs (`SPLIT`, `tail_split`), whose
   partial outputs a small Triton kernel merges.
-* `P_SMEM` (off by default): P.V reads P from two shared buffers per warpgroup; with P in registers
-  ptxas waits for the P.V GEMM before the softmax, from shared memory it does not. Correct on the H200
-  but not faster (equal at head dim 128, 6-9% slower at 64): the other warpgroup already fills the gap.
+
+Measured and removed (the README gives the numbers; the code is in git at 8525f03): a pipeline per work item
+without the cross-item carry, FA3's enforced ping-pong of the two warpgroups' GEMMs, and P read by the P.V GEMM
+from shared memory instead of registers; none was faster on the H200.
 
 Semantics are those of `reference.reference_attention`. With the zero-order correction each item's
 centroid chunks (k_mean, v_sum/len, bias log2 len; -inf for its exact tiles) follow its exact tiles in
@@ -108,7 +109,7 @@ def _loader(desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER,
             SPLIT: gl.constexpr):
     """1 warp: Q halves per work unit, then its listed K/V tiles and centroid chunks (k_mean / v_mean rows of
     the item's head; NCH = 0 without a correction) into the stage ring."""
-    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
+    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = bars
     Q_BUFS: gl.constexpr = q_ready.type.shape[0]
     c = 0
     t = 0
@@ -142,22 +143,6 @@ def _loader(desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER,
                 tma.async_copy_global_to_shared(desc_vm, [key_row, 0], v_ready.index(s), v_smem.index(s))
             c += 1
         t += 1
-
-
-@gluon.jit
-def _await_turn(turn, WG: gl.constexpr, turns, PINGPONG: gl.constexpr):
-    """PINGPONG: wait until it is this warpgroup's turn to issue its GEMMs."""
-    if PINGPONG:
-        mbarrier.wait(turn.index(WG), turns & 1)
-
-
-@gluon.jit
-def _pass_turn(turn, WG: gl.constexpr, turns, PINGPONG: gl.constexpr):
-    """PINGPONG: hand the turn to the other warpgroup; returns this warpgroup's turn count."""
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WG), count=1)
-        turns += 1
-    return turns
 
 
 @gluon.jit
@@ -197,44 +182,6 @@ def _first_softmax(qk, qk_scale):
     m_i = gl.maximum(gl.max(qk, 1) * qk_scale, NEG_BIG)
     p = gl.exp2(qk * qk_scale - m_i[:, None])
     return m_i, gl.sum(p, 1), p
-
-
-@gluon.jit
-def _pv_issue(p_op, p_bufs, g, WG: gl.constexpr, v, acc, P_SMEM: gl.constexpr):
-    """Issue P_g V_g asynchronously (g: the warpgroup's running tile count), P from registers (p_op) or,
-    P_SMEM, from the warpgroup's shared buffer g % 2."""
-    if P_SMEM:
-        tok = warpgroup_mma(p_bufs.index(2 * WG + g % 2), v, acc, is_async=True)
-    else:
-        tok = warpgroup_mma(p_op, v, acc, is_async=True)
-    return tok
-
-
-@gluon.jit
-def _p_put(p, p_bufs, g, WG: gl.constexpr):
-    """P_SMEM: P_g (fp32 registers) into the warpgroup's shared buffer g % 2. The P.V that may still run reads
-    the other buffer (P_{g-1}); the last reader of this one (P_{g-2} V) has been waited for."""
-    p_bufs.index(2 * WG + g % 2).store(p.to(p_bufs.dtype))
-
-
-@gluon.jit
-def _p_stage(p, p_op, p_bufs, g, WG: gl.constexpr, P_SMEM: gl.constexpr):
-    """P_g for the next P.V: into shared memory (P_SMEM; `_p_publish` still to come, p_op passed through) or
-    as the register operand in p_op's dtype and layout."""
-    if P_SMEM:
-        _p_put(p, p_bufs, g, WG)
-        p_next = p_op
-    else:
-        p_next = gl.convert_layout(p.to(p_op.dtype), p_op.type.layout)
-    return p_next
-
-
-@gluon.jit
-def _p_publish():
-    """P_SMEM: after `_p_put`, before the P.V that reads it: fence for the async proxy, then a warpgroup
-    barrier so that every thread's part is in shared memory before any thread issues the GEMM."""
-    fence_async_shared()
-    gl.thread_barrier()
 
 
 @gluon.jit
@@ -307,24 +254,20 @@ def _release_q_at_step(q_empty, qb, rel_qb, j, n_all, EPI_TMA: gl.constexpr):
 
 
 @gluon.jit
-def _tile_loop(WG: gl.constexpr, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, p_bufs, turns, row, bias_row, cols,
-               SK, qk_scale, inv_scale, zero_s, k_smem, v_smem, bars, rel_qb, BLOCK_N: gl.constexpr,
-               NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, CORR: gl.constexpr, PINGPONG: gl.constexpr,
-               P_SMEM: gl.constexpr, EPI_TMA: gl.constexpr, LATE_K: gl.constexpr, LATE_Q: gl.constexpr):
+def _tile_loop(c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, row, bias_row, cols, SK, qk_scale, inv_scale, zero_s,
+               k_smem, v_smem, bars, rel_qb, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr,
+               CORR: gl.constexpr, EPI_TMA: gl.constexpr, LATE_K: gl.constexpr, LATE_Q: gl.constexpr):
     """Steps 1 .. n_all-1 of an item: S_j = Q K_j^T issued before P_{j-1} V_{j-1}, online softmax of S_j while
     P.V runs; releases each K stage after its score GEMM (LATE_K: after the softmax), each V stage after its
     P.V, and Q after the last score GEMM (EPI_TMA: instead, at step 1, Q buffer rel_qb of the previous item,
     whose output the TMA store read from it; rel_qb < 0: none) (`_release_q_at_step`; LATE_Q: after the
-    softmax). Returns (acc, m_i, l_i, p_op, turns); the last P.V (P_{n_all-1}) is left to the caller.
+    softmax). Returns (acc, m_i, l_i, p_op); the last P.V (P_{n_all-1}) is left to the caller.
 
     With P in registers, ptxas hoists the P.V wait above the softmax when both sit in one basic block; the
     conditional Q release placed after the softmax (LATE_Q) is a branch between them, and the softmax stays
     under the GEMM (66 of 66 exponentials; where the K arrive goes does not matter for that:
-    `scripts/probe_ptxas_overlap.py` "+late-release" variants, `scripts/inspect_gluon_sass.py`). P_SMEM: P.V
-    reads P from two shared buffers per warpgroup, P_j is stored into one while P_{j-1} V_{j-1} reads the other
-    (p_op is passed through unused); that also keeps the softmax under it, at the cost of a store and a
-    barrier per tile."""
-    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
+    `scripts/probe_ptxas_overlap.py` "+late-release" variants, `scripts/inspect_gluon_sass.py`)."""
+    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = bars
     dtype: gl.constexpr = p_op.dtype
     p_layout: gl.constexpr = p_op.type.layout
     row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
@@ -334,10 +277,8 @@ def _tile_loop(WG: gl.constexpr, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, p
         sp = (cj - 1) % NUM_STAGES
         mbarrier.wait(k_ready.index(sj), (cj // NUM_STAGES) & 1)
         mbarrier.wait(v_ready.index(sp), ((cj - 1) // NUM_STAGES) & 1)
-        _await_turn(turn, WG, turns, PINGPONG)
         qk_tok = warpgroup_mma(q_half, k_smem.index(sj).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        acc_tok = _pv_issue(p_op, p_bufs, cj - 1, WG, v_smem.index(sp), acc, P_SMEM)
-        turns = _pass_turn(turn, WG, turns, PINGPONG)
+        acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
         bias = _step_bias(j, n, bias_row, cols, inv_scale, BLOCK_N, CORR)
         qk = warpgroup_mma_wait(1, deps=(qk_tok,))
         if not LATE_K:
@@ -354,75 +295,11 @@ def _tile_loop(WG: gl.constexpr, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, p
             mbarrier.arrive(k_empty.index(sj), count=1)
         if LATE_Q:
             _release_q_at_step(q_empty, qb, rel_qb, j, n_all, EPI_TMA)
-        if P_SMEM:
-            _p_put(p, p_bufs, cj, WG)
         acc = warpgroup_mma_wait(0, deps=(acc_tok,))
         mbarrier.arrive(v_empty.index(sp), count=1)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        if P_SMEM:
-            _p_publish()
-        else:
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-    return acc, m_i, l_i, p_op, turns
-
-
-@gluon.jit
-def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP,
-             NCH, q_smem, k_smem, v_smem, bars, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-             NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr,
-             CORR: gl.constexpr, PINGPONG: gl.constexpr, LATE_K: gl.constexpr, LATE_Q: gl.constexpr):
-    """One consumer warpgroup (rows WG*64 .. WG*64+63 of each item): pipelined QK^T / softmax / PV over the
-    item's exact tiles, then (CORR) its centroid chunks."""
-    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
-    dtype: gl.constexpr = O.dtype.element_ty
-    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
-    o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    inv_scale = 1.0 / qk_scale
-    c = 0
-    t = 0
-    turns = 0
-    for it in range(gl.program_id(0), N_UNITS, gl.num_programs(0)):
-        bh, mt, n, row, bias_row, n_all, slot, qb, q_half = _item_start(ORDER, KV_COUNT, KV_INDEX, BIAS, it, t, MQ,
-                                                                        KMAX, NCP, NCH, 0, 1, q_smem, q_ready, WG,
-                                                                        False)
-        m_i = gl.full([64], NEG_BIG, gl.float32, layout=row_s)
-        l_i = gl.zeros([64], gl.float32, layout=row_s)
-        acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
-        zero_s = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
-        if n_all > 0:
-            # prologue: S_0 and its softmax
-            s0 = c % NUM_STAGES
-            mbarrier.wait(k_ready.index(s0), (c // NUM_STAGES) & 1)
-            _await_turn(turn, WG, turns, PINGPONG)
-            qk = warpgroup_mma(q_half, k_smem.index(s0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            turns = _pass_turn(turn, WG, turns, PINGPONG)
-            qk = warpgroup_mma_wait(0, deps=(qk,))
-            mbarrier.arrive(k_empty.index(s0), count=1)
-            if n_all == 1:
-                mbarrier.arrive(q_empty.index(qb), count=1)
-            qk = _fix_scores(qk, 0, n, row, _step_bias(0, n, bias_row, cols, inv_scale, BLOCK_N, CORR), cols, SK,
-                             BLOCK_N, MASK_LAST, CORR)
-            m_i, l_i, p = _first_softmax(qk, qk_scale)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            acc, m_i, l_i, p_op, turns = _tile_loop(WG, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, q_half, turns,
-                                                    row, bias_row, cols, SK, qk_scale, inv_scale, zero_s, k_smem,
-                                                    v_smem, bars, -1, BLOCK_N, NUM_STAGES, MASK_LAST, CORR, PINGPONG,
-                                                    False, False, LATE_K, LATE_Q)
-            sl = (c + n_all - 1) % NUM_STAGES
-            mbarrier.wait(v_ready.index(sl), ((c + n_all - 1) // NUM_STAGES) & 1)
-            _await_turn(turn, WG, turns, PINGPONG)
-            acc_tok = warpgroup_mma(p_op, v_smem.index(sl), acc, is_async=True)
-            turns = _pass_turn(turn, WG, turns, PINGPONG)
-            acc = warpgroup_mma_wait(0, deps=(acc_tok,))
-            mbarrier.arrive(v_empty.index(sl), count=1)
-        else:
-            mbarrier.arrive(q_empty.index(qb), count=1)
-        c += n_all
-        t += 1
-        _store_rows(acc, m_i, l_i, bh, mt, O, LSE, S, WG, HEAD_DIM, STORE_LSE)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+    return acc, m_i, l_i, p_op
 
 
 @gluon.jit
@@ -437,14 +314,13 @@ def _unit_epilogue(acc, m_i, l_i, bh, mt, slot, O, LSE, S, desc_o, o_smem, O_PAR
 
 
 @gluon.jit
-def _finish_pending(WG: gl.constexpr, pv_c, acc, m_i, l_i, p_op, p_smem, v_smem, v_ready, v_empty, bh, mt, slot, O,
-                    LSE, S, desc_o, o_smem, O_PART, LSE_PART, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                    STORE_LSE: gl.constexpr, P_SMEM: gl.constexpr, EPI_TMA: gl.constexpr, SPLIT: gl.constexpr):
-    """Cross-item pipeline: the pending unit's last P.V (tile pv_c) when no next score GEMM goes with it, then
-    its epilogue."""
+def _finish_pending(WG: gl.constexpr, pv_c, acc, m_i, l_i, p_op, v_smem, v_ready, v_empty, bh, mt, slot, O, LSE, S,
+                    desc_o, o_smem, O_PART, LSE_PART, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+                    STORE_LSE: gl.constexpr, EPI_TMA: gl.constexpr, SPLIT: gl.constexpr):
+    """The pending unit's last P.V (tile pv_c) when no next score GEMM goes with it, then its epilogue."""
     sp = pv_c % NUM_STAGES
     mbarrier.wait(v_ready.index(sp), (pv_c // NUM_STAGES) & 1)
-    acc_tok = _pv_issue(p_op, p_smem, pv_c, WG, v_smem.index(sp), acc, P_SMEM)
+    acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc_tok,))
     mbarrier.arrive(v_empty.index(sp), count=1)
     _unit_epilogue(acc, m_i, l_i, bh, mt, slot, O, LSE, S, desc_o, o_smem, O_PART, LSE_PART, WG, HEAD_DIM, STORE_LSE,
@@ -452,20 +328,21 @@ def _finish_pending(WG: gl.constexpr, pv_c, acc, m_i, l_i, p_op, p_smem, v_smem,
 
 
 @gluon.jit
-def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS,
-                   NCP, NCH, N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, p_smem, bars, desc_o,
-                   HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr,
-                   STORE_LSE: gl.constexpr, CORR: gl.constexpr, P_SMEM: gl.constexpr, EPI_TMA: gl.constexpr,
-                   SPLIT: gl.constexpr, LATE_K: gl.constexpr, LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr):
-    """`_consume` with the pipeline carried across work items: an item's last P.V GEMM is issued after the
-    next item's first score GEMM, and its epilogue runs while that GEMM's softmax is done (no idle tensor
-    cores at item boundaries from this warpgroup). FIRST_OVERLAP: the first step releases its K stage after the
-    softmax, inside a branch, so that the softmax also overlaps the previous item's last P.V. P_SMEM: P.V reads
-    P from p_smem[2 WG + g % 2] (see `_tile_loop`). EPI_TMA: the epilogue stages the output in the finished
+def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH,
+             N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM: gl.constexpr,
+             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr,
+             CORR: gl.constexpr, EPI_TMA: gl.constexpr, SPLIT: gl.constexpr, LATE_K: gl.constexpr,
+             LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr):
+    """One consumer warpgroup (rows WG*64 .. WG*64+63 of each item), the pipeline carried across work items: per
+    item the score GEMMs, online softmax and P.V GEMMs of its exact tiles and (CORR) centroid chunks
+    (`_tile_loop`); an item's last P.V GEMM is issued after the next item's first score GEMM, and its epilogue
+    runs while that GEMM's softmax is done (no idle tensor cores at item boundaries from this warpgroup).
+    FIRST_OVERLAP: the first step releases its K stage after the softmax, inside a branch, so that the softmax
+    also overlaps the previous item's last P.V. EPI_TMA: the epilogue stages the output in the finished
     item's Q half and stores it with TMA; that Q buffer goes back to the loader at the next item's second step
     (`_release_q`). SPLIT: the work units of `tail_split`; a part of a split item ends with `_unit_epilogue`
     into the workspace."""
-    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn = bars
+    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = bars
     dtype: gl.constexpr = O.dtype.element_ty
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
@@ -477,7 +354,6 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
     zero_o = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
     c = 0
     t = 0
-    turns = 0     # unused: the cross-item pipeline has no ping-pong turns (`_tile_loop` passes it through)
     # state of the previous item whose last P.V is still to issue (pend = 1)
     pend = 0
     pv_c = 0
@@ -488,7 +364,7 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
     acc = zero_o
     m_i = gl.full([64], NEG_BIG, gl.float32, layout=row_s)
     l_i = gl.zeros([64], gl.float32, layout=row_s)
-    p_op = gl.convert_layout(zero_s.to(dtype), p_layout)     # unused with P_SMEM
+    p_op = gl.convert_layout(zero_s.to(dtype), p_layout)
     for it in range(gl.program_id(0), N_UNITS, gl.num_programs(0)):
         bh, mt, n, row, bias_row, n_all, slot, qb, q_half = _item_start(ORDER, KV_COUNT, KV_INDEX, BIAS, it, t, MQ,
                                                                         KMAX, NCP, NCH, N_FULL, PARTS, q_smem,
@@ -501,7 +377,7 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
             if pend == 1:
                 sp = pv_c % NUM_STAGES
                 mbarrier.wait(v_ready.index(sp), (pv_c // NUM_STAGES) & 1)
-                acc_tok = _pv_issue(p_op, p_smem, pv_c, WG, v_smem.index(sp), acc, P_SMEM)
+                acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
                 qk = warpgroup_mma_wait(1, deps=(qk_tok,))
                 if not FIRST_OVERLAP:
                     mbarrier.arrive(k_empty.index(s0), count=1)
@@ -512,11 +388,9 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
                     # previous item's last P.V above this softmax (see `_tile_loop`)
                     if c >= 0:
                         mbarrier.arrive(k_empty.index(s0), count=1)
-                p_n = _p_stage(p, p_op, p_smem, c, WG, P_SMEM)
+                p_n = gl.convert_layout(p.to(dtype), p_layout)
                 acc = warpgroup_mma_wait(0, deps=(acc_tok,))
                 mbarrier.arrive(v_empty.index(sp), count=1)
-                if P_SMEM:
-                    _p_publish()
                 _unit_epilogue(acc, m_i, l_i, prev_bh, prev_mt, prev_slot, O, LSE, S, desc_o,
                                q_smem.index(2 * prev_qb + WG), O_PART, LSE_PART, WG, HEAD_DIM, STORE_LSE, EPI_TMA,
                                SPLIT)
@@ -526,9 +400,7 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
                 mbarrier.arrive(k_empty.index(s0), count=1)
                 qk = _fix_scores(qk, 0, n, row, bias, cols, SK, BLOCK_N, MASK_LAST, CORR)
                 m_n, l_n, p = _first_softmax(qk, qk_scale)
-                p_n = _p_stage(p, p_op, p_smem, c, WG, P_SMEM)
-                if P_SMEM:
-                    _p_publish()
+                p_n = gl.convert_layout(p.to(dtype), p_layout)
                 rel_qb = -1
             if n_all == 1:
                 if EPI_TMA:
@@ -540,10 +412,9 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
             l_i = l_n
             p_op = p_n
             acc = zero_o
-            acc, m_i, l_i, p_op, turns = _tile_loop(WG, c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, p_smem, turns,
-                                                    row, bias_row, cols, SK, qk_scale, inv_scale, zero_s, k_smem,
-                                                    v_smem, bars, rel_qb, BLOCK_N, NUM_STAGES, MASK_LAST, CORR,
-                                                    False, P_SMEM, EPI_TMA, LATE_K, LATE_Q)
+            acc, m_i, l_i, p_op = _tile_loop(c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, row, bias_row, cols, SK,
+                                             qk_scale, inv_scale, zero_s, k_smem, v_smem, bars, rel_qb, BLOCK_N,
+                                             NUM_STAGES, MASK_LAST, CORR, EPI_TMA, LATE_K, LATE_Q)
             pend = 1
             pv_c = c + n_all - 1
             prev_bh = bh
@@ -554,9 +425,9 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
             # an item without tiles: finish the pending one, then write this item's empty rows
             mbarrier.arrive(q_empty.index(qb), count=1)
             if pend == 1:
-                _finish_pending(WG, pv_c, acc, m_i, l_i, p_op, p_smem, v_smem, v_ready, v_empty, prev_bh, prev_mt,
-                                prev_slot, O, LSE, S, desc_o, q_smem.index(2 * prev_qb + WG), O_PART, LSE_PART,
-                                HEAD_DIM, NUM_STAGES, STORE_LSE, P_SMEM, EPI_TMA, SPLIT)
+                _finish_pending(WG, pv_c, acc, m_i, l_i, p_op, v_smem, v_ready, v_empty, prev_bh, prev_mt, prev_slot,
+                                O, LSE, S, desc_o, q_smem.index(2 * prev_qb + WG), O_PART, LSE_PART, HEAD_DIM,
+                                NUM_STAGES, STORE_LSE, EPI_TMA, SPLIT)
                 if EPI_TMA:
                     _release_q(q_empty, prev_qb)
             pend = 0
@@ -568,9 +439,9 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
         c += n_all
         t += 1
     if pend == 1:
-        _finish_pending(WG, pv_c, acc, m_i, l_i, p_op, p_smem, v_smem, v_ready, v_empty, prev_bh, prev_mt, prev_slot,
-                        O, LSE, S, desc_o, q_smem.index(2 * prev_qb + WG), O_PART, LSE_PART, HEAD_DIM, NUM_STAGES,
-                        STORE_LSE, P_SMEM, EPI_TMA, SPLIT)
+        _finish_pending(WG, pv_c, acc, m_i, l_i, p_op, v_smem, v_ready, v_empty, prev_bh, prev_mt, prev_slot, O, LSE,
+                        S, desc_o, q_smem.index(2 * prev_qb + WG), O_PART, LSE_PART, HEAD_DIM, NUM_STAGES, STORE_LSE,
+                        EPI_TMA, SPLIT)
     if EPI_TMA:
         tma.store_wait(0)
 
@@ -579,16 +450,15 @@ def _consume_cross(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk
 def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, NK, NCP,
                N_BH, MQ, KMAX, N_UNITS, N_FULL, PARTS, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr, CORR: gl.constexpr,
-               PINGPONG: gl.constexpr, Q_BUFS: gl.constexpr, CROSS: gl.constexpr, P_SMEM: gl.constexpr,
-               EPI_TMA: gl.constexpr, SPLIT: gl.constexpr, LATE_K: gl.constexpr, LATE_Q: gl.constexpr,
-               FIRST_OVERLAP: gl.constexpr):
+               Q_BUFS: gl.constexpr, EPI_TMA: gl.constexpr, SPLIT: gl.constexpr, LATE_K: gl.constexpr,
+               LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr):
     """Q, O [N_BH*S, D]; K, V [N_BH*SK, D]; LSE fp32 [N_BH*S]; plan KV_INDEX [items, KMAX], KV_COUNT, ORDER.
 
-    Work units (`tail_split`): N_UNITS = N_FULL + (items - N_FULL) * PARTS; SPLIT (cross-item pipeline only): the
-    units from N_FULL on are parts of the last items, written to O_PART fp32 [(N_UNITS - N_FULL) * 128, D] and
-    LSE_PART fp32 (natural log) for `tail_split.combine_parts`.
+    Work units (`tail_split`): N_UNITS = N_FULL + (items - N_FULL) * PARTS; SPLIT: the units from N_FULL on are
+    parts of the last items, written to O_PART fp32 [(N_UNITS - N_FULL) * 128, D] and LSE_PART fp32 (natural
+    log) for `tail_split.combine_parts`.
 
-    EPI_TMA (cross-item pipeline with two Q buffers only): outputs go through shared memory and TMA stores.
+    EPI_TMA (two Q buffers only): outputs go through shared memory and TMA stores.
 
     CORR: KM, VM [N_BH*NK, D] tile centroids (k_mean, v_sum/len) and BIAS fp32 [items, NCP] (log2 len; -inf
     for the item's exact tiles and for padding), NCP = NK rounded up to BLOCK_N.
@@ -620,18 +490,12 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COU
     q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, 64, HEAD_DIM], q_sl)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_sl)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_sl)
-    if P_SMEM:   # two P buffers per consumer warpgroup (cross-item pipeline only)
-        p_smem = gl.allocate_shared_memory(dtype, [4, 64, BLOCK_N],
-                                           gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
-    else:
-        p_smem = q_smem
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(Q_BUFS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)
@@ -640,37 +504,19 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COU
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
-    if PINGPONG:   # warpgroup 0 issues its GEMMs first
-        mbarrier.arrive(turn.index(0), count=1)
-    bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn)
+    bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
     # partition arguments are written out in each tuple: a tuple held in a variable turns constexprs into
     # tensors. Default partition: consumer warpgroup 0; workers: consumer warpgroup 1 and the loader warp.
-    if CROSS:
-        gl.warp_specialize([
-            (_consume_cross, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH,
-                              N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, p_smem, bars, desc_o,
-                              HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, CORR, P_SMEM, EPI_TMA, SPLIT,
-                              LATE_K, LATE_Q, FIRST_OVERLAP)),
-            (_consume_cross, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH,
-                              N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, p_smem, bars, desc_o,
-                              HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, CORR, P_SMEM, EPI_TMA, SPLIT,
-                              LATE_K, LATE_Q, FIRST_OVERLAP)),
-            (_loader, (desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX,
-                       N_UNITS, NCH, N_FULL, PARTS, q_smem, k_smem, v_smem, bars, BLOCK_N, NUM_STAGES, SPLIT)),
-        ], [4, 1], [240, 24])
-    else:
-        gl.warp_specialize([
-            (_consume, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH,
-                        q_smem, k_smem, v_smem, bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, CORR,
-                        PINGPONG, LATE_K, LATE_Q)),
-            (_consume, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH,
-                        q_smem, k_smem, v_smem, bars, HEAD_DIM, BLOCK_N, NUM_STAGES, MASK_LAST, STORE_LSE, CORR,
-                        PINGPONG, LATE_K, LATE_Q)),
-            (_loader, (desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX,
-                       N_UNITS, NCH, 0, 1, q_smem, k_smem, v_smem, bars, BLOCK_N, NUM_STAGES, False)),
-        ], [4, 1], [240, 24])
+    gl.warp_specialize([
+        (_consume, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH, N_FULL,
+                    PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM, BLOCK_N, NUM_STAGES,
+                    MASK_LAST, STORE_LSE, CORR, EPI_TMA, SPLIT, LATE_K, LATE_Q, FIRST_OVERLAP)),
+        (_consume, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH, N_FULL,
+                    PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM, BLOCK_N, NUM_STAGES,
+                    MASK_LAST, STORE_LSE, CORR, EPI_TMA, SPLIT, LATE_K, LATE_Q, FIRST_OVERLAP)),
+        (_loader, (desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX, N_UNITS,
+                   NCH, N_FULL, PARTS, q_smem, k_smem, v_smem, bars, BLOCK_N, NUM_STAGES, SPLIT)),
+    ], [4, 1], [240, 24])
 
 
 def _alloc(size: int, alignment: int, stream):
@@ -690,17 +536,16 @@ def default_late_k_release(head_dim: int) -> bool:
     `scripts/inspect_gluon_sass.py`; 0 otherwise), but the loader gets each K stage a softmax later. Measured on
     the H200 (interleaved A/Bs, `benchmarks/ab_gluon_late_k_h200.json`, `..._all_head_dims_h200.json`): at head dim
     128 it gains 0.5-2.6% dense and is even on sparse plans, at 64 it loses 1-5% on sparse plans (at the item
-    boundaries: `..._boundary_h200.json`), so it is on at 128 only. Not yet measured: the K stage released early
-    and only the Q release late (`late_k_release=False, late_q_release=True`), which keeps the same overlap in
-    the SASS."""
+    boundaries: `..._boundary_h200.json`), so it is on at 128 only. The K stage released early and only the Q
+    release late (`late_k_release=False, late_q_release=True`, the same overlap in the SASS) was even at 128 and
+    lost 3% at 64 on sparse plans (`benchmarks/ab_gluon_late_q_only_h200.json`)."""
     return head_dim == 128
 
 
 def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False, *, num_stages: int | None = None,
-                    q_buffers: int = 2, cross_item: bool = True, pingpong: bool = False,
-                    p_in_smem: bool = False, tma_store: bool = True, split_tail: bool | None = None,
+                    q_buffers: int = 2, tma_store: bool = True, split_tail: bool | None = None,
                     late_k_release: bool | None = None, late_q_release: bool | None = None,
-                    first_step_overlap: bool | None = None, num_programs: int | None = None, maxnreg: int = 168):
+                    first_step_overlap: bool = True, num_programs: int | None = None, maxnreg: int = 168):
     """Run the Gluon kernel (inputs are assumed checked: see `GluonHopperBackend.not_supported_reasons`).
 
     With a correction plan (k_mean / v_sum / tile_len) the skipped tiles enter the same online softmax
@@ -714,54 +559,32 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
         num_stages (default `default_stages(D)`): depth of the K/V ring.
         q_buffers (1 or 2): Q tiles in shared memory; with 2 the loader fetches the next item's Q and
             first K/V tiles while the consumers still work on the current item.
-        cross_item (default True): carry the pipeline across work items (`_consume_cross`; not with
-            pingpong). Same-run A/B on the H200 (benchmarks/kernel_h200.json, "variants"): 579 vs
-            535 TFLOP/s at density 0.1 on 12 x 32,760 (619 vs 549 a session earlier), 524 vs 516 at 0.05
-            on 12 x 32,768.
-        p_in_smem: P.V reads P from shared memory (two 64 x 128 buffers per consumer warpgroup, 64 KB in
-            all: at head dim 128 only with q_buffers=1; cross-item pipeline only), so that ptxas keeps each
-            softmax under the previous tile's P.V (see `_tile_loop`). Off by default: on the H200 it
-            is as fast as q_buffers=1 without it at head dim 128 and 6-9% slower at 64 (kernel_h200.json).
-        tma_store (default True; cross-item pipeline with two Q buffers only): each warpgroup stages its 64
+        tma_store (default True; with two Q buffers only): each warpgroup stages its 64
             output rows in the finished item's Q half and writes them with one asynchronous TMA store (rows of
             a partial last query tile from registers). Register stores cost ~1.7 us per work item on the H200
             (an A/B with the stores predicated off); interleaved A/B, 12 x 32,768 d128: +3.0% at density
             0.1 (585 vs 568 TFLOP/s), +5.7% at 0.05 (549 vs 520), +0.9% at 0.25, equal dense; d64 +0.8% to +3%.
-        split_tail (cross-item pipeline only): cut the items of the last, partly filled wave of the persistent
+        split_tail: cut the items of the last, partly filled wave of the persistent
             grid into parts for the idle SMs and merge them afterwards (`tail_split`). None (default): when
             that saves enough work (`tail_split.AUTO_MIN_SAVED`); True: whenever the last wave has room;
             False: never.
         late_k_release (None: `default_late_k_release(D)`, on at head dim 128): release each K stage after the
             softmax of its scores. late_q_release (None: as late_k_release): release the Q buffer a step frees
             after the softmax; this branch behind the softmax is what lets it overlap the previous tile's P.V
-            within the warpgroup. first_step_overlap (None: on with the cross-item pipeline, which it needs):
-            the same for an item's first softmax and the previous item's last P.V (its K stage released
-            after that softmax; 64 of 64 exponentials under that GEMM, 0 without). Interleaved A/Bs on the
-            H200 (benchmarks/ab_gluon_first_step_overlap_h200.json, ..._correction_h200.json): d128 +0.7 /
-            +1.0 / +0.7% at density 1 / 0.1 / 0.05 on 12 x 32,768 (+1.0 / +1.5 / -0.2% on 12 x 32,760),
-            d64 +1.0 / -0.3 / +1.7%, with the correction +0.1 to +1.4%; outputs bitwise equal.
-        pingpong, num_programs, maxnreg: tuning knobs (benchmarks). pingpong=True (FA3's enforced
-            alternation of the two warpgroups' GEMMs) gave no steady gain on the H200 against the
-            per-item pipeline (kernel_h200.json: 608 vs 552 TFLOP/s at density 0.1 on 12 x 32,768, but
-            571 vs 566 there a session earlier and 548 vs 535 on 12 x 32,760; 505 vs 516 at 0.05).
+            within the warpgroup. first_step_overlap (default True): the same for an item's first softmax and
+            the previous item's last P.V (its K stage released after that softmax; 64 of 64 exponentials
+            under that GEMM, 0 without). Interleaved A/Bs on the H200
+            (benchmarks/ab_gluon_first_step_overlap_h200.json, ..._correction_h200.json): d128 +0.7 / +1.0 /
+            +0.7% at density 1 / 0.1 / 0.05 on 12 x 32,768 (+1.0 / +1.5 / -0.2% on 12 x 32,760), d64 +1.0 /
+            -0.3 / +1.7%, with the correction +0.1 to +1.4%; outputs bitwise equal.
+        num_programs, maxnreg: tuning knobs (benchmarks).
 
     Returns:
         out [B, H, S, D] in q's dtype (and lse).
     """
     B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = launch_dims(q, k, plan)
     stages = num_stages or default_stages(D)
-    smem = ((2 * q_buffers * HALF_M + 2 * stages * plan.block_n) * D
-            + (4 * HALF_M * plan.block_n if p_in_smem else 0)) * q.element_size()
-    if cross_item and pingpong:
-        raise ValueError("pingpong=True needs cross_item=False (the cross-item pipeline has no ping-pong turns).")
-    if p_in_smem and not cross_item:
-        raise ValueError("p_in_smem=True needs cross_item=True (only the cross-item pipeline reads P from shared "
-                         "memory).")
-    if first_step_overlap is None:
-        first_step_overlap = cross_item
-    elif first_step_overlap and not cross_item:
-        raise ValueError("first_step_overlap=True needs cross_item=True (only the cross-item pipeline overlaps an "
-                         "item's first softmax with the previous item's last P.V).")
+    smem = (2 * q_buffers * HALF_M + 2 * stages * plan.block_n) * D * q.element_size()
     if q_buffers not in (1, 2) or smem > SHARED_LIMIT:
         raise ValueError(f"q_buffers={q_buffers!r}, num_stages={stages!r} at head dim {D}: need q_buffers in (1, 2) "
                          f"and Q + K/V buffers within {SHARED_LIMIT} bytes of shared memory (this asks {smem}).")
@@ -774,7 +597,7 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
         k_mean, v_mean, bias = k, v, lse
     n_items = order.numel()
     programs = num_programs or torch.cuda.get_device_properties(q.device).multi_processor_count
-    if split_tail is False or not cross_item:
+    if split_tail is False:
         n_full, parts = n_items, 1
     else:
         n_full, parts = tail_split(n_items, programs, kv_index.shape[1], 0.0 if split_tail else AUTO_MIN_SAVED / D)
@@ -791,8 +614,7 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
                      scale * LOG2E, S, Sk, Nk, bias.shape[-1] if corr else 0, B * H, Mq, kv_index.shape[1], n_units,
                      n_full, parts, HEAD_DIM=D, BLOCK_N=plan.block_n, NUM_STAGES=stages,
                      MASK_LAST=(Sk % plan.block_n) != 0, STORE_LSE=return_lse, CORR=corr,
-                     PINGPONG=pingpong, Q_BUFS=q_buffers, CROSS=cross_item, P_SMEM=p_in_smem,
-                     EPI_TMA=tma_store and cross_item and q_buffers == 2, SPLIT=parts > 1,
+                     Q_BUFS=q_buffers, EPI_TMA=tma_store and q_buffers == 2, SPLIT=parts > 1,
                      LATE_K=late_k, LATE_Q=late_k if late_q_release is None else late_q_release,
                      FIRST_OVERLAP=first_step_overlap, num_warps=4, maxnreg=maxnreg)
     if parts > 1:
@@ -801,11 +623,9 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
 
 
 def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: int | None = None,
-                     mask_last: bool = True, store_lse: bool = True, correction: bool = False, pingpong: bool = False,
-                     q_buffers: int = 2, cross_item: bool = True, p_in_smem: bool = False, tma_store: bool = True,
-                     split_tail: bool = False, late_k_release: bool | None = None,
-                     late_q_release: bool | None = None, first_step_overlap: bool | None = None,
-                     maxnreg: int = 168):
+                     mask_last: bool = True, store_lse: bool = True, correction: bool = False, q_buffers: int = 2,
+                     tma_store: bool = True, split_tail: bool = False, late_k_release: bool | None = None,
+                     late_q_release: bool | None = None, first_step_overlap: bool = True, maxnreg: int = 168):
     """Compile the kernel ahead of time for sm_90 (works on a CPU-only machine); returns the CompiledKernel.
 
     Inspect `.asm["ttgir"]` (`ttg.warp_specialize`), `.asm["ptx"]` (`wgmma`, `cp.async.bulk.tensor`,
@@ -814,8 +634,6 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    if cross_item and pingpong:
-        raise ValueError("pingpong=True needs cross_item=False (the cross-item pipeline has no ping-pong turns).")
     ptr = "*" + dtype
     late_k = default_late_k_release(head_dim) if late_k_release is None else late_k_release
     types = dict(Q=ptr, K=ptr, V=ptr, KM=ptr, VM=ptr, BIAS="*fp32", O=ptr, LSE="*fp32", O_PART="*fp32",
@@ -823,11 +641,9 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
     for name in ("S", "SK", "NK", "NCP", "N_BH", "MQ", "KMAX", "N_UNITS", "N_FULL", "PARTS"):
         types[name] = "i32"
     constants = dict(HEAD_DIM=head_dim, BLOCK_N=128, NUM_STAGES=num_stages or default_stages(head_dim),
-                     MASK_LAST=mask_last, STORE_LSE=store_lse, CORR=correction, PINGPONG=pingpong,
-                     Q_BUFS=q_buffers, CROSS=cross_item, P_SMEM=p_in_smem,
-                     EPI_TMA=tma_store and cross_item and q_buffers == 2, SPLIT=split_tail and cross_item,
-                     LATE_K=late_k, LATE_Q=late_k if late_q_release is None else late_q_release,
-                     FIRST_OVERLAP=cross_item if first_step_overlap is None else first_step_overlap)
+                     MASK_LAST=mask_last, STORE_LSE=store_lse, CORR=correction, Q_BUFS=q_buffers,
+                     EPI_TMA=tma_store and q_buffers == 2, SPLIT=split_tail, LATE_K=late_k,
+                     LATE_Q=late_k if late_q_release is None else late_q_release, FIRST_OVERLAP=first_step_overlap)
     signature = {name: types.get(name, "constexpr") for name in _gluon_fwd.arg_names}
     src = GluonASTSource(_gluon_fwd, signature, constants)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
