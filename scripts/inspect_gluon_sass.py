@@ -24,14 +24,39 @@ from pathlib import Path
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def sass_ops(cubin: bytes, tools: Path) -> list[str]:
-    """The SASS instructions of a cubin, one string per instruction (cuobjdump ships with triton)."""
+def sass_listing(cubin: bytes, tools: Path) -> list[tuple[int, str]]:
+    """The SASS instructions of a cubin as (address, instruction) (cuobjdump ships with triton)."""
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "k.cubin"
         path.write_bytes(cubin)
         text = subprocess.run([str(tools / "cuobjdump"), "-sass", str(path)], capture_output=True, text=True).stdout
-    return [m.group(1).strip() for line in text.splitlines()
-            for m in [re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line)] if m]
+    return [(int(m.group(1), 16), m.group(2).strip()) for line in text.splitlines()
+            for m in [re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)] if m]
+
+
+def sass_ops(cubin: bytes, tools: Path) -> list[str]:
+    """The SASS instructions of a cubin, one string per instruction."""
+    return [op for _, op in sass_listing(cubin, tools)]
+
+
+def tile_loops(listing: list[tuple[int, str]]) -> list[list[str]]:
+    """The instructions of each consumer tile loop: the innermost spans from a conditional backward branch's
+    target to the branch whose body issues a GEMM and a softmax exponential. (The unconditional backward
+    branches are the retry paths of mbarrier waits at the end of the kernel, not loops of the source.)"""
+    spans = []
+    for addr, op in listing:
+        m = re.match(r"@!?U?P\w+\s+BRA\b.*?0x([0-9a-f]+)", op)
+        if m and int(m.group(1), 16) < addr:
+            body = [o for a, o in listing if int(m.group(1), 16) <= a <= addr]
+            if any(o.startswith("HGMMA") for o in body) and any("MUFU.EX2" in o for o in body):
+                spans.append((int(m.group(1), 16), addr, body))
+    inner = [s for s in spans if not any(o is not s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
+    return [body for _, _, body in inner]
+
+
+def local_memory_ops(ops: list[str]) -> int:
+    """Spill traffic: local-memory loads and stores (LDL / STL) among the instructions."""
+    return sum(bool(re.match(r"(@!?U?P\w+\s+)?(LDL|STL)\b", op)) for op in ops)
 
 
 def overlap_per_loop(ops: list[str]) -> list[int]:
@@ -77,6 +102,8 @@ def main() -> None:
     print(f"softmax exponentials overlapping P.V, per consumer loop: {overlap_per_loop(ops)}")
     print(f"highest register up to the last HGMMA: R{max(regs) if regs else '?'}; "
           f"BAR.SYNC: {sum(op.startswith('BAR.SYNC') for op in ops)}")
+    loops = tile_loops(sass_listing(kernel.asm["cubin"], tools))
+    print(f"spill loads/stores: {local_memory_ops(ops)} in all, per tile loop {[local_memory_ops(b) for b in loops]}")
     for note in ptxas_notes(kernel.asm["ptx"], tools):
         print("ptxas:", note)
 

@@ -82,7 +82,7 @@ def _check(run, S, D, dtype, plan_kind, correction):
 
 @pytest.mark.parametrize("knobs", ["one_q_buffer", "register_store", "no_tail_split",
                                    "seven_programs", "release_flipped", "late_q_only", "overlap_all",
-                                   "no_first_overlap"])
+                                   "no_first_overlap", "unit_handoff"])
 @pytest.mark.parametrize("S,D,dtype,plan_kind,correction", [
     (16380, 128, torch.bfloat16, "random", True),
     (9000, 64, torch.float16, "banded", False),
@@ -103,7 +103,9 @@ def test_gluon_variants_match_reference(knobs, S, D, dtype, plan_kind, correctio
               "release_flipped": dict(late_k_release=D != 128),
               "late_q_only": dict(late_k_release=False, late_q_release=True),
               "overlap_all": dict(late_k_release=False, late_q_release=True, first_step_overlap=True),
-              "no_first_overlap": dict(first_step_overlap=False)}[knobs]
+              "no_first_overlap": dict(first_step_overlap=False),
+              # the unit's item and kv_count handed from the loader to the consumers in shared memory
+              "unit_handoff": dict(unit_handoff=True)}[knobs]
     _check(lambda q, k, v, plan: gluon_attention(q, k, v, plan, D ** -0.5, return_lse=True, **kwargs),
            S, D, dtype, plan_kind, correction)
 

@@ -66,58 +66,120 @@ def _work_item(ORDER, KV_COUNT, it, MQ):
 
 
 @gluon.jit
-def _work_unit(ORDER, KV_COUNT, KV_INDEX, u, MQ, KMAX, NCH, N_FULL, PARTS, SPLIT: gl.constexpr):
-    """Work unit u (`tail_split`): (item, bh, mt, its kv_index row from its first tile on, n exact tiles, n_all =
-    n + its centroid chunks, workspace slot; -1: a whole item). SPLIT: units from N_FULL on are parts of the
-    last items (tiles [p n / PARTS, (p + 1) n / PARTS), the centroid chunks with the last part)."""
+def _unit_part(u, N_FULL, PARTS, SPLIT: gl.constexpr):
+    """Work unit u (`tail_split`) as (index of its item in ORDER, tail, v, k, part). SPLIT: units from N_FULL on
+    are parts of the last items, PARTS per item (tail = 1, v = u - N_FULL, k = PARTS, part = v % k); otherwise
+    every unit is a whole item (u, 0, 0, 1, 0)."""
     if SPLIT:
         tail = (u >= N_FULL).to(gl.int32)
         v = (u - N_FULL) * tail
         k = 1 + (PARTS - 1) * tail
         part = v % k
-        item, bh, mt, total = _work_item(ORDER, KV_COUNT, u + tail * (N_FULL + v // k - u), MQ)
+        idx = u + tail * (N_FULL + v // k - u)
+    else:
+        tail = 0
+        v = 0
+        k = 1
+        part = 0
+        idx = u
+    return idx, tail, v, k, part
+
+
+@gluon.jit
+def _unit_tiles(item, bh, mt, total, tail, v, k, part, KV_INDEX, KMAX, NCH, SPLIT: gl.constexpr):
+    """(item, bh, mt, its kv_index row from its first tile on, n exact tiles, n_all = n + its centroid chunks,
+    workspace slot; -1: a whole item) of a unit of `_unit_part` whose item has `total` listed tiles (a part
+    takes tiles [part total / k, (part + 1) total / k), the centroid chunks go with the last part)."""
+    if SPLIT:
         lo = part * total // k
         n = (part + 1) * total // k - lo
         n_all = n + NCH * (part == k - 1).to(gl.int32)
         slot = tail * (v + 1) - 1
     else:
-        item, bh, mt, n = _work_item(ORDER, KV_COUNT, u, MQ)
         lo = 0
+        n = total
         n_all = n + NCH
         slot = -1
     return item, bh, mt, KV_INDEX + item.to(gl.int64) * KMAX + lo, n, n_all, slot
 
 
 @gluon.jit
+def _work_unit(ORDER, KV_COUNT, KV_INDEX, u, MQ, KMAX, NCH, N_FULL, PARTS, SPLIT: gl.constexpr):
+    """Work unit u (`tail_split`), its item and kv_count loaded here (two dependent global loads): see
+    `_unit_tiles`."""
+    idx, tail, v, k, part = _unit_part(u, N_FULL, PARTS, SPLIT)
+    item, bh, mt, total = _work_item(ORDER, KV_COUNT, idx, MQ)
+    return _unit_tiles(item, bh, mt, total, tail, v, k, part, KV_INDEX, KMAX, NCH, SPLIT)
+
+
+@gluon.jit
+def _unit_send(buf, item, total):
+    """HANDOFF, loader warp: (item, kv_count) of the unit into its slot `buf` (int32 [2] in shared memory), before
+    the arrive on the unit's Q barrier that publishes it (the warp barrier orders every lane's store first)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    pick = gl.arange(0, 2, layout=layout)
+    buf.store(gl.where(pick == 0, item, total))
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _unit_received(buf):
+    """HANDOFF, consumer warpgroup: (item, kv_count) of `_unit_send`, every thread holding both (no shuffles)."""
+    layout: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])
+    vals = buf.load(layout)
+    pick = gl.arange(0, 2, layout=layout)
+    return gl.sum(gl.where(pick == 0, vals, 0), axis=0), gl.sum(gl.where(pick == 1, vals, 0), axis=0)
+
+
+@gluon.jit
 def _item_start(ORDER, KV_COUNT, KV_INDEX, BIAS, it, t, MQ, KMAX, NCP, NCH, N_FULL, PARTS, q_smem, q_ready,
-                WG: gl.constexpr, SPLIT: gl.constexpr):
+                unit_smem, WG: gl.constexpr, SPLIT: gl.constexpr, HANDOFF: gl.constexpr):
     """A consumer's start of its t-th work unit (unit it, `_work_unit`): waits for the item's Q; returns
     (bh, mt, n exact tiles, its kv_index row, its bias row, n_all steps, workspace slot, Q buffer, this
-    warpgroup's Q half)."""
-    item, bh, mt, row, n, n_all, slot = _work_unit(ORDER, KV_COUNT, KV_INDEX, it, MQ, KMAX, NCH, N_FULL, PARTS,
-                                                   SPLIT)
-    bias_row = BIAS + item.to(gl.int64) * NCP
+    warpgroup's Q half). HANDOFF: the unit's item and kv_count come from the loader through shared memory
+    (`_unit_send`) with the Q barrier, instead of two dependent global loads before it."""
     Q_BUFS: gl.constexpr = q_ready.type.shape[0]
-    qb = t % Q_BUFS
-    mbarrier.wait(q_ready.index(qb), (t // Q_BUFS) & 1)
+    if HANDOFF:
+        qb = t % Q_BUFS
+        mbarrier.wait(q_ready.index(qb), (t // Q_BUFS) & 1)
+        item, total = _unit_received(unit_smem.index(qb))
+        idx, tail, v, k, part = _unit_part(it, N_FULL, PARTS, SPLIT)
+        item, bh, mt, row, n, n_all, slot = _unit_tiles(item, item // MQ, item % MQ, total, tail, v, k, part,
+                                                        KV_INDEX, KMAX, NCH, SPLIT)
+        bias_row = BIAS + item.to(gl.int64) * NCP
+    else:
+        item, bh, mt, row, n, n_all, slot = _work_unit(ORDER, KV_COUNT, KV_INDEX, it, MQ, KMAX, NCH, N_FULL, PARTS,
+                                                       SPLIT)
+        bias_row = BIAS + item.to(gl.int64) * NCP
+        qb = t % Q_BUFS
+        mbarrier.wait(q_ready.index(qb), (t // Q_BUFS) & 1)
     return bh, mt, n, row, bias_row, n_all, slot, qb, q_smem.index(2 * qb + WG)
 
 
 @gluon.jit
 def _loader(desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX, N_UNITS, NCH,
-            N_FULL, PARTS, q_smem, k_smem, v_smem, bars, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-            SPLIT: gl.constexpr):
+            N_FULL, PARTS, q_smem, k_smem, v_smem, bars, unit_smem, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+            SPLIT: gl.constexpr, HANDOFF: gl.constexpr):
     """1 warp: Q halves per work unit, then its listed K/V tiles and centroid chunks (k_mean / v_mean rows of
-    the item's head; NCH = 0 without a correction) into the stage ring."""
+    the item's head; NCH = 0 without a correction) into the stage ring. HANDOFF: also the unit's item and
+    kv_count, for the consumers, into the slot of its Q buffer (`_unit_send`)."""
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = bars
     Q_BUFS: gl.constexpr = q_ready.type.shape[0]
     c = 0
     t = 0
     for it in range(gl.program_id(0), N_UNITS, gl.num_programs(0)):
-        item, bh, mt, row, n, n_all, slot = _work_unit(ORDER, KV_COUNT, KV_INDEX, it, MQ, KMAX, NCH, N_FULL, PARTS,
-                                                       SPLIT)
+        if HANDOFF:   # `_work_unit`, keeping the kv_count for the consumers
+            idx, tail, v, k, part = _unit_part(it, N_FULL, PARTS, SPLIT)
+            item, bh, mt, total = _work_item(ORDER, KV_COUNT, idx, MQ)
+            item, bh, mt, row, n, n_all, slot = _unit_tiles(item, bh, mt, total, tail, v, k, part, KV_INDEX, KMAX,
+                                                            NCH, SPLIT)
+        else:
+            item, bh, mt, row, n, n_all, slot = _work_unit(ORDER, KV_COUNT, KV_INDEX, it, MQ, KMAX, NCH, N_FULL,
+                                                           PARTS, SPLIT)
         qb = t % Q_BUFS
         mbarrier.wait(q_empty.index(qb), ((t // Q_BUFS) & 1) ^ 1)
+        if HANDOFF:
+            _unit_send(unit_smem.index(qb), item, total)
         mbarrier.expect(q_ready.index(qb), 2 * desc_q.block_type.nbytes)
         row0 = bh * S + mt * 128
         tma.async_copy_global_to_shared(desc_q, [row0, 0], q_ready.index(qb), q_smem.index(2 * qb))
@@ -332,7 +394,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
              N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM: gl.constexpr,
              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr,
              CORR: gl.constexpr, EPI_TMA: gl.constexpr, SPLIT: gl.constexpr, LATE_K: gl.constexpr,
-             LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr):
+             LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr, unit_smem, HANDOFF: gl.constexpr):
     """One consumer warpgroup (rows WG*64 .. WG*64+63 of each item), the pipeline carried across work items: per
     item the score GEMMs, online softmax and P.V GEMMs of its exact tiles and (CORR) centroid chunks
     (`_tile_loop`); an item's last P.V GEMM is issued after the next item's first score GEMM, and its epilogue
@@ -341,7 +403,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
     also overlaps the previous item's last P.V. EPI_TMA: the epilogue stages the output in the finished
     item's Q half and stores it with TMA; that Q buffer goes back to the loader at the next item's second step
     (`_release_q`). SPLIT: the work units of `tail_split`; a part of a split item ends with `_unit_epilogue`
-    into the workspace."""
+    into the workspace. HANDOFF: see `_item_start`."""
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = bars
     dtype: gl.constexpr = O.dtype.element_ty
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
@@ -368,7 +430,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
     for it in range(gl.program_id(0), N_UNITS, gl.num_programs(0)):
         bh, mt, n, row, bias_row, n_all, slot, qb, q_half = _item_start(ORDER, KV_COUNT, KV_INDEX, BIAS, it, t, MQ,
                                                                         KMAX, NCP, NCH, N_FULL, PARTS, q_smem,
-                                                                        q_ready, WG, SPLIT)
+                                                                        q_ready, unit_smem, WG, SPLIT, HANDOFF)
         if n_all > 0:
             s0 = c % NUM_STAGES
             mbarrier.wait(k_ready.index(s0), (c // NUM_STAGES) & 1)
@@ -451,7 +513,7 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COU
                N_BH, MQ, KMAX, N_UNITS, N_FULL, PARTS, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr, CORR: gl.constexpr,
                Q_BUFS: gl.constexpr, EPI_TMA: gl.constexpr, SPLIT: gl.constexpr, LATE_K: gl.constexpr,
-               LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr):
+               LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr, HANDOFF: gl.constexpr):
     """Q, O [N_BH*S, D]; K, V [N_BH*SK, D]; LSE fp32 [N_BH*S]; plan KV_INDEX [items, KMAX], KV_COUNT, ORDER.
 
     Work units (`tail_split`): N_UNITS = N_FULL + (items - N_FULL) * PARTS; SPLIT: the units from N_FULL on are
@@ -490,6 +552,11 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COU
     q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, 64, HEAD_DIM], q_sl)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_sl)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_sl)
+    if HANDOFF:   # (item, kv_count) of the unit whose Q is in each Q buffer
+        unit_smem = gl.allocate_shared_memory(gl.int32, [Q_BUFS, 2],
+                                              gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+    else:
+        unit_smem = q_smem
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -510,12 +577,13 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COU
     gl.warp_specialize([
         (_consume, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH, N_FULL,
                     PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM, BLOCK_N, NUM_STAGES,
-                    MASK_LAST, STORE_LSE, CORR, EPI_TMA, SPLIT, LATE_K, LATE_Q, FIRST_OVERLAP)),
+                    MASK_LAST, STORE_LSE, CORR, EPI_TMA, SPLIT, LATE_K, LATE_Q, FIRST_OVERLAP, unit_smem, HANDOFF)),
         (_consume, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH, N_FULL,
                     PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM, BLOCK_N, NUM_STAGES,
-                    MASK_LAST, STORE_LSE, CORR, EPI_TMA, SPLIT, LATE_K, LATE_Q, FIRST_OVERLAP)),
+                    MASK_LAST, STORE_LSE, CORR, EPI_TMA, SPLIT, LATE_K, LATE_Q, FIRST_OVERLAP, unit_smem, HANDOFF)),
         (_loader, (desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX, N_UNITS,
-                   NCH, N_FULL, PARTS, q_smem, k_smem, v_smem, bars, BLOCK_N, NUM_STAGES, SPLIT)),
+                   NCH, N_FULL, PARTS, q_smem, k_smem, v_smem, bars, unit_smem, BLOCK_N, NUM_STAGES, SPLIT,
+                   HANDOFF)),
     ], [4, 1], [240, 24])
 
 
@@ -545,7 +613,8 @@ def default_late_k_release(head_dim: int) -> bool:
 def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False, *, num_stages: int | None = None,
                     q_buffers: int = 2, tma_store: bool = True, split_tail: bool | None = None,
                     late_k_release: bool | None = None, late_q_release: bool | None = None,
-                    first_step_overlap: bool = True, num_programs: int | None = None, maxnreg: int = 168):
+                    first_step_overlap: bool = True, unit_handoff: bool = False, num_programs: int | None = None,
+                    maxnreg: int = 168):
     """Run the Gluon kernel (inputs are assumed checked: see `GluonHopperBackend.not_supported_reasons`).
 
     With a correction plan (k_mean / v_sum / tile_len) the skipped tiles enter the same online softmax
@@ -577,6 +646,9 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
             (benchmarks/ab_gluon_first_step_overlap_h200.json, ..._correction_h200.json): d128 +0.7 / +1.0 /
             +0.7% at density 1 / 0.1 / 0.05 on 12 x 32,768 (+1.0 / +1.5 / -0.2% on 12 x 32,760), d64 +1.0 /
             -0.3 / +1.7%, with the correction +0.1 to +1.4%; outputs bitwise equal.
+        unit_handoff (off: not yet measured on the GPU): the loader warp, which decodes each work unit anyway,
+            hands its item and kv_count to the consumers through shared memory with the unit's Q barrier, so that
+            they do not wait for two dependent global loads at every item boundary (`_item_start`).
         num_programs, maxnreg: tuning knobs (benchmarks).
 
     Returns:
@@ -616,7 +688,7 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
                      MASK_LAST=(Sk % plan.block_n) != 0, STORE_LSE=return_lse, CORR=corr,
                      Q_BUFS=q_buffers, EPI_TMA=tma_store and q_buffers == 2, SPLIT=parts > 1,
                      LATE_K=late_k, LATE_Q=late_k if late_q_release is None else late_q_release,
-                     FIRST_OVERLAP=first_step_overlap, num_warps=4, maxnreg=maxnreg)
+                     FIRST_OVERLAP=first_step_overlap, HANDOFF=unit_handoff, num_warps=4, maxnreg=maxnreg)
     if parts > 1:
         combine_parts(o_part, lse_part, out, lse if return_lse else None, order, n_full, parts, Mq)
     return (out, lse) if return_lse else out
@@ -625,7 +697,8 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
 def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: int | None = None,
                      mask_last: bool = True, store_lse: bool = True, correction: bool = False, q_buffers: int = 2,
                      tma_store: bool = True, split_tail: bool = False, late_k_release: bool | None = None,
-                     late_q_release: bool | None = None, first_step_overlap: bool = True, maxnreg: int = 168):
+                     late_q_release: bool | None = None, first_step_overlap: bool = True, unit_handoff: bool = False,
+                     maxnreg: int = 168):
     """Compile the kernel ahead of time for sm_90 (works on a CPU-only machine); returns the CompiledKernel.
 
     Inspect `.asm["ttgir"]` (`ttg.warp_specialize`), `.asm["ptx"]` (`wgmma`, `cp.async.bulk.tensor`,
@@ -643,7 +716,8 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
     constants = dict(HEAD_DIM=head_dim, BLOCK_N=128, NUM_STAGES=num_stages or default_stages(head_dim),
                      MASK_LAST=mask_last, STORE_LSE=store_lse, CORR=correction, Q_BUFS=q_buffers,
                      EPI_TMA=tma_store and q_buffers == 2, SPLIT=split_tail, LATE_K=late_k,
-                     LATE_Q=late_k if late_q_release is None else late_q_release, FIRST_OVERLAP=first_step_overlap)
+                     LATE_Q=late_k if late_q_release is None else late_q_release, FIRST_OVERLAP=first_step_overlap,
+                     HANDOFF=unit_handoff)
     signature = {name: types.get(name, "constexpr") for name in _gluon_fwd.arg_names}
     src = GluonASTSource(_gluon_fwd, signature, constants)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
