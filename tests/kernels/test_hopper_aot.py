@@ -49,14 +49,15 @@ def test_hopper_kernel_compiles_with_tma_wgmma_and_warp_specialization(hopper_mo
     assert "wgmma.mma_async" in ptx, "no wgmma in the PTX"
     assert "cp.async.bulk.tensor" in ptx, "no TMA loads in the PTX"
     assert k.metadata.shared <= SHARED_LIMIT, f"shared memory {k.metadata.shared} > {SHARED_LIMIT}"
-    # no spill traffic in the tile loops; at head dim 128 the merge of the centroid pass's partial (a second
-    # fp32 output tile in registers) spills in the epilogue, once per work item (408 bytes at 128x128)
+    # no spill traffic in the tile loops; at head dim 128 the exact pass that continues from the centroid pass's
+    # partial (MERGE) spills outside them, once per work item (296 bytes of stack at 128x128, 152 at 64x64;
+    # 408 / 288 when the partial was merged in after the loop)
     inspect = load_script("inspect_gluon_sass")
     loops = inspect.tile_loops(inspect.sass_listing(k.asm["cubin"], Path(triton.__file__).parent / "backends"
                                                     / "nvidia" / "bin"))
     assert loops and all(inspect.local_memory_ops(body) == 0 for body in loops), "spills in a tile loop"
     spills = _spill_bytes(k.asm["cubin"], tmp_path)
-    allowed = 512 if d == 128 and merge else 0
+    allowed = 320 if d == 128 and merge else 0
     assert spills is None or spills <= allowed, f"registers spill to {spills} bytes of local memory / stack"
 
 

@@ -170,11 +170,13 @@ def finish_rows(acc, l_i, m_i):
 
 
 @triton.jit
-def merge_partial(acc, l_i, m_i, o_ptr, lse_ptr, row_ok):
-    """Fold a stored partial result (normalised out at o_ptr, natural-log lse at lse_ptr) into the state."""
-    o_prev = tl.load(o_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
+def partial_state(o_ptr, lse_ptr, row_ok):
+    """Online-softmax state (acc, l_i, m_i; log2 domain) that continues a stored partial result (normalised out
+    at o_ptr, natural-log lse at lse_ptr): m = lse, l = 1, acc = out, since out = acc / l at m. Rows the partial
+    did not see (lse -inf) start empty. Starting the next pass from it, rather than merging the partial in after
+    the loop, keeps a second output tile out of registers at the end (that merge spilled 408 bytes of stack at
+    head dim 128 in the Hopper kernel; this 296)."""
     t = tl.load(lse_ptr, mask=row_ok, other=float("-inf")) * 1.4426950408889634
-    m_new = tl.maximum(m_i, t)
-    a = tl.math.exp2(m_i - m_new)
-    b = tl.math.exp2(t - m_new)
-    return acc * a[:, None] + o_prev * b[:, None], l_i * a + b, m_new
+    seen = t > float("-inf")
+    acc = tl.load(o_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    return acc, tl.where(seen, 1.0, 0.0), tl.where(seen, t, NEG_BIG)

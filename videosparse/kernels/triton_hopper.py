@@ -14,7 +14,7 @@ exp2 domain), then the epilogue (out = acc / l, lse = m + log l, masked stores: 
 * Zero-order correction: a first launch of the same kernel with CENTROIDS=True runs the loop over
   all Nk key-tile centroids (k_mean, v_mean = v_sum/len) in chunks of BLOCK_N, with bias log(len)
   and -inf for the tiles the plan keeps exactly; it stores its partial (out, lse). The exact launch
-  (MERGE=True) folds that partial into its state in the epilogue. Cost: Nk/BLOCK_N extra loop
+  (MERGE=True) starts its online softmax from that partial. Cost: Nk/BLOCK_N extra loop
   iterations per query tile (1/(BLOCK_N*density) of the exact work) plus one read of out/lse.
 
 Triton 3.6 on sm_90 keeps warp specialization only when every dot of the kernel sits in that one
@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ..plan import Plan
-from ._triton_utils import (LOG2E, NEG_BIG, correction_inputs, finish_rows, launch_dims, merge_partial, softmax_step)
+from ._triton_utils import (LOG2E, NEG_BIG, correction_inputs, finish_rows, launch_dims, partial_state, softmax_step)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BLOCKS = (64, 128)
@@ -72,7 +72,7 @@ def _hopper_fwd(
     CENTROIDS=True:  K, V are k_mean, v_mean [N_BH*NK, D]; per item all NCP/BLOCK_N centroid chunks, with
                      the log2-domain column bias BIAS [N_ITEMS, NCP] (log2 len, -inf for exact tiles and pad).
     MERGE: O, LSE already hold a partial result (normalised out, natural-log lse) of this item from an
-    earlier pass; it is combined with this pass in the epilogue (same online-softmax algebra).
+    earlier pass; this pass starts its online softmax from it (`partial_state`).
     SKIP_LOG2 > 0 (exact pass, benchmarks only): online skip; a listed tile whose every score lies more
     than SKIP_LOG2 (log2 units) below the running max of its row is dropped (no exp, no P.V). It needs
     WARP_SPECIALIZE=False (a run-time `if` in the loop).
@@ -99,9 +99,16 @@ def _hopper_fwd(
         q = desc_q.load([bh * S + mt * BLOCK_M, 0])
         if UPCAST:
             q = q.to(tl.float32)
-        m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        if MERGE:   # continue from the partial of the centroid pass (pointers recomputed for the stores below:
+            # a [BLOCK_M, HEAD_DIM] pointer tensor live across the loop would take 128 registers per thread; a TMA
+            # load of the partial spilled more, 368 bytes at head dim 128)
+            rows = mt * BLOCK_M + offs_m
+            acc, l_i, m_i = partial_state(O + (bh.to(tl.int64) * S + rows)[:, None] * HEAD_DIM + offs_d[None, :],
+                                          LSE + bh.to(tl.int64) * S + rows, rows < S)
+        else:
+            m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         if CENTROIDS:
             n_iter = NCP // BLOCK_N
         else:
@@ -138,8 +145,6 @@ def _hopper_fwd(
         row_ok = rows < S
         o_ptr = O + (bh.to(tl.int64) * S + rows)[:, None] * HEAD_DIM + offs_d[None, :]
         lse_ptr = LSE + bh.to(tl.int64) * S + rows
-        if MERGE:
-            acc, l_i, m_i = merge_partial(acc, l_i, m_i, o_ptr, lse_ptr, row_ok)
         out, lse = finish_rows(acc, l_i, m_i)
         tl.store(o_ptr, out.to(dtype), mask=row_ok[:, None])
         if STORE_LSE:
