@@ -143,7 +143,7 @@ def _item_start(ORDER, KV_COUNT, KV_INDEX, BIAS, it, t, MQ, KMAX, NCP, NCH, N_FU
         qb = t % Q_BUFS
         mbarrier.wait(q_ready.index(qb), (t // Q_BUFS) & 1)
         item, total = _unit_received(unit_smem.index(qb))
-        idx, tail, v, k, part = _unit_part(it, N_FULL, PARTS, SPLIT)
+        _, tail, v, k, part = _unit_part(it, N_FULL, PARTS, SPLIT)
         item, bh, mt, row, n, n_all, slot = _unit_tiles(item, item // MQ, item % MQ, total, tail, v, k, part,
                                                         KV_INDEX, KMAX, NCH, SPLIT)
         bias_row = BIAS + item.to(gl.int64) * NCP
