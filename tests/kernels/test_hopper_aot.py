@@ -52,13 +52,19 @@ def test_hopper_kernel_compiles_with_tma_wgmma_and_warp_specialization(hopper_mo
     # no spill traffic in the tile loops; at head dim 128 the exact pass that continues from the centroid pass's
     # partial (MERGE) spills outside them, once per work item (296 bytes of stack at 128x128, 152 at 64x64;
     # 408 / 288 when the partial was merged in after the loop)
+    _check_spills(k.asm["cubin"], tmp_path, allowed=320 if d == 128 and merge else 0)
+
+
+def _check_spills(cubin: bytes, where: Path, allowed: int) -> int:
+    """Asserts that the kernel's tile loops (`inspect_gluon_sass.tile_loops`; at least one) hold no spill
+    instruction and that it spills at most `allowed` bytes in all; returns the number of tile loops."""
     inspect = load_script("inspect_gluon_sass")
-    loops = inspect.tile_loops(inspect.sass_listing(k.asm["cubin"], Path(triton.__file__).parent / "backends"
-                                                    / "nvidia" / "bin"))
+    loops = inspect.tile_loops(inspect.sass_listing(cubin, Path(triton.__file__).parent / "backends" / "nvidia"
+                                                    / "bin"))
     assert loops and all(inspect.local_memory_ops(body) == 0 for body in loops), "spills in a tile loop"
-    spills = _spill_bytes(k.asm["cubin"], tmp_path)
-    allowed = 320 if d == 128 and merge else 0
+    spills = _spill_bytes(cubin, where)
     assert spills is None or spills <= allowed, f"registers spill to {spills} bytes of local memory / stack"
+    return len(loops)
 
 
 def _spill_bytes(cubin: bytes, where: Path):
@@ -108,7 +114,6 @@ def test_gluon_kernel_compiles_with_two_consumer_warpgroups_tma_and_wgmma(name, 
     pytest.importorskip("triton.experimental.gluon")
     from videosparse.kernels import gluon_hopper
 
-    inspect = load_script("inspect_gluon_sass")
     d, dtype, stages, correction, mask_last, q_buffers, split = GLUON_VARIANTS[name]
     k = gluon_hopper.compile_for_sm90(head_dim=d, dtype=dtype, num_stages=stages, correction=correction,
                                       mask_last=mask_last, q_buffers=q_buffers, split_tail=split)
@@ -120,12 +125,7 @@ def test_gluon_kernel_compiles_with_two_consumer_warpgroups_tma_and_wgmma(name, 
     assert k.metadata.shared <= SHARED_LIMIT, f"shared memory {k.metadata.shared} > {SHARED_LIMIT}"
     # no spill traffic in the tile loops; at head dim 128 the correction and the tail split cost the consumers
     # 32-64 bytes of stack, spilled and reloaded around the item loop (14 loads/stores per item with both)
-    loops = inspect.tile_loops(inspect.sass_listing(k.asm["cubin"], Path(triton.__file__).parent / "backends"
-                                                    / "nvidia" / "bin"))
-    assert len(loops) == 2 and [inspect.local_memory_ops(body) for body in loops] == [0, 0], "spills in a tile loop"
-    spills = _spill_bytes(k.asm["cubin"], tmp_path)
-    allowed = 64 if d == 128 and (correction or split) else 0
-    assert spills is None or spills <= allowed, f"registers spill to {spills} bytes of local memory / stack"
+    assert _check_spills(k.asm["cubin"], tmp_path, allowed=64 if d == 128 and (correction or split) else 0) == 2
 
 
 def test_gluon_kernel_stores_outputs_with_tma():

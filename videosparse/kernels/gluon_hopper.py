@@ -105,11 +105,12 @@ def _unit_tiles(item, bh, mt, total, tail, v, k, part, KV_INDEX, KMAX, NCH, SPLI
 
 @gluon.jit
 def _work_unit(ORDER, KV_COUNT, KV_INDEX, u, MQ, KMAX, NCH, N_FULL, PARTS, SPLIT: gl.constexpr):
-    """Work unit u (`tail_split`), its item and kv_count loaded here (two dependent global loads): see
-    `_unit_tiles`."""
+    """Work unit u (`tail_split`), its item and kv_count loaded here (two dependent global loads): `_unit_tiles`
+    and, last, the item's kv_count."""
     idx, tail, v, k, part = _unit_part(u, N_FULL, PARTS, SPLIT)
     item, bh, mt, total = _work_item(ORDER, KV_COUNT, idx, MQ)
-    return _unit_tiles(item, bh, mt, total, tail, v, k, part, KV_INDEX, KMAX, NCH, SPLIT)
+    item, bh, mt, row, n, n_all, slot = _unit_tiles(item, bh, mt, total, tail, v, k, part, KV_INDEX, KMAX, NCH, SPLIT)
+    return item, bh, mt, row, n, n_all, slot, total
 
 
 @gluon.jit
@@ -148,8 +149,8 @@ def _item_start(ORDER, KV_COUNT, KV_INDEX, BIAS, it, t, MQ, KMAX, NCP, NCH, N_FU
                                                         KV_INDEX, KMAX, NCH, SPLIT)
         bias_row = BIAS + item.to(gl.int64) * NCP
     else:
-        item, bh, mt, row, n, n_all, slot = _work_unit(ORDER, KV_COUNT, KV_INDEX, it, MQ, KMAX, NCH, N_FULL, PARTS,
-                                                       SPLIT)
+        item, bh, mt, row, n, n_all, slot, _ = _work_unit(ORDER, KV_COUNT, KV_INDEX, it, MQ, KMAX, NCH, N_FULL,
+                                                          PARTS, SPLIT)
         bias_row = BIAS + item.to(gl.int64) * NCP
         qb = t % Q_BUFS
         mbarrier.wait(q_ready.index(qb), (t // Q_BUFS) & 1)
@@ -168,14 +169,8 @@ def _loader(desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER,
     c = 0
     t = 0
     for it in range(gl.program_id(0), N_UNITS, gl.num_programs(0)):
-        if HANDOFF:   # `_work_unit`, keeping the kv_count for the consumers
-            idx, tail, v, k, part = _unit_part(it, N_FULL, PARTS, SPLIT)
-            item, bh, mt, total = _work_item(ORDER, KV_COUNT, idx, MQ)
-            item, bh, mt, row, n, n_all, slot = _unit_tiles(item, bh, mt, total, tail, v, k, part, KV_INDEX, KMAX,
-                                                            NCH, SPLIT)
-        else:
-            item, bh, mt, row, n, n_all, slot = _work_unit(ORDER, KV_COUNT, KV_INDEX, it, MQ, KMAX, NCH, N_FULL,
-                                                           PARTS, SPLIT)
+        item, bh, mt, row, n, n_all, slot, total = _work_unit(ORDER, KV_COUNT, KV_INDEX, it, MQ, KMAX, NCH, N_FULL,
+                                                              PARTS, SPLIT)
         qb = t % Q_BUFS
         mbarrier.wait(q_empty.index(qb), ((t // Q_BUFS) & 1) ^ 1)
         if HANDOFF:
