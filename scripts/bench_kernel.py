@@ -364,8 +364,8 @@ def bench_variants(results, args, deadline):
             # an item's first softmax not under the previous item's last P.V (the default before this run)
             variants["gluon_no_first_overlap"] = lambda: gluon_attention(q, k, v, plan, D ** -0.5,
                                                                          first_step_overlap=False)
-            # the unit decode handed from the loader to the consumers through shared memory
-            variants["gluon_unit_handoff"] = lambda: gluon_attention(q, k, v, plan, D ** -0.5, unit_handoff=True)
+            # each consumer decodes the work unit with its own global loads (default: the loader hands it over)
+            variants["gluon_no_unit_handoff"] = lambda: gluon_attention(q, k, v, plan, D ** -0.5, unit_handoff=False)
             if D == 64:     # deeper K/V rings fit next to two Q buffers only at head dim 64
                 for st in (3, 4):
                     variants[f"gluon_{st}_stages"] = (
@@ -489,7 +489,7 @@ VARIANT_LABELS = {  # bench_variants name: README label
     "gluon_k_release_flipped": "Gluon, across items, releases at the other point (d128: early, d64: late)",
     "gluon_late_q_only": "Gluon, across items, K released early, Q release after the softmax",
     "gluon_no_first_overlap": "Gluon, across items, an item's first softmax not under the last P.V",
-    "gluon_unit_handoff": "Gluon, across items, unit decode handed from the loader in shared memory",
+    "gluon_no_unit_handoff": "Gluon, across items, each consumer loads the unit's item and count itself",
     "gluon_register_store": "Gluon, across items, outputs stored from registers",
     "gluon_1_q_buffer_cross": "Gluon, across items, 1 Q buffer",
     "gluon_p_in_smem": "Gluon, across items, P in shared memory (1 Q buffer at d128; removed)",

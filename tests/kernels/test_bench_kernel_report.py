@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 from helpers import load_script
 
 
@@ -111,6 +114,45 @@ def test_ab_gluon_loads_a_kernel_copy_from_another_revision(tmp_path):
     assert mod._gluon_fwd is not gluon_hopper._gluon_fwd
     kernel = mod.compile_for_sm90(head_dim=64)
     assert "wgmma.mma_async" in kernel.asm["ptx"]
+
+
+def test_ab_gluon_loads_a_folder_of_kernel_copies_as_one_package(tmp_path):
+    """A --baseline folder (here the Triton Hopper kernel and its helpers): the module imports its helpers from the
+    folder, not from this tree, and compiles for sm_90; a folder without the module is a clear error."""
+    import pytest
+
+    from videosparse.kernels import _triton_utils, triton_hopper
+
+    ab = load_script("ab_gluon")
+    src = Path(__file__).resolve().parents[2] / "videosparse" / "kernels"
+    for name in ("triton_hopper", "_triton_utils"):
+        (tmp_path / f"{name}.py").write_text((src / f"{name}.py").read_text())
+    mod = ab.load_kernel_module(tmp_path, name="ab_test_triton_copy", module="triton_hopper")
+    helpers = sys.modules["ab_test_triton_copy._triton_utils"]
+    assert mod is not triton_hopper and helpers is not _triton_utils
+    assert mod.partial_state is helpers.partial_state is not _triton_utils.partial_state
+    assert mod.Plan is triton_hopper.Plan            # everything else comes from this tree
+    assert "wgmma.mma_async" in mod.compile_for_sm90(head_dim=64).asm["ptx"]
+    with pytest.raises(ValueError, match="gluon_hopper"):
+        ab.load_kernel_module(tmp_path, name="ab_test_missing", module="gluon_hopper")
+
+
+def test_power_summary_splits_the_cool_start_from_the_steady_half():
+    """scripts/bench_power.py: TFLOP/s over the first 100 ms and over the second half of a sustained run, and the
+    median clock and power of the samples in that half only; nvidia-smi lines it cannot read are skipped."""
+    import math
+
+    power = load_script("bench_power")
+    # 1 TFLOP per call; 20 calls per 0.1 s at first (200 TFLOP/s), then 10 per 0.1 s (100 TFLOP/s)
+    chunks = [(0.0, 0), (0.1, 20)] + [(0.1 + 0.1 * i, 20 + 10 * i) for i in range(1, 10)]
+    samples = [(0.05, 1980.0, 400.0), (0.3, 1700.0, 650.0), (0.6, 1500.0, 700.0), (0.8, 1520.0, 690.0),
+               (0.9, 1510.0, 700.0), (2.0, 345.0, 80.0)]
+    out = power.summarize(chunks, samples, flops=1e12)
+    assert math.isclose(out["tflops_first"], 200.0) and math.isclose(out["tflops_steady"], 100.0)
+    assert out["n_samples"] == 3 and out["clock_mhz"] == 1510.0 and out["power_w"] == 700.0
+    assert math.isclose(out["tflops_per_w"], 100.0 / 700.0)
+    assert power.parse_sample(" 1515, 669.33\n", 1.0) == (1.0, 1515.0, 669.33)
+    assert power.parse_sample("[N/A], 80.0", 1.0) is None and power.parse_sample("", 1.0) is None
 
 
 def test_ncu_stall_summary_splits_roles_and_weights_by_samples(tmp_path):

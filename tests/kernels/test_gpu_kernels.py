@@ -51,8 +51,8 @@ def test_kernel_matches_reference_at_real_size(backend, S, D, dtype, plan_kind, 
            S, D, dtype, plan_kind, correction)
 
 
-def _check(run, S, D, dtype, plan_kind, correction):
-    """run(q, k, v, plan) -> (out, lse) against the reference on fresh inputs, B=2, H=4."""
+def _check(run, S, D, dtype, plan_kind, correction, block=128):
+    """run(q, k, v, plan) -> (out, lse) against the reference on fresh inputs, B=2, H=4, block x block tiles."""
     from videosparse.kernels import reference_attention
     from videosparse.plan import Plan, dense_plan
     from videosparse.sol.centroids import tile_centroids_torch
@@ -60,17 +60,17 @@ def _check(run, S, D, dtype, plan_kind, correction):
     B, H, dev = 2, 4, "cuda"
     q, k, v = (torch.randn(B, H, S, D, device=dev, dtype=dtype) for _ in range(3))
     if plan_kind == "dense":
-        plan = dense_plan(B, H, S, device=dev)
+        plan = dense_plan(B, H, S, block, block, device=dev)
     elif plan_kind == "banded":
-        plan = _banded(B, H, S, 128, 3, dev)
+        plan = _banded(B, H, S, block, 3, dev)
     else:
-        plan = random_plan(B, H, S, 128, 128, 0.15, seed=S, device=dev)
+        plan = random_plan(B, H, S, block, block, 0.15, seed=S, device=dev)
     if plan_kind == "empty":     # every second query tile attends to no tile: zero rows, lse -inf
         count = plan.kv_count.clone()
         count[:, :, ::2] = 0
-        plan = Plan(plan.kv_index, count, 128, 128)
+        plan = Plan(plan.kv_index, count, block, block)
     if correction:
-        plan = plan.with_correction(*tile_centroids_torch(k, v, 128))
+        plan = plan.with_correction(*tile_centroids_torch(k, v, block))
     out, lse = run(q, k, v, plan)
     ref, ref_lse = reference_attention(q, k, v, plan, D ** -0.5, return_lse=True)
     assert out.shape == q.shape and out.dtype == dtype and torch.isfinite(out).all()
@@ -80,9 +80,26 @@ def _check(run, S, D, dtype, plan_kind, correction):
     assert float((lse[finite] - ref_lse[finite]).abs().max()) < 2e-2
 
 
+@pytest.mark.parametrize("backend", ["hopper", "triton_generic"])
+@pytest.mark.parametrize("S,D,dtype,plan_kind,correction", [
+    (9000, 128, torch.bfloat16, "random", True),     # the Triton Hopper MERGE pass at 64 x 64 tiles
+    (9000, 64, torch.float16, "banded", True),
+    (5000, 128, torch.bfloat16, "empty", True),
+    (4000, 64, torch.bfloat16, "random", False),
+])
+def test_triton_kernels_at_64x64_tiles(backend, S, D, dtype, plan_kind, correction):
+    """64 x 64 tiles (a Veda per-head tile shape; the Gluon kernel takes 128 x 128 only) against the reference."""
+    if backend not in _backends():
+        pytest.skip(f"{backend} needs another GPU generation")
+    from videosparse.kernels import block_sparse_attention
+
+    _check(lambda q, k, v, plan: block_sparse_attention(q, k, v, plan, return_lse=True, backend=backend),
+           S, D, dtype, plan_kind, correction, block=64)
+
+
 @pytest.mark.parametrize("knobs", ["one_q_buffer", "register_store", "no_tail_split",
                                    "seven_programs", "release_flipped", "late_q_only", "overlap_all",
-                                   "no_first_overlap", "unit_handoff"])
+                                   "no_first_overlap", "no_unit_handoff"])
 @pytest.mark.parametrize("S,D,dtype,plan_kind,correction", [
     (16380, 128, torch.bfloat16, "random", True),
     (9000, 64, torch.float16, "banded", False),
@@ -104,8 +121,8 @@ def test_gluon_variants_match_reference(knobs, S, D, dtype, plan_kind, correctio
               "late_q_only": dict(late_k_release=False, late_q_release=True),
               "overlap_all": dict(late_k_release=False, late_q_release=True, first_step_overlap=True),
               "no_first_overlap": dict(first_step_overlap=False),
-              # the unit's item and kv_count handed from the loader to the consumers in shared memory
-              "unit_handoff": dict(unit_handoff=True)}[knobs]
+              # each consumer loads the unit's item and kv_count itself (default: handed over by the loader)
+              "no_unit_handoff": dict(unit_handoff=False)}[knobs]
     _check(lambda q, k, v, plan: gluon_attention(q, k, v, plan, D ** -0.5, return_lse=True, **kwargs),
            S, D, dtype, plan_kind, correction)
 

@@ -5,7 +5,8 @@ does not overlap its own GEMMs. This kernel writes the schedule out:
 
 * one loader warp: TMA loads of the two Q halves of the work item, then the listed K and V tiles into
   a ring of `NUM_STAGES` shared-memory stages (K and V have their own ready barriers, so the score
-  GEMM can start before V lands);
+  GEMM can start before V lands); it also hands each item's id and tile count to the consumers in shared
+  memory beside its Q buffer (`HANDOFF`), so they need no global loads at item boundaries;
 * two consumer warpgroups, each owning 64 of the 128 query rows: per key tile the score GEMM
   S_j = Q K_j^T is issued asynchronously *before* the P_{j-1} V_{j-1} GEMM of the previous tile, so
   that the online softmax of S_j can run while P_{j-1} V_{j-1} is in the tensor cores. With P in registers
@@ -608,7 +609,7 @@ def default_late_k_release(head_dim: int) -> bool:
 def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False, *, num_stages: int | None = None,
                     q_buffers: int = 2, tma_store: bool = True, split_tail: bool | None = None,
                     late_k_release: bool | None = None, late_q_release: bool | None = None,
-                    first_step_overlap: bool = True, unit_handoff: bool = False, num_programs: int | None = None,
+                    first_step_overlap: bool = True, unit_handoff: bool = True, num_programs: int | None = None,
                     maxnreg: int = 168):
     """Run the Gluon kernel (inputs are assumed checked: see `GluonHopperBackend.not_supported_reasons`).
 
@@ -641,9 +642,12 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
             (benchmarks/ab_gluon_first_step_overlap_h200.json, ..._correction_h200.json): d128 +0.7 / +1.0 /
             +0.7% at density 1 / 0.1 / 0.05 on 12 x 32,768 (+1.0 / +1.5 / -0.2% on 12 x 32,760), d64 +1.0 /
             -0.3 / +1.7%, with the correction +0.1 to +1.4%; outputs bitwise equal.
-        unit_handoff (off: not yet measured on the GPU): the loader warp, which decodes each work unit anyway,
-            hands its item and kv_count to the consumers through shared memory with the unit's Q barrier, so that
-            they do not wait for two dependent global loads at every item boundary (`_item_start`).
+        unit_handoff (default True): the loader warp, which decodes each work unit anyway, hands its item and
+            kv_count to the consumers through shared memory with the unit's Q barrier, so that they do not wait
+            for two dependent global loads at every item boundary (`_item_start`). Interleaved A/Bs on the H200
+            (benchmarks/ab_gluon_unit_handoff_h200.json, ..._2_h200.json, ..._correction_h200.json): d64 +1.2 /
+            +2.7% at density 0.1 and +2.2 / +0.2% at 0.05 (with the correction +0.8 / +2.4%), d128 -0.3 to
+            +0.8% (even); outputs bitwise equal.
         num_programs, maxnreg: tuning knobs (benchmarks).
 
     Returns:
@@ -692,7 +696,7 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
 def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: int | None = None,
                      mask_last: bool = True, store_lse: bool = True, correction: bool = False, q_buffers: int = 2,
                      tma_store: bool = True, split_tail: bool = False, late_k_release: bool | None = None,
-                     late_q_release: bool | None = None, first_step_overlap: bool = True, unit_handoff: bool = False,
+                     late_q_release: bool | None = None, first_step_overlap: bool = True, unit_handoff: bool = True,
                      maxnreg: int = 168):
     """Compile the kernel ahead of time for sm_90 (works on a CPU-only machine); returns the CompiledKernel.
 

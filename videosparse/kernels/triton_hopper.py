@@ -174,7 +174,7 @@ def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False
 
     Without correction: one pass over the listed tiles. With correction (plan carries k_mean, v_sum,
     tile_len): a centroid pass writes the partial result of the skipped tiles into out/lse, then the
-    exact pass folds it into its online softmax in the epilogue. (Triton 3.6 on sm_90 keeps warp
+    exact pass starts its online softmax from it (`partial_state`). (Triton 3.6 on sm_90 keeps warp
     specialization only for a kernel whose dots all sit in one loop, so the two loops cannot share a
     kernel.)
 
