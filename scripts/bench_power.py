@@ -129,7 +129,7 @@ def main(argv=None):
     runs["cudnn dense"] = (sdpa, full, 1.0)
     for density in args.densities:
         plan = random_plan(B, H, S, density, 128, "cuda")
-        kept = plan.density(S // 128)
+        kept = plan.density(-(-S // 128))
         runs[f"ours {density}"] = (lambda p=plan: block_sparse_attention(q, k, v, p, validate=False), full * kept, kept)
         fa4 = make_fa4(plan)
         if fa4 is not None:

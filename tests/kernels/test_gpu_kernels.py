@@ -43,12 +43,17 @@ def _backends():
     (5000, 128, torch.bfloat16, "empty", True),
 ])
 def test_kernel_matches_reference_at_real_size(backend, S, D, dtype, plan_kind, correction):
+    _check_backend(backend, S, D, dtype, plan_kind, correction)
+
+
+def _check_backend(backend, S, D, dtype, plan_kind, correction, block=128):
+    """`_check` of block_sparse_attention(backend=backend); skipped where this GPU lacks the backend."""
     if backend not in _backends():
         pytest.skip(f"{backend} needs another GPU generation")
     from videosparse.kernels import block_sparse_attention
 
     _check(lambda q, k, v, plan: block_sparse_attention(q, k, v, plan, return_lse=True, backend=backend),
-           S, D, dtype, plan_kind, correction)
+           S, D, dtype, plan_kind, correction, block)
 
 
 def _check(run, S, D, dtype, plan_kind, correction, block=128):
@@ -89,12 +94,7 @@ def _check(run, S, D, dtype, plan_kind, correction, block=128):
 ])
 def test_triton_kernels_at_64x64_tiles(backend, S, D, dtype, plan_kind, correction):
     """64 x 64 tiles (a Veda per-head tile shape; the Gluon kernel takes 128 x 128 only) against the reference."""
-    if backend not in _backends():
-        pytest.skip(f"{backend} needs another GPU generation")
-    from videosparse.kernels import block_sparse_attention
-
-    _check(lambda q, k, v, plan: block_sparse_attention(q, k, v, plan, return_lse=True, backend=backend),
-           S, D, dtype, plan_kind, correction, block=64)
+    _check_backend(backend, S, D, dtype, plan_kind, correction, block=64)
 
 
 @pytest.mark.parametrize("knobs", ["one_q_buffer", "register_store", "no_tail_split",
