@@ -293,6 +293,42 @@ def test_gluon_unit_handoff_takes_the_unit_decode_off_the_consumers(head_dim, co
     assert ordered, "the loader's store of the unit must precede a warp barrier and the Q barrier's arrive"
 
 
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_gluon_pingpong_takes_turns_around_each_steps_gemms(head_dim):
+    """`pingpong=True`: in each consumer's tile loop the step's two GEMMs are issued between a wait on this
+    warpgroup's named barrier (8 or 9, 256 threads) and an arrive on the other's, and the arrive comes before the
+    wait for the score GEMM (so the other warpgroup's GEMMs run under this one's softmax); the softmax overlap
+    and the spill-free tile loops of the default kernel stay."""
+    pytest.importorskip("triton.experimental.gluon")
+    from videosparse.kernels import gluon_hopper
+
+    inspect = load_script("inspect_gluon_sass")
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+    def look(pingpong):
+        k = gluon_hopper.compile_for_sm90(head_dim=head_dim, pingpong=pingpong)
+        listing = inspect.sass_listing(k.asm["cubin"], tools)
+        return inspect.overlap_per_loop([op for _, op in listing]), inspect.tile_loops(listing)
+
+    overlap, loops = look(True)
+    base_overlap, _ = look(False)
+    assert overlap == base_overlap and len(loops) == 2
+    turns = set()
+    for body in loops:
+        assert inspect.local_memory_ops(body) == 0
+        ops = [op for op in body if re.search(r"BAR\.(SYNC|ARV)\S* 0x[89], 0x100|HGMMA|DEPBAR\.LE gsb0", op)]
+        kinds = ["wait" if "BAR.SYNC" in op else "pass" if "BAR.ARV" in op else "gemm" if "HGMMA" in op else
+                 "gemm_wait" for op in ops]
+        first = kinds.index("gemm")
+        assert kinds[:first] == ["wait"] and kinds.count("wait") == kinds.count("pass") == 1, kinds
+        assert kinds[first:kinds.index("pass")] == ["gemm"] * (kinds.index("pass") - first), kinds
+        assert kinds.index("pass") < kinds.index("gemm_wait"), kinds
+        wait, pass_ = (re.search(r"0x([89]), 0x100", op).group(1) for op in ops if op.startswith("BAR."))
+        assert wait != pass_
+        turns.add(wait)
+    assert turns == {"8", "9"}     # one warpgroup waits on each barrier
+
+
 @pytest.mark.parametrize("head_dim,q_buffers", [(128, 2), (64, 2), (128, 1)])
 def test_gluon_correction_bias_loads_hide_under_the_score_gemm(head_dim, q_buffers):
     """With the zero-order correction, each centroid step's bias row is loaded after its score GEMM is issued

@@ -23,8 +23,10 @@ does not overlap its own GEMMs. This kernel writes the schedule out:
   partial outputs a small Triton kernel merges.
 
 Measured and removed (the README gives the numbers; the code is in git at 8525f03): a pipeline per work item
-without the cross-item carry, FA3's enforced ping-pong of the two warpgroups' GEMMs, and P read by the P.V GEMM
-from shared memory instead of registers; none was faster on the H200.
+without the cross-item carry, FA3's enforced ping-pong of the two warpgroups' GEMMs on it, and P read by the P.V
+GEMM from shared memory instead of registers; none was faster on the H200. The ping-pong is back as an option of
+this pipeline (`PINGPONG`, hardware named barriers around each step's GEMM issue, as FA4's Hopper kernel does),
+not yet measured.
 
 Semantics are those of `reference.reference_attention`. With the zero-order correction each item's
 centroid chunks (k_mean, v_sum/len, bias log2 len; -inf for its exact tiles) follow its exact tiles in
@@ -312,9 +314,39 @@ def _release_q_at_step(q_empty, qb, rel_qb, j, n_all, EPI_TMA: gl.constexpr):
 
 
 @gluon.jit
+def _await_turn(WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """PINGPONG: wait (hardware named barrier 8 for warpgroup 0, 9 for warpgroup 1, 256 threads; Triton itself
+    uses 0-2) until the other consumer warpgroup has issued its
+    GEMMs and passed the turn (`_pass_turn`); then this one issues its step's GEMMs. (The inline assembly needs
+    an operand: the program id, unused.)"""
+    if PINGPONG:
+        t = gl.program_id(0)
+        if WG == 0:
+            gl.inline_asm_elementwise("bar.sync 8, 256;\n mov.u32 $0, $1;", "=r,r", [t], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise("bar.sync 9, 256;\n mov.u32 $0, $1;", "=r,r", [t], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+
+
+@gluon.jit
+def _pass_turn(WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """PINGPONG: let the other consumer warpgroup issue its GEMMs (arrive on its named barrier, no wait)."""
+    if PINGPONG:
+        t = gl.program_id(0)
+        if WG == 0:
+            gl.inline_asm_elementwise("bar.arrive 9, 256;\n mov.u32 $0, $1;", "=r,r", [t], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise("bar.arrive 8, 256;\n mov.u32 $0, $1;", "=r,r", [t], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+
+
+@gluon.jit
 def _tile_loop(c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, row, bias_row, cols, SK, qk_scale, inv_scale, zero_s,
                k_smem, v_smem, bars, rel_qb, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr,
-               CORR: gl.constexpr, EPI_TMA: gl.constexpr, LATE_K: gl.constexpr, LATE_Q: gl.constexpr):
+               CORR: gl.constexpr, EPI_TMA: gl.constexpr, LATE_K: gl.constexpr, LATE_Q: gl.constexpr,
+               WG: gl.constexpr, PINGPONG: gl.constexpr):
     """Steps 1 .. n_all-1 of an item: S_j = Q K_j^T issued before P_{j-1} V_{j-1}, online softmax of S_j while
     P.V runs; releases each K stage after its score GEMM (LATE_K: after the softmax), each V stage after its
     P.V, and Q after the last score GEMM (EPI_TMA: instead, at step 1, Q buffer rel_qb of the previous item,
@@ -335,8 +367,10 @@ def _tile_loop(c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, row, bias_row, cols
         sp = (cj - 1) % NUM_STAGES
         mbarrier.wait(k_ready.index(sj), (cj // NUM_STAGES) & 1)
         mbarrier.wait(v_ready.index(sp), ((cj - 1) // NUM_STAGES) & 1)
+        _await_turn(WG, PINGPONG)
         qk_tok = warpgroup_mma(q_half, k_smem.index(sj).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+        _pass_turn(WG, PINGPONG)
         bias = _step_bias(j, n, bias_row, cols, inv_scale, BLOCK_N, CORR)
         qk = warpgroup_mma_wait(1, deps=(qk_tok,))
         if not LATE_K:
@@ -374,11 +408,13 @@ def _unit_epilogue(acc, m_i, l_i, bh, mt, slot, O, LSE, S, desc_o, o_smem, O_PAR
 @gluon.jit
 def _finish_pending(WG: gl.constexpr, pv_c, acc, m_i, l_i, p_op, v_smem, v_ready, v_empty, bh, mt, slot, O, LSE, S,
                     desc_o, o_smem, O_PART, LSE_PART, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                    STORE_LSE: gl.constexpr, EPI_TMA: gl.constexpr, SPLIT: gl.constexpr):
+                    STORE_LSE: gl.constexpr, EPI_TMA: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr):
     """The pending unit's last P.V (tile pv_c) when no next score GEMM goes with it, then its epilogue."""
     sp = pv_c % NUM_STAGES
     mbarrier.wait(v_ready.index(sp), (pv_c // NUM_STAGES) & 1)
+    _await_turn(WG, PINGPONG)
     acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+    _pass_turn(WG, PINGPONG)
     acc = warpgroup_mma_wait(0, deps=(acc_tok,))
     mbarrier.arrive(v_empty.index(sp), count=1)
     _unit_epilogue(acc, m_i, l_i, bh, mt, slot, O, LSE, S, desc_o, o_smem, O_PART, LSE_PART, WG, HEAD_DIM, STORE_LSE,
@@ -390,7 +426,8 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
              N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM: gl.constexpr,
              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr,
              CORR: gl.constexpr, EPI_TMA: gl.constexpr, SPLIT: gl.constexpr, LATE_K: gl.constexpr,
-             LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr, unit_smem, HANDOFF: gl.constexpr):
+             LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr, unit_smem, HANDOFF: gl.constexpr,
+             PINGPONG: gl.constexpr):
     """One consumer warpgroup (rows WG*64 .. WG*64+63 of each item), the pipeline carried across work items: per
     item the score GEMMs, online softmax and P.V GEMMs of its exact tiles and (CORR) centroid chunks
     (`_tile_loop`); an item's last P.V GEMM is issued after the next item's first score GEMM, and its epilogue
@@ -399,7 +436,9 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
     also overlaps the previous item's last P.V. EPI_TMA: the epilogue stages the output in the finished
     item's Q half and stores it with TMA; that Q buffer goes back to the loader at the next item's second step
     (`_release_q`). SPLIT: the work units of `tail_split`; a part of a split item ends with `_unit_epilogue`
-    into the workspace. HANDOFF: see `_item_start`."""
+    into the workspace. HANDOFF: see `_item_start`. PINGPONG: the two warpgroups take turns to issue each step's
+    GEMMs (FA3's ping-pong: warpgroup 0 first; `_await_turn`, `_pass_turn`), so that one's GEMMs run while the
+    other computes its softmax."""
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = bars
     dtype: gl.constexpr = O.dtype.element_ty
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
@@ -423,6 +462,8 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
     m_i = gl.full([64], NEG_BIG, gl.float32, layout=row_s)
     l_i = gl.zeros([64], gl.float32, layout=row_s)
     p_op = gl.convert_layout(zero_s.to(dtype), p_layout)
+    if WG == 1:     # PINGPONG: warpgroup 0 issues first
+        _pass_turn(WG, PINGPONG)
     for it in range(gl.program_id(0), N_UNITS, gl.num_programs(0)):
         bh, mt, n, row, bias_row, n_all, slot, qb, q_half = _item_start(ORDER, KV_COUNT, KV_INDEX, BIAS, it, t, MQ,
                                                                         KMAX, NCP, NCH, N_FULL, PARTS, q_smem,
@@ -430,12 +471,14 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
         if n_all > 0:
             s0 = c % NUM_STAGES
             mbarrier.wait(k_ready.index(s0), (c // NUM_STAGES) & 1)
+            _await_turn(WG, PINGPONG)
             qk_tok = warpgroup_mma(q_half, k_smem.index(s0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             bias = _step_bias(0, n, bias_row, cols, inv_scale, BLOCK_N, CORR)
             if pend == 1:
                 sp = pv_c % NUM_STAGES
                 mbarrier.wait(v_ready.index(sp), (pv_c // NUM_STAGES) & 1)
                 acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
+                _pass_turn(WG, PINGPONG)
                 qk = warpgroup_mma_wait(1, deps=(qk_tok,))
                 if not FIRST_OVERLAP:
                     mbarrier.arrive(k_empty.index(s0), count=1)
@@ -454,6 +497,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
                                SPLIT)
                 rel_qb = prev_qb
             else:
+                _pass_turn(WG, PINGPONG)
                 qk = warpgroup_mma_wait(0, deps=(qk_tok,))
                 mbarrier.arrive(k_empty.index(s0), count=1)
                 qk = _fix_scores(qk, 0, n, row, bias, cols, SK, BLOCK_N, MASK_LAST, CORR)
@@ -472,7 +516,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
             acc = zero_o
             acc, m_i, l_i, p_op = _tile_loop(c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, row, bias_row, cols, SK,
                                              qk_scale, inv_scale, zero_s, k_smem, v_smem, bars, rel_qb, BLOCK_N,
-                                             NUM_STAGES, MASK_LAST, CORR, EPI_TMA, LATE_K, LATE_Q)
+                                             NUM_STAGES, MASK_LAST, CORR, EPI_TMA, LATE_K, LATE_Q, WG, PINGPONG)
             pend = 1
             pv_c = c + n_all - 1
             prev_bh = bh
@@ -485,7 +529,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
             if pend == 1:
                 _finish_pending(WG, pv_c, acc, m_i, l_i, p_op, v_smem, v_ready, v_empty, prev_bh, prev_mt, prev_slot,
                                 O, LSE, S, desc_o, q_smem.index(2 * prev_qb + WG), O_PART, LSE_PART, HEAD_DIM,
-                                NUM_STAGES, STORE_LSE, EPI_TMA, SPLIT)
+                                NUM_STAGES, STORE_LSE, EPI_TMA, SPLIT, PINGPONG)
                 if EPI_TMA:
                     _release_q(q_empty, prev_qb)
             pend = 0
@@ -499,7 +543,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
     if pend == 1:
         _finish_pending(WG, pv_c, acc, m_i, l_i, p_op, v_smem, v_ready, v_empty, prev_bh, prev_mt, prev_slot, O, LSE,
                         S, desc_o, q_smem.index(2 * prev_qb + WG), O_PART, LSE_PART, HEAD_DIM, NUM_STAGES, STORE_LSE,
-                        EPI_TMA, SPLIT)
+                        EPI_TMA, SPLIT, PINGPONG)
     if EPI_TMA:
         tma.store_wait(0)
 
@@ -509,7 +553,7 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COU
                N_BH, MQ, KMAX, N_UNITS, N_FULL, PARTS, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr, CORR: gl.constexpr,
                Q_BUFS: gl.constexpr, EPI_TMA: gl.constexpr, SPLIT: gl.constexpr, LATE_K: gl.constexpr,
-               LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr, HANDOFF: gl.constexpr):
+               LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr, HANDOFF: gl.constexpr, PINGPONG: gl.constexpr):
     """Q, O [N_BH*S, D]; K, V [N_BH*SK, D]; LSE fp32 [N_BH*S]; plan KV_INDEX [items, KMAX], KV_COUNT, ORDER.
 
     Work units (`tail_split`): N_UNITS = N_FULL + (items - N_FULL) * PARTS; SPLIT: the units from N_FULL on are
@@ -573,10 +617,12 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COU
     gl.warp_specialize([
         (_consume, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH, N_FULL,
                     PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM, BLOCK_N, NUM_STAGES,
-                    MASK_LAST, STORE_LSE, CORR, EPI_TMA, SPLIT, LATE_K, LATE_Q, FIRST_OVERLAP, unit_smem, HANDOFF)),
+                    MASK_LAST, STORE_LSE, CORR, EPI_TMA, SPLIT, LATE_K, LATE_Q, FIRST_OVERLAP, unit_smem, HANDOFF,
+                    PINGPONG)),
         (_consume, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH, N_FULL,
                     PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM, BLOCK_N, NUM_STAGES,
-                    MASK_LAST, STORE_LSE, CORR, EPI_TMA, SPLIT, LATE_K, LATE_Q, FIRST_OVERLAP, unit_smem, HANDOFF)),
+                    MASK_LAST, STORE_LSE, CORR, EPI_TMA, SPLIT, LATE_K, LATE_Q, FIRST_OVERLAP, unit_smem, HANDOFF,
+                    PINGPONG)),
         (_loader, (desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX, N_UNITS,
                    NCH, N_FULL, PARTS, q_smem, k_smem, v_smem, bars, unit_smem, BLOCK_N, NUM_STAGES, SPLIT,
                    HANDOFF)),
@@ -609,8 +655,8 @@ def default_late_k_release(head_dim: int) -> bool:
 def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False, *, num_stages: int | None = None,
                     q_buffers: int = 2, tma_store: bool = True, split_tail: bool | None = None,
                     late_k_release: bool | None = None, late_q_release: bool | None = None,
-                    first_step_overlap: bool = True, unit_handoff: bool = True, num_programs: int | None = None,
-                    maxnreg: int = 168):
+                    first_step_overlap: bool = True, unit_handoff: bool = True, pingpong: bool = False,
+                    num_programs: int | None = None, maxnreg: int = 168):
     """Run the Gluon kernel (inputs are assumed checked: see `GluonHopperBackend.not_supported_reasons`).
 
     With a correction plan (k_mean / v_sum / tile_len) the skipped tiles enter the same online softmax
@@ -648,6 +694,10 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
             (benchmarks/ab_gluon_unit_handoff_h200.json, ..._2_h200.json, ..._correction_h200.json): d64 +1.2 /
             +2.7% at density 0.1 and +2.2 / +0.2% at 0.05 (with the correction +0.8 / +2.4%), d128 -0.3 to
             +0.8% (even); outputs bitwise equal.
+        pingpong (off: not yet measured on the GPU): the two consumer warpgroups take turns to issue each step's
+            pair of GEMMs (hardware named barriers 8 and 9), as FA3 and FA4's Hopper kernels do, so that one
+            warpgroup's GEMMs run while the other computes its softmax. (The mbarrier-based ping-pong of 8525f03,
+            on the per-item pipeline and before the late release, was not faster.)
         num_programs, maxnreg: tuning knobs (benchmarks).
 
     Returns:
@@ -687,7 +737,8 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
                      MASK_LAST=(Sk % plan.block_n) != 0, STORE_LSE=return_lse, CORR=corr,
                      Q_BUFS=q_buffers, EPI_TMA=tma_store and q_buffers == 2, SPLIT=parts > 1,
                      LATE_K=late_k, LATE_Q=late_k if late_q_release is None else late_q_release,
-                     FIRST_OVERLAP=first_step_overlap, HANDOFF=unit_handoff, num_warps=4, maxnreg=maxnreg)
+                     FIRST_OVERLAP=first_step_overlap, HANDOFF=unit_handoff, PINGPONG=pingpong, num_warps=4,
+                     maxnreg=maxnreg)
     if parts > 1:
         combine_parts(o_part, lse_part, out, lse if return_lse else None, order, n_full, parts, Mq)
     return (out, lse) if return_lse else out
@@ -697,7 +748,7 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
                      mask_last: bool = True, store_lse: bool = True, correction: bool = False, q_buffers: int = 2,
                      tma_store: bool = True, split_tail: bool = False, late_k_release: bool | None = None,
                      late_q_release: bool | None = None, first_step_overlap: bool = True, unit_handoff: bool = True,
-                     maxnreg: int = 168):
+                     pingpong: bool = False, maxnreg: int = 168):
     """Compile the kernel ahead of time for sm_90 (works on a CPU-only machine); returns the CompiledKernel.
 
     Inspect `.asm["ttgir"]` (`ttg.warp_specialize`), `.asm["ptx"]` (`wgmma`, `cp.async.bulk.tensor`,
@@ -716,7 +767,7 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
                      MASK_LAST=mask_last, STORE_LSE=store_lse, CORR=correction, Q_BUFS=q_buffers,
                      EPI_TMA=tma_store and q_buffers == 2, SPLIT=split_tail, LATE_K=late_k,
                      LATE_Q=late_k if late_q_release is None else late_q_release, FIRST_OVERLAP=first_step_overlap,
-                     HANDOFF=unit_handoff)
+                     HANDOFF=unit_handoff, PINGPONG=pingpong)
     signature = {name: types.get(name, "constexpr") for name in _gluon_fwd.arg_names}
     src = GluonASTSource(_gluon_fwd, signature, constants)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
