@@ -188,6 +188,51 @@ def test_sass_tile_loops_are_the_inner_conditional_loops_with_gemms_and_exponent
     assert inspect.local_memory_ops([op for _, op in listing]) == 2
 
 
+def test_softmax_chain_depth_follows_register_dependencies_from_the_score_wait():
+    inspect = load_script("inspect_gluon_sass")
+    loop = ["FMNMX R9, R1, R2, !PT",                          # before the wait: not counted
+            "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+            "FMNMX R10, R24, R25, !PT", "FMNMX R11, R26, R27, !PT",  # two independent chains ...
+            "FMNMX R12, R10, R11, !PT",                       # ... joined: depth 2
+            "SHFL.BFLY PT, R13, R12, 0x1, 0x1f",              # 3
+            "@P1 FFMA R14, R24, R30, -R13",                   # 4
+            "MUFU.EX2 R15, R14",                              # 5: the first exponential
+            "FADD R16, R15, R15", "FADD R17, R16, R15"]       # 6, 7
+    assert inspect.softmax_chain_depth(loop) == (5, 7)
+
+
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_gluon_tree_reduce_shortens_the_softmax_chain(head_dim):
+    """`tree_reduce=True`: the same tile-loop instructions with the row max and sum as shallow trees, so the chain
+    of dependent instructions per step is less than half as long; the reshapes stay in registers (no shared
+    memory traffic in the tile loops), no spills, the same softmax overlap."""
+    pytest.importorskip("triton.experimental.gluon")
+    from collections import Counter
+
+    from videosparse.kernels import gluon_hopper
+
+    inspect = load_script("inspect_gluon_sass")
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+    def look(tree):
+        k = gluon_hopper.compile_for_sm90(head_dim=head_dim, tree_reduce=tree)
+        listing = inspect.sass_listing(k.asm["cubin"], tools)
+        return inspect.overlap_per_loop([op for _, op in listing]), inspect.tile_loops(listing)
+
+    (overlap, loops), (base_overlap, base_loops) = look(True), look(False)
+    assert overlap == base_overlap and len(loops) == len(base_loops) == 2
+
+    def mix(body):
+        return Counter(re.sub(r"^@!?U?P\w+\s+", "", op).split(" ")[0].split(".")[0] for op in body)
+
+    for body, base in zip(loops, base_loops):
+        assert mix(body) == mix(base)
+        assert inspect.local_memory_ops(body) == 0 and not any(re.search(r"\b(STS|LDS)\b", op) for op in body)
+        (first, whole), (base_first, base_whole) = inspect.softmax_chain_depth(body), inspect.softmax_chain_depth(base)
+        assert base_first >= 30 and first <= base_first // 2, (first, base_first)
+        assert whole <= base_whole // 2 + 2, (whole, base_whole)
+
+
 def test_ptxas_overlap_probe_compiles_its_loops_for_sm90():
     pytest.importorskip("triton.experimental.gluon")
     probe = load_script("probe_ptxas_overlap")

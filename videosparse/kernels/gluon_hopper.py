@@ -237,11 +237,35 @@ def _fix_scores(qk, j, n, row, bias, cols, SK, BLOCK_N: gl.constexpr, MASK_LAST:
 
 
 @gluon.jit
-def _first_softmax(qk, qk_scale):
+def _row_max(x, TREE: gl.constexpr):
+    """Max over axis 1 of a [64, N] wgmma accumulator, in its rows' layout. TREE: as a shallow tree, the four
+    column blocks of N/4 (which the same threads hold) combined elementwise first, then one in-thread chain of
+    N/16 and the quad shuffles: 19 dependent instructions before the first exponential instead of 40 (the same
+    instructions; Triton otherwise reduces each thread's 32 values of a row in one chain;
+    `inspect_gluon_sass.softmax_chain_depth`)."""
+    if TREE:
+        x3 = gl.reshape(x, [x.shape[0], 4, x.shape[1] // 4])
+        return gl.convert_layout(gl.max(gl.max(x3, axis=1), axis=1), gl.SliceLayout(1, x.type.layout))
+    else:
+        return gl.max(x, 1)
+
+
+@gluon.jit
+def _row_sum(x, TREE: gl.constexpr):
+    """Sum over axis 1, as `_row_max` (TREE: a different order of the fp32 additions)."""
+    if TREE:
+        x3 = gl.reshape(x, [x.shape[0], 4, x.shape[1] // 4])
+        return gl.convert_layout(gl.sum(gl.sum(x3, axis=1), axis=1), gl.SliceLayout(1, x.type.layout))
+    else:
+        return gl.sum(x, 1)
+
+
+@gluon.jit
+def _first_softmax(qk, qk_scale, TREE: gl.constexpr):
     """Online-softmax state (m, l in the log2 domain, P fp32) after an item's first tile."""
-    m_i = gl.maximum(gl.max(qk, 1) * qk_scale, NEG_BIG)
+    m_i = gl.maximum(_row_max(qk, TREE) * qk_scale, NEG_BIG)
     p = gl.exp2(qk * qk_scale - m_i[:, None])
-    return m_i, gl.sum(p, 1), p
+    return m_i, _row_sum(p, TREE), p
 
 
 @gluon.jit
@@ -346,7 +370,7 @@ def _pass_turn(WG: gl.constexpr, PINGPONG: gl.constexpr):
 def _tile_loop(c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, row, bias_row, cols, SK, qk_scale, inv_scale, zero_s,
                k_smem, v_smem, bars, rel_qb, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr,
                CORR: gl.constexpr, EPI_TMA: gl.constexpr, LATE_K: gl.constexpr, LATE_Q: gl.constexpr,
-               WG: gl.constexpr, PINGPONG: gl.constexpr):
+               WG: gl.constexpr, PINGPONG: gl.constexpr, TREE: gl.constexpr):
     """Steps 1 .. n_all-1 of an item: S_j = Q K_j^T issued before P_{j-1} V_{j-1}, online softmax of S_j while
     P.V runs; releases each K stage after its score GEMM (LATE_K: after the softmax), each V stage after its
     P.V, and Q after the last score GEMM (EPI_TMA: instead, at step 1, Q buffer rel_qb of the previous item,
@@ -378,10 +402,10 @@ def _tile_loop(c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, row, bias_row, cols
         if not LATE_Q:
             _release_q_at_step(q_empty, qb, rel_qb, j, n_all, EPI_TMA)
         qk = _fix_scores(qk, j, n, row, bias, cols, SK, BLOCK_N, MASK_LAST, CORR)
-        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+        m_new = gl.maximum(m_i, _row_max(qk, TREE) * qk_scale)
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(qk * qk_scale - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
+        l_i = l_i * alpha + _row_sum(p, TREE)
         m_i = m_new
         if LATE_K:
             mbarrier.arrive(k_empty.index(sj), count=1)
@@ -427,7 +451,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr,
              CORR: gl.constexpr, EPI_TMA: gl.constexpr, SPLIT: gl.constexpr, LATE_K: gl.constexpr,
              LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr, unit_smem, HANDOFF: gl.constexpr,
-             PINGPONG: gl.constexpr):
+             PINGPONG: gl.constexpr, TREE: gl.constexpr):
     """One consumer warpgroup (rows WG*64 .. WG*64+63 of each item), the pipeline carried across work items: per
     item the score GEMMs, online softmax and P.V GEMMs of its exact tiles and (CORR) centroid chunks
     (`_tile_loop`); an item's last P.V GEMM is issued after the next item's first score GEMM, and its epilogue
@@ -438,7 +462,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
     (`_release_q`). SPLIT: the work units of `tail_split`; a part of a split item ends with `_unit_epilogue`
     into the workspace. HANDOFF: see `_item_start`. PINGPONG: the two warpgroups take turns to issue each step's
     GEMMs (FA3's ping-pong: warpgroup 0 first; `_await_turn`, `_pass_turn`), so that one's GEMMs run while the
-    other computes its softmax."""
+    other computes its softmax. TREE: the softmax's row max and sum as shallow trees (`_row_max`)."""
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = bars
     dtype: gl.constexpr = O.dtype.element_ty
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
@@ -483,7 +507,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
                 if not FIRST_OVERLAP:
                     mbarrier.arrive(k_empty.index(s0), count=1)
                 qk = _fix_scores(qk, 0, n, row, bias, cols, SK, BLOCK_N, MASK_LAST, CORR)
-                m_n, l_n, p = _first_softmax(qk, qk_scale)
+                m_n, l_n, p = _first_softmax(qk, qk_scale, TREE)
                 if FIRST_OVERLAP:
                     # always taken (c counts steps): the branch keeps ptxas from hoisting the wait for the
                     # previous item's last P.V above this softmax (see `_tile_loop`)
@@ -501,7 +525,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
                 qk = warpgroup_mma_wait(0, deps=(qk_tok,))
                 mbarrier.arrive(k_empty.index(s0), count=1)
                 qk = _fix_scores(qk, 0, n, row, bias, cols, SK, BLOCK_N, MASK_LAST, CORR)
-                m_n, l_n, p = _first_softmax(qk, qk_scale)
+                m_n, l_n, p = _first_softmax(qk, qk_scale, TREE)
                 p_n = gl.convert_layout(p.to(dtype), p_layout)
                 rel_qb = -1
             if n_all == 1:
@@ -516,7 +540,8 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
             acc = zero_o
             acc, m_i, l_i, p_op = _tile_loop(c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, row, bias_row, cols, SK,
                                              qk_scale, inv_scale, zero_s, k_smem, v_smem, bars, rel_qb, BLOCK_N,
-                                             NUM_STAGES, MASK_LAST, CORR, EPI_TMA, LATE_K, LATE_Q, WG, PINGPONG)
+                                             NUM_STAGES, MASK_LAST, CORR, EPI_TMA, LATE_K, LATE_Q, WG, PINGPONG,
+                                             TREE)
             pend = 1
             pv_c = c + n_all - 1
             prev_bh = bh
@@ -553,7 +578,8 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COU
                N_BH, MQ, KMAX, N_UNITS, N_FULL, PARTS, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr, CORR: gl.constexpr,
                Q_BUFS: gl.constexpr, EPI_TMA: gl.constexpr, SPLIT: gl.constexpr, LATE_K: gl.constexpr,
-               LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr, HANDOFF: gl.constexpr, PINGPONG: gl.constexpr):
+               LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr, HANDOFF: gl.constexpr, PINGPONG: gl.constexpr,
+               TREE: gl.constexpr):
     """Q, O [N_BH*S, D]; K, V [N_BH*SK, D]; LSE fp32 [N_BH*S]; plan KV_INDEX [items, KMAX], KV_COUNT, ORDER.
 
     Work units (`tail_split`): N_UNITS = N_FULL + (items - N_FULL) * PARTS; SPLIT: the units from N_FULL on are
@@ -618,11 +644,11 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COU
         (_consume, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH, N_FULL,
                     PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM, BLOCK_N, NUM_STAGES,
                     MASK_LAST, STORE_LSE, CORR, EPI_TMA, SPLIT, LATE_K, LATE_Q, FIRST_OVERLAP, unit_smem, HANDOFF,
-                    PINGPONG)),
+                    PINGPONG, TREE)),
         (_consume, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH, N_FULL,
                     PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM, BLOCK_N, NUM_STAGES,
                     MASK_LAST, STORE_LSE, CORR, EPI_TMA, SPLIT, LATE_K, LATE_Q, FIRST_OVERLAP, unit_smem, HANDOFF,
-                    PINGPONG)),
+                    PINGPONG, TREE)),
         (_loader, (desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX, N_UNITS,
                    NCH, N_FULL, PARTS, q_smem, k_smem, v_smem, bars, unit_smem, BLOCK_N, NUM_STAGES, SPLIT,
                    HANDOFF)),
@@ -656,7 +682,7 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
                     q_buffers: int = 2, tma_store: bool = True, split_tail: bool | None = None,
                     late_k_release: bool | None = None, late_q_release: bool | None = None,
                     first_step_overlap: bool = True, unit_handoff: bool = True, pingpong: bool = False,
-                    num_programs: int | None = None, maxnreg: int = 168):
+                    tree_reduce: bool = False, num_programs: int | None = None, maxnreg: int = 168):
     """Run the Gluon kernel (inputs are assumed checked: see `GluonHopperBackend.not_supported_reasons`).
 
     With a correction plan (k_mean / v_sum / tile_len) the skipped tiles enter the same online softmax
@@ -698,6 +724,10 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
             pair of GEMMs (hardware named barriers 8 and 9), as FA3 and FA4's Hopper kernels do, so that one
             warpgroup's GEMMs run while the other computes its softmax. (The mbarrier-based ping-pong of 8525f03,
             on the per-item pipeline and before the late release, was not faster.)
+        tree_reduce (off: not yet measured on the GPU): each step's row max and row sum as shallow trees
+            (`_row_max`): the softmax's chain of dependent instructions per tile drops from 76 to 34 at both head
+            dims (19 instead of 40 before the first exponential), with the same instructions; row sums in another
+            fp32 order.
         num_programs, maxnreg: tuning knobs (benchmarks).
 
     Returns:
@@ -737,8 +767,8 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
                      MASK_LAST=(Sk % plan.block_n) != 0, STORE_LSE=return_lse, CORR=corr,
                      Q_BUFS=q_buffers, EPI_TMA=tma_store and q_buffers == 2, SPLIT=parts > 1,
                      LATE_K=late_k, LATE_Q=late_k if late_q_release is None else late_q_release,
-                     FIRST_OVERLAP=first_step_overlap, HANDOFF=unit_handoff, PINGPONG=pingpong, num_warps=4,
-                     maxnreg=maxnreg)
+                     FIRST_OVERLAP=first_step_overlap, HANDOFF=unit_handoff, PINGPONG=pingpong, TREE=tree_reduce,
+                     num_warps=4, maxnreg=maxnreg)
     if parts > 1:
         combine_parts(o_part, lse_part, out, lse if return_lse else None, order, n_full, parts, Mq)
     return (out, lse) if return_lse else out
@@ -748,7 +778,7 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
                      mask_last: bool = True, store_lse: bool = True, correction: bool = False, q_buffers: int = 2,
                      tma_store: bool = True, split_tail: bool = False, late_k_release: bool | None = None,
                      late_q_release: bool | None = None, first_step_overlap: bool = True, unit_handoff: bool = True,
-                     pingpong: bool = False, maxnreg: int = 168):
+                     pingpong: bool = False, tree_reduce: bool = False, maxnreg: int = 168):
     """Compile the kernel ahead of time for sm_90 (works on a CPU-only machine); returns the CompiledKernel.
 
     Inspect `.asm["ttgir"]` (`ttg.warp_specialize`), `.asm["ptx"]` (`wgmma`, `cp.async.bulk.tensor`,
@@ -767,7 +797,7 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
                      MASK_LAST=mask_last, STORE_LSE=store_lse, CORR=correction, Q_BUFS=q_buffers,
                      EPI_TMA=tma_store and q_buffers == 2, SPLIT=split_tail, LATE_K=late_k,
                      LATE_Q=late_k if late_q_release is None else late_q_release, FIRST_OVERLAP=first_step_overlap,
-                     HANDOFF=unit_handoff, PINGPONG=pingpong)
+                     HANDOFF=unit_handoff, PINGPONG=pingpong, TREE=tree_reduce)
     signature = {name: types.get(name, "constexpr") for name in _gluon_fwd.arg_names}
     src = GluonASTSource(_gluon_fwd, signature, constants)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
