@@ -5,7 +5,8 @@ For each consumer loop it counts the `MUFU.EX2` (softmax exponentials) that sit 
 score GEMM (`WARPGROUP.DEPBAR.LE gsb0, 0x1`) and the wait for the P.V GEMM (`... 0x0`): that number is the
 in-warpgroup overlap of softmax and P.V the kernel's source asks for (0 means ptxas placed the P.V wait first).
 It also runs ptxas -v on the PTX and prints its performance notes (wgmma serialisation, spills), the
-registers of the consumer code and the bar.sync count.
+registers of the consumer code and the bar.sync count, the spills per tile loop, and the longest chains of
+dependent instructions in each tile loop from the score wait on (the softmax's latency; `softmax_chain_depth`).
 
     python scripts/inspect_gluon_sass.py [--head-dim 64] [--kwargs "dict(num_stages=3)"]
 """
