@@ -337,33 +337,29 @@ def _release_q_at_step(q_empty, qb, rel_qb, j, n_all, EPI_TMA: gl.constexpr):
         mbarrier.arrive(q_empty.index(qb), count=1)
 
 
+@gluon.constexpr_function
+def _named_barrier_asm(op, barrier):
+    """Inline PTX for `op` ("bar.sync" or "bar.arrive") on hardware named barrier `barrier` by 256 threads (both
+    consumer warpgroups); the mov gives the asm the result that inline_asm_elementwise needs."""
+    return f"{op} {barrier}, 256;\n mov.u32 $0, $1;"
+
+
 @gluon.jit
 def _await_turn(WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """PINGPONG: wait (hardware named barrier 8 for warpgroup 0, 9 for warpgroup 1, 256 threads; Triton itself
-    uses 0-2) until the other consumer warpgroup has issued its
-    GEMMs and passed the turn (`_pass_turn`); then this one issues its step's GEMMs. (The inline assembly needs
-    an operand: the program id, unused.)"""
+    """PINGPONG: wait until the other consumer warpgroup has issued its GEMMs and passed the turn (`_pass_turn`);
+    then this one issues its step's GEMMs. Named barrier 8 is warpgroup 0's turn, 9 warpgroup 1's (Triton itself
+    uses 0-2)."""
     if PINGPONG:
-        t = gl.program_id(0)
-        if WG == 0:
-            gl.inline_asm_elementwise("bar.sync 8, 256;\n mov.u32 $0, $1;", "=r,r", [t], dtype=gl.int32,
-                                      is_pure=False, pack=1)
-        else:
-            gl.inline_asm_elementwise("bar.sync 9, 256;\n mov.u32 $0, $1;", "=r,r", [t], dtype=gl.int32,
-                                      is_pure=False, pack=1)
+        gl.inline_asm_elementwise(_named_barrier_asm("bar.sync", 8 + WG), "=r,r", [gl.program_id(0)],
+                                  dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
 def _pass_turn(WG: gl.constexpr, PINGPONG: gl.constexpr):
     """PINGPONG: let the other consumer warpgroup issue its GEMMs (arrive on its named barrier, no wait)."""
     if PINGPONG:
-        t = gl.program_id(0)
-        if WG == 0:
-            gl.inline_asm_elementwise("bar.arrive 9, 256;\n mov.u32 $0, $1;", "=r,r", [t], dtype=gl.int32,
-                                      is_pure=False, pack=1)
-        else:
-            gl.inline_asm_elementwise("bar.arrive 8, 256;\n mov.u32 $0, $1;", "=r,r", [t], dtype=gl.int32,
-                                      is_pure=False, pack=1)
+        gl.inline_asm_elementwise(_named_barrier_asm("bar.arrive", 9 - WG), "=r,r", [gl.program_id(0)],
+                                  dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
