@@ -209,17 +209,9 @@ def test_gluon_tree_reduce_shortens_the_softmax_chain(head_dim):
     pytest.importorskip("triton.experimental.gluon")
     from collections import Counter
 
-    from videosparse.kernels import gluon_hopper
-
     inspect = load_script("inspect_gluon_sass")
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-
-    def look(tree):
-        k = gluon_hopper.compile_for_sm90(head_dim=head_dim, tree_reduce=tree)
-        listing = inspect.sass_listing(k.asm["cubin"], tools)
-        return inspect.overlap_per_loop([op for _, op in listing]), inspect.tile_loops(listing)
-
-    (overlap, loops), (base_overlap, base_loops) = look(True), look(False)
+    overlap, loops = _overlap_and_tile_loops(inspect, head_dim=head_dim, tree_reduce=True)
+    base_overlap, base_loops = _overlap_and_tile_loops(inspect, head_dim=head_dim, tree_reduce=False)
     assert overlap == base_overlap and len(loops) == len(base_loops) == 2
 
     def mix(body):
@@ -338,6 +330,16 @@ def test_gluon_unit_handoff_takes_the_unit_decode_off_the_consumers(head_dim, co
     assert ordered, "the loader's store of the unit must precede a warp barrier and the Q barrier's arrive"
 
 
+def _overlap_and_tile_loops(inspect, **compile_kwargs):
+    """(softmax exponentials under P.V per consumer loop, SASS of each tile loop) of the Gluon kernel compiled with
+    `compile_kwargs`."""
+    from videosparse.kernels import gluon_hopper
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    listing = inspect.sass_listing(gluon_hopper.compile_for_sm90(**compile_kwargs).asm["cubin"], tools)
+    return inspect.overlap_per_loop([op for _, op in listing]), inspect.tile_loops(listing)
+
+
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_gluon_pingpong_takes_turns_around_each_steps_gemms(head_dim):
     """`pingpong=True`: in each consumer's tile loop the step's two GEMMs are issued between a wait on this
@@ -345,18 +347,9 @@ def test_gluon_pingpong_takes_turns_around_each_steps_gemms(head_dim):
     wait for the score GEMM (so the other warpgroup's GEMMs run under this one's softmax); the softmax overlap
     and the spill-free tile loops of the default kernel stay."""
     pytest.importorskip("triton.experimental.gluon")
-    from videosparse.kernels import gluon_hopper
-
     inspect = load_script("inspect_gluon_sass")
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-
-    def look(pingpong):
-        k = gluon_hopper.compile_for_sm90(head_dim=head_dim, pingpong=pingpong)
-        listing = inspect.sass_listing(k.asm["cubin"], tools)
-        return inspect.overlap_per_loop([op for _, op in listing]), inspect.tile_loops(listing)
-
-    overlap, loops = look(True)
-    base_overlap, _ = look(False)
+    overlap, loops = _overlap_and_tile_loops(inspect, head_dim=head_dim, pingpong=True)
+    base_overlap, _ = _overlap_and_tile_loops(inspect, head_dim=head_dim, pingpong=False)
     assert overlap == base_overlap and len(loops) == 2
     turns = set()
     for body in loops:

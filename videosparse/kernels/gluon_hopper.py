@@ -237,27 +237,35 @@ def _fix_scores(qk, j, n, row, bias, cols, SK, BLOCK_N: gl.constexpr, MASK_LAST:
 
 
 @gluon.jit
-def _row_max(x, TREE: gl.constexpr):
-    """Max over axis 1 of a [64, N] wgmma accumulator, in its rows' layout. TREE: as a shallow tree, the four
-    column blocks of N/4 (which the same threads hold) combined elementwise first, then one in-thread chain of
+def _row_reduce(x, SUM: gl.constexpr, TREE: gl.constexpr):
+    """Max (SUM: sum) over axis 1 of a [64, N] wgmma accumulator, in its rows' layout. TREE: as a shallow tree, the
+    four column blocks of N/4 (which the same threads hold) combined elementwise first, then one in-thread chain of
     N/16 and the quad shuffles: 19 dependent instructions before the first exponential instead of 40 (the same
     instructions; Triton otherwise reduces each thread's 32 values of a row in one chain;
-    `inspect_gluon_sass.softmax_chain_depth`)."""
+    `inspect_gluon_sass.softmax_chain_depth`). The tree sums in another fp32 order."""
     if TREE:
         x3 = gl.reshape(x, [x.shape[0], 4, x.shape[1] // 4])
-        return gl.convert_layout(gl.max(gl.max(x3, axis=1), axis=1), gl.SliceLayout(1, x.type.layout))
+        if SUM:
+            x2 = gl.sum(x3, axis=1)
+        else:
+            x2 = gl.max(x3, axis=1)
     else:
-        return gl.max(x, 1)
+        x2 = x
+    if SUM:
+        r = gl.sum(x2, axis=1)
+    else:
+        r = gl.max(x2, axis=1)
+    return gl.convert_layout(r, gl.SliceLayout(1, x.type.layout))
+
+
+@gluon.jit
+def _row_max(x, TREE: gl.constexpr):
+    return _row_reduce(x, False, TREE)
 
 
 @gluon.jit
 def _row_sum(x, TREE: gl.constexpr):
-    """Sum over axis 1, as `_row_max` (TREE: a different order of the fp32 additions)."""
-    if TREE:
-        x3 = gl.reshape(x, [x.shape[0], 4, x.shape[1] // 4])
-        return gl.convert_layout(gl.sum(gl.sum(x3, axis=1), axis=1), gl.SliceLayout(1, x.type.layout))
-    else:
-        return gl.sum(x, 1)
+    return _row_reduce(x, True, TREE)
 
 
 @gluon.jit
@@ -458,7 +466,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
     (`_release_q`). SPLIT: the work units of `tail_split`; a part of a split item ends with `_unit_epilogue`
     into the workspace. HANDOFF: see `_item_start`. PINGPONG: the two warpgroups take turns to issue each step's
     GEMMs (FA3's ping-pong: warpgroup 0 first; `_await_turn`, `_pass_turn`), so that one's GEMMs run while the
-    other computes its softmax. TREE: the softmax's row max and sum as shallow trees (`_row_max`)."""
+    other computes its softmax. TREE: the softmax's row max and sum as shallow trees (`_row_reduce`)."""
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = bars
     dtype: gl.constexpr = O.dtype.element_ty
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
@@ -721,7 +729,7 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
             warpgroup's GEMMs run while the other computes its softmax. (The mbarrier-based ping-pong of 8525f03,
             on the per-item pipeline and before the late release, was not faster.)
         tree_reduce (off: not yet measured on the GPU): each step's row max and row sum as shallow trees
-            (`_row_max`): the softmax's chain of dependent instructions per tile drops from 76 to 34 at both head
+            (`_row_reduce`): the softmax's chain of dependent instructions per tile drops from 76 to 34 at both head
             dims (19 instead of 40 before the first exponential), with the same instructions; row sums in another
             fp32 order.
         num_programs, maxnreg: tuning knobs (benchmarks).
