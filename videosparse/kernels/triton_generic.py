@@ -122,6 +122,40 @@ def _generic_fwd(
 INTERPRETED = not isinstance(_generic_fwd, triton.runtime.JITFunction)
 
 
+def default_num_warps(block_m: int, block_n: int, head_dim: int) -> int:
+    """Warps per program: 8 from 128x64 tiles up, and at head dim 128 from 32x32 up; 4 below. Chosen by ptxas's
+    spill counts (`compile_generic`; sm_80, bf16, bytes of spill stores per thread with 4 / 8 warps): head dim 128
+    at 128x128 50,936 / 652, 128x64 26,604 / 128, 64x128 3,436 / 912, 64x64 1,152 / 560, 32x32 48 / 0; head dim
+    64 at 128x64 188 / 0, 64x128 216 / 80, 64x64 and smaller 0 / 0 (sm_89 and sm_90 alike). 4 warps were the
+    default below 128x128 before. Not timed on an Ampere or Ada GPU (none at hand)."""
+    tiles = block_m * block_n
+    return 8 if tiles >= 128 * 64 or (head_dim >= 128 and tiles >= 32 * 32) else 4
+
+
+def default_num_stages(head_dim: int) -> int:
+    return 2 if head_dim == 128 else 3
+
+
+def compile_generic(*, capability: int = 80, head_dim: int = 128, dtype: str = "bf16", block_m: int = 128,
+                    block_n: int = 128, correction: bool = False, partial_k: bool = True, num_warps: int | None = None,
+                    num_stages: int | None = None):
+    """Compile the kernel ahead of time for compute capability `capability` (works on a CPU-only machine; launch
+    defaults as `generic_attention`); returns the CompiledKernel (`.asm["ptx"]`, `.asm["cubin"]`)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptr = "*" + dtype
+    types = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", KV_INDEX="*i32", KV_COUNT="*i32", ORDER="*i32", K_MEAN=ptr,
+                 V_MEAN=ptr, BIAS="*fp32", qk_scale="fp32")
+    constants = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CORRECTION=correction, PARTIAL_K=partial_k,
+                     STORE_LSE=True, UPCAST=False)
+    signature = {name: types.get(name, "constexpr" if name in constants else "i32") for name in _generic_fwd.arg_names}
+    options = dict(num_warps=num_warps or default_num_warps(block_m, block_n, head_dim),
+                   num_stages=num_stages or default_num_stages(head_dim))
+    return triton.compile(ASTSource(_generic_fwd, signature, constants), target=GPUTarget("cuda", capability, 32),
+                          options=options)
+
+
 def generic_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False, *, num_warps: int | None = None,
                       num_stages: int | None = None):
     """Run the generic kernel (inputs assumed checked: see `GenericBackend.not_supported_reasons`).
@@ -130,6 +164,7 @@ def generic_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = Fals
         q: [B, H, S, D]; k, v: [B, H, Sk, D] (any strides); fp16/bf16 (fp32 under the interpreter).
         plan: the Plan; k_mean/v_sum/tile_len enable the zero-order correction.
         scale: softmax scale. return_lse: also return fp32 [B, H, S] natural-log LSE.
+        num_warps, num_stages: launch options (default `default_num_warps`, `default_num_stages`).
 
     Returns:
         out [B, H, S, D] contiguous in q's dtype (and lse).
@@ -145,9 +180,9 @@ def generic_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = Fals
         k_mean = v_mean = bias = out
         ncp = 0
     if num_warps is None:
-        num_warps = 8 if bm * bn >= 128 * 128 else 4
+        num_warps = default_num_warps(bm, bn, D)
     if num_stages is None:
-        num_stages = 2 if D == 128 else 3
+        num_stages = default_num_stages(D)
     _generic_fwd[(order.numel(),)](
         q, k, v, out, lse,
         kv_index, kv_count, order,
@@ -195,4 +230,5 @@ class GenericBackend:
 
 BACKEND = GenericBackend()
 
-__all__ = ["BACKEND", "GenericBackend", "generic_attention", "interpreter_active"]
+__all__ = ["BACKEND", "GenericBackend", "compile_generic", "default_num_warps", "generic_attention",
+           "interpreter_active"]
