@@ -38,3 +38,17 @@ def test_generic_default_warps_spill_least_on_ampere(head_dim, block_m, block_n)
         capability=80, head_dim=head_dim, block_m=block_m, block_n=block_n, num_warps=warps), 80) for warps in (4, 8)}
     default = triton_generic.default_num_warps(block_m, block_n, head_dim)
     assert spills[default] == min(spills.values()) and spills[default] <= 1024, (default, spills)
+
+
+@pytest.mark.parametrize("head_dim,block_m", [(128, 128), (64, 128), (128, 64)])
+def test_generic_takes_128_key_tiles_in_two_steps_to_spill_less(head_dim, block_m):
+    """128-key tiles go through the tile loop in steps of 64 keys (`default_key_chunk`): fewer spill bytes at sm_80
+    than whole-tile steps (652 -> 224 at head dim 128 with 128x128 tiles, 120 -> 0 at head dim 64)."""
+    from videosparse.kernels import triton_generic
+
+    if triton_generic.INTERPRETED:
+        pytest.skip("TRITON_INTERPRET=1 is set in this process: kernels are interpreted, not compiled")
+    assert triton_generic.default_key_chunk(128, head_dim) == 64
+    spills = {chunk: _spill_store_bytes(triton_generic.compile_generic(
+        capability=80, head_dim=head_dim, block_m=block_m, block_n=128, key_chunk=chunk), 80) for chunk in (128, 64)}
+    assert spills[64] < spills[128] and spills[64] <= 700, spills

@@ -7,7 +7,7 @@ pointer loads, so it runs on any NVIDIA GPU of compute capability >= 8.0 and und
 trail at the end of the grid.
 
 Per item, in one online softmax (exp2 domain):
-1. zero-order correction (when the plan carries centroids): all Nk centroids in chunks of BLOCK_N,
+1. zero-order correction (when the plan carries centroids): all Nk centroids in chunks of KEY_CHUNK,
    bias log2(len_j), -inf where tile j is exact;
 2. the listed full key tiles, unmasked;
 3. the partial last key tile, masked (it can only be the last entry: kv_index is sorted);
@@ -45,14 +45,17 @@ def _generic_fwd(
     PARTIAL_K: tl.constexpr,
     STORE_LSE: tl.constexpr,
     UPCAST: tl.constexpr,
+    KEY_CHUNK: tl.constexpr,
 ):
+    """KEY_CHUNK (divides BLOCK_N): keys per softmax step; a key tile is taken in BLOCK_N / KEY_CHUNK steps, which
+    keeps the score tile and the K/V chunks in registers at head dim 128 (`default_key_chunk`)."""
     item = tl.load(ORDER + tl.program_id(0))
     bh = item // MQ
     mt = item % MQ
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, KEY_CHUNK)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < S
 
@@ -70,8 +73,8 @@ def _generic_fwd(
     if CORRECTION:
         c_row = bh.to(tl.int64) * NK
         bias_row = BIAS + item.to(tl.int64) * NCP
-        for c0 in range(0, NCP, BLOCK_N):
-            cols = c0 + offs_n
+        for c0 in range(0, NCP, KEY_CHUNK):
+            cols = c0 + offs_c
             c_ok = cols < NK
             kc = tl.load(K_MEAN + (c_row + cols)[None, :] * HEAD_DIM + offs_d[:, None], mask=c_ok[None, :], other=0.0)
             vc = tl.load(V_MEAN + (c_row + cols)[:, None] * HEAD_DIM + offs_d[None, :], mask=c_ok[:, None], other=0.0)
@@ -88,8 +91,9 @@ def _generic_fwd(
     if PARTIAL_K:
         last = tl.load(row + tl.maximum(count - 1, 0))
         n_full = count - ((count > 0) & (last == NK - 1)).to(tl.int32)
-    for j in range(0, n_full):
-        keys = tl.load(row + j) * BLOCK_N + offs_n
+    PARTS: tl.constexpr = BLOCK_N // KEY_CHUNK
+    for jp in range(0, n_full * PARTS):      # each listed tile in PARTS steps of KEY_CHUNK keys
+        keys = tl.load(row + jp // PARTS) * BLOCK_N + (jp % PARTS) * KEY_CHUNK + offs_c
         kt = tl.load(k_base + keys[None, :].to(tl.int64) * stride_ks)
         vt = tl.load(v_base + keys[:, None].to(tl.int64) * stride_vs)
         if UPCAST:
@@ -100,15 +104,16 @@ def _generic_fwd(
     # 3. the partial last key tile
     if PARTIAL_K:
         if n_full < count:
-            keys = (NK - 1) * BLOCK_N + offs_n
-            k_ok = keys < SK
-            kt = tl.load(k_base + keys[None, :].to(tl.int64) * stride_ks, mask=k_ok[None, :], other=0.0)
-            vt = tl.load(v_base + keys[:, None].to(tl.int64) * stride_vs, mask=k_ok[:, None], other=0.0)
-            if UPCAST:
-                kt = kt.to(tl.float32)
-                vt = vt.to(tl.float32)
-            bias = tl.where(k_ok, 0.0, float("-inf"))
-            acc, l_i, m_i = softmax_step(acc, l_i, m_i, tl.dot(q, kt), vt, qk_scale, bias, True)
+            for part in tl.static_range(BLOCK_N // KEY_CHUNK):
+                keys = (NK - 1) * BLOCK_N + part * KEY_CHUNK + offs_c
+                k_ok = keys < SK
+                kt = tl.load(k_base + keys[None, :].to(tl.int64) * stride_ks, mask=k_ok[None, :], other=0.0)
+                vt = tl.load(v_base + keys[:, None].to(tl.int64) * stride_vs, mask=k_ok[:, None], other=0.0)
+                if UPCAST:
+                    kt = kt.to(tl.float32)
+                    vt = vt.to(tl.float32)
+                bias = tl.where(k_ok, 0.0, float("-inf"))
+                acc, l_i, m_i = softmax_step(acc, l_i, m_i, tl.dot(q, kt), vt, qk_scale, bias, True)
 
     # 4. epilogue
     out, lse = finish_rows(acc, l_i, m_i)
@@ -124,10 +129,11 @@ INTERPRETED = not isinstance(_generic_fwd, triton.runtime.JITFunction)
 
 def default_num_warps(block_m: int, block_n: int, head_dim: int) -> int:
     """Warps per program: 8 from 128x64 tiles up, and at head dim 128 from 32x32 up; 4 below. Chosen by ptxas's
-    spill counts (`compile_generic`; sm_80, bf16, bytes of spill stores per thread with 4 / 8 warps): head dim 128
-    at 128x128 50,936 / 652, 128x64 26,604 / 128, 64x128 3,436 / 912, 64x64 1,152 / 560, 32x32 48 / 0; head dim
-    64 at 128x64 188 / 0, 64x128 216 / 80, 64x64 and smaller 0 / 0 (sm_89 and sm_90 alike). 4 warps were the
-    default below 128x128 before. Not timed on an Ampere or Ada GPU (none at hand)."""
+    spill counts (`compile_generic`; sm_80, bf16, default key chunk, bytes of spill stores per thread with 4 / 8
+    warps): head dim 128 at 128x128 37,134 / 224, 128x64 26,604 / 128, 64x128 1,300 / 632, 64x64 1,152 / 560,
+    32x32 48 / 0; head dim 64 at 128x128 292 / 0, 128x64 188 / 0, 64x128 16 / 0, 64x64 and smaller 0 / 0 (sm_89
+    and sm_90 read alike). 4 warps were the default below 128x128 before. Not timed on an Ampere or Ada GPU (none
+    at hand)."""
     tiles = block_m * block_n
     return 8 if tiles >= 128 * 64 or (head_dim >= 128 and tiles >= 32 * 32) else 4
 
@@ -136,9 +142,18 @@ def default_num_stages(head_dim: int) -> int:
     return 2 if head_dim == 128 else 3
 
 
+def default_key_chunk(block_n: int, head_dim: int) -> int:
+    """Keys per softmax step: 64 for 128-key tiles (each tile in two steps of the tile loop), else the whole tile.
+    Whole 128-key tiles spilled at sm_80 (ptxas, bytes of spill stores per thread / local-memory instructions in
+    the tile loop, default warps): head dim 128, 128x128 tiles 652 / 132, 64x128 912 / 85; head dim 64 120 / 17
+    and 80 / 19. In 64-key steps: 224 / 31 per step, 632 / 13, 0 / 0 and 0 / 0 (`compile_generic`; sm_89 alike).
+    head_dim: kept for the rule's signature (the same at 64 and 128)."""
+    return 64 if block_n == 128 else block_n
+
+
 def compile_generic(*, capability: int = 80, head_dim: int = 128, dtype: str = "bf16", block_m: int = 128,
                     block_n: int = 128, correction: bool = False, partial_k: bool = True, num_warps: int | None = None,
-                    num_stages: int | None = None):
+                    num_stages: int | None = None, key_chunk: int | None = None):
     """Compile the kernel ahead of time for compute capability `capability` (works on a CPU-only machine; launch
     defaults as `generic_attention`); returns the CompiledKernel (`.asm["ptx"]`, `.asm["cubin"]`)."""
     from triton.backends.compiler import GPUTarget
@@ -148,7 +163,7 @@ def compile_generic(*, capability: int = 80, head_dim: int = 128, dtype: str = "
     types = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", KV_INDEX="*i32", KV_COUNT="*i32", ORDER="*i32", K_MEAN=ptr,
                  V_MEAN=ptr, BIAS="*fp32", qk_scale="fp32")
     constants = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CORRECTION=correction, PARTIAL_K=partial_k,
-                     STORE_LSE=True, UPCAST=False)
+                     STORE_LSE=True, UPCAST=False, KEY_CHUNK=key_chunk or default_key_chunk(block_n, head_dim))
     signature = {name: types.get(name, "constexpr" if name in constants else "i32") for name in _generic_fwd.arg_names}
     options = dict(num_warps=num_warps or default_num_warps(block_m, block_n, head_dim),
                    num_stages=num_stages or default_num_stages(head_dim))
@@ -192,7 +207,7 @@ def generic_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = Fals
         H, S, Sk, Mq, Nk, kv_index.shape[1], ncp,
         HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn,
         CORRECTION=plan.has_correction, PARTIAL_K=(Sk % bn) != 0, STORE_LSE=return_lse,
-        UPCAST=INTERPRETED and q.dtype != torch.float32,
+        UPCAST=INTERPRETED and q.dtype != torch.float32, KEY_CHUNK=default_key_chunk(bn, D),
         num_warps=num_warps, num_stages=num_stages,
     )
     return (out, lse) if return_lse else out
