@@ -47,8 +47,8 @@ def _generic_fwd(
     UPCAST: tl.constexpr,
     KEY_CHUNK: tl.constexpr,
 ):
-    """KEY_CHUNK (divides BLOCK_N): keys per softmax step; a key tile is taken in BLOCK_N / KEY_CHUNK steps, which
-    keeps the score tile and the K/V chunks in registers at head dim 128 (`default_key_chunk`)."""
+    """KEY_CHUNK (divides BLOCK_N): keys per softmax step; a key tile is taken in BLOCK_N / KEY_CHUNK steps, so that
+    the score tile and the K/V chunks fit in registers (`default_key_chunk`)."""
     item = tl.load(ORDER + tl.program_id(0))
     bh = item // MQ
     mt = item % MQ
@@ -142,12 +142,11 @@ def default_num_stages(head_dim: int) -> int:
     return 2 if head_dim == 128 else 3
 
 
-def default_key_chunk(block_n: int, head_dim: int) -> int:
+def default_key_chunk(block_n: int) -> int:
     """Keys per softmax step: 64 for 128-key tiles (each tile in two steps of the tile loop), else the whole tile.
     Whole 128-key tiles spilled at sm_80 (ptxas, bytes of spill stores per thread / local-memory instructions in
     the tile loop, default warps): head dim 128, 128x128 tiles 652 / 132, 64x128 912 / 85; head dim 64 120 / 17
-    and 80 / 19. In 64-key steps: 224 / 31 per step, 632 / 13, 0 / 0 and 0 / 0 (`compile_generic`; sm_89 alike).
-    head_dim: kept for the rule's signature (the same at 64 and 128)."""
+    and 80 / 19. In 64-key steps: 224 / 31 per step, 632 / 13, 0 / 0 and 0 / 0 (`compile_generic`; sm_89 alike)."""
     return 64 if block_n == 128 else block_n
 
 
@@ -163,7 +162,7 @@ def compile_generic(*, capability: int = 80, head_dim: int = 128, dtype: str = "
     types = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", KV_INDEX="*i32", KV_COUNT="*i32", ORDER="*i32", K_MEAN=ptr,
                  V_MEAN=ptr, BIAS="*fp32", qk_scale="fp32")
     constants = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CORRECTION=correction, PARTIAL_K=partial_k,
-                     STORE_LSE=True, UPCAST=False, KEY_CHUNK=key_chunk or default_key_chunk(block_n, head_dim))
+                     STORE_LSE=True, UPCAST=False, KEY_CHUNK=key_chunk or default_key_chunk(block_n))
     signature = {name: types.get(name, "constexpr" if name in constants else "i32") for name in _generic_fwd.arg_names}
     options = dict(num_warps=num_warps or default_num_warps(block_m, block_n, head_dim),
                    num_stages=num_stages or default_num_stages(head_dim))
@@ -207,7 +206,7 @@ def generic_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = Fals
         H, S, Sk, Mq, Nk, kv_index.shape[1], ncp,
         HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn,
         CORRECTION=plan.has_correction, PARTIAL_K=(Sk % bn) != 0, STORE_LSE=return_lse,
-        UPCAST=INTERPRETED and q.dtype != torch.float32, KEY_CHUNK=default_key_chunk(bn, D),
+        UPCAST=INTERPRETED and q.dtype != torch.float32, KEY_CHUNK=default_key_chunk(bn),
         num_warps=num_warps, num_stages=num_stages,
     )
     return (out, lse) if return_lse else out
