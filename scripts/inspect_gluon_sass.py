@@ -92,11 +92,12 @@ def softmax_chain_depth(loop: list[str]) -> tuple[int, int]:
     return first_exp, deepest
 
 
-def ptxas_notes(ptx: str, tools: Path) -> list[str]:
+def ptxas_notes(ptx: str, tools: Path, arch: str = "sm_90a") -> list[str]:
+    """ptxas -v's lines on performance losses, spills and registers for the PTX, assembled for `arch`."""
     with tempfile.TemporaryDirectory() as d:
         src, out = Path(d) / "k.ptx", Path(d) / "k.cubin"
         src.write_text(ptx)
-        res = subprocess.run([str(tools / "ptxas"), "-arch=sm_90a", "-v", str(src), "-o", str(out)],
+        res = subprocess.run([str(tools / "ptxas"), f"-arch={arch}", "-v", str(src), "-o", str(out)],
                              capture_output=True, text=True)
     lines = (res.stdout + res.stderr).splitlines()
     return [line.strip() for line in lines if re.search(r"Performance Loss|spill|Used \d+ registers", line)]

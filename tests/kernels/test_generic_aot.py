@@ -4,25 +4,20 @@ its default warps per program (`triton_generic.default_num_warps`)."""
 from __future__ import annotations
 
 import re
-import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 triton = pytest.importorskip("triton")
 
 
 def _spill_store_bytes(kernel, capability: int) -> int:
-    """Bytes of spill stores per thread that ptxas reports for the kernel's PTX."""
+    """Bytes of spill stores per thread that ptxas reports for the kernel's PTX (`inspect_gluon_sass.ptxas_notes`)."""
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.TemporaryDirectory() as d:
-        ptx = Path(d) / "k.ptx"
-        ptx.write_text(kernel.asm["ptx"])
-        res = subprocess.run([str(tools / "ptxas"), f"-arch=sm_{capability}", "-v", str(ptx), "-o",
-                              str(Path(d) / "k.cubin")], capture_output=True, text=True)
-    found = re.search(r"(\d+) bytes spill stores", res.stdout + res.stderr)
-    assert found, (res.stdout + res.stderr)[-500:]
+    notes = " ".join(load_script("inspect_gluon_sass").ptxas_notes(kernel.asm["ptx"], tools, f"sm_{capability}"))
+    found = re.search(r"(\d+) bytes spill stores", notes)
+    assert found, notes
     return int(found.group(1))
 
 

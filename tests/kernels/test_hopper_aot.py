@@ -15,6 +15,7 @@ import pytest
 from helpers import load_script
 
 triton = pytest.importorskip("triton")
+TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"   # ptxas, cuobjdump (ship with triton)
 
 SHARED_LIMIT = 232448  # bytes of shared memory per block on sm_90
 
@@ -70,7 +71,7 @@ def _check_spills(cubin: bytes, where: Path, allowed: int) -> int:
 def _spill_bytes(cubin: bytes, where: Path):
     """LOCAL + STACK bytes of the kernel from cuobjdump (shipped with triton): ptxas puts register spills on the
     stack frame (STACK), not in LOCAL. None when cuobjdump is missing."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    tool = TOOLS / "cuobjdump"
     if not tool.exists():
         return None
     f = where / "k.cubin"
@@ -252,17 +253,14 @@ def test_gluon_late_release_keeps_the_tile_loop_softmax_under_the_pv_gemm(head_d
     exponential of the tile loop stays between the two waits, in both consumers, wherever the K arrive goes. A
     change that loses this fails here."""
     pytest.importorskip("triton.experimental.gluon")
-    from pathlib import Path
 
-    import triton
 
     from videosparse.kernels import gluon_hopper
 
     inspect = load_script("inspect_gluon_sass")
     k = gluon_hopper.compile_for_sm90(head_dim=head_dim, correction=correction, late_k_release=late_k,
                                       late_q_release=late_q)
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    counts = inspect.overlap_per_loop(inspect.sass_ops(k.asm["cubin"], tools))
+    counts = inspect.overlap_per_loop(inspect.sass_ops(k.asm["cubin"], TOOLS))
     half = len(counts) // 2          # per consumer: the item's first step, then the tile loop's copies
     loops = counts[1:half] + counts[half + 1:]
     assert len(counts) % 2 == 0 and loops, counts
@@ -279,24 +277,22 @@ def test_gluon_first_step_overlap_keeps_every_softmax_under_a_pv_gemm(head_dim):
     under the previous item's last P.V too, so every loop of both consumers counts 64-66 exponentials; without
     it the first step counts 0. It is the default."""
     pytest.importorskip("triton.experimental.gluon")
-    import triton
 
     from videosparse.kernels import gluon_hopper
 
     inspect = load_script("inspect_gluon_sass")
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
     def counts(first):
         k = gluon_hopper.compile_for_sm90(head_dim=head_dim, late_k_release=False, late_q_release=True,
                                           first_step_overlap=first)
-        return inspect.overlap_per_loop(inspect.sass_ops(k.asm["cubin"], tools))
+        return inspect.overlap_per_loop(inspect.sass_ops(k.asm["cubin"], TOOLS))
 
     on, off = counts(True), counts(False)
     assert len(on) == 4 and min(on) >= 64, on
     assert off[0] == off[2] == 0 and min(off[1], off[3]) >= 64, off
     # on by default (with the default releases): each consumer's first step is under a P.V GEMM
     default = inspect.overlap_per_loop(inspect.sass_ops(gluon_hopper.compile_for_sm90(head_dim=head_dim).asm["cubin"],
-                                                        tools))
+                                                        TOOLS))
     assert default[0] >= 64 and default[len(default) // 2] >= 64, default
 
 
@@ -309,11 +305,10 @@ def test_gluon_unit_handoff_takes_the_unit_decode_off_the_consumers(head_dim, co
     from videosparse.kernels import gluon_hopper
 
     inspect = load_script("inspect_gluon_sass")
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
     def look(handoff):
         k = gluon_hopper.compile_for_sm90(head_dim=head_dim, correction=correction, unit_handoff=handoff)
-        listing = inspect.sass_listing(k.asm["cubin"], tools)
+        listing = inspect.sass_listing(k.asm["cubin"], TOOLS)
         ops = [op for _, op in listing]
         return (sum(bool(re.search(r"(^|\s)LDG", op)) for op in ops), inspect.overlap_per_loop(ops),
                 [inspect.local_memory_ops(body) for body in inspect.tile_loops(listing)], k.asm["ptx"])
@@ -335,8 +330,7 @@ def _overlap_and_tile_loops(inspect, **compile_kwargs):
     `compile_kwargs`."""
     from videosparse.kernels import gluon_hopper
 
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    listing = inspect.sass_listing(gluon_hopper.compile_for_sm90(**compile_kwargs).asm["cubin"], tools)
+    listing = inspect.sass_listing(gluon_hopper.compile_for_sm90(**compile_kwargs).asm["cubin"], TOOLS)
     return inspect.overlap_per_loop([op for _, op in listing]), inspect.tile_loops(listing)
 
 
@@ -376,16 +370,14 @@ def test_gluon_correction_bias_loads_hide_under_the_score_gemm(head_dim, q_buffe
     duplicates the score wait into the exact-tile and centroid branches and hoists 9 of the 32 loads before it,
     which this count does not follow (correction A/B: benchmarks/ab_gluon_late_k_all_head_dims_correction_h200.json)."""
     pytest.importorskip("triton.experimental.gluon")
-    import triton
 
     from videosparse.kernels import gluon_hopper
 
     inspect = load_script("inspect_gluon_sass")
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
     def loads_before_score_waits(**kwargs):
         ops = inspect.sass_ops(gluon_hopper.compile_for_sm90(head_dim=head_dim, q_buffers=q_buffers,
-                                                             late_k_release=False, **kwargs).asm["cubin"], tools)
+                                                             late_k_release=False, **kwargs).asm["cubin"], TOOLS)
         counts, start = [], 0
         for i, op in enumerate(ops):
             if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1"):     # wait for S_j, P_{j-1} V_{j-1} may run on
