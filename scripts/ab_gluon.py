@@ -13,6 +13,11 @@ or `--block 64` tiles) with its helpers of 1a923ab:
     mkdir old && for f in triton_hopper _triton_utils; do git show 1a923ab:videosparse/kernels/$f.py > old/$f.py; done
     python scripts/ab_gluon.py --kernel triton_hopper --baseline old --correction --block 64
 
+The generic kernel (`--kernel triton_generic`, the Ampere/Ada path) runs on a Hopper GPU as Ampere code when
+Triton is told the architecture (mma.sync and cp.async instead of wgmma and TMA; ptxas still targets sm_90):
+
+    TRITON_OVERRIDE_ARCH=sm80 python scripts/ab_gluon.py --kernel triton_generic --baseline old_generic
+
 Without --baseline both sides run this tree's kernel, told apart by their keyword arguments to
 `gluon_attention` / `hopper_attention` (Python dict literals), e.g. the K stage released early and only the
 Q release late:
@@ -44,7 +49,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 SHAPES = {"12x32768 d128": (1, 12, 32768, 128), "12x32760 d128": (1, 12, 32760, 128),
           "12x32768 d64": (1, 12, 32768, 64)}
-ENTRY = {"gluon_hopper": "gluon_attention", "triton_hopper": "hopper_attention"}   # kernel module -> its function
+ENTRY = {"gluon_hopper": "gluon_attention", "triton_hopper": "hopper_attention",   # kernel module -> its function
+         "triton_generic": "generic_attention"}
 
 
 def _absolute_imports(source: str, siblings=()) -> str:
@@ -93,7 +99,7 @@ def main(argv=None):
     ap.add_argument("--baseline-kwargs", default="{}", help="keyword arguments of the baseline side")
     ap.add_argument("--correction", action="store_true", help="plans with the zero-order correction")
     ap.add_argument("--block", type=int, choices=(64, 128), default=128,
-                    help="square tile size of the plans (64: Triton kernel only)")
+                    help="square tile size of the plans (64: Triton kernels only)")
     ap.add_argument("--densities", type=float, nargs="*", default=[0.25, 0.1, 0.05])
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--rounds", type=int, default=5)
@@ -106,7 +112,7 @@ def main(argv=None):
     from videosparse.sol.centroids import tile_centroids_torch
 
     if args.block != 128 and args.kernel == "gluon_hopper":
-        raise ValueError(f"--block {args.block}: the Gluon kernel takes 128x128 tiles only; use --kernel triton_hopper")
+        raise ValueError(f"--block {args.block}: the Gluon kernel takes 128x128 tiles only; use a Triton kernel")
     tree = importlib.import_module(f"videosparse.kernels.{args.kernel}")
     base = load_kernel_module(args.baseline, module=args.kernel) if args.baseline else tree
     new_fn, base_fn = getattr(tree, ENTRY[args.kernel]), getattr(base, ENTRY[args.kernel])

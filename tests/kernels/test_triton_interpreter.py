@@ -32,7 +32,9 @@ CASES = {
     "generic-fp32-empty-rows-corr": (2, 2, 300, 300, 64, 64, 64, 0.3, "float32", True, "generic", "empty"),
     "generic-fp32-dense-corr": (1, 2, 256, 256, 64, 128, 128, 1.0, "float32", True, "generic", "dense"),
     "generic-fp16-strided": (2, 2, 200, 200, 64, 64, 64, 0.5, "float16", False, "generic", "strided"),
-    # head dim 128 with 128-key tiles: each tile in two steps of 64 keys (`default_key_chunk`)
+    # 128x128 tiles at head dim 64 (4 warps): each key tile in two steps of 64 keys (`default_key_chunk`); at head
+    # dim 128 (8 warps) whole tiles
+    "generic-bf16-d64-b128-odd": (2, 2, 300, 300, 64, 128, 128, 0.5, "bfloat16", False, "generic", ""),
     "generic-bf16-d128-b128-odd": (2, 2, 300, 300, 128, 128, 128, 0.5, "bfloat16", False, "generic", ""),
     "generic-fp16-d128-m64n128-corr": (1, 2, 333, 333, 128, 64, 128, 0.4, "float16", True, "generic", ""),
     "hopper-fp32-d64-b64-corr": (2, 2, 300, 300, 64, 64, 64, 0.3, "float32", True, "hopper", ""),

@@ -128,50 +128,73 @@ INTERPRETED = not isinstance(_generic_fwd, triton.runtime.JITFunction)
 
 
 def default_num_warps(block_m: int, block_n: int, head_dim: int) -> int:
-    """Warps per program: 8 from 128x64 tiles up, and at head dim 128 from 32x32 up; 4 below. Chosen by ptxas's
-    spill counts (`compile_generic`; sm_80, bf16, default key chunk, bytes of spill stores per thread with 4 / 8
-    warps): head dim 128 at 128x128 37,134 / 224, 128x64 26,604 / 128, 64x128 1,300 / 632, 64x64 1,152 / 560,
-    32x32 48 / 0; head dim 64 at 128x128 292 / 0, 128x64 188 / 0, 64x128 16 / 0, 64x64 and smaller 0 / 0 (sm_89
-    and sm_90 read alike). 4 warps were the default below 128x128 before. Not timed on an Ampere or Ada GPU (none
-    at hand)."""
-    tiles = block_m * block_n
-    return 8 if tiles >= 128 * 64 or (head_dim >= 128 and tiles >= 32 * 32) else 4
+    """Warps per program: 8 at head dim 128 with 128-row tiles, else 4 (`scripts/sweep_generic.py`; see
+    `default_key_chunk` for the numbers)."""
+    return 8 if head_dim >= 128 and block_m >= 128 else 4
 
 
 def default_num_stages(head_dim: int) -> int:
     return 2 if head_dim == 128 else 3
 
 
-def default_key_chunk(block_n: int) -> int:
-    """Keys per softmax step: 64 for 128-key tiles (each tile in two steps of the tile loop), else the whole tile.
-    Whole 128-key tiles spilled at sm_80 (ptxas, bytes of spill stores per thread / local-memory instructions in
-    the tile loop, default warps): head dim 128, 128x128 tiles 652 / 132, 64x128 912 / 85; head dim 64 120 / 17
-    and 80 / 19. In 64-key steps: 224 / 31 per step, 632 / 13, 0 / 0 and 0 / 0 (`compile_generic`; sm_89 alike)."""
-    return 64 if block_n == 128 else block_n
+def default_key_chunk(block_m: int, block_n: int, num_warps: int) -> int:
+    """Keys per softmax step: the whole tile width, or less so that a thread holds at most 64 fp32 scores
+    (block_m * key_chunk / (32 * num_warps) <= 64): 4 warps take 128x128 tiles in two 64-key steps.
+
+    Measured on an H200 running the kernel as Ampere code (`TRITON_OVERRIDE_ARCH=sm80 python
+    scripts/sweep_generic.py`, benchmarks/sweep_generic_sm80_on_h200.json; 12 x 32,768, density 0.1, TFLOP/s):
+    head dim 128: 128x128 tiles 8 warps whole tiles 286 (4 warps whole tiles 7: spilled), 128x64 8 warps 282 (4:
+    271), 64x128 4 warps whole tiles 281 (8 warps 174), 64x64 4 warps 214 (8: 151), 32x32 139 (85); head dim 64:
+    128x128 4 warps 64-key steps 269-278 (whole tiles 234, 8 warps 218-235), 128x64 285 (8: 198), 64x128 246-257
+    (8: 116), 64x64 251 (99). Not timed on an Ampere or Ada GPU (none at hand)."""
+    return min(block_n, 64 * 32 * num_warps // block_m)
 
 
 def compile_generic(*, capability: int = 80, head_dim: int = 128, dtype: str = "bf16", block_m: int = 128,
-                    block_n: int = 128, correction: bool = False, partial_k: bool = True, num_warps: int | None = None,
-                    num_stages: int | None = None, key_chunk: int | None = None):
-    """Compile the kernel ahead of time for compute capability `capability` (works on a CPU-only machine; launch
-    defaults as `generic_attention`); returns the CompiledKernel (`.asm["ptx"]`, `.asm["cubin"]`)."""
+                    block_n: int = 128, correction: bool = False, seq_len: int = 32768, heads: int = 12,
+                    num_warps: int | None = None, num_stages: int | None = None, key_chunk: int | None = None):
+    """Compile the kernel ahead of time for compute capability `capability` (works on a CPU-only machine), as
+    `generic_attention` launches it on contiguous [1, heads, seq_len, head_dim] q, k, v with a dense plan: integer
+    arguments specialized as Triton's JIT does for those values (== 1 folded in, multiples of 16 marked), pointers
+    16-byte aligned; launch defaults as `generic_attention`. Returns the CompiledKernel (`.asm["ptx"]`, ...)."""
+    from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
 
     ptr = "*" + dtype
-    types = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", KV_INDEX="*i32", KV_COUNT="*i32", ORDER="*i32", K_MEAN=ptr,
-                 V_MEAN=ptr, BIAS="*fp32", qk_scale="fp32")
-    constants = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CORRECTION=correction, PARTIAL_K=partial_k,
-                     STORE_LSE=True, UPCAST=False, KEY_CHUNK=key_chunk or default_key_chunk(block_n))
-    signature = {name: types.get(name, "constexpr" if name in constants else "i32") for name in _generic_fwd.arg_names}
+    pointers = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", KV_INDEX="*i32", KV_COUNT="*i32", ORDER="*i32",
+                    K_MEAN=ptr, V_MEAN=ptr, BIAS="*fp32")
+    Mq, Nk = -(-seq_len // block_m), -(-seq_len // block_n)
+    strides = (heads * seq_len * head_dim, seq_len * head_dim, head_dim, 1)
+    scalars = dict(zip(("stride_qb", "stride_qh", "stride_qs", "stride_qd", "stride_kb", "stride_kh", "stride_ks",
+                        "stride_kd", "stride_vb", "stride_vh", "stride_vs", "stride_vd"), strides * 3),
+                   H=heads, S=seq_len, SK=seq_len, MQ=Mq, NK=Nk, KMAX=Nk, NCP=Nk if correction else 0)
+    constants = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CORRECTION=correction,
+                     PARTIAL_K=seq_len % block_n != 0, STORE_LSE=True, UPCAST=False,
+                     KEY_CHUNK=key_chunk or default_key_chunk(block_m, block_n, num_warps or
+                                                              default_num_warps(block_m, block_n, head_dim)))
+    signature, attrs = {}, {}
+    for i, name in enumerate(_generic_fwd.arg_names):
+        if name in pointers:
+            signature[name], attrs[(i,)] = pointers[name], CUDABackend.parse_attr("D")
+        elif name in scalars:
+            kind, attr = native_specialize_impl(CUDABackend, scalars[name], False, True, True)
+            signature[name] = kind
+            if kind == "constexpr":
+                constants[name] = scalars[name]
+            elif attr:
+                attrs[(i,)] = CUDABackend.parse_attr(attr)
+        else:
+            signature[name] = "fp32" if name == "qk_scale" else "constexpr"
     options = dict(num_warps=num_warps or default_num_warps(block_m, block_n, head_dim),
                    num_stages=num_stages or default_num_stages(head_dim))
-    return triton.compile(ASTSource(_generic_fwd, signature, constants), target=GPUTarget("cuda", capability, 32),
-                          options=options)
+    return triton.compile(ASTSource(_generic_fwd, signature, constants, attrs),
+                          target=GPUTarget("cuda", capability, 32), options=options)
 
 
 def generic_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False, *, num_warps: int | None = None,
-                      num_stages: int | None = None):
+                      num_stages: int | None = None, key_chunk: int | None = None):
     """Run the generic kernel (inputs assumed checked: see `GenericBackend.not_supported_reasons`).
 
     Args:
@@ -179,6 +202,7 @@ def generic_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = Fals
         plan: the Plan; k_mean/v_sum/tile_len enable the zero-order correction.
         scale: softmax scale. return_lse: also return fp32 [B, H, S] natural-log LSE.
         num_warps, num_stages: launch options (default `default_num_warps`, `default_num_stages`).
+        key_chunk: keys per softmax step, divides the tile width (default `default_key_chunk`).
 
     Returns:
         out [B, H, S, D] contiguous in q's dtype (and lse).
@@ -197,6 +221,10 @@ def generic_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = Fals
         num_warps = default_num_warps(bm, bn, D)
     if num_stages is None:
         num_stages = default_num_stages(D)
+    if key_chunk is None:
+        key_chunk = default_key_chunk(bm, bn, num_warps)
+    elif bn % key_chunk or key_chunk < 16:
+        raise ValueError(f"key_chunk={key_chunk}: must divide the tile width {bn} and be at least 16")
     _generic_fwd[(order.numel(),)](
         q, k, v, out, lse,
         kv_index, kv_count, order,
@@ -206,7 +234,7 @@ def generic_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = Fals
         H, S, Sk, Mq, Nk, kv_index.shape[1], ncp,
         HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn,
         CORRECTION=plan.has_correction, PARTIAL_K=(Sk % bn) != 0, STORE_LSE=return_lse,
-        UPCAST=INTERPRETED and q.dtype != torch.float32, KEY_CHUNK=default_key_chunk(bn),
+        UPCAST=INTERPRETED and q.dtype != torch.float32, KEY_CHUNK=key_chunk,
         num_warps=num_warps, num_stages=num_stages,
     )
     return (out, lse) if return_lse else out
