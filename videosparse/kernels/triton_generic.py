@@ -143,10 +143,11 @@ def default_key_chunk(block_m: int, block_n: int, num_warps: int) -> int:
 
     Measured on an H200 running the kernel as Ampere code (`TRITON_OVERRIDE_ARCH=sm80 python
     scripts/sweep_generic.py`, benchmarks/sweep_generic_sm80_on_h200.json; 12 x 32,768, density 0.1, TFLOP/s):
-    head dim 128: 128x128 tiles 8 warps whole tiles 286 (4 warps whole tiles 7: spilled), 128x64 8 warps 282 (4:
-    271), 64x128 4 warps whole tiles 281 (8 warps 174), 64x64 4 warps 214 (8: 151), 32x32 139 (85); head dim 64:
-    128x128 4 warps 64-key steps 269-278 (whole tiles 234, 8 warps 218-235), 128x64 285 (8: 198), 64x128 246-257
-    (8: 116), 64x64 251 (99). Not timed on an Ampere or Ada GPU (none at hand)."""
+    head dim 128: 128x128 tiles 8 warps whole tiles 288 (4 warps in 64-key steps 290 but 204 bytes of sm_80
+    spills vs 32; 4 warps whole tiles 7: spilled), 128x64 8 warps 284 (4: 273), 64x128 4 warps whole tiles 282
+    (8 warps 176), 64x64 4 warps 215 (8: 152), 32x32 141 (85); head dim 64: 128x128 4 warps in 64-key steps 282
+    (whole tiles 206-236, 8 warps 201-238), 128x64 282 (8: 203), 64x128 258 (8: 121), 64x64 250 (102).
+    Not timed on an Ampere or Ada GPU (none at hand)."""
     return min(block_n, 64 * 32 * num_warps // block_m)
 
 
