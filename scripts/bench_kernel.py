@@ -366,10 +366,6 @@ def bench_variants(results, args, deadline):
                                                                          first_step_overlap=False)
             # each consumer decodes the work unit with its own global loads (default: the loader hands it over)
             variants["gluon_no_unit_handoff"] = lambda: gluon_attention(q, k, v, plan, D ** -0.5, unit_handoff=False)
-            # FA3 / FA4's ping-pong: the two consumer warpgroups take turns to issue each step's GEMMs
-            variants["gluon_pingpong_cross"] = lambda: gluon_attention(q, k, v, plan, D ** -0.5, pingpong=True)
-            # the softmax's row max and sum as shallow trees
-            variants["gluon_tree_reduce"] = lambda: gluon_attention(q, k, v, plan, D ** -0.5, tree_reduce=True)
             if D == 64:     # deeper K/V rings fit next to two Q buffers only at head dim 64
                 for st in (3, 4):
                     variants[f"gluon_{st}_stages"] = (
@@ -494,8 +490,6 @@ VARIANT_LABELS = {  # bench_variants name: README label
     "gluon_late_q_only": "Gluon, across items, K released early, Q release after the softmax",
     "gluon_no_first_overlap": "Gluon, across items, an item's first softmax not under the last P.V",
     "gluon_no_unit_handoff": "Gluon, across items, each consumer loads the unit's item and count itself",
-    "gluon_pingpong_cross": "Gluon, across items, FA3 ping-pong with named barriers",
-    "gluon_tree_reduce": "Gluon, across items, row max and sum as shallow trees",
     "gluon_register_store": "Gluon, across items, outputs stored from registers",
     "gluon_1_q_buffer_cross": "Gluon, across items, 1 Q buffer",
     "gluon_p_in_smem": "Gluon, across items, P in shared memory (1 Q buffer at d128; removed)",

@@ -5,8 +5,7 @@ For each consumer loop it counts the `MUFU.EX2` (softmax exponentials) that sit 
 score GEMM (`WARPGROUP.DEPBAR.LE gsb0, 0x1`) and the wait for the P.V GEMM (`... 0x0`): that number is the
 in-warpgroup overlap of softmax and P.V the kernel's source asks for (0 means ptxas placed the P.V wait first).
 It also runs ptxas -v on the PTX and prints its performance notes (wgmma serialisation, spills), the
-registers of the consumer code and the bar.sync count, the spills per tile loop, and the longest chains of
-dependent instructions in each tile loop from the score wait on (the softmax's latency; `softmax_chain_depth`).
+registers of the consumer code and the bar.sync count, and the spills per tile loop.
 
     python scripts/inspect_gluon_sass.py [--head-dim 64] [--kwargs "dict(num_stages=3)"]
 """
@@ -74,24 +73,6 @@ def overlap_per_loop(ops: list[str]) -> list[int]:
     return counts
 
 
-def softmax_chain_depth(loop: list[str]) -> tuple[int, int]:
-    """Longest chains of register-dependent instructions in a tile loop from its score-GEMM wait (LE 1) on:
-    (depth at the first exponential, depth over the rest of the loop). Counts instructions, not cycles: each link
-    of a chain is one instruction that must wait for the one before (the row max and row sum of the softmax)."""
-    start = next(i for i, op in enumerate(loop) if "DEPBAR.LE gsb0, 0x1" in op)
-    depth, first_exp, deepest = {}, 0, 0
-    for op in loop[start:]:
-        m = re.match(r"(?:@!?U?P\w+\s+)?([A-Z0-9]+)\S*\s+(?:U?P\w+,\s*)?(R\d+),\s*(.*)", op)
-        if not m:
-            continue
-        d = 1 + max([depth.get(r, 0) for r in re.findall(r"\bR\d+\b", m.group(3))] + [0])
-        depth[m.group(2)] = d
-        deepest = max(deepest, d)
-        if m.group(1) == "MUFU" and not first_exp:
-            first_exp = d
-    return first_exp, deepest
-
-
 def ptxas_notes(ptx: str, tools: Path, arch: str = "sm_90a") -> list[str]:
     """ptxas -v's lines on performance losses, spills and registers for the PTX, assembled for `arch`."""
     with tempfile.TemporaryDirectory() as d:
@@ -124,8 +105,6 @@ def main() -> None:
           f"BAR.SYNC: {sum(op.startswith('BAR.SYNC') for op in ops)}")
     loops = tile_loops(sass_listing(kernel.asm["cubin"], tools))
     print(f"spill loads/stores: {local_memory_ops(ops)} in all, per tile loop {[local_memory_ops(b) for b in loops]}")
-    print(f"dependent-instruction chains from the score wait (to the first exponential, whole step), per tile loop: "
-          f"{[softmax_chain_depth(b) for b in loops]}")
     for note in ptxas_notes(kernel.asm["ptx"], tools):
         print("ptxas:", note)
 

@@ -99,8 +99,7 @@ def test_triton_kernels_at_64x64_tiles(backend, S, D, dtype, plan_kind, correcti
 
 @pytest.mark.parametrize("knobs", ["one_q_buffer", "register_store", "no_tail_split",
                                    "seven_programs", "release_flipped", "late_q_only", "overlap_all",
-                                   "no_first_overlap", "no_unit_handoff", "pingpong", "pingpong_split",
-                                   "tree_reduce", "tree_pingpong"])
+                                   "no_first_overlap", "no_unit_handoff"])
 @pytest.mark.parametrize("S,D,dtype,plan_kind,correction", [
     (16380, 128, torch.bfloat16, "random", True),
     (9000, 64, torch.float16, "banded", False),
@@ -123,11 +122,7 @@ def test_gluon_variants_match_reference(knobs, S, D, dtype, plan_kind, correctio
               "overlap_all": dict(late_k_release=False, late_q_release=True, first_step_overlap=True),
               "no_first_overlap": dict(first_step_overlap=False),
               # each consumer loads the unit's item and kv_count itself (default: handed over by the loader)
-              "no_unit_handoff": dict(unit_handoff=False),
-              # the two warpgroups take turns to issue each step's GEMMs (named barriers), also over split units
-              "pingpong": dict(pingpong=True), "pingpong_split": dict(pingpong=True, num_programs=7, split_tail=True),
-              # the softmax's row max and sum as shallow trees, alone and with the ping-pong
-              "tree_reduce": dict(tree_reduce=True), "tree_pingpong": dict(tree_reduce=True, pingpong=True)}[knobs]
+              "no_unit_handoff": dict(unit_handoff=False)}[knobs]
     _check(lambda q, k, v, plan: gluon_attention(q, k, v, plan, D ** -0.5, return_lse=True, **kwargs),
            S, D, dtype, plan_kind, correction)
 

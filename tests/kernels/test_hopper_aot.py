@@ -189,43 +189,6 @@ def test_sass_tile_loops_are_the_inner_conditional_loops_with_gemms_and_exponent
     assert inspect.local_memory_ops([op for _, op in listing]) == 2
 
 
-def test_softmax_chain_depth_follows_register_dependencies_from_the_score_wait():
-    inspect = load_script("inspect_gluon_sass")
-    loop = ["FMNMX R9, R1, R2, !PT",                          # before the wait: not counted
-            "WARPGROUP.DEPBAR.LE gsb0, 0x1",
-            "FMNMX R10, R24, R25, !PT", "FMNMX R11, R26, R27, !PT",  # two independent chains ...
-            "FMNMX R12, R10, R11, !PT",                       # ... joined: depth 2
-            "SHFL.BFLY PT, R13, R12, 0x1, 0x1f",              # 3
-            "@P1 FFMA R14, R24, R30, -R13",                   # 4
-            "MUFU.EX2 R15, R14",                              # 5: the first exponential
-            "FADD R16, R15, R15", "FADD R17, R16, R15"]       # 6, 7
-    assert inspect.softmax_chain_depth(loop) == (5, 7)
-
-
-@pytest.mark.parametrize("head_dim", [128, 64])
-def test_gluon_tree_reduce_shortens_the_softmax_chain(head_dim):
-    """`tree_reduce=True`: the same tile-loop instructions with the row max and sum as shallow trees, so the chain
-    of dependent instructions per step is less than half as long; the reshapes stay in registers (no shared
-    memory traffic in the tile loops), no spills, the same softmax overlap."""
-    pytest.importorskip("triton.experimental.gluon")
-    from collections import Counter
-
-    inspect = load_script("inspect_gluon_sass")
-    overlap, loops = _overlap_and_tile_loops(inspect, head_dim=head_dim, tree_reduce=True)
-    base_overlap, base_loops = _overlap_and_tile_loops(inspect, head_dim=head_dim, tree_reduce=False)
-    assert overlap == base_overlap and len(loops) == len(base_loops) == 2
-
-    def mix(body):
-        return Counter(re.sub(r"^@!?U?P\w+\s+", "", op).split(" ")[0].split(".")[0] for op in body)
-
-    for body, base in zip(loops, base_loops):
-        assert mix(body) == mix(base)
-        assert inspect.local_memory_ops(body) == 0 and not any(re.search(r"\b(STS|LDS)\b", op) for op in body)
-        (first, whole), (base_first, base_whole) = inspect.softmax_chain_depth(body), inspect.softmax_chain_depth(base)
-        assert base_first >= 30 and first <= base_first // 2, (first, base_first)
-        assert whole <= base_whole // 2 + 2, (whole, base_whole)
-
-
 def test_ptxas_overlap_probe_compiles_its_loops_for_sm90():
     pytest.importorskip("triton.experimental.gluon")
     probe = load_script("probe_ptxas_overlap")
@@ -323,42 +286,6 @@ def test_gluon_unit_handoff_takes_the_unit_decode_off_the_consumers(head_dim, co
                and code[i + 1].startswith("bar.warp.sync")
                and any("mbarrier.arrive.expect_tx" in later for later in code[i + 2:i + 5])]
     assert ordered, "the loader's store of the unit must precede a warp barrier and the Q barrier's arrive"
-
-
-def _overlap_and_tile_loops(inspect, **compile_kwargs):
-    """(softmax exponentials under P.V per consumer loop, SASS of each tile loop) of the Gluon kernel compiled with
-    `compile_kwargs`."""
-    from videosparse.kernels import gluon_hopper
-
-    listing = inspect.sass_listing(gluon_hopper.compile_for_sm90(**compile_kwargs).asm["cubin"], TOOLS)
-    return inspect.overlap_per_loop([op for _, op in listing]), inspect.tile_loops(listing)
-
-
-@pytest.mark.parametrize("head_dim", [128, 64])
-def test_gluon_pingpong_takes_turns_around_each_steps_gemms(head_dim):
-    """`pingpong=True`: in each consumer's tile loop the step's two GEMMs are issued between a wait on this
-    warpgroup's named barrier (8 or 9, 256 threads) and an arrive on the other's, and the arrive comes before the
-    wait for the score GEMM (so the other warpgroup's GEMMs run under this one's softmax); the softmax overlap
-    and the spill-free tile loops of the default kernel stay."""
-    pytest.importorskip("triton.experimental.gluon")
-    inspect = load_script("inspect_gluon_sass")
-    overlap, loops = _overlap_and_tile_loops(inspect, head_dim=head_dim, pingpong=True)
-    base_overlap, _ = _overlap_and_tile_loops(inspect, head_dim=head_dim, pingpong=False)
-    assert overlap == base_overlap and len(loops) == 2
-    turns = set()
-    for body in loops:
-        assert inspect.local_memory_ops(body) == 0
-        ops = [op for op in body if re.search(r"BAR\.(SYNC|ARV)\S* 0x[89], 0x100|HGMMA|DEPBAR\.LE gsb0", op)]
-        kinds = ["wait" if "BAR.SYNC" in op else "pass" if "BAR.ARV" in op else "gemm" if "HGMMA" in op else
-                 "gemm_wait" for op in ops]
-        first = kinds.index("gemm")
-        assert kinds[:first] == ["wait"] and kinds.count("wait") == kinds.count("pass") == 1, kinds
-        assert kinds[first:kinds.index("pass")] == ["gemm"] * (kinds.index("pass") - first), kinds
-        assert kinds.index("pass") < kinds.index("gemm_wait"), kinds
-        wait, pass_ = (re.search(r"0x([89]), 0x100", op).group(1) for op in ops if op.startswith("BAR."))
-        assert wait != pass_
-        turns.add(wait)
-    assert turns == {"8", "9"}     # one warpgroup waits on each barrier
 
 
 @pytest.mark.parametrize("head_dim,q_buffers", [(128, 2), (64, 2), (128, 1)])

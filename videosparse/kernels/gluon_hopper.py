@@ -23,10 +23,9 @@ does not overlap its own GEMMs. This kernel writes the schedule out:
   partial outputs a small Triton kernel merges.
 
 Measured and removed (the README gives the numbers; the code is in git at 8525f03): a pipeline per work item
-without the cross-item carry, FA3's enforced ping-pong of the two warpgroups' GEMMs on it, and P read by the P.V
-GEMM from shared memory instead of registers; none was faster on the H200. The ping-pong is back as an option of
-this pipeline (`PINGPONG`, hardware named barriers around each step's GEMM issue, as FA4's Hopper kernel does),
-not yet measured.
+without the cross-item carry, FA3's enforced ping-pong of the two warpgroups' GEMMs, and P read by the P.V GEMM
+from shared memory instead of registers; none was faster on the H200. Nor, on this pipeline (code in git at
+e300669), the ping-pong on hardware named barriers (even) or the softmax's row max and sum as shallow trees (slower).
 
 Semantics are those of `reference.reference_attention`. With the zero-order correction each item's
 centroid chunks (k_mean, v_sum/len, bias log2 len; -inf for its exact tiles) follow its exact tiles in
@@ -237,43 +236,11 @@ def _fix_scores(qk, j, n, row, bias, cols, SK, BLOCK_N: gl.constexpr, MASK_LAST:
 
 
 @gluon.jit
-def _row_reduce(x, SUM: gl.constexpr, TREE: gl.constexpr):
-    """Max (SUM: sum) over axis 1 of a [64, N] wgmma accumulator, in its rows' layout. TREE: as a shallow tree, the
-    four column blocks of N/4 (which the same threads hold) combined elementwise first, then one in-thread chain of
-    N/16 and the quad shuffles: 19 dependent instructions before the first exponential instead of 40 (the same
-    instructions; Triton otherwise reduces each thread's 32 values of a row in one chain;
-    `inspect_gluon_sass.softmax_chain_depth`). The tree sums in another fp32 order."""
-    if TREE:
-        x3 = gl.reshape(x, [x.shape[0], 4, x.shape[1] // 4])
-        if SUM:
-            x2 = gl.sum(x3, axis=1)
-        else:
-            x2 = gl.max(x3, axis=1)
-    else:
-        x2 = x
-    if SUM:
-        r = gl.sum(x2, axis=1)
-    else:
-        r = gl.max(x2, axis=1)
-    return gl.convert_layout(r, gl.SliceLayout(1, x.type.layout))
-
-
-@gluon.jit
-def _row_max(x, TREE: gl.constexpr):
-    return _row_reduce(x, False, TREE)
-
-
-@gluon.jit
-def _row_sum(x, TREE: gl.constexpr):
-    return _row_reduce(x, True, TREE)
-
-
-@gluon.jit
-def _first_softmax(qk, qk_scale, TREE: gl.constexpr):
+def _first_softmax(qk, qk_scale):
     """Online-softmax state (m, l in the log2 domain, P fp32) after an item's first tile."""
-    m_i = gl.maximum(_row_max(qk, TREE) * qk_scale, NEG_BIG)
+    m_i = gl.maximum(gl.max(qk, 1) * qk_scale, NEG_BIG)
     p = gl.exp2(qk * qk_scale - m_i[:, None])
-    return m_i, _row_sum(p, TREE), p
+    return m_i, gl.sum(p, 1), p
 
 
 @gluon.jit
@@ -345,36 +312,10 @@ def _release_q_at_step(q_empty, qb, rel_qb, j, n_all, EPI_TMA: gl.constexpr):
         mbarrier.arrive(q_empty.index(qb), count=1)
 
 
-@gluon.constexpr_function
-def _named_barrier_asm(op, barrier):
-    """Inline PTX for `op` ("bar.sync" or "bar.arrive") on hardware named barrier `barrier` by 256 threads (both
-    consumer warpgroups); the mov gives the asm the result that inline_asm_elementwise needs."""
-    return f"{op} {barrier}, 256;\n mov.u32 $0, $1;"
-
-
-@gluon.jit
-def _await_turn(WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """PINGPONG: wait until the other consumer warpgroup has issued its GEMMs and passed the turn (`_pass_turn`);
-    then this one issues its step's GEMMs. Named barrier 8 is warpgroup 0's turn, 9 warpgroup 1's (Triton itself
-    uses 0-2)."""
-    if PINGPONG:
-        gl.inline_asm_elementwise(_named_barrier_asm("bar.sync", 8 + WG), "=r,r", [gl.program_id(0)],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _pass_turn(WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """PINGPONG: let the other consumer warpgroup issue its GEMMs (arrive on its named barrier, no wait)."""
-    if PINGPONG:
-        gl.inline_asm_elementwise(_named_barrier_asm("bar.arrive", 9 - WG), "=r,r", [gl.program_id(0)],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-
-
 @gluon.jit
 def _tile_loop(c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, row, bias_row, cols, SK, qk_scale, inv_scale, zero_s,
                k_smem, v_smem, bars, rel_qb, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr,
-               CORR: gl.constexpr, EPI_TMA: gl.constexpr, LATE_K: gl.constexpr, LATE_Q: gl.constexpr,
-               WG: gl.constexpr, PINGPONG: gl.constexpr, TREE: gl.constexpr):
+               CORR: gl.constexpr, EPI_TMA: gl.constexpr, LATE_K: gl.constexpr, LATE_Q: gl.constexpr):
     """Steps 1 .. n_all-1 of an item: S_j = Q K_j^T issued before P_{j-1} V_{j-1}, online softmax of S_j while
     P.V runs; releases each K stage after its score GEMM (LATE_K: after the softmax), each V stage after its
     P.V, and Q after the last score GEMM (EPI_TMA: instead, at step 1, Q buffer rel_qb of the previous item,
@@ -395,10 +336,8 @@ def _tile_loop(c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, row, bias_row, cols
         sp = (cj - 1) % NUM_STAGES
         mbarrier.wait(k_ready.index(sj), (cj // NUM_STAGES) & 1)
         mbarrier.wait(v_ready.index(sp), ((cj - 1) // NUM_STAGES) & 1)
-        _await_turn(WG, PINGPONG)
         qk_tok = warpgroup_mma(q_half, k_smem.index(sj).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
-        _pass_turn(WG, PINGPONG)
         bias = _step_bias(j, n, bias_row, cols, inv_scale, BLOCK_N, CORR)
         qk = warpgroup_mma_wait(1, deps=(qk_tok,))
         if not LATE_K:
@@ -406,10 +345,10 @@ def _tile_loop(c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, row, bias_row, cols
         if not LATE_Q:
             _release_q_at_step(q_empty, qb, rel_qb, j, n_all, EPI_TMA)
         qk = _fix_scores(qk, j, n, row, bias, cols, SK, BLOCK_N, MASK_LAST, CORR)
-        m_new = gl.maximum(m_i, _row_max(qk, TREE) * qk_scale)
+        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(qk * qk_scale - m_new[:, None])
-        l_i = l_i * alpha + _row_sum(p, TREE)
+        l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
         if LATE_K:
             mbarrier.arrive(k_empty.index(sj), count=1)
@@ -436,13 +375,11 @@ def _unit_epilogue(acc, m_i, l_i, bh, mt, slot, O, LSE, S, desc_o, o_smem, O_PAR
 @gluon.jit
 def _finish_pending(WG: gl.constexpr, pv_c, acc, m_i, l_i, p_op, v_smem, v_ready, v_empty, bh, mt, slot, O, LSE, S,
                     desc_o, o_smem, O_PART, LSE_PART, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-                    STORE_LSE: gl.constexpr, EPI_TMA: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr):
+                    STORE_LSE: gl.constexpr, EPI_TMA: gl.constexpr, SPLIT: gl.constexpr):
     """The pending unit's last P.V (tile pv_c) when no next score GEMM goes with it, then its epilogue."""
     sp = pv_c % NUM_STAGES
     mbarrier.wait(v_ready.index(sp), (pv_c // NUM_STAGES) & 1)
-    _await_turn(WG, PINGPONG)
     acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
-    _pass_turn(WG, PINGPONG)
     acc = warpgroup_mma_wait(0, deps=(acc_tok,))
     mbarrier.arrive(v_empty.index(sp), count=1)
     _unit_epilogue(acc, m_i, l_i, bh, mt, slot, O, LSE, S, desc_o, o_smem, O_PART, LSE_PART, WG, HEAD_DIM, STORE_LSE,
@@ -454,8 +391,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
              N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM: gl.constexpr,
              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr,
              CORR: gl.constexpr, EPI_TMA: gl.constexpr, SPLIT: gl.constexpr, LATE_K: gl.constexpr,
-             LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr, unit_smem, HANDOFF: gl.constexpr,
-             PINGPONG: gl.constexpr, TREE: gl.constexpr):
+             LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr, unit_smem, HANDOFF: gl.constexpr):
     """One consumer warpgroup (rows WG*64 .. WG*64+63 of each item), the pipeline carried across work items: per
     item the score GEMMs, online softmax and P.V GEMMs of its exact tiles and (CORR) centroid chunks
     (`_tile_loop`); an item's last P.V GEMM is issued after the next item's first score GEMM, and its epilogue
@@ -464,9 +400,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
     also overlaps the previous item's last P.V. EPI_TMA: the epilogue stages the output in the finished
     item's Q half and stores it with TMA; that Q buffer goes back to the loader at the next item's second step
     (`_release_q`). SPLIT: the work units of `tail_split`; a part of a split item ends with `_unit_epilogue`
-    into the workspace. HANDOFF: see `_item_start`. PINGPONG: the two warpgroups take turns to issue each step's
-    GEMMs (FA3's ping-pong: warpgroup 0 first; `_await_turn`, `_pass_turn`), so that one's GEMMs run while the
-    other computes its softmax. TREE: the softmax's row max and sum as shallow trees (`_row_reduce`)."""
+    into the workspace. HANDOFF: see `_item_start`."""
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = bars
     dtype: gl.constexpr = O.dtype.element_ty
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
@@ -490,8 +424,6 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
     m_i = gl.full([64], NEG_BIG, gl.float32, layout=row_s)
     l_i = gl.zeros([64], gl.float32, layout=row_s)
     p_op = gl.convert_layout(zero_s.to(dtype), p_layout)
-    if WG == 1:     # PINGPONG: warpgroup 0 issues first
-        _pass_turn(WG, PINGPONG)
     for it in range(gl.program_id(0), N_UNITS, gl.num_programs(0)):
         bh, mt, n, row, bias_row, n_all, slot, qb, q_half = _item_start(ORDER, KV_COUNT, KV_INDEX, BIAS, it, t, MQ,
                                                                         KMAX, NCP, NCH, N_FULL, PARTS, q_smem,
@@ -499,19 +431,17 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
         if n_all > 0:
             s0 = c % NUM_STAGES
             mbarrier.wait(k_ready.index(s0), (c // NUM_STAGES) & 1)
-            _await_turn(WG, PINGPONG)
             qk_tok = warpgroup_mma(q_half, k_smem.index(s0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             bias = _step_bias(0, n, bias_row, cols, inv_scale, BLOCK_N, CORR)
             if pend == 1:
                 sp = pv_c % NUM_STAGES
                 mbarrier.wait(v_ready.index(sp), (pv_c // NUM_STAGES) & 1)
                 acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
-                _pass_turn(WG, PINGPONG)
                 qk = warpgroup_mma_wait(1, deps=(qk_tok,))
                 if not FIRST_OVERLAP:
                     mbarrier.arrive(k_empty.index(s0), count=1)
                 qk = _fix_scores(qk, 0, n, row, bias, cols, SK, BLOCK_N, MASK_LAST, CORR)
-                m_n, l_n, p = _first_softmax(qk, qk_scale, TREE)
+                m_n, l_n, p = _first_softmax(qk, qk_scale)
                 if FIRST_OVERLAP:
                     # always taken (c counts steps): the branch keeps ptxas from hoisting the wait for the
                     # previous item's last P.V above this softmax (see `_tile_loop`)
@@ -525,11 +455,10 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
                                SPLIT)
                 rel_qb = prev_qb
             else:
-                _pass_turn(WG, PINGPONG)
                 qk = warpgroup_mma_wait(0, deps=(qk_tok,))
                 mbarrier.arrive(k_empty.index(s0), count=1)
                 qk = _fix_scores(qk, 0, n, row, bias, cols, SK, BLOCK_N, MASK_LAST, CORR)
-                m_n, l_n, p = _first_softmax(qk, qk_scale, TREE)
+                m_n, l_n, p = _first_softmax(qk, qk_scale)
                 p_n = gl.convert_layout(p.to(dtype), p_layout)
                 rel_qb = -1
             if n_all == 1:
@@ -544,8 +473,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
             acc = zero_o
             acc, m_i, l_i, p_op = _tile_loop(c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, row, bias_row, cols, SK,
                                              qk_scale, inv_scale, zero_s, k_smem, v_smem, bars, rel_qb, BLOCK_N,
-                                             NUM_STAGES, MASK_LAST, CORR, EPI_TMA, LATE_K, LATE_Q, WG, PINGPONG,
-                                             TREE)
+                                             NUM_STAGES, MASK_LAST, CORR, EPI_TMA, LATE_K, LATE_Q)
             pend = 1
             pv_c = c + n_all - 1
             prev_bh = bh
@@ -558,7 +486,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
             if pend == 1:
                 _finish_pending(WG, pv_c, acc, m_i, l_i, p_op, v_smem, v_ready, v_empty, prev_bh, prev_mt, prev_slot,
                                 O, LSE, S, desc_o, q_smem.index(2 * prev_qb + WG), O_PART, LSE_PART, HEAD_DIM,
-                                NUM_STAGES, STORE_LSE, EPI_TMA, SPLIT, PINGPONG)
+                                NUM_STAGES, STORE_LSE, EPI_TMA, SPLIT)
                 if EPI_TMA:
                     _release_q(q_empty, prev_qb)
             pend = 0
@@ -572,7 +500,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
     if pend == 1:
         _finish_pending(WG, pv_c, acc, m_i, l_i, p_op, v_smem, v_ready, v_empty, prev_bh, prev_mt, prev_slot, O, LSE,
                         S, desc_o, q_smem.index(2 * prev_qb + WG), O_PART, LSE_PART, HEAD_DIM, NUM_STAGES, STORE_LSE,
-                        EPI_TMA, SPLIT, PINGPONG)
+                        EPI_TMA, SPLIT)
     if EPI_TMA:
         tma.store_wait(0)
 
@@ -582,8 +510,7 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COU
                N_BH, MQ, KMAX, N_UNITS, N_FULL, PARTS, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr, CORR: gl.constexpr,
                Q_BUFS: gl.constexpr, EPI_TMA: gl.constexpr, SPLIT: gl.constexpr, LATE_K: gl.constexpr,
-               LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr, HANDOFF: gl.constexpr, PINGPONG: gl.constexpr,
-               TREE: gl.constexpr):
+               LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr, HANDOFF: gl.constexpr):
     """Q, O [N_BH*S, D]; K, V [N_BH*SK, D]; LSE fp32 [N_BH*S]; plan KV_INDEX [items, KMAX], KV_COUNT, ORDER.
 
     Work units (`tail_split`): N_UNITS = N_FULL + (items - N_FULL) * PARTS; SPLIT: the units from N_FULL on are
@@ -647,12 +574,10 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COU
     gl.warp_specialize([
         (_consume, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH, N_FULL,
                     PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM, BLOCK_N, NUM_STAGES,
-                    MASK_LAST, STORE_LSE, CORR, EPI_TMA, SPLIT, LATE_K, LATE_Q, FIRST_OVERLAP, unit_smem, HANDOFF,
-                    PINGPONG, TREE)),
+                    MASK_LAST, STORE_LSE, CORR, EPI_TMA, SPLIT, LATE_K, LATE_Q, FIRST_OVERLAP, unit_smem, HANDOFF)),
         (_consume, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH, N_FULL,
                     PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM, BLOCK_N, NUM_STAGES,
-                    MASK_LAST, STORE_LSE, CORR, EPI_TMA, SPLIT, LATE_K, LATE_Q, FIRST_OVERLAP, unit_smem, HANDOFF,
-                    PINGPONG, TREE)),
+                    MASK_LAST, STORE_LSE, CORR, EPI_TMA, SPLIT, LATE_K, LATE_Q, FIRST_OVERLAP, unit_smem, HANDOFF)),
         (_loader, (desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX, N_UNITS,
                    NCH, N_FULL, PARTS, q_smem, k_smem, v_smem, bars, unit_smem, BLOCK_N, NUM_STAGES, SPLIT,
                    HANDOFF)),
@@ -685,8 +610,8 @@ def default_late_k_release(head_dim: int) -> bool:
 def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False, *, num_stages: int | None = None,
                     q_buffers: int = 2, tma_store: bool = True, split_tail: bool | None = None,
                     late_k_release: bool | None = None, late_q_release: bool | None = None,
-                    first_step_overlap: bool = True, unit_handoff: bool = True, pingpong: bool = False,
-                    tree_reduce: bool = False, num_programs: int | None = None, maxnreg: int = 168):
+                    first_step_overlap: bool = True, unit_handoff: bool = True, num_programs: int | None = None,
+                    maxnreg: int = 168):
     """Run the Gluon kernel (inputs are assumed checked: see `GluonHopperBackend.not_supported_reasons`).
 
     With a correction plan (k_mean / v_sum / tile_len) the skipped tiles enter the same online softmax
@@ -724,14 +649,6 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
             (benchmarks/ab_gluon_unit_handoff_h200.json, ..._2_h200.json, ..._correction_h200.json): d64 +1.2 /
             +2.7% at density 0.1 and +2.2 / +0.2% at 0.05 (with the correction +0.8 / +2.4%), d128 -0.3 to
             +0.8% (even); outputs bitwise equal.
-        pingpong (off: not yet measured on the GPU): the two consumer warpgroups take turns to issue each step's
-            pair of GEMMs (hardware named barriers 8 and 9), as FA3 and FA4's Hopper kernels do, so that one
-            warpgroup's GEMMs run while the other computes its softmax. (The mbarrier-based ping-pong of 8525f03,
-            on the per-item pipeline and before the late release, was not faster.)
-        tree_reduce (off: not yet measured on the GPU): each step's row max and row sum as shallow trees
-            (`_row_reduce`): the softmax's chain of dependent instructions per tile drops from 76 to 34 at both head
-            dims (19 instead of 40 before the first exponential), with the same instructions; row sums in another
-            fp32 order.
         num_programs, maxnreg: tuning knobs (benchmarks).
 
     Returns:
@@ -771,8 +688,7 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
                      MASK_LAST=(Sk % plan.block_n) != 0, STORE_LSE=return_lse, CORR=corr,
                      Q_BUFS=q_buffers, EPI_TMA=tma_store and q_buffers == 2, SPLIT=parts > 1,
                      LATE_K=late_k, LATE_Q=late_k if late_q_release is None else late_q_release,
-                     FIRST_OVERLAP=first_step_overlap, HANDOFF=unit_handoff, PINGPONG=pingpong, TREE=tree_reduce,
-                     num_warps=4, maxnreg=maxnreg)
+                     FIRST_OVERLAP=first_step_overlap, HANDOFF=unit_handoff, num_warps=4, maxnreg=maxnreg)
     if parts > 1:
         combine_parts(o_part, lse_part, out, lse if return_lse else None, order, n_full, parts, Mq)
     return (out, lse) if return_lse else out
@@ -782,7 +698,7 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
                      mask_last: bool = True, store_lse: bool = True, correction: bool = False, q_buffers: int = 2,
                      tma_store: bool = True, split_tail: bool = False, late_k_release: bool | None = None,
                      late_q_release: bool | None = None, first_step_overlap: bool = True, unit_handoff: bool = True,
-                     pingpong: bool = False, tree_reduce: bool = False, maxnreg: int = 168):
+                     maxnreg: int = 168):
     """Compile the kernel ahead of time for sm_90 (works on a CPU-only machine); returns the CompiledKernel.
 
     Inspect `.asm["ttgir"]` (`ttg.warp_specialize`), `.asm["ptx"]` (`wgmma`, `cp.async.bulk.tensor`,
@@ -801,7 +717,7 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
                      MASK_LAST=mask_last, STORE_LSE=store_lse, CORR=correction, Q_BUFS=q_buffers,
                      EPI_TMA=tma_store and q_buffers == 2, SPLIT=split_tail, LATE_K=late_k,
                      LATE_Q=late_k if late_q_release is None else late_q_release, FIRST_OVERLAP=first_step_overlap,
-                     HANDOFF=unit_handoff, PINGPONG=pingpong, TREE=tree_reduce)
+                     HANDOFF=unit_handoff)
     signature = {name: types.get(name, "constexpr") for name in _gluon_fwd.arg_names}
     src = GluonASTSource(_gluon_fwd, signature, constants)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
