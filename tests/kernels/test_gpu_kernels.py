@@ -190,3 +190,40 @@ def test_correction_inputs_kernel_matches_torch_at_real_size(S, block, density):
     finite = torch.isfinite(want[2])
     assert torch.equal(torch.isinf(got[2]), ~finite)
     assert torch.allclose(got[2][finite], want[2][finite], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kernel", ["gluon_hopper", "triton_hopper", "triton_generic"])
+def test_ahead_of_time_compiles_are_the_launched_kernels(kernel):
+    """The AOT compiles that the CPU SASS and spill tests read (`compile_for_sm90`, `compile_generic`, specialized by
+    `launch_signature`) hold the same SASS as the kernel a launch with those arguments compiles."""
+    from pathlib import Path
+
+    import triton
+
+    from helpers import load_script
+    from videosparse.kernels import gluon_hopper, triton_generic, triton_hopper
+    from videosparse.plan import dense_plan
+
+    if torch.cuda.get_device_capability()[0] != 9 and kernel != "triton_generic":
+        pytest.skip("Hopper kernels need sm_90")
+    S, D, block = {"gluon_hopper": (32760, 128, 128), "triton_hopper": (32760, 128, 64),
+                   "triton_generic": (32768, 128, 128)}[kernel]
+    q, k, v = (torch.randn(1, 12, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    plan = dense_plan(1, 12, S, block, block, device="cuda")
+    if kernel == "gluon_hopper":
+        gluon_hopper.gluon_attention(q, k, v, plan, D ** -0.5, return_lse=True, split_tail=False)
+        fn, aot = gluon_hopper._gluon_fwd, gluon_hopper.compile_for_sm90(head_dim=D, seq_len=S)
+    elif kernel == "triton_hopper":
+        triton_hopper.hopper_attention(q, k, v, plan, D ** -0.5, return_lse=True)
+        fn, aot = triton_hopper._hopper_fwd, triton_hopper.compile_for_sm90(head_dim=D, block_m=block, block_n=block,
+                                                                              seq_len=S)
+    else:
+        triton_generic.generic_attention(q, k, v, plan, D ** -0.5, return_lse=True)
+        major, minor = torch.cuda.get_device_capability()
+        fn, aot = triton_generic._generic_fwd, triton_generic.compile_generic(capability=10 * major + minor,
+                                                                              head_dim=D, seq_len=S)
+    torch.cuda.synchronize()
+    sass = load_script("inspect_gluon_sass").sass_ops
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    launched = [sass(c.asm["cubin"], tools) for c in fn.device_caches[torch.cuda.current_device()][0].values()]
+    assert sass(aot.asm["cubin"], tools) in launched, [len(ops) for ops in launched]

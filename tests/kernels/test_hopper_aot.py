@@ -50,10 +50,9 @@ def test_hopper_kernel_compiles_with_tma_wgmma_and_warp_specialization(hopper_mo
     assert "wgmma.mma_async" in ptx, "no wgmma in the PTX"
     assert "cp.async.bulk.tensor" in ptx, "no TMA loads in the PTX"
     assert k.metadata.shared <= SHARED_LIMIT, f"shared memory {k.metadata.shared} > {SHARED_LIMIT}"
-    # no spill traffic in the tile loops; at head dim 128 the exact pass that continues from the centroid pass's
-    # partial (MERGE) spills outside them, once per work item (296 bytes of stack at 128x128, 152 at 64x64;
-    # 408 / 288 when the partial was merged in after the loop)
-    _check_spills(k.asm["cubin"], tmp_path, allowed=320 if d == 128 and merge else 0)
+    # no spill traffic in the tile loops, and none outside them (compiled as a launch specializes its arguments;
+    # unspecialized, the exact pass that continues from the centroid pass's partial read 296 bytes at 128x128)
+    _check_spills(k.asm["cubin"], tmp_path, allowed=0)
 
 
 def _check_spills(cubin: bytes, where: Path, allowed: int) -> int:
@@ -101,6 +100,7 @@ def test_hopper_refuses_stage_counts_that_return_nan():
 
 # Gluon kernel: (head_dim, dtype, num_stages, correction, mask_last, q_buffers, split_tail)
 GLUON_VARIANTS = {
+    "d128-bf16-default-partial": (128, "bf16", 2, False, True, 2, False),
     "d128-bf16-3stages-1qbuf-partial": (128, "bf16", 3, False, True, 1, False),
     "d128-bf16-2stages-1qbuf-correction": (128, "bf16", 2, True, True, 1, False),
     "d128-fp16-2stages-2qbufs-correction": (128, "fp16", 2, True, False, 2, False),
@@ -124,9 +124,10 @@ def test_gluon_kernel_compiles_with_two_consumer_warpgroups_tma_and_wgmma(name, 
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
     assert "setmaxnreg" in ptx, "no register reallocation between loader and consumers"
     assert k.metadata.shared <= SHARED_LIMIT, f"shared memory {k.metadata.shared} > {SHARED_LIMIT}"
-    # no spill traffic in the tile loops; at head dim 128 the correction and the tail split cost the consumers
-    # 32-64 bytes of stack, spilled and reloaded around the item loop (14 loads/stores per item with both)
-    assert _check_spills(k.asm["cubin"], tmp_path, allowed=64 if d == 128 and (correction or split) else 0) == 2
+    # no spill traffic in the tile loops; at head dim 128 the consumers sit at their 240 registers and, depending
+    # on the launch's argument values, spill up to 56 bytes around the item loop (0 or 16 by default, 56 with the
+    # correction and the tail split; 0 at 12 x 32,768 and 40 x 75,600)
+    assert _check_spills(k.asm["cubin"], tmp_path, allowed=64 if d == 128 else 0) == 2
 
 
 def test_gluon_kernel_stores_outputs_with_tma():

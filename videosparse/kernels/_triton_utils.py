@@ -122,6 +122,34 @@ def correction_inputs(plan: Plan, num_key_tiles: int, chunk: int, dtype: torch.d
     return k_mean, v_mean, bias
 
 
+def launch_signature(arg_names, pointers: dict, values: dict, constants: dict) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) for `triton.compile(ASTSource(fn, ...))` as Triton's JIT specializes a
+    launch: `pointers` {name: "*bf16", ...} 16-byte aligned; `values` {name: int or float} typed and hinted by
+    Triton's own rule (an integer == 1 folded in as a constant, a multiple of 16 marked divisible by 16);
+    `constants` {name: value} constexpr. Used by the ahead-of-time compiles, so that their PTX / SASS is what a
+    launch with such arguments runs (without the hints the code differs: other loads, more registers)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    constants = dict(constants)
+    signature, attrs = {}, {}
+    for i, name in enumerate(arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name], attrs[(i,)] = pointers[name], CUDABackend.parse_attr("D")
+        elif name in values:
+            kind, hint = native_specialize_impl(CUDABackend, values[name], False, True, True)
+            signature[name] = kind
+            if kind == "constexpr":
+                constants[name] = values[name]
+            elif hint:
+                attrs[(i,)] = CUDABackend.parse_attr(hint)
+        else:
+            raise ValueError(f"argument {name!r}: no pointer type, value or constant given")
+    return signature, constants, attrs
+
+
 def launch_dims(q: torch.Tensor, k: torch.Tensor, plan: Plan):
     """(B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order): the shapes and flat plan tensors both kernels launch with."""
     B, H, S, D = q.shape

@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ..plan import Plan
-from ._triton_utils import LOG2E, correction_inputs, launch_dims
+from ._triton_utils import LOG2E, correction_inputs, launch_dims, launch_signature
 from .tail_split import AUTO_MIN_SAVED, combine_parts, tail_split
 from .triton_hopper import HopperBackend
 
@@ -698,8 +698,12 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
                      mask_last: bool = True, store_lse: bool = True, correction: bool = False, q_buffers: int = 2,
                      tma_store: bool = True, split_tail: bool = False, late_k_release: bool | None = None,
                      late_q_release: bool | None = None, first_step_overlap: bool = True, unit_handoff: bool = True,
-                     maxnreg: int = 168):
+                     maxnreg: int = 168, seq_len: int | None = None, heads: int = 12):
     """Compile the kernel ahead of time for sm_90 (works on a CPU-only machine); returns the CompiledKernel.
+
+    Its integer arguments are specialized as a launch with a dense plan on [1, heads, seq_len, head_dim] q, k, v
+    would be (`launch_signature`; seq_len defaults to 32,760 with `mask_last`, else 32,768); with `split_tail`
+    the last 60 items are cut in two parts.
 
     Inspect `.asm["ttgir"]` (`ttg.warp_specialize`), `.asm["ptx"]` (`wgmma`, `cp.async.bulk.tensor`,
     `setmaxnreg`) and `.metadata.shared` (bytes of shared memory).
@@ -709,17 +713,21 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
 
     ptr = "*" + dtype
     late_k = default_late_k_release(head_dim) if late_k_release is None else late_k_release
-    types = dict(Q=ptr, K=ptr, V=ptr, KM=ptr, VM=ptr, BIAS="*fp32", O=ptr, LSE="*fp32", O_PART="*fp32",
-                 LSE_PART="*fp32", KV_INDEX="*i32", KV_COUNT="*i32", ORDER="*i32", qk_scale="fp32")
-    for name in ("S", "SK", "NK", "NCP", "N_BH", "MQ", "KMAX", "N_UNITS", "N_FULL", "PARTS"):
-        types[name] = "i32"
+    pointers = dict(Q=ptr, K=ptr, V=ptr, KM=ptr, VM=ptr, BIAS="*fp32", O=ptr, LSE="*fp32", O_PART="*fp32",
+                    LSE_PART="*fp32", KV_INDEX="*i32", KV_COUNT="*i32", ORDER="*i32")
+    S = seq_len or (32760 if mask_last else 32768)
+    tiles = -(-S // 128)
+    items = tiles * heads
+    n_full, parts = (items - 60, 2) if split_tail else (items, 1)
+    values = dict(qk_scale=0.125, S=S, SK=S, NK=tiles, NCP=-(-tiles // 128) * 128 if correction else 0, N_BH=heads,
+                  MQ=tiles, KMAX=tiles, N_UNITS=n_full + (items - n_full) * parts, N_FULL=n_full, PARTS=parts)
     constants = dict(HEAD_DIM=head_dim, BLOCK_N=128, NUM_STAGES=num_stages or default_stages(head_dim),
                      MASK_LAST=mask_last, STORE_LSE=store_lse, CORR=correction, Q_BUFS=q_buffers,
                      EPI_TMA=tma_store and q_buffers == 2, SPLIT=split_tail, LATE_K=late_k,
                      LATE_Q=late_k if late_q_release is None else late_q_release, FIRST_OVERLAP=first_step_overlap,
                      HANDOFF=unit_handoff)
-    signature = {name: types.get(name, "constexpr") for name in _gluon_fwd.arg_names}
-    src = GluonASTSource(_gluon_fwd, signature, constants)
+    signature, constants, attrs = launch_signature(_gluon_fwd.arg_names, pointers, values, constants)
+    src = GluonASTSource(_gluon_fwd, signature, constants, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
 
 

@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from ..plan import Plan
-from ._triton_utils import (LOG2E, NEG_BIG, correction_inputs, finish_rows, launch_dims, interpreter_active,
-                            softmax_step)
+from ._triton_utils import (LOG2E, NEG_BIG, correction_inputs, finish_rows, interpreter_active, launch_dims,
+                            launch_signature, softmax_step)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BLOCKS = (16, 32, 64, 128)
@@ -158,9 +158,7 @@ def compile_generic(*, capability: int = 80, head_dim: int = 128, dtype: str = "
     `generic_attention` launches it on contiguous [1, heads, seq_len, head_dim] q, k, v with a dense plan: integer
     arguments specialized as Triton's JIT does for those values (== 1 folded in, multiples of 16 marked), pointers
     16-byte aligned; launch defaults as `generic_attention`. Returns the CompiledKernel (`.asm["ptx"]`, ...)."""
-    from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
 
     ptr = "*" + dtype
@@ -168,26 +166,14 @@ def compile_generic(*, capability: int = 80, head_dim: int = 128, dtype: str = "
                     K_MEAN=ptr, V_MEAN=ptr, BIAS="*fp32")
     Mq, Nk = -(-seq_len // block_m), -(-seq_len // block_n)
     strides = (heads * seq_len * head_dim, seq_len * head_dim, head_dim, 1)
-    scalars = dict(zip(("stride_qb", "stride_qh", "stride_qs", "stride_qd", "stride_kb", "stride_kh", "stride_ks",
-                        "stride_kd", "stride_vb", "stride_vh", "stride_vs", "stride_vd"), strides * 3),
-                   H=heads, S=seq_len, SK=seq_len, MQ=Mq, NK=Nk, KMAX=Nk, NCP=Nk if correction else 0)
+    values = dict(zip(("stride_qb", "stride_qh", "stride_qs", "stride_qd", "stride_kb", "stride_kh", "stride_ks",
+                       "stride_kd", "stride_vb", "stride_vh", "stride_vs", "stride_vd"), strides * 3),
+                  qk_scale=0.125, H=heads, S=seq_len, SK=seq_len, MQ=Mq, NK=Nk, KMAX=Nk, NCP=Nk if correction else 0)
     constants = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CORRECTION=correction,
                      PARTIAL_K=seq_len % block_n != 0, STORE_LSE=True, UPCAST=False,
                      KEY_CHUNK=key_chunk or default_key_chunk(block_m, block_n, num_warps or
                                                               default_num_warps(block_m, block_n, head_dim)))
-    signature, attrs = {}, {}
-    for i, name in enumerate(_generic_fwd.arg_names):
-        if name in pointers:
-            signature[name], attrs[(i,)] = pointers[name], CUDABackend.parse_attr("D")
-        elif name in scalars:
-            kind, attr = native_specialize_impl(CUDABackend, scalars[name], False, True, True)
-            signature[name] = kind
-            if kind == "constexpr":
-                constants[name] = scalars[name]
-            elif attr:
-                attrs[(i,)] = CUDABackend.parse_attr(attr)
-        else:
-            signature[name] = "fp32" if name == "qk_scale" else "constexpr"
+    signature, constants, attrs = launch_signature(_generic_fwd.arg_names, pointers, values, constants)
     options = dict(num_warps=num_warps or default_num_warps(block_m, block_n, head_dim),
                    num_stages=num_stages or default_num_stages(head_dim))
     return triton.compile(ASTSource(_generic_fwd, signature, constants, attrs),

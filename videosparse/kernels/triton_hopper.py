@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from ..plan import Plan
-from ._triton_utils import (LOG2E, NEG_BIG, correction_inputs, finish_rows, launch_dims, partial_state, softmax_step)
+from ._triton_utils import (LOG2E, NEG_BIG, correction_inputs, finish_rows, launch_dims, launch_signature,
+                            partial_state, softmax_step)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BLOCKS = (64, 128)
@@ -264,8 +265,12 @@ def centroid_pass(q, plan: Plan, scale: float, out, lse, dims, *, num_programs: 
 def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", block_m: int = 128, block_n: int = 128,
                      centroids: bool = False, mask_last: bool = True, merge: bool = False, store_lse: bool = True,
                      num_stages: int | None = None, warp_specialize: bool = True, flatten: bool = False,
-                     skip_log2: float = 0.0):
+                     skip_log2: float = 0.0, seq_len: int | None = None, heads: int = 12):
     """Compile the kernel ahead of time for sm_90 (works on a CPU-only machine); returns the CompiledKernel.
+
+    Its integer arguments are specialized as a launch with a dense plan on [1, heads, seq_len, head_dim] q, k, v
+    would be (`launch_signature`; seq_len defaults to 32,760 with `mask_last`, else 32,768); `centroids`: the
+    correction's centroid pass, whose keys are the key tiles' centroids.
 
     Inspect `.asm["ttgir"]` (warp specialization: `ttg.warp_specialize`), `.asm["ptx"]` (`wgmma`,
     `cp.async.bulk.tensor`) and `.metadata.shared` (bytes of shared memory).
@@ -276,15 +281,17 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", block_m: int =
     if num_stages is None:
         num_stages = 2
     ptr = "*" + dtype
-    types = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", KV_INDEX="*i32", KV_COUNT="*i32", ORDER="*i32",
-                 BIAS="*fp32", qk_scale="fp32")
-    for name in ("S", "SK", "N_BH", "MQ", "KMAX", "NCP", "N_ITEMS"):
-        types[name] = "i32"
+    pointers = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", KV_INDEX="*i32", KV_COUNT="*i32", ORDER="*i32",
+                    BIAS="*fp32")
+    S = seq_len or (32760 if mask_last else 32768)
+    mq, nk = -(-S // block_m), -(-S // block_n)
+    values = dict(qk_scale=0.125, S=S, SK=nk if centroids else S, N_BH=heads, MQ=mq, KMAX=nk,
+                  NCP=-(-nk // block_n) * block_n if centroids else 0, N_ITEMS=mq * heads)
     constants = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CENTROIDS=centroids,
                      MASK_LAST=mask_last, MERGE=merge, STORE_LSE=store_lse, UPCAST=False, NUM_STAGES=num_stages,
                      WARP_SPECIALIZE=warp_specialize, FLATTEN=flatten, SKIP_LOG2=skip_log2)
-    signature = {name: types.get(name, "constexpr") for name in _hopper_fwd.arg_names}
-    src = ASTSource(_hopper_fwd, signature, constants)
+    signature, constants, attrs = launch_signature(_hopper_fwd.arg_names, pointers, values, constants)
+    src = ASTSource(_hopper_fwd, signature, constants, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=num_stages))
 
 
