@@ -233,45 +233,44 @@ def teacher_heat_triton(q: torch.Tensor, k: torch.Tensor, block: int, *, lse: to
 # ---------------------------------------------------------------------------------------------------
 
 
-def compile_for_sm90(kernel: str, *, head_dim: int = 128, block: int = 128, dtype: str = "bf16",
-                     has_lse: bool = False):
-    """Compile `kernel` ("trippool" or "teacher") for sm_90 as a launch on contiguous tensors would.
+def _stride_args(fn) -> list[str]:
+    return [name for name in fn.arg_names if name.startswith("stride")]
 
-    Pointers, row strides and the sequence length get the 16-divisibility hint a real launch
-    specialises on (contiguous [B, H, S, D] tensors with S % 16 == 0); feature/head-dim strides are 1.
+
+def compile_for_sm90(kernel: str, *, head_dim: int = 128, block: int = 128, dtype: str = "bf16",
+                     has_lse: bool = False, seq_len: int = 75600, heads: int = 40):
+    """Compile `kernel` ("trippool" or "teacher") for sm_90 as a launch on contiguous [1, heads, seq_len,
+    head_dim] tensors would (`kernels._triton_utils.launch_signature`: Triton's own specialization of the
+    argument values, e.g. unit strides folded in and multiples of 16 marked).
     Returns the `CompiledKernel` (`.asm["ptx"]`, `.metadata`).
     """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from ..kernels._triton_utils import launch_signature
+
     ptr = "*" + dtype
+    S, D = seq_len, head_dim
+    n = math.ceil(S / block)
+    qk_strides = (heads * S * D, S * D, D, 1) * 2
     if kernel == "trippool":
         fn = _trippool_kernel
         pointers = dict(Q=ptr, K=ptr, QF="*fp32", KF="*fp32")
-        constants = dict(BLOCK=block, D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-                         CHUNK=max(1, min(block, 2048 // triton.next_power_of_2(head_dim))),
-                         stride_qd=1, stride_kd=1, stride_ff=1)
+        strides = qk_strides + (heads * n * 3 * D, n * 3 * D, 3 * D, 1)
+        values = dict(zip(_stride_args(fn), strides), H=heads, S=S)
+        constants = dict(BLOCK=block, D=D, BLOCK_D=triton.next_power_of_2(D),
+                         CHUNK=max(1, min(block, 2048 // triton.next_power_of_2(D))))
         options = dict(num_warps=4)
-        divisible = ("S",)
     elif kernel == "teacher":
         fn = _teacher_kernel
         pointers = dict(Q=ptr, K=ptr, LSE="*fp32", HEAT="*fp32")
-        constants = dict(BLOCK_M=block, BLOCK_N=block, D=head_dim, HAS_LSE=has_lse, UPCAST=False,
-                         stride_qd=1, stride_kd=1, stride_ls=1, stride_hn=1)
-        options = dict(num_warps=8 if block * head_dim >= 128 * 128 else 4, num_stages=2)
-        divisible = ("S", "Sk")
+        lse_strides = (heads * S, S, 1) if has_lse else (0, 0, 0)
+        strides = qk_strides + lse_strides + (heads * n * n, n * n, n, 1)
+        values = dict(zip(_stride_args(fn), strides), H=heads, S=S, Sk=S, NK_ALL=n, NK_OUT=n, qk_scale=0.125)
+        constants = dict(BLOCK_M=block, BLOCK_N=block, D=D, HAS_LSE=has_lse, UPCAST=False)
+        options = dict(num_warps=8 if block * D >= 128 * 128 else 4, num_stages=2)
     else:
         raise ValueError(f"kernel={kernel!r} must be 'trippool' or 'teacher'.")
-    signature, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name in pointers:
-            signature[name] = pointers[name]
-        elif name == "qk_scale":
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-        if name in pointers or name in divisible or (name.startswith("stride") and name not in constants):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+    signature, constants, attrs = launch_signature(fn.arg_names, pointers, values, constants)
+    return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=options)
