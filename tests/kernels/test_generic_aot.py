@@ -1,7 +1,7 @@
-"""The generic Triton kernel's launch defaults (`triton_generic.default_num_warps`, `default_key_chunk`) against
-the sweep measured on an H200 running it as Ampere code, and its ahead-of-time compile for sm_80 on CPU: the
-compile specializes like a real launch, and ptxas finds the defaults (nearly) spill-free where the choice they
-replaced spilled."""
+"""The generic Triton kernel's launch options and defaults (`triton_generic.default_num_warps`,
+`default_key_chunk`) against the sweep measured on an H200 running it as Ampere code, and its ahead-of-time
+compile for sm_80 on CPU: the compile specializes like a real launch, and ptxas finds the defaults (nearly)
+spill-free where the choice they replaced spilled."""
 
 from __future__ import annotations
 
@@ -69,3 +69,16 @@ def test_generic_defaults_spill_little_on_ampere(head_dim, block_m, block_n):
     whole_at_4 = _spill_store_bytes(tg.compile_generic(capability=80, head_dim=head_dim, block_m=block_m,
                                                        block_n=block_n, num_warps=4, key_chunk=block_n))
     assert default <= 64 and whole_at_4 > 8 * max(default, 64), (default, whole_at_4)
+
+
+@pytest.mark.parametrize("key_chunk", [48, 8, 256])
+def test_generic_key_chunk_must_divide_the_tile_width(key_chunk):
+    """A key_chunk that does not divide the tile width (or is under 16) is refused before any launch."""
+    import torch
+
+    from videosparse.kernels import triton_generic
+    from videosparse.plan import dense_plan
+
+    q = torch.randn(1, 1, 200, 64)
+    with pytest.raises(ValueError, match=rf"key_chunk={key_chunk}: must divide the tile width 128"):
+        triton_generic.generic_attention(q, q, q, dense_plan(1, 1, 200), 0.125, key_chunk=key_chunk)
