@@ -151,7 +151,8 @@ def launch_signature(arg_names, pointers: dict, values: dict, constants: dict) -
 
 
 def launch_dims(q: torch.Tensor, k: torch.Tensor, plan: Plan):
-    """(B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order): the shapes and flat plan tensors both kernels launch with."""
+    """(B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order): the shapes and flat plan tensors the kernels launch
+    with."""
     B, H, S, D = q.shape
     Sk = k.shape[2]
     Mq, Nk = math.ceil(S / plan.block_m), math.ceil(Sk / plan.block_n)
