@@ -122,6 +122,17 @@ def correction_inputs(plan: Plan, num_key_tiles: int, chunk: int, dtype: torch.d
     return k_mean, v_mean, bias
 
 
+def aot_seq_len(seq_len: int | None, mask_last: bool) -> int:
+    """The sequence length an ahead-of-time compile assumes: `seq_len`, or 32,760 when the last key tile is
+    partial (`mask_last`) and 32,768 when it is not (12 x 32,768 is the benchmarks' shape)."""
+    return seq_len or (32760 if mask_last else 32768)
+
+
+def stride_arg_names(fn) -> list[str]:
+    """A kernel's stride arguments in order (names starting with "stride")."""
+    return [name for name in fn.arg_names if name.startswith("stride")]
+
+
 def launch_signature(arg_names, pointers: dict, values: dict, constants: dict) -> tuple[dict, dict, dict]:
     """(signature, constexprs, attrs) for `triton.compile(ASTSource(fn, ...))` as Triton's JIT specializes a
     launch: `pointers` {name: "*bf16", ...} 16-byte aligned; `values` {name: int or float} typed and hinted by
@@ -203,8 +214,9 @@ def partial_state(o_ptr, lse_ptr, row_ok):
     """Online-softmax state (acc, l_i, m_i; log2 domain) that continues a stored partial result (normalised out
     at o_ptr, natural-log lse at lse_ptr): m = lse, l = 1, acc = out, since out = acc / l at m. Rows the partial
     did not see (lse -inf) start empty. Starting the next pass from it, rather than merging the partial in after
-    the loop, keeps a second output tile out of registers at the end (that merge spilled 408 bytes of stack at
-    head dim 128 in the Hopper kernel; this 296)."""
+    the loop, keeps a second output tile out of registers at the end (at head dim 128 in the Hopper kernel,
+    compiled without a launch's argument specialization, that merge spilled 408 bytes of stack and this 296; as
+    launched, this spills none)."""
     t = tl.load(lse_ptr, mask=row_ok, other=float("-inf")) * 1.4426950408889634
     seen = t > float("-inf")
     acc = tl.load(o_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)

@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ..plan import Plan
-from ._triton_utils import LOG2E, correction_inputs, launch_dims, launch_signature
+from ._triton_utils import LOG2E, aot_seq_len, correction_inputs, launch_dims, launch_signature
 from .tail_split import AUTO_MIN_SAVED, combine_parts, tail_split
 from .triton_hopper import HopperBackend
 
@@ -715,7 +715,7 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
     late_k = default_late_k_release(head_dim) if late_k_release is None else late_k_release
     pointers = dict(Q=ptr, K=ptr, V=ptr, KM=ptr, VM=ptr, BIAS="*fp32", O=ptr, LSE="*fp32", O_PART="*fp32",
                     LSE_PART="*fp32", KV_INDEX="*i32", KV_COUNT="*i32", ORDER="*i32")
-    S = seq_len or (32760 if mask_last else 32768)
+    S = aot_seq_len(seq_len, mask_last)
     tiles = -(-S // 128)
     items = tiles * heads
     n_full, parts = (items - 60, 2) if split_tail else (items, 1)

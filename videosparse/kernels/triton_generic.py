@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..plan import Plan
 from ._triton_utils import (LOG2E, NEG_BIG, correction_inputs, finish_rows, interpreter_active, launch_dims,
-                            launch_signature, softmax_step)
+                            launch_signature, softmax_step, stride_arg_names)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BLOCKS = (16, 32, 64, 128)
@@ -104,7 +104,7 @@ def _generic_fwd(
     # 3. the partial last key tile
     if PARTIAL_K:
         if n_full < count:
-            for part in tl.static_range(BLOCK_N // KEY_CHUNK):
+            for part in tl.static_range(PARTS):
                 keys = (NK - 1) * BLOCK_N + part * KEY_CHUNK + offs_c
                 k_ok = keys < SK
                 kt = tl.load(k_base + keys[None, :].to(tl.int64) * stride_ks, mask=k_ok[None, :], other=0.0)
@@ -161,21 +161,19 @@ def compile_generic(*, capability: int = 80, head_dim: int = 128, dtype: str = "
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    num_warps = num_warps or default_num_warps(block_m, block_n, head_dim)
     ptr = "*" + dtype
     pointers = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", KV_INDEX="*i32", KV_COUNT="*i32", ORDER="*i32",
                     K_MEAN=ptr, V_MEAN=ptr, BIAS="*fp32")
     Mq, Nk = -(-seq_len // block_m), -(-seq_len // block_n)
-    strides = (heads * seq_len * head_dim, seq_len * head_dim, head_dim, 1)
-    values = dict(zip(("stride_qb", "stride_qh", "stride_qs", "stride_qd", "stride_kb", "stride_kh", "stride_ks",
-                       "stride_kd", "stride_vb", "stride_vh", "stride_vs", "stride_vd"), strides * 3),
-                  qk_scale=0.125, H=heads, S=seq_len, SK=seq_len, MQ=Mq, NK=Nk, KMAX=Nk, NCP=Nk if correction else 0)
+    strides = (heads * seq_len * head_dim, seq_len * head_dim, head_dim, 1) * 3     # q, k, v contiguous
+    values = dict(zip(stride_arg_names(_generic_fwd), strides), qk_scale=0.125, H=heads, S=seq_len, SK=seq_len,
+                  MQ=Mq, NK=Nk, KMAX=Nk, NCP=Nk if correction else 0)
     constants = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CORRECTION=correction,
                      PARTIAL_K=seq_len % block_n != 0, STORE_LSE=True, UPCAST=False,
-                     KEY_CHUNK=key_chunk or default_key_chunk(block_m, block_n, num_warps or
-                                                              default_num_warps(block_m, block_n, head_dim)))
+                     KEY_CHUNK=key_chunk or default_key_chunk(block_m, block_n, num_warps))
     signature, constants, attrs = launch_signature(_generic_fwd.arg_names, pointers, values, constants)
-    options = dict(num_warps=num_warps or default_num_warps(block_m, block_n, head_dim),
-                   num_stages=num_stages or default_num_stages(head_dim))
+    options = dict(num_warps=num_warps, num_stages=num_stages or default_num_stages(head_dim))
     return triton.compile(ASTSource(_generic_fwd, signature, constants, attrs),
                           target=GPUTarget("cuda", capability, 32), options=options)
 

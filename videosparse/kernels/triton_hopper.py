@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 
 from ..plan import Plan
-from ._triton_utils import (LOG2E, NEG_BIG, correction_inputs, finish_rows, launch_dims, launch_signature,
-                            partial_state, softmax_step)
+from ._triton_utils import (LOG2E, NEG_BIG, aot_seq_len, correction_inputs, finish_rows, launch_dims,
+                            launch_signature, partial_state, softmax_step)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BLOCKS = (64, 128)
@@ -283,7 +283,7 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", block_m: int =
     ptr = "*" + dtype
     pointers = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", KV_INDEX="*i32", KV_COUNT="*i32", ORDER="*i32",
                     BIAS="*fp32")
-    S = seq_len or (32760 if mask_last else 32768)
+    S = aot_seq_len(seq_len, mask_last)
     mq, nk = -(-S // block_m), -(-S // block_n)
     values = dict(qk_scale=0.125, S=S, SK=nk if centroids else S, N_BH=heads, MQ=mq, KMAX=nk,
                   NCP=-(-nk // block_n) * block_n if centroids else 0, N_ITEMS=mq * heads)

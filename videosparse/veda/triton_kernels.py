@@ -233,10 +233,6 @@ def teacher_heat_triton(q: torch.Tensor, k: torch.Tensor, block: int, *, lse: to
 # ---------------------------------------------------------------------------------------------------
 
 
-def _stride_args(fn) -> list[str]:
-    return [name for name in fn.arg_names if name.startswith("stride")]
-
-
 def compile_for_sm90(kernel: str, *, head_dim: int = 128, block: int = 128, dtype: str = "bf16",
                      has_lse: bool = False, seq_len: int = 75600, heads: int = 40):
     """Compile `kernel` ("trippool" or "teacher") for sm_90 as a launch on contiguous [1, heads, seq_len,
@@ -247,7 +243,7 @@ def compile_for_sm90(kernel: str, *, head_dim: int = 128, block: int = 128, dtyp
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ..kernels._triton_utils import launch_signature
+    from ..kernels._triton_utils import launch_signature, stride_arg_names
 
     ptr = "*" + dtype
     S, D = seq_len, head_dim
@@ -257,7 +253,7 @@ def compile_for_sm90(kernel: str, *, head_dim: int = 128, block: int = 128, dtyp
         fn = _trippool_kernel
         pointers = dict(Q=ptr, K=ptr, QF="*fp32", KF="*fp32")
         strides = qk_strides + (heads * n * 3 * D, n * 3 * D, 3 * D, 1)
-        values = dict(zip(_stride_args(fn), strides), H=heads, S=S)
+        values = dict(zip(stride_arg_names(fn), strides), H=heads, S=S)
         constants = dict(BLOCK=block, D=D, BLOCK_D=triton.next_power_of_2(D),
                          CHUNK=max(1, min(block, 2048 // triton.next_power_of_2(D))))
         options = dict(num_warps=4)
@@ -266,7 +262,7 @@ def compile_for_sm90(kernel: str, *, head_dim: int = 128, block: int = 128, dtyp
         pointers = dict(Q=ptr, K=ptr, LSE="*fp32", HEAT="*fp32")
         lse_strides = (heads * S, S, 1) if has_lse else (0, 0, 0)
         strides = qk_strides + lse_strides + (heads * n * n, n * n, n, 1)
-        values = dict(zip(_stride_args(fn), strides), H=heads, S=S, Sk=S, NK_ALL=n, NK_OUT=n, qk_scale=0.125)
+        values = dict(zip(stride_arg_names(fn), strides), H=heads, S=S, Sk=S, NK_ALL=n, NK_OUT=n, qk_scale=0.125)
         constants = dict(BLOCK_M=block, BLOCK_N=block, D=D, HAS_LSE=has_lse, UPCAST=False)
         options = dict(num_warps=8 if block * D >= 128 * 128 else 4, num_stages=2)
     else:
