@@ -130,3 +130,48 @@ def test_validate_rejects_an_order_that_is_not_a_permutation():
         Plan(good.kv_index, good.kv_count, order=good.order.long()).validate(q, q)
     with pytest.raises(ValueError, match=r"int32 \[6\]"):
         Plan(good.kv_index, good.kv_count, order=good.order[:5]).validate(q, q)
+    negative = torch.arange(6, dtype=torch.int32)
+    negative[0] = -1                     # bincount of the clamped order alone would count -1 as 0
+    with pytest.raises(ValueError, match="permutation"):
+        Plan(good.kv_index, good.kv_count, order=negative).validate(q, q)
+
+
+def test_block_sizes_must_be_positive_ints():
+    q = torch.zeros(1, 2, 300, 16)
+    good = dense_plan(1, 2, 300)
+    for bad in (0, -64, 32.0, True):
+        with pytest.raises(ValueError, match="positive int"):
+            Plan(good.kv_index, good.kv_count, bad, 128).validate(q, q)
+        with pytest.raises(ValueError, match="positive int"):
+            topk_plan(torch.randn(1, 2, 4, 4), 0.5, block=bad)
+        with pytest.raises(ValueError, match="positive int"):
+            plan_from_mask(torch.ones(1, 2, 3, 3, dtype=torch.bool), 128, bad)
+        with pytest.raises(ValueError, match="positive int"):
+            dense_plan(1, 2, 300, bad)
+    with pytest.raises(ValueError, match="num_global_tiles"):
+        topk_plan(torch.randn(1, 2, 4, 4), 0.5, num_global_tiles=-1)
+    with pytest.raises(ValueError, match="no video tiles"):
+        topk_plan(torch.randn(1, 2, 0, 0), 0.5, num_global_tiles=2)
+
+
+def test_correction_tensors_are_checked():
+    from videosparse.sol.centroids import tile_centroids_torch
+
+    q = torch.randn(1, 2, 300, 16)
+    plan = dense_plan(1, 2, 300).with_correction(*tile_centroids_torch(q, q, 128))
+    plan.validate(q, q)
+    k_mean, v_sum, tile_len = plan.k_mean, plan.v_sum, plan.tile_len.clone()
+    tile_len[1] = 0                      # a zero-length tile would still count once (lengths are clamped to 1)
+    with pytest.raises(ValueError, match="tile_len values must be >= 1"):
+        Plan(plan.kv_index, plan.kv_count, k_mean=k_mean, v_sum=v_sum, tile_len=tile_len).validate(q, q)
+
+
+def test_nan_scores_never_displace_the_forced_diagonal():
+    scores = torch.randn(1, 2, 6, 6)
+    scores[0, 0, 1] = float("nan")       # topk ranks NaN above the +inf of the diagonal
+    plan = topk_plan(scores, 0.2)
+    mask = plan.to_dense_mask(6)
+    assert bool(mask.diagonal(dim1=-2, dim2=-1).all())
+    assert int(plan.kv_count.min()) >= 1
+    nan_plan = topk_plan(torch.full((1, 2, 6, 6), float("nan")), 0.4)
+    assert torch.equal(nan_plan.to_dense_mask(6), torch.eye(6, dtype=torch.bool).expand(1, 2, 6, 6))

@@ -23,6 +23,12 @@ from dataclasses import dataclass, replace
 import torch
 
 
+def check_block(name: str, value) -> None:
+    """ValueError unless `value` is a positive int (tokens per tile)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int (tokens per tile).")
+
+
 @dataclass
 class Plan:
     """Per (batch, head, query tile) list of key tiles, plus optional correction inputs."""
@@ -55,6 +61,13 @@ class Plan:
     def with_correction(self, k_mean: torch.Tensor, v_sum: torch.Tensor, tile_len: torch.Tensor) -> "Plan":
         return replace(self, k_mean=k_mean, v_sum=v_sum, tile_len=tile_len)
 
+    def with_index_slot(self) -> "Plan":
+        """This plan with one (unused) index column when it has none (Kmax = 0, every row empty), so that
+        kernels can read a row's first entry; otherwise the plan itself."""
+        if self.kv_index.shape[-1]:
+            return self
+        return replace(self, kv_index=self.kv_index.new_zeros((*self.kv_index.shape[:3], 1)))
+
     def without_correction(self) -> "Plan":
         return replace(self, k_mean=None, v_sum=None, tile_len=None)
 
@@ -63,6 +76,8 @@ class Plan:
         at = f" ({where})" if where else ""
         if q.dim() != 4 or k.dim() != 4:
             raise ValueError(f"q and k must be (B, H, S, D); got q {tuple(q.shape)}, k {tuple(k.shape)}{at}.")
+        check_block("block_m", self.block_m)
+        check_block("block_n", self.block_n)
         B, H, S, D = q.shape
         Sk = k.shape[2]
         Mq, Nk = math.ceil(S / self.block_m), math.ceil(Sk / self.block_n)
@@ -100,12 +115,19 @@ class Plan:
                     raise ValueError(f"{name} has shape {tuple(t.shape)}; expected ({B}, {H}, {Nk}, {D}){at}.")
             if tuple(self.tile_len.shape) != (Nk,):
                 raise ValueError(f"tile_len has shape {tuple(self.tile_len.shape)}; expected ({Nk},){at}.")
+            for name, t in (("k_mean", self.k_mean), ("v_sum", self.v_sum), ("tile_len", self.tile_len)):
+                if t.device != q.device:
+                    raise ValueError(f"{name} is on {t.device}, q is on {q.device}{at}.")
+            if Nk and bool((self.tile_len < 1).any()):
+                raise ValueError(f"tile_len values must be >= 1 (tokens per key tile); got minimum "
+                                 f"{int(self.tile_len.min())}{at}.")
         if self.order is not None:
             n = B * H * Mq
             if self.order.dtype != torch.int32 or tuple(self.order.shape) != (n,) or self.order.device != q.device:
                 raise ValueError(f"order must be int32 [{n}] on {q.device} (a permutation of the B*H*Mq rows); got "
                                  f"{self.order.dtype} {tuple(self.order.shape)} on {self.order.device}{at}.")
-            if not bool((torch.bincount(self.order.long().clamp(0, n), minlength=n + 1)[:n] == 1).all()):
+            seen = torch.bincount(self.order.long().clamp(0, n), minlength=n + 1)[:n]
+            if n and (int(self.order.min()) < 0 or not bool((seen == 1).all())):
                 raise ValueError(f"order is not a permutation of 0..{n - 1}{at}.")
 
     def to_dense_mask(self, num_key_tiles: int) -> torch.Tensor:
@@ -152,6 +174,8 @@ def plan_from_mask(mask: torch.Tensor, block_m: int = 128, block_n: int = 128) -
     """A plan from a tile mask, bool [B, H, Mq, Nk] (True = compute exactly)."""
     if mask.dtype != torch.bool or mask.dim() != 4:
         raise ValueError(f"mask must be bool [B, H, Mq, Nk]; got {mask.dtype} {tuple(mask.shape)}.")
+    check_block("block_m", block_m)
+    check_block("block_n", block_n)
     Nk = mask.shape[-1]
     count = mask.sum(-1, dtype=torch.int32)
     kmax = max(int(count.max()), 1) if count.numel() else 1
@@ -165,6 +189,8 @@ def plan_from_mask(mask: torch.Tensor, block_m: int = 128, block_n: int = 128) -
 def dense_plan(batch: int, heads: int, seq_len: int, block_m: int = 128, block_n: int = 128,
                device: torch.device | str = "cpu") -> Plan:
     """The plan that keeps every key tile (full attention)."""
+    check_block("block_m", block_m)
+    check_block("block_n", block_n)
     Mq, Nk = math.ceil(seq_len / block_m), math.ceil(seq_len / block_n)
     index = torch.arange(Nk, dtype=torch.int32, device=device).expand(batch, heads, Mq, Nk).contiguous()
     count = torch.full((batch, heads, Mq), Nk, dtype=torch.int32, device=device)
@@ -237,12 +263,18 @@ def topk_plan(
         raise ValueError(f"scores must be [B, H, Mv, Mv]; got {tuple(scores.shape)}.")
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density={density} must lie in (0, 1].")
+    check_block("block", block)
     B, H, Mv, Nv = scores.shape
+    if Mv == 0:
+        raise ValueError(f"scores {tuple(scores.shape)} have no video tiles; a plan needs at least one.")
+    if isinstance(num_global_tiles, bool) or not isinstance(num_global_tiles, int) or num_global_tiles < 0:
+        raise ValueError(f"num_global_tiles={num_global_tiles!r} must be an int >= 0.")
     G = num_global_tiles
     device = scores.device
     budget_list, budget, eye = _topk_constants(density, Mv, Nv, device)    # list, [Mv] int64, [Mv, Mv] bool
     kmax = max(budget_list)
-    s = scores.to(select_dtype).masked_fill(eye, float("inf"))
+    s = scores.to(select_dtype)
+    s = s.masked_fill(s.isnan(), float("-inf")).masked_fill(eye, float("inf"))   # NaN never outranks the diagonal
     # budgets are kmax or kmax - 1 (`row_budget_list`): an unsorted top-kmax, and the rows with
     # kmax - 1 drop their weakest pick (any other spread of budgets takes the ranked top-k)
     spread = kmax - min(budget_list)

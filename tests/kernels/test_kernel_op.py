@@ -1,5 +1,6 @@
 """The custom op that makes block-sparse attention one opaque node under torch.compile."""
 
+import pytest
 import torch
 
 from videosparse.kernels import block_sparse_attention
@@ -31,3 +32,48 @@ def test_fullgraph_compile_matches_eager():
     out, lse = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
     ref, ref_lse = f(q, k, v)
     assert rel_err(out, ref) == 0.0 and torch.equal(lse, ref_lse)
+
+
+def test_opcheck_with_non_contiguous_q():
+    """The fake implementation gives the real outputs' (contiguous) strides whatever q's are."""
+    q = torch.randn(2, 300, 3, 64).transpose(1, 2)
+    k, v = (torch.randn(2, 3, 300, 64) for _ in range(2))
+    p = random_plan(2, 3, 300, 64, 64, 0.3, seed=6)
+    torch.library.opcheck(block_sparse_attention_op, (q, k, v, p.kv_index, p.kv_count, 64, 64, None, None, None,
+                                                      None, 0.125, "reference"),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.fixture
+def forward_only_backend():
+    """A registered non-reference backend (like the Triton ones: no autograd inside), removed afterwards."""
+    from videosparse.kernels import dispatch, reference_attention
+
+    class ForwardOnly:
+        name = "forward_only_probe"
+
+        def not_supported_reasons(self, q, k, v, plan):
+            return []
+
+        def __call__(self, q, k, v, plan, scale, return_lse):
+            with torch.no_grad():
+                return reference_attention(q, k, v, plan, scale, return_lse)
+
+    dispatch.register_backend("forward_only_probe", ForwardOnly(), before=None)
+    yield "forward_only_probe"
+    dispatch._REGISTRY.pop("forward_only_probe")
+    dispatch.AUTO_ORDER.remove("forward_only_probe")
+
+
+def test_kernels_without_backward_raise_instead_of_dropping_gradients(forward_only_backend):
+    q, k, v = (torch.randn(1, 2, 200, 64, requires_grad=True) for _ in range(3))
+    p = random_plan(1, 2, 200, 64, 64, 0.5, seed=7)
+    out = block_sparse_attention(q, k, v, p, backend=forward_only_backend)
+    assert out.requires_grad
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        out.sum().backward()
+    ref = block_sparse_attention(q, k, v, p, backend="reference")      # the reference has gradients
+    ref.sum().backward()
+    assert q.grad is not None and rel_err(out.detach(), ref.detach()) < 1e-6
+    with torch.no_grad():
+        assert not block_sparse_attention(q, k, v, p, backend=forward_only_backend).requires_grad

@@ -52,3 +52,16 @@ def test_bad_inputs_are_rejected():
         block_sparse_attention(q[0], q, q, plan)
     with pytest.raises(ValueError, match="backend"):
         block_sparse_attention(q, q, q, plan, backend="cuda-magic")
+    with pytest.raises(ValueError, match="floating point"):
+        block_sparse_attention(q.long(), q.long(), q.long(), plan)
+
+
+def test_a_plan_without_index_columns_gives_empty_rows():
+    """Kmax = 0 (every row empty) is a valid plan: zeros and lse -inf, on every backend (the front end gives
+    the kernels one unused column to read)."""
+    from videosparse.plan import Plan
+
+    q = torch.randn(1, 2, 300, 64)
+    plan = Plan(torch.zeros(1, 2, 3, 0, dtype=torch.int32), torch.zeros(1, 2, 3, dtype=torch.int32))
+    out, lse = block_sparse_attention(q, q, q, plan, return_lse=True)
+    assert bool((out == 0).all()) and bool(torch.isneginf(lse).all())

@@ -32,6 +32,7 @@ CASES = {
     "generic-fp32-empty-rows-corr": (2, 2, 300, 300, 64, 64, 64, 0.3, "float32", True, "generic", "empty"),
     "generic-fp32-dense-corr": (1, 2, 256, 256, 64, 128, 128, 1.0, "float32", True, "generic", "dense"),
     "generic-fp16-strided": (2, 2, 200, 200, 64, 64, 64, 0.5, "float16", False, "generic", "strided"),
+    "generic-fp32-no-index-columns": (1, 2, 300, 300, 64, 64, 64, 0.3, "float32", False, "generic", "kmax0"),
     # 128x128 tiles at head dim 64 (4 warps): each key tile in two steps of 64 keys (`default_key_chunk`); at head
     # dim 128 (8 warps) whole tiles
     "generic-bf16-d64-b128-odd": (2, 2, 300, 300, 64, 128, 128, 0.5, "bfloat16", False, "generic", ""),
@@ -183,6 +184,8 @@ def _run_case(name: str) -> dict:
         count = plan.kv_count.clone()
         count[:, :, ::2] = 0
         plan = Plan(plan.kv_index, count, bm, bn)
+    if extra == "kmax0":     # no index columns at all (partial last key tile: its reads must stay in bounds)
+        plan = Plan(plan.kv_index[..., :0].contiguous(), torch.zeros_like(plan.kv_count), bm, bn)
     if corr:
         plan = plan.with_correction(*tile_centroids_torch(k, v, bn))
     scale = 1.0 / math.sqrt(D)

@@ -63,6 +63,7 @@ def block_sparse_attention(
         plan.validate(q, k, v)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    plan = plan.with_index_slot()       # Kmax = 0: one unused column keeps every kernel's index reads in bounds
     if torch.compiler.is_compiling():
         # one opaque node for torch.compile (see ops.py); the backend is chosen when it runs
         from .ops import run_op
@@ -70,4 +71,24 @@ def block_sparse_attention(
         out, lse = run_op(q, k, v, plan, scale, backend)
         return (out, lse) if return_lse else out
     impl = select_backend(q, k, v, plan, backend)
-    return impl(q, k, v, plan, scale, return_lse)
+    result = impl(q, k, v, plan, scale, return_lse)
+    if impl.name != "reference" and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = result if return_lse else (result, None)
+        out = _ForwardOnly.apply(out, q, k, v)
+        return (out, lse) if return_lse else out
+    return result
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """Marks a Triton/Gluon output as depending on q, k, v so that backward raises instead of silently
+    giving no gradient (the kernels have no backward pass)."""
+
+    @staticmethod
+    def forward(ctx, out, q, k, v):
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from .ops import FORWARD_ONLY
+
+        raise NotImplementedError(FORWARD_ONLY)

@@ -110,6 +110,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}.")
+    if not q.dtype.is_floating_point:
+        raise ValueError(f"q, k, v must be floating point (bf16, fp16, fp32 or fp64); got {q.dtype}.")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}.")
 

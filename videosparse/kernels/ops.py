@@ -33,13 +33,27 @@ def block_sparse_attention_op(
     plan = Plan(kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, order)
     impl = select_backend(q, k, v, plan, backend)
     out, lse = impl(q, k, v, plan, scale, True)
-    return out, lse
+    return out.contiguous(), lse.contiguous()
 
 
 @block_sparse_attention_op.register_fake
 def _(q, k, v, kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, order, scale, backend):
     B, H, S, _ = q.shape
-    return torch.empty_like(q), q.new_empty((B, H, S), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty((B, H, S), dtype=torch.float32)
+
+
+def _no_backward(ctx, grad_out, grad_lse):
+    raise NotImplementedError(FORWARD_ONLY)
+
+
+def _keep_nothing(ctx, inputs, output):
+    pass
+
+
+FORWARD_ONLY = ("videosparse's block-sparse attention kernels are forward-only (no backward pass): run them "
+                "under torch.no_grad() / torch.inference_mode(), or, for gradients, call them eagerly (outside "
+                "torch.compile) with backend='reference'.")
+torch.library.register_autograd("videosparse::block_sparse_attention", _no_backward, setup_context=_keep_nothing)
 
 
 def run_op(q, k, v, plan: Plan, scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,6 +45,7 @@ def reference_attention(
     """
     B, H, S, D = q.shape
     Sk = k.shape[2]
+    plan = plan.with_index_slot()
     bm, bn = plan.block_m, plan.block_n
     Mq, Nk = math.ceil(S / bm), math.ceil(Sk / bn)
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -61,7 +62,7 @@ def reference_attention(
         v_mean = v_sum / tile_len[:, None].clamp_min(1)
         log_len = tile_len.clamp_min(1).log()
 
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     for i in range(Mq):
         r0, r1 = i * bm, min(S, (i + 1) * bm)
