@@ -28,6 +28,12 @@ def test_round_trip(cfg):
         (lambda: SolConfig(tau=1.0, band=-1), "band=-1"),
         (lambda: config_from_dict({"method": "magic"}), "method='magic'"),
         (lambda: config_from_dict({"method": "veda", "bogus": 1}), "bogus"),
+        (lambda: config_from_dict({"method": "veda", "version": "1"}), "version='1'"),
+        (lambda: VedaConfig(dense_layers=3), "dense_layers=3"),
+        (lambda: VedaConfig(dense_layers=None), "dense_layers=None"),
+        (lambda: VedaConfig(tiling=(True, 4, 32)), r"tile shape \(True, 4, 32\)"),
+        (lambda: SolConfig(tau=float("nan")), "tau=nan"),
+        (lambda: SolConfig(tau=float("inf")), "tau=inf"),
     ],
 )
 def test_bad_values_name_the_value(make, match):
@@ -49,3 +55,13 @@ def test_config_backends_are_the_dispatch_names():
     assert set(BACKENDS) == {"auto", "triton"} | set(_REGISTRY)
     assert VedaConfig(backend="hopper").backend == "hopper"
     assert SolConfig(density=0.1, backend="triton_generic").backend == "triton_generic"
+
+
+def test_numpy_scalars_become_plain_numbers():
+    np = pytest.importorskip("numpy")
+    cfg = VedaConfig(density=np.float32(0.25), block=np.int64(64), dense_steps=np.int64(2), dense_layers=[np.int64(1)])
+    d = cfg.to_dict()
+    assert (d["density"], d["block"], d["dense_steps"], d["dense_layers"]) == (0.25, 64, 2, [1])
+    assert type(d["block"]) is int and type(d["dense_steps"]) is int and type(d["density"]) is float
+    assert config_from_dict(d) == cfg
+    assert SolConfig(tau=np.float64(1.5), band=np.int32(2)).to_dict()["band"] == 2

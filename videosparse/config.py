@@ -9,6 +9,8 @@ evaluation result. The config's *type* selects the method (see `videosparse.proc
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
@@ -22,6 +24,25 @@ BACKENDS = ("auto", "triton", "reference", "gluon_hopper", "hopper", "triton_gen
 BLOCK_SIZES = (64, 128)
 
 TileShape = tuple[int, int, int]
+
+
+def _plain_numbers(config, names: tuple[str, ...]) -> None:
+    """numpy / torch scalars in the fields `names` become Python int / float (so that checks, `to_dict` and
+    JSON see plain numbers); bools and non-numbers are left for the field checks to reject."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or type(value) in (int, float) or not isinstance(value, numbers.Real):
+            continue
+        plain = int(value) if isinstance(value, numbers.Integral) else float(value)
+        object.__setattr__(config, name, plain)
+
+
+def _layers(value: Any) -> tuple[int, ...]:
+    """dense_layers as a tuple (TypeError naming the field when it is not a collection of layer indices)."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"dense_layers={value!r} must be a tuple or list of self-attention layer indices, "
+                        "e.g. (0,) or [0, 29].")
+    return tuple(int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else v for v in value)
 
 
 def _check_backend(value: str) -> None:
@@ -50,7 +71,8 @@ def _check_density(name: str, density: float) -> None:
 
 
 def _check_tile(tile: Any, block: int) -> TileShape:
-    if not (isinstance(tile, (tuple, list)) and len(tile) == 3 and all(isinstance(t, int) and t > 0 for t in tile)):
+    if not (isinstance(tile, (tuple, list)) and len(tile) == 3
+            and all(isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in tile)):
         raise ValueError(f"tile shape {tile!r} must be three positive ints (pt, ph, pw).")
     if tile[0] * tile[1] * tile[2] != block:
         raise ValueError(
@@ -146,6 +168,7 @@ class VedaConfig(_BaseConfig):
     backend: str = "auto"
 
     def __post_init__(self) -> None:
+        _plain_numbers(self, ("density", "block", "dense_steps"))
         _check_density("density", self.density)
         if self.block not in BLOCK_SIZES:
             raise ValueError(f"block={self.block!r} is not supported; choose one of {BLOCK_SIZES}.")
@@ -153,7 +176,7 @@ class VedaConfig(_BaseConfig):
             object.__setattr__(self, "tiling", _check_tile(self.tiling, self.block))
         elif self.tiling is not None and not isinstance(self.tiling, (str, os.PathLike)):
             raise TypeError(f"tiling={self.tiling!r} must be a tile shape (pt, ph, pw) or a path to a tiling JSON.")
-        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        object.__setattr__(self, "dense_layers", _layers(self.dense_layers))
         _check_dense_schedule(self.dense_steps, self.dense_layers)
         if not isinstance(self.correction, bool):
             raise TypeError(f"correction={self.correction!r} must be a bool.")
@@ -196,6 +219,7 @@ class SolConfig(_BaseConfig):
     backend: str = "auto"
 
     def __post_init__(self) -> None:
+        _plain_numbers(self, ("density", "tau", "block", "band", "dense_steps"))
         if (self.density is None) == (self.tau is None):
             raise ValueError(
                 f"SolConfig needs exactly one of density or tau; got density={self.density!r}, tau={self.tau!r}."
@@ -204,6 +228,8 @@ class SolConfig(_BaseConfig):
             _check_density("density", self.density)
         if self.tau is not None and (isinstance(self.tau, bool) or not isinstance(self.tau, (int, float))):
             raise TypeError(f"tau={self.tau!r} must be a number (standard deviations above the mean score).")
+        if self.tau is not None and not math.isfinite(self.tau):
+            raise ValueError(f"tau={self.tau!r} must be a finite number (standard deviations above the mean score).")
         if self.block not in BLOCK_SIZES:
             raise ValueError(f"block={self.block!r} is not supported; choose one of {BLOCK_SIZES}.")
         if self.tiling is None:
@@ -211,7 +237,7 @@ class SolConfig(_BaseConfig):
         object.__setattr__(self, "tiling", _check_tile(self.tiling, self.block))
         if isinstance(self.band, bool) or not isinstance(self.band, int) or self.band < 0:
             raise ValueError(f"band={self.band!r} must be an int >= 0.")
-        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        object.__setattr__(self, "dense_layers", _layers(self.dense_layers))
         _check_dense_schedule(self.dense_steps, self.dense_layers)
         if not isinstance(self.correction, bool):
             raise TypeError(f"correction={self.correction!r} must be a bool.")
@@ -228,6 +254,8 @@ def config_from_dict(data: dict[str, Any]) -> _BaseConfig:
     version = data.pop("version", CONFIG_VERSION)
     if method not in CONFIG_CLASSES:
         raise ValueError(f"method={method!r} is not known; choose one of {sorted(CONFIG_CLASSES)}.")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ValueError(f"config version={version!r} must be an int >= 1 (this videosparse writes {CONFIG_VERSION}).")
     if version > CONFIG_VERSION:
         raise ValueError(f"config version {version} is newer than this videosparse understands ({CONFIG_VERSION}).")
     cls = CONFIG_CLASSES[method]

@@ -51,6 +51,9 @@ class SparseMethod:
         """Called eagerly (outside compiled graphs) before the first forward on `device` and when the
         grid or device changes: move weights, fill `layer_states`. The base method does nothing."""
 
+    def on_layout(self, layer: int, layout: HeadTiling) -> None:
+        """Called eagerly for every layer's new tile layout (a new grid); e.g. to warn about it. Does nothing here."""
+
     @property
     def block(self) -> int:
         return self.config.block

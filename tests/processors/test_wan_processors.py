@@ -3,6 +3,7 @@ import torch
 from diffusers import WanTransformer3DModel
 
 import videosparse
+from videosparse.processors import sessions
 
 from tester import ProcessorTesterMixin
 
@@ -61,6 +62,68 @@ def test_apply_remove_without_cache_context_leaves_module_dict_identical():
     assert set(tr.__dict__) == set(before)
     with torch.no_grad():
         assert torch.equal(tr(**inputs, return_dict=False)[0], ref)
+
+
+def test_remove_keeps_hooks_registered_after_apply():
+    """A diffusers hook registered on top of videosparse's (e.g. a cache) keeps running after remove()."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    class Counter(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            Counter.calls += 1
+            return args, kwargs
+
+    t = TestWanProcessors()
+    tr = t.make_transformer()
+    inputs = t.make_inputs(tr)
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64))
+    HookRegistry.check_if_exists_or_initialize(tr).register_hook(Counter(), "user_counter")
+    t.run(tr, inputs)
+    videosparse.remove(tr)
+    t.run(tr, inputs)
+    assert Counter.calls == 2
+    assert list(tr._diffusers_hook.hooks) == ["user_counter"]
+
+
+def test_apply_and_remove_through_the_torch_compile_wrapper():
+    """`torch.compile(transformer)` returns a wrapper: apply and remove act on the module inside it."""
+    t = TestWanProcessors()
+    tr = t.make_transformer()
+    inputs = t.make_inputs(tr)
+    ref = t.run(tr, inputs)
+    compiled = torch.compile(tr, backend="eager")
+    before = set(tr.__dict__)
+    procs = dict(tr.attn_processors)
+    videosparse.apply(compiled, videosparse.VedaConfig(density=1.0, tiling=(1, 4, 16), block=64))
+    assert sessions(tr) and sessions(compiled)
+    assert (t.run(tr, inputs) - ref).abs().max() <= 1e-4 * ref.abs().max()
+    assert set(videosparse.remove(compiled)) == {"transformer"}
+    assert sessions(tr) == {} and set(tr.__dict__) == before
+    assert all(tr.attn_processors[k] is v for k, v in procs.items())
+    videosparse.apply(tr, videosparse.DenseConfig())                     # not "already applied"
+    videosparse.remove(tr)
+    torch._dynamo.reset()
+
+
+def test_attention_backend_set_while_applied_stays_after_remove():
+    t = TestWanProcessors()
+    tr = t.make_transformer()
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64))
+    tr.set_attention_backend("native")
+    videosparse.remove(tr)
+    backends = {name: str(p._attention_backend) for name, p in tr.attn_processors.items()}
+    assert len(set(backends.values())) == 1 and "native" in next(iter(backends.values())).lower(), backends
+
+
+def test_dense_layers_beyond_the_model_are_rejected():
+    t = TestWanProcessors()
+    tr = t.make_transformer()
+    procs = dict(tr.attn_processors)
+    with pytest.raises(ValueError, match=r"dense_layers=\(7,\) names layers \[7\].*2 self-attention layers"):
+        videosparse.apply(tr, videosparse.VedaConfig(dense_layers=(7,)))
+    assert sessions(tr) == {} and all(tr.attn_processors[k] is v for k, v in procs.items())
 
 
 def _cuda_wan():

@@ -144,6 +144,27 @@ class ProcessorTesterMixin:
         assert torch.equal(out1, out2)
         assert sum("runs dense" in r.message for r in caplog.records) == 1
 
+    def test_video_shorter_than_one_tile(self, caplog):
+        """Joint-attention models (text tokens in the sequence) run a video of fewer tokens than one tile
+        dense, with one warning (there is nothing to skip); video-only ones keep the partial tile sparse."""
+        tr = self.make_transformer()
+        videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=self.tiling, block=self.block))
+        session = sessions(tr)["transformer"]
+        text = 8 if session.info.text_position else 0
+        grid = (1, 2, 3)
+        session.context.grid, session.context.text_len = grid, text
+        session.prepare(grid, text, torch.device("cpu"), torch.float32)
+        proc = next(p for p in tr.attn_processors.values() if hasattr(p, "attend"))
+        q, k, v = (torch.randn(1, 6 + text, 2, self.head_dim) for _ in range(3))
+        with caplog.at_level(logging.WARNING, logger="videosparse"):
+            out = proc.attend(q, k, v)
+        assert (out - proc._dense(q, k, v, None)).abs().max() <= 1e-5
+        stats = session.stats()
+        if text:
+            assert stats["dense_calls"] == 1 and any("fewer tokens" in r.message for r in caplog.records)
+        else:
+            assert stats["sparse_calls"] == 1
+
     def test_bad_config_type(self):
         tr = self.make_transformer()
         with pytest.raises(TypeError, match="not a videosparse config"):

@@ -32,7 +32,8 @@ def test_density_config_calibrates_once_per_layer_and_shape(text_len):
     assert abs(plan.density(N) - 0.2) <= 0.01
     cal = method.calibrations()
     assert len(cal) == 1 and abs(next(iter(cal.values()))["density"] - plan.density(N)) < 1e-12
-    tau = method.layer_state(0)[(2, layout.seq_len, 64, layout.num_video_tiles, layout.num_global_tiles)][0]
+    tau = method.layer_state(0)[(2, layout.seq_len, 64, layout.num_video_tiles, layout.num_global_tiles,
+                                 layout.grid)][0]
     # a second call of the same layer and shape reuses τ: its plan is "z > cached τ" on the new data
     q2, k2, v2 = _inputs(layout, shift=0.1)
     plan2 = method.plan(q2, k2, v2, layout, layer=0)
@@ -45,6 +46,12 @@ def test_density_config_calibrates_once_per_layer_and_shape(text_len):
     small = head_tiling((4, 16, 16), (4, 4, 4), 2, block=64)
     method.plan(*_inputs(small), small, layer=0)
     assert len(method.calibrations()) == 3
+    # a grid with the same token count (portrait vs landscape) is another shape too
+    portrait = head_tiling((4, 16, 16 * 2), (4, 4, 4), 2, block=64)
+    landscape = head_tiling((4, 16 * 2, 16), (4, 4, 4), 2, block=64)
+    method.plan(*_inputs(portrait), portrait, layer=0)
+    method.plan(*_inputs(landscape), landscape, layer=0)
+    assert len(method.calibrations()) == 5
 
 
 def test_tau_config_is_used_as_given_and_correction_flag():
@@ -90,6 +97,8 @@ def test_unreachable_density_warns_once(caplog):
     layout = head_tiling((4, 4, 16), (1, 4, 16), 2, block=64)                 # 4 tiles: band alone is 10/16
     method = SolMethod(SolConfig(block=64, density=0.2, tiling=(1, 4, 16)), INFO)
     with caplog.at_level(logging.WARNING, logger="videosparse.sol.method"):
+        for _ in range(2):       # the session calls on_layout eagerly for every new layout (outside any graph)
+            method.on_layout(3, layout)
         plans = [method.plan(*_inputs(layout), layout, 3) for _ in range(2)]
     assert sum("below the density" in r.message for r in caplog.records) == 1
     assert plans[0].density(4) == 10 / 16             # calibration call: only the band

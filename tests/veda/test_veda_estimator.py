@@ -181,3 +181,14 @@ def test_recall():
     assert tile_recall(heat.log(), heat, 0.3)["recall"] == 1.0
     r = tile_recall(-heat, heat, 0.3)                    # reversed ranking: only the forced diagonal agrees
     assert r["recall_offdiag"] == 0.0 and r["recall"] == pytest.approx(1 / 3)
+
+
+def test_estimator_paths_that_hold_no_estimator_are_clear_errors(tmp_path):
+    from videosparse.veda.estimator import load_estimator
+
+    with pytest.raises(ValueError, match="neither an existing directory nor a hub id"):
+        load_estimator(tmp_path / "no_such_dir")
+    with pytest.raises(ValueError, match="neither an existing directory nor a hub id"):
+        load_estimator("./estimators/wan13b")
+    with pytest.raises(ValueError, match="has no config.json or model.safetensors"):
+        load_estimator(tmp_path)

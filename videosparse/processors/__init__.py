@@ -37,17 +37,27 @@ _SNAPSHOT_ATTR = "_videosparse_snapshot"
 __all__ = ["apply", "remove", "make_processors", "observe", "sessions", "register_model", "AttentionRecord"]
 
 
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The module inside `torch.compile`'s wrapper (OptimizedModule), else the module itself: processors,
+    hooks and the session live on the real transformer, so apply/remove work before or after compiling."""
+    while type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None),
+                                                                  torch.nn.Module):
+        module = module._orig_mod
+    return module
+
+
 def _transformers(obj) -> dict[str, torch.nn.Module]:
-    """The transformers of a pipeline (transformer, transformer_2, ...) or the module itself."""
+    """The transformers of a pipeline (transformer, transformer_2, ...) or the module itself, unwrapped
+    from torch.compile's wrapper."""
     if isinstance(obj, torch.nn.Module):
-        return {"transformer": obj}
+        return {"transformer": _unwrap(obj)}
     components = getattr(obj, "components", None)
     if not isinstance(components, dict):
         raise TypeError(
             f"expected a diffusers pipeline or a transformer module, got {type(obj).__name__}."
         )
     found = {
-        name: comp for name, comp in components.items()
+        name: _unwrap(comp) for name, comp in components.items()
         if name.startswith("transformer") and isinstance(comp, torch.nn.Module)
     }
     if not found:
@@ -69,6 +79,7 @@ def make_processors(transformer: torch.nn.Module, config, *, scheduler=None) -> 
     Returns:
         dict of processor name -> processor, for `set_attn_processor`.
     """
+    transformer = _unwrap(transformer)
     spec = model_spec(transformer)
     active = getattr(transformer, SESSION_ATTR, None)
     if active is not None:
@@ -81,6 +92,11 @@ def make_processors(transformer: torch.nn.Module, config, *, scheduler=None) -> 
     self_attn = [n for n in originals if spec.is_self_attention(n.rsplit(".processor", 1)[0],
                                                                  modules[n.rsplit(".processor", 1)[0]])]
     info = model_info(transformer, spec, len(self_attn))
+    beyond = [layer for layer in getattr(config, "dense_layers", ()) if layer >= len(self_attn)]
+    if beyond:
+        raise ValueError(f"dense_layers={config.dense_layers!r} names layers {beyond}, but this "
+                         f"{type(transformer).__name__} has {len(self_attn)} self-attention layers "
+                         f"(0..{len(self_attn) - 1}).")
     method = make_method(config, info)
     session = SparseSession(config, method, info, originals, scheduler)
     procs = dict(originals)
@@ -104,9 +120,10 @@ def _detach(transformer: torch.nn.Module) -> None:
     snapshot = transformer.__dict__.pop(_SNAPSHOT_ATTR, {})
     remove_context_hook(transformer)
     registry = getattr(transformer, "_diffusers_hook", None)
-    if not snapshot.get("had_registry", True) and registry is not None and not registry.hooks:
+    others = registry is not None and bool(registry.hooks)      # hooks registered by others stay, forward too
+    if not snapshot.get("had_registry", True) and registry is not None and not others:
         del transformer._diffusers_hook
-    if not snapshot.get("had_forward_attr", True):
+    if not snapshot.get("had_forward_attr", True) and not others:
         transformer.__dict__.pop("forward", None)
     transformer.__dict__.pop(SESSION_ATTR, None)
 
@@ -159,6 +176,15 @@ def _restore(transformer: torch.nn.Module) -> SparseSession | None:
     session = getattr(transformer, SESSION_ATTR, None)
     if session is None:
         return None
+    current = transformer.attn_processors
+    for name, original in session.original_processors.items():
+        mine = current.get(name)
+        if mine is original or mine is None:
+            continue
+        # a backend or context-parallel config set while applied (set_attention_backend) stays set
+        for attr in ("_attention_backend", "_parallel_config"):
+            if hasattr(original, attr) and getattr(mine, attr, None) is not getattr(original, attr):
+                setattr(original, attr, getattr(mine, attr, None))
     transformer.set_attn_processor(dict(session.original_processors))
     _detach(transformer)
     return session

@@ -84,6 +84,10 @@ class SparseAttentionMixin:
             unsupported = "context parallelism splits the sequence"
         elif q.shape[1] != ctx.grid[0] * ctx.grid[1] * ctx.grid[2] + ctx.text_len:
             unsupported = f"sequence length {q.shape[1]} does not match grid {ctx.grid} + {ctx.text_len} text tokens"
+        elif self.slot.layout is not None and self.slot.layout.num_video_tiles == 0:
+            layout = self.slot.layout
+            unsupported = (f"the video has fewer tokens ({layout.num_video_tokens}) than one tile ({layout.block}); "
+                           "there is nothing to skip")
         elif session.kernel_problem is not None:
             unsupported = session.kernel_problem
         if unsupported:

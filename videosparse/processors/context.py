@@ -175,6 +175,7 @@ class SparseSession:
             layout = head_tiling(grid, tiles, info.num_heads, method.block, text_len, info.text_position or "after")
             layout.warm(device)
             self.slot(layer).layout = layout
+            method.on_layout(layer, layout)
         method.prepare(device)
         probe = probe_kernel(self.config.backend, device, dtype, info.num_heads, info.head_dim, method.block,
                              getattr(self.config, "correction", False))

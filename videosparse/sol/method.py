@@ -30,7 +30,7 @@ class SolMethod(SparseMethod):
     to the zero-order correction when `config.correction` is set.
 
     With `SolConfig(density=...)`, τ is found by bisection on the first call of each
-    (layer, shape) and cached in this instance (one scalar per layer, shared by all heads, so the
+    (layer, shape and grid) and cached in this instance (one scalar per layer, shared by all heads, so the
     per-head density follows the data); with `SolConfig(tau=...)` τ is used as given.
 
     Args:
@@ -64,10 +64,11 @@ class SolMethod(SparseMethod):
 
     def stats(self) -> dict:
         """Calibrated thresholds, keyed "layer L, H heads, S tokens" (see `calibrations`)."""
-        return {"calibrations": {f"layer {k[0]}, {k[1]} heads, {k[2]} tokens": v for k, v in self.calibrations().items()}}
+        return {"calibrations": {f"layer {k[0]}, {k[1]} heads, {k[2]} tokens, grid {k[6]}": v
+                                 for k, v in self.calibrations().items()}}
 
     def calibrations(self) -> dict[tuple, dict[str, float]]:
-        """Calibrated τ and the density it gave on its calibration call, per (layer, H, S, D, Mv, G).
+        """Calibrated τ and the density it gave on its calibration call, per (layer, H, S, D, Mv, G, grid).
 
         Converts to Python floats (a host sync): for reports, not for the hot path.
         """
@@ -86,22 +87,25 @@ class SolMethod(SparseMethod):
         if cached is not None:
             tau = cached[0]
             return tau if tau.device == z.device else tau.to(z.device)
+        tau, realized = calibrate_tau(z, float(cfg.density), layout.num_global_tiles, cfg.band)
+        state[key] = (tau, realized)
+        return tau
+
+    def on_layout(self, layer: int, layout: HeadTiling) -> None:
+        """Warn once per layer when the target density is below that of the always-exact tiles (eager)."""
+        cfg = self.config
+        if cfg.density is None or layer in self._warned:
+            return
         Mv, G = layout.num_video_tiles, layout.num_global_tiles
         N = Mv + G
-        floor = forced_pairs(Mv, G, cfg.band) / (N * N)
-        if floor > cfg.density and layer not in self._warned:
+        floor = forced_pairs(Mv, G, cfg.band) / (N * N) if N else 0.0
+        if floor > cfg.density:
             self._warned.add(layer)
             logger.warning(
                 "Sol layer %d: target density %.3f is below the density of the always-exact tiles "
                 "(band=%d, %d global tiles of %d) %.3f; only those are kept.",
                 layer, cfg.density, cfg.band, G, N, floor,
             )
-        tau, realized = calibrate_tau(z, float(cfg.density), G, cfg.band)
-        state[key] = (tau, realized)
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("Sol layer %d %s: tau=%.4f gives density %.4f (target %.4f)",
-                         layer, key[1:], float(tau), float(realized), cfg.density)
-        return tau
 
     def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: HeadTiling, layer: int,
              state: dict | None = None) -> Plan:
@@ -129,7 +133,7 @@ class SolMethod(SparseMethod):
             )
         q_mean, k_mean, v_sum, tile_len = tile_stats(q, k, v, block, backend=_CENTROID_BACKEND[cfg.backend])
         z = routing_zscores(q_mean[:, :, :Mv], k_mean[:, :, :Mv], 1.0 / math.sqrt(D), cfg.band)
-        key = (H, S, D, Mv, G)
+        key = (H, S, D, Mv, G, layout.grid)
         tau = self.tau(z, layout, layer, key, state)
         plan = sol_plan_from_zscores(z, tau, G, block,
                                      width=N if self.static_width or torch.compiler.is_compiling() else None)

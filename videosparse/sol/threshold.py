@@ -16,7 +16,7 @@ whole video part of the mask and the density calibration is a bisection over the
 
 Everything here is vectorized over batch, heads and tiles: no Python loop over tiles, and no
 host synchronisation except the one `int(count.max())` that sizes the packed plan (pass `width`
-to avoid it) and the calibration, which runs once per (shape, layer).
+to avoid it); the calibration (once per shape and layer) is a custom op, so torch.compile sees one node.
 """
 
 from __future__ import annotations
@@ -106,7 +106,6 @@ def forced_pairs(num_video_tiles: int, num_global_tiles: int, band: int) -> int:
     return N * N - Mv * Mv + min(band_pairs, Mv * Mv)
 
 
-@torch.compiler.disable
 def calibrate_tau(
     z: torch.Tensor, density: float, num_global_tiles: int, band: int, *, iters: int = 48
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,6 +130,13 @@ def calibrate_tau(
     """
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density={density} must lie in (0, 1].")
+    return _calibrate_tau_op(z, float(density), int(num_global_tiles), int(band), int(iters))
+
+
+@torch.library.custom_op("videosparse::sol_calibrate_tau", mutates_args=())
+def _calibrate_tau_op(z: torch.Tensor, density: float, num_global_tiles: int, band: int,
+                      iters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`calibrate_tau` as one opaque node for torch.compile (its bisection loop runs eagerly, on the device)."""
     B, H, Mv, _ = z.shape
     N = Mv + num_global_tiles
     forced = B * H * (N * N - Mv * Mv)                                    # global rows/cols
@@ -155,7 +161,12 @@ def calibrate_tau(
     take_lo = (c_lo - target).abs() < (c_hi - target).abs()
     tau = torch.where(take_lo, lo, hi).float()
     realized = (torch.where(take_lo, c_lo, c_hi) + forced) / total
-    return tau, realized
+    return tau.clone(), realized.double()
+
+
+@_calibrate_tau_op.register_fake
+def _(z, density, num_global_tiles, band, iters):
+    return z.new_empty((), dtype=torch.float32), z.new_empty((), dtype=torch.float64)
 
 
 def pack_mask(mask: torch.Tensor, block_m: int, block_n: int, *, width: int | None = None) -> Plan:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -199,10 +200,22 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
         return model
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
 def load_estimator(source: Any) -> VedaEstimator:
     """A `VedaEstimator` from an object, a local directory or a hub id (safetensors only)."""
     if isinstance(source, VedaEstimator):
         return source
     if isinstance(source, (str, os.PathLike)):
-        return VedaEstimator.from_pretrained(str(source))
+        path = os.fspath(source)
+        if os.path.isdir(path):
+            missing = [n for n in ("config.json", SAFETENSORS_NAME) if not os.path.isfile(os.path.join(path, n))]
+            if missing:
+                raise ValueError(f"estimator directory {path!r} has no {' or '.join(missing)}; expected what "
+                                 "VedaEstimator.save_pretrained or `videosparse distill` writes (config.json and "
+                                 f"{SAFETENSORS_NAME}).")
+        elif not _HUB_ID.fullmatch(path):
+            raise ValueError(f"estimator={path!r} is neither an existing directory nor a hub id (owner/name).")
+        return VedaEstimator.from_pretrained(path)
     raise TypeError(f"estimator={source!r} must be a VedaEstimator, a directory or a hub id.")
