@@ -43,3 +43,38 @@ def test_step_index_from_scheduler_when_pipeline_gives_none():
             tr(hidden_states=x, timestep=t[None], encoder_hidden_states=text)
     layers = session.stats()["layers"]
     assert all(s["dense_calls"] == 2 and s["sparse_calls"] == 2 for s in layers.values())
+
+
+def test_step_from_the_schedulers_counter_with_bf16_timesteps():
+    """Pipelines like HunyuanVideo's pass the timestep in the latents' dtype and no step index: with a
+    shifted schedule, bf16 rounds neighbouring timesteps together, so the step comes from the scheduler's
+    own counter (its step() calls), and the first step from the timestep's place in the schedule."""
+    from types import SimpleNamespace
+
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.hooks.hooks import CacheContext
+
+    from videosparse.processors.context import SparseContextHook
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=17.0)
+    for _ in range(2):                                     # a second pipeline call starts again at step 0
+        scheduler.set_timesteps(50)
+        hook = SparseContextHook(SimpleNamespace(scheduler=scheduler), grid_fn=None)
+        x = torch.zeros(1, 4)
+        seen = []
+        for t in scheduler.timesteps:
+            seen.append(hook._step(CacheContext("cond"), (), {"timestep": t.expand(1).to(torch.bfloat16)}))
+            x = scheduler.step(torch.zeros_like(x), t, x).prev_sample
+        assert seen == [(i, 50) for i in range(50)]
+    assert len(set(scheduler.timesteps[:5].to(torch.bfloat16).tolist())) < 5       # what the counter is for
+
+
+def test_timestep_position_follows_the_forward_signature():
+    """CogVideoX's forward is (hidden_states, encoder_hidden_states, timestep, ...): a positional call must not
+    read the text embedding as the timestep."""
+    from diffusers import CogVideoXTransformer3DModel, WanTransformer3DModel
+
+    from videosparse.processors.context import _parameter_position
+
+    assert _parameter_position(CogVideoXTransformer3DModel.forward, "timestep", 1) == 2
+    assert _parameter_position(WanTransformer3DModel.forward, "timestep", 0) == 1

@@ -48,6 +48,22 @@ def test_native_set_attn_processor_form():
     assert torch.equal(t.run(tr, inputs), ref)
 
 
+def test_native_form_without_scheduler_warns_that_fractional_dense_steps_cannot_apply(caplog):
+    import logging
+
+    t = TestWanProcessors()
+    tr = t.make_transformer()
+    inputs = t.make_inputs(tr)
+    tr.set_attn_processor(videosparse.processors(tr, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64,
+                                                                            dense_steps=0.4)))
+    with caplog.at_level(logging.WARNING, logger="videosparse"), torch.no_grad():
+        tr(**inputs, return_dict=False)
+        tr(**inputs, return_dict=False)
+    assert sum("scheduler=pipe.scheduler" in r.message for r in caplog.records) == 1
+    assert sessions(tr)["transformer"].stats()["dense_calls"] == 0
+    videosparse.remove(tr)
+
+
 def test_apply_remove_without_cache_context_leaves_module_dict_identical():
     t = TestWanProcessors()
     tr = t.make_transformer()

@@ -11,6 +11,7 @@ calls per branch.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -225,6 +226,15 @@ class _BranchState(BaseState):
         self.calls = 0
 
 
+def _parameter_position(forward, name: str, default: int) -> int:
+    """Position of parameter `name` among a module forward's positional arguments (after self)."""
+    try:
+        params = list(inspect.signature(forward).parameters)
+    except (TypeError, ValueError):
+        return default
+    return params.index(name) - 1 if name in params else default
+
+
 def forward_arg(args: tuple, kwargs: dict, name: str, index: int):
     """Argument `name` of a transformer forward, given by keyword or at position `index` (None if absent)."""
     return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
@@ -246,6 +256,12 @@ class SparseContextHook(ModelHook):
         self.session = session
         self.grid_fn = grid_fn
         self.state_manager = StateManager(_BranchState)
+        self._timestep_position = 1          # set from the model's forward signature on the first call
+        self._warned_unknown_steps = False
+
+    def initialize_hook(self, module):
+        self._timestep_position = _parameter_position(type(module).forward, "timestep", default=1)
+        return module
 
     def pre_forward(self, module, *args, **kwargs):
         self._update(module, args, kwargs)
@@ -266,12 +282,22 @@ class SparseContextHook(ModelHook):
         ctx.branch = cache_ctx.name if cache_ctx is not None else "default"
         ctx.step, ctx.num_steps = self._step(cache_ctx, args, kwargs)
         ctx.sparse_step = ctx.step is None or ctx.step >= session.config.dense_step_count(ctx.num_steps)
+        dense_steps = getattr(session.config, "dense_steps", 0)
+        if ctx.num_steps is None and isinstance(dense_steps, float) and dense_steps > 0 \
+                and not self._warned_unknown_steps:
+            self._warned_unknown_steps = True
+            logger.warning(
+                "videosparse: dense_steps=%s is a fraction of the denoising steps, but their number is unknown "
+                "here (no scheduler and no cache context), so every step runs sparse. Use "
+                "videosparse.apply(pipe, config), pass scheduler=pipe.scheduler to videosparse.processors(...), "
+                "or give dense_steps as a step count (an int).", dense_steps)
         hidden = forward_arg(args, kwargs, "hidden_states", 0)
         session.prepare(ctx.grid, ctx.text_len, hidden.device, hidden.dtype)
         session.calls += 1
 
     def _step(self, cache_ctx, args, kwargs) -> tuple[int | None, int | None]:
-        """Step index and step count: from the cache context, else the scheduler, else by counting."""
+        """Step index and step count: from the cache context, else the scheduler (its own step counter, else
+        the timestep's place in its schedule), else by counting."""
         scheduler = self.session.scheduler
         timesteps = getattr(scheduler, "timesteps", None) if scheduler is not None else None
         num_steps = getattr(cache_ctx, "num_inference_steps", None)
@@ -279,10 +305,15 @@ class SparseContextHook(ModelHook):
             num_steps = len(timesteps)
         if cache_ctx is not None and cache_ctx.step_index is not None:
             return cache_ctx.step_index, num_steps
-        t = kwargs.get("timestep", args[1] if len(args) > 1 else None)
+        t = forward_arg(args, kwargs, "timestep", self._timestep_position)
         if t is not None and timesteps is not None and len(timesteps):
-            t0 = float(torch.as_tensor(t).flatten()[0])
-            return int((timesteps.float().cpu() - t0).abs().argmin()), num_steps
+            counted = getattr(scheduler, "step_index", None)      # advanced by each scheduler.step() of this call
+            if isinstance(counted, int) and 0 <= counted < len(timesteps):
+                return counted, num_steps
+            t0 = torch.as_tensor(t).flatten()[0].detach().cpu()
+            # in t's own precision: a bf16 timestep matches its rounding of the schedule (ties: the first)
+            table = timesteps.detach().cpu().to(t0.dtype) if t0.is_floating_point() else timesteps.detach().cpu()
+            return int((table.double() - float(t0)).abs().argmin()), num_steps
         if cache_ctx is not None:
             state = self.state_manager.get_state()
             state.calls += 1
