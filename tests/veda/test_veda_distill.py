@@ -149,12 +149,22 @@ def test_killed_then_resumed_run_equals_uninterrupted(tmp_path, cache):
     assert torch.equal(a.proj_q, b.proj_q) and torch.equal(a.proj_k, b.proj_k)
     assert [h["step"] for h in res.history] == [h["step"] for h in ref.history]
     assert res.history[-1]["loss"] == pytest.approx(ref.history[-1]["loss"], rel=1e-6)
-    # and resuming a finished run does no more steps
+    # and resuming a finished run does no more steps, even after a kill cut the log's last line
+    with open(out / "log.jsonl", "a") as f:
+        f.write('{"step": 13, "lo')
     again = run_distillation(cfg)
     assert again.global_step == 12 and again.resumed_from == out / "checkpoints" / "step_00000012"
+    assert [h["step"] for h in again.history] == [h["step"] for h in ref.history]
     # a checkpoint of another configuration is not silently continued
     with pytest.raises(ValueError, match="different run \\(differs in \\['learning_rate'\\]\\)"):
         run_distillation(make_cfg(out, learning_rate=2e-3))
+    # resume=False starts afresh: the earlier run's checkpoints go (else they would outrank this run's)
+    fresh = run_distillation(make_cfg(out, resume=False, max_steps=4))
+    assert fresh.resumed_from is None and fresh.global_step == 4
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000004"]
+    # nor is one trained on other prompts (the samples are recaptured under the same file names)
+    with pytest.raises(ValueError, match="differs in \\['captures'\\]"):
+        run_distillation(make_cfg(out, max_steps=4, prompts=("a green triangle moving right", "a blue square moving up")))
 
 
 def test_distill_config_validation(tmp_path):

@@ -159,11 +159,29 @@ _RUN_FIELDS = ("seed", "epochs", "max_steps", "learning_rate", "weight_decay", "
 
 
 def _run_key(cfg: DistillConfig, files: Sequence[Path], num_processes: int) -> dict[str, Any]:
-    """What a checkpoint must match to be resumed: training fields, the sample files, the process count."""
+    """What a checkpoint must match to be resumed: training fields, the sample files and what they were
+    captured from (each prompt's done-marker: prompt text, model and capture settings, tile shapes), the
+    process count."""
     key = {name: cfg.to_dict()[name] for name in _RUN_FIELDS}
     key["samples"] = [Path(f).name for f in files]
+    markers = sorted({Path(f).parent / f"{Path(f).name.split('_')[0]}.done" for f in files})
+    key["captures"] = [json.loads(m.read_text()) if m.is_file() else None for m in markers]
     key["num_processes"] = num_processes
     return key
+
+
+def _read_log(path: Path) -> list[dict[str, Any]]:
+    """The log lines of an earlier run; a torn last line (a kill during its write) is dropped."""
+    history = []
+    if path.exists():
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                history.append(json.loads(line))
+            except ValueError:
+                logger.warning("%s line %d is not valid JSON (cut by a kill?); dropped", path, n)
+    return history
 
 
 def _save_checkpoint(accelerator, root: Path, state: dict[str, Any], keep: int) -> Path:
@@ -268,28 +286,36 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
     resumed_from = None
     history: list[dict[str, Any]] = []
     run_key = _run_key(cfg, files, accelerator.num_processes)
-    found = _checkpoints(ckpt_root) if cfg.resume else []
+    found = _checkpoints(ckpt_root)
+    if found and not cfg.resume:
+        # a fresh start: an earlier run's checkpoints would outrank (and prune) this run's and be resumed later
+        if accelerator.is_main_process:
+            logger.info("resume=False: removing %d checkpoints of an earlier run in %s", len(found), ckpt_root)
+            for _, old in found:
+                shutil.rmtree(old, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        found = []
     if found:
         resumed_from = found[-1][1]
         with open(resumed_from / TRAINER_STATE) as f:
             st = json.load(f)
         if st.get("run") != run_key:
             diff = sorted(k for k in set(run_key) | set(st.get("run", {})) if run_key.get(k) != st.get("run", {}).get(k))
+            what = " (the captured samples: prompts, model, capture settings or tile shapes)" if "captures" in diff else ""
             raise ValueError(
-                f"checkpoint {resumed_from} was written by a different run (differs in {diff}); resume it with the "
-                "same configuration, samples and process count, or use another output_dir (or resume=False)."
+                f"checkpoint {resumed_from} was written by a different run (differs in {diff}{what}); resume it with "
+                "the same configuration, samples and process count, or use another output_dir (or resume=False)."
             )
         accelerator.load_state(str(resumed_from))
         global_step, epoch, batches_done = st["global_step"], st["epoch"], st["batches_done"]
         logger.info("resumed from %s (step %d)", resumed_from, global_step)
-    if log_path.exists():
-        with open(log_path) as f:
-            history = [json.loads(line) for line in f if line.strip()]
-        history = [h for h in history if h["step"] <= global_step]
+    history = [h for h in _read_log(log_path) if h.get("step", global_step + 1) <= global_step]
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "w") as f:
+        tmp = log_path.with_name(f".{log_path.name}.tmp")
+        with open(tmp, "w") as f:
             f.writelines(json.dumps(h) + "\n" for h in history)
+        os.replace(tmp, log_path)
 
     progress = tqdm(total=total_steps, initial=global_step, desc="distill", disable=not accelerator.is_local_main_process)
     running, running_n = 0.0, 0
