@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import imageio.v3 as iio
 
@@ -23,6 +24,36 @@ def test_bad_arguments_exit_with_clear_error(capsys):
     assert "--steps=-1" in capsys.readouterr().err
     assert main(["generate", "--out", "/tmp/video"]) == 2        # no video extension: refused before any work
     assert "'/tmp/video' needs a video file extension" in capsys.readouterr().err
+    # flags the method does not take are refused, not dropped
+    for argv, msg in ((["--method", "veda", "--tau", "1.5"], "--tau does not apply to --method veda"),
+                      (["--method", "sol", "--estimator", "x"], "--estimator does not apply to --method sol"),
+                      (["--method", "dense", "--density", "0.3"], "--density does not apply to --method dense"),
+                      (["--method", "sol", "--tau", "1.5", "--density", "0.05"], "exactly one of density or tau"),
+                      (["--fps", "0"], "--fps=0"),
+                      (["--out", "/no/such/folder/v.mp4"], "does not exist"),
+                      (["--json", "/no/such/folder/s.json"], "does not exist"),
+                      (["--device", "foo"], "device='foo' is not a torch device")):
+        assert main(["generate", *argv]) == 2, argv
+        assert msg in capsys.readouterr().err, argv
+
+
+def test_capture_config_list_fields_from_strings():
+    from videosparse.distill import DistillConfig, TilingSearchConfig
+    from videosparse.distill.capture import split_by_prompt
+
+    assert DistillConfig(branches="cond").branches == ("cond",)
+    assert DistillConfig(branches="cond,uncond").branches == ("cond", "uncond")
+    assert TilingSearchConfig(layers="0,1").layers == (0, 1)
+    assert TilingSearchConfig(layers=1).layers == (1,)
+    for bad in (dict(seed="abc"), dict(seed=1.5), dict(branches=[]), dict(device="foo")):
+        try:
+            DistillConfig(**bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted {bad}")
+    files = [Path(f"p{i:05d}_s0000_cond.safetensors") for i in range(3)]
+    train, val = split_by_prompt(files, 0.34, seed=0)
+    assert len(val) == 1 and len(train) == 2                 # the nearest count, not rounded up
 
 
 def test_generate_writes_playable_mp4(tmp_path):

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .config import BACKENDS, DenseConfig, SolConfig, VedaConfig
+from .distill.config import check_device
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # containers diffusers' export_to_video (imageio + ffmpeg) writes
@@ -53,8 +54,16 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
                    help="kernel backend: auto, triton, reference or one kernel by name")
 
 
+# flags that only some methods take (their default is None, so a given one is known)
+_METHOD_ONLY = {"density": ("veda", "sol"), "tau": ("sol",), "estimator": ("veda",), "tiling": ("veda", "sol"),
+                "block": ("veda", "sol"), "correction": ("veda", "sol")}
+
+
 def method_config(args: argparse.Namespace):
-    """The config object the method arguments describe."""
+    """The config object the method arguments describe (ValueError for a flag the method does not take)."""
+    for name, methods in _METHOD_ONLY.items():
+        if getattr(args, name, None) is not None and args.method not in methods:
+            raise ValueError(f"--{name} does not apply to --method {args.method} (only to {' and '.join(methods)}).")
     common = dict(dense_steps=args.dense_steps, dense_layers=args.dense_layers, backend=args.backend)
     optional = {k: v for k, v in (("tiling", args.tiling), ("block", args.block), ("correction", args.correction))
                 if v is not None}
@@ -64,7 +73,7 @@ def method_config(args: argparse.Namespace):
         return VedaConfig(density=args.density if args.density is not None else 0.1, estimator=args.estimator,
                           **common, **optional)
     if args.tau is not None:
-        return SolConfig(tau=args.tau, **common, **optional)
+        return SolConfig(tau=args.tau, density=args.density, **common, **optional)   # both given: SolConfig says so
     return SolConfig(density=args.density if args.density is not None else 0.15, **common, **optional)
 
 
@@ -105,6 +114,12 @@ def _run_generate(args: argparse.Namespace) -> int:
     if Path(args.out).suffix.lower() not in VIDEO_SUFFIXES:
         raise ValueError(f"--out {args.out!r} needs a video file extension, one of {', '.join(VIDEO_SUFFIXES)} "
                          "(checked before the pipeline runs).")
+    for flag, path in (("--out", args.out), ("--json", args.json)):
+        if path is not None and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"{flag} {path!r}: the folder {str(Path(path).parent)!r} does not exist.")
+    if args.fps < 1:
+        raise ValueError(f"--fps={args.fps} must be a positive integer (frames per second of the video).")
+    check_device(args.device)
     config = method_config(args)
     loaded = load_pipeline(args.model, args.device, DTYPES.get(args.dtype))
     pipe = loaded.pipe
@@ -132,10 +147,10 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.compare_dense:
         dense = generate(pipe, None, call, seed=args.seed, device=device)
         dense_step = dense.transformer_total_s / steps
-        from .eval.metrics import psnr
+        from .eval.metrics import psnr_video
 
         summary["dense"] = {"wall_s": dense.wall_s, "transformer_s_per_step": dense_step,
-                            "psnr_db": psnr(result.frames, dense.frames)}
+                            "psnr_db": psnr_video(result.frames, dense.frames)}   # as `videosparse evaluate`
         print(f"dense: {dense_step * 1000:.1f} ms per step -> speedup {dense_step / per_step:.2f}x; "
               f"PSNR vs dense {summary['dense']['psnr_db']:.2f} dB")
     print(f"video written to {path}")
@@ -157,6 +172,7 @@ def _add_evaluate_parser(sub) -> None:
 def _run_evaluate(args: argparse.Namespace) -> int:
     from .eval.command import run_evaluate
 
+    check_device(args.device)
     return run_evaluate(args)
 
 
@@ -223,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         return args.func(args)
-    except ValueError as err:
+    except (ValueError, OSError) as err:        # bad input, or a file or folder that is not there
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -110,8 +110,13 @@ def test_tiling_json_round_trip_and_veda_method_uses_it(tmp_path):
         method.tile_shapes(0, 3)
     with pytest.raises(ValueError, match="block=64"):
         VedaMethod(VedaConfig(density=0.1, tiling=str(path), block=64), info)
-    with pytest.raises(ValueError, match="covers 2 layers"):
+    with pytest.raises(ValueError, match=r"another model: 2 layers \(the model's: 4\)"):
         VedaMethod(VedaConfig(density=0.1, tiling=str(path)), ModelInfo("WanTransformer3DModel", 4, 2, 32, (1, 2, 2)))
+    with pytest.raises(ValueError, match=r"another model: 2 layers \(the model's: 1\)"):      # more layers too
+        VedaMethod(VedaConfig(density=0.1, tiling=str(path)), ModelInfo("WanTransformer3DModel", 1, 2, 32, (1, 2, 2)))
+    with pytest.raises(ValueError, match="model_class='WanTransformer3DModel'"):
+        VedaMethod(VedaConfig(density=0.1, tiling=str(path)), ModelInfo("CogVideoXTransformer3DModel", 2, 2, 32,
+                                                                         (1, 2, 2)))
 
 
 def test_bad_tiling_files_raise(tmp_path):
@@ -125,6 +130,10 @@ def test_bad_tiling_files_raise(tmp_path):
     wrong.write_text(json.dumps({"format": "videosparse-tiling", "version": 1, "block": 128, "layers": [[[4, 4, 4]]]}))
     with pytest.raises(ValueError, match="product 128"):
         load_tiling(wrong)
+    no_layers = tmp_path / "no_layers.json"
+    no_layers.write_text(json.dumps({"format": "videosparse-tiling", "version": 1, "block": 128}))
+    with pytest.raises(ValueError, match="has no 'layers' field"):
+        load_tiling(no_layers)
 
 
 def test_candidates():

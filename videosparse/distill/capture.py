@@ -256,7 +256,7 @@ def capture_to_cache(cfg: CaptureConfig, cache_dir: str | os.PathLike, tiles_for
 def split_by_prompt(files: Sequence[Path], val_fraction: float, seed: int) -> tuple[list[Path], list[Path]]:
     """(train, val) split of sample files by prompt (no prompt in both); val empty when val_fraction is 0."""
     prompts = sorted({p.name.split("_")[0] for p in files})
-    n_val = math.ceil(val_fraction * len(prompts)) if val_fraction > 0 else 0
+    n_val = max(1, round(val_fraction * len(prompts))) if val_fraction > 0 else 0     # nearest, at least one
     n_val = min(n_val, len(prompts) - 1)
     rng = random.Random(seed)
     val_prompts = set(rng.sample(prompts, n_val)) if n_val > 0 else set()

@@ -47,6 +47,44 @@ def _tiling(value: Any, block: int) -> Any:
     raise ValueError(f"tiling={value!r} must be (pt, ph, pw) with product block={block}, or a tiling JSON path.")
 
 
+def _names(name: str, value: Any) -> tuple[str, ...]:
+    """A tuple of names from a list or a comma-separated string ("cond" or "cond,uncond")."""
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{name}={value!r} must be a non-empty list of names, e.g. ['cond'] or 'cond,uncond'.")
+    return tuple(value)
+
+
+def _indices(name: str, value: Any) -> tuple[int, ...]:
+    """A tuple of ints >= 0 from an int, a list or a comma-separated string ("0,1")."""
+    if isinstance(value, str):
+        try:
+            value = [int(v) for v in value.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"{name}={value!r} must be layer indices, e.g. 0,1 or [0, 1].") from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not value or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise ValueError(f"{name}={value!r} must be a non-empty list of layer indices >= 0, e.g. [0, 1].")
+    return tuple(value)
+
+
+def check_device(device: Any) -> None:
+    """ValueError unless `device` is None or a torch device this machine has (cuda needs a GPU)."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r} is not a torch device; use 'cuda', 'cuda:1' or 'cpu'.") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: torch sees no CUDA GPU here; use 'cpu'.")
+
+
 def _prompts(value: Any) -> Any:
     if isinstance(value, (str, os.PathLike)):
         return os.fspath(value)
@@ -134,7 +172,9 @@ class CaptureConfig(_JsonConfig):
         for name in ("num_inference_steps", "num_frames", "height", "width", "steps_per_prompt"):
             _optional_positive_int(name, getattr(self, name))
         if self.branches is not None:
-            object.__setattr__(self, "branches", tuple(self.branches))
+            object.__setattr__(self, "branches", _names("branches", self.branches))
+        _positive_int("seed", self.seed, minimum=0)
+        check_device(self.device)
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r} must be one of 'float32', 'bfloat16', 'float16' or None.")
 
@@ -251,6 +291,8 @@ class TilingSearchConfig(CaptureConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "output", os.fspath(self.output))
+        if not self.output:
+            raise ValueError("output='' must be a path for the tiling JSON.")
         _density("density", self.density)
         if self.block not in BLOCK_SIZES:
             raise ValueError(f"block={self.block!r} must be one of {BLOCK_SIZES}.")
@@ -258,7 +300,7 @@ class TilingSearchConfig(CaptureConfig):
             raise ValueError(f"max_padding={self.max_padding!r} must lie in [0, 1).")
         _positive_int("max_shapes_per_layer", self.max_shapes_per_layer)
         if self.layers is not None:
-            object.__setattr__(self, "layers", tuple(self.layers))
+            object.__setattr__(self, "layers", _indices("layers", self.layers))
         if self.backend not in ("auto", "triton", "reference"):
             raise ValueError(f"backend={self.backend!r} must be one of 'auto', 'triton', 'reference'.")
 

@@ -70,6 +70,10 @@ def run_tiling_search(cfg: TilingSearchConfig) -> TilingSearchResult:
     if not isinstance(transformer, torch.nn.Module):
         raise ValueError(f"component={cfg.component!r} is not a transformer of {type(pipe).__name__}.")
     info = transformer_info(transformer)
+    beyond = [layer for layer in cfg.layers or () if layer >= info.num_layers]
+    if beyond:
+        raise ValueError(f"layers={list(cfg.layers)} names {beyond}, but {info.model_class} has {info.num_layers} "
+                         f"self-attention layers (0..{info.num_layers - 1}).")
     records = iter_attention_records(cfg, pipe, call_kwargs, layers=None if cfg.layers is None else set(cfg.layers))
     result = search_tiling(records, density=cfg.density, block=cfg.block, num_layers=info.num_layers,
                            num_heads=info.num_heads, max_padding=cfg.max_padding,

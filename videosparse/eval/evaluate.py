@@ -163,6 +163,10 @@ def _probing(pipe, probes: dict, steps, layers) -> Iterator[None]:
     """Attaches an `AttentionProbe` to every active session for the duration of the block."""
     attached = []
     for name, session in active_sessions(pipe).items():
+        beyond = [layer for layer in layers or () if not 0 <= layer < session.info.num_layers]
+        if beyond:
+            raise ValueError(f"--attn-layers {beyond}: {name} has {session.info.num_layers} self-attention layers "
+                             f"(0..{session.info.num_layers - 1}).")
         probe = AttentionProbe(session, steps, layers)
         probes[name] = probe
         session.observers.append(probe)
@@ -344,6 +348,10 @@ class Evaluation:
         pairs = [(p, seed) for p in range(len(s.prompts)) for seed in s.seeds][: s.attn_cells]
         sparse = [m for m in s.methods if not m.is_dense]
         steps = s.attn_steps if s.attn_steps is not None else sample_steps(s.call["num_inference_steps"], 3)
+        beyond = [t for t in steps if not 0 <= t < s.call["num_inference_steps"]]
+        if beyond:
+            raise ValueError(f"--attn-steps {beyond}: the run has {s.call['num_inference_steps']} denoising steps "
+                             f"(0..{s.call['num_inference_steps'] - 1}).")
         bar = self._tqdm(len(pairs) * len(sparse), "attention")
         for p, seed in pairs:
             for spec in sparse:

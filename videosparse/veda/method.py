@@ -47,11 +47,15 @@ class VedaMethod(SparseMethod):
         self.tiling: Tiling | None = None
         if isinstance(config.tiling, (str, os.PathLike)):
             self.tiling = load_tiling(config.tiling, config.block)
-            if len(self.tiling.layers) < info.num_layers:
-                raise ValueError(
-                    f"tiling file {os.fspath(config.tiling)!r} covers {len(self.tiling.layers)} layers; "
-                    f"{info.model_class} has {info.num_layers}."
-                )
+            meta = self.tiling.meta
+            wrong = [f"{name}={meta[name]!r} (the model's: {mine!r})"
+                     for name, mine in (("model_class", info.model_class), ("num_heads", info.num_heads))
+                     if name in meta and meta[name] != mine]
+            if len(self.tiling.layers) != info.num_layers:
+                wrong.append(f"{len(self.tiling.layers)} layers (the model's: {info.num_layers})")
+            if wrong:
+                raise ValueError(f"tiling file {os.fspath(config.tiling)!r} was searched for another model: "
+                                 + ", ".join(wrong) + ".")
         self.estimator: VedaEstimator | None = None
         self._estimator_tiles: list | None = None
         if config.estimator is not None:

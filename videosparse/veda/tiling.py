@@ -101,6 +101,9 @@ def load_tiling(path: str | os.PathLike, block: int | None = None) -> Tiling:
         raise ValueError(f"{os.fspath(path)!r} is not a videosparse tiling file (format must be {TILING_FORMAT!r}).")
     if data.get("version", 0) > TILING_VERSION:
         raise ValueError(f"tiling file version {data['version']} is newer than this videosparse reads ({TILING_VERSION}).")
+    missing = [key for key in ("block", "layers") if key not in data]
+    if missing:
+        raise ValueError(f"tiling file {os.fspath(path)!r} has no {' or '.join(repr(m) for m in missing)} field.")
     file_block = int(data["block"])
     if block is not None and file_block != block:
         raise ValueError(f"tiling file {os.fspath(path)!r} has block={file_block}; the config has block={block}.")
