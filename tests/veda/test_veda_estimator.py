@@ -192,3 +192,5 @@ def test_estimator_paths_that_hold_no_estimator_are_clear_errors(tmp_path):
         load_estimator("./estimators/wan13b")
     with pytest.raises(ValueError, match="has no config.json or model.safetensors"):
         load_estimator(tmp_path)
+    with pytest.raises(ValueError, match="holds no config.json"):
+        VedaEstimator.from_pretrained(tmp_path)
