@@ -93,10 +93,10 @@ def test_method_mask_equals_fp64_formula_on_tokens():
 
 def test_degenerate_rows_and_band():
     q_mean = torch.randn(1, 1, 6, 8)
-    q_mean[0, 0, 2] = 0.0                       # b_i == 0: a_i == s_ij, never above the threshold
+    q_mean[0, 0, 2] = 0.0                       # b_i == 0 and s_ij == a_i: at the mean, z = 0
     k_mean = torch.randn(1, 1, 6, 8)
     z = routing_zscores(q_mean, k_mean, 0.125, band=0)
-    assert torch.isneginf(z[0, 0, 2, [0, 1, 3, 4, 5]]).all() and torch.isposinf(z[0, 0, 2, 2])
+    assert (z[0, 0, 2, [0, 1, 3, 4, 5]] == 0).all() and torch.isposinf(z[0, 0, 2, 2])
     z2 = routing_zscores(q_mean, k_mean, 0.125, band=2)
     assert torch.isposinf(z2[0, 0][band_mask(6, 2)]).all()
     assert torch.isfinite(z2[0, 0][~band_mask(6, 2) & (torch.arange(6)[:, None] != 2)]).all()
@@ -159,6 +159,10 @@ def test_calibration_density_one_and_bad_density():
     z = torch.randn(1, 2, 10, 10)
     tau, realized = calibrate_tau(z, 1.0, 0, band=0)
     assert (z > tau).all() and realized.item() == 1.0
+    # every centroid equal (zero variance): the density target is still reachable
+    z0 = routing_zscores(torch.randn(1, 2, 10, 8), torch.ones(1, 2, 10, 8), 0.125, band=0)
+    tau0, realized0 = calibrate_tau(z0, 1.0, 0, band=0)
+    assert (z0 > tau0).all() and realized0.item() == 1.0
     with pytest.raises(ValueError, match="density=0"):
         calibrate_tau(z, 0.0, 0, band=0)
 

@@ -71,6 +71,15 @@ def test_majority_vote_over_samples():
     assert res.tiling.layers[0] == (a,)
 
 
+def test_errors_do_not_depend_on_the_batch_size():
+    """A sample repeated along the batch (CFG-batched captures have B = 2) has the same relative errors."""
+    q, k, v = planted(GRID, [(8, 4, 4)], noise=0.5, seed=4)
+    one = search_tiling([record(0, GRID, q, k, v)], density=DENSITY).mean_err
+    two = search_tiling([record(0, GRID, *(x.repeat(2, 1, 1, 1) for x in (q, k, v)))], density=DENSITY).mean_err
+    for shape, err in one[0][0].items():
+        assert two[0][0][shape] == pytest.approx(err, rel=1e-6), shape
+
+
 def test_at_most_two_shapes_per_layer():
     shapes = [(8, 4, 4), (8, 4, 4), (4, 4, 8), (4, 8, 4)]
     res = search_tiling([record(0, GRID, *planted(GRID, shapes))], density=DENSITY)

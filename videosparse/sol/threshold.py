@@ -11,7 +11,7 @@ For query tile i and key tile j (video tiles only; text tiles are global and alw
 Every test is done on the z-score z_ij = (s_ij - a_i) / b_i with a_i = scale * q̄_i·μ and
 b_i = scale * sqrt(Σ_d q̄_{i,d}² σ²_d), i.e. s_ij > thr_i  <=>  z_ij > τ. The numerator is computed
 as scale * q̄_i · (kc_j - μ), which avoids cancelling two large numbers. Band pairs get z = +inf,
-pairs with b_i = 0 get ±inf (kept iff s_ij > a_i, whatever τ), so one comparison `z > τ` gives the
+pairs with b_i = 0 get ±inf (kept iff s_ij > a_i, whatever τ) or 0 at s_ij = a_i, so one comparison `z > τ` gives the
 whole video part of the mask and the density calibration is a bisection over the same tensor.
 
 Everything here is vectorized over batch, heads and tiles: no Python loop over tiles, and no
@@ -83,7 +83,8 @@ def routing_zscores(q_mean: torch.Tensor, k_mean: torch.Tensor, scale: float, ba
 
     Returns:
         fp32 [B, H, M, N]; tile (i, j) passes the threshold of τ iff z_ij > τ. Where b_i == 0
-        (zero query mean or zero centroid variance) z is +inf if s_ij > a_i and -inf otherwise.
+        (zero query mean or zero centroid variance) z is +inf if s_ij > a_i, -inf if s_ij < a_i and 0 at
+        s_ij == a_i (so a density calibration can still reach every tile).
     """
     mu, var = gaussian_fit(k_mean)
     qf = q_mean.float()
@@ -91,7 +92,7 @@ def routing_zscores(q_mean: torch.Tensor, k_mean: torch.Tensor, scale: float, ba
     d = (qf @ centred.transpose(-1, -2)) * scale                          # s_ij - a_i
     b = (qf.square() * var[:, :, None]).sum(-1, keepdim=True).sqrt() * scale
     z = torch.where(b > 0, d / b.clamp_min(torch.finfo(torch.float32).tiny),
-                    torch.where(d > 0, float("inf"), float("-inf")))     # scalars: no host-to-device copy
+                    torch.where(d > 0, float("inf"), torch.where(d < 0, float("-inf"), 0.0)))   # no host copies
     M, N = z.shape[-2:]
     if band >= 0 and M and N:
         forced = band_mask(max(M, N), band, z.device)[:M, :N]

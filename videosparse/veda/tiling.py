@@ -135,7 +135,8 @@ def head_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Sequenc
         backend: kernel backend for `block_sparse_attention` and the teacher.
 
     Returns:
-        fp64 [len(shapes), H]: sum over batch of ||O_sparse - O_full||^2 / ||O_full||^2 per head.
+        fp64 [len(shapes), H]: per head, ||O_sparse - O_full||^2 / ||O_full||^2 with both norms summed over
+        the batch (one pooled ratio, whatever B).
     """
     qh, kh, vh = (x.transpose(1, 2).float() for x in (q, k, v))                 # [B, H, S, D]
     full = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh)          # [B, H, S, D]
@@ -263,8 +264,6 @@ def search_tiling(
                         text_position=text_position, backend=backend)                # [n_shapes, H]
         H = e.shape[1]
         heads_seen = H
-        B = rec.q.shape[0]
-        e = e / B
         mask = torch.tensor([s in allowed for s in shapes_all], device=e.device)
         e_masked = e.masked_fill(~mask[:, None], math.inf)
         best = e_masked.argmin(0)
