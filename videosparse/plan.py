@@ -273,8 +273,9 @@ def topk_plan(
     device = scores.device
     budget_list, budget, eye = _topk_constants(density, Mv, Nv, device)    # list, [Mv] int64, [Mv, Mv] bool
     kmax = max(budget_list)
-    s = scores.to(select_dtype)
-    s = s.masked_fill(s.isnan(), float("-inf")).masked_fill(eye, float("inf"))   # NaN never outranks the diagonal
+    # NaN -> -inf (topk ranks NaN above the diagonal's +inf); one elementwise pass
+    s = scores.to(select_dtype).nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    s = s.masked_fill(eye, float("inf"))
     # budgets are kmax or kmax - 1 (`row_budget_list`): an unsorted top-kmax, and the rows with
     # kmax - 1 drop their weakest pick (any other spread of budgets takes the ranked top-k)
     spread = kmax - min(budget_list)

@@ -63,7 +63,7 @@ class SolMethod(SparseMethod):
         self._warned: set[int] = set()
 
     def stats(self) -> dict:
-        """Calibrated thresholds, keyed "layer L, H heads, S tokens" (see `calibrations`)."""
+        """Calibrated thresholds, keyed "layer L, H heads, S tokens, grid (T, H, W)" (see `calibrations`)."""
         return {"calibrations": {f"layer {k[0]}, {k[1]} heads, {k[2]} tokens, grid {k[6]}": v
                                  for k, v in self.calibrations().items()}}
 

@@ -11,8 +11,9 @@ For query tile i and key tile j (video tiles only; text tiles are global and alw
 Every test is done on the z-score z_ij = (s_ij - a_i) / b_i with a_i = scale * q̄_i·μ and
 b_i = scale * sqrt(Σ_d q̄_{i,d}² σ²_d), i.e. s_ij > thr_i  <=>  z_ij > τ. The numerator is computed
 as scale * q̄_i · (kc_j - μ), which avoids cancelling two large numbers. Band pairs get z = +inf,
-pairs with b_i = 0 get ±inf (kept iff s_ij > a_i, whatever τ) or 0 at s_ij = a_i, so one comparison `z > τ` gives the
-whole video part of the mask and the density calibration is a bisection over the same tensor.
+pairs with b_i = 0 get ±inf (kept iff s_ij > a_i, whatever τ) or 0 at s_ij = a_i, so one comparison
+`z > τ` gives the whole video part of the mask and the density calibration is a bisection over the
+same tensor.
 
 Everything here is vectorized over batch, heads and tiles: no Python loop over tiles, and no
 host synchronisation except the one `int(count.max())` that sizes the packed plan (pass `width`
