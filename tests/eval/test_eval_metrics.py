@@ -131,3 +131,16 @@ def test_lpips_unavailable_is_a_note_not_an_error():
         assert model is None and "pip install lpips" in note
     else:
         assert (model is None) == (note is not None)
+
+
+def test_frames_outside_the_unit_range_are_refused():
+    import numpy as np
+    import pytest
+
+    from videosparse.eval.metrics import psnr_video, ssim_per_frame
+
+    a = np.random.default_rng(0).random((2, 8, 8, 3)).astype(np.float32)
+    with pytest.raises(ValueError, match="float in \\[0, 1\\]"):
+        psnr_video((a * 255).astype(np.uint8), (a * 255).astype(np.uint8))
+    with pytest.raises(ValueError, match="must lie in \\[0, 1\\]"):
+        ssim_per_frame(a * 255, a * 255)

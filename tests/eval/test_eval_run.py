@@ -139,3 +139,33 @@ def test_missing_video_writer_still_completes_the_report(loaded, tmp_path, monke
     assert any("videos not written" in n and "ffmpeg" in n for n in report["notes"])
     assert "sol@0.5" in report["summary"] and (tmp_path / "report.md").is_file()
     assert json.loads((tmp_path / "report.json").read_text())["summary"]["sol@0.5"]["cells"] == 1
+
+
+def test_a_method_identical_to_dense_reads_inf_not_a_rounding_floor(loaded, tmp_path):
+    """Every step dense: the frames equal dense's, so PSNR is inf (both sides rounded to the stored fp16 alike,
+    not 112 dB), the summary counts the cells equal to dense apart instead of averaging inf into the mean, and the
+    markdown says so."""
+    settings = EvalSettings(parse_method_specs(["dense", "veda@0.5:block=64:tiling=1x8x8:dense_steps=1"]),
+                            BUILTIN_PROMPTS[:1], [0], dict(CALL, num_inference_steps=1), attn_cells=0)
+    report = run_evaluation(loaded, settings, str(tmp_path), progress=False)
+    label = settings.methods[1].label
+    cell = next(c for c in report["cells"].values() if c["method"] == label)
+    assert math.isinf(cell["psnr_db"])
+    assert math.isinf(report["summary"][label]["psnr_db"]) and report["summary"][label]["cells_equal_to_dense"] == 1
+    assert "(1 equal to dense)" in (tmp_path / "report.md").read_text()
+
+
+def test_bad_settings_are_refused(loaded, tmp_path):
+    with pytest.raises(ValueError, match=r"seeds repeat \[0\]"):
+        EvalSettings(parse_method_specs(["dense"]), BUILTIN_PROMPTS[:1], [0, 0], dict(CALL))
+    (tmp_path / "report.json").write_text("[]")
+    settings = EvalSettings(parse_method_specs(["dense"]), BUILTIN_PROMPTS[:1], [0], dict(CALL), attn_cells=0)
+    with pytest.raises(ValueError, match="holds a JSON list, not a videosparse report"):
+        run_evaluation(loaded, settings, str(tmp_path), progress=False)
+
+
+def test_other_attention_sampling_refuses_the_directory(evaluated, loaded):
+    out, settings, _ = evaluated
+    other = EvalSettings(settings.methods, settings.prompts, settings.seeds, dict(CALL), attn_steps=[1])
+    with pytest.raises(ValueError, match="other settings"):
+        run_evaluation(loaded, other, out, progress=False)

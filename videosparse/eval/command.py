@@ -81,6 +81,10 @@ def _check_positive(args: argparse.Namespace, names: tuple[str, ...]) -> None:
 def run_evaluate(args: argparse.Namespace) -> int:
     """Run the evaluate subcommand from parsed arguments; prints a short table and where the report is."""
     _check_positive(args, ("steps", "frames", "height", "width", "num_prompts", "repeats", "synthetic_layers", "fps"))
+    if getattr(args, "warmup_forwards", None) is not None and args.warmup_forwards < 0:
+        raise ValueError(f"--warmup-forwards={args.warmup_forwards} must be >= 0.")
+    if args.guidance_scale is not None and not math.isfinite(args.guidance_scale):
+        raise ValueError(f"--guidance-scale={args.guidance_scale} must be a finite number.")
     if args.synthetic:
         return _run_synthetic(args)
     from ..models.loading import load_pipeline

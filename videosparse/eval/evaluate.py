@@ -131,6 +131,10 @@ class EvalSettings:
             raise ValueError("at least one prompt is needed.")
         if not self.seeds:
             raise ValueError("at least one seed is needed.")
+        for name, values in (("prompts", self.prompts), ("seeds", self.seeds)):
+            repeated = sorted({v for v in values if values.count(v) > 1}, key=str)
+            if repeated:
+                raise ValueError(f"{name} repeat {repeated}; each (prompt, seed) cell runs once, so give each once.")
         steps = self.call.get("num_inference_steps")
         if not isinstance(steps, int) or steps < 1:
             raise ValueError(f"call['num_inference_steps']={steps!r} must be a positive int.")
@@ -228,7 +232,8 @@ class Evaluation:
         for sub in ("frames", "plots", "videos"):
             os.makedirs(os.path.join(out_dir, sub), exist_ok=True)
         self.path = os.path.join(out_dir, "report.json")
-        key = {"model": loaded.name, "call": _comparable(settings.call), "dtype": self.dtype, "device": self.device}
+        key = {"model": loaded.name, "call": _comparable(settings.call), "dtype": self.dtype, "device": self.device,
+               "attention_sampling": {"steps": settings.attn_steps, "layers": settings.attn_layers}}
         old = None if overwrite else load_report(self.path)
         if old is not None and old.get("run_key") != json.loads(json.dumps(key, default=str)):
             raise ValueError(
@@ -290,7 +295,8 @@ class Evaluation:
         result = generate(self.pipe, spec.config, self._call(prompt), seed=seed, device=self.device,
                           instruments=[timed, lambda p: _capture_context(p, self._contexts)])
         cid = cell_id(spec, prompt, seed)
-        np.save(self._frames_path(cid), result.frames.astype(np.float16))
+        stored = result.frames.astype(np.float16)
+        np.save(self._frames_path(cid), stored)
         timer = timers[0]
         density, work = _work_fraction(result.stats)
         cell = {
@@ -304,8 +310,10 @@ class Evaluation:
             "realised_density": density, "attention_work": work,
             "layer_density": _layer_densities(result.stats), "stats": result.stats,
         }
-        reference = result.frames if spec.is_dense else self._frames(dense_id)
-        cell.update(self._quality(result.frames, reference))
+        # both sides as stored (fp16): dense frames come back from disk, so the method's are rounded alike
+        frames = stored.astype(result.frames.dtype)
+        reference = frames if spec.is_dense else self._frames(dense_id)
+        cell.update(self._quality(frames, reference))
         return cell
 
     def _quality(self, frames: np.ndarray, reference: np.ndarray) -> dict:
@@ -388,6 +396,12 @@ class Evaluation:
                 vals = [r[key] for r in rows if r.get(key) is not None]
                 return float(np.mean(vals)) if vals else None
 
+            # mean PSNR over the cells that differ from dense; cells equal to dense (inf dB) are counted apart,
+            # not averaged in (one would make the mean inf)
+            psnrs = [r["psnr_db"] for r in mine if r.get("psnr_db") is not None]
+            finite_psnr = [v for v in psnrs if math.isfinite(v)]
+            psnr_db = float(np.mean(finite_psnr)) if finite_psnr else (math.inf if psnrs else None)
+
             def median(key):
                 vals = [r[key] for r in mine if r.get(key) is not None]
                 return float(statistics.median(vals)) if vals else None
@@ -402,7 +416,8 @@ class Evaluation:
                 "attention_work": mean("attention_work"),
                 "layer_density": {c: [None if any(v is None for v in col) else float(np.mean(col))
                                       for col in zip(*rows)] for c, rows in layer_density.items()},
-                "psnr_db": mean("psnr_db"), "ssim": mean("ssim"), "lpips": mean("lpips"),
+                "psnr_db": psnr_db, "cells_equal_to_dense": len(psnrs) - len(finite_psnr),
+                "ssim": mean("ssim"), "lpips": mean("lpips"),
                 "attn_rel_l2": mean("rel_l2", probes), "tile_recall": mean("recall", probes),
                 "mass_kept": mean("mass_kept", probes), "oracle_mass_kept": mean("oracle_mass_kept", probes),
                 "attention_samples": len(probes),

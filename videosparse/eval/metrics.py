@@ -8,10 +8,16 @@ import torch
 
 
 def _frames(x: np.ndarray | torch.Tensor) -> torch.Tensor:
-    """[F, H, W, 3] in [0, 1] -> fp64 [F, 3, H, W]."""
-    t = torch.as_tensor(np.asarray(x), dtype=torch.float64)
+    """[F, H, W, 3] float in [0, 1] -> fp64 [F, 3, H, W] (ValueError for integer frames or values past [0, 1],
+    e.g. 0..255, which the data range of 1 would misread)."""
+    a = np.asarray(x.detach().cpu() if isinstance(x, torch.Tensor) else x)
+    if not np.issubdtype(a.dtype, np.floating):
+        raise ValueError(f"frames must be float in [0, 1] (as diffusers' output_type='np' gives); got {a.dtype}.")
+    t = torch.as_tensor(a, dtype=torch.float64)
     if t.dim() != 4 or t.shape[-1] not in (1, 3):
         raise ValueError(f"frames must be [F, H, W, C] with C in (1, 3); got {tuple(t.shape)}.")
+    if t.numel() and (float(t.min()) < -1e-3 or float(t.max()) > 1 + 1e-3):
+        raise ValueError(f"frames must lie in [0, 1]; got values in [{float(t.min()):.3g}, {float(t.max()):.3g}].")
     return t.permute(0, 3, 1, 2)
 
 

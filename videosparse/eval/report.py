@@ -58,12 +58,26 @@ def save_report(report: dict, path: str) -> None:
     os.replace(tmp, path)
 
 
+def _psnr_cell(summary: dict) -> str:
+    """Mean PSNR of a method, with the number of its cells identical to dense (inf dB) when there are any."""
+    text = _fmt(summary.get("psnr_db"), 2)
+    equal = summary.get("cells_equal_to_dense") or 0
+    return f"{text} ({equal} equal to dense)" if equal else text
+
+
 def load_report(path: str) -> dict | None:
     """The report at `path` (non-finite floats restored), or None when there is none."""
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return from_jsonable(json.load(f))
+    try:
+        with open(path) as f:
+            report = from_jsonable(json.load(f))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); move it away or pass --overwrite.") from None
+    if report is not None and not isinstance(report, dict):
+        raise ValueError(f"{path} holds a JSON {type(report).__name__}, not a videosparse report; move it away or "
+                         "pass --overwrite.")
+    return report
 
 
 def _version(module: str) -> str | None:
@@ -163,7 +177,7 @@ def _quality_markdown(report: dict) -> list[str]:
     rows = []
     for label, s in summary.items():
         rows.append([f"`{label}`", _fmt(s.get("nominal_density"), 2), _fmt(s.get("realised_density")),
-                     _fmt(s.get("attention_work")), _fmt(s.get("psnr_db"), 2), _fmt(s.get("ssim"), 4),
+                     _fmt(s.get("attention_work")), _psnr_cell(s), _fmt(s.get("ssim"), 4),
                      _fmt(s.get("lpips"), 4), _fmt(s.get("attn_rel_l2"), 4), _fmt(s.get("tile_recall")),
                      _fmt(s.get("mass_kept")), _fmt(s.get("oracle_mass_kept")), str(s.get("cells", 0))])
     lines += _table(["method", "density", "realised", "attn work", "PSNR dB", "SSIM", "LPIPS", "attn rel L2",
@@ -171,7 +185,7 @@ def _quality_markdown(report: dict) -> list[str]:
     lines += [
         "",
         "*PSNR*: of the whole video (MSE pooled over frames; per-frame values are in report.json), mean over "
-        "the cells. *realised*: kept tile pairs / all pairs over the sparse calls; *attn work*: the fraction of dense "
+        "the cells that differ from dense (cells identical to dense are counted apart). *realised*: kept tile pairs / all pairs over the sparse calls; *attn work*: the fraction of dense "
         "attention work done, dense-scheduled calls included. Attention-level columns are means over the "
         "sampled (step, layer) calls where the method runs sparse; recall is vs the oracle (top tiles by "
         "true attention mass at the same per-row budget).",

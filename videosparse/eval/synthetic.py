@@ -574,8 +574,9 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
         shape = setup.describe()
         # a report written before a derived key (e.g. attention_tokens) existed still matches on the keys it has
         same_shape = bool(old) and bool(old.get("shape")) and all(shape.get(k) == v for k, v in old["shape"].items())
-        if (same_shape and old.get("dtype") == str(dtype)
-                and old.get("compile") == compile_mode and next(iter(old.get("methods", {})), None) == labels[0]):
+        if (same_shape and old.get("dtype") == str(dtype) and old.get("compile") == compile_mode
+                and (old.get("warmup"), old.get("repeats")) == (warmup, repeats)
+                and next(iter(old.get("methods", {})), None) == labels[0]):
             done = {label: row for label, row in old["methods"].items() if label in labels}
         if list(done) == labels:
             logger.info("synthetic %s: already in %s, skipped", name, path)
