@@ -232,8 +232,9 @@ class Evaluation:
         for sub in ("frames", "plots", "videos"):
             os.makedirs(os.path.join(out_dir, sub), exist_ok=True)
         self.path = os.path.join(out_dir, "report.json")
-        key = {"model": loaded.name, "call": _comparable(settings.call), "dtype": self.dtype, "device": self.device,
-               "attention_sampling": {"steps": settings.attn_steps, "layers": settings.attn_layers}}
+        key = {"model": loaded.name, "call": _comparable(settings.call), "dtype": self.dtype, "device": self.device}
+        if settings.attn_steps is not None or settings.attn_layers is not None:   # (absent: the default sampling)
+            key["attention_sampling"] = {"steps": settings.attn_steps, "layers": settings.attn_layers}
         old = None if overwrite else load_report(self.path)
         if old is not None and old.get("run_key") != json.loads(json.dumps(key, default=str)):
             raise ValueError(
