@@ -65,3 +65,8 @@ def test_numpy_scalars_become_plain_numbers():
     assert type(d["block"]) is int and type(d["dense_steps"]) is int and type(d["density"]) is float
     assert config_from_dict(d) == cfg
     assert SolConfig(tau=np.float64(1.5), band=np.int32(2)).to_dict()["band"] == 2
+
+
+def test_dense_layers_have_one_spelling():
+    assert VedaConfig(dense_layers=(3, 0, 3)) == VedaConfig(dense_layers=[0, 3])
+    assert SolConfig(density=0.2, dense_layers=(1, 0)).dense_layers == (0, 1)

@@ -178,6 +178,7 @@ class VedaConfig(_BaseConfig):
             raise TypeError(f"tiling={self.tiling!r} must be a tile shape (pt, ph, pw) or a path to a tiling JSON.")
         object.__setattr__(self, "dense_layers", _layers(self.dense_layers))
         _check_dense_schedule(self.dense_steps, self.dense_layers)
+        object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))   # one spelling per set
         if not isinstance(self.correction, bool):
             raise TypeError(f"correction={self.correction!r} must be a bool.")
         _check_backend(self.backend)
@@ -239,6 +240,7 @@ class SolConfig(_BaseConfig):
             raise ValueError(f"band={self.band!r} must be an int >= 0.")
         object.__setattr__(self, "dense_layers", _layers(self.dense_layers))
         _check_dense_schedule(self.dense_steps, self.dense_layers)
+        object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))   # one spelling per set
         if not isinstance(self.correction, bool):
             raise TypeError(f"correction={self.correction!r} must be a bool.")
         _check_backend(self.backend)
