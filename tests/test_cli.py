@@ -28,6 +28,8 @@ def test_bad_arguments_exit_with_clear_error(capsys):
     for argv, msg in ((["--method", "veda", "--tau", "1.5"], "--tau does not apply to --method veda"),
                       (["--method", "sol", "--estimator", "x"], "--estimator does not apply to --method sol"),
                       (["--method", "dense", "--density", "0.3"], "--density does not apply to --method dense"),
+                      (["--method", "dense", "--dense-layers", "0"], "--dense-layers does not apply to --method dense"),
+                      (["--method", "dense", "--backend", "reference"], "--backend does not apply"),
                       (["--method", "sol", "--tau", "1.5", "--density", "0.05"], "exactly one of density or tau"),
                       (["--fps", "0"], "--fps=0"),
                       (["--out", "/no/such/folder/v.mp4"], "does not exist"),

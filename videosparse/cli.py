@@ -45,36 +45,38 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--estimator", default=None, help="veda: trained estimator directory or hub id")
     p.add_argument("--tiling", type=_tile, default=None, help="tile shape like 4x4x8, or a tiling JSON path")
     p.add_argument("--block", type=int, default=None, help="tokens per tile (128 or 64)")
-    p.add_argument("--dense-steps", type=_steps, default=0.2,
+    p.add_argument("--dense-steps", type=_steps, default=None,
                    help="initial dense steps: an int count or a float fraction (default 0.2)")
-    p.add_argument("--dense-layers", type=_layers, default=(), help="comma-separated layers kept dense")
+    p.add_argument("--dense-layers", type=_layers, default=None, help="comma-separated layers kept dense")
     p.add_argument("--correction", action=argparse.BooleanOptionalAction, default=None,
                    help="zero-order correction of skipped tiles (default: off for veda, on for sol)")
-    p.add_argument("--backend", default="auto", choices=list(BACKENDS),
-                   help="kernel backend: auto, triton, reference or one kernel by name")
+    p.add_argument("--backend", default=None, choices=list(BACKENDS),
+                   help="kernel backend: auto (default), triton, reference or one kernel by name")
 
 
 # flags that only some methods take (their default is None, so a given one is known)
 _METHOD_ONLY = {"density": ("veda", "sol"), "tau": ("sol",), "estimator": ("veda",), "tiling": ("veda", "sol"),
-                "block": ("veda", "sol"), "correction": ("veda", "sol")}
+                "block": ("veda", "sol"), "correction": ("veda", "sol"), "dense_steps": ("veda", "sol"),
+                "dense_layers": ("veda", "sol"), "backend": ("veda", "sol")}
 
 
 def method_config(args: argparse.Namespace):
     """The config object the method arguments describe (ValueError for a flag the method does not take)."""
     for name, methods in _METHOD_ONLY.items():
         if getattr(args, name, None) is not None and args.method not in methods:
-            raise ValueError(f"--{name} does not apply to --method {args.method} (only to {' and '.join(methods)}).")
-    common = dict(dense_steps=args.dense_steps, dense_layers=args.dense_layers, backend=args.backend)
-    optional = {k: v for k, v in (("tiling", args.tiling), ("block", args.block), ("correction", args.correction))
-                if v is not None}
+            flag = name.replace("_", "-")
+            raise ValueError(f"--{flag} does not apply to --method {args.method} (only to {' and '.join(methods)}).")
+    optional = {k: v for k, v in (("tiling", args.tiling), ("block", args.block), ("correction", args.correction),
+                                  ("dense_steps", args.dense_steps), ("dense_layers", args.dense_layers),
+                                  ("backend", args.backend)) if v is not None}
     if args.method == "dense":
         return DenseConfig()
     if args.method == "veda":
         return VedaConfig(density=args.density if args.density is not None else 0.1, estimator=args.estimator,
-                          **common, **optional)
+                          **optional)
     if args.tau is not None:
-        return SolConfig(tau=args.tau, density=args.density, **common, **optional)   # both given: SolConfig says so
-    return SolConfig(density=args.density if args.density is not None else 0.15, **common, **optional)
+        return SolConfig(tau=args.tau, density=args.density, **optional)   # both given: SolConfig says so
+    return SolConfig(density=args.density if args.density is not None else 0.15, **optional)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:

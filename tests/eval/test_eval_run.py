@@ -164,8 +164,19 @@ def test_bad_settings_are_refused(loaded, tmp_path):
         run_evaluation(loaded, settings, str(tmp_path), progress=False)
 
 
-def test_other_attention_sampling_refuses_the_directory(evaluated, loaded):
-    out, settings, _ = evaluated
+def test_other_attention_sampling_remeasures_only_the_attention(loaded, tmp_path):
+    """A rerun with other --attn-steps keeps the quality cells and measures the attention cells again (its
+    samples would otherwise sit under the new sampling's label); steps or layers the run lacks are refused
+    before any work."""
+    settings = EvalSettings(parse_method_specs(["dense", "sol@0.5"]), BUILTIN_PROMPTS[:1], [0], dict(CALL),
+                            attn_steps=[0])
+    run_evaluation(loaded, settings, str(tmp_path), progress=False)
     other = EvalSettings(settings.methods, settings.prompts, settings.seeds, dict(CALL), attn_steps=[1])
-    with pytest.raises(ValueError, match="other settings"):
-        run_evaluation(loaded, other, out, progress=False)
+    report = run_evaluation(loaded, other, str(tmp_path), progress=False)
+    assert report["run_stats"] == {"computed": 1, "skipped": 2}          # 2 quality cells kept, 1 attention cell
+    assert [a["steps"] for a in report["attention"].values()] == [[1]]
+    for bad, match in ((dict(attn_steps=[5]), r"--attn-steps \[5\]"), (dict(attn_layers=[99]), r"--attn-layers \[99\]")):
+        with pytest.raises(ValueError, match=match):
+            run_evaluation(loaded, EvalSettings(settings.methods, settings.prompts, settings.seeds, dict(CALL), **bad),
+                           str(tmp_path / "bad"), progress=False)
+        assert not (tmp_path / "bad" / "report.json").exists()

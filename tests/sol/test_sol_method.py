@@ -101,6 +101,11 @@ def test_unreachable_density_warns_once(caplog):
             method.on_layout(3, layout)
         plans = [method.plan(*_inputs(layout), layout, 3) for _ in range(2)]
     assert sum("below the density" in r.message for r in caplog.records) == 1
+    dense_layer = SolMethod(SolConfig(block=64, density=0.2, tiling=(1, 4, 16), dense_layers=(3,)), INFO)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="videosparse.sol.method"):
+        dense_layer.on_layout(3, layout)                 # a dense layer never runs sparse: nothing to warn about
+    assert not any("below the density" in r.message for r in caplog.records)
     assert plans[0].density(4) == 10 / 16             # calibration call: only the band
     assert plans[1].density(4) >= 10 / 16
 

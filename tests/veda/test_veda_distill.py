@@ -155,6 +155,12 @@ def test_killed_then_resumed_run_equals_uninterrupted(tmp_path, cache):
     again = run_distillation(cfg)
     assert again.global_step == 12 and again.resumed_from == out / "checkpoints" / "step_00000012"
     assert [h["step"] for h in again.history] == [h["step"] for h in ref.history]
+    # a checkpoint written before the capture check (no "captures" in its run key) still resumes
+    state_file = out / "checkpoints" / "step_00000012" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    del state["run"]["captures"]
+    state_file.write_text(json.dumps(state))
+    assert run_distillation(cfg).resumed_from == out / "checkpoints" / "step_00000012"
     # a checkpoint of another configuration is not silently continued
     with pytest.raises(ValueError, match="different run \\(differs in \\['learning_rate'\\]\\)"):
         run_distillation(make_cfg(out, learning_rate=2e-3))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -194,3 +195,12 @@ def test_estimator_paths_that_hold_no_estimator_are_clear_errors(tmp_path):
         load_estimator(tmp_path)
     with pytest.raises(ValueError, match="holds no config.json"):
         VedaEstimator.from_pretrained(tmp_path)
+
+    # weights without config.json still load when every constructor argument is given
+    est = make_est()
+    (tmp_path / "weights_only").mkdir()
+    est.save_pretrained(tmp_path / "with_config")
+    (tmp_path / "with_config" / "model.safetensors").rename(tmp_path / "weights_only" / "model.safetensors")
+    config = json.loads((tmp_path / "with_config" / "config.json").read_text())
+    loaded = VedaEstimator.from_pretrained(tmp_path / "weights_only", **config)
+    assert torch.equal(loaded.proj_q, est.proj_q)

@@ -299,8 +299,13 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
         resumed_from = found[-1][1]
         with open(resumed_from / TRAINER_STATE) as f:
             st = json.load(f)
-        if st.get("run") != run_key:
-            diff = sorted(k for k in set(run_key) | set(st.get("run", {})) if run_key.get(k) != st.get("run", {}).get(k))
+        expected = run_key
+        if "captures" not in st.get("run", {}):     # written before the capture check: compare what it recorded
+            logger.warning("checkpoint %s predates the capture check; resuming it assumes its samples are these",
+                           resumed_from)
+            expected = {k: v for k, v in run_key.items() if k != "captures"}
+        if st.get("run") != expected:
+            diff = sorted(k for k in set(expected) | set(st.get("run", {})) if expected.get(k) != st.get("run", {}).get(k))
             what = " (the captured samples: prompts, model, capture settings or tile shapes)" if "captures" in diff else ""
             raise ValueError(
                 f"checkpoint {resumed_from} was written by a different run (differs in {diff}{what}); resume it with "

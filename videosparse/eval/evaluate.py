@@ -167,10 +167,6 @@ def _probing(pipe, probes: dict, steps, layers) -> Iterator[None]:
     """Attaches an `AttentionProbe` to every active session for the duration of the block."""
     attached = []
     for name, session in active_sessions(pipe).items():
-        beyond = [layer for layer in layers or () if not 0 <= layer < session.info.num_layers]
-        if beyond:
-            raise ValueError(f"--attn-layers {beyond}: {name} has {session.info.num_layers} self-attention layers "
-                             f"(0..{session.info.num_layers - 1}).")
         probe = AttentionProbe(session, steps, layers)
         probes[name] = probe
         session.observers.append(probe)
@@ -232,9 +228,8 @@ class Evaluation:
         for sub in ("frames", "plots", "videos"):
             os.makedirs(os.path.join(out_dir, sub), exist_ok=True)
         self.path = os.path.join(out_dir, "report.json")
+        self._check_attention_sampling()
         key = {"model": loaded.name, "call": _comparable(settings.call), "dtype": self.dtype, "device": self.device}
-        if settings.attn_steps is not None or settings.attn_layers is not None:   # (absent: the default sampling)
-            key["attention_sampling"] = {"steps": settings.attn_steps, "layers": settings.attn_layers}
         old = None if overwrite else load_report(self.path)
         if old is not None and old.get("run_key") != json.loads(json.dumps(key, default=str)):
             raise ValueError(
@@ -352,20 +347,33 @@ class Evaluation:
                 bar.update(1)
         bar.close()
 
+    def _check_attention_sampling(self) -> None:
+        """ValueError, before any work, for sampled steps or layers the run does not have."""
+        s = self.settings
+        steps = s.call["num_inference_steps"]
+        beyond = [t for t in s.attn_steps or () if not 0 <= t < steps]
+        if beyond:
+            raise ValueError(f"--attn-steps {beyond}: the run has {steps} denoising steps (0..{steps - 1}).")
+        from ..processors import self_attention_processors
+
+        for transformer in pipeline_transformers(self.pipe):
+            n = len(self_attention_processors(transformer))
+            beyond = [layer for layer in s.attn_layers or () if not 0 <= layer < n]
+            if beyond:
+                raise ValueError(f"--attn-layers {beyond}: {type(transformer).__name__} has {n} self-attention "
+                                 f"layers (0..{n - 1}).")
+
     def run_attention(self) -> None:
         s = self.settings
         pairs = [(p, seed) for p in range(len(s.prompts)) for seed in s.seeds][: s.attn_cells]
         sparse = [m for m in s.methods if not m.is_dense]
         steps = s.attn_steps if s.attn_steps is not None else sample_steps(s.call["num_inference_steps"], 3)
-        beyond = [t for t in steps if not 0 <= t < s.call["num_inference_steps"]]
-        if beyond:
-            raise ValueError(f"--attn-steps {beyond}: the run has {s.call['num_inference_steps']} denoising steps "
-                             f"(0..{s.call['num_inference_steps'] - 1}).")
         bar = self._tqdm(len(pairs) * len(sparse), "attention")
         for p, seed in pairs:
             for spec in sparse:
                 cid = cell_id(spec, s.prompts[p], seed)
-                if cid in self.report["attention"]:
+                old = self.report["attention"].get(cid)
+                if old is not None and (old.get("steps"), old.get("layers")) == (steps, s.attn_layers):
                     self.skipped += 1
                     bar.update(1)
                     continue

@@ -34,7 +34,8 @@ logger = logging.getLogger("videosparse")
 SESSION_ATTR = "_videosparse_session"
 _SNAPSHOT_ATTR = "_videosparse_snapshot"
 
-__all__ = ["apply", "remove", "make_processors", "observe", "sessions", "register_model", "AttentionRecord"]
+__all__ = ["apply", "remove", "make_processors", "observe", "sessions", "register_model", "AttentionRecord",
+           "self_attention_processors"]
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -88,9 +89,7 @@ def make_processors(transformer: torch.nn.Module, config, *, scheduler=None) -> 
             "call videosparse.remove(...) first."
         )
     originals = dict(transformer.attn_processors)
-    modules = dict(transformer.named_modules())
-    self_attn = [n for n in originals if spec.is_self_attention(n.rsplit(".processor", 1)[0],
-                                                                 modules[n.rsplit(".processor", 1)[0]])]
+    self_attn = self_attention_processors(transformer)
     info = model_info(transformer, spec, len(self_attn))
     beyond = [layer for layer in getattr(config, "dense_layers", ()) if layer >= len(self_attn)]
     if beyond:
@@ -104,6 +103,15 @@ def make_processors(transformer: torch.nn.Module, config, *, scheduler=None) -> 
         procs[name] = spec.processor_cls(session, layer, originals[name])
     _attach(transformer, session, spec)
     return procs
+
+
+def self_attention_processors(transformer: torch.nn.Module) -> list[str]:
+    """Names (in `attn_processors`) of the self-attention layers videosparse serves, in layer order."""
+    transformer = _unwrap(transformer)
+    spec = model_spec(transformer)
+    modules = dict(transformer.named_modules())
+    return [n for n in transformer.attn_processors
+            if spec.is_self_attention(n.rsplit(".processor", 1)[0], modules[n.rsplit(".processor", 1)[0]])]
 
 
 def _attach(transformer: torch.nn.Module, session: SparseSession, spec) -> None:

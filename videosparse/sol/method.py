@@ -94,7 +94,7 @@ class SolMethod(SparseMethod):
     def on_layout(self, layer: int, layout: HeadTiling) -> None:
         """Warn once per layer when the target density is below that of the always-exact tiles (eager)."""
         cfg = self.config
-        if cfg.density is None or layer in self._warned:
+        if cfg.density is None or layer in self._warned or cfg.is_dense_layer(layer):
             return
         Mv, G = layout.num_video_tiles, layout.num_global_tiles
         N = Mv + G

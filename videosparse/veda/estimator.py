@@ -186,7 +186,7 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
         """Load weights from `model.safetensors` only (never pickle), strictly."""
         import safetensors.torch
 
-        if os.path.isdir(model_id) and not os.path.isfile(os.path.join(model_id, "config.json")):
+        if not model_kwargs and os.path.isdir(model_id) and not os.path.isfile(os.path.join(model_id, "config.json")):
             raise ValueError(f"{model_id!r} holds no config.json; a VedaEstimator directory is what save_pretrained "
                              "or `videosparse distill` writes.")
         model = cls(**model_kwargs)
