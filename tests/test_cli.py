@@ -70,3 +70,31 @@ def test_generate_writes_playable_mp4(tmp_path):
     assert frames.shape == (5, 64, 96, 3)
     summary = json.loads(js.read_text())
     assert summary["stats"]["transformer"]["sparse_calls"] > 0
+
+
+def test_generate_checks_sizes_images_and_uses_the_pipelines_own_defaults():
+    import pytest
+
+    from videosparse.cli import _check_size, _image_input
+    from videosparse.models.loading import pipeline_call_defaults
+    from videosparse.models.tiny_wan import build_tiny_wan_pipeline
+
+    pipe = build_tiny_wan_pipeline()
+    with pytest.raises(ValueError, match="--height=72 must be a multiple of 16"):
+        _check_size(pipe, {"height": 72, "width": 64})
+    _check_size(pipe, {"height": 64, "width": 96})
+    with pytest.raises(ValueError, match="takes none"):
+        _image_input(pipe, "first.png")
+    assert _image_input(pipe, None) is None
+    defaults = pipeline_call_defaults(pipe)                        # WanPipeline.__call__'s own defaults
+    assert (defaults["num_frames"], defaults["height"], defaults["width"]) == (81, 480, 832)
+
+
+def test_video_keeps_sizes_that_are_not_multiples_of_16(tmp_path):
+    import numpy as np
+
+    from videosparse.eval.generate import write_video
+
+    frames = np.random.default_rng(0).random((4, 36, 44, 3)).astype(np.float32)
+    path = write_video(frames, str(tmp_path / "v.mp4"), fps=4)
+    assert iio.imread(path).shape == (4, 36, 44, 3)

@@ -18,7 +18,7 @@ from .distill.config import check_device
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # containers diffusers' export_to_video (imageio + ffmpeg) writes
-VIDEO_SUFFIXES = (".mp4", ".mkv", ".mov", ".webm", ".avi")
+VIDEO_SUFFIXES = (".mp4", ".mkv", ".mov", ".avi")        # (libx264 video; .webm would need VP8/VP9/AV1)
 
 
 def _tile(text: str):
@@ -99,7 +99,8 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("--guidance-scale", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fps", type=int, default=8)
-    p.add_argument("--out", default="video.mp4", help="output video path (.mp4, .mkv, .mov, .webm or .avi)")
+    p.add_argument("--out", default="video.mp4", help="output video path (.mp4, .mkv, .mov or .avi)")
+    p.add_argument("--image", default=None, help="first-frame image (path or URL) for image-to-video pipelines")
     p.add_argument("--compare-dense", action="store_true", help="also run dense with the same seed and compare")
     p.add_argument("--json", default=None, help="also write the summary as JSON here")
     p.set_defaults(func=_run_generate)
@@ -132,20 +133,32 @@ def _run_generate(args: argparse.Namespace) -> int:
                        ("width", args.width), ("guidance_scale", args.guidance_scale)):
         if value is not None:
             call[key] = value
+    _check_size(pipe, call)
+    image = _image_input(pipe, args.image)
+    if image is not None:
+        call["image"] = image
     steps = call["num_inference_steps"]
     device = str(pipe.device)
-    print(f"model: {loaded.name} | method: {config.to_dict()} | {call['num_frames']} frames "
-          f"{call['height']}x{call['width']}, {steps} steps, seed {args.seed}")
+    size = f"{call.get('height', 'default')}x{call.get('width', 'default')}"
+    print(f"model: {loaded.name} | method: {config.to_dict()} | {call.get('num_frames', 'default')} frames "
+          f"{size}, {steps} steps, seed {args.seed}")
     result = generate(pipe, config, call, seed=args.seed, device=device)
     path = write_video(result.frames, args.out, fps=args.fps)
     per_step = result.transformer_total_s / steps
-    summary = {"model": loaded.name, "config": config.to_dict(), "call": call, "video": path,
+    frames, height, width = result.frames.shape[:3]
+    if call.get("num_frames") not in (None, frames):
+        print(f"note: the pipeline made {frames} frames ({call['num_frames']} asked; its frame counts are stepped)")
+    summary = {"model": loaded.name, "config": config.to_dict(), "call": {k: v for k, v in call.items() if k != "image"},
+               "image": args.image, "video": path, "frames": frames, "height": height, "width": width,
                "wall_s": result.wall_s, "transformer_s_per_step": per_step, "stats": result.stats}
-    tstats = (result.stats or {}).get("transformer", {})
-    density, kernel = tstats.get("density"), tstats.get("kernel_backend")
+    from .eval.evaluate import work_fraction
+
+    density, _ = work_fraction(result.stats)                 # pooled over every transformer (Wan 2.2: both)
+    kernels = sorted({c.get("kernel_backend") for c in (result.stats or {}).values()
+                      if c.get("kernel_backend") and c.get("sparse_calls")})
     print(f"{config.method}: {per_step * 1000:.1f} ms transformer time per step, {result.wall_s:.1f} s in all"
           + (f", realised density {density:.3f}" if density is not None else "")
-          + (f", kernel {kernel}" if kernel and tstats.get("sparse_calls") else ""))
+          + (f", kernel {', '.join(kernels)}" if kernels else ""))
     if args.compare_dense:
         dense = generate(pipe, None, call, seed=args.seed, device=device)
         dense_step = dense.transformer_total_s / steps
@@ -157,9 +170,47 @@ def _run_generate(args: argparse.Namespace) -> int:
               f"PSNR vs dense {summary['dense']['psnr_db']:.2f} dB")
     print(f"video written to {path}")
     if args.json:
+        from .eval.report import to_jsonable
+
         with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2, default=str)
+            json.dump(to_jsonable(summary), f, indent=2, default=str)    # inf PSNR as "inf": strict JSON
     return 0
+
+
+def _check_size(pipe, call: dict) -> None:
+    """ValueError for a height/width the model cannot tile: multiples of the VAE's spatial factor times the
+    transformer's patch (16 for Wan, CogVideoX, HunyuanVideo)."""
+    vae = getattr(pipe, "vae_scale_factor_spatial", None)
+    patch = getattr(getattr(getattr(pipe, "transformer", None), "config", None), "patch_size", None)
+    if not isinstance(vae, int) or patch is None:
+        return
+    multiple = vae * (patch[-1] if isinstance(patch, (tuple, list)) else int(patch))
+    for name in ("height", "width"):
+        value = call.get(name)
+        if value is not None and value % multiple:
+            raise ValueError(f"--{name}={value} must be a multiple of {multiple} for {type(pipe).__name__} "
+                             f"(VAE factor {vae} x patch); e.g. {max(multiple, value // multiple * multiple)}.")
+
+
+def _image_input(pipe, image: str | None):
+    """The first-frame image for an image-to-video pipeline (ValueError when one is needed and missing, or given
+    to a text-to-video pipeline)."""
+    import inspect
+
+    from .models.loading import image_parameter
+
+    param = image_parameter(pipe)
+    if param is None:
+        if image is not None:
+            raise ValueError(f"--image is for image-to-video pipelines; {type(pipe).__name__} takes none.")
+        return None
+    if image is None:
+        if param.default is inspect.Parameter.empty:
+            raise ValueError(f"{type(pipe).__name__} is image-to-video: pass --image PATH (the first frame).")
+        return None
+    from diffusers.utils import load_image
+
+    return load_image(image)
 
 
 def _add_evaluate_parser(sub) -> None:

@@ -83,6 +83,13 @@ def check_device(device: Any) -> None:
         raise ValueError(f"device={device!r} is not a torch device; use 'cuda', 'cuda:1' or 'cpu'.") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r}: torch sees no CUDA GPU here; use 'cpu'.")
+    if dev.type == "meta":
+        raise ValueError(f"device={device!r} holds no data; use 'cuda' or 'cpu'.")
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError) as err:
+        reason = str(err).splitlines()[0].split(". ")[0][:160]
+        raise ValueError(f"device={device!r} is not usable here ({reason}); use 'cpu'.") from None
 
 
 def _prompts(value: Any) -> Any:

@@ -97,6 +97,12 @@ def run_evaluate(args: argparse.Namespace) -> int:
         prompts = load_prompts(args.prompts, args.num_prompts)
     dtype = DTYPES.get(args.dtype) if getattr(args, "dtype", None) else None
     loaded = load_pipeline(args.model, args.device, dtype)
+    from ..models.loading import image_parameter
+
+    param = image_parameter(loaded.pipe)
+    if param is not None and param.default is param.empty:
+        raise ValueError(f"{type(loaded.pipe).__name__} is image-to-video; evaluate runs text-to-video pipelines only "
+                         "(videosparse generate --image takes image-to-video ones).")
     call = {k: v for k, v in loaded.defaults.items() if k != "prompt"}
     for key, value in (("num_inference_steps", args.steps), ("num_frames", args.frames), ("height", args.height),
                        ("width", args.width), ("guidance_scale", args.guidance_scale),

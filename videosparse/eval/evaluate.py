@@ -178,7 +178,7 @@ def _probing(pipe, probes: dict, steps, layers) -> Iterator[None]:
             session.observers.remove(probe)
 
 
-def _work_fraction(stats: dict | None) -> tuple[float | None, float]:
+def work_fraction(stats: dict | None) -> tuple[float | None, float]:
     """(realised density of the sparse calls, attention work vs dense incl. dense calls) over all components."""
     if not stats:
         return None, 1.0
@@ -294,7 +294,7 @@ class Evaluation:
         stored = result.frames.astype(np.float16)
         np.save(self._frames_path(cid), stored)
         timer = timers[0]
-        density, work = _work_fraction(result.stats)
+        density, work = work_fraction(result.stats)
         cell = {
             "method": spec.label, "config": spec.config.to_dict(), "prompt_index": prompt_index, "prompt": prompt,
             "seed": seed, "frames_file": os.path.relpath(self._frames_path(cid), self.out_dir),

@@ -78,4 +78,5 @@ def write_video(frames: np.ndarray, path: str, fps: int = 8) -> str:
     """Write float frames [F, H, W, 3] in [0, 1] to an mp4 (imageio + ffmpeg)."""
     from diffusers.utils import export_to_video
 
-    return export_to_video(list(frames), path, fps=fps)
+    # macro_block_size=2: yuv420p needs even sizes; imageio's default 16 would resize e.g. 36x44 to 48x48
+    return export_to_video(list(frames), path, fps=fps, macro_block_size=2)

@@ -25,6 +25,28 @@ HUB_DEFAULTS = dict(prompt="A cat walks on the grass, realistic", num_frames=81,
                     num_inference_steps=50, guidance_scale=5.0)
 
 
+def pipeline_call_defaults(pipe) -> dict:
+    """The prompt of HUB_DEFAULTS plus the pipeline's own defaults for frames, size, steps and guidance (from
+    its `__call__` signature: 129 frames 720x1280 for HunyuanVideo, ...); a default of None (CogVideoX derives
+    its size from the transformer config) is left to the pipeline."""
+    import inspect
+
+    params = inspect.signature(type(pipe).__call__).parameters
+    defaults = {"prompt": HUB_DEFAULTS["prompt"]}
+    for name in ("num_frames", "height", "width", "num_inference_steps", "guidance_scale"):
+        value = params[name].default if name in params else HUB_DEFAULTS[name]
+        if value is not None and value is not inspect.Parameter.empty:
+            defaults[name] = value
+    return defaults
+
+
+def image_parameter(pipe):
+    """The `image` parameter of an image-to-video pipeline's `__call__` (inspect.Parameter), else None."""
+    import inspect
+
+    return inspect.signature(type(pipe).__call__).parameters.get("image")
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -59,6 +81,6 @@ def load_pipeline(model: str | None = None, device: str | None = None, dtype: to
         from diffusers import DiffusionPipeline
 
         pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
-        loaded = LoadedPipeline(pipe, model, dict(HUB_DEFAULTS))
+        loaded = LoadedPipeline(pipe, model, pipeline_call_defaults(pipe))
     loaded.pipe.to(device)
     return loaded
