@@ -89,6 +89,13 @@ def test_generate_checks_sizes_images_and_uses_the_pipelines_own_defaults():
     defaults = pipeline_call_defaults(pipe)                        # WanPipeline.__call__'s own defaults
     assert (defaults["num_frames"], defaults["height"], defaults["width"]) == (81, 480, 832)
 
+    class NoFrames(type(pipe)):
+        def __call__(self, prompt=None, height=64, width=None, num_inference_steps=4):
+            pass
+
+    assert pipeline_call_defaults(NoFrames.__new__(NoFrames)) == {"prompt": defaults["prompt"], "height": 64,
+                                                                  "num_inference_steps": 4}   # lacks: not passed
+
 
 def test_video_keeps_sizes_that_are_not_multiples_of_16(tmp_path):
     import numpy as np

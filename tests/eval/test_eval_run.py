@@ -175,8 +175,21 @@ def test_other_attention_sampling_remeasures_only_the_attention(loaded, tmp_path
     report = run_evaluation(loaded, other, str(tmp_path), progress=False)
     assert report["run_stats"] == {"computed": 1, "skipped": 2}          # 2 quality cells kept, 1 attention cell
     assert [a["steps"] for a in report["attention"].values()] == [[1]]
+    same = EvalSettings(settings.methods, settings.prompts, settings.seeds, dict(CALL), attn_steps=(1,))
+    assert run_evaluation(loaded, same, str(tmp_path), progress=False)["run_stats"]["computed"] == 0   # tuple == list
     for bad, match in ((dict(attn_steps=[5]), r"--attn-steps \[5\]"), (dict(attn_layers=[99]), r"--attn-layers \[99\]")):
         with pytest.raises(ValueError, match=match):
             run_evaluation(loaded, EvalSettings(settings.methods, settings.prompts, settings.seeds, dict(CALL), **bad),
                            str(tmp_path / "bad"), progress=False)
         assert not (tmp_path / "bad" / "report.json").exists()
+
+
+def test_summary_psnr_counts_identical_cells_apart_and_keeps_nan():
+    from videosparse.eval.evaluate import summary_psnr
+
+    assert summary_psnr([20.0, math.inf, 30.0]) == (25.0, 1)
+    assert summary_psnr([math.inf, math.inf]) == (math.inf, 2)
+    assert summary_psnr([math.inf], is_dense=True) == (math.inf, 0)       # dense against itself
+    psnr, equal = summary_psnr([math.nan, 30.0])                          # a broken output is never "equal"
+    assert math.isnan(psnr) and equal == 0
+    assert summary_psnr([]) == (None, 0)

@@ -87,7 +87,7 @@ def check_device(device: Any) -> None:
         raise ValueError(f"device={device!r} holds no data; use 'cuda' or 'cpu'.")
     try:
         torch.empty(0, device=dev)
-    except (RuntimeError, AssertionError) as err:
+    except (RuntimeError, AssertionError, ImportError) as err:
         reason = str(err).splitlines()[0].split(". ")[0][:160]
         raise ValueError(f"device={device!r} is not usable here ({reason}); use 'cpu'.") from None
 

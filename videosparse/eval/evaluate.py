@@ -178,6 +178,16 @@ def _probing(pipe, probes: dict, steps, layers) -> Iterator[None]:
             session.observers.remove(probe)
 
 
+def summary_psnr(psnrs: list[float], is_dense: bool = False) -> tuple[float | None, int]:
+    """(mean PSNR over a method's cells, cells identical to dense). Cells equal to dense (inf dB) are counted
+    apart, not averaged in (one would make the mean inf); a NaN cell (a broken output) makes the mean NaN."""
+    if any(math.isnan(v) for v in psnrs):
+        return math.nan, 0
+    finite = [v for v in psnrs if math.isfinite(v)]
+    equal = 0 if is_dense else sum(v == math.inf for v in psnrs)
+    return (float(np.mean(finite)) if finite else (math.inf if psnrs else None)), equal
+
+
 def work_fraction(stats: dict | None) -> tuple[float | None, float]:
     """(realised density of the sparse calls, attention work vs dense incl. dense calls) over all components."""
     if not stats:
@@ -373,7 +383,8 @@ class Evaluation:
             for spec in sparse:
                 cid = cell_id(spec, s.prompts[p], seed)
                 old = self.report["attention"].get(cid)
-                if old is not None and (old.get("steps"), old.get("layers")) == (steps, s.attn_layers):
+                layers = None if s.attn_layers is None else list(s.attn_layers)
+                if old is not None and (old.get("steps"), old.get("layers")) == (list(steps), layers):
                     self.skipped += 1
                     bar.update(1)
                     continue
@@ -405,11 +416,8 @@ class Evaluation:
                 vals = [r[key] for r in rows if r.get(key) is not None]
                 return float(np.mean(vals)) if vals else None
 
-            # mean PSNR over the cells that differ from dense; cells equal to dense (inf dB) are counted apart,
-            # not averaged in (one would make the mean inf)
-            psnrs = [r["psnr_db"] for r in mine if r.get("psnr_db") is not None]
-            finite_psnr = [v for v in psnrs if math.isfinite(v)]
-            psnr_db = float(np.mean(finite_psnr)) if finite_psnr else (math.inf if psnrs else None)
+            psnr_db, equal = summary_psnr([r["psnr_db"] for r in mine if r.get("psnr_db") is not None],
+                                          spec.is_dense)
 
             def median(key):
                 vals = [r[key] for r in mine if r.get(key) is not None]
@@ -425,7 +433,7 @@ class Evaluation:
                 "attention_work": mean("attention_work"),
                 "layer_density": {c: [None if any(v is None for v in col) else float(np.mean(col))
                                       for col in zip(*rows)] for c, rows in layer_density.items()},
-                "psnr_db": psnr_db, "cells_equal_to_dense": len(psnrs) - len(finite_psnr),
+                "psnr_db": psnr_db, "cells_equal_to_dense": equal,
                 "ssim": mean("ssim"), "lpips": mean("lpips"),
                 "attn_rel_l2": mean("rel_l2", probes), "tile_recall": mean("recall", probes),
                 "mass_kept": mean("mass_kept", probes), "oracle_mass_kept": mean("oracle_mass_kept", probes),

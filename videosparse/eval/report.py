@@ -73,10 +73,11 @@ def load_report(path: str) -> dict | None:
         with open(path) as f:
             report = from_jsonable(json.load(f))
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err}); move it away or pass --overwrite.") from None
+        raise ValueError(f"{path} is not valid JSON ({err}); move it away (or, for a quality run, pass "
+                         "--overwrite).") from None
     if report is not None and not isinstance(report, dict):
-        raise ValueError(f"{path} holds a JSON {type(report).__name__}, not a videosparse report; move it away or "
-                         "pass --overwrite.")
+        raise ValueError(f"{path} holds a JSON {type(report).__name__}, not a videosparse report; move it away (or, "
+                         "for a quality run, pass --overwrite).")
     return report
 
 

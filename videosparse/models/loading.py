@@ -34,7 +34,7 @@ def pipeline_call_defaults(pipe) -> dict:
     params = inspect.signature(type(pipe).__call__).parameters
     defaults = {"prompt": HUB_DEFAULTS["prompt"]}
     for name in ("num_frames", "height", "width", "num_inference_steps", "guidance_scale"):
-        value = params[name].default if name in params else HUB_DEFAULTS[name]
+        value = params[name].default if name in params else None          # a parameter it lacks is not passed
         if value is not None and value is not inspect.Parameter.empty:
             defaults[name] = value
     return defaults
