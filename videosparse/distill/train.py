@@ -285,6 +285,7 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
     global_step, epoch, batches_done = 0, 0, 0
     resumed_from = None
     history: list[dict[str, Any]] = []
+    running_resumed = (0.0, 0)
     run_key = _run_key(cfg, files, accelerator.num_processes)
     found = _checkpoints(ckpt_root)
     if found and not cfg.resume:
@@ -313,6 +314,7 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
             )
         accelerator.load_state(str(resumed_from))
         global_step, epoch, batches_done = st["global_step"], st["epoch"], st["batches_done"]
+        running_resumed = (st.get("running_loss", 0.0), st.get("running_n", 0))   # the log window in progress
         logger.info("resumed from %s (step %d)", resumed_from, global_step)
     history = [h for h in _read_log(log_path) if h.get("step", global_step + 1) <= global_step]
     if accelerator.is_main_process:
@@ -323,7 +325,7 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
         os.replace(tmp, log_path)
 
     progress = tqdm(total=total_steps, initial=global_step, desc="distill", disable=not accelerator.is_local_main_process)
-    running, running_n = 0.0, 0
+    running, running_n = running_resumed
     while global_step < total_steps:
         loader.set_epoch(epoch)
         active = accelerator.skip_first_batches(loader, batches_done) if batches_done else loader
@@ -358,7 +360,8 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
             epoch_done = batches_done >= loader_len
             if global_step % cfg.checkpoint_every == 0 or global_step == total_steps:
                 state = {"global_step": global_step, "epoch": epoch + 1 if epoch_done else epoch,
-                         "batches_done": 0 if epoch_done else batches_done, "run": run_key}
+                         "batches_done": 0 if epoch_done else batches_done, "run": run_key,
+                         "running_loss": running, "running_n": running_n}
                 _save_checkpoint(accelerator, ckpt_root, state, cfg.keep_checkpoints)
             if step_callback is not None:
                 step_callback(global_step, metrics)
