@@ -50,7 +50,8 @@ def _check_backend(value: str) -> None:
         raise ValueError(f"backend={value!r} is not supported; choose one of {BACKENDS}.")
 
 
-def _check_dense_schedule(dense_steps: int | float, dense_layers: tuple[int, ...]) -> None:
+def _dense_schedule(dense_steps: int | float, dense_layers: tuple[int, ...]) -> tuple[int, ...]:
+    """Check dense_steps and dense_layers; the layers sorted and deduplicated (one spelling per set)."""
     if isinstance(dense_steps, bool) or not isinstance(dense_steps, (int, float)):
         raise TypeError(f"dense_steps={dense_steps!r} must be an int (a step count) or a float in [0, 1).")
     if isinstance(dense_steps, int) and dense_steps < 0:
@@ -63,6 +64,7 @@ def _check_dense_schedule(dense_steps: int | float, dense_layers: tuple[int, ...
     for layer in dense_layers:
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
             raise ValueError(f"dense_layers={dense_layers!r} must hold layer indices >= 0; got {layer!r}.")
+    return tuple(sorted(set(dense_layers)))
 
 
 def _check_density(name: str, density: float) -> None:
@@ -176,9 +178,7 @@ class VedaConfig(_BaseConfig):
             object.__setattr__(self, "tiling", _check_tile(self.tiling, self.block))
         elif self.tiling is not None and not isinstance(self.tiling, (str, os.PathLike)):
             raise TypeError(f"tiling={self.tiling!r} must be a tile shape (pt, ph, pw) or a path to a tiling JSON.")
-        object.__setattr__(self, "dense_layers", _layers(self.dense_layers))
-        _check_dense_schedule(self.dense_steps, self.dense_layers)
-        object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))   # one spelling per set
+        object.__setattr__(self, "dense_layers", _dense_schedule(self.dense_steps, _layers(self.dense_layers)))
         if not isinstance(self.correction, bool):
             raise TypeError(f"correction={self.correction!r} must be a bool.")
         _check_backend(self.backend)
@@ -238,9 +238,7 @@ class SolConfig(_BaseConfig):
         object.__setattr__(self, "tiling", _check_tile(self.tiling, self.block))
         if isinstance(self.band, bool) or not isinstance(self.band, int) or self.band < 0:
             raise ValueError(f"band={self.band!r} must be an int >= 0.")
-        object.__setattr__(self, "dense_layers", _layers(self.dense_layers))
-        _check_dense_schedule(self.dense_steps, self.dense_layers)
-        object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))   # one spelling per set
+        object.__setattr__(self, "dense_layers", _dense_schedule(self.dense_steps, _layers(self.dense_layers)))
         if not isinstance(self.correction, bool):
             raise TypeError(f"correction={self.correction!r} must be a bool.")
         _check_backend(self.backend)

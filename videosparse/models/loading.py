@@ -21,18 +21,17 @@ class LoadedPipeline:
 
 TINY_DEFAULTS = dict(prompt="a red circle moving left on a dark background", num_frames=17, height=256, width=256,
                      num_inference_steps=8, guidance_scale=5.0, max_sequence_length=32)
-HUB_DEFAULTS = dict(prompt="A cat walks on the grass, realistic", num_frames=81, height=480, width=832,
-                    num_inference_steps=50, guidance_scale=5.0)
+HUB_PROMPT = "A cat walks on the grass, realistic"     # the rest of a hub model's call: its pipeline's defaults
 
 
 def pipeline_call_defaults(pipe) -> dict:
-    """The prompt of HUB_DEFAULTS plus the pipeline's own defaults for frames, size, steps and guidance (from
+    """HUB_PROMPT plus the pipeline's own defaults for frames, size, steps and guidance (from
     its `__call__` signature: 129 frames 720x1280 for HunyuanVideo, ...); a default of None (CogVideoX derives
     its size from the transformer config) is left to the pipeline."""
     import inspect
 
     params = inspect.signature(type(pipe).__call__).parameters
-    defaults = {"prompt": HUB_DEFAULTS["prompt"]}
+    defaults = {"prompt": HUB_PROMPT}
     for name in ("num_frames", "height", "width", "num_inference_steps", "guidance_scale"):
         value = params[name].default if name in params else None          # a parameter it lacks is not passed
         if value is not None and value is not inspect.Parameter.empty:
