@@ -310,7 +310,9 @@ class SparseContextHook(ModelHook):
             counted = getattr(scheduler, "step_index", None)      # advanced by each scheduler.step() of this call
             if isinstance(counted, int) and 0 <= counted < len(timesteps):
                 return counted, num_steps
-            t0 = torch.as_tensor(t).flatten()[0].detach().cpu()
+            # per-token or per-frame timesteps (Wan 2.2 TI2V, SkyReels V2 diffusion forcing) hold 0 for clean
+            # conditioning frames: the noisiest entry says how far the denoising is
+            t0 = torch.as_tensor(t).detach().flatten().max().cpu()
             # in t's own precision: a bf16 timestep matches its rounding of the schedule (ties: the first)
             table = timesteps.detach().cpu().to(t0.dtype) if t0.is_floating_point() else timesteps.detach().cpu()
             return int((table.double() - float(t0)).abs().argmin()), num_steps

@@ -38,14 +38,29 @@ def register_model(transformer_cls: type, spec_factory: Callable[[], ModelSpec])
 
 
 def _register_builtin_models() -> None:
-    from diffusers import CogVideoXTransformer3DModel, HunyuanVideoTransformer3DModel, WanTransformer3DModel
+    from diffusers import (
+        CogVideoXTransformer3DModel,
+        HunyuanVideoTransformer3DModel,
+        SkyReelsV2Transformer3DModel,
+        WanTransformer3DModel,
+        WanVACETransformer3DModel,
+    )
 
     def wan_spec() -> ModelSpec:
+        # Wan 2.1 / 2.2 and VACE (whose vace_blocks' attn1 are self-attention over the same grid too)
         from .wan import WanSparseAttnProcessor, wan_grid
 
         return ModelSpec(WanSparseAttnProcessor, lambda name, m: name.endswith("attn1"), wan_grid)
 
     register_model(WanTransformer3DModel, wan_spec)
+    register_model(WanVACETransformer3DModel, wan_spec)
+
+    def skyreels_v2_spec() -> ModelSpec:
+        from .wan import SkyReelsV2SparseAttnProcessor, wan_grid
+
+        return ModelSpec(SkyReelsV2SparseAttnProcessor, lambda name, m: name.endswith("attn1"), wan_grid)
+
+    register_model(SkyReelsV2Transformer3DModel, skyreels_v2_spec)
 
     def hunyuan_spec() -> ModelSpec:
         from .hunyuan import HunyuanVideoSparseAttnProcessor, hunyuan_grid
@@ -64,6 +79,16 @@ def _register_builtin_models() -> None:
                          text_position="before")
 
     register_model(CogVideoXTransformer3DModel, cogvideox_spec)
+
+    from diffusers import LTXVideoTransformer3DModel
+
+    def ltx_spec() -> ModelSpec:
+        from .ltx import LTXVideoSparseAttnProcessor, ltx_grid
+
+        # attn1: video self-attention; attn2 (cross-attention to the text) stays stock
+        return ModelSpec(LTXVideoSparseAttnProcessor, lambda name, m: name.endswith("attn1"), ltx_grid)
+
+    register_model(LTXVideoTransformer3DModel, ltx_spec)
 
 
 def model_spec(transformer: torch.nn.Module) -> ModelSpec:

@@ -1,0 +1,123 @@
+"""Wan VACE and SkyReels V2: the Wan family's other transformers run the shared processor tests."""
+
+import logging
+
+import pytest
+import torch
+from diffusers import SkyReelsV2Transformer3DModel, WanTransformer3DModel, WanVACETransformer3DModel
+
+import videosparse
+from videosparse.processors import sessions
+from videosparse.processors.wan import SkyReelsV2SparseAttnProcessor, WanSparseAttnProcessor
+
+from tester import ProcessorTesterMixin
+
+SMALL = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4,
+             text_dim=16, freq_dim=32, ffn_dim=64, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+             rope_max_seq_len=64)
+
+
+def _video_inputs(channels=4, frames=3):
+    g = torch.Generator().manual_seed(1)
+    # grid after patching: frames x 7 x 9 tokens (odd, partial last tile)
+    return dict(hidden_states=torch.randn(1, channels, frames, 14, 18, generator=g), timestep=torch.tensor([500]),
+                encoder_hidden_states=torch.randn(1, 8, 16, generator=g))
+
+
+class TestWanVACEProcessors(ProcessorTesterMixin):
+    """Wan VACE: 2 main blocks and 2 VACE blocks, each with a self-attention over the same grid."""
+
+    num_layers = 4                     # self-attention layers: blocks.0-1 and vace_blocks.0-1
+    head_dim = 64
+    tiling = (1, 4, 16)
+    block = 64
+
+    def make_transformer(self):
+        torch.manual_seed(0)
+        return WanVACETransformer3DModel(**SMALL, num_layers=2, vace_layers=[0, 1], vace_in_channels=6).eval()
+
+    def make_inputs(self, transformer):
+        inputs = _video_inputs()
+        inputs["control_hidden_states"] = torch.randn(1, 6, 3, 14, 18, generator=torch.Generator().manual_seed(2))
+        return inputs
+
+
+class TestSkyReelsV2Processors(ProcessorTesterMixin):
+    num_layers = 2
+    head_dim = 64
+    tiling = (1, 4, 16)
+    block = 64
+
+    def make_transformer(self):
+        torch.manual_seed(0)
+        return SkyReelsV2Transformer3DModel(**SMALL, num_layers=self.num_layers).eval()
+
+    def make_inputs(self, transformer):
+        return _video_inputs()
+
+
+def test_vace_sparsifies_main_and_vace_blocks():
+    t = TestWanVACEProcessors()
+    tr = t.make_transformer()
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=t.tiling, block=t.block))
+    procs = tr.attn_processors
+    sparse = sorted(name for name, p in procs.items() if isinstance(p, WanSparseAttnProcessor))
+    assert sparse == ["blocks.0.attn1.processor", "blocks.1.attn1.processor",
+                      "vace_blocks.0.attn1.processor", "vace_blocks.1.attn1.processor"]
+    t.run(tr, t.make_inputs(tr))
+    layers = sessions(tr)["transformer"].stats()["layers"]
+    assert len(layers) == 4 and all(s["sparse_calls"] == 1 for s in layers.values())
+
+
+def test_skyreels_v2_processor_class_and_same_output_as_wan():
+    """SkyReels V2 copies Wan's attention: with the same weights its sparse output equals Wan's."""
+    t = TestSkyReelsV2Processors()
+    sky = t.make_transformer()
+    torch.manual_seed(0)
+    wan = WanTransformer3DModel(**SMALL, num_layers=2).eval()
+    missing, unexpected = wan.load_state_dict(sky.state_dict(), strict=False)
+    assert not unexpected and not [m for m in missing if not m.startswith("condition_embedder")]
+    wan.condition_embedder.load_state_dict(sky.condition_embedder.state_dict(), strict=False)
+    inputs = t.make_inputs(sky)
+    cfg = videosparse.VedaConfig(density=0.3, tiling=t.tiling, block=t.block)
+    videosparse.apply(sky, cfg)
+    videosparse.apply(wan, cfg)
+    assert all(isinstance(p, SkyReelsV2SparseAttnProcessor) for n, p in sky.attn_processors.items() if "attn1" in n)
+    a, b = t.run(sky, inputs), t.run(wan, inputs)
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
+def test_skyreels_v2_diffusion_forcing_mask_runs_dense_with_one_warning(caplog):
+    """`causal_block_size > 1` gives every self-attention a block-causal mask: dense, equal to stock."""
+    t = TestSkyReelsV2Processors()
+    tr = t.make_transformer()
+    tr._set_ar_attention(3)                    # 3 frames per causal block, as the diffusion-forcing pipeline does
+    inputs = dict(_video_inputs(frames=6), enable_diffusion_forcing=True)
+    inputs["timestep"] = torch.tensor([[900, 900, 900, 500, 500, 500]])
+    ref = t.run(tr, inputs)
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=t.tiling, block=t.block))
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        out = t.run(tr, inputs)
+        t.run(tr, inputs)
+    assert (out - ref).abs().max() <= 1e-6
+    assert sum("attention mask" in r.message for r in caplog.records) == t.num_layers
+    stats = sessions(tr)["transformer"].stats()
+    assert stats["sparse_calls"] == 0 and stats["dense_calls"] == 2 * t.num_layers
+
+
+@pytest.mark.parametrize("timestep", [torch.tensor([[0, 0, 800, 800]]), torch.tensor([0.0, 800.0])])
+def test_step_from_the_noisiest_timestep(timestep):
+    """Per-token / per-frame timesteps (Wan 2.2 TI2V, SkyReels V2 diffusion forcing) hold 0 for clean
+    conditioning frames: the step is read from the noisiest entry, not from the first."""
+    from types import SimpleNamespace
+
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.hooks.hooks import CacheContext
+
+    from videosparse.processors.context import SparseContextHook
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(10)
+    hook = SparseContextHook(SimpleNamespace(scheduler=scheduler), grid_fn=None)
+    expected = int((scheduler.timesteps - 800).abs().argmin())
+    assert hook._step(CacheContext("cond"), (), {"timestep": timestep}) == (expected, 10)
