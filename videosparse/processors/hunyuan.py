@@ -1,15 +1,17 @@
-"""HunyuanVideo (`HunyuanVideoTransformer3DModel`): sparse self-attention processor and model facts.
+"""HunyuanVideo (`HunyuanVideoTransformer3DModel`) and HunyuanVideo 1.5 (`HunyuanVideo15Transformer3DModel`):
+sparse self-attention processors and model facts.
 
-Both block kinds attend over one joint sequence [video; text] (text after the video): the dual-stream
-`transformer_blocks` project the text with the `add_*_proj` layers and concatenate it, the
-`single_transformer_blocks` get it already joined. RoPE covers the video part only. The token
-refiner's attention is text-only and keeps its stock processor.
+Both attend over one joint sequence [video; text] (text after the video): dual-stream blocks project
+the text with the `add_*_proj` layers and concatenate it; HunyuanVideo's `single_transformer_blocks` get
+it already joined. RoPE covers the video part only. The token refiners' attention is text-only and keeps
+its stock processor.
 
-diffusers masks keys with a prefix mask: the video and the first `L_valid = encoder_attention_mask.sum()`
-text tokens are valid. `hunyuan_grid` computes `L_valid` once per forward and reports it as the text
-length, so the layouts cover the valid prefix; the processor runs sparse attention over that prefix
-and gives the padded text rows dense attention over the valid keys, as the stock processor does. A
-batch whose items have different `L_valid` runs the stock processor (one warning per layer).
+diffusers masks keys with a prefix mask: the video and the first `L_valid` text tokens are valid
+(HunyuanVideo 1.5 reorders its image, ByT5 and Qwen tokens so that the valid ones come first). The grid
+functions compute `L_valid` once per forward and report it as the text length, so the layouts cover the
+valid prefix; the processor runs sparse attention over that prefix and gives the padded text rows dense
+attention over the valid keys (their outputs never reach a valid token). A batch whose items have
+different `L_valid` runs the stock processor (one warning per layer).
 """
 
 from __future__ import annotations
@@ -17,30 +19,34 @@ from __future__ import annotations
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
+from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 
 from .base import SparseAttentionMixin, project_heads
 from .context import forward_arg
 
-class HunyuanVideoSparseAttnProcessor(SparseAttentionMixin, HunyuanVideoAttnProcessor2_0):
-    """`HunyuanVideoAttnProcessor2_0` whose joint self-attention runs through videosparse.
+
+class _HunyuanFamilySparseAttention(SparseAttentionMixin):
+    """The shared `__call__`: joint [video; text] self-attention through videosparse.
 
     Projections, qk-norm and RoPE are diffusers' own; only the attention call changes. Calls without
     text (the token refiner's layout) and forwards whose text masks differ across the batch go to the
     stock processor untouched.
     """
 
+    _stock: type                       # the model's stock processor class (the second base)
+
     def __init__(self, session, layer: int, original=None) -> None:
-        HunyuanVideoAttnProcessor2_0.__init__(self)
+        self._stock.__init__(self)
         self._init_sparse(session, layer, original)
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         stock = (attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         if encoder_hidden_states is None:
-            return HunyuanVideoAttnProcessor2_0.__call__(self, *stock)
+            return self._stock.__call__(self, *stock)
         problem = self.session.context.unsupported
         if problem is not None:
             self._record_stock_call(problem)
-            return HunyuanVideoAttnProcessor2_0.__call__(self, *stock)
+            return self._stock.__call__(self, *stock)
         text_len = encoder_hidden_states.shape[1]
         joint = attn.add_q_proj is None          # single-stream block: text goes through to_q/to_k/to_v too
         if joint:
@@ -78,6 +84,18 @@ class HunyuanVideoSparseAttnProcessor(SparseAttentionMixin, HunyuanVideoAttnProc
         return hidden_states, encoder_hidden_states
 
 
+class HunyuanVideoSparseAttnProcessor(_HunyuanFamilySparseAttention, HunyuanVideoAttnProcessor2_0):
+    """`HunyuanVideoAttnProcessor2_0` whose joint self-attention runs through videosparse."""
+
+    _stock = HunyuanVideoAttnProcessor2_0
+
+
+class HunyuanVideo15SparseAttnProcessor(_HunyuanFamilySparseAttention, HunyuanVideo15AttnProcessor2_0):
+    """`HunyuanVideo15AttnProcessor2_0` whose joint self-attention runs through videosparse."""
+
+    _stock = HunyuanVideo15AttnProcessor2_0
+
+
 def hunyuan_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | None]:
     """Video grid after patching, the number of valid text tokens of this forward, and why it must run
     stock (None when it can run sparse).
@@ -86,18 +104,42 @@ def hunyuan_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str |
     prefix); it syncs the host once per forward. When it differs across the batch, the full text
     length is returned with the reason, and the forward runs the stock processor.
     """
-    hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
     text = forward_arg(args, kwargs, "encoder_hidden_states", 2)
     mask = forward_arg(args, kwargs, "encoder_attention_mask", 3)
+    valid = None if mask is None else mask.sum(dim=1, dtype=torch.int)
+    return _video_grid(module, args, kwargs), *_valid_text_length(valid, text.shape[1])
+
+
+def hunyuan15_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | None]:
+    """As `hunyuan_grid`, for HunyuanVideo 1.5, whose text is [image; ByT5; Qwen] tokens reordered valid-first:
+    the valid length is the sum of the Qwen and ByT5 masks, plus the image tokens unless `image_embeds` is all
+    zeros (text-to-video, where the forward masks them out)."""
+    text = forward_arg(args, kwargs, "encoder_hidden_states", 2)
+    mask = forward_arg(args, kwargs, "encoder_attention_mask", 3)
+    text_2 = forward_arg(args, kwargs, "encoder_hidden_states_2", 5)
+    mask_2 = forward_arg(args, kwargs, "encoder_attention_mask_2", 6)
+    image = forward_arg(args, kwargs, "image_embeds", 7)
+    total = text.shape[1] + text_2.shape[1] + image.shape[1]
+    valid = mask.sum(dim=1, dtype=torch.int) + mask_2.sum(dim=1, dtype=torch.int)
+    if not bool(torch.all(image == 0)):
+        valid = valid + image.shape[1]
+    return _video_grid(module, args, kwargs), *_valid_text_length(valid, total)
+
+
+def _video_grid(module, args, kwargs) -> tuple[int, int, int]:
+    """Token grid after patching of hidden_states (B, C, F, H, W)."""
+    hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
     _, _, F, H, W = hidden_states.shape
     p, pt = module.config.patch_size, module.config.patch_size_t
-    grid = (F // pt, H // p, W // p)
-    text_len, problem = text.shape[1], None
-    if mask is not None:
-        lengths = sorted(set(mask.sum(dim=1, dtype=torch.int).tolist()))
-        if len(lengths) == 1:
-            text_len = lengths[0]
-        else:
-            problem = (f"the valid text lengths of encoder_attention_mask differ across the batch ({lengths}); "
-                       "sparse attention needs one length per forward (batch prompts of equal token count)")
-    return grid, text_len, problem
+    return (F // pt, H // p, W // p)
+
+
+def _valid_text_length(valid: torch.Tensor | None, total: int) -> tuple[int, str | None]:
+    """(text length for the layout, reason to run stock or None) from the per-item valid lengths [B]."""
+    if valid is None:
+        return total, None
+    lengths = sorted(set(valid.tolist()))
+    if len(lengths) == 1:
+        return lengths[0], None
+    return total, (f"the valid text lengths of encoder_attention_mask differ across the batch ({lengths}); "
+                   "sparse attention needs one length per forward (batch prompts of equal token count)")

@@ -40,6 +40,7 @@ def register_model(transformer_cls: type, spec_factory: Callable[[], ModelSpec])
 def _register_builtin_models() -> None:
     from diffusers import (
         CogVideoXTransformer3DModel,
+        HunyuanVideo15Transformer3DModel,
         HunyuanVideoTransformer3DModel,
         SkyReelsV2Transformer3DModel,
         WanTransformer3DModel,
@@ -71,6 +72,15 @@ def _register_builtin_models() -> None:
                          hunyuan_grid, text_position="after")
 
     register_model(HunyuanVideoTransformer3DModel, hunyuan_spec)
+
+    def hunyuan15_spec() -> ModelSpec:
+        from .hunyuan import HunyuanVideo15SparseAttnProcessor, hunyuan15_grid
+
+        # dual-stream blocks only; the token refiner (context_embedder) stays stock
+        return ModelSpec(HunyuanVideo15SparseAttnProcessor, lambda name, m: name.startswith("transformer_blocks."),
+                         hunyuan15_grid, text_position="after")
+
+    register_model(HunyuanVideo15Transformer3DModel, hunyuan15_spec)
 
     def cogvideox_spec() -> ModelSpec:
         from .cogvideox import CogVideoXSparseAttnProcessor, cogvideox_grid
