@@ -102,7 +102,8 @@ class ProcessorTesterMixin:
     def test_dense_steps_fraction_uses_step_count(self):
         tr = self.make_transformer()
         inputs = self.make_inputs(tr)
-        videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=self.tiling, block=self.block, dense_steps=0.5))
+        videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=self.tiling, block=self.block,
+                                                     dense_steps=0.5))
         session = sessions(tr)["transformer"]
         self.run(tr, inputs, step=4, steps=10)
         assert session.stats()["sparse_calls"] == 0
@@ -165,8 +166,35 @@ class ProcessorTesterMixin:
         else:
             assert stats["sparse_calls"] == 1
 
+    @pytest.mark.gpu
+    def test_gpu_bf16_density_one_matches_stock(self):
+        """On CUDA in bf16 (the GPU kernels, the model's own layout and text handling): density 1 equals the
+        stock forward up to bf16 rounding, and a sparse density gives a finite output."""
+        tr = self.make_transformer().to("cuda", torch.bfloat16)
+        inputs = _to_cuda_bf16(self.make_inputs(tr))
+        ref = self.run(tr, inputs).float()
+        videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=self.tiling, block=self.block))
+        out = self.run(tr, inputs).float()
+        assert sessions(tr)["transformer"].stats()["sparse_calls"] > 0
+        videosparse.remove(tr)
+        assert float((out - ref).norm() / ref.norm()) < 2e-2
+        videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=self.tiling, block=self.block))
+        assert torch.isfinite(self.run(tr, inputs)).all()
+        videosparse.remove(tr)
+
     def test_bad_config_type(self):
         tr = self.make_transformer()
         with pytest.raises(TypeError, match="not a videosparse config"):
             videosparse.apply(tr, {"density": 0.1})
         assert sessions(tr) == {}
+
+
+def _to_cuda_bf16(obj):
+    """Inputs moved to CUDA: floating tensors in bf16, others (masks, integer timesteps) as they are."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to("cuda", torch.bfloat16) if obj.is_floating_point() else obj.to("cuda")
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to_cuda_bf16(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_cuda_bf16(v) for k, v in obj.items()}
+    return obj
