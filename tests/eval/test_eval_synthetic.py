@@ -11,7 +11,7 @@ import torch
 from videosparse.cli import main
 from videosparse.eval.spec import parse_method_specs
 from videosparse.eval.synthetic import (check_feasible, count_parameters, make_inputs, run_synthetic,
-                                        synthetic_setup)
+                                        run_synthetic_model, synthetic_setup)
 
 
 def test_published_shapes():
@@ -44,6 +44,25 @@ def test_shrunken_hunyuan_runs_sparse(tmp_path):
     assert row["sparse_calls"] == 1 and row["dense_calls"] == 0 and row["fallbacks"] == []
     assert 0.5 < row["realised_density"] < 1.0          # 2 video tiles + 4 text (global) tiles
     assert 0 < row["output_rel_l2_vs_dense"] < 0.5
+
+
+def test_shrunken_ltx_runs_sparse():
+    """LTX-Video 2B (the class defaults): packed tokens plus the latent sizes, as LTXPipeline passes them; one
+    block at a tiny size runs sparse on CPU."""
+    setup = synthetic_setup("ltx")
+    assert setup.grid == (16, 16, 24) and setup.tokens == 6144 and setup.attention_tokens == 6144
+    assert (setup.model.heads, setup.model.head_dim, setup.num_layers) == (32, 64, 28)
+    assert 1.8e9 < count_parameters(setup) < 2.1e9
+    small = synthetic_setup("ltx", frames=17, height=256, width=256, layers=1)
+    inputs = make_inputs(small, torch.device("cpu"), torch.float32)
+    assert tuple(inputs["hidden_states"].shape) == (1, 3 * 8 * 8, 128)
+    assert (inputs["num_frames"], inputs["height"], inputs["width"]) == (3, 8, 8)
+    assert tuple(inputs["encoder_hidden_states"].shape) == (1, 128, 4096)
+    result = run_synthetic_model("ltx", parse_method_specs(["veda@0.5:block=64:tiling=1x8x8"]), "cpu", torch.float32,
+                                 frames=17, height=256, width=256, layers=1, warmup=0, repeats=1, progress=False)
+    row = result.methods["veda@0.5:block=64:tiling=1x8x8"]
+    assert row["sparse_calls"] == 1 and row["dense_calls"] == 0 and row["fallbacks"] == []
+    assert 0.3 < row["realised_density"] < 0.7 and 0 < row["output_rel_l2_vs_dense"] < 0.5
 
 
 def test_bad_sizes_are_refused():

@@ -17,6 +17,7 @@ wan-1.3b   Wan2.1 T2V 1.3B: 30 x 12 x 128    81 x 480 x 832             21 x 30 
 wan-14b    Wan2.1 T2V 14B: 40 x 40 x 128     81 x 720 x 1280            21 x 45 x 80 = 75,600
 hunyuan    HunyuanVideo: 20+40 x 24 x 128    129 x 720 x 1280           33 x 45 x 80 = 118,800
 cogvideox  CogVideoX-5B: 42 x 48 x 64         49 x 480 x 720             13 x 30 x 45 = 17,550
+ltx        LTX-Video 0.9.x 2B: 28 x 32 x 64   121 x 512 x 768            16 x 16 x 24 = 6,144
 =========  ================================  =========================  ======================
 
 A model whose transformer class has no videosparse processor is refused with the registry's message.
@@ -125,6 +126,13 @@ SYNTHETIC_MODELS: dict[str, SyntheticModel] = {
              use_rotary_positional_embeddings=True, use_learned_positional_embeddings=False),
         (49, 480, 720), text_len=226, joint_text=True,
         description="CogVideoX-5B (48 heads x 64, 42 layers, text before video), 480x720 49 frames"),
+    "ltx": SyntheticModel(
+        # Lightricks/LTX-Video's transformer config is LTXVideoTransformer3DModel's defaults (caption_channels
+        # 4096, cross_attention_dim 2048, qk_norm "rms_norm_across_heads", ...); the keys read here are spelled out
+        "ltx", "LTXVideoTransformer3DModel",
+        dict(num_attention_heads=32, attention_head_dim=64, num_layers=28, patch_size=1, patch_size_t=1),
+        (121, 512, 768), latent_channels=128, vae_scale=(8, 32), text_len=128,
+        description="LTX-Video 0.9.x 2B (32 heads x 64, 28 layers, VAE 8 x 32 x 32), 512x768 121 frames"),
 }
 
 
@@ -305,7 +313,22 @@ def make_inputs(setup: SyntheticSetup, device: torch.device, dtype: torch.dtype,
     if m.transformer_cls == "CogVideoXTransformer3DModel":
         inputs["hidden_states"] = inputs["hidden_states"].transpose(1, 2)       # (B, F, C, H, W)
         inputs["image_rotary_emb"] = _cogvideox_rotary_emb(setup, device)
+    if m.transformer_cls == "LTXVideoTransformer3DModel":
+        inputs.update(_ltx_inputs(setup, inputs["hidden_states"], device))
     return inputs
+
+
+def _ltx_inputs(setup: SyntheticSetup, latents: torch.Tensor, device: torch.device) -> dict:
+    """What `LTXPipeline` passes its transformer besides the text: the latents packed into tokens (B, S, C),
+    the latent sizes, the RoPE scale (VAE ratios, 25 fps) and the prompt's attention mask."""
+    from diffusers.pipelines.ltx.pipeline_ltx import LTXPipeline
+
+    _, T, H, W = setup.latent
+    pt, p, _ = setup.model.patch
+    t, s = setup.model.vae_scale
+    return {"hidden_states": LTXPipeline._pack_latents(latents, p, pt), "num_frames": T, "height": H, "width": W,
+            "rope_interpolation_scale": (t / 25, s, s),
+            "encoder_attention_mask": torch.ones(1, setup.model.text_len, device=device, dtype=torch.long)}
 
 
 def _cogvideox_rotary_emb(setup: SyntheticSetup, device: torch.device):

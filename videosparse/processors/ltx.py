@@ -1,0 +1,102 @@
+"""LTX-Video (`LTXVideoTransformer3DModel`): sparse self-attention processor and model facts.
+
+Every block's `attn1` is video-only self-attention (the text enters through `attn2`, cross-attention,
+which keeps its stock processor). The transformer receives already packed tokens (B, S, C), in the
+time-major order of `LTXPipeline._pack_latents` (`index = f*H*W + h*W + w`), and the token grid as forward
+arguments: `num_frames, height, width` (`LTXPipeline`, `LTXImageToVideoPipeline`), or only `video_coords`
+[B, 3, S], the (t, h, w) coordinate of every token (`LTXConditionPipeline`). The RoPE tables are built
+from exactly these, one coordinate per token, so the token grid is (num_frames, height, width).
+
+`LTXConditionPipeline` prepends the tokens of conditions placed at `frame_index > 0` to the video; such a
+sequence is not one grid, so `ltx_grid` checks that `video_coords` is a time-major (t, h, w) grid over
+the whole sequence and otherwise makes the forward run dense (one warning per layer).
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor, apply_rotary_emb
+
+from .base import SparseAttentionMixin
+from .context import forward_arg
+
+
+class LTXVideoSparseAttnProcessor(SparseAttentionMixin, LTXVideoAttnProcessor):
+    """`LTXVideoAttnProcessor` whose self-attention runs through videosparse.
+
+    Projections, the across-heads RMSNorm of q and k (on the flattened [B, S, C], before the split into
+    heads) and LTX's RoPE (also on [B, S, C]) are diffusers' own; only the attention call changes. Calls
+    with encoder states (cross-attention) go to the stock processor untouched, and so do the calls of a
+    forward whose tokens are not one grid (`ltx_grid` says why; warned once per layer) and a call with an
+    attention mask (the model never gives `attn1` one).
+    """
+
+    def __init__(self, session, layer: int, original=None) -> None:
+        LTXVideoAttnProcessor.__init__(self)
+        self._init_sparse(session, layer, original)
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        stock = (attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        if encoder_hidden_states is not None:
+            return LTXVideoAttnProcessor.__call__(self, *stock)
+        problem = self.session.context.unsupported
+        if problem is None and attention_mask is not None:
+            problem = "an attention mask was given"
+        if problem is not None:     # not one token grid (see `ltx_grid`): no layout, no observer records
+            self._record_stock_call(problem)
+            return LTXVideoAttnProcessor.__call__(self, *stock)
+        query = attn.norm_q(attn.to_q(hidden_states))
+        key = attn.norm_k(attn.to_k(hidden_states))
+        value = attn.to_v(hidden_states)
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb)
+            key = apply_rotary_emb(key, image_rotary_emb)
+        query = query.unflatten(2, (attn.heads, -1))
+        key = key.unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        hidden_states = self.attend(query, key, value).flatten(2, 3).to(query.dtype)
+        hidden_states = attn.to_out[0](hidden_states)
+        return attn.to_out[1](hidden_states)
+
+
+def _coords_grid(video_coords: torch.Tensor, seq_len: int) -> tuple[tuple[int, int, int] | None, str | None]:
+    """The (T, H, W) grid that `video_coords` [B, 3, S] spans when its tokens are that grid in time-major
+    order (the distinct t, h and w values, ascending), else (None, why). Syncs the host once."""
+    if video_coords.dim() != 3 or tuple(video_coords.shape[1:]) != (3, seq_len):
+        return None, (f"video_coords of shape {tuple(video_coords.shape)} does not give 3 coordinates for each of "
+                      f"the {seq_len} tokens")
+    coords = video_coords[0]
+    if not torch.equal(video_coords, coords.expand_as(video_coords)):
+        return None, "video_coords differ across the batch; sparse attention needs one token grid per forward"
+    axes = [torch.unique(coords[i]) for i in range(3)]          # sorted
+    grid = tuple(len(a) for a in axes)
+    expected = torch.stack(torch.meshgrid(*axes, indexing="ij")).flatten(1)
+    if grid[0] * grid[1] * grid[2] != seq_len or not torch.equal(expected, coords):
+        return None, ("video_coords do not form one time-major (t, h, w) grid over the sequence (LTXConditionPipeline "
+                      "prepends the tokens of conditions at frame_index > 0); sparse attention needs one")
+    return grid, None
+
+
+def ltx_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | None]:
+    """Token grid of a forward, no text tokens (LTX has no joint text), and why the forward must run dense
+    (None when it can run sparse).
+
+    The grid is (num_frames, height, width) of the forward's arguments (the pipelines pass the latent
+    sizes; LTX-Video's patch sizes are 1), or the grid that `video_coords` spans when given (they then
+    define the RoPE, and `LTXConditionPipeline` passes nothing else). A sequence that is no such grid runs
+    dense; the grid returned then is (1, 1, S), only to keep the layouts well-formed.
+    """
+    hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
+    video_coords = forward_arg(args, kwargs, "video_coords", 8)
+    sizes = [forward_arg(args, kwargs, name, i) for i, name in ((4, "num_frames"), (5, "height"), (6, "width"))]
+    seq_len = hidden_states.shape[1]
+    if video_coords is not None:
+        grid, problem = _coords_grid(video_coords, seq_len)
+    elif any(s is None for s in sizes):
+        grid, problem = None, "num_frames, height and width were not all given (and no video_coords)"
+    else:
+        grid, problem = tuple(int(s) for s in sizes), None
+        if grid[0] * grid[1] * grid[2] != seq_len:
+            grid, problem = None, (f"the sequence has {seq_len} tokens, not num_frames x height x width = "
+                                   f"{' x '.join(map(str, sizes))}")
+    return (grid or (1, 1, seq_len)), 0, problem
