@@ -65,6 +65,22 @@ def test_shrunken_ltx_runs_sparse():
     assert 0.3 < row["realised_density"] < 0.7 and 0 < row["output_rel_l2_vs_dense"] < 0.5
 
 
+def test_shrunken_hunyuan15_runs_sparse():
+    """HunyuanVideo 1.5 480p T2V: 65 input channels, Qwen + masked ByT5 + zero image inputs as its pipeline
+    passes them; the layouts cover the video and the 256 valid text tokens. One block at a tiny size on CPU."""
+    setup = synthetic_setup("hunyuan15")
+    assert setup.grid == (31, 30, 53) and setup.attention_tokens == 49_290 + 256
+    assert (setup.model.heads, setup.model.head_dim, setup.num_layers) == (16, 128, 54)
+    assert 8.0e9 < count_parameters(setup) < 9.0e9
+    result = run_synthetic_model("hunyuan15", parse_method_specs(["veda@0.5:block=64:tiling=1x8x8"]), "cpu",
+                                 torch.float32, frames=9, height=128, width=128, layers=1, warmup=0, repeats=1,
+                                 progress=False)
+    row = result.methods["veda@0.5:block=64:tiling=1x8x8"]
+    assert row["sparse_calls"] == 1 and row["dense_calls"] == 0 and row["fallbacks"] == []
+    # 3 video tiles of 64 and 4 global text tiles: the text tiles are always kept
+    assert 0.5 < row["realised_density"] < 0.95 and 0 < row["output_rel_l2_vs_dense"] < 0.5
+
+
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="frames must be 1 \\+ a multiple of 4"):
         synthetic_setup("wan-1.3b", frames=8)

@@ -16,6 +16,7 @@ name       architecture                      default video              token gr
 wan-1.3b   Wan2.1 T2V 1.3B: 30 x 12 x 128    81 x 480 x 832             21 x 30 x 52 = 32,760
 wan-14b    Wan2.1 T2V 14B: 40 x 40 x 128     81 x 720 x 1280            21 x 45 x 80 = 75,600
 hunyuan    HunyuanVideo: 20+40 x 24 x 128    129 x 720 x 1280           33 x 45 x 80 = 118,800
+hunyuan15  HunyuanVideo 1.5: 54 x 16 x 128   121 x 480 x 848            31 x 30 x 53 = 49,290
 cogvideox  CogVideoX-5B: 42 x 48 x 64         49 x 480 x 720             13 x 30 x 45 = 17,550
 ltx        LTX-Video 0.9.x 2B: 28 x 32 x 64   121 x 512 x 768            16 x 16 x 24 = 6,144
 =========  ================================  =========================  ======================
@@ -115,6 +116,14 @@ SYNTHETIC_MODELS: dict[str, SyntheticModel] = {
              rope_theta=256.0, rope_axes_dim=(16, 56, 56)),
         (129, 720, 1280), text_len=256, joint_text=True,
         description="HunyuanVideo (24 heads x 128, 20 dual + 40 single blocks), 720P 129 frames"),
+    "hunyuan15": SyntheticModel(
+        # hunyuanvideo-community/HunyuanVideo-1.5 480p T2V: HunyuanVideo15Transformer3DModel's defaults; the keys
+        # read here are spelled out. Input channels 65 = 32 latent + 32 condition latent + 1 mask (the pipeline's
+        # concatenation); text: 256 Qwen tokens, no quoted glyph text (ByT5 masked), no image (T2V)
+        "hunyuan15", "HunyuanVideo15Transformer3DModel",
+        dict(num_attention_heads=16, attention_head_dim=128, num_layers=54, patch_size=1, patch_size_t=1),
+        (121, 480, 848), latent_channels=65, vae_scale=(4, 16), text_len=256, text_dim=3584, joint_text=True,
+        description="HunyuanVideo 1.5 (16 heads x 128, 54 blocks, VAE 4 x 16 x 16), 480P 121 frames"),
     "cogvideox": SyntheticModel(
         "cogvideox", "CogVideoXTransformer3DModel",
         dict(num_attention_heads=48, attention_head_dim=64, in_channels=16, out_channels=16, flip_sin_to_cos=True,
@@ -313,6 +322,14 @@ def make_inputs(setup: SyntheticSetup, device: torch.device, dtype: torch.dtype,
     if m.transformer_cls == "CogVideoXTransformer3DModel":
         inputs["hidden_states"] = inputs["hidden_states"].transpose(1, 2)       # (B, F, C, H, W)
         inputs["image_rotary_emb"] = _cogvideox_rotary_emb(setup, device)
+    if m.transformer_cls == "HunyuanVideo15Transformer3DModel":
+        # as HunyuanVideo15Pipeline passes them for text-to-video: the timestep in the model's dtype, the ByT5
+        # states all masked (no quoted text in the prompt), zero image embeddings (which the forward masks out)
+        inputs.update(timestep=torch.tensor([500.0], device=device, dtype=dtype),
+                      encoder_attention_mask=torch.ones(1, m.text_len, device=device, dtype=torch.bool),
+                      encoder_hidden_states_2=randn(1, 256, 1472),
+                      encoder_attention_mask_2=torch.zeros(1, 256, device=device, dtype=torch.bool),
+                      image_embeds=torch.zeros(1, 729, 1152, device=device, dtype=dtype))
     if m.transformer_cls == "LTXVideoTransformer3DModel":
         inputs.update(_ltx_inputs(setup, inputs["hidden_states"], device))
     return inputs
