@@ -83,6 +83,11 @@ def test_generate_checks_sizes_images_and_uses_the_pipelines_own_defaults():
     with pytest.raises(ValueError, match="--height=72 must be a multiple of 16"):
         _check_size(pipe, {"height": 72, "width": 64})
     _check_size(pipe, {"height": 64, "width": 96})
+    from types import SimpleNamespace                       # LTX-Video: the factor only in its video processor
+    ltx_like = SimpleNamespace(video_processor=SimpleNamespace(config=SimpleNamespace(vae_scale_factor=32)),
+                               transformer=SimpleNamespace(config=SimpleNamespace(patch_size=1)))
+    with pytest.raises(ValueError, match="--width=48 must be a multiple of 32"):
+        _check_size(ltx_like, {"height": 64, "width": 48})
     with pytest.raises(ValueError, match="takes none"):
         _image_input(pipe, "first.png")
     assert _image_input(pipe, None) is None

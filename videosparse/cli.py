@@ -40,7 +40,8 @@ def _steps(text: str) -> int | float:
 def add_method_args(p: argparse.ArgumentParser) -> None:
     """Arguments that describe one attention method (shared by every subcommand that applies one)."""
     p.add_argument("--method", default="veda", choices=["veda", "sol", "dense"], help="attention method")
-    p.add_argument("--density", type=float, default=None, help="fraction of key tiles kept (default 0.1 veda / 0.15 sol)")
+    p.add_argument("--density", type=float, default=None,
+                   help="fraction of key tiles kept (default 0.1 veda / 0.15 sol)")
     p.add_argument("--tau", type=float, default=None, help="sol: threshold in std devs (instead of --density)")
     p.add_argument("--estimator", default=None, help="veda: trained estimator directory or hub id")
     p.add_argument("--tiling", type=_tile, default=None, help="tile shape like 4x4x8, or a tiling JSON path")
@@ -148,7 +149,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     frames, height, width = result.frames.shape[:3]
     if call.get("num_frames") not in (None, frames):
         print(f"note: the pipeline made {frames} frames ({call['num_frames']} asked; its frame counts are stepped)")
-    summary = {"model": loaded.name, "config": config.to_dict(), "call": {k: v for k, v in call.items() if k != "image"},
+    summary = {"model": loaded.name, "config": config.to_dict(),
+               "call": {k: v for k, v in call.items() if k != "image"},
                "image": args.image, "video": path, "frames": frames, "height": height, "width": width,
                "wall_s": result.wall_s, "transformer_s_per_step": per_step, "stats": result.stats}
     from .eval.evaluate import work_fraction
@@ -179,8 +181,11 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _check_size(pipe, call: dict) -> None:
     """ValueError for a height/width the model cannot tile: multiples of the VAE's spatial factor times the
-    transformer's patch (16 for Wan, CogVideoX, HunyuanVideo)."""
+    transformer's patch (16 for Wan, CogVideoX, HunyuanVideo; 32 for LTX-Video). The VAE factor is the
+    pipeline's `vae_scale_factor_spatial`, else its video processor's (every video pipeline builds one with it)."""
     vae = getattr(pipe, "vae_scale_factor_spatial", None)
+    if not isinstance(vae, int):
+        vae = getattr(getattr(getattr(pipe, "video_processor", None), "config", None), "vae_scale_factor", None)
     patch = getattr(getattr(getattr(pipe, "transformer", None), "config", None), "patch_size", None)
     if not isinstance(vae, int) or patch is None:
         return
