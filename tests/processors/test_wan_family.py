@@ -121,3 +121,63 @@ def test_step_from_the_noisiest_timestep(timestep):
     hook = SparseContextHook(SimpleNamespace(scheduler=scheduler), grid_fn=None)
     expected = int((scheduler.timesteps - 800).abs().argmin())
     assert hook._step(CacheContext("cond"), (), {"timestep": timestep}) == (expected, 10)
+
+
+def _tiny_family_pipeline(name: str):
+    """A tiny pipeline of `name` from the tiny Wan pipeline's text encoder, tokenizer and VAE, with a tiny
+    transformer of its own family (built offline, random weights)."""
+    import diffusers
+
+    from videosparse.models.tiny_wan import build_tiny_wan_pipeline
+
+    wan = build_tiny_wan_pipeline()
+    small = dict(SMALL, text_dim=32, in_channels=4, out_channels=4)
+    torch.manual_seed(0)
+    if name == "WanVACEPipeline":
+        # VACE's control input: inactive and reactive video latents (2 x 4) and the 8x8-folded mask (64)
+        transformer = WanVACETransformer3DModel(**small, num_layers=2, vace_layers=[0, 1], vace_in_channels=72)
+    else:
+        transformer = SkyReelsV2Transformer3DModel(**small, num_layers=2)
+    scheduler = wan.scheduler
+    if name.startswith("SkyReels"):                        # its pipelines step a flow-matching UniPC scheduler
+        scheduler = diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                                      flow_shift=8.0)
+    pipe = getattr(diffusers, name)(tokenizer=wan.tokenizer, text_encoder=wan.text_encoder, vae=wan.vae,
+                                    scheduler=scheduler, transformer=transformer.eval())
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("name", ["WanVACEPipeline", "SkyReelsV2Pipeline", "SkyReelsV2DiffusionForcingPipeline"])
+def test_tiny_pipeline_end_to_end(name, monkeypatch):
+    """Each pipeline runs its first step dense and the others sparse (the step from its scheduler), every
+    self-attention layer served, and remove() restores it exactly."""
+    import sys
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    pipe = _tiny_family_pipeline(name)
+    # the prompt cleaning of these pipelines calls ftfy (not a videosparse dependency): an identity stand-in
+    monkeypatch.setattr(sys.modules[type(pipe).__module__], "ftfy", SimpleNamespace(fix_text=lambda t: t),
+                        raising=False)
+    kw = dict(prompt="a red circle moving left", negative_prompt="blue", num_frames=9, height=32, width=96,
+              num_inference_steps=3, output_type="np", max_sequence_length=16)
+    if name == "SkyReelsV2DiffusionForcingPipeline":
+        kw.update(base_num_frames=9)                       # synchronous diffusion forcing: one window, no AR steps
+
+    def run():
+        return pipe(**kw, generator=torch.Generator().manual_seed(0)).frames
+
+    ref = run()
+    handle = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64, dense_steps=1))
+    seen = set()
+    with videosparse.processors.observe(pipe, lambda r: seen.add((r.step, r.grid))):
+        sparse = run()
+    assert seen == {(s, (3, 2, 6)) for s in range(3)}       # 9 x 32 x 96 -> latent 3 x 4 x 12 -> 3 x 2 x 6 tokens
+    layers = handle["transformer"].stats()["layers"]
+    assert len(layers) == (4 if name == "WanVACEPipeline" else 2)
+    assert all(s["dense_calls"] == 2 and s["sparse_calls"] == 4 and s["fallbacks"] == [] for s in layers.values())
+    assert np.isfinite(sparse).all() and not np.array_equal(sparse, ref)
+    videosparse.remove(pipe)
+    assert np.array_equal(run(), ref)
