@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import videosparse
-from videosparse.processors import observe, sessions
+from videosparse.processors import attention_processors, observe, sessions
 
 
 class ProcessorTesterMixin:
@@ -67,12 +67,12 @@ class ProcessorTesterMixin:
         tr = self.make_transformer()
         inputs = self.make_inputs(tr)
         ref = self.run(tr, inputs)
-        before_procs = dict(tr.attn_processors)
+        before_procs = dict(attention_processors(tr))
         before_attrs = set(tr.__dict__)
         videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=self.tiling, block=self.block))
         self.run(tr, inputs)
         videosparse.remove(tr)
-        assert all(tr.attn_processors[k] is v for k, v in before_procs.items())
+        assert all(attention_processors(tr)[k] is v for k, v in before_procs.items())
         assert set(tr.__dict__) == before_attrs          # no hook registry / forward attribute left
         assert torch.equal(self.run(tr, inputs), ref)
         assert sessions(tr) == {}
@@ -80,10 +80,10 @@ class ProcessorTesterMixin:
     def test_double_apply_raises_and_leaves_state(self):
         tr = self.make_transformer()
         videosparse.apply(tr, videosparse.DenseConfig())
-        procs = dict(tr.attn_processors)
+        procs = dict(attention_processors(tr))
         with pytest.raises(ValueError, match="already applied"):
             videosparse.apply(tr, videosparse.VedaConfig())
-        assert all(tr.attn_processors[k] is v for k, v in procs.items())
+        assert all(attention_processors(tr)[k] is v for k, v in procs.items())
 
     def test_dense_steps_and_layers(self):
         tr = self.make_transformer()
@@ -137,7 +137,7 @@ class ProcessorTesterMixin:
         videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=self.tiling, block=self.block))
         session = sessions(tr)["transformer"]
         session.context.grid = (1, 1, 1)               # a grid that cannot match the sequence
-        proc = next(p for p in tr.attn_processors.values() if hasattr(p, "attend"))
+        proc = next(p for p in attention_processors(tr).values() if hasattr(p, "attend"))
         q = torch.randn(1, 10, 2, self.head_dim)
         with caplog.at_level(logging.WARNING, logger="videosparse"):
             out1 = proc.attend(q, q, q)
@@ -155,7 +155,7 @@ class ProcessorTesterMixin:
         grid = (1, 2, 3)
         session.context.grid, session.context.text_len = grid, text
         session.prepare(grid, text, torch.device("cpu"), torch.float32)
-        proc = next(p for p in tr.attn_processors.values() if hasattr(p, "attend"))
+        proc = next(p for p in attention_processors(tr).values() if hasattr(p, "attend"))
         q, k, v = (torch.randn(1, 6 + text, 2, self.head_dim) for _ in range(3))
         with caplog.at_level(logging.WARNING, logger="videosparse"):
             out = proc.attend(q, k, v)
@@ -165,6 +165,28 @@ class ProcessorTesterMixin:
             assert stats["dense_calls"] == 1 and any("fewer tokens" in r.message for r in caplog.records)
         else:
             assert stats["sparse_calls"] == 1
+
+    def test_compiled_matches_eager_without_breaks_in_the_blocks(self):
+        """torch.compile (Dynamo, eager backend) through the model's sparse processors: the same output as eager,
+        and no graph break in videosparse's code but the context hook's, before the blocks (a model's own forward
+        may break: HunyuanVideo 1.5 branches on its image embeddings)."""
+        from torch._dynamo.utils import counters
+
+        tr = self.make_transformer()
+        inputs = self.make_inputs(tr)
+        videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=self.tiling, block=self.block))
+        eager = self.run(tr, inputs, step=2)
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(tr, backend="eager")
+        with torch.no_grad(), tr.cache_context("cond", step_index=2, num_inference_steps=4):
+            out = compiled(**inputs, return_dict=False)[0]
+        torch._dynamo.reset()
+        assert torch.equal(out, eager)
+        assert sessions(tr)["transformer"].stats()["sparse_calls"] == 2 * self.num_layers
+        breaks = counters["graph_break"]
+        ours = [r for r in breaks if "videosparse" in r and "SparseContextHook._update" not in r]
+        assert any("SparseContextHook._update" in r for r in breaks) and not ours, ours
 
     @pytest.mark.gpu
     def test_gpu_bf16_density_one_matches_stock(self):
