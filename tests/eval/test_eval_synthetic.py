@@ -81,6 +81,26 @@ def test_shrunken_hunyuan15_runs_sparse():
     assert 0.5 < row["realised_density"] < 0.95 and 0 < row["output_rel_l2_vs_dense"] < 0.5
 
 
+def test_shrunken_mochi_runs_sparse():
+    """Mochi 1 preview (the class defaults): 12 latent channels, VAE 6 x 8 x 8, no temporal patch, 256 T5 tokens after
+    the video with MochiPipeline's boolean mask; one (context_pre_only) block at a tiny size runs sparse on CPU."""
+    setup = synthetic_setup("mochi")
+    assert setup.latent == (12, 28, 60, 106) and setup.grid == (28, 30, 53)
+    assert setup.tokens == 44_520 and setup.attention_tokens == 44_520 + 256
+    assert (setup.model.heads, setup.model.head_dim, setup.num_layers) == (24, 128, 48)
+    assert 9.5e9 < count_parameters(setup) < 10.5e9
+    small = synthetic_setup("mochi", frames=13, height=128, width=128, layers=1)
+    inputs = make_inputs(small, torch.device("cpu"), torch.float32)
+    assert tuple(inputs["hidden_states"].shape) == (1, 12, 3, 16, 16)
+    assert inputs["encoder_attention_mask"].dtype == torch.bool and inputs["encoder_attention_mask"].all()
+    result = run_synthetic_model("mochi", parse_method_specs(["veda@0.5:block=64:tiling=1x8x8"]), "cpu", torch.float32,
+                                 frames=13, height=128, width=128, layers=1, warmup=0, repeats=1, progress=False)
+    row = result.methods["veda@0.5:block=64:tiling=1x8x8"]
+    assert row["sparse_calls"] == 1 and row["dense_calls"] == 0 and row["fallbacks"] == []
+    # 3 video tiles of 64 and 4 global text tiles: the text tiles are always kept
+    assert 0.5 < row["realised_density"] < 0.95 and 0 < row["output_rel_l2_vs_dense"] < 0.5
+
+
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="frames must be 1 \\+ a multiple of 4"):
         synthetic_setup("wan-1.3b", frames=8)

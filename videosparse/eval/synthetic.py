@@ -19,6 +19,7 @@ hunyuan    HunyuanVideo: 20+40 x 24 x 128    129 x 720 x 1280           33 x 45 
 hunyuan15  HunyuanVideo 1.5: 54 x 16 x 128   121 x 480 x 848            31 x 30 x 53 = 49,290
 cogvideox  CogVideoX-5B: 42 x 48 x 64         49 x 480 x 720             13 x 30 x 45 = 17,550
 ltx        LTX-Video 0.9.x 2B: 28 x 32 x 64   121 x 512 x 768            16 x 16 x 24 = 6,144
+mochi      Mochi 1 preview: 48 x 24 x 128    163 x 480 x 848            28 x 30 x 53 = 44,520
 =========  ================================  =========================  ======================
 
 A model whose transformer class has no videosparse processor is refused with the registry's message.
@@ -142,6 +143,15 @@ SYNTHETIC_MODELS: dict[str, SyntheticModel] = {
         dict(num_attention_heads=32, attention_head_dim=64, num_layers=28, patch_size=1, patch_size_t=1),
         (121, 512, 768), latent_channels=128, vae_scale=(8, 32), text_len=128,
         description="LTX-Video 0.9.x 2B (32 heads x 64, 28 layers, VAE 8 x 32 x 32), 512x768 121 frames"),
+    "mochi": SyntheticModel(
+        # genmo/mochi-1-preview's transformer config is MochiTransformer3DModel's defaults (pooled_projection_dim
+        # 1536, text_embed_dim 4096, in_channels 12, ...); the keys read here are spelled out. No temporal patch:
+        # the token grid is the latent's frames x (H / 2) x (W / 2); the 256 T5 tokens join the video tokens
+        "mochi", "MochiTransformer3DModel",
+        dict(num_attention_heads=24, attention_head_dim=128, num_layers=48, patch_size=2),
+        (163, 480, 848), latent_channels=12, vae_scale=(6, 8), text_len=256, joint_text=True,
+        description="Mochi 1 preview (24 heads x 128, 48 layers, VAE 6 x 8 x 8, text after video), 480x848 "
+                    "163 frames"),
 }
 
 
@@ -332,6 +342,10 @@ def make_inputs(setup: SyntheticSetup, device: torch.device, dtype: torch.dtype,
                       image_embeds=torch.zeros(1, 729, 1152, device=device, dtype=dtype))
     if m.transformer_cls == "LTXVideoTransformer3DModel":
         inputs.update(_ltx_inputs(setup, inputs["hidden_states"], device))
+    if m.transformer_cls == "MochiTransformer3DModel":
+        # as MochiPipeline passes them: the timestep in the latents' dtype and T5's boolean prompt mask
+        inputs.update(timestep=torch.tensor([500.0], device=device, dtype=dtype),
+                      encoder_attention_mask=torch.ones(1, m.text_len, device=device, dtype=torch.bool))
     return inputs
 
 

@@ -119,9 +119,10 @@ class AttentionTimer:
 
     @staticmethod
     def _processors(transformer: torch.nn.Module) -> list:
+        from ..processors import attention_processors
         from ..processors.base import SparseAttentionMixin
 
-        procs = {id(p): p for p in transformer.attn_processors.values() if isinstance(p, SparseAttentionMixin)}
+        procs = {id(p): p for p in attention_processors(transformer).values() if isinstance(p, SparseAttentionMixin)}
         return list(procs.values())
 
     @contextmanager

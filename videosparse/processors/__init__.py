@@ -35,7 +35,7 @@ SESSION_ATTR = "_videosparse_session"
 _SNAPSHOT_ATTR = "_videosparse_snapshot"
 
 __all__ = ["apply", "remove", "make_processors", "observe", "sessions", "register_model", "AttentionRecord",
-           "self_attention_processors"]
+           "self_attention_processors", "attention_processors"]
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -62,7 +62,8 @@ def _transformers(obj) -> dict[str, torch.nn.Module]:
         if name.startswith("transformer") and isinstance(comp, torch.nn.Module)
     }
     if not found:
-        raise ValueError(f"pipeline {type(obj).__name__} has no transformer component (components: {sorted(components)}).")
+        raise ValueError(f"pipeline {type(obj).__name__} has no transformer component "
+                         f"(components: {sorted(components)}).")
     return found
 
 
@@ -88,7 +89,7 @@ def make_processors(transformer: torch.nn.Module, config, *, scheduler=None) -> 
             f"videosparse is already applied to this {type(transformer).__name__} with {active.config!r}; "
             "call videosparse.remove(...) first."
         )
-    originals = dict(transformer.attn_processors)
+    originals = dict(attention_processors(transformer))
     self_attn = self_attention_processors(transformer)
     info = model_info(transformer, spec, len(self_attn))
     beyond = [layer for layer in getattr(config, "dense_layers", ()) if layer >= len(self_attn)]
@@ -110,8 +111,35 @@ def self_attention_processors(transformer: torch.nn.Module) -> list[str]:
     transformer = _unwrap(transformer)
     spec = model_spec(transformer)
     modules = dict(transformer.named_modules())
-    return [n for n in transformer.attn_processors
+    return [n for n in attention_processors(transformer)
             if spec.is_self_attention(n.rsplit(".processor", 1)[0], modules[n.rsplit(".processor", 1)[0]])]
+
+
+def attention_processors(transformer: torch.nn.Module) -> dict[str, Any]:
+    """Every attention processor of `transformer`, by "<module name>.processor", in module order.
+
+    diffusers' `attn_processors` where the model has it; otherwise (Mochi: neither `MochiTransformer3DModel` nor
+    `MochiAttention` has diffusers' processor accessors) the `processor` attribute of every module holding one.
+    """
+    transformer = _unwrap(transformer)
+    if hasattr(transformer, "attn_processors"):
+        return transformer.attn_processors
+    return {f"{name}.processor": module.processor for name, module in transformer.named_modules()
+            if name and "processor" in vars(module)}
+
+
+def _set_attention_processors(transformer: torch.nn.Module, procs: dict[str, Any]) -> None:
+    """Set every processor of `attention_processors(transformer)` from `procs` (same names)."""
+    if hasattr(transformer, "set_attn_processor"):
+        transformer.set_attn_processor(procs)
+        return
+    current = attention_processors(transformer)
+    if set(procs) != set(current):
+        raise ValueError(f"{len(procs)} processors were given for the {len(current)} attention layers of "
+                         f"{type(transformer).__name__}; give one for each of {sorted(current)}.")
+    modules = dict(transformer.named_modules())
+    for name, proc in procs.items():
+        modules[name.rsplit(".processor", 1)[0]].processor = proc
 
 
 def _attach(transformer: torch.nn.Module, session: SparseSession, spec) -> None:
@@ -172,7 +200,7 @@ def apply(pipe_or_transformer, config) -> dict[str, SparseSession]:
         for transformer in transformers.values():
             procs = make_processors(transformer, config, scheduler=scheduler)
             applied.append(transformer)
-            transformer.set_attn_processor(procs)
+            _set_attention_processors(transformer, procs)
     except BaseException:
         for transformer in applied:
             _restore(transformer)
@@ -184,7 +212,7 @@ def _restore(transformer: torch.nn.Module) -> SparseSession | None:
     session = getattr(transformer, SESSION_ATTR, None)
     if session is None:
         return None
-    current = transformer.attn_processors
+    current = attention_processors(transformer)
     for name, original in session.original_processors.items():
         mine = current.get(name)
         if mine is original or mine is None:
@@ -193,7 +221,7 @@ def _restore(transformer: torch.nn.Module) -> SparseSession | None:
         for attr in ("_attention_backend", "_parallel_config"):
             if hasattr(original, attr) and getattr(mine, attr, None) is not getattr(original, attr):
                 setattr(original, attr, getattr(mine, attr, None))
-    transformer.set_attn_processor(dict(session.original_processors))
+    _set_attention_processors(transformer, dict(session.original_processors))
     _detach(transformer)
     return session
 

@@ -240,6 +240,17 @@ def forward_arg(args: tuple, kwargs: dict, name: str, index: int):
     return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
 
 
+def valid_text_length(valid: torch.Tensor | None, total: int) -> tuple[int, str | None]:
+    """(text length for the layout, reason to run stock or None) from the per-item valid lengths [B]."""
+    if valid is None:
+        return total, None
+    lengths = sorted(set(valid.tolist()))
+    if len(lengths) == 1:
+        return lengths[0], None
+    return total, (f"the valid text lengths of encoder_attention_mask differ across the batch ({lengths}); "
+                   "sparse attention needs one length per forward (batch prompts of equal token count)")
+
+
 class SparseContextHook(ModelHook):
     """Records grid, step index and branch of every transformer forward into the session.
 

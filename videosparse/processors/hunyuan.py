@@ -22,7 +22,7 @@ from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideo
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 
 from .base import SparseAttentionMixin, project_heads
-from .context import forward_arg
+from .context import forward_arg, valid_text_length
 
 
 class _HunyuanFamilySparseAttention(SparseAttentionMixin):
@@ -107,7 +107,7 @@ def hunyuan_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str |
     text = forward_arg(args, kwargs, "encoder_hidden_states", 2)
     mask = forward_arg(args, kwargs, "encoder_attention_mask", 3)
     valid = None if mask is None else mask.sum(dim=1, dtype=torch.int)
-    return _video_grid(module, args, kwargs), *_valid_text_length(valid, text.shape[1])
+    return _video_grid(module, args, kwargs), *valid_text_length(valid, text.shape[1])
 
 
 def hunyuan15_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | None]:
@@ -123,7 +123,7 @@ def hunyuan15_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str
     valid = mask.sum(dim=1, dtype=torch.int) + mask_2.sum(dim=1, dtype=torch.int)
     if not bool(torch.all(image == 0)):
         valid = valid + image.shape[1]
-    return _video_grid(module, args, kwargs), *_valid_text_length(valid, total)
+    return _video_grid(module, args, kwargs), *valid_text_length(valid, total)
 
 
 def _video_grid(module, args, kwargs) -> tuple[int, int, int]:
@@ -132,14 +132,3 @@ def _video_grid(module, args, kwargs) -> tuple[int, int, int]:
     _, _, F, H, W = hidden_states.shape
     p, pt = module.config.patch_size, module.config.patch_size_t
     return (F // pt, H // p, W // p)
-
-
-def _valid_text_length(valid: torch.Tensor | None, total: int) -> tuple[int, str | None]:
-    """(text length for the layout, reason to run stock or None) from the per-item valid lengths [B]."""
-    if valid is None:
-        return total, None
-    lengths = sorted(set(valid.tolist()))
-    if len(lengths) == 1:
-        return lengths[0], None
-    return total, (f"the valid text lengths of encoder_attention_mask differ across the batch ({lengths}); "
-                   "sparse attention needs one length per forward (batch prompts of equal token count)")

@@ -42,6 +42,7 @@ def _register_builtin_models() -> None:
         CogVideoXTransformer3DModel,
         HunyuanVideo15Transformer3DModel,
         HunyuanVideoTransformer3DModel,
+        MochiTransformer3DModel,
         SkyReelsV2Transformer3DModel,
         WanTransformer3DModel,
         WanVACETransformer3DModel,
@@ -99,6 +100,15 @@ def _register_builtin_models() -> None:
         return ModelSpec(LTXVideoSparseAttnProcessor, lambda name, m: name.endswith("attn1"), ltx_grid)
 
     register_model(LTXVideoTransformer3DModel, ltx_spec)
+
+    def mochi_spec() -> ModelSpec:
+        from .mochi import MochiSparseAttnProcessor, mochi_grid
+
+        # attn1 of every block: joint [video; text] attention (MochiAttention), text after the video
+        return ModelSpec(MochiSparseAttnProcessor, lambda name, m: name.endswith("attn1"), mochi_grid,
+                         text_position="after")
+
+    register_model(MochiTransformer3DModel, mochi_spec)
 
 
 def model_spec(transformer: torch.nn.Module) -> ModelSpec:

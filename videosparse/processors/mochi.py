@@ -1,0 +1,113 @@
+"""Mochi 1 (`MochiTransformer3DModel`): sparse self-attention processor and model facts.
+
+Every block's `attn1` (`MochiAttention`) is joint attention over [video; text]: the video tokens go through
+`to_q/k/v`, the T5 text tokens through `add_q/k/v_proj` (the text stream has its own width), each with its
+per-head RMSNorm; Mochi's RoPE rotates the video part only. The last block is `context_pre_only` (no
+`to_add_out`: its text output is returned as it leaves the attention). Video tokens are time-major: the
+forward patches each frame spatially (`patch_size` 2, no temporal patch) and flattens (f, h, w), the order
+in which `MochiRoPE` lays out its positions, so the token grid is (F, H / p, W / p) of the latent.
+
+The stock `MochiAttnProcessor2_0` keeps, per batch item, the text tokens that `encoder_attention_mask` marks
+valid, attends over [video; valid text] and gives the other text rows zeros. T5's mask is a prefix mask, so
+`mochi_grid` reports the number of valid text tokens as the text length of the layouts, and the processor
+attends over the video and that prefix (sparse or dense, as `attend` decides) and pads the text rows after it
+with zeros, as the stock processor does. A forward whose mask is not a prefix mask, or whose items have
+different valid lengths, runs the stock processor (one warning per layer). `MochiPipeline` with classifier-free
+guidance batches the negative and the positive prompt in one forward, so it runs sparse only when both have
+the same number of tokens.
+
+`MochiTransformer3DModel` has no `attn_processors` / `set_attn_processor`, so the diffusers-native form
+(`set_attn_processor(videosparse.processors(...))`) does not apply to it; `videosparse.apply` sets the
+`processor` attribute of each `MochiAttention` itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.attention_processor import MochiAttnProcessor2_0
+
+from .base import SparseAttentionMixin, project_heads
+from .context import forward_arg, valid_text_length
+
+
+def apply_mochi_rope(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """Mochi's RoPE on x [B, S, H, D], the rotation of the stock `MochiAttnProcessor2_0` (whose helper is local to
+    its `__call__`): each pair (x[2i], x[2i+1]) is rotated in fp32 by the angle of `freqs_cos/sin` [S, H, D/2]
+    (fp32, from `MochiRoPE`), each rotated half is rounded to x's dtype, and the pairs are interleaved back."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    first, second = pairs[..., 0], pairs[..., 1]
+    rotated = (first * freqs_cos - second * freqs_sin).to(x.dtype), (first * freqs_sin + second * freqs_cos).to(x.dtype)
+    return torch.stack(rotated, dim=-1).flatten(-2)
+
+
+class MochiSparseAttnProcessor(SparseAttentionMixin, MochiAttnProcessor2_0):
+    """`MochiAttnProcessor2_0` whose joint [video; valid text] attention runs through videosparse.
+
+    Projections and qk-norms are diffusers' own modules, the RoPE its math (`apply_mochi_rope`); only the
+    attention call changes. Padded text rows get zeros, as in the stock processor. The forwards that
+    `mochi_grid` marks unsupported (a non-prefix text mask, unequal valid lengths across the batch) run the
+    stock processor.
+    """
+
+    def __init__(self, session, layer: int, original=None) -> None:
+        MochiAttnProcessor2_0.__init__(self)
+        self._init_sparse(session, layer, original)
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb=None):
+        stock = (attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        ctx = self.session.context
+        problem = ctx.unsupported
+        if ctx.grid is None:        # the valid text length is known only from a forward through the hook
+            problem = "no video grid recorded (was the transformer called through its forward?)"
+        if problem is not None:
+            self._record_stock_call(problem)
+            return MochiAttnProcessor2_0.__call__(self, *stock)
+        query, key, value = project_heads(hidden_states, attn.heads, attn.to_q, attn.to_k, attn.to_v,
+                                          attn.norm_q, attn.norm_k)
+        text_query, text_key, text_value = project_heads(encoder_hidden_states, attn.heads, attn.add_q_proj,
+                                                         attn.add_k_proj, attn.add_v_proj, attn.norm_added_q,
+                                                         attn.norm_added_k)
+        if image_rotary_emb is not None:
+            query = apply_mochi_rope(query, *image_rotary_emb)
+            key = apply_mochi_rope(key, *image_rotary_emb)
+
+        # [video; the valid text prefix]; the padded text rows get zeros, as the stock processor gives them
+        video_len, text_len, valid = query.shape[1], text_query.shape[1], ctx.text_len
+        query = torch.cat([query, text_query[:, :valid]], dim=1)
+        key = torch.cat([key, text_key[:, :valid]], dim=1)
+        value = torch.cat([value, text_value[:, :valid]], dim=1)
+        hidden_states = self.attend(query, key, value).flatten(2, 3).to(query.dtype)
+        hidden_states = F.pad(hidden_states, (0, 0, 0, text_len - valid))
+
+        hidden_states, encoder_hidden_states = hidden_states.split_with_sizes((video_len, text_len), dim=1)
+        hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = attn.to_out[1](hidden_states)
+        if hasattr(attn, "to_add_out"):            # absent in the last, context_pre_only block
+            encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+        return hidden_states, encoder_hidden_states
+
+
+def mochi_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | None]:
+    """Video grid after patching, the number of valid text tokens of this forward, and why it must run stock
+    (None when it can run sparse).
+
+    The grid is (F, H // p, W // p) of hidden_states (B, C, F, H, W): Mochi patches only spatially. The valid
+    text length is the count of nonzero `encoder_attention_mask` entries when they are a prefix of every item's
+    text and the count is the same for the whole batch; otherwise the full text length is returned with the
+    reason. Syncs the host once per forward.
+    """
+    hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
+    text = forward_arg(args, kwargs, "encoder_hidden_states", 1)
+    mask = forward_arg(args, kwargs, "encoder_attention_mask", 3)
+    _, _, frames, height, width = hidden_states.shape
+    p = module.config.patch_size
+    grid, total = (frames, height // p, width // p), text.shape[1]
+    if mask is None:
+        return grid, total, None
+    keep = mask != 0
+    valid = keep.sum(dim=1, dtype=torch.int)
+    if not torch.equal(keep, torch.arange(total, device=keep.device) < valid[:, None]):
+        return grid, total, ("encoder_attention_mask is not a prefix mask (valid text tokens first, then padding); "
+                             "sparse attention needs the valid tokens as one prefix")
+    return grid, *valid_text_length(valid, total)
