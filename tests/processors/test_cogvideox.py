@@ -90,7 +90,8 @@ def test_sol_runs_and_no_rope_variant_matches_stock():
 
 
 def test_synthetic_cogvideox_shrunken_runs_sparse():
-    """`--synthetic cogvideox` (CogVideoX-5B architecture) feeds the transformer the pipeline's inputs; one layer on CPU."""
+    """`--synthetic cogvideox` (CogVideoX-5B architecture) feeds the transformer the pipeline's inputs; one layer
+    on CPU."""
     from videosparse.eval.spec import parse_method_specs
     from videosparse.eval.synthetic import run_synthetic_model, synthetic_setup
 

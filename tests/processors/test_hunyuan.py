@@ -90,33 +90,38 @@ def test_padded_rows_get_stock_attention():
     session = sessions(tr)["transformer"]
     t.run(tr, t.make_inputs(tr, valid=(5,)))            # records grid (3, 7, 18) and 5 valid text tokens
     assert session.context.text_len == 5
-    proc = next(p for p in tr.attn_processors.values() if hasattr(p, "attend_valid_prefix"))
+    proc = next(p for p in tr.attn_processors.values() if hasattr(p, "attend_text_prefix"))
     S, valid = 378 + TEXT, 378 + 5
     q, k, v = (torch.randn(1, S, 2, 64) for _ in range(3))
     mask = (torch.arange(S) < valid)[None, None, None, :]
     ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                            attn_mask=mask).transpose(1, 2)
-    out = proc.attend_valid_prefix(q, k, v, valid, mask)
+    out = proc.attend_text_prefix(q, k, v, TEXT, mask)
     assert (out[:, valid:] - ref[:, valid:]).abs().max() <= 1e-5
     assert not torch.allclose(out[:, :valid], ref[:, :valid], atol=1e-3)   # the prefix really ran sparse
 
 
-def test_different_valid_lengths_fall_back_dense_with_warning(caplog):
+def test_different_valid_lengths_are_served_item_by_item(caplog):
+    """A batch whose prompts have different valid lengths (e.g. prompt and negative prompt batched for guidance):
+    each item runs sparse with the layout of its own length, exactly as if it ran alone; at density 1 the
+    output equals stock."""
     t, tr = _tiny()
     inputs = t.make_inputs(tr, valid=(8, 5))
     ref = t.run(tr, inputs)
+    videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=t.tiling, block=t.block))
+    assert (t.run(tr, inputs) - ref).abs().max() <= 1e-5
+    videosparse.remove(tr)
     videosparse.apply(tr, videosparse.VedaConfig(density=0.5, tiling=t.tiling, block=t.block))
+    text_lens = []
     with caplog.at_level(logging.WARNING, logger="videosparse"):
-        out = t.run(tr, inputs)
-        t.run(tr, inputs)
-    assert torch.equal(out, ref)
+        with videosparse.processors.observe(tr, lambda r: text_lens.append(r.text_len)):
+            out = t.run(tr, inputs)
+    assert sorted(set(text_lens)) == [5, 8] and not [r for r in caplog.records if "runs dense" in r.message]
     s = sessions(tr)["transformer"].stats()
-    assert s["sparse_calls"] == 0 and s["dense_calls"] == 4
-    msgs = [r.message for r in caplog.records if "runs dense" in r.message]
-    assert len(msgs) == 2 and all("valid text lengths" in m and "[5, 8]" in m for m in msgs)   # once per layer
-    # the next forward with one valid length runs sparse again
-    t.run(tr, t.make_inputs(tr, valid=(6, 6)))
-    assert sessions(tr)["transformer"].stats()["sparse_calls"] == 2
+    assert s["sparse_calls"] == 2 * 2 and s["dense_calls"] == 0       # 2 layers x 2 items
+    for b in range(2):
+        alone = t.run(tr, {k: (v[b:b + 1] if torch.is_tensor(v) else v) for k, v in inputs.items()})
+        assert (out[b:b + 1] - alone).abs().max() <= 1e-5
 
 
 def test_sol_and_token_replace_variant():

@@ -75,13 +75,13 @@ def test_valid_text_length_counts_the_reordered_valid_tokens(image):
     assert sessions(tr)["transformer"].stats()["sparse_calls"] == t.num_layers
 
 
-def test_unequal_valid_lengths_across_the_batch_run_stock():
+def test_unequal_valid_lengths_across_the_batch_are_served_item_by_item():
     t = TestHunyuanVideo15Processors()
     tr = t.make_transformer()
     inputs = t.make_inputs(tr, valid=(6, 5), valid_2=(3, 3))
     ref = t.run(tr, inputs)
-    videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=t.tiling, block=t.block))
+    videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=t.tiling, block=t.block))
     out = t.run(tr, inputs)
-    assert (out - ref).abs().max() <= 1e-6
+    assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
     stats = sessions(tr)["transformer"].stats()
-    assert stats["sparse_calls"] == 0 and stats["dense_calls"] == t.num_layers
+    assert stats["sparse_calls"] == 2 * t.num_layers and stats["dense_calls"] == 0     # one call per item

@@ -63,7 +63,7 @@ class SparseAttentionMixin:
             stats.fallbacks.add(reason)
             logger.warning("videosparse: layer %d runs dense attention: %s", self.layer, reason)
 
-    def _dense_reason(self, q: torch.Tensor, attention_mask) -> str | None:
+    def _dense_reason(self, q: torch.Tensor, attention_mask, text_len) -> str | None:
         """Why this call must run dense (None = sparse). Warnings only for unsupported inputs."""
         session = self.session
         if session.method is None:
@@ -82,10 +82,13 @@ class SparseAttentionMixin:
             unsupported = "an attention mask was given"
         elif getattr(self, "_parallel_config", None) is not None:
             unsupported = "context parallelism splits the sequence"
-        elif q.shape[1] != ctx.grid[0] * ctx.grid[1] * ctx.grid[2] + ctx.text_len:
-            unsupported = f"sequence length {q.shape[1]} does not match grid {ctx.grid} + {ctx.text_len} text tokens"
-        elif self.slot.layout is not None and self.slot.layout.num_video_tiles == 0:
-            layout = self.slot.layout
+        elif isinstance(text_len, tuple):
+            unsupported = (f"the batch items have different valid text lengths {text_len}; this processor serves one "
+                           "length per call")
+        elif q.shape[1] != ctx.grid[0] * ctx.grid[1] * ctx.grid[2] + text_len:
+            unsupported = f"sequence length {q.shape[1]} does not match grid {ctx.grid} + {text_len} text tokens"
+        elif text_len in self.slot.layouts and self.slot.layouts[text_len].num_video_tiles == 0:
+            layout = self.slot.layouts[text_len]
             unsupported = (f"the video has fewer tokens ({layout.num_video_tokens}) than one tile ({layout.block}); "
                            "there is nothing to skip")
         elif session.kernel_problem is not None:
@@ -104,20 +107,22 @@ class SparseAttentionMixin:
         )
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask=None,
-               rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               rope: tuple[torch.Tensor, torch.Tensor] | None = None, text_len: int | None = None) -> torch.Tensor:
         """Self-attention of q, k, v [B, S, H, D] (diffusers order) -> [B, S, H, D].
 
         rope: Wan's rotary tables (freqs_cos, freqs_sin), still to be applied to q and k
         (`apply_interleaved_rope`); the sparse path fuses the rotation into the tile-order gather.
+        text_len: the text tokens in q, k, v (default: the forward's, `context.text_len`).
         """
         session = self.session
-        reason = self._dense_reason(q, attention_mask)
+        text_len = session.context.text_len if text_len is None else text_len
+        reason = self._dense_reason(q, attention_mask, text_len)
         if rope is not None and (session.observers or reason is not None):
             q, k = apply_interleaved_rope(q, *rope), apply_interleaved_rope(k, *rope)
             rope = None
         if session.observers:
             ctx = session.context
-            record = AttentionRecord(self.layer, q, k, v, ctx.grid, ctx.text_len, session.info.text_position,
+            record = AttentionRecord(self.layer, q, k, v, ctx.grid, text_len, session.info.text_position,
                                      ctx.step, ctx.branch)
             for observer in session.observers:
                 observer(record)
@@ -126,7 +131,7 @@ class SparseAttentionMixin:
             stats.record_dense()
             return self._dense(q, k, v, attention_mask)
 
-        layout = self.slot.layout
+        layout = self.slot.layouts[text_len]
         qt, kt, vt = layout.gather(q, rope), layout.gather(k, rope), layout.gather(v)
         plan = session.method.plan(qt, kt, vt, layout, self.layer, self.slot.method_state)
         out = block_sparse_attention(qt, kt, vt, plan, backend=session.config.backend, validate=False)
@@ -140,21 +145,33 @@ class SparseAttentionMixin:
             self._warn_once(reason)
         self._stats().record_dense()
 
-    def attend_valid_prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: int,
-                            attention_mask=None) -> torch.Tensor:
-        """Self-attention under a key-padding mask that keeps the first `valid` tokens: [B, S, H, D] -> same.
+    def attend_text_prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text_tokens: int,
+                           attention_mask=None, padded_rows: str = "attend") -> torch.Tensor:
+        """Joint [video; text] self-attention whose text keys are valid only up to each item's valid length (a
+        key-padding prefix mask): [B, S, H, D] -> same, for models whose padded text tokens come last
+        (HunyuanVideo, Mochi). The last `text_tokens` of the sequence are text.
 
-        For joint-attention models whose padded text tokens sit at the end of the sequence
-        (HunyuanVideo): rows [:valid] go through `attend` over the valid prefix alone (sparse or dense,
-        as it decides; the grid's `text_len` counts the valid text tokens only), rows [valid:] attend
-        densely to the valid keys, which is what the stock masked call gives them. `valid >= S` means
-        nothing is padded and `attend` runs on the whole sequence without the (all-true) mask. Under
-        context parallelism the sequence is split across ranks, so the stock masked call runs instead.
+        The valid prefix of each item (video and its `context.text_len` valid text tokens) goes through
+        `attend` (sparse or dense, as it decides), one call for the batch when the items agree, else one per item
+        with its own layout. The padded text rows either attend densely to the valid keys ("attend", what
+        HunyuanVideo's masked call gives them) or are zeros ("zero", Mochi's). Under context parallelism the
+        sequence is split across ranks, so the stock masked call runs instead.
         """
         if getattr(self, "_parallel_config", None) is not None:
             return self.attend(q, k, v, attention_mask)     # dense, with the stock mask
+        lengths = self.session.context.text_len
+        if isinstance(lengths, tuple):
+            return torch.cat([self._attend_valid(q[b:b + 1], k[b:b + 1], v[b:b + 1], text_tokens, n, padded_rows)
+                              for b, n in enumerate(lengths)])
+        return self._attend_valid(q, k, v, text_tokens, lengths, padded_rows)
+
+    def _attend_valid(self, q, k, v, text_tokens: int, text_len: int, padded_rows: str) -> torch.Tensor:
+        valid = q.shape[1] - text_tokens + text_len
         if valid >= q.shape[1]:
-            return self.attend(q, k, v, None)
-        head = self.attend(q[:, :valid], k[:, :valid], v[:, :valid], None)
-        tail = self._dense(q[:, valid:], k[:, :valid], v[:, :valid], None)
+            return self.attend(q, k, v, None, text_len=text_len)
+        head = self.attend(q[:, :valid], k[:, :valid], v[:, :valid], None, text_len=text_len)
+        if padded_rows == "zero":
+            tail = q.new_zeros(q.shape[0], q.shape[1] - valid, *head.shape[2:])
+        else:
+            tail = self._dense(q[:, valid:], k[:, :valid], v[:, :valid], None)
         return torch.cat([head, tail], dim=1)

@@ -74,14 +74,15 @@ class LayerSlot:
 
     Attributes:
         stats: the layer's `LayerStats`.
-        layout: its `HeadTiling` for the current grid (None before the first forward or for dense configs).
+        layouts: its `HeadTiling` for the current grid, by valid text length (one entry unless the batch items
+            of the forward have different valid text lengths; empty before the first forward or for dense configs).
         dense: the config runs this layer dense (`dense_layers`).
         method_state: the method's state dict for this layer (`SparseMethod.layer_state`), handed to `plan`.
     """
 
     def __init__(self, dense: bool = False, method_state: dict | None = None) -> None:
         self.stats = LayerStats()
-        self.layout: HeadTiling | None = None
+        self.layouts: dict[int, HeadTiling] = {}
         self.dense = dense
         self.method_state = {} if method_state is None else method_state
 
@@ -91,7 +92,7 @@ class CallContext:
     """Where the current transformer forward is: grid, text tokens, step and branch."""
 
     grid: tuple[int, int, int] | None = None
-    text_len: int = 0
+    text_len: int | tuple[int, ...] = 0   # valid text tokens; per batch item when they differ across the batch
     step: int | None = None
     num_steps: int | None = None
     branch: str = "default"
@@ -103,8 +104,8 @@ class CallContext:
 class AttentionRecord:
     """What an observer receives for one self-attention call (post-RoPE, before attention).
 
-    q, k, v: [B, S, H, D] in diffusers' token order; grid (T, H, W); text_len and text_position
-    describe joint-attention text tokens.
+    q, k, v: [B, S, H, D] in diffusers' token order; grid (T, H, W); text_len (the valid text tokens of this
+    call, which come with the video in q, k, v) and text_position describe joint-attention text tokens.
     """
 
     layer: int
@@ -155,9 +156,11 @@ class SparseSession:
     def layer_stats(self) -> dict[int, LayerStats]:
         return {i: slot.stats for i, slot in enumerate(self.slots)}
 
-    def prepare(self, grid: tuple[int, int, int], text_len: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Build every layer's tile layout (index tensors on `device`) and check the kernel, once per shape.
+    def prepare(self, grid: tuple[int, int, int], text_len: int | tuple[int, ...], device: torch.device,
+                dtype: torch.dtype) -> None:
+        """Build every layer's tile layouts (index tensors on `device`) and check the kernel, once per shape.
 
+        text_len: the valid text tokens, or one count per batch item (a layout for each distinct count).
         Runs eagerly from the context hook, outside any compiled graph.
         """
         key = (grid, text_len, str(device), dtype)
@@ -171,12 +174,16 @@ class SparseSession:
         self._prepared_for = key
         if method is None:
             return
+        lengths = sorted(set(text_len)) if isinstance(text_len, tuple) else [text_len]
         for layer in range(info.num_layers):
             tiles = method.tile_shapes(layer, info.num_heads)
-            layout = head_tiling(grid, tiles, info.num_heads, method.block, text_len, info.text_position or "after")
-            layout.warm(device)
-            self.slot(layer).layout = layout
-            method.on_layout(layer, layout)
+            slot = self.slot(layer)
+            slot.layouts = {}
+            for length in lengths:
+                layout = head_tiling(grid, tiles, info.num_heads, method.block, length, info.text_position or "after")
+                layout.warm(device)
+                slot.layouts[length] = layout
+                method.on_layout(layer, layout)
         method.prepare(device)
         probe = probe_kernel(self.config.backend, device, dtype, info.num_heads, info.head_dim, method.block,
                              getattr(self.config, "correction", False))
@@ -240,15 +247,15 @@ def forward_arg(args: tuple, kwargs: dict, name: str, index: int):
     return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
 
 
-def valid_text_length(valid: torch.Tensor | None, total: int) -> tuple[int, str | None]:
-    """(text length for the layout, reason to run stock or None) from the per-item valid lengths [B]."""
+def valid_text_length(valid: torch.Tensor | None, total: int) -> int | tuple[int, ...]:
+    """The valid text tokens of a forward from the per-item valid lengths [B] (int64/int32; None = all `total`):
+    one int when the batch agrees, else one count per item (e.g. a prompt and a shorter negative prompt
+    batched for classifier-free guidance; `SparseAttentionMixin.attend_text_prefix` serves each item with its
+    own layout). Syncs the host once."""
     if valid is None:
-        return total, None
-    lengths = sorted(set(valid.tolist()))
-    if len(lengths) == 1:
-        return lengths[0], None
-    return total, (f"the valid text lengths of encoder_attention_mask differ across the batch ({lengths}); "
-                   "sparse attention needs one length per forward (batch prompts of equal token count)")
+        return total
+    lengths = tuple(int(n) for n in valid.tolist())
+    return lengths[0] if len(set(lengths)) == 1 else lengths
 
 
 class SparseContextHook(ModelHook):

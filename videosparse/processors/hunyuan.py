@@ -11,7 +11,8 @@ diffusers masks keys with a prefix mask: the video and the first `L_valid` text 
 functions compute `L_valid` once per forward and report it as the text length, so the layouts cover the
 valid prefix; the processor runs sparse attention over that prefix and gives the padded text rows dense
 attention over the valid keys (their outputs never reach a valid token). A batch whose items have
-different `L_valid` runs the stock processor (one warning per layer).
+different `L_valid` (a prompt and a negative prompt batched for guidance) is served item by item, each
+with the layout of its own length.
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ class _HunyuanFamilySparseAttention(SparseAttentionMixin):
     """The shared `__call__`: joint [video; text] self-attention through videosparse.
 
     Projections, qk-norm and RoPE are diffusers' own; only the attention call changes. Calls without
-    text (the token refiner's layout) and forwards whose text masks differ across the batch go to the
-    stock processor untouched.
+    text (the token refiner's layout) go to the stock processor untouched.
     """
 
     _stock: type                       # the model's stock processor class (the second base)
@@ -70,9 +70,8 @@ class _HunyuanFamilySparseAttention(SparseAttentionMixin):
             key = torch.cat([key, enc_key], dim=1)
             value = torch.cat([value, enc_value], dim=1)
 
-        # valid prefix: the video and the first ctx.text_len text tokens (padded text tokens come last)
-        valid = query.shape[1] - text_len + self.session.context.text_len
-        hidden_states = self.attend_valid_prefix(query, key, value, valid, attention_mask)
+        # valid prefix: the video and each item's first ctx.text_len text tokens (padded text tokens come last)
+        hidden_states = self.attend_text_prefix(query, key, value, text_len, attention_mask)
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
 
         hidden_states, encoder_hidden_states = hidden_states[:, :-text_len], hidden_states[:, -text_len:]
@@ -96,21 +95,20 @@ class HunyuanVideo15SparseAttnProcessor(_HunyuanFamilySparseAttention, HunyuanVi
     _stock = HunyuanVideo15AttnProcessor2_0
 
 
-def hunyuan_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | None]:
-    """Video grid after patching, the number of valid text tokens of this forward, and why it must run
-    stock (None when it can run sparse).
+def hunyuan_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | tuple[int, ...]]:
+    """Video grid after patching and the number of valid text tokens of this forward (one per batch item when
+    they differ, `valid_text_length`).
 
     The valid text length is `encoder_attention_mask.sum(1)` (diffusers' own definition of the valid
-    prefix); it syncs the host once per forward. When it differs across the batch, the full text
-    length is returned with the reason, and the forward runs the stock processor.
+    prefix); it syncs the host once per forward.
     """
     text = forward_arg(args, kwargs, "encoder_hidden_states", 2)
     mask = forward_arg(args, kwargs, "encoder_attention_mask", 3)
     valid = None if mask is None else mask.sum(dim=1, dtype=torch.int)
-    return _video_grid(module, args, kwargs), *valid_text_length(valid, text.shape[1])
+    return _video_grid(module, args, kwargs), valid_text_length(valid, text.shape[1])
 
 
-def hunyuan15_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | None]:
+def hunyuan15_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | tuple[int, ...]]:
     """As `hunyuan_grid`, for HunyuanVideo 1.5, whose text is [image; ByT5; Qwen] tokens reordered valid-first:
     the valid length is the sum of the Qwen and ByT5 masks, plus the image tokens unless `image_embeds` is all
     zeros (text-to-video, where the forward masks them out)."""
@@ -123,7 +121,7 @@ def hunyuan15_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str
     valid = mask.sum(dim=1, dtype=torch.int) + mask_2.sum(dim=1, dtype=torch.int)
     if not bool(torch.all(image == 0)):
         valid = valid + image.shape[1]
-    return _video_grid(module, args, kwargs), *valid_text_length(valid, total)
+    return _video_grid(module, args, kwargs), valid_text_length(valid, total)
 
 
 def _video_grid(module, args, kwargs) -> tuple[int, int, int]:

@@ -11,10 +11,9 @@ The stock `MochiAttnProcessor2_0` keeps, per batch item, the text tokens that `e
 valid, attends over [video; valid text] and gives the other text rows zeros. T5's mask is a prefix mask, so
 `mochi_grid` reports the number of valid text tokens as the text length of the layouts, and the processor
 attends over the video and that prefix (sparse or dense, as `attend` decides) and pads the text rows after it
-with zeros, as the stock processor does. A forward whose mask is not a prefix mask, or whose items have
-different valid lengths, runs the stock processor (one warning per layer). `MochiPipeline` with classifier-free
-guidance batches the negative and the positive prompt in one forward, so it runs sparse only when both have
-the same number of tokens.
+with zeros, as the stock processor does. A forward whose mask is not a prefix mask runs the stock processor
+(one warning per layer). `MochiPipeline` with classifier-free guidance batches the negative and the positive
+prompt in one forward; when their valid lengths differ, each item is served with the layout of its own length.
 
 `MochiTransformer3DModel` has no `attn_processors` / `set_attn_processor`, so the diffusers-native form
 (`set_attn_processor(videosparse.processors(...))`) does not apply to it; `videosparse.apply` sets the
@@ -24,7 +23,6 @@ the same number of tokens.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from diffusers.models.attention_processor import MochiAttnProcessor2_0
 
 from .base import SparseAttentionMixin, project_heads
@@ -46,8 +44,7 @@ class MochiSparseAttnProcessor(SparseAttentionMixin, MochiAttnProcessor2_0):
 
     Projections and qk-norms are diffusers' own modules, the RoPE its math (`apply_mochi_rope`); only the
     attention call changes. Padded text rows get zeros, as in the stock processor. The forwards that
-    `mochi_grid` marks unsupported (a non-prefix text mask, unequal valid lengths across the batch) run the
-    stock processor.
+    `mochi_grid` marks unsupported (a non-prefix text mask) run the stock processor.
     """
 
     def __init__(self, session, layer: int, original=None) -> None:
@@ -72,13 +69,13 @@ class MochiSparseAttnProcessor(SparseAttentionMixin, MochiAttnProcessor2_0):
             query = apply_mochi_rope(query, *image_rotary_emb)
             key = apply_mochi_rope(key, *image_rotary_emb)
 
-        # [video; the valid text prefix]; the padded text rows get zeros, as the stock processor gives them
-        video_len, text_len, valid = query.shape[1], text_query.shape[1], ctx.text_len
-        query = torch.cat([query, text_query[:, :valid]], dim=1)
-        key = torch.cat([key, text_key[:, :valid]], dim=1)
-        value = torch.cat([value, text_value[:, :valid]], dim=1)
-        hidden_states = self.attend(query, key, value).flatten(2, 3).to(query.dtype)
-        hidden_states = F.pad(hidden_states, (0, 0, 0, text_len - valid))
+        # [video; each item's valid text prefix]; the padded text rows get zeros, as the stock processor gives them
+        video_len, text_len = query.shape[1], text_query.shape[1]
+        query = torch.cat([query, text_query], dim=1)
+        key = torch.cat([key, text_key], dim=1)
+        value = torch.cat([value, text_value], dim=1)
+        hidden_states = self.attend_text_prefix(query, key, value, text_len, padded_rows="zero")
+        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
 
         hidden_states, encoder_hidden_states = hidden_states.split_with_sizes((video_len, text_len), dim=1)
         hidden_states = attn.to_out[0](hidden_states)
@@ -93,8 +90,8 @@ def mochi_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | N
     (None when it can run sparse).
 
     The grid is (F, H // p, W // p) of hidden_states (B, C, F, H, W): Mochi patches only spatially. The valid
-    text length is the count of nonzero `encoder_attention_mask` entries when they are a prefix of every item's
-    text and the count is the same for the whole batch; otherwise the full text length is returned with the
+    text length is the count of nonzero `encoder_attention_mask` entries (one per item when the batch
+    differs) when they are a prefix of every item's text; otherwise the full text length is returned with the
     reason. Syncs the host once per forward.
     """
     hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
@@ -110,4 +107,4 @@ def mochi_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | N
     if not torch.equal(keep, torch.arange(total, device=keep.device) < valid[:, None]):
         return grid, total, ("encoder_attention_mask is not a prefix mask (valid text tokens first, then padding); "
                              "sparse attention needs the valid tokens as one prefix")
-    return grid, *valid_text_length(valid, total)
+    return grid, valid_text_length(valid, total), None
