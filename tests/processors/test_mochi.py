@@ -200,3 +200,42 @@ def test_empty_text_and_sol():
     videosparse.apply(tr, videosparse.SolConfig(density=0.5, block=t.block))
     out = t.run(tr, t.make_inputs(tr, valid=(5,)))
     assert torch.isfinite(out).all() and sessions(tr)["transformer"].stats()["sparse_calls"] == 2
+
+
+def test_tiny_pipeline_guidance_batch_runs_sparse_item_by_item():
+    """MochiPipeline batches the negative and the positive prompt (different token counts) in one forward per
+    step: after its dense first step every layer runs sparse, once per item, with no fallback; remove() restores
+    it exactly. Latent output (the VAE is not what is tested)."""
+    from diffusers import AutoencoderKLMochi, FlowMatchEulerDiscreteScheduler, MochiPipeline
+    from transformers import T5Config, T5EncoderModel
+
+    from videosparse.models.tiny_wan import TINY_VOCAB, build_tiny_tokenizer
+
+    torch.manual_seed(0)
+    text_encoder = T5EncoderModel(T5Config(
+        vocab_size=len(TINY_VOCAB), d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+        relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)).eval()
+    vae = AutoencoderKLMochi(latent_channels=4, encoder_block_out_channels=(32,) * 4,
+                             decoder_block_out_channels=(32,) * 4, layers_per_block=(1,) * 5,
+                             add_attention_block=(False,) * 5).eval()
+    pipe = MochiPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder,
+                         tokenizer=build_tiny_tokenizer(), transformer=TestMochiProcessors().make_transformer())
+    pipe.set_progress_bar_config(disable=True)
+    kw = dict(prompt="a red circle moving left", negative_prompt="blue", num_frames=13, height=64, width=256,
+              num_inference_steps=3, output_type="latent", max_sequence_length=TEXT)
+
+    def run():
+        return pipe(**kw, generator=torch.Generator().manual_seed(0)).frames
+
+    ref = run()
+    handle = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64, dense_steps=1))
+    seen = set()
+    with videosparse.processors.observe(pipe, lambda r: seen.add((r.step, r.grid, r.text_len))):
+        sparse = run()
+    assert {(s, g) for s, g, _ in seen} == {(s, (3, 4, 16)) for s in range(3)}   # 13 x 64 x 256 -> 3 x 4 x 16
+    assert len({n for _, _, n in seen}) == 2                  # the two prompts' valid lengths, each its own layout
+    layers = handle["transformer"].stats()["layers"]
+    assert all(s["dense_calls"] == 2 and s["sparse_calls"] == 4 and s["fallbacks"] == [] for s in layers.values())
+    assert torch.isfinite(sparse).all() and not torch.equal(sparse, ref)
+    videosparse.remove(pipe)
+    assert torch.equal(run(), ref)
