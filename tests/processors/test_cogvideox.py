@@ -14,10 +14,6 @@ TEXT = 8
 class TestCogVideoXProcessors(ProcessorTesterMixin):
     """CogVideoX 1.0 (5B-like: RoPE, no temporal patch); text before the video."""
 
-    num_layers = 2
-    head_dim = 64
-    tiling = (1, 4, 16)
-    block = 64
     patch_size_t = None
     frames = 3
 

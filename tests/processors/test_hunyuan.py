@@ -14,9 +14,6 @@ TEXT = 8
 
 class TestHunyuanProcessors(ProcessorTesterMixin):
     num_layers = 2          # one dual-stream + one single-stream block
-    head_dim = 64
-    tiling = (1, 4, 16)
-    block = 64
 
     def make_transformer(self):
         torch.manual_seed(0)

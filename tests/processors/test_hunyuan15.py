@@ -15,10 +15,6 @@ TEXT, TEXT_2, IMAGE = 8, 4, 3
 
 
 class TestHunyuanVideo15Processors(ProcessorTesterMixin):
-    num_layers = 2
-    head_dim = 64
-    tiling = (1, 4, 16)
-    block = 64
 
     def make_transformer(self):
         torch.manual_seed(0)

@@ -27,10 +27,6 @@ def _video_coords(grid, batch=1, frame_index=0):
 class TestLTXProcessors(ProcessorTesterMixin):
     """LTX-Video (0.9.x 2B-like: patch 1, across-heads RMSNorm, RoPE over the flattened heads); video-only attn1."""
 
-    num_layers = 2
-    head_dim = 64
-    tiling = (1, 4, 16)
-    block = 64
 
     def make_transformer(self):
         torch.manual_seed(0)

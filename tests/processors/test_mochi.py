@@ -20,9 +20,6 @@ TEXT = 8
 
 class TestMochiProcessors(ProcessorTesterMixin):
     num_layers = 2          # the second block is context_pre_only (no to_add_out)
-    head_dim = 64
-    tiling = (1, 4, 16)
-    block = 64
 
     def make_transformer(self):
         torch.manual_seed(0)

@@ -28,9 +28,6 @@ class TestWanVACEProcessors(ProcessorTesterMixin):
     """Wan VACE: 2 main blocks and 2 VACE blocks, each with a self-attention over the same grid."""
 
     num_layers = 4                     # self-attention layers: blocks.0-1 and vace_blocks.0-1
-    head_dim = 64
-    tiling = (1, 4, 16)
-    block = 64
 
     def make_transformer(self):
         torch.manual_seed(0)
@@ -43,10 +40,6 @@ class TestWanVACEProcessors(ProcessorTesterMixin):
 
 
 class TestSkyReelsV2Processors(ProcessorTesterMixin):
-    num_layers = 2
-    head_dim = 64
-    tiling = (1, 4, 16)
-    block = 64
 
     def make_transformer(self):
         torch.manual_seed(0)

@@ -9,10 +9,6 @@ from tester import ProcessorTesterMixin
 
 
 class TestWanProcessors(ProcessorTesterMixin):
-    num_layers = 2
-    head_dim = 64
-    tiling = (1, 4, 16)
-    block = 64
 
     def make_transformer(self):
         torch.manual_seed(0)

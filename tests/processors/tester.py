@@ -12,7 +12,13 @@ from videosparse.processors import attention_processors, observe, sessions
 
 
 class ProcessorTesterMixin:
-    """Subclasses define `make_transformer()` and `make_inputs(transformer) -> kwargs` (fp32, CPU)."""
+    """Subclasses define `make_transformer()` and `make_inputs(transformer) -> kwargs` (fp32, CPU), and override
+    the class attributes below where their tiny model differs."""
+
+    num_layers = 2              # self-attention layers of the tiny model
+    head_dim = 64
+    tiling = (1, 4, 16)         # 64-token tiles: several tiles, and a partial last one, on small grids
+    block = 64
 
     def make_transformer(self) -> torch.nn.Module:
         raise NotImplementedError
