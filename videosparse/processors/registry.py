@@ -42,6 +42,7 @@ def _register_builtin_models() -> None:
         CogVideoXTransformer3DModel,
         HunyuanVideo15Transformer3DModel,
         HunyuanVideoTransformer3DModel,
+        LTXVideoTransformer3DModel,
         MochiTransformer3DModel,
         SkyReelsV2Transformer3DModel,
         WanTransformer3DModel,
@@ -90,8 +91,6 @@ def _register_builtin_models() -> None:
                          text_position="before")
 
     register_model(CogVideoXTransformer3DModel, cogvideox_spec)
-
-    from diffusers import LTXVideoTransformer3DModel
 
     def ltx_spec() -> ModelSpec:
         from .ltx import LTXVideoSparseAttnProcessor, ltx_grid
