@@ -81,3 +81,58 @@ def test_unequal_valid_lengths_across_the_batch_are_served_item_by_item():
     assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
     stats = sessions(tr)["transformer"].stats()
     assert stats["sparse_calls"] == 2 * t.num_layers and stats["dense_calls"] == 0     # one call per item
+
+
+@pytest.mark.parametrize("config", [videosparse.DenseConfig(), videosparse.VedaConfig(density=1.0, tiling=(1, 4, 16),
+                                                                                        block=64)])
+def test_padded_text_rows_are_zero_as_in_stock(config):
+    """HunyuanVideo 1.5 masks queries as well as keys (its mask is rows & columns of the valid prefix): the stock
+    processor gives the padded text rows zeros. One block's attention alone, valid and padded, the sparse processor
+    gives what stock gives (so no dense attention is spent on the padded rows), per item with unequal lengths too."""
+    t = TestHunyuanVideo15Processors()
+    tr = t.make_transformer()
+    inputs = t.make_inputs(tr, valid=(6, 2), valid_2=(3, 1))
+    videosparse.apply(tr, config)
+    t.run(tr, inputs)                                          # records the grid and the valid lengths (9, 3)
+    assert sessions(tr)["transformer"].context.text_len == (9, 3)
+    attn = tr.transformer_blocks[0].attn
+    g = torch.Generator().manual_seed(2)
+    video = torch.randn(2, 378, 128, generator=g)
+    text = torch.randn(2, TEXT + TEXT_2 + IMAGE, 128, generator=g)
+    mask = torch.arange(TEXT + TEXT_2 + IMAGE)[None, :] < torch.tensor([9, 3])[:, None]
+    with torch.no_grad():
+        rope = tr.rope(inputs["hidden_states"][:1])
+        out = attn.processor(attn, video, text, mask, rope)
+        ref = HunyuanVideo15AttnProcessor2_0()(attn, video, text, mask, rope)
+    for a, b in zip(out, ref):
+        assert (a - b).abs().max() <= 1e-5
+    bias = attn.to_add_out.bias
+    assert torch.equal(out[1][0, 9:], bias.expand(TEXT + TEXT_2 + IMAGE - 9, -1))   # zeros through to_add_out
+
+
+def test_guidance_branches_reuse_their_layouts(monkeypatch):
+    """HunyuanVideo15Pipeline's guider runs the prompt and the negative prompt as separate forwards with different
+    valid text lengths: each length's layouts are built once and reused when the branches alternate (not rebuilt,
+    index tensors and all, on every forward); a new grid drops them."""
+    from videosparse.processors import context
+
+    built = []
+    real = context.head_tiling
+    monkeypatch.setattr(context, "head_tiling", lambda *a, **k: built.append(a[4]) or real(*a, **k))
+    t = TestHunyuanVideo15Processors()
+    tr = t.make_transformer()
+    cond, uncond = t.make_inputs(tr, valid=(6,)), t.make_inputs(tr, valid=(2,))      # 9 and 5 valid text tokens
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=t.tiling, block=t.block))
+    slot = sessions(tr)["transformer"].slots[0]
+    first = t.run(tr, cond, "cond", 0)
+    cond_layout = slot.layouts[9]
+    first_uncond = t.run(tr, uncond, "uncond", 0)
+    uncond_layout = slot.layouts[5]
+    for step in (1, 2):
+        assert torch.equal(t.run(tr, cond, "cond", step), first)
+        assert slot.layouts == {9: cond_layout} and slot.layouts[9] is cond_layout
+        assert torch.equal(t.run(tr, uncond, "uncond", step), first_uncond)
+        assert slot.layouts == {5: uncond_layout} and slot.layouts[5] is uncond_layout
+    assert sorted(built) == [5] * t.num_layers + [9] * t.num_layers           # each length's layouts built once
+    t.run(tr, dict(cond, hidden_states=cond["hidden_states"][:, :, :2]), "cond", 3)     # another grid: rebuilt
+    assert slot.layouts[9] is not cond_layout and slot.layouts[9].grid == (2, 7, 18)

@@ -236,3 +236,38 @@ def test_tiny_pipeline_guidance_batch_runs_sparse_item_by_item():
     assert torch.isfinite(sparse).all() and not torch.equal(sparse, ref)
     videosparse.remove(pipe)
     assert torch.equal(run(), ref)
+
+
+def test_distill_capture_keeps_every_item_of_a_guidance_batch():
+    """MochiPipeline's forward holds the negative and the positive prompt; with different valid lengths they are
+    served (and observed) item by item. The distillation capture keeps a sample for each item (not the last item
+    alone), each as the item alone would give it, and counts steps per forward."""
+    from videosparse.distill.capture import TileFeatureCapture
+
+    t, tr = _tiny()
+    inputs = t.make_inputs(tr, valid=(3, 6))
+    tiles = lambda layer, heads: t.tiling                                 # noqa: E731
+    cap = TileFeatureCapture(tiles, t.block, teacher_backend="torch")
+    with videosparse.processors.observe(tr, cap):
+        t.run(tr, inputs, "cond_uncond", step=1)
+    records = []
+    with videosparse.processors.observe(tr, records.append):
+        t.run(tr, inputs, "cond_uncond", step=1)
+    assert [(r.layer, r.item, r.text_len, r.q.shape[0]) for r in records] == [(0, 0, 3, 1), (0, 1, 6, 1),
+                                                                              (1, 0, 3, 1), (1, 1, 6, 1)]
+    assert sorted(cap.samples) == [(1, "cond_uncond-item0"), (1, "cond_uncond-item1")]
+    for b in range(2):
+        alone = TileFeatureCapture(tiles, t.block, teacher_backend="torch")
+        with videosparse.processors.observe(tr, alone):
+            t.run(tr, {k: v[b:b + 1] for k, v in inputs.items()}, "cond_uncond", step=1)
+        (key, layers), = alone.samples.items()
+        assert key == (1, "cond_uncond")
+        for layer, feats in layers.items():
+            for a, e in zip(cap.samples[(1, f"cond_uncond-item{b}")][layer], feats):
+                assert a.shape == e.shape and (a - e).abs().max() <= 1e-5
+    counted = TileFeatureCapture(tiles, t.block, teacher_backend="torch")     # no step from the pipeline: counted
+    with videosparse.processors.observe(tr, counted):
+        for _ in range(2):
+            with torch.no_grad():
+                tr(**inputs, return_dict=False)
+    assert sorted(counted.samples) == [(s, f"default-item{b}") for s in (0, 1) for b in (0, 1)]

@@ -174,3 +174,43 @@ def test_tiny_pipeline_end_to_end(name, monkeypatch):
     assert np.isfinite(sparse).all() and not np.array_equal(sparse, ref)
     videosparse.remove(pipe)
     assert np.array_equal(run(), ref)
+
+
+@pytest.mark.parametrize("cls", [SkyReelsV2Transformer3DModel, WanTransformer3DModel])
+def test_image_to_video_serves_attn1_and_leaves_the_image_context_stock(cls):
+    """I2V checkpoints (SkyReels V2 I2V, Wan 2.1 I2V) add the CLIP image context to attn2 through add_k/v_proj:
+    attn1 is served, attn2 keeps its stock processor; a guidance-sized batch at density 1 equals stock."""
+    torch.manual_seed(0)
+    tr = cls(**SMALL, num_layers=2, image_dim=24, added_kv_proj_dim=128).eval()
+    g = torch.Generator().manual_seed(1)
+    inputs = dict(hidden_states=torch.randn(2, 4, 3, 14, 18, generator=g), timestep=torch.tensor([500, 500]),
+                  encoder_hidden_states=torch.randn(2, 8, 16, generator=g),
+                  encoder_hidden_states_image=torch.randn(2, 5, 24, generator=g))
+    t = TestSkyReelsV2Processors()
+    ref = t.run(tr, inputs)
+    before = dict(tr.attn_processors)
+    videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=t.tiling, block=t.block))
+    served = sorted(n for n, p in tr.attn_processors.items() if p is not before[n])
+    assert served == ["blocks.0.attn1.processor", "blocks.1.attn1.processor"]
+    assert tr.blocks[0].attn2.add_k_proj is not None
+    assert (t.run(tr, inputs) - ref).abs().max() <= 1e-5
+    assert sessions(tr)["transformer"].stats()["sparse_calls"] == 2
+
+
+def test_per_token_timesteps_of_ti2v_run_sparse():
+    """Wan 2.2 TI2V-5B (`expand_timesteps`) gives the transformer one timestep per token (B, S), 0 on the clean
+    first frame: the forward runs sparse on its grid, equal to stock at density 1."""
+    t = TestSkyReelsV2Processors()
+    torch.manual_seed(0)
+    tr = WanTransformer3DModel(**SMALL, num_layers=2).eval()
+    inputs = _video_inputs()
+    timestep = torch.full((1, 3 * 7 * 9), 700)
+    timestep[:, :7 * 9] = 0
+    inputs["timestep"] = timestep
+    ref = t.run(tr, inputs)
+    videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=t.tiling, block=t.block))
+    grids = []
+    with videosparse.processors.observe(tr, lambda r: grids.append(r.grid)):
+        out = t.run(tr, inputs)
+    assert grids == [(3, 7, 9)] * 2 and (out - ref).abs().max() <= 1e-5
+    assert sessions(tr)["transformer"].stats()["sparse_calls"] == 2

@@ -3,7 +3,9 @@
 The dense pipeline runs under `videosparse.processors.observe`; for every self-attention call at a
 sampled denoising step the observer gathers q and k into the layer's tile order, pools them with
 TripPool (detached, fp32) and computes the teacher heat over the video tiles. One sample per
-(prompt, step, CFG branch) holds every layer and is written as one safetensors file:
+(prompt, step, CFG branch) holds every layer and is written as one safetensors file (a forward whose batch
+items have different valid text lengths, e.g. Mochi's negative and positive prompt, is observed item by item:
+one sample per item then, its branch named "<branch>-item<b>"):
 
     q.{layer}     fp32 [B, H, Mv, 3*D]   TripPool features of the query tiles
     k.{layer}     fp32 [B, H, Mv, 3*D]   TripPool features of the key tiles
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import random
 from collections import defaultdict
@@ -104,7 +105,8 @@ class TileFeatureCapture:
         heat_dtype: dtype the heat is stored in.
 
     Attributes:
-        samples: {(step, branch): {layer: (qf, kf, heat)}} on the CPU.
+        samples: {(step, branch): {layer: (qf, kf, heat)}} on the CPU; the records of a forward observed item by
+            item (`AttentionRecord.item`) go to the branch "<branch>-item<b>".
     """
 
     def __init__(self, tiles_for_layer: TilesFn, block: int, *, steps: Sequence[int] | None = None,
@@ -118,14 +120,15 @@ class TileFeatureCapture:
         self.heat_dtype = heat_dtype
         self.samples: dict[tuple[int, str], dict[int, tuple[torch.Tensor, ...]]] = defaultdict(dict)
         self.grids: dict[tuple[int, str], tuple[int, int, int]] = {}
-        self._calls: dict[tuple[str, int], int] = defaultdict(int)
+        self._calls: dict[tuple[str, int, int | None], int] = defaultdict(int)
 
     @torch.no_grad()
     def __call__(self, record) -> None:
         step = record.step
+        item = getattr(record, "item", None)
         if step is None:                                        # no step from the pipeline: count calls
-            step = self._calls[(record.branch, record.layer)]
-            self._calls[(record.branch, record.layer)] += 1
+            step = self._calls[(record.branch, record.layer, item)]
+            self._calls[(record.branch, record.layer, item)] += 1
         if self.steps is not None and step not in self.steps:
             return
         if self.branches is not None and record.branch not in self.branches:
@@ -137,7 +140,7 @@ class TileFeatureCapture:
         Mv = layout.num_video_tiles
         qf, kf = trippool_qk(qt, kt, self.block, Mv)
         heat = teacher_heat(qt, kt, self.block, num_tiles=Mv, backend=self.teacher_backend)
-        key = (int(step), str(record.branch))
+        key = (int(step), str(record.branch) if item is None else f"{record.branch}-item{item}")
         self.samples[key][int(record.layer)] = (qf.cpu(), kf.cpu(), heat.to(self.heat_dtype).cpu())
         self.grids[key] = tuple(int(g) for g in record.grid)
 

@@ -107,12 +107,14 @@ class SparseAttentionMixin:
         )
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask=None,
-               rope: tuple[torch.Tensor, torch.Tensor] | None = None, text_len: int | None = None) -> torch.Tensor:
+               rope: tuple[torch.Tensor, torch.Tensor] | None = None, text_len: int | None = None,
+               item: int | None = None) -> torch.Tensor:
         """Self-attention of q, k, v [B, S, H, D] (diffusers order) -> [B, S, H, D].
 
         rope: Wan's rotary tables (freqs_cos, freqs_sin), still to be applied to q and k
         (`apply_interleaved_rope`); the sparse path fuses the rotation into the tile-order gather.
         text_len: the text tokens in q, k, v (default: the forward's, `context.text_len`).
+        item: the batch item that q, k, v hold when the forward's items are served one by one (for observers).
         """
         session = self.session
         text_len = session.context.text_len if text_len is None else text_len
@@ -123,7 +125,7 @@ class SparseAttentionMixin:
         if session.observers:
             ctx = session.context
             record = AttentionRecord(self.layer, q, k, v, ctx.grid, text_len, session.info.text_position,
-                                     ctx.step, ctx.branch)
+                                     ctx.step, ctx.branch, item)
             for observer in session.observers:
                 observer(record)
         stats = self._stats()
@@ -154,22 +156,23 @@ class SparseAttentionMixin:
         The valid prefix of each item (video and its `context.text_len` valid text tokens) goes through
         `attend` (sparse or dense, as it decides), one call for the batch when the items agree, else one per item
         with its own layout. The padded text rows either attend densely to the valid keys ("attend", what
-        HunyuanVideo's masked call gives them) or are zeros ("zero", Mochi's). Under context parallelism the
-        sequence is split across ranks, so the stock masked call runs instead.
+        HunyuanVideo's masked call gives them) or are zeros ("zero", what Mochi and HunyuanVideo 1.5 give them).
+        Under context parallelism the sequence is split across ranks, so the stock masked call runs instead.
         """
         if getattr(self, "_parallel_config", None) is not None:
             return self.attend(q, k, v, attention_mask)     # dense, with the stock mask
         lengths = self.session.context.text_len
         if isinstance(lengths, tuple):
-            return torch.cat([self._attend_valid(q[b:b + 1], k[b:b + 1], v[b:b + 1], text_tokens, n, padded_rows)
+            return torch.cat([self._attend_valid(q[b:b + 1], k[b:b + 1], v[b:b + 1], text_tokens, n, padded_rows, b)
                               for b, n in enumerate(lengths)])
         return self._attend_valid(q, k, v, text_tokens, lengths, padded_rows)
 
-    def _attend_valid(self, q, k, v, text_tokens: int, text_len: int, padded_rows: str) -> torch.Tensor:
+    def _attend_valid(self, q, k, v, text_tokens: int, text_len: int, padded_rows: str,
+                      item: int | None = None) -> torch.Tensor:
         valid = q.shape[1] - text_tokens + text_len
         if valid >= q.shape[1]:
-            return self.attend(q, k, v, None, text_len=text_len)
-        head = self.attend(q[:, :valid], k[:, :valid], v[:, :valid], None, text_len=text_len)
+            return self.attend(q, k, v, None, text_len=text_len, item=item)
+        head = self.attend(q[:, :valid], k[:, :valid], v[:, :valid], None, text_len=text_len, item=item)
         if padded_rows == "zero":
             tail = q.new_zeros(q.shape[0], q.shape[1] - valid, *head.shape[2:])
         else:

@@ -106,6 +106,8 @@ class AttentionRecord:
 
     q, k, v: [B, S, H, D] in diffusers' token order; grid (T, H, W); text_len (the valid text tokens of this
     call, which come with the video in q, k, v) and text_position describe joint-attention text tokens.
+    item: None when q, k, v hold the forward's whole batch; the index of the batch item they hold (B = 1) when
+    the items have different valid text lengths and are served, and observed, one by one.
     """
 
     layer: int
@@ -117,6 +119,7 @@ class AttentionRecord:
     text_position: str | None
     step: int | None
     branch: str
+    item: int | None = None
 
 
 class SparseSession:
@@ -129,6 +132,10 @@ class SparseSession:
         slots: one `LayerSlot` per self-attention layer (layout, counters, dense flag, method state).
         layer_stats: `LayerStats` per self-attention layer index (a view of the slots).
     """
+
+    # how many valid text lengths keep their layouts cached (at least the current forward's): the prompt and the
+    # negative prompt that a guider runs as separate forwards (HunyuanVideo 1.5) alternate without rebuilding them
+    layout_cache_lengths = 2
 
     def __init__(self, config, method, info, original_processors: dict[str, Any], scheduler=None) -> None:
         self.config = config
@@ -143,6 +150,9 @@ class SparseSession:
         self.kernel_problem: str | None = None   # why the fast path cannot serve the current inputs
         self.kernel_backend: str | None = None   # the kernel backend the sparse calls run on (None: not probed)
         self._prepared_for: tuple | None = None
+        # every layer's layouts by valid text length, kept for reuse while the grid and device stay (`prepare`)
+        self._layout_cache: dict[int, list[HeadTiling]] = {}
+        self._layout_cache_for: tuple | None = None
 
     def slot(self, layer: int) -> LayerSlot:
         """The `LayerSlot` of self-attention layer `layer` (made on first request)."""
@@ -158,9 +168,11 @@ class SparseSession:
 
     def prepare(self, grid: tuple[int, int, int], text_len: int | tuple[int, ...], device: torch.device,
                 dtype: torch.dtype) -> None:
-        """Build every layer's tile layouts (index tensors on `device`) and check the kernel, once per shape.
+        """Give every layer its tile layouts (index tensors on `device`) and check the kernel, once per shape.
 
         text_len: the valid text tokens, or one count per batch item (a layout for each distinct count).
+        The layouts of the last `layout_cache_lengths` lengths stay cached for the grid and device, so forwards
+        that alternate lengths (the guidance branches) reuse them instead of rebuilding them.
         Runs eagerly from the context hook, outside any compiled graph.
         """
         key = (grid, text_len, str(device), dtype)
@@ -171,23 +183,34 @@ class SparseSession:
             stats = self.slot(layer).stats
             if stats.counts.device != torch.device(device):
                 stats.counts, stats.balance = stats.counts.to(device), stats.balance.to(device)
-        self._prepared_for = key
-        if method is None:
-            return
-        lengths = sorted(set(text_len)) if isinstance(text_len, tuple) else [text_len]
-        for layer in range(info.num_layers):
-            tiles = method.tile_shapes(layer, info.num_heads)
-            slot = self.slot(layer)
-            slot.layouts = {}
+        if method is not None:
+            lengths = sorted(set(text_len)) if isinstance(text_len, tuple) else [text_len]
+            cache = self._layout_cache
+            if self._layout_cache_for != (grid, str(device)):
+                cache.clear()
+                self._layout_cache_for = (grid, str(device))
             for length in lengths:
-                layout = head_tiling(grid, tiles, info.num_heads, method.block, length, info.text_position or "after")
-                layout.warm(device)
-                slot.layouts[length] = layout
-                method.on_layout(layer, layout)
-        method.prepare(device)
-        probe = probe_kernel(self.config.backend, device, dtype, info.num_heads, info.head_dim, method.block,
-                             getattr(self.config, "correction", False))
-        self.kernel_backend, self.kernel_problem = probe.backend, probe.problem
+                layouts = cache.pop(length, None) or [self._build_layout(layer, grid, length, device)
+                                                      for layer in range(info.num_layers)]
+                cache[length] = layouts                  # most recently used last
+            while len(cache) > max(self.layout_cache_lengths, len(lengths)):
+                del cache[next(iter(cache))]
+            for layer in range(info.num_layers):
+                self.slot(layer).layouts = {length: cache[length][layer] for length in lengths}
+            method.prepare(device)
+            probe = probe_kernel(self.config.backend, device, dtype, info.num_heads, info.head_dim, method.block,
+                                 getattr(self.config, "correction", False))
+            self.kernel_backend, self.kernel_problem = probe.backend, probe.problem
+        self._prepared_for = key
+
+    def _build_layout(self, layer: int, grid: tuple[int, int, int], text_len: int, device) -> HeadTiling:
+        """The `HeadTiling` of `layer` for `grid` and `text_len` valid text tokens, its index tensors on `device`."""
+        info, method = self.info, self.method
+        layout = head_tiling(grid, method.tile_shapes(layer, info.num_heads), info.num_heads, method.block, text_len,
+                             info.text_position or "after")
+        layout.warm(device)
+        method.on_layout(layer, layout)
+        return layout
 
     def stats(self) -> dict[str, Any]:
         """Per-layer and overall statistics (realised density, load balance, sparse/dense calls)."""

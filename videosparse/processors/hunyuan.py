@@ -6,13 +6,14 @@ the text with the `add_*_proj` layers and concatenate it; HunyuanVideo's `single
 it already joined. RoPE covers the video part only. The token refiners' attention is text-only and keeps
 its stock processor.
 
-diffusers masks keys with a prefix mask: the video and the first `L_valid` text tokens are valid
+diffusers masks with a prefix mask: the video and the first `L_valid` text tokens are valid
 (HunyuanVideo 1.5 reorders its image, ByT5 and Qwen tokens so that the valid ones come first). The grid
 functions compute `L_valid` once per forward and report it as the text length, so the layouts cover the
-valid prefix; the processor runs sparse attention over that prefix and gives the padded text rows dense
-attention over the valid keys (their outputs never reach a valid token). A batch whose items have
-different `L_valid` (a prompt and a negative prompt batched for guidance) is served item by item, each
-with the layout of its own length.
+valid prefix; the processor runs sparse attention over that prefix and gives the padded text rows what the
+stock masked call gives them (their outputs never reach a valid token): HunyuanVideo masks keys only, so
+its padded rows attend densely to the valid keys; HunyuanVideo 1.5 masks queries too, so its padded rows
+are zeros (and cost nothing). A batch whose items have different `L_valid` (a prompt and a negative prompt
+batched for guidance) is served item by item, each with the layout of its own length.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class _HunyuanFamilySparseAttention(SparseAttentionMixin):
     """
 
     _stock: type                       # the model's stock processor class (the second base)
+    _padded_rows = "attend"            # what the stock masked call gives the padded text rows (attend_text_prefix)
 
     def __init__(self, session, layer: int, original=None) -> None:
         self._stock.__init__(self)
@@ -71,7 +73,8 @@ class _HunyuanFamilySparseAttention(SparseAttentionMixin):
             value = torch.cat([value, enc_value], dim=1)
 
         # valid prefix: the video and each item's first ctx.text_len text tokens (padded text tokens come last)
-        hidden_states = self.attend_text_prefix(query, key, value, text_len, attention_mask)
+        hidden_states = self.attend_text_prefix(query, key, value, text_len, attention_mask,
+                                                padded_rows=self._padded_rows)
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
 
         hidden_states, encoder_hidden_states = hidden_states[:, :-text_len], hidden_states[:, -text_len:]
@@ -84,15 +87,18 @@ class _HunyuanFamilySparseAttention(SparseAttentionMixin):
 
 
 class HunyuanVideoSparseAttnProcessor(_HunyuanFamilySparseAttention, HunyuanVideoAttnProcessor2_0):
-    """`HunyuanVideoAttnProcessor2_0` whose joint self-attention runs through videosparse."""
+    """`HunyuanVideoAttnProcessor2_0` whose joint self-attention runs through videosparse (its mask [B, 1, 1, S]
+    masks keys only: the padded text rows attend densely to the valid keys, as in stock)."""
 
     _stock = HunyuanVideoAttnProcessor2_0
 
 
 class HunyuanVideo15SparseAttnProcessor(_HunyuanFamilySparseAttention, HunyuanVideo15AttnProcessor2_0):
-    """`HunyuanVideo15AttnProcessor2_0` whose joint self-attention runs through videosparse."""
+    """`HunyuanVideo15AttnProcessor2_0` whose joint self-attention runs through videosparse (its mask, the valid
+    prefix's rows & columns, leaves the padded text rows no key: they are zeros, as in stock)."""
 
     _stock = HunyuanVideo15AttnProcessor2_0
+    _padded_rows = "zero"
 
 
 def hunyuan_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | tuple[int, ...]]:
