@@ -46,6 +46,17 @@ def test_shrunken_hunyuan_runs_sparse(tmp_path):
     assert 0 < row["output_rel_l2_vs_dense"] < 0.5
 
 
+def _shrunken_sparse_row(name: str, **size) -> dict:
+    """One block of `name` at a tiny size on CPU, Veda at density 0.5 on 64-token tiles: its result row, checked to
+    have run sparse (one call, no fallback)."""
+    spec = "veda@0.5:block=64:tiling=1x8x8"
+    result = run_synthetic_model(name, parse_method_specs([spec]), "cpu", torch.float32, layers=1, warmup=0,
+                                 repeats=1, progress=False, **size)
+    row = result.methods[spec]
+    assert row["sparse_calls"] == 1 and row["dense_calls"] == 0 and row["fallbacks"] == []
+    return row
+
+
 def test_shrunken_ltx_runs_sparse():
     """LTX-Video 2B (the class defaults): packed tokens plus the latent sizes, as LTXPipeline passes them; one
     block at a tiny size runs sparse on CPU."""
@@ -58,10 +69,7 @@ def test_shrunken_ltx_runs_sparse():
     assert tuple(inputs["hidden_states"].shape) == (1, 3 * 8 * 8, 128)
     assert (inputs["num_frames"], inputs["height"], inputs["width"]) == (3, 8, 8)
     assert tuple(inputs["encoder_hidden_states"].shape) == (1, 128, 4096)
-    result = run_synthetic_model("ltx", parse_method_specs(["veda@0.5:block=64:tiling=1x8x8"]), "cpu", torch.float32,
-                                 frames=17, height=256, width=256, layers=1, warmup=0, repeats=1, progress=False)
-    row = result.methods["veda@0.5:block=64:tiling=1x8x8"]
-    assert row["sparse_calls"] == 1 and row["dense_calls"] == 0 and row["fallbacks"] == []
+    row = _shrunken_sparse_row("ltx", frames=17, height=256, width=256)
     assert 0.3 < row["realised_density"] < 0.7 and 0 < row["output_rel_l2_vs_dense"] < 0.5
 
 
@@ -72,11 +80,7 @@ def test_shrunken_hunyuan15_runs_sparse():
     assert setup.grid == (31, 30, 53) and setup.attention_tokens == 49_290 + 256
     assert (setup.model.heads, setup.model.head_dim, setup.num_layers) == (16, 128, 54)
     assert 8.0e9 < count_parameters(setup) < 9.0e9
-    result = run_synthetic_model("hunyuan15", parse_method_specs(["veda@0.5:block=64:tiling=1x8x8"]), "cpu",
-                                 torch.float32, frames=9, height=128, width=128, layers=1, warmup=0, repeats=1,
-                                 progress=False)
-    row = result.methods["veda@0.5:block=64:tiling=1x8x8"]
-    assert row["sparse_calls"] == 1 and row["dense_calls"] == 0 and row["fallbacks"] == []
+    row = _shrunken_sparse_row("hunyuan15", frames=9, height=128, width=128)
     # 3 video tiles of 64 and 4 global text tiles: the text tiles are always kept
     assert 0.5 < row["realised_density"] < 0.95 and 0 < row["output_rel_l2_vs_dense"] < 0.5
 
@@ -93,10 +97,7 @@ def test_shrunken_mochi_runs_sparse():
     inputs = make_inputs(small, torch.device("cpu"), torch.float32)
     assert tuple(inputs["hidden_states"].shape) == (1, 12, 3, 16, 16)
     assert inputs["encoder_attention_mask"].dtype == torch.bool and inputs["encoder_attention_mask"].all()
-    result = run_synthetic_model("mochi", parse_method_specs(["veda@0.5:block=64:tiling=1x8x8"]), "cpu", torch.float32,
-                                 frames=13, height=128, width=128, layers=1, warmup=0, repeats=1, progress=False)
-    row = result.methods["veda@0.5:block=64:tiling=1x8x8"]
-    assert row["sparse_calls"] == 1 and row["dense_calls"] == 0 and row["fallbacks"] == []
+    row = _shrunken_sparse_row("mochi", frames=13, height=128, width=128)
     # 3 video tiles of 64 and 4 global text tiles: the text tiles are always kept
     assert 0.5 < row["realised_density"] < 0.95 and 0 < row["output_rel_l2_vs_dense"] < 0.5
 

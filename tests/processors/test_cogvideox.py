@@ -6,7 +6,7 @@ from diffusers.models.embeddings import get_3d_rotary_pos_embed
 import videosparse
 from videosparse.processors import sessions
 
-from tester import ProcessorTesterMixin
+from tester import ProcessorTesterMixin, apply_and_list_served
 
 TEXT = 8
 
@@ -54,9 +54,7 @@ def test_sparse_runs_on_attn1_with_text_first():
     tr = t.make_transformer()
     inputs = t.make_inputs(tr)
     dense = t.run(tr, inputs)
-    before = dict(tr.attn_processors)
-    videosparse.apply(tr, videosparse.VedaConfig(density=0.5, tiling=t.tiling, block=t.block))
-    served = [n for n, p in tr.attn_processors.items() if p is not before[n]]
+    before, served = apply_and_list_served(tr, videosparse.VedaConfig(density=0.5, tiling=t.tiling, block=t.block))
     assert served == [f"transformer_blocks.{i}.attn1.processor" for i in range(t.num_layers)]
     assert all(type(before[n]) is CogVideoXAttnProcessor2_0 for n in served)
     records = []

@@ -7,7 +7,7 @@ from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideo
 import videosparse
 from videosparse.processors import sessions
 
-from tester import ProcessorTesterMixin
+from tester import ProcessorTesterMixin, apply_and_list_served
 
 TEXT = 8
 
@@ -47,12 +47,10 @@ def test_sparse_runs_on_video_blocks_only_refiner_untouched():
     t, tr = _tiny()
     inputs = t.make_inputs(tr)
     dense = t.run(tr, inputs)
-    before = dict(tr.attn_processors)
-    videosparse.apply(tr, videosparse.VedaConfig(density=0.5, tiling=t.tiling, block=t.block))
+    before, served = apply_and_list_served(tr, videosparse.VedaConfig(density=0.5, tiling=t.tiling, block=t.block))
     procs = tr.attn_processors
     refiner = [n for n in procs if n.startswith("context_embedder.")]
     assert refiner and all(procs[n] is before[n] for n in refiner)          # the text-only refiner stays stock
-    served = sorted(n for n in procs if procs[n] is not before[n])
     assert all(type(before[n]) is HunyuanVideoAttnProcessor2_0 for n in served)
     assert served == ["single_transformer_blocks.0.attn.processor", "transformer_blocks.0.attn.processor"]
     out = t.run(tr, inputs)

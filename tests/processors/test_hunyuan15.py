@@ -9,7 +9,7 @@ import videosparse
 from videosparse.processors import sessions
 from videosparse.processors.hunyuan import HunyuanVideo15SparseAttnProcessor
 
-from tester import ProcessorTesterMixin
+from tester import ProcessorTesterMixin, apply_and_list_served
 
 TEXT, TEXT_2, IMAGE = 8, 4, 3
 
@@ -45,10 +45,8 @@ class TestHunyuanVideo15Processors(ProcessorTesterMixin):
 def test_blocks_served_refiner_stock():
     t = TestHunyuanVideo15Processors()
     tr = t.make_transformer()
-    before = dict(tr.attn_processors)
-    videosparse.apply(tr, videosparse.VedaConfig(density=0.5, tiling=t.tiling, block=t.block))
+    before, served = apply_and_list_served(tr, videosparse.VedaConfig(density=0.5, tiling=t.tiling, block=t.block))
     procs = tr.attn_processors
-    served = sorted(n for n in procs if procs[n] is not before[n])
     assert served == ["transformer_blocks.0.attn.processor", "transformer_blocks.1.attn.processor"]
     assert all(type(before[n]) is HunyuanVideo15AttnProcessor2_0 for n in served)
     assert all(isinstance(procs[n], HunyuanVideo15SparseAttnProcessor) for n in served)

@@ -11,7 +11,7 @@ from diffusers.pipelines.ltx.pipeline_ltx_condition import LTXConditionPipeline
 import videosparse
 from videosparse.processors import sessions
 
-from tester import ProcessorTesterMixin
+from tester import ProcessorTesterMixin, apply_and_list_served
 
 CHANNELS, TEXT, TEXT_DIM = 8, 8, 16
 LATENT = (3, 7, 18)          # latent frames x height x width: 378 tokens, a partial last tile of 64
@@ -64,9 +64,7 @@ def test_sparse_runs_on_attn1_only():
     tr = t.make_transformer()
     inputs = t.make_inputs(tr)
     dense = t.run(tr, inputs)
-    before = dict(tr.attn_processors)
-    videosparse.apply(tr, videosparse.VedaConfig(density=0.5, tiling=t.tiling, block=t.block))
-    served = [n for n, p in tr.attn_processors.items() if p is not before[n]]
+    before, served = apply_and_list_served(tr, videosparse.VedaConfig(density=0.5, tiling=t.tiling, block=t.block))
     assert served == [f"transformer_blocks.{i}.attn1.processor" for i in range(t.num_layers)]
     assert all(type(before[n]) is LTXVideoAttnProcessor for n in served)
     assert all(tr.attn_processors[f"transformer_blocks.{i}.attn2.processor"] is before[

@@ -10,7 +10,7 @@ import videosparse
 from videosparse.processors import sessions
 from videosparse.processors.wan import SkyReelsV2SparseAttnProcessor, WanSparseAttnProcessor
 
-from tester import ProcessorTesterMixin
+from tester import ProcessorTesterMixin, apply_and_list_served
 
 SMALL = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4,
              text_dim=16, freq_dim=32, ffn_dim=64, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
@@ -188,9 +188,7 @@ def test_image_to_video_serves_attn1_and_leaves_the_image_context_stock(cls):
                   encoder_hidden_states_image=torch.randn(2, 5, 24, generator=g))
     t = TestSkyReelsV2Processors()
     ref = t.run(tr, inputs)
-    before = dict(tr.attn_processors)
-    videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=t.tiling, block=t.block))
-    served = sorted(n for n, p in tr.attn_processors.items() if p is not before[n])
+    _, served = apply_and_list_served(tr, videosparse.VedaConfig(density=1.0, tiling=t.tiling, block=t.block))
     assert served == ["blocks.0.attn1.processor", "blocks.1.attn1.processor"]
     assert tr.blocks[0].attn2.add_k_proj is not None
     assert (t.run(tr, inputs) - ref).abs().max() <= 1e-5

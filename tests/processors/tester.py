@@ -217,6 +217,15 @@ class ProcessorTesterMixin:
         assert sessions(tr) == {}
 
 
+def apply_and_list_served(transformer, config) -> tuple[dict, list[str]]:
+    """Apply `config` to `transformer`: (its attention processors before, by name; the sorted names of those
+    the apply replaced)."""
+    before = dict(attention_processors(transformer))
+    videosparse.apply(transformer, config)
+    after = attention_processors(transformer)
+    return before, sorted(n for n in after if after[n] is not before[n])
+
+
 def _to_cuda_bf16(obj):
     """Inputs moved to CUDA: floating tensors in bf16, others (masks, integer timesteps) as they are."""
     if isinstance(obj, torch.Tensor):

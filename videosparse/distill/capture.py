@@ -125,7 +125,7 @@ class TileFeatureCapture:
     @torch.no_grad()
     def __call__(self, record) -> None:
         step = record.step
-        item = getattr(record, "item", None)
+        item = record.item
         if step is None:                                        # no step from the pipeline: count calls
             step = self._calls[(record.branch, record.layer, item)]
             self._calls[(record.branch, record.layer, item)] += 1

@@ -36,7 +36,8 @@ def project_heads(x: torch.Tensor, heads: int, to_q, to_k, to_v, norm_q=None, no
 
 
 class SparseAttentionMixin:
-    """Mixed into a model's stock processor class; one instance per self-attention layer.
+    """Mixed into a model's stock processor class (`_stock`, the second base); one instance per self-attention
+    layer. Calls the sparse path cannot serve go to `self._stock.__call__`.
 
     Args:
         session: the transformer's `SparseSession`.
@@ -44,7 +45,10 @@ class SparseAttentionMixin:
         original: the processor this one replaces (its `_attention_backend` / `_parallel_config` are kept).
     """
 
-    def _init_sparse(self, session: SparseSession, layer: int, original=None) -> None:
+    _stock: type                       # the model's stock processor class
+
+    def __init__(self, session: SparseSession, layer: int, original=None) -> None:
+        self._stock.__init__(self)
         self.session = session
         self.layer = layer
         self.slot = session.slot(layer)

@@ -21,15 +21,13 @@ class CogVideoXSparseAttnProcessor(SparseAttentionMixin, CogVideoXAttnProcessor2
     attention mask (the model itself never passes one) goes to the stock processor.
     """
 
-    def __init__(self, session, layer: int, original=None) -> None:
-        CogVideoXAttnProcessor2_0.__init__(self)
-        self._init_sparse(session, layer, original)
+    _stock = CogVideoXAttnProcessor2_0
 
     def __call__(self, attn, hidden_states, encoder_hidden_states, attention_mask=None, image_rotary_emb=None):
         if attention_mask is not None:
             self._record_stock_call("an attention mask was given")
-            return CogVideoXAttnProcessor2_0.__call__(self, attn, hidden_states, encoder_hidden_states,
-                                                      attention_mask, image_rotary_emb)
+            return self._stock.__call__(self, attn, hidden_states, encoder_hidden_states, attention_mask,
+                                        image_rotary_emb)
         text_len = encoder_hidden_states.size(1)
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         query, key, value = project_heads(hidden_states, attn.heads, attn.to_q, attn.to_k, attn.to_v,

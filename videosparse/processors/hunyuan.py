@@ -34,12 +34,7 @@ class _HunyuanFamilySparseAttention(SparseAttentionMixin):
     text (the token refiner's layout) go to the stock processor untouched.
     """
 
-    _stock: type                       # the model's stock processor class (the second base)
     _padded_rows = "attend"            # what the stock masked call gives the padded text rows (attend_text_prefix)
-
-    def __init__(self, session, layer: int, original=None) -> None:
-        self._stock.__init__(self)
-        self._init_sparse(session, layer, original)
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         stock = (attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)

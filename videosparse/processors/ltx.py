@@ -31,20 +31,18 @@ class LTXVideoSparseAttnProcessor(SparseAttentionMixin, LTXVideoAttnProcessor):
     attention mask (the model never gives `attn1` one).
     """
 
-    def __init__(self, session, layer: int, original=None) -> None:
-        LTXVideoAttnProcessor.__init__(self)
-        self._init_sparse(session, layer, original)
+    _stock = LTXVideoAttnProcessor
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         stock = (attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         if encoder_hidden_states is not None:
-            return LTXVideoAttnProcessor.__call__(self, *stock)
+            return self._stock.__call__(self, *stock)
         problem = self.session.context.unsupported
         if problem is None and attention_mask is not None:
             problem = "an attention mask was given"
         if problem is not None:     # not one token grid (see `ltx_grid`): no layout, no observer records
             self._record_stock_call(problem)
-            return LTXVideoAttnProcessor.__call__(self, *stock)
+            return self._stock.__call__(self, *stock)
         query = attn.norm_q(attn.to_q(hidden_states))
         key = attn.norm_k(attn.to_k(hidden_states))
         value = attn.to_v(hidden_states)

@@ -47,9 +47,7 @@ class MochiSparseAttnProcessor(SparseAttentionMixin, MochiAttnProcessor2_0):
     `mochi_grid` marks unsupported (a non-prefix text mask) run the stock processor.
     """
 
-    def __init__(self, session, layer: int, original=None) -> None:
-        MochiAttnProcessor2_0.__init__(self)
-        self._init_sparse(session, layer, original)
+    _stock = MochiAttnProcessor2_0
 
     def __call__(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb=None):
         stock = (attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
@@ -59,7 +57,7 @@ class MochiSparseAttnProcessor(SparseAttentionMixin, MochiAttnProcessor2_0):
             problem = "no video grid recorded (was the transformer called through its forward?)"
         if problem is not None:
             self._record_stock_call(problem)
-            return MochiAttnProcessor2_0.__call__(self, *stock)
+            return self._stock.__call__(self, *stock)
         query, key, value = project_heads(hidden_states, attn.heads, attn.to_q, attn.to_k, attn.to_v,
                                           attn.norm_q, attn.norm_k)
         text_query, text_key, text_value = project_heads(encoder_hidden_states, attn.heads, attn.add_q_proj,

@@ -23,12 +23,7 @@ class _WanFamilySparseAttention(SparseAttentionMixin):
     with encoder states (cross-attention, image context) go to the stock processor untouched.
     """
 
-    _stock: type                       # the model's stock processor class (the second base)
-    _qkv = None                        # its module's `_get_qkv_projections`
-
-    def __init__(self, session, layer: int, original=None) -> None:
-        self._stock.__init__(self)
-        self._init_sparse(session, layer, original)
+    _qkv = None                        # the stock processor's module's `_get_qkv_projections`
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
         if encoder_hidden_states is not None or attn.add_k_proj is not None:
