@@ -20,6 +20,7 @@ Nothing here imports diffusers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -35,6 +36,7 @@ from videosparse import VedaConfig  # noqa: E402
 from videosparse.kernels import block_sparse_attention, select_backend  # noqa: E402
 from videosparse.layout import head_tiling  # noqa: E402
 from videosparse.method import ModelInfo  # noqa: E402
+import videosparse.plan as plan_module  # noqa: E402
 from videosparse.plan import topk_plan  # noqa: E402
 from videosparse.veda.estimator import VedaEstimator  # noqa: E402
 from videosparse.veda.method import VedaMethod  # noqa: E402
@@ -44,6 +46,30 @@ from videosparse.veda.trippool import trippool_qk  # noqa: E402
 
 def bench(fn, *, rep: int = 100) -> float:
     return _bench(fn, warmup=10, rep=rep)
+
+
+@contextlib.contextmanager
+def torch_path_topk():
+    """`topk_plan` takes its torch path (as on CPU) inside this block."""
+    saved = plan_module._fused_topk
+    plan_module._fused_topk = lambda scores: False
+    try:
+        yield
+    finally:
+        plan_module._fused_topk = saved
+
+
+def host_us(fn, calls: int = 200) -> float:
+    """Host (Python + launch) time per call in us: calls issued back to back without synchronising."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
 
 
 def main() -> None:
@@ -93,7 +119,23 @@ def main() -> None:
     with torch.no_grad():
         logits = est(qf, kf, 0)
     t["estimator_logits"] = bench(lambda: est(qf, kf, 0))
-    t["topk_plan"] = bench(lambda: topk_plan(logits, args.density, num_global_tiles=layout.num_global_tiles, block=block))
+    def topk():
+        return topk_plan(logits, args.density, num_global_tiles=layout.num_global_tiles, block=block)
+
+    fused = topk()
+    t["topk_plan"] = bench(topk)                      # the fused Triton selection (one launch)
+    host = {"fused": host_us(topk)}
+    with torch_path_topk():                           # the torch path: ~25 small kernels, fp16 select as Veda's
+        t["topk_plan_torch_path"] = bench(lambda: topk_plan(logits, args.density, block=block,
+                                                            num_global_tiles=layout.num_global_tiles,
+                                                            select_dtype=torch.float16))
+        host["torch_path"] = host_us(lambda: topk_plan(logits, args.density, block=block,
+                                                       num_global_tiles=layout.num_global_tiles,
+                                                       select_dtype=torch.float16))
+        same = topk()
+    report["topk_host_us_per_call"] = host
+    report["topk_fused_equals_torch_path_fp32"] = bool(torch.equal(fused.kv_index, same.kv_index)
+                                                       and torch.equal(fused.kv_count, same.kv_count))
     trained = VedaMethod(VedaConfig(density=args.density, estimator=est, tiling=tuple(args.tile)), info)
     untrained = VedaMethod(VedaConfig(density=args.density, tiling=tuple(args.tile)), info)
     plan = trained.plan(q, k, v, layout, 0)
@@ -153,7 +195,8 @@ def main() -> None:
     kern = report["kernel"] or {}
     print(f"\n{report['gpu']}  B=1 H={H} S={S} D={D} bf16  density {args.density} (realised {report['plan_density']:.4f})")
     print(f"trippool triton {t['trippool_triton']:.3f} ms (torch {t['trippool_torch']:.3f}) | estimator "
-          f"{t['estimator_logits']:.3f} | top-k {t['topk_plan']:.3f} | plan {t['plan_total']:.3f} "
+          f"{t['estimator_logits']:.3f} | top-k {t['topk_plan']:.3f} (torch path {t['topk_plan_torch_path']:.3f}; "
+          f"host {host['fused']:.0f} vs {host['torch_path']:.0f} us) | plan {t['plan_total']:.3f} "
           f"(untrained {t['plan_total_untrained']:.3f}) ms")
     print(f"kernel {kern.get('backend', kern.get('error', '-'))} {kern.get('ms', float('nan')):.2f} ms | "
           f"plan/kernel {kern.get('plan_over_kernel', float('nan')):.3f} | dense cuDNN "

@@ -17,6 +17,7 @@ every backend, so it can be checked against the reference and executed by the fa
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, replace
 
@@ -232,6 +233,31 @@ def _topk_constants(density: float, Mv: int, Nv: int, device: torch.device):
     return _cached(_TOPK_CONSTANTS, (density, Mv, Nv, str(device)), build)
 
 
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+MAX_TILES = 8192     # = kernels.triton_topk.MAX_TILES (that module imports triton; this one must not)
+
+
+def _fused_topk(scores: torch.Tensor) -> bool:
+    """Whether `topk_plan` selects with the fused Triton kernel (CUDA, Triton installed, at most MAX_TILES)."""
+    return scores.is_cuda and _HAS_TRITON and scores.shape[-1] <= MAX_TILES
+
+
+@torch.library.custom_op("videosparse::topk_rows", mutates_args=())
+def _topk_rows_op(scores: torch.Tensor, budget: torch.Tensor, width: int,
+                  num_global_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.triton_topk.topk_rows_triton` as one opaque node for torch.compile."""
+    from .kernels.triton_topk import topk_rows_triton
+
+    return topk_rows_triton(scores, budget, width, num_global_tiles)
+
+
+@_topk_rows_op.register_fake
+def _(scores, budget, width, num_global_tiles):
+    B, H, Mv, _ = scores.shape
+    N = Mv + num_global_tiles
+    return (scores.new_empty((B, H, N, width), dtype=torch.int32), scores.new_empty((B, H, N), dtype=torch.int32))
+
+
 def topk_plan(
     scores: torch.Tensor,
     density: float,
@@ -250,10 +276,12 @@ def topk_plan(
         num_global_tiles: tiles after the video tiles (text); every video row keeps them, and their
             rows attend to every tile.
         block: tokens per tile (block_m == block_n).
-        select_dtype: dtype the top-k compares in. torch.float16 halves the radix select on CUDA
+        select_dtype: dtype the torch path's top-k compares in. torch.float16 halves its radix select
             (0.36 vs 0.62 ms at 40x591x591 on the H200) for logits: scores closer than fp16's 11 bits
             may swap at the budget boundary, and beyond +-65504 they saturate to +-inf. Keep fp32 for
-            probabilities (teacher heat), whose small values fp16 would flush to ties.
+            probabilities (teacher heat), whose small values fp16 would flush to ties. On CUDA with Triton
+            (up to `MAX_TILES` video tiles) one fused kernel selects instead (`kernels.triton_topk`), always in
+            fp32 and with ties at the budget boundary going to the lower column.
 
     Returns:
         A `Plan` over Mv + num_global_tiles query tiles and as many key tiles, with its work order from the
@@ -273,6 +301,16 @@ def topk_plan(
     device = scores.device
     budget_list, budget, eye = _topk_constants(density, Mv, Nv, device)    # list, [Mv] int64, [Mv, Mv] bool
     kmax = max(budget_list)
+    if _fused_topk(scores):
+        width = kmax if G == 0 else Mv + G
+        if torch.compiler.is_compiling():
+            idx, count = _topk_rows_op(scores, budget, width, G)
+        else:       # the kernel itself: the custom op's dispatch would cost ~0.2 ms of host time per call
+            from .kernels.triton_topk import topk_rows_triton
+
+            idx, count = topk_rows_triton(scores, budget, width, G)
+        lengths = budget_list if G == 0 else [b + G for b in budget_list] + [Mv + G] * G
+        return Plan(idx, count, block, block, order=row_order(lengths, B * H, device))
     # NaN -> -inf (topk ranks NaN above the diagonal's +inf); one elementwise pass
     s = scores.to(select_dtype).nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     s = s.masked_fill(eye, float("inf"))

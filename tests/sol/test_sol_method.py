@@ -124,8 +124,8 @@ def test_veda_hybrid_adds_dispatched_correction(monkeypatch):
     from videosparse.veda.method import VedaMethod
 
     asked = []
-    real = centroids.tile_centroids_op
-    monkeypatch.setattr(centroids, "tile_centroids_op", lambda k, v, block: asked.append(block) or real(k, v, block))
+    real = centroids.tile_centroids_torch      # what the dispatching tile_centroids runs eagerly on CPU
+    monkeypatch.setattr(centroids, "tile_centroids_torch", lambda k, v, block: asked.append(block) or real(k, v, block))
     layout = head_tiling((4, 8, 16), (1, 4, 16), 2, block=64, text_len=20)
     q, k, v = _inputs(layout)
     plan = VedaMethod(VedaConfig(density=0.3, block=64, tiling=(1, 4, 16), correction=True), INFO).plan(

@@ -36,33 +36,50 @@ class LayerStats:
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
-        # sparse calls, dense calls, kept (query tile, key tile) pairs, all pairs of the sparse calls
-        self.counts = torch.zeros(4, dtype=torch.int64, device=device)
-        # sum over sparse calls of max(kv_count) / mean(kv_count)
-        self.balance = torch.zeros((), dtype=torch.float64, device=device)
+        # sparse calls, dense calls, kept (query tile, key tile) pairs, all pairs of the sparse calls,
+        # sum over sparse calls of max(kv_count) x rows (what the calls would cost if every row were the longest)
+        self.counts = torch.zeros(5, dtype=torch.int64, device=device)
         self.fallbacks: set[str] = set()
 
     def record_sparse(self, kv_count: torch.Tensor, num_key_tiles: int) -> None:
-        """Account one sparse call whose plan has these kv_count [B, H, Mq]."""
-        kept = kv_count.sum(dtype=torch.int64)
-        self.counts.add_(torch.stack([kept.new_ones(()), kept.new_zeros(()), kept,
-                                      kept.new_full((), kv_count.numel() * num_key_tiles)]))
-        self.balance.add_((kv_count.amax().double() / kv_count.double().mean().clamp_min(1e-9)))
+        """Account one sparse call whose plan has these kv_count [B, H, Mq] (7 small kernels, no sync)."""
+        rows = kv_count.numel()
+        self.counts.add_(_call_increment(rows * num_key_tiles, self.counts.device))
+        self.counts[2::2].add_(torch.stack((kv_count.sum(dtype=torch.int64), kv_count.amax().to(torch.int64) * rows)))
 
     def record_dense(self) -> None:
         self.counts[1].add_(1)
 
     def as_dict(self) -> dict[str, Any]:
-        sparse, dense, kept, total = (int(c) for c in self.counts.tolist())
+        """Counts, realised density and load balance (longest row over mean row, weighted by each call's kept
+        pairs); syncs the host."""
+        sparse, dense, kept, total, widest = (int(c) for c in self.counts.tolist())
         return {
             "sparse_calls": sparse,
             "dense_calls": dense,
             "density": kept / total if total else None,
-            "load_balance": float(self.balance) / sparse if sparse else None,
+            "load_balance": widest / kept if kept else None,
             "kept_pairs": kept,
             "total_pairs": total,
             "fallbacks": sorted(self.fallbacks),
         }
+
+
+_INCREMENTS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _call_increment(pairs: int, device: torch.device) -> torch.Tensor:
+    """int64 [5] (1, 0, 0, pairs, 0) on `device`: one sparse call with `pairs` tile pairs (cached in eager mode,
+    a constant of the graph under torch.compile)."""
+    if torch.compiler.is_compiling():
+        return torch.tensor([1, 0, 0, pairs, 0], dtype=torch.int64, device=device)
+    key = (pairs, str(device))
+    inc = _INCREMENTS.get(key)
+    if inc is None:
+        if len(_INCREMENTS) >= 64:
+            _INCREMENTS.clear()
+        inc = _INCREMENTS[key] = torch.tensor([1, 0, 0, pairs, 0], dtype=torch.int64, device=device)
+    return inc
 
 
 class LayerSlot:
@@ -182,7 +199,7 @@ class SparseSession:
         for layer in range(info.num_layers):
             stats = self.slot(layer).stats
             if stats.counts.device != torch.device(device):
-                stats.counts, stats.balance = stats.counts.to(device), stats.balance.to(device)
+                stats.counts = stats.counts.to(device)
         if method is not None:
             lengths = sorted(set(text_len)) if isinstance(text_len, tuple) else [text_len]
             cache = self._layout_cache

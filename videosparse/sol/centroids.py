@@ -88,8 +88,8 @@ def tile_centroids(
         k_mean fp32 [B, H, Nk, D], v_sum fp32 [B, H, Nk, D], tile_len int32 [Nk], as
         `tile_centroids_torch`.
     """
-    if backend == "auto":
-        return tile_centroids_op(k, v, block_n)     # one opaque node under torch.compile
+    if backend == "auto" and torch.compiler.is_compiling():
+        return tile_centroids_op(k, v, block_n)     # one opaque node (eagerly the op's dispatch costs host time)
     if _use_triton(k, backend):
         from .triton_centroids import tile_stats_triton
 
@@ -111,8 +111,8 @@ def tile_stats(
     Returns:
         q_mean fp32 [B, H, N, D], k_mean fp32 [B, H, N, D], v_sum fp32 [B, H, N, D], tile_len int32 [N].
     """
-    if backend == "auto":
-        return tile_stats_op(q, k, v, block)        # one opaque node under torch.compile
+    if backend == "auto" and torch.compiler.is_compiling():
+        return tile_stats_op(q, k, v, block)        # one opaque node (eagerly the op's dispatch costs host time)
     if _use_triton(k, backend):
         from .triton_centroids import tile_stats_triton
 

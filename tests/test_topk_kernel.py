@@ -1,0 +1,133 @@
+"""The fused Triton top-k selection (`videosparse.kernels.triton_topk`) against the torch path of `topk_plan`
+and against a plain reference, under the Triton interpreter (CPU, in a child process: see helpers)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import interpreter_child, run_interpreter_cases
+
+# name: B, H, Mv, G, density (None: random per-row budgets), extra
+CASES = {
+    "odd-budgets": (1, 2, 13, 0, None, ""),             # every budget from 1 to Mv
+    "plan-density-0.3": (2, 1, 11, 0, 0.3, "special"),  # NaN, -inf rows, +inf entries
+    "plan-global-tiles": (1, 2, 9, 2, 0.4, "special"),
+    "plan-dense": (1, 1, 6, 1, 1.0, ""),
+    "ties": (1, 2, 12, 0, None, "ties"),                # integer scores: the lower column wins a boundary tie
+    "fp16-scores": (1, 1, 10, 0, 0.5, "fp16"),
+}
+
+
+def _scores(B, H, M, extra, g):
+    s = torch.randn(B, H, M, M, generator=g)
+    if extra == "ties":
+        s = torch.randint(0, 3, (B, H, M, M), generator=g).float()
+    if extra == "special":
+        s[0, 0, 1, 3] = float("nan")
+        s[0, 0, 2, :] = float("-inf")          # only the diagonal is left to keep
+        s[-1, -1, 0, 2] = float("inf")
+        s[-1, -1, 3, 3] = float("nan")         # a NaN diagonal is still forced
+    if extra == "fp16":
+        s = s.half()
+    return s
+
+
+def reference_rows(scores: torch.Tensor, budget: list[int], width: int, G: int):
+    """The selection rule written out row by row: diagonal forced, NaN / -inf never, the best finite or +inf
+    scores up to the budget, ties to the lower column; then the global tiles; global rows keep every tile."""
+    B, H, M, _ = scores.shape
+    N = M + G
+    idx = torch.zeros(B, H, N, width, dtype=torch.int32)
+    cnt = torch.zeros(B, H, N, dtype=torch.int32)
+    s = scores.float()
+    for b in range(B):
+        for h in range(H):
+            for r in range(N):
+                if r >= M:
+                    picks = list(range(N))
+                else:
+                    cand = [c for c in range(M) if c != r and s[b, h, r, c] > float("-inf")]
+                    cand.sort(key=lambda c: (-float(s[b, h, r, c]), c))
+                    picks = sorted(cand[:budget[r] - 1] + [r]) + list(range(M, N))
+                idx[b, h, r, :len(picks)] = torch.tensor(picks, dtype=torch.int32)
+                cnt[b, h, r] = len(picks)
+    return idx, cnt
+
+
+def _run_case(name: str) -> dict:
+    import videosparse.plan as plan_mod
+    from videosparse.kernels.triton_topk import topk_rows_triton
+    from videosparse.plan import row_budget_list, topk_plan
+
+    B, H, M, G, density, extra = CASES[name]
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    s = _scores(B, H, M, extra, g)
+    if density is None:
+        budget = torch.randperm(M, generator=g) + 1
+    else:
+        budget = torch.tensor(row_budget_list(density, M, M))
+    width = int(budget.max()) if G == 0 else M + G
+    idx, cnt = topk_rows_triton(s, budget, width, G)
+    ref_idx, ref_cnt = reference_rows(s, budget.tolist(), width, G)
+    res = {"rows_match_reference": bool(torch.equal(idx, ref_idx) and torch.equal(cnt, ref_cnt))}
+    if density is not None and extra != "fp16":
+        want = topk_plan(s, density, num_global_tiles=G)              # the torch path (CPU)
+        plan_mod._fused_topk = lambda scores: True                   # topk_plan's CUDA branch, here on CPU
+        got = topk_plan(s, density, num_global_tiles=G)
+        res["plan_matches_torch_path"] = bool(torch.equal(got.kv_index, want.kv_index)
+                                              and torch.equal(got.kv_count, want.kv_count)
+                                              and torch.equal(got.order, want.order))
+        torch.library.opcheck(plan_mod._topk_rows_op, (s, budget, width, G))   # the op torch.compile sees
+        res["opcheck"] = True
+    return res
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return run_interpreter_cases(Path(__file__).resolve(), list(CASES))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fused_topk_matches_the_selection_rule(results, name):
+    res = results[name]
+    assert "error" not in res, res.get("error")
+    assert res["rows_match_reference"]
+    if CASES[name][4] is not None and CASES[name][5] != "fp16":
+        assert res["plan_matches_torch_path"] and res["opcheck"]
+
+
+def test_reference_rows_is_the_torch_path_rule():
+    """The written-out rule equals topk_plan's torch path where it has no ties (so the kernel test means it)."""
+    from videosparse.plan import row_budget_list, topk_plan
+
+    g = torch.Generator().manual_seed(0)
+    for B, H, M, G, density in ((2, 2, 17, 0, 0.25), (1, 3, 12, 3, 0.5)):
+        s = _scores(B, H, M, "special", g)
+        plan = topk_plan(s, density, num_global_tiles=G)
+        idx, cnt = reference_rows(s, row_budget_list(density, M, M), plan.kv_index.shape[-1], G)
+        assert torch.equal(plan.kv_index, idx) and torch.equal(plan.kv_count, cnt)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, H, M, G, density", [(1, 40, 591, 0, 0.1), (2, 12, 256, 0, 0.05), (1, 24, 929, 0, 0.25),
+                                                  (2, 48, 139, 2, 0.1), (1, 2, 8192, 0, 0.01), (1, 32, 48, 0, 0.05)])
+def test_fused_topk_on_cuda_matches_the_torch_path(monkeypatch, B, H, M, G, density):
+    import videosparse.plan as plan_mod
+
+    s = torch.randn(B, H, M, M, device="cuda")
+    s[:, :, :, M // 3] = float("-inf")        # a padded column, never chosen
+    assert plan_mod._fused_topk(s)
+    got = plan_mod.topk_plan(s, density, num_global_tiles=G)
+    monkeypatch.setattr(plan_mod, "_fused_topk", lambda scores: False)
+    want = plan_mod.topk_plan(s, density, num_global_tiles=G)
+    assert torch.equal(got.kv_index, want.kv_index) and torch.equal(got.kv_count, want.kv_count)
+    assert torch.equal(got.order, want.order)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    interpreter_child(sys.argv[1:], _run_case)
