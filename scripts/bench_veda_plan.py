@@ -37,7 +37,8 @@ from videosparse.kernels import block_sparse_attention, select_backend  # noqa: 
 from videosparse.layout import head_tiling  # noqa: E402
 from videosparse.method import ModelInfo  # noqa: E402
 import videosparse.plan as plan_module  # noqa: E402
-from videosparse.plan import topk_plan  # noqa: E402
+from videosparse.kernels.triton_topk import topk_rows_triton  # noqa: E402
+from videosparse.plan import row_budget_list, topk_plan  # noqa: E402
 from videosparse.veda.estimator import VedaEstimator  # noqa: E402
 from videosparse.veda.method import VedaMethod  # noqa: E402
 from videosparse.veda.teacher import teacher_heat, teacher_heat_torch  # noqa: E402
@@ -134,6 +135,11 @@ def main() -> None:
                                                        select_dtype=torch.float16))
         same = topk()
     report["topk_host_us_per_call"] = host
+    budget = torch.tensor(row_budget_list(args.density, Mv, Mv), device="cuda")
+    width = int(budget.max()) if layout.num_global_tiles == 0 else N
+    report["topk_kernel_us_by_warps"] = {
+        w: 1e3 * bench(lambda: topk_rows_triton(logits, budget, width, layout.num_global_tiles, num_warps=w))
+        for w in (1, 2, 4, 8)}
     report["topk_fused_equals_torch_path_fp32"] = bool(torch.equal(fused.kv_index, same.kv_index)
                                                        and torch.equal(fused.kv_count, same.kv_count))
     trained = VedaMethod(VedaConfig(density=args.density, estimator=est, tiling=tuple(args.tile)), info)

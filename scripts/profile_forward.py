@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from videosparse.eval.spec import parse_method_specs  # noqa: E402
 from videosparse.eval.synthetic import (  # noqa: E402
-    COMPILE_MODES, build_transformer, make_inputs, method_applied, synthetic_setup)
+    COMPILE_MODES, build_transformer, every_step_sparse, make_inputs, method_applied, synthetic_setup)
 
 # (category, substrings of a lower-cased kernel name); the first match wins. Inductor's kernels
 # ("triton_poi_...", "triton_red_...") are named after the ops they fuse, so they are taken first.
@@ -94,7 +94,7 @@ def profile_method(transformer, inputs: dict, spec, compile_mode: str | None, wa
     device = inputs["hidden_states"].device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
-    with method_applied(transformer, spec.config, compile_mode) as (model, _), torch.no_grad():
+    with method_applied(transformer, every_step_sparse(spec.config), compile_mode) as (model, _), torch.no_grad():
         t0 = time.perf_counter()
         for _ in range(warmup):
             model(**inputs)

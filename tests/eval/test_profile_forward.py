@@ -19,6 +19,7 @@ def profile_forward():
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7", "dense attention"),
     ("nvjet_sm90_tst_256x152_64x4_1x2_h_bz_coopA_bias_TNT", "gemm"),
     ("_trippool_kernel", "plan building"),
+    ("_topk_rows_kernel", "plan building"),
     ("void at::native::sbtopk::gatherTopK<c10::Half, unsigned int, 2, false>", "plan building"),
     ("_rope_gather_kernel", "layout gather"),
     ("Memset (Device)", "copies"),
@@ -28,7 +29,7 @@ def test_kernel_categories(profile_forward, name, category):
     assert profile_forward.kernel_category(name) == category
 
 
-def test_cpu_smoke_run_writes_a_report(profile_forward, tmp_path):
+def test_cpu_smoke_run_writes_a_report(profile_forward, tmp_path, caplog):
     out = tmp_path / "profile.json"
     report = profile_forward.main(["--model", "wan-1.3b", "--frames", "5", "--height", "128", "--width", "128",
                                    "--layers", "1", "--device", "cpu", "--methods", "dense", "veda@0.5:block=64",
@@ -41,6 +42,8 @@ def test_cpu_smoke_run_writes_a_report(profile_forward, tmp_path):
         assert sum(row["by_category_ms"].values()) == pytest.approx(row["busy_ms"])
         assert row["top_kernels"] and row["idle_gaps"] is None     # no device timeline on CPU
     assert "gemm" in report["methods"]["dense"]["by_category_ms"]
+    # every profiled forward is a sparse step: no warning about fractional dense steps
+    assert not [r for r in caplog.records if "dense_steps" in r.getMessage()]
 
 
 def test_bad_repeats_are_refused(profile_forward):

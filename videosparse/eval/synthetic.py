@@ -438,12 +438,15 @@ def method_applied(transformer, config, compile_mode: str | None = None):
             torch._dynamo.reset()
 
 
+def every_step_sparse(config):
+    """`config` with no dense steps: a synthetic forward stands for a sparse denoising step (there is no
+    schedule to count steps in, and a fractional `dense_steps` would warn on every method)."""
+    return replace(config, dense_steps=0) if getattr(config, "dense_steps", 0) else config
+
+
 def _time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeats: int,
                  compile_mode: str | None = None) -> tuple[dict, torch.Tensor]:
-    config = spec.config
-    if getattr(config, "dense_steps", 0):
-        # each timed forward stands for a sparse denoising step (there is no schedule here to count steps in)
-        config = replace(config, dense_steps=0)
+    config = every_step_sparse(spec.config)
     device = inputs["hidden_states"].device
     forward, attention, plan = [], [], []
     with method_applied(transformer, config, compile_mode) as (model, session), torch.no_grad():

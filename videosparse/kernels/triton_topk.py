@@ -62,8 +62,16 @@ def _topk_rows_kernel(S, BUDGET, IDX, CNT, MV, G, W, NV_P2: tl.constexpr, W_P2: 
         tl.store(CNT + pid, n + G)
 
 
-def topk_rows_triton(scores: torch.Tensor, budget: torch.Tensor, width: int,
-                     num_global_tiles: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def default_num_warps(num_tiles: int) -> int:
+    """Warps per row: one up to 1,024 tiles, then one per 1,024. The bisection is a chain of row reductions, so
+    more rows in flight beat wider rows: on the H200 40 x 591 rows took 272 / 296 / 335 / 432 / 709 us with
+    1 / 2 / 4 / 8 / 16 warps, 24 x 929 rows 263 / 281 / 317 / 409 / 670 us, and 2 x 32 x 48 or 2 x 12 x 256 rows
+    23-30 us with 1 or 2 warps (`scripts/bench_veda_plan.py` repeats the sweep at its shape)."""
+    return min(16, max(1, triton.next_power_of_2(num_tiles) // 1024))
+
+
+def topk_rows_triton(scores: torch.Tensor, budget: torch.Tensor, width: int, num_global_tiles: int = 0, *,
+                     num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-`budget[r]` key tiles of every row r of `scores`, packed left in ascending order.
 
     Args:
@@ -72,6 +80,7 @@ def topk_rows_triton(scores: torch.Tensor, budget: torch.Tensor, width: int,
         width: index columns (>= max(budget) + num_global_tiles; Mv + G when there are global tiles).
         num_global_tiles: G tiles after the video tiles: every video row also keeps them (after its picks),
             and their G rows keep every tile.
+        num_warps: warps per row (default `default_num_warps`).
 
     Returns:
         kv_index int32 [B, H, Mv + G, width] (0 past each row's count), kv_count int32 [B, H, Mv + G].
@@ -85,5 +94,5 @@ def topk_rows_triton(scores: torch.Tensor, budget: torch.Tensor, width: int,
     count = torch.empty(B, H, N, dtype=torch.int32, device=scores.device)
     nv_p2 = triton.next_power_of_2(Mv)
     _topk_rows_kernel[(B * H * N,)](scores, budget, idx, count, Mv, num_global_tiles, width, NV_P2=nv_p2,
-                                    W_P2=triton.next_power_of_2(width), num_warps=min(16, max(1, nv_p2 // 128)))
+                                    W_P2=triton.next_power_of_2(width), num_warps=num_warps or default_num_warps(Mv))
     return idx, count

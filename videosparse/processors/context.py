@@ -11,6 +11,7 @@ calls per branch.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import logging
 from dataclasses import dataclass
@@ -42,7 +43,12 @@ class LayerStats:
         self.fallbacks: set[str] = set()
 
     def record_sparse(self, kv_count: torch.Tensor, num_key_tiles: int) -> None:
-        """Account one sparse call whose plan has these kv_count [B, H, Mq] (7 small kernels, no sync)."""
+        """Account one sparse call whose plan has these kv_count [B, H, Mq] (no sync): one Triton launch on CUDA
+        in eager mode, else 7 small torch kernels (fused by torch.compile)."""
+        if self.counts.is_cuda and _HAS_TRITON and not torch.compiler.is_compiling():
+            from ..kernels.triton_counters import record_sparse_triton
+
+            return record_sparse_triton(self.counts, kv_count, num_key_tiles)
         rows = kv_count.numel()
         self.counts.add_(_call_increment(rows * num_key_tiles, self.counts.device))
         self.counts[2::2].add_(torch.stack((kv_count.sum(dtype=torch.int64), kv_count.amax().to(torch.int64) * rows)))
@@ -65,6 +71,7 @@ class LayerStats:
         }
 
 
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 _INCREMENTS: dict[tuple[int, str], torch.Tensor] = {}
 
 

@@ -12,7 +12,7 @@ from ..layout import HeadTiling
 from ..method import ModelInfo, SparseMethod
 from ..plan import Plan, topk_plan
 from ..sol.centroids import tile_centroids  # dispatching: Triton on CUDA, torch elsewhere
-from .estimator import VedaEstimator, load_estimator
+from .estimator import VedaEstimator, load_estimator, scaled_logits
 from .tiling import Tiling, load_tiling
 from .trippool import trippool_qk
 
@@ -27,7 +27,7 @@ def mean_pooled_logits(qf: torch.Tensor, kf: torch.Tensor) -> torch.Tensor:
         qf, kf: fp32 [B, H, N, 3*D] TripPool features (only the mean part is used).
     """
     D = qf.shape[-1] // 3
-    return (qf[..., :D] @ kf[..., :D].transpose(-1, -2)) / math.sqrt(D)
+    return scaled_logits(qf[..., :D], kf[..., :D], 1.0 / math.sqrt(D))
 
 
 class VedaMethod(SparseMethod):

@@ -1,5 +1,6 @@
-"""The fused Triton top-k selection (`videosparse.kernels.triton_topk`) against the torch path of `topk_plan`
-and against a plain reference, under the Triton interpreter (CPU, in a child process: see helpers)."""
+"""The small Triton kernels of the eager plan path against their torch versions, under the Triton interpreter
+(CPU, in a child process: see helpers): the fused top-k selection (`videosparse.kernels.triton_topk`) against
+the torch path of `topk_plan` and a plain reference, and the layer counters (`kernels.triton_counters`)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,22 @@ def reference_rows(scores: torch.Tensor, budget: list[int], width: int, G: int):
     return idx, cnt
 
 
+def _run_counters_case() -> dict:
+    from videosparse.kernels.triton_counters import record_sparse_triton
+    from videosparse.processors.context import LayerStats
+
+    g = torch.Generator().manual_seed(1)
+    torch_stats, triton_counts = LayerStats(), torch.zeros(5, dtype=torch.int64)
+    for shape in ((2, 3, 5), (1, 40, 591), (3, 1, 1111)):       # one block, several blocks, a partial block
+        kv_count = torch.randint(0, 50, shape, generator=g, dtype=torch.int32)
+        torch_stats.record_sparse(kv_count, 77)
+        record_sparse_triton(triton_counts, kv_count, 77)
+    return {"counts_equal": bool(torch.equal(torch_stats.counts, triton_counts)), "counts": triton_counts.tolist()}
+
+
 def _run_case(name: str) -> dict:
+    if name == "counters":
+        return _run_counters_case()
     import videosparse.plan as plan_mod
     from videosparse.kernels.triton_topk import topk_rows_triton
     from videosparse.plan import row_budget_list, topk_plan
@@ -88,7 +104,7 @@ def _run_case(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_interpreter_cases(Path(__file__).resolve(), list(CASES))
+    return run_interpreter_cases(Path(__file__).resolve(), [*CASES, "counters"])
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -98,6 +114,12 @@ def test_fused_topk_matches_the_selection_rule(results, name):
     assert res["rows_match_reference"]
     if CASES[name][4] is not None and CASES[name][5] != "fp16":
         assert res["plan_matches_torch_path"] and res["opcheck"]
+
+
+def test_counters_kernel_matches_layer_stats(results):
+    res = results["counters"]
+    assert "error" not in res, res.get("error")
+    assert res["counts_equal"] and res["counts"][0] == 3 and res["counts"][1] == 0
 
 
 def test_reference_rows_is_the_torch_path_rule():
@@ -126,6 +148,20 @@ def test_fused_topk_on_cuda_matches_the_torch_path(monkeypatch, B, H, M, G, dens
     want = plan_mod.topk_plan(s, density, num_global_tiles=G)
     assert torch.equal(got.kv_index, want.kv_index) and torch.equal(got.kv_count, want.kv_count)
     assert torch.equal(got.order, want.order)
+
+
+@pytest.mark.gpu
+def test_layer_counters_on_cuda_match_cpu():
+    from videosparse.processors.context import LayerStats
+
+    cpu, gpu = LayerStats("cpu"), LayerStats("cuda")
+    for shape in ((2, 32, 48), (1, 40, 591), (2, 12, 257)):
+        kv_count = torch.randint(1, 60, shape, dtype=torch.int32)
+        cpu.record_sparse(kv_count, 99)
+        gpu.record_sparse(kv_count.cuda(), 99)           # the Triton kernel
+    gpu.record_dense()
+    cpu.record_dense()
+    assert gpu.as_dict() == cpu.as_dict()
 
 
 if __name__ == "__main__":
