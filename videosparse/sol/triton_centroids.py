@@ -69,7 +69,8 @@ def _tile_stats_kernel(
 
 
 def tile_stats_triton(
-    q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, block: int
+    q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, block: int, *, chunk: int | None = None,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mean query, mean key, value sum and real length of every tile, in one fused pass.
 
@@ -77,6 +78,8 @@ def tile_stats_triton(
         q: [B, H, S, D] or None (skip the query means); k, v: [B, H, S, D] in tile order, any float
             dtype, any strides, on a CUDA device (or on CPU under `TRITON_INTERPRET=1`).
         block: tokens per tile (a power of two, e.g. 64 or 128).
+        chunk, num_warps: rows per load step (default ~4K elements per tensor) and warps per program
+            (`scripts/sweep_trippool.py --kernel tile_stats` times the choices).
 
     Returns:
         q_mean fp32 [B, H, N, D] (or None), k_mean fp32 [B, H, N, D], v_sum fp32 [B, H, N, D],
@@ -98,14 +101,15 @@ def tile_stats_triton(
     if N > 0 and B * H > 0:
         qq = q if q is not None else k
         block_d = triton.next_power_of_2(D)
-        chunk = max(1, min(block, 4096 // block_d))       # ~4K elements per tensor and chunk
+        if chunk is None:
+            chunk = max(1, min(block, 4096 // block_d))   # ~4K elements per tensor and chunk
         _tile_stats_kernel[(N, B * H)](
             qq, k, v,
             q_mean if q_mean is not None else k_mean, k_mean, v_sum,
             *qq.stride(), *k.stride(), *v.stride(), *k_mean.stride(),
             H, S, D,
             BLOCK_N=block, BLOCK_D=block_d, CHUNK=chunk, HAS_Q=q is not None,
-            num_warps=4,
+            num_warps=num_warps,
         )
     tile_len = torch.full((N,), block, dtype=torch.int32, device=k.device)
     if N:
