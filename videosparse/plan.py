@@ -233,13 +233,13 @@ def _topk_constants(density: float, Mv: int, Nv: int, device: torch.device):
     return _cached(_TOPK_CONSTANTS, (density, Mv, Nv, str(device)), build)
 
 
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_TRITON = importlib.util.find_spec("triton") is not None    # the fused CUDA helpers need it; CPU paths do not
 MAX_TILES = 8192     # = kernels.triton_topk.MAX_TILES (that module imports triton; this one must not)
 
 
 def _fused_topk(scores: torch.Tensor) -> bool:
     """Whether `topk_plan` selects with the fused Triton kernel (CUDA, Triton installed, at most MAX_TILES)."""
-    return scores.is_cuda and _HAS_TRITON and scores.shape[-1] <= MAX_TILES
+    return scores.is_cuda and HAS_TRITON and scores.shape[-1] <= MAX_TILES
 
 
 @torch.library.custom_op("videosparse::topk_rows", mutates_args=())

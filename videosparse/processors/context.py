@@ -11,7 +11,6 @@ calls per branch.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import logging
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from diffusers.hooks.hooks import BaseState, StateManager
 
 from ..kernels.probe import probe_kernel
 from ..layout import HeadTiling, head_tiling
+from ..plan import HAS_TRITON
 
 logger = logging.getLogger("videosparse")
 
@@ -45,7 +45,7 @@ class LayerStats:
     def record_sparse(self, kv_count: torch.Tensor, num_key_tiles: int) -> None:
         """Account one sparse call whose plan has these kv_count [B, H, Mq] (no sync): one Triton launch on CUDA
         in eager mode, else 7 small torch kernels (fused by torch.compile)."""
-        if self.counts.is_cuda and _HAS_TRITON and not torch.compiler.is_compiling():
+        if self.counts.is_cuda and HAS_TRITON and not torch.compiler.is_compiling():
             from ..kernels.triton_counters import record_sparse_triton
 
             return record_sparse_triton(self.counts, kv_count, num_key_tiles)
@@ -71,7 +71,6 @@ class LayerStats:
         }
 
 
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
 _INCREMENTS: dict[tuple[int, str], torch.Tensor] = {}
 
 
