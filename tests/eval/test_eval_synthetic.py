@@ -208,3 +208,21 @@ def test_cli_prints_compiled_rows(tmp_path, capsys):
         torch.set_num_threads(n)
     out = capsys.readouterr().out
     assert rc == 0 and "veda@0.5:block=64:tiling=1x8x8" in out and "attention   – s" in out
+
+
+def test_shrunken_ltx2_runs_sparse():
+    """LTX-2 19B (the class defaults, split RoPE): packed video and audio tokens, the connector's text states for both
+    streams and the latent sizes, as LTX2Pipeline passes them; one block at a tiny size runs sparse on CPU (its video
+    self-attention; the audio and cross-attentions stay stock)."""
+    setup = synthetic_setup("ltx2")
+    assert setup.grid == (16, 16, 24) and setup.tokens == 6144 and setup.attention_tokens == 6144
+    assert (setup.model.heads, setup.model.head_dim, setup.num_layers) == (32, 128, 48)
+    assert 18.5e9 < count_parameters(setup) < 19.5e9
+    small = synthetic_setup("ltx2", frames=17, height=256, width=256, layers=1)
+    inputs = make_inputs(small, torch.device("cpu"), torch.float32)
+    assert tuple(inputs["hidden_states"].shape) == (1, 3 * 8 * 8, 128)
+    assert tuple(inputs["audio_hidden_states"].shape) == (1, 18, 128)          # 17 frames at 24 fps, 25 per second
+    assert (inputs["num_frames"], inputs["height"], inputs["width"], inputs["audio_num_frames"]) == (3, 8, 8, 18)
+    assert tuple(inputs["audio_encoder_hidden_states"].shape) == (1, 1024, 3840)
+    row = _shrunken_sparse_row("ltx2", frames=17, height=256, width=256)
+    assert 0.3 < row["realised_density"] < 0.7 and 0 < row["output_rel_l2_vs_dense"] < 0.5

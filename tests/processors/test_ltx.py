@@ -1,4 +1,3 @@
-import logging
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ from diffusers.pipelines.ltx.pipeline_ltx_condition import LTXConditionPipeline
 import videosparse
 from videosparse.processors import sessions
 
-from tester import ProcessorTesterMixin, apply_and_list_served
+from tester import ProcessorTesterMixin, apply_and_list_served, assert_runs_stock_with_one_warning
 
 CHANNELS, TEXT, TEXT_DIM = 8, 8, 16
 LATENT = (3, 7, 18)          # latent frames x height x width: 378 tokens, a partial last tile of 64
@@ -104,7 +103,7 @@ def test_grid_needs_the_sizes_or_coords_of_every_token():
     assert grid == (1, 1, 378) and text_len == 0 and "were not all given" in problem
     assert "not num_frames x height x width = 2 x 7 x 18" in ltx_grid(tr, (), dict(inputs, num_frames=2))[2]
     coords = _video_coords(LATENT)
-    assert "3 coordinates for each of the 378" in ltx_grid(tr, (), dict(inputs, video_coords=coords[:, :2]))[2]
+    assert "coordinates for each of the 378 tokens" in ltx_grid(tr, (), dict(inputs, video_coords=coords[:, :2]))[2]
 
 
 @pytest.mark.parametrize("case", ["prepended", "batch"])
@@ -128,17 +127,7 @@ def test_not_one_grid_runs_stock_with_one_warning(case, caplog):
         inputs = {k: torch.cat([v, v]) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         inputs["video_coords"] = torch.cat([grid_coords, shifted])
         expected = "differ across the batch"
-    ref = t.run(tr, inputs)
-    videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=t.tiling, block=t.block))
-    records = []
-    with caplog.at_level(logging.WARNING, logger="videosparse"), videosparse.processors.observe(tr, records.append):
-        out1 = t.run(tr, inputs)
-        out2 = t.run(tr, inputs, step=1)
-    assert torch.equal(out1, ref) and torch.equal(out2, ref) and records == []
-    warnings = [r.message for r in caplog.records if "runs dense" in r.message]
-    assert len(warnings) == t.num_layers and all(expected in w for w in warnings)
-    s = sessions(tr)["transformer"].stats()
-    assert s["sparse_calls"] == 0 and s["dense_calls"] == 2 * t.num_layers
+    assert_runs_stock_with_one_warning(t, tr, inputs, expected, caplog)
 
 
 def test_model_info_of_published_configs():

@@ -235,3 +235,19 @@ def _to_cuda_bf16(obj):
     if isinstance(obj, dict):
         return {k: _to_cuda_bf16(v) for k, v in obj.items()}
     return obj
+
+
+def assert_runs_stock_with_one_warning(tester, transformer, inputs: dict, reason: str, caplog) -> None:
+    """Applied now, a sparse config leaves two forwards of `inputs` (steps 0 and 1) equal to the stock forward, with
+    no observer records, one warning per layer naming `reason`, and every self-attention call counted dense."""
+    ref = tester.run(transformer, inputs)
+    videosparse.apply(transformer, videosparse.VedaConfig(density=0.3, tiling=tester.tiling, block=tester.block))
+    records = []
+    with caplog.at_level(logging.WARNING, logger="videosparse"), observe(transformer, records.append):
+        out1 = tester.run(transformer, inputs)
+        out2 = tester.run(transformer, inputs, step=1)
+    assert torch.equal(out1, ref) and torch.equal(out2, ref) and records == []
+    warnings = [r.message for r in caplog.records if "runs dense" in r.message]
+    assert len(warnings) == tester.num_layers and all(reason in w for w in warnings)
+    s = sessions(transformer)["transformer"].stats()
+    assert s["sparse_calls"] == 0 and s["dense_calls"] == 2 * tester.num_layers

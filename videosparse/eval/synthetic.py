@@ -19,6 +19,7 @@ hunyuan    HunyuanVideo: 20+40 x 24 x 128    129 x 720 x 1280           33 x 45 
 hunyuan15  HunyuanVideo 1.5: 54 x 16 x 128   121 x 480 x 848            31 x 30 x 53 = 49,290
 cogvideox  CogVideoX-5B: 42 x 48 x 64         49 x 480 x 720             13 x 30 x 45 = 17,550
 ltx        LTX-Video 0.9.x 2B: 28 x 32 x 64   121 x 512 x 768            16 x 16 x 24 = 6,144
+ltx2       LTX-2 19B: 48 x 32 x 128 (+audio)  121 x 512 x 768            16 x 16 x 24 = 6,144
 mochi      Mochi 1 preview: 48 x 24 x 128    163 x 480 x 848            28 x 30 x 53 = 44,520
 =========  ================================  =========================  ======================
 
@@ -143,6 +144,19 @@ SYNTHETIC_MODELS: dict[str, SyntheticModel] = {
         dict(num_attention_heads=32, attention_head_dim=64, num_layers=28, patch_size=1, patch_size_t=1),
         (121, 512, 768), latent_channels=128, vae_scale=(8, 32), text_len=128,
         description="LTX-Video 0.9.x 2B (32 heads x 64, 28 layers, VAE 8 x 32 x 32), 512x768 121 frames"),
+    "ltx2": SyntheticModel(
+        # Lightricks/LTX-2 (19B audio-video): LTX2VideoTransformer3DModel's defaults, which are the "2.0" config of
+        # diffusers' scripts/convert_ltx2_to_diffusers.py (48 layers, video 32 heads x 128 with cross-attention 4096
+        # and captions 3840, audio 32 heads x 64 with 128 input channels = 8 latent channels x 16 mel bins); rope_type
+        # "split" as in the published transformer/config.json (the class default is "interleaved"). The keys read
+        # here are spelled out. Default size from LTX2Pipeline: 512 x 768, 121 frames at 24 fps (VAE 8 x 32 x 32), so
+        # 126 audio latent frames (25 per second); 1024 text tokens from the connectors, for video and audio alike
+        "ltx2", "LTX2VideoTransformer3DModel",
+        dict(num_attention_heads=32, attention_head_dim=128, num_layers=48, patch_size=1, patch_size_t=1,
+             audio_in_channels=128, rope_type="split"),
+        (121, 512, 768), latent_channels=128, vae_scale=(8, 32), text_len=1024, text_dim=3840,
+        description="LTX-2 19B (video 32 heads x 128, 48 layers, VAE 8 x 32 x 32; audio stream 32 heads x 64), "
+                    "512x768 121 frames"),
     "mochi": SyntheticModel(
         # genmo/mochi-1-preview's transformer config is MochiTransformer3DModel's defaults (pooled_projection_dim
         # 1536, text_embed_dim 4096, in_channels 12, ...); the keys read here are spelled out. No temporal patch:
@@ -342,6 +356,8 @@ def make_inputs(setup: SyntheticSetup, device: torch.device, dtype: torch.dtype,
                       image_embeds=torch.zeros(1, 729, 1152, device=device, dtype=dtype))
     if m.transformer_cls == "LTXVideoTransformer3DModel":
         inputs.update(_ltx_inputs(setup, inputs["hidden_states"], device))
+    if m.transformer_cls == "LTX2VideoTransformer3DModel":
+        inputs.update(_ltx2_inputs(setup, inputs["hidden_states"], inputs["encoder_hidden_states"], randn, device))
     if m.transformer_cls == "MochiTransformer3DModel":
         # as MochiPipeline passes them: the timestep in the latents' dtype and T5's boolean prompt mask
         inputs.update(timestep=torch.tensor([500.0], device=device, dtype=dtype),
@@ -360,6 +376,27 @@ def _ltx_inputs(setup: SyntheticSetup, latents: torch.Tensor, device: torch.devi
     return {"hidden_states": LTXPipeline._pack_latents(latents, p, pt), "num_frames": T, "height": H, "width": W,
             "rope_interpolation_scale": (t / 25, s, s),
             "encoder_attention_mask": torch.ones(1, setup.model.text_len, device=device, dtype=torch.long)}
+
+
+def _ltx2_inputs(setup: SyntheticSetup, latents: torch.Tensor, text: torch.Tensor, randn, device: torch.device,
+                 fps: float = 24.0) -> dict:
+    """What `LTX2Pipeline` passes its transformer besides the video text states: the latents packed into tokens
+    (B, S, C), the packed audio latents of the video's duration (25 latent frames per second), the audio text states
+    (the connectors give both streams the same length), the all-ones connector mask, the fp32 timestep (also the
+    sigma of LTX-2.3 models) and the latent sizes and frame rate from which the forward builds its RoPE coordinates
+    (the pipeline passes those coordinates too: the same values)."""
+    from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2Pipeline
+
+    _, T, H, W = setup.latent
+    pt, p, _ = setup.model.patch
+    audio_frames = round(setup.video[0] / fps * 16000 / 160 / 4)
+    mask = torch.ones(1, setup.model.text_len, device=device, dtype=torch.long)
+    timestep = torch.tensor([500.0], device=device)
+    return {"hidden_states": LTX2Pipeline._pack_latents(latents, p, pt),
+            "audio_hidden_states": randn(1, audio_frames, int(setup.model.config["audio_in_channels"])),
+            "audio_encoder_hidden_states": text.clone(), "timestep": timestep, "sigma": timestep,
+            "encoder_attention_mask": mask, "audio_encoder_attention_mask": mask,
+            "num_frames": T, "height": H, "width": W, "fps": fps, "audio_num_frames": audio_frames}
 
 
 def _cogvideox_rotary_emb(setup: SyntheticSetup, device: torch.device):

@@ -14,6 +14,8 @@ the whole sequence and otherwise makes the forward run dense (one warning per la
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor, apply_rotary_emb
 
@@ -57,21 +59,46 @@ class LTXVideoSparseAttnProcessor(SparseAttentionMixin, LTXVideoAttnProcessor):
         return attn.to_out[1](hidden_states)
 
 
-def _coords_grid(video_coords: torch.Tensor, seq_len: int) -> tuple[tuple[int, int, int] | None, str | None]:
-    """The (T, H, W) grid that `video_coords` [B, 3, S] spans when its tokens are that grid in time-major
-    order (the distinct t, h and w values, ascending), else (None, why). Syncs the host once."""
-    if video_coords.dim() != 3 or tuple(video_coords.shape[1:]) != (3, seq_len):
-        return None, (f"video_coords of shape {tuple(video_coords.shape)} does not give 3 coordinates for each of "
-                      f"the {seq_len} tokens")
-    coords = video_coords[0]
-    if not torch.equal(video_coords, coords.expand_as(video_coords)):
+# video_coords already checked: id -> (weak reference, version, sequence length, result)
+_CHECKED_COORDS: dict[int, tuple] = {}
+
+
+def coords_grid(video_coords: torch.Tensor, seq_len: int) -> tuple[tuple[int, int, int] | None, str | None]:
+    """The (T, H, W) grid that `video_coords` spans when its tokens are that grid in time-major order, else
+    (None, why): LTX-Video's (B, 3, S) positions or LTX-2's (B, 3, S, 2) patch bounds. Cached per tensor while it is
+    alive and unmodified (its version counter unchanged; inference tensors, which have none, are checked every
+    time): the pipelines build their coordinates once and pass the same tensor at every step."""
+    if video_coords.is_inference():          # no version counter: an in-place change could not be seen
+        return check_coords(video_coords, seq_len)
+    hit = _CHECKED_COORDS.get(id(video_coords))
+    if hit is not None and hit[0]() is video_coords and hit[1:3] == (video_coords._version, seq_len):
+        return hit[3]
+    found = check_coords(video_coords, seq_len)
+    if len(_CHECKED_COORDS) >= 8:
+        _CHECKED_COORDS.clear()
+    _CHECKED_COORDS[id(video_coords)] = (weakref.ref(video_coords), video_coords._version, seq_len, found)
+    return found
+
+
+def check_coords(video_coords: torch.Tensor, seq_len: int) -> tuple[tuple[int, int, int] | None, str | None]:
+    """`coords_grid` without the cache. video_coords: (B, 3, S, 2) patch bounds [start, end) or (B, 3, S)
+    positions; the RoPE uses the midpoints of the bounds, and so does this check. Syncs the host once."""
+    if video_coords.dim() not in (3, 4) or tuple(video_coords.shape[1:3]) != (3, seq_len) or (
+            video_coords.dim() == 4 and video_coords.shape[3] != 2):
+        return None, (f"video_coords of shape {tuple(video_coords.shape)} does not give (frame, height, width) "
+                      f"coordinates for each of the {seq_len} tokens (expected (B, 3, {seq_len}) or "
+                      f"(B, 3, {seq_len}, 2))")
+    coords = video_coords.mean(dim=3) if video_coords.dim() == 4 else video_coords
+    first = coords[0]
+    if not torch.equal(coords, first.expand_as(coords)):
         return None, "video_coords differ across the batch; sparse attention needs one token grid per forward"
-    axes = [torch.unique(coords[i]) for i in range(3)]          # sorted
+    axes = [torch.unique(first[i]) for i in range(3)]            # sorted
     grid = tuple(len(a) for a in axes)
     expected = torch.stack(torch.meshgrid(*axes, indexing="ij")).flatten(1)
-    if grid[0] * grid[1] * grid[2] != seq_len or not torch.equal(expected, coords):
-        return None, ("video_coords do not form one time-major (t, h, w) grid over the sequence (LTXConditionPipeline "
-                      "prepends the tokens of conditions at frame_index > 0); sparse attention needs one")
+    if grid[0] * grid[1] * grid[2] != seq_len or not torch.equal(expected, first):
+        return None, ("video_coords do not form one time-major (frame, height, width) grid over the sequence "
+                      "(the condition pipelines put the tokens of keyframe conditions beside the video); sparse "
+                      "attention needs one")
     return grid, None
 
 
@@ -89,7 +116,7 @@ def ltx_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | Non
     sizes = [forward_arg(args, kwargs, name, i) for i, name in ((4, "num_frames"), (5, "height"), (6, "width"))]
     seq_len = hidden_states.shape[1]
     if video_coords is not None:
-        grid, problem = _coords_grid(video_coords, seq_len)
+        grid, problem = coords_grid(video_coords, seq_len)
     elif any(s is None for s in sizes):
         grid, problem = None, "num_frames, height and width were not all given (and no video_coords)"
     else:

@@ -17,13 +17,15 @@ class ModelSpec:
     """How videosparse serves one transformer class.
 
     Attributes:
-        processor_cls: the sparse processor class (a subclass of the stock processor).
+        processor_cls: the sparse processor class (a subclass of the stock processor), or a callable
+            (session, layer, original processor) -> sparse processor where the layers of one model use several
+            stock classes (LTX-2: plain or perturbed, chosen by the original's class).
         is_self_attention: (module name, attention module) -> True for the layers to sparsify.
         grid_fn: (transformer, forward args, kwargs) -> ((T, H, W), text_len[, reason the forward must run dense]).
         text_position: where joint-attention text sits ("before"/"after"), None without joint text.
     """
 
-    processor_cls: type
+    processor_cls: type | Callable
     is_self_attention: Callable[[str, torch.nn.Module], bool]
     grid_fn: Callable
     text_position: str | None = None
@@ -42,6 +44,7 @@ def _register_builtin_models() -> None:
         CogVideoXTransformer3DModel,
         HunyuanVideo15Transformer3DModel,
         HunyuanVideoTransformer3DModel,
+        LTX2VideoTransformer3DModel,
         LTXVideoTransformer3DModel,
         MochiTransformer3DModel,
         SkyReelsV2Transformer3DModel,
@@ -99,6 +102,15 @@ def _register_builtin_models() -> None:
         return ModelSpec(LTXVideoSparseAttnProcessor, lambda name, m: name.endswith("attn1"), ltx_grid)
 
     register_model(LTXVideoTransformer3DModel, ltx_spec)
+
+    def ltx2_spec() -> ModelSpec:
+        from .ltx2 import is_video_self_attention, ltx2_grid, ltx2_sparse_processor
+
+        # transformer_blocks.<i>.attn1 (video self-attention) only: audio_attn1 and the text / audio <-> video
+        # cross-attentions keep their stock processors
+        return ModelSpec(ltx2_sparse_processor, is_video_self_attention, ltx2_grid)
+
+    register_model(LTX2VideoTransformer3DModel, ltx2_spec)
 
     def mochi_spec() -> ModelSpec:
         from .mochi import MochiSparseAttnProcessor, mochi_grid
