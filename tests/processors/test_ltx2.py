@@ -1,6 +1,7 @@
 """LTX-2: the video self-attention (attn1) of the audio-video transformer, plain and perturbed (STG) processors."""
 
 import inspect
+import logging
 
 import numpy as np
 import pytest
@@ -121,7 +122,7 @@ def test_only_video_self_attention_is_served():
     assert torch.isfinite(out).all() and not torch.equal(out, dense)
     assert [r.layer for r in records] == [0, 1]
     r = records[0]
-    assert r.grid == LATENT and r.text_len == 0 and r.text_position is None and r.q.shape == (1, 378, 2, 64)
+    assert r.grid == LATENT and r.text_len == 0 and r.text_position == "after" and r.q.shape == (1, 378, 2, 64)
 
 
 def test_perturbed_model_serves_perturbed_processors():
@@ -243,11 +244,46 @@ def test_coordinates_are_checked_once_per_tensor(monkeypatch):
     assert "do not form one time-major" in ltx2_grid(tr, (), inputs)[2] and len(calls) == 2
 
 
+def with_keyframe(transformer, inputs: dict) -> dict:
+    """`inputs` with one single-frame keyframe condition appended after the video, as LTX2ConditionPipeline does:
+    its latent tokens after the video's and its coordinates (at pixel frame 5) after theirs."""
+    keyframe = transformer.rope.prepare_video_coords(1, 1, *LATENT[1:], "cpu", fps=25.0)
+    keyframe[:, 0, :, 0], keyframe[:, 0, :, 1] = 5 / 25, 6 / 25
+    g = torch.Generator().manual_seed(2)
+    return dict(inputs, hidden_states=torch.cat([inputs["hidden_states"],
+                                                 torch.randn(1, keyframe.shape[2], CHANNELS, generator=g)], dim=1),
+                video_coords=torch.cat([inputs["video_coords"], keyframe], dim=2))
+
+
+def test_appended_keyframe_tokens_are_served_as_global_tiles(caplog):
+    """LTX2ConditionPipeline's keyframe tokens after the video (with the video's latent sizes given): the video grid
+    is the first tokens', the keyframe tokens are global tiles (every video tile attends to them, they to all):
+    density 1 equals stock, a sparse density runs sparse on every layer with no fallback."""
+    t = TestLTX2Processors()
+    tr = t.make_transformer()
+    inputs = with_keyframe(tr, ltx2_inputs(tr, coords=True))
+    extra = inputs["hidden_states"].shape[1] - 378
+    assert ltx2_grid(tr, (), inputs) == (LATENT, extra, None)
+    ref = t.run(tr, inputs)
+    videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=t.tiling, block=t.block))
+    records = []
+    with caplog.at_level(logging.WARNING, logger="videosparse"), videosparse.processors.observe(tr, records.append):
+        out = t.run(tr, inputs)
+    assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
+    assert [(r.grid, r.text_len, r.text_position) for r in records] == [(LATENT, extra, "after")] * t.num_layers
+    videosparse.remove(tr)
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=t.tiling, block=t.block))
+    assert torch.isfinite(t.run(tr, inputs)).all()
+    s = sessions(tr)["transformer"].stats()
+    assert s["sparse_calls"] == t.num_layers and s["dense_calls"] == 0 and s["density"] < 0.9
+    assert not [r for r in caplog.records if "runs dense" in r.getMessage()]
+
+
 @pytest.mark.parametrize("case", ["mask", "appended", "batch"])
 def test_unsupported_forwards_run_stock_with_one_warning(case, caplog):
-    """A video self-attention mask (IC-LoRA), keyframe-condition tokens appended after the video (LTX2Condition-
-    Pipeline) or coordinates that differ across the batch: every attn1 call runs the stock processor (no observer
-    records), warned once per layer over two forwards, and the output is stock's."""
+    """A video self-attention mask (IC-LoRA), tokens appended after the video without the video's latent sizes, or
+    coordinates that differ across the batch: every attn1 call runs the stock processor (no observer records),
+    warned once per layer over two forwards, and the output is stock's."""
     t = TestLTX2Processors()
     tr = t.make_transformer()
     inputs = ltx2_inputs(tr, coords=True)
@@ -257,13 +293,8 @@ def test_unsupported_forwards_run_stock_with_one_warning(case, caplog):
         mask[:, :, -50:] = 0.5
         inputs["video_self_attention_mask"] = mask
         expected = "an attention mask was given"
-    elif case == "appended":
-        keyframe = tr.rope.prepare_video_coords(1, 1, *LATENT[1:], "cpu", fps=25.0)
-        keyframe[:, 0, :, 0], keyframe[:, 0, :, 1] = 5 / 25, 6 / 25     # a single-frame keyframe at pixel frame 5
-        g = torch.Generator().manual_seed(2)
-        inputs.update(hidden_states=torch.cat([inputs["hidden_states"],
-                                               torch.randn(1, keyframe.shape[2], CHANNELS, generator=g)], dim=1),
-                      video_coords=torch.cat([inputs["video_coords"], keyframe], dim=2))
+    elif case == "appended":        # without the video's sizes the appended tokens cannot be told from the video
+        inputs = with_keyframe(tr, ltx2_inputs(tr, coords=True, sizes=False))
         expected = "do not form one time-major"
     else:
         inputs = {k: torch.cat([v, v]) if torch.is_tensor(v) else v for k, v in inputs.items()}
@@ -274,7 +305,7 @@ def test_unsupported_forwards_run_stock_with_one_warning(case, caplog):
 
 def test_model_info_of_the_published_config():
     """LTX-2 19B (the class defaults, as diffusers' conversion script and Lightricks/LTX-2 configure it): 48 served
-    layers of 32 heads x 128, patch 1 x 1 x 1, no joint text."""
+    layers of 32 heads x 128, patch 1 x 1 x 1, condition tokens appended after the video served as global tiles."""
     from videosparse.processors import self_attention_processors
     from videosparse.processors.registry import model_info, model_spec
 
@@ -284,7 +315,7 @@ def test_model_info_of_the_published_config():
     assert served == [f"transformer_blocks.{i}.attn1.processor" for i in range(48)]
     info = model_info(tr, model_spec(tr), len(served))
     assert (info.num_layers, info.num_heads, info.head_dim, info.patch_size, info.text_position) == (
-        48, 32, 128, (1, 1, 1), None)
+        48, 32, 128, (1, 1, 1), "after")          # appended keyframe-condition tokens: global tiles after the video
     assert len(attention_processors(tr)) == 6 * 48
 
 
@@ -364,3 +395,33 @@ def test_tiny_pipeline_end_to_end():
     videosparse.remove(pipe)
     frames, audio = run()
     assert np.array_equal(frames, ref) and torch.equal(audio, ref_audio)
+
+
+def test_tiny_condition_pipeline_serves_keyframe_tokens_sparse():
+    """LTX2ConditionPipeline with a keyframe condition at latent frame 1: its 1 x 8 x 32 keyframe tokens are appended
+    after the 3 x 8 x 32 video, and are served as global tiles (no fallback to dense); remove() restores the output."""
+    from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2ConditionPipeline, LTX2VideoCondition
+
+    base = build_tiny_ltx2_pipeline(rope_type="split")
+    pipe = LTX2ConditionPipeline(**{name: getattr(base, name) for name in (
+        "scheduler", "vae", "audio_vae", "text_encoder", "tokenizer", "connectors", "transformer", "vocoder")})
+    pipe.set_progress_bar_config(disable=True)
+    keyframe = LTX2VideoCondition(frames=torch.rand(3, 32, 128, generator=torch.Generator().manual_seed(3)), index=1,
+                                  crf=0)
+    kw = dict(prompt="a red circle moving left", negative_prompt="blue", num_frames=9, height=32, width=128,
+              frame_rate=25.0, num_inference_steps=3, max_sequence_length=16, output_type="np", conditions=[keyframe])
+
+    def run():
+        return pipe(**kw, generator=torch.Generator().manual_seed(0)).frames
+
+    ref = run()
+    handle = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64, dense_steps=1))
+    seen = []
+    with videosparse.processors.observe(pipe, lambda r: seen.append((r.grid, r.text_len, r.q.shape[1]))):
+        sparse = run()
+    assert set(seen) == {((3, 8, 32), 256, 3 * 8 * 32 + 256)}
+    for layer in handle["transformer"].stats()["layers"].values():
+        assert layer["dense_calls"] == 3 and layer["sparse_calls"] == 6 and layer["fallbacks"] == []
+    assert np.isfinite(sparse).all() and not np.array_equal(sparse, ref)
+    videosparse.remove(pipe)
+    assert np.array_equal(run(), ref)

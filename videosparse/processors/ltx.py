@@ -59,28 +59,33 @@ class LTXVideoSparseAttnProcessor(SparseAttentionMixin, LTXVideoAttnProcessor):
         return attn.to_out[1](hidden_states)
 
 
-# video_coords already checked: id -> (weak reference, version, sequence length, result)
-_CHECKED_COORDS: dict[int, tuple] = {}
+# video_coords already checked: (id, seq_len, video_len) -> (weak reference, version, result)
+_CHECKED_COORDS: dict[tuple[int, int, int], tuple] = {}
 
 
-def coords_grid(video_coords: torch.Tensor, seq_len: int) -> tuple[tuple[int, int, int] | None, str | None]:
-    """The (T, H, W) grid that `video_coords` spans when its tokens are that grid in time-major order, else
-    (None, why): LTX-Video's (B, 3, S) positions or LTX-2's (B, 3, S, 2) patch bounds. Cached per tensor while it is
-    alive and unmodified (its version counter unchanged; inference tensors, which have none, are checked every
-    time): the pipelines build their coordinates once and pass the same tensor at every step."""
+def coords_grid(video_coords: torch.Tensor, seq_len: int,
+                video_len: int | None = None) -> tuple[tuple[int, int, int] | None, str | None]:
+    """The (T, H, W) grid that the first `video_len` tokens of `video_coords` (default: all `seq_len`) span when they
+    are that grid in time-major order, else (None, why): LTX-Video's (B, 3, S) positions or LTX-2's (B, 3, S, 2)
+    patch bounds. Cached per tensor and question while the tensor is alive and unmodified (its version counter
+    unchanged; inference tensors, which have none, are checked every time): the pipelines build their coordinates
+    once and pass the same tensor at every step."""
+    video_len = seq_len if video_len is None else video_len
     if video_coords.is_inference():          # no version counter: an in-place change could not be seen
-        return check_coords(video_coords, seq_len)
-    hit = _CHECKED_COORDS.get(id(video_coords))
-    if hit is not None and hit[0]() is video_coords and hit[1:3] == (video_coords._version, seq_len):
-        return hit[3]
-    found = check_coords(video_coords, seq_len)
-    if len(_CHECKED_COORDS) >= 8:
+        return check_coords(video_coords, seq_len, video_len)
+    key = (id(video_coords), seq_len, video_len)
+    hit = _CHECKED_COORDS.get(key)
+    if hit is not None and hit[0]() is video_coords and hit[1] == video_coords._version:
+        return hit[2]
+    found = check_coords(video_coords, seq_len, video_len)
+    if len(_CHECKED_COORDS) >= 16:
         _CHECKED_COORDS.clear()
-    _CHECKED_COORDS[id(video_coords)] = (weakref.ref(video_coords), video_coords._version, seq_len, found)
+    _CHECKED_COORDS[key] = (weakref.ref(video_coords), video_coords._version, found)
     return found
 
 
-def check_coords(video_coords: torch.Tensor, seq_len: int) -> tuple[tuple[int, int, int] | None, str | None]:
+def check_coords(video_coords: torch.Tensor, seq_len: int,
+                 video_len: int | None = None) -> tuple[tuple[int, int, int] | None, str | None]:
     """`coords_grid` without the cache. video_coords: (B, 3, S, 2) patch bounds [start, end) or (B, 3, S)
     positions; the RoPE uses the midpoints of the bounds, and so does this check. Syncs the host once."""
     if video_coords.dim() not in (3, 4) or tuple(video_coords.shape[1:3]) != (3, seq_len) or (
@@ -89,13 +94,14 @@ def check_coords(video_coords: torch.Tensor, seq_len: int) -> tuple[tuple[int, i
                       f"coordinates for each of the {seq_len} tokens (expected (B, 3, {seq_len}) or "
                       f"(B, 3, {seq_len}, 2))")
     coords = video_coords.mean(dim=3) if video_coords.dim() == 4 else video_coords
+    coords = coords[:, :, :seq_len if video_len is None else video_len]
     first = coords[0]
     if not torch.equal(coords, first.expand_as(coords)):
         return None, "video_coords differ across the batch; sparse attention needs one token grid per forward"
     axes = [torch.unique(first[i]) for i in range(3)]            # sorted
     grid = tuple(len(a) for a in axes)
     expected = torch.stack(torch.meshgrid(*axes, indexing="ij")).flatten(1)
-    if grid[0] * grid[1] * grid[2] != seq_len or not torch.equal(expected, first):
+    if grid[0] * grid[1] * grid[2] != coords.shape[2] or not torch.equal(expected, first):
         return None, ("video_coords do not form one time-major (frame, height, width) grid over the sequence "
                       "(the condition pipelines put the tokens of keyframe conditions beside the video); sparse "
                       "attention needs one")

@@ -13,15 +13,18 @@ time-major (`index = f*H*W + h*W + w` over the patch grid), and the RoPE positio
 (B, 3, S, 2), the [start, end) of every patch on the (frame, height, width) axes, built by
 `transformer.rope.prepare_video_coords` in the same order. `ltx2_grid` reads the patch grid from those
 coordinates when they are given (they define the RoPE; every LTX-2 pipeline passes them), else from the
-latent sizes `num_frames, height, width` divided by the patch sizes. A sequence that is not one time-major
-grid (`LTX2ConditionPipeline` appends keyframe-condition tokens after the video; the DFR pipelines append
-keyframes too) runs the stock processor, warned once per layer, and so does a call with an attention mask
+latent sizes `num_frames, height, width` divided by the patch sizes. `LTX2ConditionPipeline` appends
+keyframe-condition tokens after the video and passes the video's latent sizes: when the first tokens form the
+grid of those sizes, the appended ones are served like joint text after the video (global tiles); pipelines that
+pass coordinates alone (the DFR ones) must give one grid over the whole sequence.
+Any other sequence runs the stock processor, warned once per layer, and so does a call with an attention mask
 (`video_self_attention_mask`, e.g. the IC-LoRA pipeline's reference-token mask).
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 from diffusers.models.transformers.transformer_ltx2 import (
@@ -154,13 +157,16 @@ def _forward_positions(cls: type) -> dict[str, int]:
 
 
 def ltx2_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | None]:
-    """Token grid of a forward (in patches), no text tokens (the text enters by cross-attention), and why the forward
-    must run dense (None when it can run sparse).
+    """Token grid of a forward (in patches), the tokens appended after the video, and why the forward must run dense
+    (None when it can run sparse).
 
     The grid is the one `video_coords` spans when they are given (the forward then builds the RoPE from them and
     ignores the sizes), else (ceil(num_frames / patch_size_t), ceil(height / patch_size), ceil(width / patch_size))
-    of the latent sizes, the patch counts `prepare_video_coords` lays out. A sequence that is no such grid runs
-    dense; the grid returned then is (1, 1, S), only to keep the layouts well-formed.
+    of the latent sizes, the patch counts `prepare_video_coords` lays out. `LTX2ConditionPipeline` appends keyframe
+    tokens after the video and passes the video's latent sizes with coordinates for all tokens: when the first
+    tokens form the grid of those sizes, the rest are served like joint text after the video (global tiles: every
+    video tile attends to them, and they to every tile). Any other sequence runs dense; the grid returned then is
+    (1, 1, S), only to keep the layouts well-formed.
     """
     positions = _forward_positions(type(module))
 
@@ -170,15 +176,23 @@ def ltx2_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | No
     seq_len = arg("hidden_states", 0).shape[1]
     video_coords = arg("video_coords", 15)
     sizes = [arg("num_frames", 10), arg("height", 11), arg("width", 12)]
-    if video_coords is not None:
-        grid, problem = coords_grid(video_coords, seq_len)
-    elif any(s is None for s in sizes):
-        grid, problem = None, "num_frames, height and width were not all given (and no video_coords)"
-    else:
+    size_grid = None
+    if all(s is not None for s in sizes):
         cfg = module.config
         patch = (int(cfg.patch_size_t), int(cfg.patch_size), int(cfg.patch_size))
-        grid, problem = tuple(-(-int(s) // p) for s, p in zip(sizes, patch)), None
-        if grid[0] * grid[1] * grid[2] != seq_len:
+        size_grid = tuple(-(-int(s) // p) for s, p in zip(sizes, patch))
+    if video_coords is not None:
+        grid, problem = coords_grid(video_coords, seq_len)
+        video_len = math.prod(size_grid) if size_grid is not None else seq_len
+        if problem is not None and video_len < seq_len:       # appended condition tokens after the video?
+            head, _ = coords_grid(video_coords, seq_len, video_len)
+            if head == size_grid:
+                return size_grid, seq_len - video_len, None
+    elif size_grid is None:
+        grid, problem = None, "num_frames, height and width were not all given (and no video_coords)"
+    else:
+        grid, problem = size_grid, None
+        if math.prod(grid) != seq_len:
             grid, problem = None, (f"the sequence has {seq_len} tokens, not the {' x '.join(map(str, grid))} patches "
                                    f"of num_frames x height x width = {' x '.join(str(int(s)) for s in sizes)}")
     return (grid or (1, 1, seq_len)), 0, problem

@@ -107,8 +107,9 @@ def _register_builtin_models() -> None:
         from .ltx2 import is_video_self_attention, ltx2_grid, ltx2_sparse_processor
 
         # transformer_blocks.<i>.attn1 (video self-attention) only: audio_attn1 and the text / audio <-> video
-        # cross-attentions keep their stock processors
-        return ModelSpec(ltx2_sparse_processor, is_video_self_attention, ltx2_grid)
+        # cross-attentions keep their stock processors. Condition tokens appended after the video (keyframes) are
+        # served like joint text after it
+        return ModelSpec(ltx2_sparse_processor, is_video_self_attention, ltx2_grid, text_position="after")
 
     register_model(LTX2VideoTransformer3DModel, ltx2_spec)
 
