@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import time
 
 import torch
 
@@ -12,6 +13,19 @@ def bench(fn, *, warmup: int = 20, rep: int = 100) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def host_us(fn, calls: int = 20) -> float:
+    """Host (Python + launch) microseconds per fn() call: `calls` calls issued back to back after a sync, without
+    one between them (the GPU queue does not fill at these counts)."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    per_call = (time.perf_counter() - t) / calls * 1e6
+    torch.cuda.synchronize()
+    return per_call
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

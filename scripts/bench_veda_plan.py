@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from _bench import bench as _bench, rel, versions  # noqa: E402
+from _bench import bench as _bench, host_us, rel, versions  # noqa: E402
 from videosparse import VedaConfig  # noqa: E402
 from videosparse.kernels import block_sparse_attention, select_backend  # noqa: E402
 from videosparse.layout import head_tiling  # noqa: E402
@@ -58,19 +58,6 @@ def torch_path_topk():
         yield
     finally:
         plan_module._fused_topk = saved
-
-
-def host_us(fn, calls: int = 200) -> float:
-    """Host (Python + launch) time per call in us: calls issued back to back without synchronising."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return host
 
 
 def main() -> None:
@@ -125,14 +112,14 @@ def main() -> None:
 
     fused = topk()
     t["topk_plan"] = bench(topk)                      # the fused Triton selection (one launch)
-    host = {"fused": host_us(topk)}
+    host = {"fused": host_us(topk, calls=200)}
     with torch_path_topk():                           # the torch path: ~25 small kernels, fp16 select as Veda's
         t["topk_plan_torch_path"] = bench(lambda: topk_plan(logits, args.density, block=block,
                                                             num_global_tiles=layout.num_global_tiles,
                                                             select_dtype=torch.float16))
         host["torch_path"] = host_us(lambda: topk_plan(logits, args.density, block=block,
                                                        num_global_tiles=layout.num_global_tiles,
-                                                       select_dtype=torch.float16))
+                                                       select_dtype=torch.float16), calls=200)
         same = topk()
     report["topk_host_us_per_call"] = host
     budget = torch.tensor(row_budget_list(args.density, Mv, Mv), device="cuda")
@@ -199,7 +186,8 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     kern = report["kernel"] or {}
-    print(f"\n{report['gpu']}  B=1 H={H} S={S} D={D} bf16  density {args.density} (realised {report['plan_density']:.4f})")
+    print(f"\n{report['gpu']}  B=1 H={H} S={S} D={D} bf16  density {args.density} "
+          f"(realised {report['plan_density']:.4f})")
     print(f"trippool triton {t['trippool_triton']:.3f} ms (torch {t['trippool_torch']:.3f}) | estimator "
           f"{t['estimator_logits']:.3f} | top-k {t['topk_plan']:.3f} (torch path {t['topk_plan_torch_path']:.3f}; "
           f"host {host['fused']:.0f} vs {host['torch_path']:.0f} us) | plan {t['plan_total']:.3f} "

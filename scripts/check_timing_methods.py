@@ -16,7 +16,6 @@ import argparse
 import json
 import math
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,20 +24,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 CASES = [("12x32768 d128", (1, 12, 32768, 128), [1.0, 0.1, 0.05]), ("12x32768 d64", (1, 12, 32768, 64), [0.1]),
          ("Wan14B 40x75600 d128", (1, 40, 75600, 128), [0.1])]
-
-
-def host_us(fn, n=20):
-    """Python time per call with n calls queued (the GPU queue does not fill at this n)."""
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    per_call = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return per_call
 
 
 def back_to_back_ms(fn, n=10):
@@ -78,6 +63,7 @@ def main(argv=None):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench, do_bench_cudagraph
 
+    from _bench import host_us
     from bench_kernel import random_plan
     from videosparse.kernels import block_sparse_attention
     from videosparse.kernels.gluon_hopper import gluon_attention
