@@ -1,3 +1,4 @@
+import logging
 
 import numpy as np
 import pytest
@@ -6,11 +7,14 @@ from diffusers import LTXVideoTransformer3DModel
 from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
 from diffusers.pipelines.ltx.pipeline_ltx import LTXPipeline
 from diffusers.pipelines.ltx.pipeline_ltx_condition import LTXConditionPipeline
+from tester import (
+    ProcessorTesterMixin,
+    apply_and_list_served,
+    assert_runs_stock_with_one_warning,
+)
 
 import videosparse
 from videosparse.processors import sessions
-
-from tester import ProcessorTesterMixin, apply_and_list_served, assert_runs_stock_with_one_warning
 
 CHANNELS, TEXT, TEXT_DIM = 8, 8, 16
 LATENT = (3, 7, 18)          # latent frames x height x width: 378 tokens, a partial last tile of 64
@@ -75,7 +79,7 @@ def test_sparse_runs_on_attn1_only():
     assert s["sparse_calls"] == 2 and s["dense_calls"] == 0 and 0.3 < s["density"] < 0.9
     assert torch.isfinite(out).all() and not torch.equal(out, dense)
     r = records[0]
-    assert r.grid == LATENT and r.text_len == 0 and r.text_position is None and r.q.shape == (1, 378, 2, 64)
+    assert r.grid == LATENT and r.text_len == 0 and r.text_position == "before" and r.q.shape == (1, 378, 2, 64)
 
 
 def test_video_coords_grid_runs_sparse():
@@ -106,20 +110,53 @@ def test_grid_needs_the_sizes_or_coords_of_every_token():
     assert "coordinates for each of the 378 tokens" in ltx_grid(tr, (), dict(inputs, video_coords=coords[:, :2]))[2]
 
 
-@pytest.mark.parametrize("case", ["prepended", "batch"])
+def with_condition(inputs: dict, frame_index: int = 16) -> dict:
+    """`inputs` with one latent frame of condition tokens before the video, as LTXConditionPipeline puts an image
+    condition at `frame_index` > 0: its tokens first, its coordinates (at that frame) before the video's."""
+    cond = _video_coords((1, *LATENT[1:]), frame_index=frame_index)
+    g = torch.Generator().manual_seed(2)
+    return dict(inputs, hidden_states=torch.cat([torch.randn(1, cond.shape[2], CHANNELS, generator=g),
+                                                 inputs["hidden_states"]], dim=1),
+                video_coords=torch.cat([cond, _video_coords(LATENT)], dim=2))
+
+
+def test_prepended_condition_tokens_are_served_as_global_tiles(caplog):
+    """LTXConditionPipeline's condition tokens before the video: the grid is the tokens' after them, the condition
+    tokens are global tiles before the video (every video tile attends to them, they to all): density 1 equals
+    stock, a sparse density runs sparse on every layer with no fallback."""
+    from videosparse.processors.ltx import ltx_grid
+
+    t = TestLTXProcessors()
+    tr = t.make_transformer()
+    inputs = with_condition(t.make_inputs(tr))
+    prefix = LATENT[1] * LATENT[2]
+    assert ltx_grid(tr, (), inputs) == (LATENT, prefix, None)
+    ref = t.run(tr, inputs)
+    videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=t.tiling, block=t.block))
+    records = []
+    with caplog.at_level(logging.WARNING, logger="videosparse"), videosparse.processors.observe(tr, records.append):
+        out = t.run(tr, inputs)
+    assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
+    assert [(r.grid, r.text_len, r.text_position) for r in records] == [(LATENT, prefix, "before")] * t.num_layers
+    videosparse.remove(tr)
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=t.tiling, block=t.block))
+    assert torch.isfinite(t.run(tr, inputs)).all()
+    s = sessions(tr)["transformer"].stats()
+    assert s["sparse_calls"] == t.num_layers and s["dense_calls"] == 0 and s["density"] < 0.9
+    assert not [r for r in caplog.records if "runs dense" in r.getMessage()]
+
+
+@pytest.mark.parametrize("case", ["scrambled", "batch"])
 def test_not_one_grid_runs_stock_with_one_warning(case, caplog):
-    """Conditioning tokens prepended by LTXConditionPipeline (frame_index > 0) or coordinates that differ across
+    """Coordinates that form no time-major grid, even after whole frames of condition tokens, or that differ across
     the batch: every attn1 call runs the stock processor (no observer records), warned once per layer."""
     t = TestLTXProcessors()
     tr = t.make_transformer()
     inputs = t.make_inputs(tr)
     grid_coords = _video_coords(LATENT)
-    if case == "prepended":
-        cond = _video_coords((1, *LATENT[1:]), frame_index=16)
-        g = torch.Generator().manual_seed(2)
-        inputs.update(hidden_states=torch.cat([torch.randn(1, cond.shape[2], CHANNELS, generator=g),
-                                               inputs["hidden_states"]], dim=1),
-                      video_coords=torch.cat([cond, grid_coords], dim=2))
+    if case == "scrambled":
+        order = torch.randperm(grid_coords.shape[2], generator=torch.Generator().manual_seed(3))
+        inputs.update(hidden_states=inputs["hidden_states"][:, order], video_coords=grid_coords[:, :, order])
         expected = "do not form one time-major"
     else:
         shifted = grid_coords.clone()
@@ -143,7 +180,7 @@ def test_model_info_of_published_configs():
         spec = model_spec(tr)
         info = model_info(tr, spec, len(self_attention_processors(tr)))
         assert (info.num_layers, info.num_heads, info.head_dim) == expected
-        assert info.patch_size == (1, 1, 1) and info.text_position is None
+        assert info.patch_size == (1, 1, 1) and info.text_position == "before"     # condition tokens before the video
 
 
 def build_tiny_ltx_pipeline(cls=LTXPipeline):
@@ -191,6 +228,34 @@ def test_tiny_pipeline_end_to_end(cls):
     with videosparse.processors.observe(pipe, lambda r: seen.append((r.step, r.grid))):
         sparse = run()
     assert sorted(set(seen)) == [(s, (3, 8, 24)) for s in range(3)]        # 9 x 32 x 96 -> latent 3 x 8 x 24
+    layers = handle["transformer"].stats()["layers"]
+    assert all(s["dense_calls"] == 1 and s["sparse_calls"] == 2 and s["fallbacks"] == [] for s in layers.values())
+    assert np.isfinite(sparse).all() and not np.array_equal(sparse, ref)
+    videosparse.remove(pipe)
+    assert np.array_equal(run(), ref)
+
+
+def test_tiny_condition_pipeline_serves_condition_tokens_sparse():
+    """LTXConditionPipeline with an image condition at frame_index 4: its latent frame of 8 x 24 tokens goes before
+    the 3 x 8 x 24 video and is served as global tiles (no fallback to dense); remove() restores the output."""
+    from diffusers.pipelines.ltx.pipeline_ltx_condition import LTXVideoCondition
+    from PIL import Image
+
+    pipe = build_tiny_ltx_pipeline(LTXConditionPipeline)
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (32, 96, 3), dtype=np.uint8))
+    kw = dict(prompt="a red circle moving left", negative_prompt="blue", num_frames=9, height=32, width=96,
+              num_inference_steps=3, output_type="np", max_sequence_length=16,
+              conditions=[LTXVideoCondition(image=image, frame_index=4)])
+
+    def run():
+        return pipe(**kw, generator=torch.Generator().manual_seed(0)).frames
+
+    ref = run()
+    handle = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64, dense_steps=1))
+    seen = []
+    with videosparse.processors.observe(pipe, lambda r: seen.append((r.grid, r.text_len, r.text_position))):
+        sparse = run()
+    assert set(seen) == {((3, 8, 24), 8 * 24, "before")}
     layers = handle["transformer"].stats()["layers"]
     assert all(s["dense_calls"] == 1 and s["sparse_calls"] == 2 and s["fallbacks"] == [] for s in layers.values())
     assert np.isfinite(sparse).all() and not np.array_equal(sparse, ref)

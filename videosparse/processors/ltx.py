@@ -7,9 +7,10 @@ arguments: `num_frames, height, width` (`LTXPipeline`, `LTXImageToVideoPipeline`
 [B, 3, S], the (t, h, w) coordinate of every token (`LTXConditionPipeline`). The RoPE tables are built
 from exactly these, one coordinate per token, so the token grid is (num_frames, height, width).
 
-`LTXConditionPipeline` prepends the tokens of conditions placed at `frame_index > 0` to the video; such a
-sequence is not one grid, so `ltx_grid` checks that `video_coords` is a time-major (t, h, w) grid over
-the whole sequence and otherwise makes the forward run dense (one warning per layer).
+`LTXConditionPipeline` prepends the tokens of conditions placed at `frame_index > 0` to the video (a latent
+frame of the video's height x width each); `ltx_grid` checks that `video_coords` is a time-major (t, h, w) grid
+over the whole sequence or over the tokens after such a prefix, whose tokens are then served like joint text
+before the video (global tiles), and otherwise makes the forward run dense (one warning per layer).
 """
 
 from __future__ import annotations
@@ -59,33 +60,58 @@ class LTXVideoSparseAttnProcessor(SparseAttentionMixin, LTXVideoAttnProcessor):
         return attn.to_out[1](hidden_states)
 
 
-# video_coords already checked: (id, seq_len, video_len) -> (weak reference, version, result)
-_CHECKED_COORDS: dict[tuple[int, int, int], tuple] = {}
+# checks of video_coords already made: (id, question) -> (weak reference, version, answer)
+_CHECKED_COORDS: dict[tuple, tuple] = {}
 
 
-def coords_grid(video_coords: torch.Tensor, seq_len: int,
-                video_len: int | None = None) -> tuple[tuple[int, int, int] | None, str | None]:
-    """The (T, H, W) grid that the first `video_len` tokens of `video_coords` (default: all `seq_len`) span when they
-    are that grid in time-major order, else (None, why): LTX-Video's (B, 3, S) positions or LTX-2's (B, 3, S, 2)
-    patch bounds. Cached per tensor and question while the tensor is alive and unmodified (its version counter
-    unchanged; inference tensors, which have none, are checked every time): the pipelines build their coordinates
-    once and pass the same tensor at every step."""
-    video_len = seq_len if video_len is None else video_len
+def _cached_check(video_coords: torch.Tensor, question: tuple, check):
+    """check() for `video_coords`, cached per tensor and question while the tensor is alive and unmodified (its
+    version counter unchanged; inference tensors, which have none, are checked every time): the pipelines build
+    their coordinates once and pass the same tensor at every step, and a check syncs the host."""
     if video_coords.is_inference():          # no version counter: an in-place change could not be seen
-        return check_coords(video_coords, seq_len, video_len)
-    key = (id(video_coords), seq_len, video_len)
+        return check()
+    key = (id(video_coords), *question)
     hit = _CHECKED_COORDS.get(key)
     if hit is not None and hit[0]() is video_coords and hit[1] == video_coords._version:
         return hit[2]
-    found = check_coords(video_coords, seq_len, video_len)
+    found = check()
     if len(_CHECKED_COORDS) >= 16:
         _CHECKED_COORDS.clear()
     _CHECKED_COORDS[key] = (weakref.ref(video_coords), video_coords._version, found)
     return found
 
 
-def check_coords(video_coords: torch.Tensor, seq_len: int,
-                 video_len: int | None = None) -> tuple[tuple[int, int, int] | None, str | None]:
+def coords_grid(video_coords: torch.Tensor, seq_len: int, video_len: int | None = None,
+                start: int = 0) -> tuple[tuple[int, int, int] | None, str | None]:
+    """The (T, H, W) grid that the `video_len` tokens from `start` (default: all `seq_len`) of `video_coords` span when
+    they are that grid in time-major order, else (None, why): LTX-Video's (B, 3, S) positions or LTX-2's
+    (B, 3, S, 2) patch bounds. Cached (`_cached_check`)."""
+    video_len = seq_len - start if video_len is None else video_len
+    return _cached_check(video_coords, ("grid", seq_len, video_len, start),
+                         lambda: check_coords(video_coords, seq_len, video_len, start))
+
+
+def grid_after_conditions(video_coords: torch.Tensor, seq_len: int) -> tuple[tuple[int, int, int], int] | None:
+    """(grid, prefix) when the tokens after the first `prefix` form one time-major grid and the first ones are
+    whole latent frames of condition tokens (`LTXConditionPipeline` puts the tokens of conditions at frame_index > 0
+    before the video, each a latent frame of the video's height x width); the smallest such prefix, else None.
+    Cached (`_cached_check`)."""
+    def search():
+        if video_coords.dim() != 3 or tuple(video_coords.shape[1:]) != (3, seq_len):
+            return None
+        first = video_coords[0]
+        frame = len(torch.unique(first[1])) * len(torch.unique(first[2]))    # tokens per latent frame
+        for prefix in range(frame, seq_len, frame):
+            grid, problem = coords_grid(video_coords, seq_len, start=prefix)
+            if problem is None:
+                return grid, prefix
+        return None
+
+    return _cached_check(video_coords, ("prefix", seq_len), search)
+
+
+def check_coords(video_coords: torch.Tensor, seq_len: int, video_len: int | None = None,
+                 start: int = 0) -> tuple[tuple[int, int, int] | None, str | None]:
     """`coords_grid` without the cache. video_coords: (B, 3, S, 2) patch bounds [start, end) or (B, 3, S)
     positions; the RoPE uses the midpoints of the bounds, and so does this check. Syncs the host once."""
     if video_coords.dim() not in (3, 4) or tuple(video_coords.shape[1:3]) != (3, seq_len) or (
@@ -94,7 +120,7 @@ def check_coords(video_coords: torch.Tensor, seq_len: int,
                       f"coordinates for each of the {seq_len} tokens (expected (B, 3, {seq_len}) or "
                       f"(B, 3, {seq_len}, 2))")
     coords = video_coords.mean(dim=3) if video_coords.dim() == 4 else video_coords
-    coords = coords[:, :, :seq_len if video_len is None else video_len]
+    coords = coords[:, :, start:start + (seq_len - start if video_len is None else video_len)]
     first = coords[0]
     if not torch.equal(coords, first.expand_as(coords)):
         return None, "video_coords differ across the batch; sparse attention needs one token grid per forward"
@@ -109,12 +135,14 @@ def check_coords(video_coords: torch.Tensor, seq_len: int,
 
 
 def ltx_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | None]:
-    """Token grid of a forward, no text tokens (LTX has no joint text), and why the forward must run dense
-    (None when it can run sparse).
+    """Token grid of a forward, the condition tokens before the video, and why the forward must run dense (None
+    when it can run sparse).
 
     The grid is (num_frames, height, width) of the forward's arguments (the pipelines pass the latent
     sizes; LTX-Video's patch sizes are 1), or the grid that `video_coords` spans when given (they then
-    define the RoPE, and `LTXConditionPipeline` passes nothing else). A sequence that is no such grid runs
+    define the RoPE, and `LTXConditionPipeline` passes nothing else). The condition tokens that
+    `LTXConditionPipeline` puts before the video (conditions at frame_index > 0) are served like joint text before
+    it (global tiles) when the tokens after them form the grid (`grid_after_conditions`). Any other sequence runs
     dense; the grid returned then is (1, 1, S), only to keep the layouts well-formed.
     """
     hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
@@ -123,6 +151,8 @@ def ltx_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | Non
     seq_len = hidden_states.shape[1]
     if video_coords is not None:
         grid, problem = coords_grid(video_coords, seq_len)
+        if problem is not None and (split := grid_after_conditions(video_coords, seq_len)) is not None:
+            return split[0], split[1], None
     elif any(s is None for s in sizes):
         grid, problem = None, "num_frames, height and width were not all given (and no video_coords)"
     else:

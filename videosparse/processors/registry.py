@@ -99,7 +99,9 @@ def _register_builtin_models() -> None:
         from .ltx import LTXVideoSparseAttnProcessor, ltx_grid
 
         # attn1: video self-attention; attn2 (cross-attention to the text) stays stock
-        return ModelSpec(LTXVideoSparseAttnProcessor, lambda name, m: name.endswith("attn1"), ltx_grid)
+        # condition tokens that LTXConditionPipeline puts before the video are served like joint text before it
+        return ModelSpec(LTXVideoSparseAttnProcessor, lambda name, m: name.endswith("attn1"), ltx_grid,
+                         text_position="before")
 
     register_model(LTXVideoTransformer3DModel, ltx_spec)
 
