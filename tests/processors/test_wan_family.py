@@ -1,14 +1,25 @@
-"""Wan VACE and SkyReels V2: the Wan family's other transformers run the shared processor tests."""
+"""Wan VACE, SkyReels V2 and Wan 2.2 Animate: the Wan family's other transformers run the shared processor tests."""
 
 import logging
 
+import numpy as np
 import pytest
 import torch
-from diffusers import SkyReelsV2Transformer3DModel, WanTransformer3DModel, WanVACETransformer3DModel
+from diffusers import (
+    SkyReelsV2Transformer3DModel,
+    WanAnimateTransformer3DModel,
+    WanTransformer3DModel,
+    WanVACETransformer3DModel,
+)
+from diffusers.models.transformers import transformer_wan_animate
 
 import videosparse
 from videosparse.processors import sessions
-from videosparse.processors.wan import SkyReelsV2SparseAttnProcessor, WanSparseAttnProcessor
+from videosparse.processors.wan import (
+    SkyReelsV2SparseAttnProcessor,
+    WanAnimateSparseAttnProcessor,
+    WanSparseAttnProcessor,
+)
 
 from tester import ProcessorTesterMixin, apply_and_list_served
 
@@ -148,7 +159,6 @@ def test_tiny_pipeline_end_to_end(name, monkeypatch):
     import sys
     from types import SimpleNamespace
 
-    import numpy as np
 
     pipe = _tiny_family_pipeline(name)
     # the prompt cleaning of these pipelines calls ftfy (not a videosparse dependency): an identity stand-in
@@ -159,6 +169,14 @@ def test_tiny_pipeline_end_to_end(name, monkeypatch):
     if name == "SkyReelsV2DiffusionForcingPipeline":
         kw.update(base_num_frames=9)                       # synchronous diffusion forcing: one window, no AR steps
 
+    ref = _check_sparse_after_dense_step(pipe, kw, num_layers=4 if name == "WanVACEPipeline" else 2)
+    assert ref.ndim == 5                                    # 9 x 32 x 96 -> latent 3 x 4 x 12 -> 3 x 2 x 6 tokens
+
+
+def _check_sparse_after_dense_step(pipe, kw: dict, num_layers: int):
+    """Run `pipe(**kw)` stock, then with Veda (first of 3 steps dense): every step on the (3, 2, 6) token grid, each
+    of `num_layers` served layers 2 dense + 4 sparse calls (CFG) with no fallback, a different finite output; after
+    remove() the stock output exactly. Returns the stock frames."""
     def run():
         return pipe(**kw, generator=torch.Generator().manual_seed(0)).frames
 
@@ -167,13 +185,14 @@ def test_tiny_pipeline_end_to_end(name, monkeypatch):
     seen = set()
     with videosparse.processors.observe(pipe, lambda r: seen.add((r.step, r.grid))):
         sparse = run()
-    assert seen == {(s, (3, 2, 6)) for s in range(3)}       # 9 x 32 x 96 -> latent 3 x 4 x 12 -> 3 x 2 x 6 tokens
+    assert seen == {(s, (3, 2, 6)) for s in range(3)}
     layers = handle["transformer"].stats()["layers"]
-    assert len(layers) == (4 if name == "WanVACEPipeline" else 2)
+    assert len(layers) == num_layers
     assert all(s["dense_calls"] == 2 and s["sparse_calls"] == 4 and s["fallbacks"] == [] for s in layers.values())
     assert np.isfinite(sparse).all() and not np.array_equal(sparse, ref)
     videosparse.remove(pipe)
     assert np.array_equal(run(), ref)
+    return ref
 
 
 @pytest.mark.parametrize("cls", [SkyReelsV2Transformer3DModel, WanTransformer3DModel])
@@ -212,3 +231,109 @@ def test_per_token_timesteps_of_ti2v_run_sparse():
         out = t.run(tr, inputs)
     assert grids == [(3, 7, 9)] * 2 and (out - ref).abs().max() <= 1e-5
     assert sessions(tr)["transformer"].stats()["sparse_calls"] == 2
+
+
+def _tiny_animate_transformer(text_dim=16, image_dim=24):
+    """A tiny `WanAnimateTransformer3DModel`: 2 blocks (CLIP image context through attn2's added k/v), 2 latent
+    channels x 2 + 4 input channels, an 8 x 8 pixel motion encoder (one res block; the pipeline's video processor
+    rounds the face video down to a multiple of 8 pixels) and a face adapter after every block (face_adapter.0-1)."""
+    torch.manual_seed(0)
+    small = {k: v for k, v in SMALL.items() if k not in ("in_channels", "out_channels", "text_dim")}
+    return WanAnimateTransformer3DModel(
+        **small, num_layers=2, latent_channels=4, in_channels=12, out_channels=4, text_dim=text_dim,
+        image_dim=image_dim, added_kv_proj_dim=128, motion_encoder_size=8,
+        motion_encoder_channel_sizes={"8": 8, "4": 8},
+        motion_style_dim=8, motion_dim=4, motion_encoder_dim=8, face_encoder_hidden_dim=8, face_encoder_num_heads=2,
+        inject_face_latents_blocks=1,
+    ).eval()
+
+
+class TestWanAnimateProcessors(ProcessorTesterMixin):
+    """Wan 2.2 Animate: the blocks' attn1 over the (T+1) x H x W grid (pose latents added to frames 1..T)."""
+
+    def make_transformer(self):
+        return _tiny_animate_transformer()
+
+    def make_inputs(self, transformer):
+        g = torch.Generator().manual_seed(1)
+        # grid after patching: 3 x 7 x 9 tokens; 5 face frames -> 2 motion frames + 1 pad = 3, one per latent frame.
+        # 512 text tokens: the stock attn2 takes the tokens before the last 512 as the CLIP image context
+        return dict(hidden_states=torch.randn(1, 12, 3, 14, 18, generator=g), timestep=torch.tensor([500]),
+                    encoder_hidden_states=torch.randn(1, 512, 16, generator=g),
+                    encoder_hidden_states_image=torch.randn(1, 5, 24, generator=g),
+                    pose_hidden_states=torch.randn(1, 4, 2, 14, 18, generator=g),
+                    face_pixel_values=torch.randn(1, 3, 5, 8, 8, generator=g))
+
+
+def test_animate_serves_only_the_blocks_attn1():
+    """Only blocks.<i>.attn1 is served; attn2 (text + image) and the face adapter's motion cross-attention keep
+    their stock processors, and the grid of every call is the (T+1) x H x W latent grid."""
+    t = TestWanAnimateProcessors()
+    tr = t.make_transformer()
+    inputs = t.make_inputs(tr)
+    ref = t.run(tr, inputs)
+    before, served = apply_and_list_served(tr, videosparse.VedaConfig(density=1.0, tiling=t.tiling, block=t.block))
+    assert served == ["blocks.0.attn1.processor", "blocks.1.attn1.processor"]
+    procs = tr.attn_processors
+    assert all(type(procs[n]) is WanAnimateSparseAttnProcessor for n in served)
+    assert isinstance(procs["blocks.0.attn1.processor"], transformer_wan_animate.WanAttnProcessor)
+    face = sorted(n for n in procs if n.startswith("face_adapter."))
+    assert face == ["face_adapter.0.processor", "face_adapter.1.processor"]
+    assert all(type(procs[n]) is transformer_wan_animate.WanAnimateFaceBlockAttnProcessor and procs[n] is before[n]
+               for n in face)
+    assert all(procs[n] is before[n] for n in procs if n not in served)
+    grids = []
+    with videosparse.processors.observe(tr, lambda r: grids.append(r.grid)):
+        out = t.run(tr, inputs)
+    assert grids == [(3, 7, 9)] * 2 and (out - ref).abs().max() <= 1e-5
+    s = sessions(tr)["transformer"].stats()
+    assert s["sparse_calls"] == 2 and s["dense_calls"] == 0
+
+
+def _tiny_animate_pipeline():
+    """A tiny `WanAnimatePipeline` (built offline, random weights): the tiny Wan pipeline's text encoder, tokenizer
+    and VAE, a tiny CLIP vision encoder (32 x 32 pixels, hidden size 24) and a tiny Animate transformer."""
+    import diffusers
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    from videosparse.models.tiny_wan import build_tiny_wan_pipeline
+
+    wan = build_tiny_wan_pipeline()
+    torch.manual_seed(0)
+    image_encoder = CLIPVisionModel(CLIPVisionConfig(hidden_size=24, intermediate_size=32, num_hidden_layers=2,
+                                                     num_attention_heads=2, image_size=32, patch_size=16)).eval()
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    scheduler = diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                                  flow_shift=5.0)
+    pipe = diffusers.WanAnimatePipeline(tokenizer=wan.tokenizer, text_encoder=wan.text_encoder, vae=wan.vae,
+                                        scheduler=scheduler, image_processor=image_processor,
+                                        image_encoder=image_encoder,
+                                        transformer=_tiny_animate_transformer(text_dim=32, image_dim=24))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_tiny_animate_pipeline_end_to_end(monkeypatch):
+    """WanAnimatePipeline (animate mode, guidance with the blanked face branch) runs its first step dense and the
+    others sparse, both blocks' attn1 served on the (T+1) x H x W grid, and remove() restores it exactly."""
+    import sys
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    pipe = _tiny_animate_pipeline()
+    monkeypatch.setattr(sys.modules[type(pipe).__module__], "ftfy", SimpleNamespace(fix_text=lambda t: t),
+                        raising=False)
+    rng = np.random.default_rng(0)
+
+    def frame(w, h):
+        return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+    # 5 frames in one segment: latent 2 frames + the reference frame = 3; 32 x 96 pixels -> 4 x 12 latents
+    kw = dict(image=frame(96, 32), pose_video=[frame(96, 32) for _ in range(5)],
+              face_video=[frame(8, 8) for _ in range(5)], prompt="a red circle moving left", negative_prompt="blue",
+              height=32, width=96, segment_frame_length=5, num_inference_steps=3, guidance_scale=2.0,
+              output_type="np", max_sequence_length=512)
+
+    ref = _check_sparse_after_dense_step(pipe, kw, num_layers=2)      # latent 3 x 4 x 12 -> 3 x 2 x 6 tokens
+    assert ref.shape[1] == 5

@@ -48,6 +48,7 @@ def _register_builtin_models() -> None:
         LTXVideoTransformer3DModel,
         MochiTransformer3DModel,
         SkyReelsV2Transformer3DModel,
+        WanAnimateTransformer3DModel,
         WanTransformer3DModel,
         WanVACETransformer3DModel,
     )
@@ -67,6 +68,16 @@ def _register_builtin_models() -> None:
         return ModelSpec(SkyReelsV2SparseAttnProcessor, lambda name, m: name.endswith("attn1"), wan_grid)
 
     register_model(SkyReelsV2Transformer3DModel, skyreels_v2_spec)
+
+    def wan_animate_spec() -> ModelSpec:
+        from .wan import WanAnimateSparseAttnProcessor, wan_grid
+
+        # blocks.<i>.attn1 only: attn2 (text / image cross-attention) and the face adapter's cross-attention to the
+        # motion tokens (face_adapter.<j>, WanAnimateFaceBlockAttnProcessor) keep their stock processors
+        return ModelSpec(WanAnimateSparseAttnProcessor,
+                         lambda name, m: name.startswith("blocks.") and name.endswith(".attn1"), wan_grid)
+
+    register_model(WanAnimateTransformer3DModel, wan_animate_spec)
 
     def hunyuan_spec() -> ModelSpec:
         from .hunyuan import HunyuanVideoSparseAttnProcessor, hunyuan_grid

@@ -1,15 +1,21 @@
-"""The Wan family: Wan 2.1 / 2.2 (`WanTransformer3DModel`), Wan VACE (`WanVACETransformer3DModel`) and
-SkyReels V2 (`SkyReelsV2Transformer3DModel`): sparse self-attention processors and model facts.
+"""The Wan family: Wan 2.1 / 2.2 (`WanTransformer3DModel`), Wan VACE (`WanVACETransformer3DModel`), SkyReels V2
+(`SkyReelsV2Transformer3DModel`) and Wan 2.2 Animate (`WanAnimateTransformer3DModel`): sparse self-attention
+processors and model facts.
 
-The three share one attention layout (diffusers copies Wan's processor into SkyReels V2, and VACE's
-blocks use Wan's own): qkv projections, qk-norm across heads, interleaved RoPE from (freqs_cos,
+The four share one attention layout (diffusers copies Wan's processor into SkyReels V2 and Wan Animate, and
+VACE's blocks use Wan's own): qkv projections, qk-norm across heads, interleaved RoPE from (freqs_cos,
 freqs_sin) tables, video tokens only (text and image context enter by cross-attention). One mixin
 serves them; each model's class only names its stock processor and projection helper.
+
+Wan Animate's video tokens are one grid too: the pose latents are added in place to the patched frames 1..T, so
+hidden_states (B, 2C+4, T+1, H, W) gives (T+1, H/ph, W/pw) tokens, time-major. Its face adapter
+(`WanAnimateFaceBlockAttnProcessor`, video queries against per-frame motion tokens) is a cross-attention and stays
+stock.
 """
 
 from __future__ import annotations
 
-from diffusers.models.transformers import transformer_skyreels_v2, transformer_wan
+from diffusers.models.transformers import transformer_skyreels_v2, transformer_wan, transformer_wan_animate
 
 from .base import SparseAttentionMixin
 from .context import forward_arg
@@ -54,6 +60,14 @@ class SkyReelsV2SparseAttnProcessor(_WanFamilySparseAttention, transformer_skyre
 
     _stock = transformer_skyreels_v2.SkyReelsV2AttnProcessor
     _qkv = staticmethod(transformer_skyreels_v2._get_qkv_projections)
+
+
+class WanAnimateSparseAttnProcessor(_WanFamilySparseAttention, transformer_wan_animate.WanAttnProcessor):
+    """Wan Animate's own `WanAttnProcessor` (a module-local copy of Wan's) whose self-attention runs through
+    videosparse; served on the blocks' `attn1` only."""
+
+    _stock = transformer_wan_animate.WanAttnProcessor
+    _qkv = staticmethod(transformer_wan_animate._get_qkv_projections)
 
 
 def wan_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
