@@ -226,3 +226,24 @@ def test_shrunken_ltx2_runs_sparse():
     assert tuple(inputs["audio_encoder_hidden_states"].shape) == (1, 1024, 3840)
     row = _shrunken_sparse_row("ltx2", frames=17, height=256, width=256)
     assert 0.3 < row["realised_density"] < 0.7 and 0 < row["output_rel_l2_vs_dense"] < 0.5
+
+
+def test_shrunken_cosmos_runs_sparse():
+    """Cosmos-Predict2.5 2B (diffusers' conversion config, without the padding-mask channel): the latents, the
+    condition mask, per-frame sigmas [B, 1, T, 1, 1] and the stacked Qwen2.5-VL text states (512 x 100,352) as
+    Cosmos2_5_PredictBasePipeline passes them for text to world; one block at a tiny size runs sparse on CPU (its
+    video self-attention; the cross-attention to the text stays stock)."""
+    setup = synthetic_setup("cosmos")
+    assert setup.latent == (16, 24, 88, 160) and setup.grid == (24, 44, 80)
+    assert setup.tokens == 84_480 and setup.attention_tokens == 84_480
+    assert (setup.model.heads, setup.model.head_dim, setup.num_layers) == (16, 128, 28)
+    assert 2.0e9 < count_parameters(setup) < 2.1e9
+    small = synthetic_setup("cosmos", frames=9, height=128, width=128, layers=1)
+    inputs = make_inputs(small, torch.device("cpu"), torch.float32)
+    assert tuple(inputs["hidden_states"].shape) == (1, 16, 3, 16, 16)
+    assert tuple(inputs["condition_mask"].shape) == (1, 1, 3, 16, 16) and not inputs["condition_mask"].any()
+    assert tuple(inputs["timestep"].shape) == (1, 1, 3, 1, 1) and inputs["timestep"].dtype == torch.float32
+    assert tuple(inputs["encoder_hidden_states"].shape) == (1, 512, 100_352)
+    del inputs
+    row = _shrunken_sparse_row("cosmos", frames=9, height=128, width=128)     # 3 x 8 x 8 tokens: 3 tiles of 64
+    assert 0.3 < row["realised_density"] < 0.7 and 0 < row["output_rel_l2_vs_dense"] < 0.5

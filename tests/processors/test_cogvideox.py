@@ -6,7 +6,7 @@ from diffusers.models.embeddings import get_3d_rotary_pos_embed
 import videosparse
 from videosparse.processors import sessions
 
-from tester import ProcessorTesterMixin, apply_and_list_served
+from tester import ProcessorTesterMixin, check_blocks_attn1_served
 
 TEXT = 8
 
@@ -50,19 +50,7 @@ class TestCogVideoX15Processors(TestCogVideoXProcessors):
 
 
 def test_sparse_runs_on_attn1_with_text_first():
-    t = TestCogVideoXProcessors()
-    tr = t.make_transformer()
-    inputs = t.make_inputs(tr)
-    dense = t.run(tr, inputs)
-    before, served = apply_and_list_served(tr, videosparse.VedaConfig(density=0.5, tiling=t.tiling, block=t.block))
-    assert served == [f"transformer_blocks.{i}.attn1.processor" for i in range(t.num_layers)]
-    assert all(type(before[n]) is CogVideoXAttnProcessor2_0 for n in served)
-    records = []
-    with videosparse.processors.observe(tr, records.append):
-        out = t.run(tr, inputs)
-    s = sessions(tr)["transformer"].stats()
-    assert s["sparse_calls"] == 2 and s["dense_calls"] == 0 and 0.3 < s["density"] < 0.9
-    assert torch.isfinite(out).all() and not torch.equal(out, dense)
+    _, _, records, out, dense = check_blocks_attn1_served(TestCogVideoXProcessors(), CogVideoXAttnProcessor2_0)
     assert (out - dense).norm() / dense.norm() < 0.5
     r = records[0]
     assert r.grid == (3, 7, 18) and r.text_len == TEXT and r.text_position == "before"

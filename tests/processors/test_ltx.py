@@ -7,11 +7,7 @@ from diffusers import LTXVideoTransformer3DModel
 from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
 from diffusers.pipelines.ltx.pipeline_ltx import LTXPipeline
 from diffusers.pipelines.ltx.pipeline_ltx_condition import LTXConditionPipeline
-from tester import (
-    ProcessorTesterMixin,
-    apply_and_list_served,
-    assert_runs_stock_with_one_warning,
-)
+from tester import ProcessorTesterMixin, assert_runs_stock_with_one_warning, check_blocks_attn1_served
 
 import videosparse
 from videosparse.processors import sessions
@@ -63,21 +59,7 @@ def test_pack_latents_is_time_major():
 
 
 def test_sparse_runs_on_attn1_only():
-    t = TestLTXProcessors()
-    tr = t.make_transformer()
-    inputs = t.make_inputs(tr)
-    dense = t.run(tr, inputs)
-    before, served = apply_and_list_served(tr, videosparse.VedaConfig(density=0.5, tiling=t.tiling, block=t.block))
-    assert served == [f"transformer_blocks.{i}.attn1.processor" for i in range(t.num_layers)]
-    assert all(type(before[n]) is LTXVideoAttnProcessor for n in served)
-    assert all(tr.attn_processors[f"transformer_blocks.{i}.attn2.processor"] is before[
-        f"transformer_blocks.{i}.attn2.processor"] for i in range(t.num_layers))
-    records = []
-    with videosparse.processors.observe(tr, records.append):
-        out = t.run(tr, inputs)
-    s = sessions(tr)["transformer"].stats()
-    assert s["sparse_calls"] == 2 and s["dense_calls"] == 0 and 0.3 < s["density"] < 0.9
-    assert torch.isfinite(out).all() and not torch.equal(out, dense)
+    _, _, records, _, _ = check_blocks_attn1_served(TestLTXProcessors(), LTXVideoAttnProcessor)
     r = records[0]
     assert r.grid == LATENT and r.text_len == 0 and r.text_position == "before" and r.q.shape == (1, 378, 2, 64)
 

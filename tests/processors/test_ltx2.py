@@ -19,7 +19,12 @@ from videosparse.processors.ltx2 import (
     ltx2_grid,
 )
 
-from tester import ProcessorTesterMixin, apply_and_list_served, assert_runs_stock_with_one_warning
+from tester import (
+    ProcessorTesterMixin,
+    apply_and_list_served,
+    assert_runs_stock_with_one_warning,
+    check_blocks_attn1_served,
+)
 
 CHANNELS, AUDIO_CHANNELS, AUDIO_LEN, TEXT, TEXT_DIM = 8, 8, 10, 8, 16
 LATENT = (3, 7, 18)          # latent frames x height x width: 378 tokens, a partial last tile of 64
@@ -104,23 +109,12 @@ def test_pack_latents_is_time_major():
 
 def test_only_video_self_attention_is_served():
     t = TestLTX2Processors()
-    tr = t.make_transformer()
-    inputs = t.make_inputs(tr)
-    dense = t.run(tr, inputs)
-    assert not is_video_self_attention("transformer_blocks.0.audio_attn1", tr.transformer_blocks[0].audio_attn1)
-    before, served = apply_and_list_served(tr, videosparse.VedaConfig(density=0.5, tiling=t.tiling, block=t.block))
-    assert served == [f"transformer_blocks.{i}.attn1.processor" for i in range(t.num_layers)]
-    assert all(type(before[n]) is LTX2AudioVideoAttnProcessor for n in served)
-    assert all(type(tr.attn_processors[n]) is LTX2SparseAttnProcessor for n in served)
+    tiny = t.make_transformer()
+    assert not is_video_self_attention("transformer_blocks.0.audio_attn1", tiny.transformer_blocks[0].audio_attn1)
+    tr, before, records, _, _ = check_blocks_attn1_served(t, LTX2AudioVideoAttnProcessor)
+    served = [p for n, p in tr.attn_processors.items() if n.endswith(".attn1.processor") and "audio" not in n]
+    assert len(served) == t.num_layers and all(type(p) is LTX2SparseAttnProcessor for p in served)
     assert len(before) == 6 * t.num_layers          # audio_attn1, attn2, audio_attn2, a2v, v2a stay stock
-    assert all(tr.attn_processors[n] is before[n] for n in before if n not in served)
-    records = []
-    with videosparse.processors.observe(tr, records.append):
-        out = t.run(tr, inputs)
-    s = sessions(tr)["transformer"].stats()
-    assert s["sparse_calls"] == 2 and s["dense_calls"] == 0 and 0.3 < s["density"] < 0.9
-    assert torch.isfinite(out).all() and not torch.equal(out, dense)
-    assert [r.layer for r in records] == [0, 1]
     r = records[0]
     assert r.grid == LATENT and r.text_len == 0 and r.text_position == "after" and r.q.shape == (1, 378, 2, 64)
 

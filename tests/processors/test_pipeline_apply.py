@@ -69,6 +69,39 @@ def test_step_from_the_schedulers_counter_with_bf16_timesteps():
     assert len(set(scheduler.timesteps[:5].to(torch.bfloat16).tolist())) < 5       # what the counter is for
 
 
+def test_first_step_when_the_timestep_is_not_on_the_schedule():
+    """Pipelines that pass the transformer another quantity than the scheduler's timestep (the Cosmos ones: sigma or
+    sigma / (sigma + 1)) cannot be placed by matching: before the scheduler's first step() the step is its begin index
+    (0 without one), after it the scheduler's counter. An on-schedule timestep is still placed by matching
+    (img2img-like starts without a begin index)."""
+    from types import SimpleNamespace
+
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.hooks.hooks import CacheContext
+
+    from videosparse.processors.context import SparseContextHook
+
+    scheduler = FlowMatchEulerDiscreteScheduler()
+    hook = SparseContextHook(SimpleNamespace(scheduler=scheduler), grid_fn=None)
+
+    def step_of(t):
+        return hook._step(CacheContext("cond"), (), {"timestep": torch.tensor([t])})[0]
+
+    scheduler.set_timesteps(10)
+    x = torch.zeros(1, 4)
+    seen = []
+    for t in scheduler.timesteps:
+        sigma = float(t) / 1000
+        seen.append(step_of(sigma / (sigma + 1)))
+        x = scheduler.step(torch.zeros_like(x), t, x).prev_sample
+    assert seen == list(range(10))
+    scheduler.set_timesteps(10)
+    scheduler.set_begin_index(4)
+    assert step_of(0.3) == 4
+    scheduler.set_timesteps(10)
+    assert step_of(float(scheduler.timesteps[6])) == 6
+
+
 def test_timestep_position_follows_the_forward_signature():
     """CogVideoX's forward is (hidden_states, encoder_hidden_states, timestep, ...): a positional call must not
     read the text embedding as the timestep."""

@@ -251,3 +251,27 @@ def assert_runs_stock_with_one_warning(tester, transformer, inputs: dict, reason
     assert len(warnings) == tester.num_layers and all(reason in w for w in warnings)
     s = sessions(transformer)["transformer"].stats()
     assert s["sparse_calls"] == 0 and s["dense_calls"] == 2 * tester.num_layers
+
+
+def check_blocks_attn1_served(tester, stock_cls):
+    """Apply Veda at density 0.5 to a fresh tiny transformer of `tester`: exactly the blocks' attn1 processors (all
+    `stock_cls` before) are replaced and every other processor stays the same object; one forward runs sparse on
+    every served layer with a finite output that differs from dense. Returns (transformer, processors before, the
+    forward's attention records, sparse output, dense output)."""
+    transformer = tester.make_transformer()
+    inputs = tester.make_inputs(transformer)
+    dense = tester.run(transformer, inputs)
+    before, served = apply_and_list_served(
+        transformer, videosparse.VedaConfig(density=0.5, tiling=tester.tiling, block=tester.block))
+    assert served == [f"transformer_blocks.{i}.attn1.processor" for i in range(tester.num_layers)]
+    assert all(type(before[n]) is stock_cls for n in served)
+    after = attention_processors(transformer)
+    assert all(after[n] is before[n] for n in before if n not in served)
+    records = []
+    with observe(transformer, records.append):
+        out = tester.run(transformer, inputs)
+    s = sessions(transformer)["transformer"].stats()
+    assert s["sparse_calls"] == tester.num_layers and s["dense_calls"] == 0 and 0.3 < s["density"] < 0.9
+    assert torch.isfinite(out).all() and not torch.equal(out, dense)
+    assert [r.layer for r in records] == list(range(tester.num_layers))
+    return transformer, before, records, out, dense

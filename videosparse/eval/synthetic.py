@@ -21,6 +21,7 @@ cogvideox  CogVideoX-5B: 42 x 48 x 64         49 x 480 x 720             13 x 30
 ltx        LTX-Video 0.9.x 2B: 28 x 32 x 64   121 x 512 x 768            16 x 16 x 24 = 6,144
 ltx2       LTX-2 19B: 48 x 32 x 128 (+audio)  121 x 512 x 768            16 x 16 x 24 = 6,144
 mochi      Mochi 1 preview: 48 x 24 x 128    163 x 480 x 848            28 x 30 x 53 = 44,520
+cosmos     Cosmos-Predict2.5: 28 x 16 x 128  93 x 704 x 1280            24 x 44 x 80 = 84,480
 =========  ================================  =========================  ======================
 
 A model whose transformer class has no videosparse processor is refused with the registry's message.
@@ -166,6 +167,22 @@ SYNTHETIC_MODELS: dict[str, SyntheticModel] = {
         (163, 480, 848), latent_channels=12, vae_scale=(6, 8), text_len=256, joint_text=True,
         description="Mochi 1 preview (24 heads x 128, 48 layers, VAE 6 x 8 x 8, text after video), 480x848 "
                     "163 frames"),
+    "cosmos": SyntheticModel(
+        # nvidia/Cosmos-Predict2.5-2B: the "Cosmos-2.5-Predict-Base-2B" transformer config of diffusers'
+        # scripts/convert_cosmos_to_diffusers.py (16 heads x 128, 28 layers, patch (1, 2, 2), RoPE scale (1, 3, 3), no
+        # learnable position embedding; 17 input channels = 16 latent + the condition mask; the text states, the 28
+        # hidden states of 3584 of its Qwen2.5-VL-7B text encoder stacked, 100,352 wide, projected to 1024). One change:
+        # concat_padding_mask=False, while the published config concatenates the (all-zero) padding mask as an 18th
+        # input channel, which the forward resizes with torchvision, not a videosparse dependency; it adds no token and
+        # 4 x 2048 weights. Default size from Cosmos2_5_PredictBasePipeline: 704 x 1280, 93 frames (Wan 2.1 VAE
+        # 4 x 8 x 8), max_sequence_length 512 text tokens (cross-attention only)
+        "cosmos", "CosmosTransformer3DModel",
+        dict(in_channels=17, out_channels=16, num_attention_heads=16, attention_head_dim=128, num_layers=28,
+             mlp_ratio=4.0, text_embed_dim=1024, adaln_lora_dim=256, max_size=(128, 240, 240), patch_size=(1, 2, 2),
+             rope_scale=(1.0, 3.0, 3.0), concat_padding_mask=False, extra_pos_embed_type=None,
+             use_crossattn_projection=True, crossattn_proj_in_channels=100352, encoder_hidden_states_channels=1024),
+        (93, 704, 1280), text_len=512, text_dim=100352,
+        description="Cosmos-Predict2.5 2B (16 heads x 128, 28 layers, VAE 4 x 8 x 8), 704x1280 93 frames"),
 }
 
 
@@ -362,6 +379,8 @@ def make_inputs(setup: SyntheticSetup, device: torch.device, dtype: torch.dtype,
         # as MochiPipeline passes them: the timestep in the latents' dtype and T5's boolean prompt mask
         inputs.update(timestep=torch.tensor([500.0], device=device, dtype=dtype),
                       encoder_attention_mask=torch.ones(1, m.text_len, device=device, dtype=torch.bool))
+    if m.transformer_cls == "CosmosTransformer3DModel":
+        inputs.update(_cosmos_inputs(setup, device, dtype))
     return inputs
 
 
@@ -397,6 +416,16 @@ def _ltx2_inputs(setup: SyntheticSetup, latents: torch.Tensor, text: torch.Tenso
             "audio_encoder_hidden_states": text.clone(), "timestep": timestep, "sigma": timestep,
             "encoder_attention_mask": mask, "audio_encoder_attention_mask": mask,
             "num_frames": T, "height": H, "width": W, "fps": fps, "audio_num_frames": audio_frames}
+
+
+def _cosmos_inputs(setup: SyntheticSetup, device: torch.device, dtype: torch.dtype, sigma: float = 0.5) -> dict:
+    """What `Cosmos2_5_PredictBasePipeline` passes its transformer for text to world besides the latents and the text
+    states: the condition mask (no conditioning frame), per-frame fp32 timesteps [B, 1, T, 1, 1] (the flow sigma) and
+    the all-zero padding mask at the video's pixel size (used only with `concat_padding_mask`)."""
+    _, T, H, W = setup.latent
+    return {"condition_mask": torch.zeros(1, 1, T, H, W, device=device, dtype=dtype),
+            "timestep": torch.full((1, 1, T, 1, 1), sigma, device=device, dtype=torch.float32),
+            "padding_mask": torch.zeros(1, 1, *setup.video[1:], device=device, dtype=dtype)}
 
 
 def _cogvideox_rotary_emb(setup: SyntheticSetup, device: torch.device):

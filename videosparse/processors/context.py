@@ -379,7 +379,15 @@ class SparseContextHook(ModelHook):
             t0 = torch.as_tensor(t).detach().flatten().max().cpu()
             # in t's own precision: a bf16 timestep matches its rounding of the schedule (ties: the first)
             table = timesteps.detach().cpu().to(t0.dtype) if t0.is_floating_point() else timesteps.detach().cpu()
-            return int((table.double() - float(t0)).abs().argmin()), num_steps
+            gap = (table.double() - float(t0)).abs()
+            best = int(gap.argmin())
+            if float(gap[best]) > 1e-2 * max(1.0, abs(float(table[best]))) and \
+                    hasattr(scheduler, "_step_index") and counted is None:
+                # the forward's timestep is not on the schedule (the Cosmos pipelines pass sigma or sigma / (sigma + 1))
+                # and the scheduler has not stepped yet in this call: its first step (its begin index, if it has one)
+                begin = getattr(scheduler, "begin_index", None)
+                return (begin if isinstance(begin, int) else 0), num_steps
+            return best, num_steps
         if cache_ctx is not None:
             state = self.state_manager.get_state()
             state.calls += 1

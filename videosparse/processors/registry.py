@@ -42,6 +42,7 @@ def register_model(transformer_cls: type, spec_factory: Callable[[], ModelSpec])
 def _register_builtin_models() -> None:
     from diffusers import (
         CogVideoXTransformer3DModel,
+        CosmosTransformer3DModel,
         HunyuanVideo15Transformer3DModel,
         HunyuanVideoTransformer3DModel,
         LTX2VideoTransformer3DModel,
@@ -134,6 +135,15 @@ def _register_builtin_models() -> None:
                          text_position="after")
 
     register_model(MochiTransformer3DModel, mochi_spec)
+
+    def cosmos_spec() -> ModelSpec:
+        from .cosmos import CosmosSparseAttnProcessor, cosmos_grid, is_video_self_attention
+
+        # transformer_blocks.<i>.attn1 (video self-attention, CosmosAttnProcessor2_0 in every config) only: attn2, the
+        # cross-attention to the text (and to the image context of Transfer2.5), keeps its stock processor
+        return ModelSpec(CosmosSparseAttnProcessor, is_video_self_attention, cosmos_grid)
+
+    register_model(CosmosTransformer3DModel, cosmos_spec)
 
 
 def model_spec(transformer: torch.nn.Module) -> ModelSpec:

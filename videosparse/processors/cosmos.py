@@ -1,0 +1,73 @@
+"""NVIDIA Cosmos (`CosmosTransformer3DModel`: Cosmos 1.0 Diffusion, Cosmos-Predict2, Cosmos-Predict2.5 and
+Cosmos-Transfer2.5): sparse self-attention processor and model facts.
+
+Every block's `attn1` is video-only self-attention with `CosmosAttnProcessor2_0`, in every config; `attn2` is the
+cross-attention to the text (`CosmosAttnProcessor2_0`, or `CosmosAttnProcessor2_5` on a `CosmosAttention` that also
+attends to image context when `img_context_dim_in` is set, Transfer2.5) and keeps its stock processor.
+
+Token order: `CosmosPatchEmbed` reshapes hidden_states (B, C, T, H, W) into (T/pt, pt, H/ph, ph, W/pw, pw) patches,
+permutes them to (B, T', H', W', C * pt * ph * pw) and the forward flattens (T', H', W'), so token
+`t * H' * W' + h * W' + w` is patch (t, h, w): time-major. The RoPE tables of `CosmosRotaryPosEmbed` are flattened
+the same way. The condition mask and the padding mask the pipelines pass are concatenated as channels, the text and
+image context enter through `attn2` (the forward's `attention_mask` is the text mask, given to `attn2` only), and
+controlnet residuals are added to the tokens: nothing changes the sequence of `attn1`, which the model calls without
+a mask.
+"""
+
+from __future__ import annotations
+
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_cosmos import CosmosAttnProcessor2_0
+
+from .base import SparseAttentionMixin
+from .context import forward_arg
+
+
+class CosmosSparseAttnProcessor(SparseAttentionMixin, CosmosAttnProcessor2_0):
+    """`CosmosAttnProcessor2_0` whose self-attention runs through videosparse.
+
+    Projections, the per-head RMSNorm of q and k and the RoPE (`apply_rotary_emb(..., use_real=True,
+    use_real_unbind_dim=-2)`) run in (B, H, S, D) layout as diffusers does, and k and v are repeated as the stock
+    processor repeats them for grouped-query attention (`repeat_interleave(query.size(3) // key.size(3), dim=3)`, a
+    factor of 1 for every `CosmosTransformer3DModel`, whose `attn1` has as many key/value heads as query heads);
+    only the attention call changes. Calls with encoder states (cross-attention) go to the stock processor
+    untouched, and so does a call with an attention mask (the model never gives `attn1` one; warned once per layer).
+    """
+
+    _stock = CosmosAttnProcessor2_0
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        stock = (attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        if encoder_hidden_states is not None:
+            return self._stock.__call__(self, *stock)
+        if attention_mask is not None:
+            self._record_stock_call("an attention mask was given")
+            return self._stock.__call__(self, *stock)
+        query = attn.to_q(hidden_states).unflatten(2, (attn.heads, -1)).transpose(1, 2)     # [B, H, S, D]
+        key = attn.to_k(hidden_states).unflatten(2, (attn.heads, -1)).transpose(1, 2)
+        value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1)).transpose(1, 2)
+        query = attn.norm_q(query)
+        key = attn.norm_k(key)
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, use_real=True, use_real_unbind_dim=-2)
+            key = apply_rotary_emb(key, image_rotary_emb, use_real=True, use_real_unbind_dim=-2)
+        key = key.repeat_interleave(query.size(3) // key.size(3), dim=3)
+        value = value.repeat_interleave(query.size(3) // value.size(3), dim=3)
+        hidden_states = self.attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
+        hidden_states = hidden_states.flatten(2, 3).type_as(query)
+        hidden_states = attn.to_out[0](hidden_states)
+        return attn.to_out[1](hidden_states)
+
+
+def is_video_self_attention(name: str, module) -> bool:
+    """`transformer_blocks.<i>.attn1`: the blocks' video self-attention (attn2, the text / image cross-attention,
+    stays stock)."""
+    return name.startswith("transformer_blocks.") and name.endswith(".attn1")
+
+
+def cosmos_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
+    """Token grid after patching from the forward's hidden_states (B, C, T, H, W) and `patch_size`; no joint text."""
+    hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
+    _, _, T, H, W = hidden_states.shape
+    pt, ph, pw = module.config.patch_size
+    return (T // pt, H // ph, W // pw), 0
