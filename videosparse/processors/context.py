@@ -384,7 +384,8 @@ class SparseContextHook(ModelHook):
             if float(gap[best]) > 1e-2 * max(1.0, abs(float(table[best]))) and \
                     hasattr(scheduler, "_step_index") and counted is None:
                 # the forward's timestep is not on the schedule (the Cosmos pipelines pass sigma or sigma / (sigma + 1))
-                # and the scheduler has not stepped yet in this call: its first step (its begin index, if it has one)
+                # and the scheduler has not stepped yet in this call: its first step (its begin index, if it has one;
+                # an on-schedule timestep keeps its place, for pipelines that start later in the schedule)
                 begin = getattr(scheduler, "begin_index", None)
                 return (begin if isinstance(begin, int) else 0), num_steps
             return best, num_steps
