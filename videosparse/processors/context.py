@@ -361,7 +361,8 @@ class SparseContextHook(ModelHook):
 
     def _step(self, cache_ctx, args, kwargs) -> tuple[int | None, int | None]:
         """Step index and step count: from the cache context, else the scheduler (its own step counter, else
-        the timestep's place in its schedule), else by counting."""
+        the timestep's place in its schedule, or its begin index when the timestep is on no schedule entry and the
+        scheduler has not stepped yet), else by counting."""
         scheduler = self.session.scheduler
         timesteps = getattr(scheduler, "timesteps", None) if scheduler is not None else None
         num_steps = getattr(cache_ctx, "num_inference_steps", None)
