@@ -1,4 +1,3 @@
-import logging
 
 import numpy as np
 import pytest
@@ -7,7 +6,12 @@ from diffusers import LTXVideoTransformer3DModel
 from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
 from diffusers.pipelines.ltx.pipeline_ltx import LTXPipeline
 from diffusers.pipelines.ltx.pipeline_ltx_condition import LTXConditionPipeline
-from tester import ProcessorTesterMixin, assert_runs_stock_with_one_warning, check_blocks_attn1_served
+from tester import (
+    ProcessorTesterMixin,
+    assert_runs_stock_with_one_warning,
+    check_blocks_attn1_served,
+    check_extra_tokens_served_as_global_tiles,
+)
 
 import videosparse
 from videosparse.processors import sessions
@@ -113,19 +117,7 @@ def test_prepended_condition_tokens_are_served_as_global_tiles(caplog):
     inputs = with_condition(t.make_inputs(tr))
     prefix = LATENT[1] * LATENT[2]
     assert ltx_grid(tr, (), inputs) == (LATENT, prefix, None)
-    ref = t.run(tr, inputs)
-    videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=t.tiling, block=t.block))
-    records = []
-    with caplog.at_level(logging.WARNING, logger="videosparse"), videosparse.processors.observe(tr, records.append):
-        out = t.run(tr, inputs)
-    assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
-    assert [(r.grid, r.text_len, r.text_position) for r in records] == [(LATENT, prefix, "before")] * t.num_layers
-    videosparse.remove(tr)
-    videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=t.tiling, block=t.block))
-    assert torch.isfinite(t.run(tr, inputs)).all()
-    s = sessions(tr)["transformer"].stats()
-    assert s["sparse_calls"] == t.num_layers and s["dense_calls"] == 0 and s["density"] < 0.9
-    assert not [r for r in caplog.records if "runs dense" in r.getMessage()]
+    check_extra_tokens_served_as_global_tiles(t, tr, inputs, LATENT, prefix, "before", caplog)
 
 
 @pytest.mark.parametrize("case", ["scrambled", "batch"])

@@ -1,7 +1,6 @@
 """LTX-2: the video self-attention (attn1) of the audio-video transformer, plain and perturbed (STG) processors."""
 
 import inspect
-import logging
 
 import numpy as np
 import pytest
@@ -24,6 +23,7 @@ from tester import (
     apply_and_list_served,
     assert_runs_stock_with_one_warning,
     check_blocks_attn1_served,
+    check_extra_tokens_served_as_global_tiles,
 )
 
 CHANNELS, AUDIO_CHANNELS, AUDIO_LEN, TEXT, TEXT_DIM = 8, 8, 10, 8, 16
@@ -258,19 +258,7 @@ def test_appended_keyframe_tokens_are_served_as_global_tiles(caplog):
     inputs = with_keyframe(tr, ltx2_inputs(tr, coords=True))
     extra = inputs["hidden_states"].shape[1] - 378
     assert ltx2_grid(tr, (), inputs) == (LATENT, extra, None)
-    ref = t.run(tr, inputs)
-    videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=t.tiling, block=t.block))
-    records = []
-    with caplog.at_level(logging.WARNING, logger="videosparse"), videosparse.processors.observe(tr, records.append):
-        out = t.run(tr, inputs)
-    assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
-    assert [(r.grid, r.text_len, r.text_position) for r in records] == [(LATENT, extra, "after")] * t.num_layers
-    videosparse.remove(tr)
-    videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=t.tiling, block=t.block))
-    assert torch.isfinite(t.run(tr, inputs)).all()
-    s = sessions(tr)["transformer"].stats()
-    assert s["sparse_calls"] == t.num_layers and s["dense_calls"] == 0 and s["density"] < 0.9
-    assert not [r for r in caplog.records if "runs dense" in r.getMessage()]
+    check_extra_tokens_served_as_global_tiles(t, tr, inputs, LATENT, extra, "after", caplog)
 
 
 @pytest.mark.parametrize("case", ["mask", "appended", "batch"])

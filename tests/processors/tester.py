@@ -275,3 +275,23 @@ def check_blocks_attn1_served(tester, stock_cls):
     assert torch.isfinite(out).all() and not torch.equal(out, dense)
     assert [r.layer for r in records] == list(range(tester.num_layers))
     return transformer, before, records, out, dense
+
+
+def check_extra_tokens_served_as_global_tiles(tester, transformer, inputs: dict, grid, extra: int, position: str,
+                                              caplog) -> None:
+    """A forward of `inputs` whose sequence holds `extra` condition tokens beside the `grid` video (`position`
+    "before" / "after" it): Veda at density 1 equals the stock forward and records them as global (text-like)
+    tokens on every layer; at density 0.3 every layer runs sparse, with no fallback to dense."""
+    ref = tester.run(transformer, inputs)
+    videosparse.apply(transformer, videosparse.VedaConfig(density=1.0, tiling=tester.tiling, block=tester.block))
+    records = []
+    with caplog.at_level(logging.WARNING, logger="videosparse"), observe(transformer, records.append):
+        out = tester.run(transformer, inputs)
+    assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
+    assert [(r.grid, r.text_len, r.text_position) for r in records] == [(grid, extra, position)] * tester.num_layers
+    videosparse.remove(transformer)
+    videosparse.apply(transformer, videosparse.VedaConfig(density=0.3, tiling=tester.tiling, block=tester.block))
+    assert torch.isfinite(tester.run(transformer, inputs)).all()
+    s = sessions(transformer)["transformer"].stats()
+    assert s["sparse_calls"] == tester.num_layers and s["dense_calls"] == 0 and s["density"] < 0.9
+    assert not [r for r in caplog.records if "runs dense" in r.getMessage()]
