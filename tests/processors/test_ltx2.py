@@ -11,10 +11,10 @@ from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2Pipeline
 
 import videosparse
 from videosparse.processors import attention_processors, sessions
+from videosparse.processors.registry import model_spec
 from videosparse.processors.ltx2 import (
     LTX2PerturbedSparseAttnProcessor,
     LTX2SparseAttnProcessor,
-    is_video_self_attention,
     ltx2_grid,
 )
 
@@ -110,6 +110,7 @@ def test_pack_latents_is_time_major():
 def test_only_video_self_attention_is_served():
     t = TestLTX2Processors()
     tiny = t.make_transformer()
+    is_video_self_attention = model_spec(tiny).is_self_attention
     assert not is_video_self_attention("transformer_blocks.0.audio_attn1", tiny.transformer_blocks[0].audio_attn1)
     tr, before, records, _, _ = check_blocks_attn1_served(t, LTX2AudioVideoAttnProcessor)
     served = [p for n, p in tr.attn_processors.items() if n.endswith(".attn1.processor") and "audio" not in n]

@@ -107,7 +107,7 @@ def test_timestep_position_follows_the_forward_signature():
     read the text embedding as the timestep."""
     from diffusers import CogVideoXTransformer3DModel, WanTransformer3DModel
 
-    from videosparse.processors.context import _parameter_position
+    from videosparse.processors.context import parameter_position
 
-    assert _parameter_position(CogVideoXTransformer3DModel.forward, "timestep", 1) == 2
-    assert _parameter_position(WanTransformer3DModel.forward, "timestep", 0) == 1
+    assert parameter_position(CogVideoXTransformer3DModel.forward, "timestep", 1) == 2
+    assert parameter_position(WanTransformer3DModel.forward, "timestep", 0) == 1

@@ -11,6 +11,7 @@ calls per branch.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from dataclasses import dataclass
@@ -279,8 +280,10 @@ class _BranchState(BaseState):
         self.calls = 0
 
 
-def _parameter_position(forward, name: str, default: int) -> int:
-    """Position of parameter `name` among a module forward's positional arguments (after self)."""
+@functools.lru_cache(maxsize=None)
+def parameter_position(forward, name: str, default: int) -> int:
+    """Position of parameter `name` among a module forward's positional arguments (after self); `default` when it
+    has none. Read from the signature once per (forward, name)."""
     try:
         params = list(inspect.signature(forward).parameters)
     except (TypeError, ValueError):
@@ -324,7 +327,7 @@ class SparseContextHook(ModelHook):
         self._warned_unknown_steps = False
 
     def initialize_hook(self, module):
-        self._timestep_position = _parameter_position(type(module).forward, "timestep", default=1)
+        self._timestep_position = parameter_position(type(module).forward, "timestep", default=1)
         return module
 
     def pre_forward(self, module, *args, **kwargs):

@@ -59,12 +59,6 @@ class CosmosSparseAttnProcessor(SparseAttentionMixin, CosmosAttnProcessor2_0):
         return attn.to_out[1](hidden_states)
 
 
-def is_video_self_attention(name: str, module) -> bool:
-    """`transformer_blocks.<i>.attn1`: the blocks' video self-attention (attn2, the text / image cross-attention,
-    stays stock)."""
-    return name.startswith("transformer_blocks.") and name.endswith(".attn1")
-
-
 def cosmos_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
     """Token grid after patching from the forward's hidden_states (B, C, T, H, W) and `patch_size`; no joint text."""
     hidden_states = forward_arg(args, kwargs, "hidden_states", 0)

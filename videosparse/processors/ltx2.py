@@ -23,7 +23,6 @@ Any other sequence runs the stock processor, warned once per layer, and so does 
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
@@ -35,16 +34,10 @@ from diffusers.models.transformers.transformer_ltx2 import (
 )
 
 from .base import SparseAttentionMixin
-from .context import forward_arg
+from .context import forward_arg, parameter_position
 from .ltx import coords_grid
 
 _ROTATIONS = {"interleaved": apply_interleaved_rotary_emb, "split": apply_split_rotary_emb}
-
-
-def is_video_self_attention(name: str, module: torch.nn.Module) -> bool:
-    """True for the video self-attention `transformer_blocks.<i>.attn1` (not `audio_attn1`, which also ends in
-    "attn1", nor the cross-attentions)."""
-    return name.startswith("transformer_blocks.") and name.rsplit(".", 1)[-1] == "attn1"
 
 
 def _rotate(attn, query: torch.Tensor, key: torch.Tensor, query_rotary_emb, key_rotary_emb):
@@ -144,18 +137,6 @@ def ltx2_sparse_processor(session, layer: int, original=None) -> _LTX2SparseAtte
 
 # ---------------------------------------------------------------- token grid
 
-_POSITIONS: dict[type, dict[str, int]] = {}
-
-
-def _forward_positions(cls: type) -> dict[str, int]:
-    """Positions of the forward's parameters among its positional arguments (after self), read from the signature
-    once per class."""
-    if cls not in _POSITIONS:
-        params = list(inspect.signature(cls.forward).parameters)[1:]
-        _POSITIONS[cls] = {name: i for i, name in enumerate(params)}
-    return _POSITIONS[cls]
-
-
 def ltx2_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | None]:
     """Token grid of a forward (in patches), the tokens appended after the video, and why the forward must run dense
     (None when it can run sparse).
@@ -168,10 +149,8 @@ def ltx2_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | No
     video tile attends to them, and they to every tile). Any other sequence runs dense; the grid returned then is
     (1, 1, S), only to keep the layouts well-formed.
     """
-    positions = _forward_positions(type(module))
-
     def arg(name: str, default: int):
-        return forward_arg(args, kwargs, name, positions.get(name, default))
+        return forward_arg(args, kwargs, name, parameter_position(type(module).forward, name, default))
 
     seq_len = arg("hidden_states", 0).shape[1]
     video_coords = arg("video_coords", 15)

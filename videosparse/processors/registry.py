@@ -39,6 +39,12 @@ def register_model(transformer_cls: type, spec_factory: Callable[[], ModelSpec])
     _MODEL_SPECS[transformer_cls] = spec_factory
 
 
+def blocks_attn1(prefix: str) -> Callable[[str, torch.nn.Module], bool]:
+    """Layer filter: True for `<prefix><i>.attn1` exactly (not `audio_attn1`, not a face adapter's or other
+    attention), the blocks' video self-attention in models with several attention kinds per block."""
+    return lambda name, module: name.startswith(prefix) and name.rsplit(".", 1)[-1] == "attn1"
+
+
 def _register_builtin_models() -> None:
     from diffusers import (
         CogVideoXTransformer3DModel,
@@ -75,8 +81,7 @@ def _register_builtin_models() -> None:
 
         # blocks.<i>.attn1 only: attn2 (text / image cross-attention) and the face adapter's cross-attention to the
         # motion tokens (face_adapter.<j>, WanAnimateFaceBlockAttnProcessor) keep their stock processors
-        return ModelSpec(WanAnimateSparseAttnProcessor,
-                         lambda name, m: name.startswith("blocks.") and name.endswith(".attn1"), wan_grid)
+        return ModelSpec(WanAnimateSparseAttnProcessor, blocks_attn1("blocks."), wan_grid)
 
     register_model(WanAnimateTransformer3DModel, wan_animate_spec)
 
@@ -118,12 +123,12 @@ def _register_builtin_models() -> None:
     register_model(LTXVideoTransformer3DModel, ltx_spec)
 
     def ltx2_spec() -> ModelSpec:
-        from .ltx2 import is_video_self_attention, ltx2_grid, ltx2_sparse_processor
+        from .ltx2 import ltx2_grid, ltx2_sparse_processor
 
         # transformer_blocks.<i>.attn1 (video self-attention) only: audio_attn1 and the text / audio <-> video
         # cross-attentions keep their stock processors. Condition tokens appended after the video (keyframes) are
         # served like joint text after it
-        return ModelSpec(ltx2_sparse_processor, is_video_self_attention, ltx2_grid, text_position="after")
+        return ModelSpec(ltx2_sparse_processor, blocks_attn1("transformer_blocks."), ltx2_grid, text_position="after")
 
     register_model(LTX2VideoTransformer3DModel, ltx2_spec)
 
@@ -137,11 +142,11 @@ def _register_builtin_models() -> None:
     register_model(MochiTransformer3DModel, mochi_spec)
 
     def cosmos_spec() -> ModelSpec:
-        from .cosmos import CosmosSparseAttnProcessor, cosmos_grid, is_video_self_attention
+        from .cosmos import CosmosSparseAttnProcessor, cosmos_grid
 
         # transformer_blocks.<i>.attn1 (video self-attention, CosmosAttnProcessor2_0 in every config) only: attn2, the
         # cross-attention to the text (and to the image context of Transfer2.5), keeps its stock processor
-        return ModelSpec(CosmosSparseAttnProcessor, is_video_self_attention, cosmos_grid)
+        return ModelSpec(CosmosSparseAttnProcessor, blocks_attn1("transformer_blocks."), cosmos_grid)
 
     register_model(CosmosTransformer3DModel, cosmos_spec)
 
