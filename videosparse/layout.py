@@ -254,6 +254,14 @@ class HeadTiling:
         else:
             self.head_indices(device)
 
+    def select_heads(self, heads: slice) -> "HeadTiling":
+        """The tiling of heads `heads` only (one rank's heads under Ulysses context parallelism), cached."""
+        key = ("heads", heads.start, heads.stop)
+        if key not in self._device_cache:
+            self._device_cache[key] = HeadTiling(self.grid, self.tiles[heads], self.block, self.text_len,
+                                                 self.text_position)
+        return self._device_cache[key]
+
     def head_indices(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """(perm, inv) as int64 [H, S] on `device`, cached."""
         device = torch.device(device)

@@ -54,6 +54,11 @@ class SparseMethod:
     def on_layout(self, layer: int, layout: HeadTiling) -> None:
         """Called eagerly for every layer's new tile layout (a new grid); e.g. to warn about it. Does nothing here."""
 
+    def head_state(self, layer: int, state: dict, heads: slice) -> dict:
+        """`state` for a call over heads `heads` of `layer` only (one rank's heads under Ulysses context
+        parallelism); methods with per-head state (Veda's estimator) slice it. The base returns `state`."""
+        return state
+
     @property
     def block(self) -> int:
         return self.config.block

@@ -5,7 +5,8 @@ post-RoPE or with Wan's rotary tables as `rope` (then the rotation is fused into
 returns the attention output in the same layout. It decides dense vs sparse for this call, and when
 sparse runs gather -> plan -> kernel -> scatter. The dense path always calls
 diffusers' `dispatch_attention_fn` with the processor's `_attention_backend` and `_parallel_config`,
-so the user's backend choice and context parallelism keep working.
+so the user's backend choice and context parallelism keep working; under Ulysses context parallelism the
+sparse path runs too (`parallel.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from ..kernels import block_sparse_attention
 from ..rope import apply_interleaved_rope
 from .context import AttentionRecord, LayerStats, SparseSession
+from .parallel import heads_to_seq, seq_to_heads, ulysses_shard
 
 logger = logging.getLogger("videosparse")
 
@@ -61,14 +63,16 @@ class SparseAttentionMixin:
         """This layer's counters (in its slot: read without the layer index, see `LayerSlot`)."""
         return self.slot.stats
 
-    def _warn_once(self, reason: str) -> None:
+    def _warn_once(self, reason: str, message: str = "runs dense attention: %s") -> None:
         stats = self._stats()
         if reason not in stats.fallbacks:
             stats.fallbacks.add(reason)
-            logger.warning("videosparse: layer %d runs dense attention: %s", self.layer, reason)
+            logger.warning("videosparse: layer %d " + message, self.layer, reason)
 
-    def _dense_reason(self, q: torch.Tensor, attention_mask, text_len) -> str | None:
-        """Why this call must run dense (None = sparse). Warnings only for unsupported inputs."""
+    def _dense_reason(self, q: torch.Tensor, attention_mask, text_len, shard) -> str | None:
+        """Why this call must run dense (None = sparse). Warnings only for unsupported inputs.
+
+        shard: `ulysses_shard` of the processor's parallel config (q then holds this rank's 1/P of the tokens)."""
         session = self.session
         if session.method is None:
             return "dense config"
@@ -84,13 +88,16 @@ class SparseAttentionMixin:
             unsupported = ctx.unsupported
         elif attention_mask is not None:
             unsupported = "an attention mask was given"
-        elif getattr(self, "_parallel_config", None) is not None:
-            unsupported = "context parallelism splits the sequence"
+        elif isinstance(shard, str):
+            unsupported = shard
+        elif shard is not None and q.shape[2] % shard.world:
+            unsupported = f"{q.shape[2]} heads do not split evenly over the {shard.world} Ulysses ranks"
         elif isinstance(text_len, tuple):
             unsupported = (f"the batch items have different valid text lengths {text_len}; this processor serves one "
                            "length per call")
-        elif q.shape[1] != ctx.grid[0] * ctx.grid[1] * ctx.grid[2] + text_len:
-            unsupported = f"sequence length {q.shape[1]} does not match grid {ctx.grid} + {text_len} text tokens"
+        elif q.shape[1] * (shard.world if shard else 1) != ctx.grid[0] * ctx.grid[1] * ctx.grid[2] + text_len:
+            seq = f"{q.shape[1]} x {shard.world} ranks" if shard else str(q.shape[1])
+            unsupported = f"sequence length {seq} does not match grid {ctx.grid} + {text_len} text tokens"
         elif text_len in self.slot.layouts and self.slot.layouts[text_len].num_video_tiles == 0:
             layout = self.slot.layouts[text_len]
             unsupported = (f"the video has fewer tokens ({layout.num_video_tokens}) than one tile ({layout.block}); "
@@ -119,14 +126,21 @@ class SparseAttentionMixin:
         (`apply_interleaved_rope`); the sparse path fuses the rotation into the tile-order gather.
         text_len: the text tokens in q, k, v (default: the forward's, `context.text_len`).
         item: the batch item that q, k, v hold when the forward's items are served one by one (for observers).
+
+        Under Ulysses context parallelism q, k, v hold this rank's tokens of every head; the sparse path exchanges
+        them for every token of this rank's heads, and the output back (`parallel`).
         """
         session = self.session
         text_len = session.context.text_len if text_len is None else text_len
-        reason = self._dense_reason(q, attention_mask, text_len)
-        if rope is not None and (session.observers or reason is not None):
+        shard = ulysses_shard(getattr(self, "_parallel_config", None))
+        reason = self._dense_reason(q, attention_mask, text_len, shard)
+        if rope is not None and (session.observers or reason is not None or shard is not None):
             q, k = apply_interleaved_rope(q, *rope), apply_interleaved_rope(k, *rope)
             rope = None
-        if session.observers:
+        if session.observers and shard is not None:
+            self._warn_once("attention observers (distillation capture, attention metrics) skipped under context "
+                            "parallelism", "%s; run them on one GPU")
+        elif session.observers:
             ctx = session.context
             record = AttentionRecord(self.layer, q, k, v, ctx.grid, text_len, session.info.text_position,
                                      ctx.step, ctx.branch, item)
@@ -137,11 +151,23 @@ class SparseAttentionMixin:
             stats.record_dense()
             return self._dense(q, k, v, attention_mask)
 
-        layout = self.slot.layouts[text_len]
+        if shard is not None:
+            heads = shard.heads(q.shape[2])
+            q, k, v = (seq_to_heads(x, shard) for x in (q, k, v))
+            return heads_to_seq(self._sparse(q, k, v, text_len, rope, heads), shard)
+        return self._sparse(q, k, v, text_len, rope)
+
+    def _sparse(self, q, k, v, text_len: int, rope=None, heads: slice | None = None) -> torch.Tensor:
+        """gather -> plan -> kernel -> scatter of q, k, v [B, S, H, D] (the layer's heads `heads`, default all)."""
+        session = self.session
+        layout, state = self.slot.layouts[text_len], self.slot.method_state
+        if heads is not None:
+            layout = layout.select_heads(heads)
+            state = session.method.head_state(self.layer, state, heads)
         qt, kt, vt = layout.gather(q, rope), layout.gather(k, rope), layout.gather(v)
-        plan = session.method.plan(qt, kt, vt, layout, self.layer, self.slot.method_state)
+        plan = session.method.plan(qt, kt, vt, layout, self.layer, state)
         out = block_sparse_attention(qt, kt, vt, plan, backend=session.config.backend, validate=False)
-        stats.record_sparse(plan.kv_count, layout.num_tiles)
+        self._stats().record_sparse(plan.kv_count, layout.num_tiles)
         return layout.scatter(out)
 
     def _record_stock_call(self, reason: str) -> None:

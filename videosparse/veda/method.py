@@ -94,6 +94,13 @@ class VedaMethod(SparseMethod):
         for layer in range(self.estimator.num_layers):
             self.layer_state(layer)["weights"] = (self.estimator.proj_q[layer], self.estimator.proj_k[layer])
 
+    def head_state(self, layer: int, state: dict, heads: slice) -> dict:
+        """The layer's state with the estimator weights of heads `heads` only."""
+        if self.estimator is None:
+            return state
+        proj_q, proj_k = state.get("weights") or (self.estimator.proj_q[layer], self.estimator.proj_k[layer])
+        return {**state, "weights": (proj_q[heads], proj_k[heads])}
+
     def scores(self, q: torch.Tensor, k: torch.Tensor, layout: HeadTiling, layer: int,
                state: dict | None = None) -> torch.Tensor:
         """fp32 [B, H, Mv, Mv] tile logits over the video tiles (q, k: [B, H, S, D] in tile order).
