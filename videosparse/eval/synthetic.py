@@ -510,8 +510,10 @@ def every_step_sparse(config):
     return replace(config, dense_steps=0) if getattr(config, "dense_steps", 0) else config
 
 
-def _time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeats: int,
-                 compile_mode: str | None = None) -> tuple[dict, torch.Tensor]:
+def time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeats: int,
+                compile_mode: str | None = None) -> tuple[dict, torch.Tensor]:
+    """Apply `spec` to `transformer`, run `warmup` + `repeats` forwards on `inputs`, remove it; returns the row of
+    the report (median forward, attention and plan seconds, realised density, fallbacks...) and the last output."""
     config = every_step_sparse(spec.config)
     device = inputs["hidden_states"].device
     forward, attention, plan = [], [], []
@@ -615,7 +617,7 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
         if spec.label in done:
             result.methods[spec.label] = done[spec.label]
             continue
-        row, out = _time_method(transformer, inputs, spec, warmup, repeats, compile_mode)
+        row, out = time_method(transformer, inputs, spec, warmup, repeats, compile_mode)
         if compile_mode is not None and spec.method == "dense":
             row["attention_s"] = _dense_attention_seconds(setup, device, dtype, repeats)
         if reference is None and spec.method == "dense":
