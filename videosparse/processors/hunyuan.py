@@ -1,5 +1,5 @@
-"""HunyuanVideo (`HunyuanVideoTransformer3DModel`) and HunyuanVideo 1.5 (`HunyuanVideo15Transformer3DModel`):
-sparse self-attention processors and model facts.
+"""HunyuanVideo (`HunyuanVideoTransformer3DModel`), HunyuanVideo 1.5 (`HunyuanVideo15Transformer3DModel`) and
+FramePack (`HunyuanVideoFramepackTransformer3DModel`): sparse self-attention processors and model facts.
 
 Both attend over one joint sequence [video; text] (text after the video): dual-stream blocks project
 the text with the `add_*_proj` layers and concatenate it; HunyuanVideo's `single_transformer_blocks` get
@@ -14,6 +14,16 @@ stock masked call gives them (their outputs never reach a valid token): HunyuanV
 its padded rows attend densely to the valid keys; HunyuanVideo 1.5 masks queries too, so its padded rows
 are zeros (and cost nothing). A batch whose items have different `L_valid` (a prompt and a negative prompt
 batched for guidance) is served item by item, each with the layout of its own length.
+
+FramePack runs HunyuanVideo's blocks and processor on [history; video; image; text] (every call, both block
+kinds). The history comes first: `_pack_history_states` prepends the clean latents (start image + 1x history,
+`clean_x_embedder.proj`, kernel (1, 2, 2)), then the 2x history before them (kernel (2, 4, 4)), then the 4x
+history (kernel (4, 8, 8)), so the order is [4x; 2x; clean; video], each part time-major, with RoPE on all of it
+(the history at its own frame indices, the 2x / 4x tables average-pooled). After them come the SigLIP image
+tokens and the text, masked together as one prefix ([image ones; text mask]). At the released settings
+(latent window 9, history 1 + 1 / 2 / 16 latent frames, 640 x 640) that is 14,400 video tokens, 3,200 + 400 + 400
+history tokens, 729 image tokens and up to 256 text tokens. The processor moves the history behind the video
+for the attention call, so the window's video is the tile grid and history, image and text are global tiles.
 """
 
 from __future__ import annotations
@@ -67,9 +77,7 @@ class _HunyuanFamilySparseAttention(SparseAttentionMixin):
             key = torch.cat([key, enc_key], dim=1)
             value = torch.cat([value, enc_value], dim=1)
 
-        # valid prefix: the video and each item's first ctx.text_len text tokens (padded text tokens come last)
-        hidden_states = self.attend_text_prefix(query, key, value, text_len, attention_mask,
-                                                padded_rows=self._padded_rows)
+        hidden_states = self._attend_joint(query, key, value, text_len, attention_mask)
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
 
         hidden_states, encoder_hidden_states = hidden_states[:, :-text_len], hidden_states[:, -text_len:]
@@ -79,6 +87,11 @@ class _HunyuanFamilySparseAttention(SparseAttentionMixin):
         if getattr(attn, "to_add_out", None) is not None:
             encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
         return hidden_states, encoder_hidden_states
+
+    def _attend_joint(self, query, key, value, text_tokens: int, attention_mask) -> torch.Tensor:
+        """Attention of the joint q, k, v [B, S, H, D] whose last `text_tokens` are text: the valid prefix (the
+        video and each item's first ctx.text_len text tokens; padded text tokens come last) through videosparse."""
+        return self.attend_text_prefix(query, key, value, text_tokens, attention_mask, padded_rows=self._padded_rows)
 
 
 class HunyuanVideoSparseAttnProcessor(_HunyuanFamilySparseAttention, HunyuanVideoAttnProcessor2_0):
@@ -94,6 +107,34 @@ class HunyuanVideo15SparseAttnProcessor(_HunyuanFamilySparseAttention, HunyuanVi
 
     _stock = HunyuanVideo15AttnProcessor2_0
     _padded_rows = "zero"
+
+
+class HunyuanVideoFramepackSparseAttnProcessor(HunyuanVideoSparseAttnProcessor):
+    """`HunyuanVideoAttnProcessor2_0` in FramePack's blocks, through videosparse: the history tokens that come
+    before the video are moved behind it for the attention call (keys and queries alike, after RoPE, so the result
+    is the same up to summation order) and served with the image and text tokens as global tiles; the output
+    goes back to diffusers' order. Observers see the moved order, [video; history; image; text]."""
+
+    def _attend_joint(self, query, key, value, text_tokens: int, attention_mask) -> torch.Tensor:
+        session = self.session
+        grid = session.context.grid
+        video = grid[0] * grid[1] * grid[2] if grid is not None else 0
+        history = query.shape[1] - text_tokens - video
+        if grid is None or history < 0:        # not this grid: `attend` warns and runs dense
+            return super()._attend_joint(query, key, value, text_tokens, attention_mask)
+        if history == 0 or (session.method is None and not session.observers):
+            # a dense config, unobserved: diffusers' order as it is (the valid prefix is the same), bit-exact stock
+            return super()._attend_joint(query, key, value, history + text_tokens, attention_mask)
+
+        def history_after_video(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+            return torch.cat([x.narrow(dim, history, video), x.narrow(dim, 0, history),
+                              x.narrow(dim, history + video, text_tokens)], dim=dim)
+
+        if attention_mask is not None:         # the key mask [B, 1, 1, S] (context parallelism only reads it)
+            attention_mask = history_after_video(attention_mask, attention_mask.dim() - 1)
+        out = super()._attend_joint(history_after_video(query), history_after_video(key),
+                                    history_after_video(value), history + text_tokens, attention_mask)
+        return torch.cat([out[:, video:video + history], out[:, :video], out[:, video + history:]], dim=1)
 
 
 def hunyuan_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | tuple[int, ...]]:
@@ -123,6 +164,38 @@ def hunyuan15_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | tu
     if not bool(torch.all(image == 0)):
         valid = valid + image.shape[1]
     return _video_grid(module, args, kwargs), valid_text_length(valid, total)
+
+
+def hunyuan_framepack_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | tuple[int, ...]]:
+    """As `hunyuan_grid`, for FramePack: the grid is the current window's video; the extra tokens served as global
+    tiles are the history tokens (which the processor moves behind the video), the image tokens and the valid text
+    tokens (the forward's mask is [image ones; text mask])."""
+    text = forward_arg(args, kwargs, "encoder_hidden_states", 2)
+    mask = forward_arg(args, kwargs, "encoder_attention_mask", 3)
+    image = forward_arg(args, kwargs, "image_embeds", 5)
+    extra = _framepack_history_tokens(module, args, kwargs) + (image.shape[1] if image is not None else 0)
+    valid = None if mask is None else mask.sum(dim=1, dtype=torch.int) + extra
+    return _video_grid(module, args, kwargs), valid_text_length(valid, text.shape[1] + extra)
+
+
+def _framepack_history_tokens(module, args, kwargs) -> int:
+    """Tokens of the clean latents (1x patch embedding, no padding) and of the 2x / 4x history latents (padded to
+    whole kernels) that the forward prepends to the video, each counted when given with its frame indices, as
+    `_pack_history_states` does."""
+    embed = getattr(module, "clean_x_embedder", None)
+    if embed is None:
+        return 0
+    total = 0
+    for name, indices, index, conv, padded in (
+            ("latents_clean", "indices_latents_clean", 8, embed.proj, False),
+            ("latents_history_2x", "indices_latents_history_2x", 10, embed.proj_2x, True),
+            ("latents_history_4x", "indices_latents_history_4x", 12, embed.proj_4x, True)):
+        latents = forward_arg(args, kwargs, name, index)
+        if latents is None or forward_arg(args, kwargs, indices, index + 1) is None:
+            continue
+        sizes = [-(-n // k) if padded else n // k for n, k in zip(latents.shape[2:], conv.kernel_size)]
+        total += sizes[0] * sizes[1] * sizes[2]
+    return total
 
 
 def _video_grid(module, args, kwargs) -> tuple[int, int, int]:

@@ -23,12 +23,15 @@ class ModelSpec:
         is_self_attention: (module name, attention module) -> True for the layers to sparsify.
         grid_fn: (transformer, forward args, kwargs) -> ((T, H, W), text_len[, reason the forward must run dense]).
         text_position: where joint-attention text sits ("before"/"after"), None without joint text.
+        attention_shape: config -> (heads, head dim) of the served layers, for configs without
+            `num_attention_heads` / `attention_head_dim` (Kandinsky 5); None reads those two keys.
     """
 
     processor_cls: type | Callable
     is_self_attention: Callable[[str, torch.nn.Module], bool]
     grid_fn: Callable
     text_position: str | None = None
+    attention_shape: Callable | None = None
 
 
 _MODEL_SPECS: dict[type, Callable[[], ModelSpec]] = {}
@@ -85,6 +88,25 @@ def _register_builtin_models() -> None:
 
     register_model(WanAnimateTransformer3DModel, wan_animate_spec)
 
+    from diffusers import AnyFlowTransformer3DModel, ChronoEditTransformer3DModel
+
+    def chronoedit_spec() -> ModelSpec:
+        from .wan import ChronoEditSparseAttnProcessor, wan_grid
+
+        # blocks.<i>.attn1 only: attn2 (text + CLIP image context) keeps its stock processor
+        return ModelSpec(ChronoEditSparseAttnProcessor, blocks_attn1("blocks."), wan_grid)
+
+    register_model(ChronoEditTransformer3DModel, chronoedit_spec)
+
+    def anyflow_spec() -> ModelSpec:
+        from .wan import AnyFlowSparseAttnProcessor, anyflow_grid
+
+        # blocks.<i>.attn1 (AnyFlowAttnProcessor, unmasked) only: attn2 (AnyFlowCrossAttnProcessor) stays stock. The
+        # FAR causal model (AnyFlowFARTransformer3DModel, not a subclass) is not registered
+        return ModelSpec(AnyFlowSparseAttnProcessor, blocks_attn1("blocks."), anyflow_grid)
+
+    register_model(AnyFlowTransformer3DModel, anyflow_spec)
+
     def hunyuan_spec() -> ModelSpec:
         from .hunyuan import HunyuanVideoSparseAttnProcessor, hunyuan_grid
 
@@ -103,6 +125,19 @@ def _register_builtin_models() -> None:
                          hunyuan15_grid, text_position="after")
 
     register_model(HunyuanVideo15Transformer3DModel, hunyuan15_spec)
+
+    from diffusers import HunyuanVideoFramepackTransformer3DModel
+
+    def hunyuan_framepack_spec() -> ModelSpec:
+        from .hunyuan import HunyuanVideoFramepackSparseAttnProcessor, hunyuan_framepack_grid
+
+        # HunyuanVideo's blocks (dual- and single-stream) over [history; video; image; text]; the history, image and
+        # text tokens are served as global tiles after the video; the token refiner stays stock
+        return ModelSpec(HunyuanVideoFramepackSparseAttnProcessor,
+                         lambda name, m: name.startswith(("transformer_blocks.", "single_transformer_blocks.")),
+                         hunyuan_framepack_grid, text_position="after")
+
+    register_model(HunyuanVideoFramepackTransformer3DModel, hunyuan_framepack_spec)
 
     def cogvideox_spec() -> ModelSpec:
         from .cogvideox import CogVideoXSparseAttnProcessor, cogvideox_grid
@@ -150,6 +185,20 @@ def _register_builtin_models() -> None:
 
     register_model(CosmosTransformer3DModel, cosmos_spec)
 
+    from diffusers import Kandinsky5Transformer3DModel
+
+    def kandinsky5_spec() -> ModelSpec:
+        from .kandinsky import Kandinsky5SparseAttnProcessor, kandinsky5_attention_shape, kandinsky5_grid
+
+        # visual_transformer_blocks.<i>.self_attention (visual tokens only) only: the text refiner's self-attention
+        # (text_transformer_blocks) and the visual blocks' cross_attention to the text keep their stock processors
+        return ModelSpec(Kandinsky5SparseAttnProcessor,
+                         lambda name, m: name.startswith("visual_transformer_blocks.")
+                         and name.rsplit(".", 1)[-1] == "self_attention",
+                         kandinsky5_grid, attention_shape=kandinsky5_attention_shape)
+
+    register_model(Kandinsky5Transformer3DModel, kandinsky5_spec)
+
 
 def model_spec(transformer: torch.nn.Module) -> ModelSpec:
     if not _MODEL_SPECS:
@@ -172,8 +221,10 @@ def _patch_size(cfg) -> tuple[int, int, int]:
 
 def model_info(transformer: torch.nn.Module, spec: ModelSpec, num_layers: int) -> ModelInfo:
     cfg = transformer.config
-    heads = int(cfg.num_attention_heads)
-    head_dim = int(cfg.attention_head_dim)
+    if spec.attention_shape is not None:
+        heads, head_dim = spec.attention_shape(cfg)
+    else:
+        heads, head_dim = int(cfg.num_attention_heads), int(cfg.attention_head_dim)
     patch = _patch_size(cfg)
     return ModelInfo(type(transformer).__name__, num_layers, heads, head_dim, patch, spec.text_position)
 

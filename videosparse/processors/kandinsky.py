@@ -1,0 +1,86 @@
+"""Kandinsky 5.0 (`Kandinsky5Transformer3DModel`: Video Lite 2B, Video Pro 19B, Image Lite; `Kandinsky5T2VPipeline`,
+`Kandinsky5I2VPipeline`, `Kandinsky5T2IPipeline`, `Kandinsky5I2IPipeline`): sparse self-attention processor and model
+facts.
+
+Blocks: `text_transformer_blocks.<i>` (`Kandinsky5TransformerEncoderBlock`, the text refiner) run self-attention over
+the Qwen text tokens only, with a 1D RoPE; `visual_transformer_blocks.<i>` (`Kandinsky5TransformerDecoderBlock`) run
+`self_attention` over the visual tokens only, then `cross_attention` from the visual tokens to the refined text, then
+the feed-forward. Every attention is a `Kandinsky5Attention` with `Kandinsky5AttnProcessor`; only the visual blocks'
+`self_attention` is served, so no text token joins the served sequence.
+
+Token order: `Kandinsky5VisualEmbeddings` takes hidden_states channels-last (B, T, H, W, C), views it as
+(B, T/pt, pt, H/ph, ph, W/pw, pw, C), permutes to (B, T', H', W', pt * ph * pw * C) and projects it;
+`fractal_flatten` then flattens (T', H', W'), so token `t * H' * W' + h * W' + w` is patch (t, h, w): time-major. The
+RoPE tables of `Kandinsky5RoPE3D` ((B, T', H', W', 1, D/2, 2, 2)) are flattened the same way. The head dimension is
+`sum(axes_dims)` ((16, 24, 24) Lite, (32, 48, 48) Pro) split [t | h | w], each part rotated in interleaved pairs by
+2 x 2 matrices at positions `visual_rope_pos` (the pipelines pass arange(T'), arange(H'), arange(W')) divided by
+`scale_factor`; the stock processor rounds the rotated q and k to bf16, which this processor keeps. The image
+condition of I2V checkpoints (`visual_cond=True`: condition latents and a mask concatenated as 2C + 1 input channels)
+adds channels, no token.
+
+NABLA: with `attention_type="nabla"` the pipelines pass `sparse_params`; the forward then reorders the tokens into
+8 x 8 spatial blocks (`fractal_flatten(..., block_mask=True)`: order (t, h // 8, w // 8, h % 8, w % 8), the RoPE
+with them) and the stock processor runs the model's own block-sparse attention (`nablaT_v2`, a flex-attention block
+mask of 64-token blocks). Those calls keep the stock processor (warned once per layer); the full-attention
+configuration (`attention_type="regular"`, `sparse_params=None`) is served.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models.transformers.transformer_kandinsky import Kandinsky5AttnProcessor
+
+from .base import SparseAttentionMixin, project_heads
+from .context import forward_arg
+
+NABLA_REASON = ("the model's own NABLA sparse attention is configured (attention_type='nabla', sparse_params given), "
+                "which reorders the tokens into 8 x 8 blocks; it keeps the stock processor")
+
+
+def apply_kandinsky_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """x [B, S, H, D] rotated by the RoPE table rope [B, S, 1, D/2, 2, 2] (one 2 x 2 matrix per pair (x[2i], x[2i+1])),
+    in fp32 and rounded to bf16 as the stock processor does; returned in x's dtype."""
+    pairs = x.unflatten(-1, (-1, 1, 2)).float()
+    return (rope * pairs).sum(-1).flatten(-2).to(torch.bfloat16).type_as(x)
+
+
+class Kandinsky5SparseAttnProcessor(SparseAttentionMixin, Kandinsky5AttnProcessor):
+    """`Kandinsky5AttnProcessor` whose visual self-attention runs through videosparse.
+
+    Projections, the per-head RMSNorm of q and k (in fp32) and the RoPE run as diffusers does them, in (B, S, H, D)
+    layout; only the attention call changes. Calls with encoder states (cross-attention to the text) and calls with
+    `sparse_params` (the model's NABLA attention; warned once per layer) go to the stock processor untouched.
+    """
+
+    _stock = Kandinsky5AttnProcessor
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, rotary_emb=None, sparse_params=None):
+        stock = (attn, hidden_states, encoder_hidden_states, rotary_emb, sparse_params)
+        if encoder_hidden_states is not None:
+            return self._stock.__call__(self, *stock)
+        if sparse_params is not None:
+            self._record_stock_call(NABLA_REASON)
+            return self._stock.__call__(self, *stock)
+        query, key, value = project_heads(hidden_states, attn.num_heads, attn.to_query, attn.to_key, attn.to_value)
+        query = attn.query_norm(query.float()).type_as(query)
+        key = attn.key_norm(key.float()).type_as(key)
+        if rotary_emb is not None:
+            query = apply_kandinsky_rope(query, rotary_emb)
+            key = apply_kandinsky_rope(key, rotary_emb)
+        hidden_states = self.attend(query, key, value)
+        return attn.out_layer(hidden_states.flatten(-2, -1))
+
+
+def kandinsky5_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
+    """Token grid after patching from the forward's channels-last hidden_states (B, T, H, W, C) and `patch_size`;
+    no joint text."""
+    hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
+    _, T, H, W, _ = hidden_states.shape
+    pt, ph, pw = module.config.patch_size
+    return (T // pt, H // ph, W // pw), 0
+
+
+def kandinsky5_attention_shape(config) -> tuple[int, int]:
+    """(heads, head dim) of a Kandinsky 5 config: the head dim is `sum(axes_dims)`, the heads `model_dim` over it."""
+    head_dim = sum(int(d) for d in config.axes_dims)
+    return int(config.model_dim) // head_dim, head_dim
