@@ -14,8 +14,7 @@ import videosparse
 from videosparse.processors import attention_processors, observe, sessions
 from videosparse.processors.wan import AnyFlowSparseAttnProcessor, ChronoEditSparseAttnProcessor
 
-from tester import ProcessorTesterMixin, apply_and_list_served
-from test_cosmos import with_cache_context
+from tester import ProcessorTesterMixin, apply_and_list_served, tiny_image_pipeline_parts, with_cache_context
 
 SMALL = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4,
              text_dim=16, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64)
@@ -153,17 +152,11 @@ def _tiny_chronoedit_pipeline():
     and VAE, a tiny CLIP vision encoder (32 x 32 pixels, hidden size 24) and a tiny ChronoEdit transformer (4 latent
     + 4 mask + 4 condition channels in). Its scheduler is UniPC: temporal reasoning trims the multistep history."""
     import diffusers
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
     from videosparse.models.tiny_wan import build_tiny_wan_pipeline
 
     wan = build_tiny_wan_pipeline()
-    torch.manual_seed(0)
-    image_encoder = CLIPVisionModel(CLIPVisionConfig(hidden_size=24, intermediate_size=32, num_hidden_layers=2,
-                                                     num_attention_heads=2, image_size=32, patch_size=16)).eval()
-    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    scheduler = diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
-                                                  flow_shift=5.0)
+    image_encoder, image_processor, scheduler = tiny_image_pipeline_parts()
     pipe = diffusers.ChronoEditPipeline(tokenizer=wan.tokenizer, text_encoder=wan.text_encoder, vae=wan.vae,
                                         scheduler=scheduler, image_processor=image_processor,
                                         image_encoder=image_encoder,

@@ -5,20 +5,18 @@ torchvision, which is not a videosparse dependency. It is one more input channel
 """
 
 import logging
-import types
 
 import numpy as np
 import pytest
 import torch
 from diffusers import CosmosTransformer3DModel
-from diffusers.models.cache_utils import CacheMixin
 from diffusers.models.transformers.transformer_cosmos import (
     CosmosAttention,
     CosmosAttnProcessor2_0,
     CosmosAttnProcessor2_5,
     CosmosPatchEmbed,
 )
-from tester import ProcessorTesterMixin, apply_and_list_served, check_blocks_attn1_served
+from tester import ProcessorTesterMixin, apply_and_list_served, check_blocks_attn1_served, with_cache_context
 
 import videosparse
 from videosparse.processors import attention_processors, sessions
@@ -55,13 +53,6 @@ def predict25_inputs(batch=1, cond_frames=1):
         timestep=indicator * 1e-4 + (1 - indicator) * 0.6,
         encoder_hidden_states=torch.randn(batch, TEXT, TEXT_IN, generator=g),
     )
-
-
-def with_cache_context(transformer):
-    """`transformer` given diffusers' `CacheMixin.cache_context` (CosmosTransformer3DModel has no CacheMixin, and the
-    Cosmos pipelines set no cache context): the shared tests name the branch and step of a forward through it."""
-    transformer.cache_context = types.MethodType(CacheMixin.cache_context, transformer)
-    return transformer
 
 
 class TestCosmosProcessors(ProcessorTesterMixin):

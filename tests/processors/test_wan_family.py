@@ -21,7 +21,7 @@ from videosparse.processors.wan import (
     WanSparseAttnProcessor,
 )
 
-from tester import ProcessorTesterMixin, apply_and_list_served
+from tester import ProcessorTesterMixin, apply_and_list_served, tiny_image_pipeline_parts
 
 SMALL = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4,
              text_dim=16, freq_dim=32, ffn_dim=64, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
@@ -295,17 +295,11 @@ def _tiny_animate_pipeline():
     """A tiny `WanAnimatePipeline` (built offline, random weights): the tiny Wan pipeline's text encoder, tokenizer
     and VAE, a tiny CLIP vision encoder (32 x 32 pixels, hidden size 24) and a tiny Animate transformer."""
     import diffusers
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
     from videosparse.models.tiny_wan import build_tiny_wan_pipeline
 
     wan = build_tiny_wan_pipeline()
-    torch.manual_seed(0)
-    image_encoder = CLIPVisionModel(CLIPVisionConfig(hidden_size=24, intermediate_size=32, num_hidden_layers=2,
-                                                     num_attention_heads=2, image_size=32, patch_size=16)).eval()
-    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    scheduler = diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
-                                                  flow_shift=5.0)
+    image_encoder, image_processor, scheduler = tiny_image_pipeline_parts()
     pipe = diffusers.WanAnimatePipeline(tokenizer=wan.tokenizer, text_encoder=wan.text_encoder, vae=wan.vae,
                                         scheduler=scheduler, image_processor=image_processor,
                                         image_encoder=image_encoder,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import types
 
 import pytest
 import torch
@@ -295,3 +296,28 @@ def check_extra_tokens_served_as_global_tiles(tester, transformer, inputs: dict,
     s = sessions(transformer)["transformer"].stats()
     assert s["sparse_calls"] == tester.num_layers and s["dense_calls"] == 0 and s["density"] < 0.9
     assert not [r for r in caplog.records if "runs dense" in r.getMessage()]
+
+
+def with_cache_context(transformer):
+    """`transformer` given diffusers' `CacheMixin.cache_context` (for classes without CacheMixin, such as Cosmos and
+    AnyFlow, whose pipelines set no cache context): the shared tests name the branch and step of a forward
+    through it."""
+    from diffusers.models.cache_utils import CacheMixin
+
+    transformer.cache_context = types.MethodType(CacheMixin.cache_context, transformer)
+    return transformer
+
+
+def tiny_image_pipeline_parts():
+    """(image_encoder, image_processor, scheduler) for tiny image-conditioned Wan-family pipelines, built offline: a
+    CLIP vision encoder of hidden size 24 on 32 x 32 pixels and a flow-sigma UniPC scheduler."""
+    import diffusers
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(0)
+    image_encoder = CLIPVisionModel(CLIPVisionConfig(hidden_size=24, intermediate_size=32, num_hidden_layers=2,
+                                                     num_attention_heads=2, image_size=32, patch_size=16)).eval()
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    scheduler = diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                                  flow_shift=5.0)
+    return image_encoder, image_processor, scheduler
