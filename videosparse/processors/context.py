@@ -128,8 +128,10 @@ class CallContext:
 class AttentionRecord:
     """What an observer receives for one self-attention call (post-RoPE, before attention).
 
-    q, k, v: [B, S, H, D] in diffusers' token order; grid (T, H, W); text_len (the valid text tokens of this
-    call, which come with the video in q, k, v) and text_position describe joint-attention text tokens.
+    q, k, v: [B, S, H, D] in the order the sparse path serves: the video grid with the extra tokens (text,
+    conditions) at text_position, which is diffusers' token order except for FramePack, whose history tokens are
+    moved behind the video; grid (T, H, W); text_len (the valid extra tokens of this call, which come with the video
+    in q, k, v) and text_position describe those extra tokens, global tiles of the layout.
     item: None when q, k, v hold the forward's whole batch; the index of the batch item they hold (B = 1) when
     the items have different valid text lengths and are served, and observed, one by one.
     """
