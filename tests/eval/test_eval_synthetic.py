@@ -4,14 +4,15 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
 from videosparse.cli import main
 from videosparse.eval.spec import parse_method_specs
-from videosparse.eval.synthetic import (check_feasible, count_parameters, make_inputs, run_synthetic,
-                                        run_synthetic_model, synthetic_setup)
+from videosparse.eval.synthetic import (SYNTHETIC_MODELS, build_transformer, check_feasible, count_parameters,
+                                        make_inputs, run_synthetic, run_synthetic_model, synthetic_setup)
 
 
 def test_published_shapes():
@@ -46,15 +47,25 @@ def test_shrunken_hunyuan_runs_sparse(tmp_path):
     assert 0 < row["output_rel_l2_vs_dense"] < 0.5
 
 
-def _shrunken_sparse_row(name: str, **size) -> dict:
-    """One block of `name` at a tiny size on CPU, Veda at density 0.5 on 64-token tiles: its result row, checked to
-    have run sparse (one call, no fallback)."""
+def _shrunken_sparse_row(name: str, layers: int = 1, **size) -> dict:
+    """`layers` blocks of `name` at a tiny size on CPU, Veda at density 0.5 on 64-token tiles: its result row, checked
+    to have run sparse (one call per block, each block served, no fallback)."""
     spec = "veda@0.5:block=64:tiling=1x8x8"
-    result = run_synthetic_model(name, parse_method_specs([spec]), "cpu", torch.float32, layers=1, warmup=0,
+    result = run_synthetic_model(name, parse_method_specs([spec]), "cpu", torch.float32, layers=layers, warmup=0,
                                  repeats=1, progress=False, **size)
     row = result.methods[spec]
-    assert row["sparse_calls"] == 1 and row["dense_calls"] == 0 and row["fallbacks"] == []
+    assert row["sparse_calls"] == layers and row["dense_calls"] == 0 and row["fallbacks"] == []
+    assert len(row["layer_density"]) == layers
     return row
+
+
+def _narrowed(monkeypatch, name: str, **config) -> None:
+    """`SYNTHETIC_MODELS[name]` at a narrower width for the test (same head dim, fewer heads): the tokens that do not
+    shrink with the video (Kandinsky's 256 text tokens through its 4 refiner blocks; FramePack's 729 image and 256
+    text tokens in every block) make the published width too slow for a CPU test. Inputs, the layers override and
+    the serving are those of the published entry."""
+    model = SYNTHETIC_MODELS[name]
+    monkeypatch.setitem(SYNTHETIC_MODELS, name, replace(model, config=dict(model.config, **config)))
 
 
 def test_shrunken_ltx_runs_sparse():
@@ -247,3 +258,92 @@ def test_shrunken_cosmos_runs_sparse():
     del inputs
     row = _shrunken_sparse_row("cosmos", frames=9, height=128, width=128)     # 3 x 8 x 8 tokens: 3 tiles of 64
     assert 0.3 < row["realised_density"] < 0.7 and 0 < row["output_rel_l2_vs_dense"] < 0.5
+
+
+def test_kandinsky5_published_shape():
+    """Kandinsky 5.0 Video Pro 19B at 121 x 768 x 1024: 33 input channels (16 latent + 16 condition + 1 mask), 95,232
+    video tokens, text by cross-attention only; heads and head dim from model_dim and axes_dims, layers from
+    num_visual_blocks (the config has no num_attention_heads / attention_head_dim / num_layers)."""
+    setup = synthetic_setup("kandinsky5")
+    assert setup.latent == (33, 31, 96, 128) and setup.grid == (31, 48, 64)
+    assert setup.tokens == 95_232 and setup.attention_tokens == 95_232
+    assert (setup.model.heads, setup.model.head_dim, setup.num_layers) == (32, 128, 60)
+    assert 19.0e9 < count_parameters(setup) < 19.6e9
+    two = synthetic_setup("kandinsky5", layers=2)
+    assert (two.config["num_visual_blocks"], two.config["num_text_blocks"], two.num_layers) == (2, 4, 2)
+    assert "num_layers" not in two.config and two.describe()["layers"] == 2
+
+
+def test_shrunken_kandinsky5_runs_sparse(monkeypatch):
+    """Kandinsky 5 as Kandinsky5T2VPipeline calls it (channels-last latents with a zero condition, RoPE positions,
+    the resolution's RoPE scale, no sparse_params), narrowed to 4 heads x 128: two visual blocks at a tiny size with
+    a partial last tile run sparse on CPU (their self-attention; the text refiner and cross-attention stay stock).
+    The zero-initialised modulations are drawn at random, so the sparse output differs from dense."""
+    _narrowed(monkeypatch, "kandinsky5", model_dim=512, ff_dim=2048, time_dim=128)
+    small = synthetic_setup("kandinsky5", frames=9, height=144, width=128, layers=2)
+    assert small.grid == (3, 9, 8) and small.model.heads == 4
+    inputs = make_inputs(small, torch.device("cpu"), torch.float32)
+    hidden = inputs["hidden_states"]
+    assert tuple(hidden.shape) == (1, 3, 18, 16, 33) and hidden.is_contiguous()
+    assert hidden[..., :16].std() > 0.5 and not hidden[..., 16:].any()
+    assert [len(p) for p in inputs["visual_rope_pos"]] == [3, 9, 8] and len(inputs["text_rope_pos"]) == 256
+    assert inputs["scale_factor"] == (1.0, 3.16, 3.16) and inputs["sparse_params"] is None
+    assert tuple(inputs["encoder_hidden_states"].shape) == (1, 256, 3584)
+    assert tuple(inputs["pooled_projections"].shape) == (1, 768) and inputs["return_dict"] is True
+    at_480p = synthetic_setup("kandinsky5", frames=1, height=480, width=832, layers=1)
+    assert make_inputs(at_480p, torch.device("cpu"), torch.float32)["scale_factor"] == (1.0, 2.0, 2.0)
+    transformer = build_transformer(small, torch.device("cpu"), torch.float32)
+    assert all(block.visual_modulation.out_layer.weight.any() for block in transformer.visual_transformer_blocks)
+    with torch.no_grad():
+        out = transformer(**inputs)[0]
+    assert tuple(out.shape) == (1, 3, 18, 16, 16)
+    del transformer
+    row = _shrunken_sparse_row("kandinsky5", layers=2, frames=9, height=144, width=128)
+    assert all(0.3 < d < 0.7 for d in row["layer_density"]) and 0 < row["output_rel_l2_vs_dense"] < 0.5
+
+
+def test_framepack_published_shape():
+    """FramePack I2V at 640 x 640: a window of 9 latent frames (14,400 video tokens) after 3,200 + 400 + 400 history
+    tokens, 729 image and 256 text tokens, all in the self-attention of HunyuanVideo's 20 + 40 blocks; the density
+    floor the global tiles set is near 0.45."""
+    setup = synthetic_setup("framepack")
+    assert setup.latent == (16, 9, 80, 80) and setup.grid == (9, 40, 40) and setup.tokens == 14_400
+    assert setup.history_tokens == (3_200, 400, 400)
+    assert setup.attention_tokens == 14_400 + 4_000 + 729 + 256 == 19_385
+    assert 0.44 < 1 - (setup.tokens / setup.attention_tokens) ** 2 < 0.46
+    assert (setup.model.heads, setup.model.head_dim, setup.num_layers) == (24, 128, 60)
+    shape = setup.describe()
+    assert shape["history_tokens"] == [3_200, 400, 400] and shape["image_tokens"] == 729
+    assert 12.5e9 < count_parameters(setup) < 13.2e9
+    one = synthetic_setup("framepack", layers=1)
+    assert (one.config["num_layers"], one.config["num_single_layers"], one.num_layers) == (1, 0, 1)
+
+
+def test_shrunken_framepack_runs_sparse(monkeypatch):
+    """FramePack as HunyuanVideoFramepackPipeline calls it in a later section (clean latents, 2x / 4x history and
+    their frame indices, SigLIP image embeddings, text mask, guidance), narrowed to 2 heads x 128: the forward's
+    joint sequence is the setup's attention tokens (the 2x / 4x history padded to whole kernels), and two blocks at a
+    tiny size with a partial last tile run sparse on CPU, history, image and text served as global tiles."""
+    _narrowed(monkeypatch, "framepack", num_attention_heads=2)
+    small = synthetic_setup("framepack", frames=9, height=272, width=256, layers=2)
+    assert small.grid == (3, 17, 16) and small.history_tokens == (2 * 17 * 16, 9 * 8, 4 * 5 * 4)
+    inputs = make_inputs(small, torch.device("cpu"), torch.float32)
+    assert tuple(inputs["hidden_states"].shape) == (1, 16, 3, 34, 32)
+    for key, frames in (("latents_clean", 2), ("latents_history_2x", 2), ("latents_history_4x", 16)):
+        assert tuple(inputs[key].shape) == (1, 16, frames, 34, 32)
+    assert inputs["indices_latents"].tolist() == [1, 2, 3] and inputs["indices_latents_clean"].tolist() == [0, 4]
+    assert inputs["indices_latents_history_2x"].tolist() == [5, 6]
+    assert inputs["indices_latents_history_4x"].tolist() == list(range(7, 23))
+    assert tuple(inputs["image_embeds"].shape) == (1, 729, 1152) and inputs["encoder_attention_mask"].all()
+    assert inputs["guidance"].tolist() == [6000.0]
+    transformer = build_transformer(small, torch.device("cpu"), torch.float32)
+    joint = []
+    transformer.transformer_blocks[0].register_forward_pre_hook(
+        lambda module, args: joint.append(args[0].shape[1] + args[1].shape[1]))
+    with torch.no_grad():
+        out = transformer(**inputs)[0]
+    assert joint == [small.attention_tokens] and tuple(out.shape) == (1, 16, 3, 34, 32)
+    del transformer
+    row = _shrunken_sparse_row("framepack", layers=2, frames=9, height=272, width=256)
+    floor = 1 - (small.tokens / small.attention_tokens) ** 2          # every pair with a global tile is kept
+    assert all(floor < d < 0.99 for d in row["layer_density"]) and 0 < row["output_rel_l2_vs_dense"] < 0.5

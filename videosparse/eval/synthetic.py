@@ -10,19 +10,28 @@ Random weights give near-uniform attention, so which tiles are chosen says nothi
 the kernel's work at a density does not depend on it. The output's relative error vs dense is
 reported only as a sanity check that the sparse path ran.
 
-=========  ================================  =========================  ======================
-name       architecture                      default video              token grid
-=========  ================================  =========================  ======================
-wan-1.3b   Wan2.1 T2V 1.3B: 30 x 12 x 128    81 x 480 x 832             21 x 30 x 52 = 32,760
-wan-14b    Wan2.1 T2V 14B: 40 x 40 x 128     81 x 720 x 1280            21 x 45 x 80 = 75,600
-hunyuan    HunyuanVideo: 20+40 x 24 x 128    129 x 720 x 1280           33 x 45 x 80 = 118,800
-hunyuan15  HunyuanVideo 1.5: 54 x 16 x 128   121 x 480 x 848            31 x 30 x 53 = 49,290
-cogvideox  CogVideoX-5B: 42 x 48 x 64         49 x 480 x 720             13 x 30 x 45 = 17,550
-ltx        LTX-Video 0.9.x 2B: 28 x 32 x 64   121 x 512 x 768            16 x 16 x 24 = 6,144
-ltx2       LTX-2 19B: 48 x 32 x 128 (+audio)  121 x 512 x 768            16 x 16 x 24 = 6,144
-mochi      Mochi 1 preview: 48 x 24 x 128    163 x 480 x 848            28 x 30 x 53 = 44,520
-cosmos     Cosmos-Predict2.5: 28 x 16 x 128  93 x 704 x 1280            24 x 44 x 80 = 84,480
-=========  ================================  =========================  ======================
+==========  ===================================  =========================  ===============================
+name        architecture                         default video              token grid
+==========  ===================================  =========================  ===============================
+wan-1.3b    Wan2.1 T2V 1.3B: 30 x 12 x 128       81 x 480 x 832             21 x 30 x 52 = 32,760
+wan-14b     Wan2.1 T2V 14B: 40 x 40 x 128        81 x 720 x 1280            21 x 45 x 80 = 75,600
+hunyuan     HunyuanVideo: 20+40 x 24 x 128       129 x 720 x 1280           33 x 45 x 80 = 118,800
+hunyuan15   HunyuanVideo 1.5: 54 x 16 x 128      121 x 480 x 848            31 x 30 x 53 = 49,290
+cogvideox   CogVideoX-5B: 42 x 48 x 64           49 x 480 x 720             13 x 30 x 45 = 17,550
+ltx         LTX-Video 0.9.x 2B: 28 x 32 x 64     121 x 512 x 768            16 x 16 x 24 = 6,144
+ltx2        LTX-2 19B: 48 x 32 x 128 (+audio)    121 x 512 x 768            16 x 16 x 24 = 6,144
+mochi       Mochi 1 preview: 48 x 24 x 128       163 x 480 x 848            28 x 30 x 53 = 44,520
+cosmos      Cosmos-Predict2.5: 28 x 16 x 128     93 x 704 x 1280            24 x 44 x 80 = 84,480
+kandinsky5  Kandinsky 5.0 Video Pro 19B:         121 x 768 x 1024           31 x 48 x 64 = 95,232
+            60 x 32 x 128 (+4 text blocks)
+framepack   FramePack I2V (HunyuanVideo):        33 x 640 x 640             9 x 40 x 40 = 14,400
+            20+40 x 24 x 128                     (a 9-latent-frame window)  + 4,985 global (*)
+==========  ===================================  =========================  ===============================
+
+(*) FramePack attends over [history; video; image; text]: the window's 14,400 video tokens are the tile grid; the
+history (start image + 1 frame at 1x: 3,200, 2 frames at 2x: 400, 16 frames at 4x: 400), the 729 SigLIP image tokens
+and the 256 text tokens are global tiles, always kept, so the realised density has a floor near 0.45 at this size
+(1 - (14,400 / 19,385)^2 = 0.448): a method's target density below it is not reached.
 
 A model whose transformer class has no videosparse processor is refused with the registry's message.
 """
@@ -36,7 +45,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -59,12 +68,19 @@ class SyntheticModel:
         transformer_cls: diffusers class name.
         config: constructor arguments (the published config).
         video: default (frames, height, width) in pixels.
-        latent_channels: VAE latent channels.
+        latent_channels: VAE latent channels (the transformer's input channels where it concatenates a condition).
         vae_scale: (temporal, spatial) VAE compression: latent frames = (frames - 1) // t + 1.
         text_len, text_dim: text-encoder sequence length and width fed to the transformer.
         joint_text: the text tokens join the video tokens in self-attention (HunyuanVideo, CogVideoX),
             so attention runs over video + text tokens; otherwise they enter by cross-attention (Wan).
         description: one line for reports.
+        layer_keys: the config keys whose values add up to the served blocks; `--synthetic-layers N` sets the first
+            to N and the others to 0.
+        attention_shape: config -> (heads, head dim) of the served layers, for configs without
+            `num_attention_heads` / `attention_head_dim` (Kandinsky 5); None reads those two keys.
+        image_tokens: image tokens that join the self-attention (FramePack's SigLIP tokens, `image_proj_dim` wide).
+        history: latent frames of the history that FramePack packs before the video, at 1x (the start image and
+            the 1x history), 2x and 4x compression (`HISTORY_KERNELS`).
     """
 
     name: str
@@ -77,6 +93,10 @@ class SyntheticModel:
     text_dim: int = 4096
     joint_text: bool = False
     description: str = ""
+    layer_keys: tuple[str, ...] = ("num_layers", "num_single_layers")
+    attention_shape: Callable[[dict], tuple[int, int]] | None = None
+    image_tokens: int = 0
+    history: tuple[int, ...] = ()
 
     @property
     def patch(self) -> tuple[int, int, int]:
@@ -87,20 +107,49 @@ class SyntheticModel:
 
     @property
     def heads(self) -> int:
-        return int(self.config["num_attention_heads"])
+        return self._attention_shape()[0]
 
     @property
     def head_dim(self) -> int:
-        return int(self.config["attention_head_dim"])
+        return self._attention_shape()[1]
 
     @property
     def num_layers(self) -> int:
-        return int(self.config.get("num_layers", 0)) + int(self.config.get("num_single_layers", 0))
+        return self.count_layers(self.config)
+
+    def count_layers(self, config: dict) -> int:
+        """Served blocks of `config` (this model's config, possibly with a layers override)."""
+        return sum(int(config.get(key, 0)) for key in self.layer_keys)
+
+    def _attention_shape(self) -> tuple[int, int]:
+        if self.attention_shape is not None:
+            return self.attention_shape(self.config)
+        return int(self.config["num_attention_heads"]), int(self.config["attention_head_dim"])
+
+
+# kernels (t, h, w) of FramePack's history patch embeddings (`HunyuanVideoHistoryPatchEmbed`: proj, proj_2x,
+# proj_4x), which pad their input to whole kernels
+HISTORY_KERNELS = ((1, 2, 2), (2, 4, 4), (4, 8, 8))
+
+
+def _kandinsky5_attention_shape(config: dict) -> tuple[int, int]:
+    """(heads, head dim) of a Kandinsky 5 config, by the rule videosparse serves it with (head dim `sum(axes_dims)`,
+    heads `model_dim` over it)."""
+    from types import SimpleNamespace
+
+    from ..processors.kandinsky import kandinsky5_attention_shape
+
+    return kandinsky5_attention_shape(SimpleNamespace(**config))
 
 
 _WAN_COMMON = dict(patch_size=(1, 2, 2), attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
                    freq_dim=256, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
                    rope_max_seq_len=1024)
+
+_HUNYUAN = dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128, num_layers=20,
+                num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1,
+                qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768,
+                rope_theta=256.0, rope_axes_dim=(16, 56, 56))
 
 SYNTHETIC_MODELS: dict[str, SyntheticModel] = {
     "wan-1.3b": SyntheticModel(
@@ -112,11 +161,7 @@ SYNTHETIC_MODELS: dict[str, SyntheticModel] = {
         dict(_WAN_COMMON, num_attention_heads=40, ffn_dim=13824, num_layers=40), (81, 720, 1280),
         description="Wan2.1 T2V 14B (dim 5120, 40 heads x 128, 40 layers, ffn 13824), 720P 81 frames"),
     "hunyuan": SyntheticModel(
-        "hunyuan", "HunyuanVideoTransformer3DModel",
-        dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128, num_layers=20,
-             num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1,
-             qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768,
-             rope_theta=256.0, rope_axes_dim=(16, 56, 56)),
+        "hunyuan", "HunyuanVideoTransformer3DModel", _HUNYUAN,
         (129, 720, 1280), text_len=256, joint_text=True,
         description="HunyuanVideo (24 heads x 128, 20 dual + 40 single blocks), 720P 129 frames"),
     "hunyuan15": SyntheticModel(
@@ -183,6 +228,33 @@ SYNTHETIC_MODELS: dict[str, SyntheticModel] = {
              use_crossattn_projection=True, crossattn_proj_in_channels=100352, encoder_hidden_states_channels=1024),
         (93, 704, 1280), text_len=512, text_dim=100352,
         description="Cosmos-Predict2.5 2B (16 heads x 128, 28 layers, VAE 4 x 8 x 8), 704x1280 93 frames"),
+    "kandinsky5": SyntheticModel(
+        # kandinskylab Kandinsky 5.0 Video Pro (19B) with full attention (attention_type "regular": no NABLA
+        # sparse_params): 60 visual blocks (self-attention over the video, served; cross-attention to the text, stock)
+        # after 4 text refiner blocks (stock, not counted as layers); heads 4096 / (32 + 48 + 48) = 32 of 128. The I2V
+        # layout (visual_cond) takes 33 input channels, channels last: 16 latent + 16 condition latent + 1 mask, which
+        # Kandinsky5T2VPipeline fills with zeros for text to video. HunyuanVideo VAE 4 x 8 x 8; 768 x 1024, 121 frames;
+        # 256 Qwen2.5-VL tokens (3584 wide) plus the pooled CLIP embedding (768)
+        "kandinsky5", "Kandinsky5Transformer3DModel",
+        dict(in_visual_dim=16, out_visual_dim=16, in_text_dim=3584, in_text_dim2=768, time_dim=1024,
+             patch_size=(1, 2, 2), model_dim=4096, ff_dim=16384, num_text_blocks=4, num_visual_blocks=60,
+             axes_dims=(32, 48, 48), visual_cond=True, attention_type="regular"),
+        (121, 768, 1024), latent_channels=33, text_len=256, text_dim=3584, layer_keys=("num_visual_blocks",),
+        attention_shape=_kandinsky5_attention_shape,
+        description="Kandinsky 5.0 Video Pro 19B (32 heads x 128, 60 visual blocks, text by cross-attention), "
+                    "768x1024 121 frames"),
+    "framepack": SyntheticModel(
+        # lllyasviel/FramePackI2V_HY: HunyuanVideo's transformer (20 dual + 40 single blocks, 24 heads x 128) with the
+        # history patch embeddings (has_clean_x_embedder) and the SigLIP image projection (has_image_proj, 729 tokens
+        # of 1152). One forward of one section of HunyuanVideoFramepackPipeline at 640 x 640: a window of 9 latent
+        # frames (33 video frames) after the history of its default inverted anti-drifting sampling (history sizes
+        # 1, 2, 16 latent frames; the start image joins the 1x history); 256 Llama tokens with their mask (all valid)
+        # and the pooled CLIP embedding. History, image and text tokens join the self-attention of every block
+        "framepack", "HunyuanVideoFramepackTransformer3DModel",
+        dict(_HUNYUAN, image_condition_type=None, has_image_proj=True, image_proj_dim=1152, has_clean_x_embedder=True),
+        (33, 640, 640), text_len=256, joint_text=True, image_tokens=729, history=(2, 2, 16),
+        description="FramePack I2V (HunyuanVideo 24 heads x 128, 20 dual + 40 single blocks), 640x640, a window of "
+                    "9 latent frames + 4,000 history and 729 image tokens"),
 }
 
 
@@ -198,10 +270,9 @@ class SyntheticSetup:
     def config(self) -> dict:
         cfg = dict(self.model.config)
         if self.layers_override is not None:
-            if "num_single_layers" in cfg:
-                cfg["num_layers"], cfg["num_single_layers"] = self.layers_override, 0
-            else:
-                cfg["num_layers"] = self.layers_override
+            first, *rest = self.model.layer_keys
+            cfg[first] = self.layers_override
+            cfg.update({key: 0 for key in rest if key in cfg})
         return cfg
 
     @property
@@ -222,20 +293,32 @@ class SyntheticSetup:
         return math.prod(self.grid)
 
     @property
+    def history_tokens(self) -> tuple[int, ...]:
+        """Tokens of each part of FramePack's history (1x, 2x, 4x; each padded to whole kernels); () without one."""
+        _, _, H, W = self.latent
+        return tuple(math.prod(-(-n // k) for n, k in zip((frames, H, W), kernel))
+                     for frames, kernel in zip(self.model.history, HISTORY_KERNELS))
+
+    @property
     def attention_tokens(self) -> int:
-        """Tokens of one self-attention call: video, plus the text for joint-attention models."""
-        return self.tokens + (self.model.text_len if self.model.joint_text else 0)
+        """Tokens of one self-attention call: video, plus the history, image and text tokens that join it."""
+        joined = sum(self.history_tokens) + self.model.image_tokens
+        return self.tokens + joined + (self.model.text_len if self.model.joint_text else 0)
 
     @property
     def num_layers(self) -> int:
-        cfg = self.config
-        return int(cfg.get("num_layers", 0)) + int(cfg.get("num_single_layers", 0))
+        return self.model.count_layers(self.config)
 
     def describe(self) -> dict[str, Any]:
-        return {"video": list(self.video), "latent": list(self.latent), "grid": list(self.grid),
-                "tokens": self.tokens, "heads": self.model.heads, "head_dim": self.model.head_dim,
-                "layers": self.num_layers, "text_tokens": self.model.text_len,
-                "attention_tokens": self.attention_tokens}
+        shape = {"video": list(self.video), "latent": list(self.latent), "grid": list(self.grid),
+                 "tokens": self.tokens, "heads": self.model.heads, "head_dim": self.model.head_dim,
+                 "layers": self.num_layers, "text_tokens": self.model.text_len,
+                 "attention_tokens": self.attention_tokens}
+        if self.model.history:
+            shape["history_tokens"] = list(self.history_tokens)
+        if self.model.image_tokens:
+            shape["image_tokens"] = self.model.image_tokens
+        return shape
 
 
 def synthetic_setup(name: str, frames: int | None = None, height: int | None = None, width: int | None = None,
@@ -333,11 +416,17 @@ def build_transformer(setup: SyntheticSetup, device: torch.device, dtype: torch.
     """The transformer with random weights, initialised directly on `device`, cast to `dtype`.
 
     The modules the class lists in `_keep_in_fp32_modules` stay fp32, as diffusers' `from_pretrained`
-    keeps them.
+    keeps them. Linear layers that the constructor leaves all zero are drawn at random too.
     """
     torch.manual_seed(seed)
     with torch.device(device):
         model = _transformer_class(setup.model.transformer_cls)(**setup.config)
+        # linear layers a constructor zero-initialises (Kandinsky 5's modulations: training starts from blocks that
+        # add nothing) are trained nonzero: drawn like the others, so that every block's output depends on its
+        # attention and the output error vs dense shows that the sparse path ran
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and not module.weight.any():
+                module.reset_parameters()
     keep = getattr(model, "_keep_in_fp32_modules", None) or []
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if tensor.is_floating_point() and not any(k in name.split(".") for k in keep):
@@ -381,6 +470,10 @@ def make_inputs(setup: SyntheticSetup, device: torch.device, dtype: torch.dtype,
                       encoder_attention_mask=torch.ones(1, m.text_len, device=device, dtype=torch.bool))
     if m.transformer_cls == "CosmosTransformer3DModel":
         inputs.update(_cosmos_inputs(setup, device, dtype))
+    if m.transformer_cls == "Kandinsky5Transformer3DModel":
+        inputs.update(_kandinsky5_inputs(setup, inputs["hidden_states"], randn, device, dtype))
+    if m.transformer_cls == "HunyuanVideoFramepackTransformer3DModel":
+        inputs.update(_framepack_inputs(setup, randn, device, dtype))
     return inputs
 
 
@@ -426,6 +519,51 @@ def _cosmos_inputs(setup: SyntheticSetup, device: torch.device, dtype: torch.dty
     return {"condition_mask": torch.zeros(1, 1, T, H, W, device=device, dtype=dtype),
             "timestep": torch.full((1, 1, T, 1, 1), sigma, device=device, dtype=torch.float32),
             "padding_mask": torch.zeros(1, 1, *setup.video[1:], device=device, dtype=dtype)}
+
+
+def _kandinsky5_inputs(setup: SyntheticSetup, latents: torch.Tensor, randn, device: torch.device,
+                       dtype: torch.dtype) -> dict:
+    """What `Kandinsky5T2VPipeline` passes its transformer besides the Qwen text states: the latents channels last
+    (B, T, H, W, C) with the condition latents and mask of `visual_cond` zero (text to video), the pooled CLIP
+    embedding, the timestep in the model's dtype, the RoPE positions (arange over the patch grid and the text) and
+    the resolution's RoPE scale (1, 2, 2) when both sides are within 480..854 pixels, else (1, 3.16, 3.16); no
+    `sparse_params` (full attention). Its forward returns a bare tensor when `return_dict=False`, so the output
+    object is asked for (indexed by `[0]` like the others' tuples)."""
+    cfg = setup.model.config
+    noise = latents[:, : int(cfg["in_visual_dim"])].movedim(1, -1)
+    condition = torch.zeros(*noise.shape[:-1], latents.shape[1] - noise.shape[-1], device=device, dtype=dtype)
+    height, width = setup.video[1:]
+    scale = (1.0, 2.0, 2.0) if all(480 <= side <= 854 for side in (height, width)) else (1.0, 3.16, 3.16)
+    return {"hidden_states": torch.cat([noise, condition], dim=-1),
+            "pooled_projections": randn(1, int(cfg["in_text_dim2"])),
+            "timestep": torch.tensor([500.0], device=device, dtype=dtype),
+            "visual_rope_pos": [torch.arange(n, device=device) for n in setup.grid],
+            "text_rope_pos": torch.arange(setup.model.text_len, device=device),
+            "scale_factor": scale, "sparse_params": None, "return_dict": True}
+
+
+def _framepack_inputs(setup: SyntheticSetup, randn, device: torch.device, dtype: torch.dtype,
+                      guidance_scale: float = 6.0) -> dict:
+    """What `HunyuanVideoFramepackPipeline` passes its transformer besides the window's latents and the text states,
+    in its default inverted anti-drifting sampling, last section (no padding frames; the others differ only in the
+    RoPE frame indices): the clean latents (start image + 1x history), the 2x and 4x history latents and their frame
+    indices, split from arange as the pipeline splits them ([start, window, 1x, 2x, 4x]); the SigLIP image
+    embeddings; the text mask (all valid) and the pooled CLIP embedding in the model's dtype; the fp32 timestep;
+    the distilled guidance (guidance_scale x 1000)."""
+    m = setup.model
+    C, T, H, W = setup.latent
+    clean, history_2x, history_4x = m.history
+    start, window, history_1x, indices_2x, indices_4x = torch.arange(
+        clean + T + history_2x + history_4x, device=device).split([1, T, clean - 1, history_2x, history_4x])
+    return {"timestep": torch.tensor([500.0], device=device),
+            "encoder_attention_mask": torch.ones(1, m.text_len, device=device, dtype=dtype),
+            "pooled_projections": randn(1, int(m.config["pooled_projection_dim"])),
+            "image_embeds": randn(1, m.image_tokens, int(m.config["image_proj_dim"])),
+            "guidance": torch.tensor([guidance_scale * 1000.0], device=device, dtype=dtype),
+            "indices_latents": window,
+            "latents_clean": randn(1, C, clean, H, W), "indices_latents_clean": torch.cat([start, history_1x]),
+            "latents_history_2x": randn(1, C, history_2x, H, W), "indices_latents_history_2x": indices_2x,
+            "latents_history_4x": randn(1, C, history_4x, H, W), "indices_latents_history_4x": indices_4x}
 
 
 def _cogvideox_rotary_emb(setup: SyntheticSetup, device: torch.device):
