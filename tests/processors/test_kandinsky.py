@@ -22,7 +22,7 @@ from tester import ProcessorTesterMixin, apply_and_list_served, assert_runs_stoc
 import videosparse
 from videosparse.layout import TileLayout
 from videosparse.processors import attention_processors, observe, sessions
-from videosparse.processors.kandinsky import Kandinsky5SparseAttnProcessor, kandinsky5_grid
+from videosparse.processors.kandinsky import Kandinsky5SparseAttnProcessor, kandinsky_grid
 
 CHANNELS, TEXT, TEXT_DIM, POOLED_DIM = 4, 8, 32, 16
 LATENT = (3, 14, 36)         # latent frames x height x width -> patches 3 x 7 x 18 = 378 tokens, a partial last tile
@@ -163,10 +163,10 @@ def test_nabla_config_runs_stock_with_one_warning(caplog):
 def test_grid_from_channels_last_hidden_states():
     tr = tiny_kandinsky(num_layers=1)
     inputs = kandinsky_inputs(tr)
-    assert kandinsky5_grid(tr, (), inputs) == (GRID, 0)
-    assert kandinsky5_grid(tr, (inputs["hidden_states"],), {}) == (GRID, 0)
+    assert kandinsky_grid(tr, (), inputs) == (GRID, 0)
+    assert kandinsky_grid(tr, (inputs["hidden_states"],), {}) == (GRID, 0)
     wide = tiny_kandinsky(num_layers=1, patch_size=(1, 1, 2))
-    assert kandinsky5_grid(wide, (), inputs) == ((3, 14, 18), 0)
+    assert kandinsky_grid(wide, (), inputs) == ((3, 14, 18), 0)
 
 
 @pytest.mark.parametrize("variant", ["i2v", "image"])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import videosparse
+from videosparse.eval.synthetic import cast_like_from_pretrained
 from videosparse.processors import attention_processors, observe, sessions
 
 
@@ -199,7 +200,7 @@ class ProcessorTesterMixin:
     def test_gpu_bf16_density_one_matches_stock(self):
         """On CUDA in bf16 (the GPU kernels, the model's own layout and text handling): density 1 equals the
         stock forward up to bf16 rounding, and a sparse density gives a finite output."""
-        tr = self.make_transformer().to("cuda", torch.bfloat16)
+        tr = cast_like_from_pretrained(self.make_transformer().to("cuda"), torch.bfloat16)
         inputs = _to_cuda_bf16(self.make_inputs(tr))
         ref = self.run(tr, inputs).float()
         videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=self.tiling, block=self.block))

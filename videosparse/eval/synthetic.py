@@ -132,14 +132,14 @@ class SyntheticModel:
 HISTORY_KERNELS = ((1, 2, 2), (2, 4, 4), (4, 8, 8))
 
 
-def _kandinsky5_attention_shape(config: dict) -> tuple[int, int]:
+def _kandinsky_attention_shape(config: dict) -> tuple[int, int]:
     """(heads, head dim) of a Kandinsky 5 config, by the rule videosparse serves it with (head dim `sum(axes_dims)`,
     heads `model_dim` over it)."""
     from types import SimpleNamespace
 
-    from ..processors.kandinsky import kandinsky5_attention_shape
+    from ..processors.kandinsky import kandinsky_attention_shape
 
-    return kandinsky5_attention_shape(SimpleNamespace(**config))
+    return kandinsky_attention_shape(SimpleNamespace(**config))
 
 
 _WAN_COMMON = dict(patch_size=(1, 2, 2), attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
@@ -240,7 +240,7 @@ SYNTHETIC_MODELS: dict[str, SyntheticModel] = {
              patch_size=(1, 2, 2), model_dim=4096, ff_dim=16384, num_text_blocks=4, num_visual_blocks=60,
              axes_dims=(32, 48, 48), visual_cond=True, attention_type="regular"),
         (121, 768, 1024), latent_channels=33, text_len=256, text_dim=3584, layer_keys=("num_visual_blocks",),
-        attention_shape=_kandinsky5_attention_shape,
+        attention_shape=_kandinsky_attention_shape,
         description="Kandinsky 5.0 Video Pro 19B (32 heads x 128, 60 visual blocks, text by cross-attention), "
                     "768x1024 121 frames"),
     "framepack": SyntheticModel(
@@ -412,6 +412,16 @@ def check_feasible(setup: SyntheticSetup, device: torch.device, dtype: torch.dty
     return est
 
 
+def cast_like_from_pretrained(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Cast `model`'s floating parameters and buffers to `dtype` in place, except the modules its class lists in
+    `_keep_in_fp32_modules`, which stay fp32 as diffusers' `from_pretrained(torch_dtype=dtype)` keeps them."""
+    keep = getattr(model, "_keep_in_fp32_modules", None) or []
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if tensor.is_floating_point() and not any(k in name.split(".") for k in keep):
+            tensor.data = tensor.data.to(dtype)
+    return model
+
+
 def build_transformer(setup: SyntheticSetup, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """The transformer with random weights, initialised directly on `device`, cast to `dtype`.
 
@@ -427,10 +437,7 @@ def build_transformer(setup: SyntheticSetup, device: torch.device, dtype: torch.
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and not module.weight.any():
                 module.reset_parameters()
-    keep = getattr(model, "_keep_in_fp32_modules", None) or []
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        if tensor.is_floating_point() and not any(k in name.split(".") for k in keep):
-            tensor.data = tensor.data.to(dtype)
+    cast_like_from_pretrained(model, dtype)
     return model.eval().requires_grad_(False)
 
 

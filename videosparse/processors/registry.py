@@ -188,16 +188,54 @@ def _register_builtin_models() -> None:
     from diffusers import Kandinsky5Transformer3DModel
 
     def kandinsky5_spec() -> ModelSpec:
-        from .kandinsky import Kandinsky5SparseAttnProcessor, kandinsky5_attention_shape, kandinsky5_grid
+        from .kandinsky import Kandinsky5SparseAttnProcessor, kandinsky_attention_shape, kandinsky_grid
 
         # visual_transformer_blocks.<i>.self_attention (visual tokens only) only: the text refiner's self-attention
         # (text_transformer_blocks) and the visual blocks' cross_attention to the text keep their stock processors
         return ModelSpec(Kandinsky5SparseAttnProcessor,
                          lambda name, m: name.startswith("visual_transformer_blocks.")
                          and name.rsplit(".", 1)[-1] == "self_attention",
-                         kandinsky5_grid, attention_shape=kandinsky5_attention_shape)
+                         kandinsky_grid, attention_shape=kandinsky_attention_shape)
 
     register_model(Kandinsky5Transformer3DModel, kandinsky5_spec)
+
+    from diffusers import HeliosTransformer3DModel, MotifVideoTransformer3DModel
+
+    def helios_spec() -> ModelSpec:
+        from .helios import HeliosSparseAttnProcessor, helios_grid
+
+        # blocks.<i>.attn1 over [long; mid; short history; video]: the history tokens are served like joint text
+        # before the video (global tiles); attn2 (cross-attention to the text) keeps its stock processor
+        return ModelSpec(HeliosSparseAttnProcessor, blocks_attn1("blocks."), helios_grid, text_position="before")
+
+    register_model(HeliosTransformer3DModel, helios_spec)
+
+    def motif_video_spec() -> ModelSpec:
+        from .motif import MotifVideoSparseAttnProcessor, motif_grid
+
+        # the dual- and single-stream blocks' joint attention `attn` over [video; image; text]; their text
+        # cross-attention (`cross_attn`) keeps its stock processor, and so do the DDT decoder blocks' calls
+        return ModelSpec(MotifVideoSparseAttnProcessor,
+                         lambda name, m: name.startswith(("transformer_blocks.", "single_transformer_blocks."))
+                         and name.rsplit(".", 1)[-1] == "attn",
+                         motif_grid, text_position="after")
+
+    register_model(MotifVideoTransformer3DModel, motif_video_spec)
+
+    from diffusers import Kandinsky6Transformer3DModel
+
+    def kandinsky6_spec() -> ModelSpec:
+        from .kandinsky import Kandinsky6SparseAttnProcessor, kandinsky_attention_shape, kandinsky_grid
+
+        # visual_transformer_blocks.<i>.video_dec_block.self_attention (video tokens only) only: the audio
+        # self-attention, the text cross-attentions, the video <-> audio cross-attentions (va_ / av_cross_attention)
+        # and both text refiners keep their stock processors
+        return ModelSpec(Kandinsky6SparseAttnProcessor,
+                         lambda name, m: name.startswith("visual_transformer_blocks.")
+                         and name.endswith(".video_dec_block.self_attention"),
+                         kandinsky_grid, attention_shape=kandinsky_attention_shape)
+
+    register_model(Kandinsky6Transformer3DModel, kandinsky6_spec)
 
 
 def model_spec(transformer: torch.nn.Module) -> ModelSpec:
