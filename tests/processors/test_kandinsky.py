@@ -20,6 +20,7 @@ from diffusers.models.transformers.transformer_kandinsky import (
 from tester import ProcessorTesterMixin, apply_and_list_served, assert_runs_stock_with_one_warning
 
 import videosparse
+from videosparse.eval.synthetic import cast_like_from_pretrained
 from videosparse.layout import TileLayout
 from videosparse.processors import attention_processors, observe, sessions
 from videosparse.processors.kandinsky import Kandinsky5SparseAttnProcessor, kandinsky_grid
@@ -83,6 +84,10 @@ class TestKandinsky5Processors(ProcessorTesterMixin):
 
     def make_inputs(self, transformer):
         return kandinsky_inputs(transformer)
+
+    def to_cuda_bf16(self, transformer):
+        # the time embedding and modulations stay fp32, as from_pretrained(torch_dtype=torch.bfloat16) keeps them
+        return cast_like_from_pretrained(transformer.to("cuda"), torch.bfloat16)
 
 
 def test_sparse_runs_on_visual_self_attention_only():
