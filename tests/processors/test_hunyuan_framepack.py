@@ -1,14 +1,18 @@
 """FramePack (HunyuanVideoFramepackTransformer3DModel): HunyuanVideo's blocks over [history; video; image; text];
 the window's video is the tile grid, the history, image and text tokens are global tiles."""
 
-import logging
 
 import pytest
 import torch
 from diffusers import HunyuanVideoFramepackTransformer3DModel
 from diffusers.models.transformers import transformer_hunyuan_video
 from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
-from tester import ProcessorTesterMixin, apply_and_list_served, check_extra_tokens_served_as_global_tiles
+from tester import (
+    ProcessorTesterMixin,
+    apply_and_list_served,
+    assert_batch_items_sparse_as_alone,
+    check_extra_tokens_served_as_global_tiles,
+)
 
 import videosparse
 from videosparse.processors import attention_processors, sessions
@@ -181,15 +185,8 @@ def test_batch_of_two_with_history_density_one_equals_stock(valid, caplog):
     videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=t.tiling, block=t.block))
     assert (t.run(tr, inputs) - ref).abs().max() <= 1e-5
     videosparse.remove(tr)
-    videosparse.apply(tr, videosparse.VedaConfig(density=0.5, tiling=t.tiling, block=t.block))
-    with caplog.at_level(logging.WARNING, logger="videosparse"):
-        out = t.run(tr, inputs)
-    s = sessions(tr)["transformer"].stats()
-    assert s["sparse_calls"] == 2 * len(set(valid)) and s["dense_calls"] == 0
-    assert not [r for r in caplog.records if "runs dense" in r.getMessage()]
-    for b in range(2):
-        alone = t.run(tr, {k: (v if k.startswith("indices_") else v[b:b + 1]) for k, v in inputs.items()})
-        assert (out[b:b + 1] - alone).abs().max() <= 1e-5
+    assert_batch_items_sparse_as_alone(t, tr, inputs, 2 * len(set(valid)), caplog,
+                                       item=lambda k, v, b: v if k.startswith("indices_") else v[b:b + 1])
 
 
 def test_sol_runs_sparse_with_history():

@@ -17,7 +17,12 @@ from diffusers.models.transformers.transformer_kandinsky import (
     Kandinsky5VisualEmbeddings,
     fractal_flatten,
 )
-from tester import ProcessorTesterMixin, apply_and_list_served, assert_runs_stock_with_one_warning
+from tester import (
+    ProcessorTesterMixin,
+    apply_and_list_served,
+    assert_cross_attention_call_is_stock,
+    assert_runs_stock_with_one_warning,
+)
 
 import videosparse
 from videosparse.eval.synthetic import cast_like_from_pretrained
@@ -238,16 +243,8 @@ def test_cross_attention_call_goes_to_stock():
     tr = t.make_transformer()
     attn = tr.visual_transformer_blocks[0].self_attention
     g = torch.Generator().manual_seed(3)
-    x, context = torch.randn(1, 378, 128, generator=g), torch.randn(1, TEXT, 128, generator=g)
-    with torch.no_grad():
-        ref = attn(x, encoder_hidden_states=context)
-        videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=t.tiling, block=t.block))
-        records = []
-        with observe(tr, records.append):
-            out = attn(x, encoder_hidden_states=context)
-    assert torch.equal(out, ref) and records == []
-    s = sessions(tr)["transformer"].stats()
-    assert s["sparse_calls"] == s["dense_calls"] == 0
+    assert_cross_attention_call_is_stock(tr, attn, torch.randn(1, 378, 128, generator=g),
+                                         torch.randn(1, TEXT, 128, generator=g))
 
 
 def test_model_info_of_published_configs():

@@ -12,7 +12,7 @@ from diffusers.models.transformers.transformer_kandinsky6 import (
     Kandinsky6VisualEmbeddings,
     apply_rotary,
 )
-from tester import ProcessorTesterMixin, apply_and_list_served
+from tester import ProcessorTesterMixin, apply_and_list_served, assert_cross_attention_call_is_stock
 
 import videosparse
 from videosparse.processors import attention_processors, observe, sessions
@@ -213,16 +213,8 @@ def test_cross_attention_call_goes_to_stock():
     tr = tiny_kandinsky6()
     attn = tr.visual_transformer_blocks[0].video_dec_block.self_attention
     g = torch.Generator().manual_seed(3)
-    x, context = torch.randn(1, 378, 128, generator=g), torch.randn(1, TEXT, 128, generator=g)
-    with torch.no_grad():
-        ref = attn(x, encoder_hidden_states=context)
-        videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=(1, 4, 16), block=64))
-        records = []
-        with observe(tr, records.append):
-            out = attn(x, encoder_hidden_states=context)
-    assert torch.equal(out, ref) and records == []
-    s = sessions(tr)["transformer"].stats()
-    assert s["sparse_calls"] == s["dense_calls"] == 0
+    assert_cross_attention_call_is_stock(tr, attn, torch.randn(1, 378, 128, generator=g),
+                                         torch.randn(1, TEXT, 128, generator=g))
 
 
 def test_grid_and_model_info_of_the_default_config():

@@ -14,6 +14,7 @@ from diffusers.models.transformers.transformer_motif_video import (
 from tester import (
     ProcessorTesterMixin,
     apply_and_list_served,
+    assert_batch_items_sparse_as_alone,
     assert_runs_stock_with_one_warning,
     check_extra_tokens_served_as_global_tiles,
 )
@@ -133,15 +134,7 @@ def test_padded_text_either_side_equals_stock(side, valid, monkeypatch, caplog):
         videosparse.apply(tr, config)
         assert (t.run(tr, inputs) - ref).abs().max() <= 1e-5, config
         videosparse.remove(tr)
-    videosparse.apply(tr, videosparse.VedaConfig(density=0.5, tiling=t.tiling, block=t.block))
-    with caplog.at_level(logging.WARNING, logger="videosparse"):
-        out = t.run(tr, inputs)
-    s = sessions(tr)["transformer"].stats()
-    assert s["sparse_calls"] == 2 * len(set(valid)) and s["dense_calls"] == 0
-    assert not [r for r in caplog.records if "runs dense" in r.getMessage()]
-    for b in range(2):
-        alone = t.run(tr, {k: v[b:b + 1] for k, v in inputs.items()})
-        assert (out[b:b + 1] - alone).abs().max() <= 1e-5
+    assert_batch_items_sparse_as_alone(t, tr, inputs, 2 * len(set(valid)), caplog)
     videosparse.remove(tr)
     monkeypatch.setattr(MotifVideoSparseAttnProcessor, "_attend_joint", _HunyuanFamilySparseAttention._attend_joint)
     videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=t.tiling, block=t.block))

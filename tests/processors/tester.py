@@ -325,3 +325,33 @@ def tiny_image_pipeline_parts():
     scheduler = diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                                   flow_shift=5.0)
     return image_encoder, image_processor, scheduler
+
+
+def assert_cross_attention_call_is_stock(transformer, attn, x: torch.Tensor, context: torch.Tensor) -> None:
+    """A call with encoder states `context` given to the served self-attention module `attn` of `transformer`
+    (applied at density 0.3 here) returns the stock output and is neither observed nor counted."""
+    with torch.no_grad():
+        ref = attn(x, encoder_hidden_states=context)
+        videosparse.apply(transformer, videosparse.VedaConfig(density=0.3, tiling=ProcessorTesterMixin.tiling,
+                                                              block=ProcessorTesterMixin.block))
+        records = []
+        with observe(transformer, records.append):
+            out = attn(x, encoder_hidden_states=context)
+    assert torch.equal(out, ref) and records == []
+    s = sessions(transformer)["transformer"].stats()
+    assert s["sparse_calls"] == s["dense_calls"] == 0
+
+
+def assert_batch_items_sparse_as_alone(tester, transformer, inputs: dict, sparse_calls: int, caplog,
+                                       item=lambda name, value, b: value[b:b + 1]) -> None:
+    """Density 0.5 over a batch of 2: `sparse_calls` sparse calls, no dense call and no fallback warning, and each
+    item's output as when the item runs alone (`item(name, value, b)`: input `name` of item b)."""
+    videosparse.apply(transformer, videosparse.VedaConfig(density=0.5, tiling=tester.tiling, block=tester.block))
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        out = tester.run(transformer, inputs)
+    s = sessions(transformer)["transformer"].stats()
+    assert s["sparse_calls"] == sparse_calls and s["dense_calls"] == 0
+    assert not [r for r in caplog.records if "runs dense" in r.getMessage()]
+    for b in range(2):
+        alone = tester.run(transformer, {k: item(k, v, b) for k, v in inputs.items()})
+        assert (out[b:b + 1] - alone).abs().max() <= 1e-5
