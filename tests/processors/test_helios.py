@@ -11,8 +11,8 @@ from diffusers import HeliosTransformer3DModel
 from diffusers.models.transformers.transformer_helios import HeliosAttnProcessor
 from tester import (
     ProcessorTesterMixin,
-    apply_and_list_served,
     assert_runs_stock_with_one_warning,
+    check_blocks_attn1_served,
     check_extra_tokens_served_as_global_tiles,
 )
 
@@ -73,21 +73,10 @@ def _tiny():
 def test_serves_only_the_blocks_attn1():
     """blocks.<i>.attn1 is replaced, attn2 (text cross-attention) keeps its processor object; one forward runs sparse
     on every served layer with the history as extra tokens before the video."""
-    t, tr = _tiny()
-    inputs = t.make_inputs(tr)
-    dense = t.run(tr, inputs)
-    before, served = apply_and_list_served(tr, videosparse.VedaConfig(density=0.5, tiling=t.tiling, block=t.block))
-    assert served == SERVED and all(type(before[n]) is HeliosAttnProcessor for n in served)
+    tr, before, records, _, _ = check_blocks_attn1_served(TestHeliosProcessors(), HeliosAttnProcessor, SERVED)
     after = attention_processors(tr)
-    assert all(type(after[n]) is HeliosSparseAttnProcessor for n in served)
-    assert sorted(n for n in before if n not in served) == ["blocks.0.attn2.processor", "blocks.1.attn2.processor"]
-    assert all(after[n] is before[n] for n in before if n not in served)
-    records = []
-    with observe(tr, records.append):
-        out = t.run(tr, inputs)
-    s = sessions(tr)["transformer"].stats()
-    assert s["sparse_calls"] == 2 and s["dense_calls"] == 0 and 0.3 < s["density"] < 0.9
-    assert torch.isfinite(out).all() and not torch.equal(out, dense)
+    assert all(type(after[n]) is HeliosSparseAttnProcessor for n in SERVED)
+    assert sorted(n for n in before if n not in SERVED) == ["blocks.0.attn2.processor", "blocks.1.attn2.processor"]
     assert [(r.layer, r.grid, r.text_len, r.text_position) for r in records] == [
         (i, GRID, HISTORY, "before") for i in range(2)]
 

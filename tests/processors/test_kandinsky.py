@@ -22,6 +22,7 @@ from tester import (
     apply_and_list_served,
     assert_cross_attention_call_is_stock,
     assert_runs_stock_with_one_warning,
+    check_blocks_attn1_served,
 )
 
 import videosparse
@@ -98,25 +99,13 @@ class TestKandinsky5Processors(ProcessorTesterMixin):
 def test_sparse_runs_on_visual_self_attention_only():
     """Only visual_transformer_blocks.<i>.self_attention is replaced: the text refiner's self-attention and the
     cross-attention keep their processor objects; one forward runs sparse on every served layer over the grid."""
-    t = TestKandinsky5Processors()
-    tr = t.make_transformer()
-    inputs = t.make_inputs(tr)
-    dense = t.run(tr, inputs)
-    before, served = apply_and_list_served(tr, videosparse.VedaConfig(density=0.5, tiling=t.tiling, block=t.block))
-    assert served == SERVED and all(type(before[n]) is Kandinsky5AttnProcessor for n in served)
+    tr, before, records, _, _ = check_blocks_attn1_served(TestKandinsky5Processors(), Kandinsky5AttnProcessor, SERVED)
     after = attention_processors(tr)
-    assert all(isinstance(after[n], Kandinsky5SparseAttnProcessor) for n in served)
-    assert sorted(n for n in before if n not in served) == [
+    assert all(isinstance(after[n], Kandinsky5SparseAttnProcessor) for n in SERVED)
+    assert sorted(n for n in before if n not in SERVED) == [
         "text_transformer_blocks.0.self_attention.processor",
         "visual_transformer_blocks.0.cross_attention.processor",
         "visual_transformer_blocks.1.cross_attention.processor"]
-    assert all(after[n] is before[n] for n in before if n not in served)
-    records = []
-    with observe(tr, records.append):
-        out = t.run(tr, inputs)
-    s = sessions(tr)["transformer"].stats()
-    assert s["sparse_calls"] == 2 and s["dense_calls"] == 0 and 0.3 < s["density"] < 0.9
-    assert torch.isfinite(out).all() and not torch.equal(out, dense)
     assert [(r.layer, r.grid, r.text_len, r.text_position) for r in records] == [(i, GRID, 0, None) for i in range(2)]
     assert records[0].q.shape == (1, 378, 2, 64)
 

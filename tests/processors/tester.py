@@ -258,17 +258,20 @@ def assert_runs_stock_with_one_warning(tester, transformer, inputs: dict, reason
     assert s["sparse_calls"] == 0 and s["dense_calls"] == 2 * tester.num_layers
 
 
-def check_blocks_attn1_served(tester, stock_cls):
-    """Apply Veda at density 0.5 to a fresh tiny transformer of `tester`: exactly the blocks' attn1 processors (all
-    `stock_cls` before) are replaced and every other processor stays the same object; one forward runs sparse on
-    every served layer with a finite output that differs from dense. Returns (transformer, processors before, the
-    forward's attention records, sparse output, dense output)."""
+def check_blocks_attn1_served(tester, stock_cls, expected: list[str] | None = None):
+    """Apply Veda at density 0.5 to a fresh tiny transformer of `tester`: exactly the processors named `expected`
+    (default: the blocks' attn1, `transformer_blocks.<i>.attn1.processor`; all `stock_cls` before) are replaced and
+    every other processor stays the same object; one forward runs sparse on every served layer with a finite output
+    that differs from dense. Returns (transformer, processors before, the forward's attention records, sparse
+    output, dense output)."""
     transformer = tester.make_transformer()
     inputs = tester.make_inputs(transformer)
     dense = tester.run(transformer, inputs)
     before, served = apply_and_list_served(
         transformer, videosparse.VedaConfig(density=0.5, tiling=tester.tiling, block=tester.block))
-    assert served == [f"transformer_blocks.{i}.attn1.processor" for i in range(tester.num_layers)]
+    if expected is None:
+        expected = [f"transformer_blocks.{i}.attn1.processor" for i in range(tester.num_layers)]
+    assert served == expected
     assert all(type(before[n]) is stock_cls for n in served)
     after = attention_processors(transformer)
     assert all(after[n] is before[n] for n in before if n not in served)

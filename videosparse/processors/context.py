@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -296,6 +297,13 @@ def parameter_position(forward, name: str, default: int) -> int:
 def forward_arg(args: tuple, kwargs: dict, name: str, index: int):
     """Argument `name` of a transformer forward, given by keyword or at position `index` (None if absent)."""
     return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
+
+
+def patch_tokens(latents: torch.Tensor, kernel, pad=None) -> int:
+    """Tokens a Conv3d patch embedding with `kernel` makes of latents (B, C, F, H, W), after padding each of F, H, W
+    up to a multiple of `pad` when given (the history latents of FramePack and Helios)."""
+    sizes = latents.shape[2:] if pad is None else [-(-n // p) * p for n, p in zip(latents.shape[2:], pad)]
+    return math.prod(n // k for n, k in zip(sizes, kernel))
 
 
 def valid_text_length(valid: torch.Tensor | None, total: int) -> int | tuple[int, ...]:

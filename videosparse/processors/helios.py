@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers import transformer_helios
 
-from .context import forward_arg
+from .context import forward_arg, patch_tokens
 from .wan import _WanFamilySparseAttention
 
 MASK_REASON = ("an attention mask was given (Helios passes none; a causal or block mask is not served); the call keeps "
@@ -91,10 +91,5 @@ def _history_tokens(module, args, kwargs) -> int:
         indices = forward_arg(args, kwargs, f"indices_latents_history_{name}", 4 + i)
         if latents is None or indices is None or getattr(module, conv, None) is None:
             continue
-        kernel = getattr(module, conv).kernel_size
-        sizes = latents.shape[2:] if pad is None else [-(-n // p) * p for n, p in zip(latents.shape[2:], pad)]
-        count = 1
-        for n, k in zip(sizes, kernel):
-            count *= n // k
-        total += count
+        total += patch_tokens(latents, getattr(module, conv).kernel_size, pad)
     return total

@@ -34,7 +34,7 @@ from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideo
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 
 from .base import SparseAttentionMixin, project_heads
-from .context import forward_arg, valid_text_length
+from .context import forward_arg, patch_tokens, valid_text_length
 
 
 class _HunyuanFamilySparseAttention(SparseAttentionMixin):
@@ -193,8 +193,7 @@ def _framepack_history_tokens(module, args, kwargs) -> int:
         latents = forward_arg(args, kwargs, name, index)
         if latents is None or forward_arg(args, kwargs, indices, index + 1) is None:
             continue
-        sizes = [-(-n // k) if padded else n // k for n, k in zip(latents.shape[2:], conv.kernel_size)]
-        total += sizes[0] * sizes[1] * sizes[2]
+        total += patch_tokens(latents, conv.kernel_size, conv.kernel_size if padded else None)
     return total
 
 

@@ -50,13 +50,20 @@ def blocks_attn1(prefix: str) -> Callable[[str, torch.nn.Module], bool]:
 
 def _register_builtin_models() -> None:
     from diffusers import (
+        AnyFlowTransformer3DModel,
+        ChronoEditTransformer3DModel,
         CogVideoXTransformer3DModel,
         CosmosTransformer3DModel,
+        HeliosTransformer3DModel,
         HunyuanVideo15Transformer3DModel,
+        HunyuanVideoFramepackTransformer3DModel,
         HunyuanVideoTransformer3DModel,
+        Kandinsky5Transformer3DModel,
+        Kandinsky6Transformer3DModel,
         LTX2VideoTransformer3DModel,
         LTXVideoTransformer3DModel,
         MochiTransformer3DModel,
+        MotifVideoTransformer3DModel,
         SkyReelsV2Transformer3DModel,
         WanAnimateTransformer3DModel,
         WanTransformer3DModel,
@@ -87,8 +94,6 @@ def _register_builtin_models() -> None:
         return ModelSpec(WanAnimateSparseAttnProcessor, blocks_attn1("blocks."), wan_grid)
 
     register_model(WanAnimateTransformer3DModel, wan_animate_spec)
-
-    from diffusers import AnyFlowTransformer3DModel, ChronoEditTransformer3DModel
 
     def chronoedit_spec() -> ModelSpec:
         from .wan import ChronoEditSparseAttnProcessor, wan_grid
@@ -125,8 +130,6 @@ def _register_builtin_models() -> None:
                          hunyuan15_grid, text_position="after")
 
     register_model(HunyuanVideo15Transformer3DModel, hunyuan15_spec)
-
-    from diffusers import HunyuanVideoFramepackTransformer3DModel
 
     def hunyuan_framepack_spec() -> ModelSpec:
         from .hunyuan import HunyuanVideoFramepackSparseAttnProcessor, hunyuan_framepack_grid
@@ -185,8 +188,6 @@ def _register_builtin_models() -> None:
 
     register_model(CosmosTransformer3DModel, cosmos_spec)
 
-    from diffusers import Kandinsky5Transformer3DModel
-
     def kandinsky5_spec() -> ModelSpec:
         from .kandinsky import Kandinsky5SparseAttnProcessor, kandinsky_attention_shape, kandinsky_grid
 
@@ -198,8 +199,6 @@ def _register_builtin_models() -> None:
                          kandinsky_grid, attention_shape=kandinsky_attention_shape)
 
     register_model(Kandinsky5Transformer3DModel, kandinsky5_spec)
-
-    from diffusers import HeliosTransformer3DModel, MotifVideoTransformer3DModel
 
     def helios_spec() -> ModelSpec:
         from .helios import HeliosSparseAttnProcessor, helios_grid
@@ -221,8 +220,6 @@ def _register_builtin_models() -> None:
                          motif_grid, text_position="after")
 
     register_model(MotifVideoTransformer3DModel, motif_video_spec)
-
-    from diffusers import Kandinsky6Transformer3DModel
 
     def kandinsky6_spec() -> ModelSpec:
         from .kandinsky import Kandinsky6SparseAttnProcessor, kandinsky_attention_shape, kandinsky_grid
