@@ -1,0 +1,90 @@
+"""videosparse next to diffusers' own transformer hooks on the tiny Wan pipeline: the step caches
+(FirstBlockCache, PyramidAttentionBroadcast, TaylorSeer, MagCache), group offloading and layerwise casting.
+
+Whichever is applied first gives the same video; the caches still skip blocks on top of the sparse processors;
+our step count (dense first step) is not shifted by them; `remove()` takes out videosparse only, the diffusers
+hook keeps working. (FasterCache is left out: with Wan's separate cond / uncond calls it fails without videosparse
+too, in diffusers' own hook.)
+"""
+
+import numpy as np
+import pytest
+import torch
+from diffusers.hooks import (
+    FirstBlockCacheConfig,
+    MagCacheConfig,
+    PyramidAttentionBroadcastConfig,
+    TaylorSeerCacheConfig,
+)
+
+import videosparse
+from videosparse.models.tiny_wan import build_tiny_wan_pipeline
+
+STEPS = 4
+KW = dict(prompt="a red circle moving left", negative_prompt="blue", num_frames=5, height=64, width=96,
+          num_inference_steps=STEPS, output_type="np", max_sequence_length=16)
+LAYERS, BRANCHES = 2, 2
+ALL_CALLS = LAYERS * BRANCHES * STEPS      # attn1 calls of a run without any cache
+DENSE_CALLS = LAYERS * BRANCHES            # dense_steps=1: the first step of both branches
+
+
+def _pab(pipe):
+    pipe.transformer.enable_cache(PyramidAttentionBroadcastConfig(
+        spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(0, 1000),
+        current_timestep_callback=lambda: pipe.current_timestep))
+
+
+HOOKS = {
+    # name -> (set-up on a pipeline, whether it skips attention calls in this run)
+    "first_block_cache": (lambda p: p.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2)), True),
+    "pyramid_attention_broadcast": (_pab, True),
+    "taylorseer_lite": (lambda p: p.transformer.enable_cache(TaylorSeerCacheConfig(
+        cache_interval=2, disable_cache_before_step=1, use_lite_mode=True)), True),
+    "mag_cache": (lambda p: p.transformer.enable_cache(MagCacheConfig(
+        threshold=0.06, num_inference_steps=STEPS, mag_ratios=[1.0, 0.9, 0.95, 0.9])), True),
+    "group_offloading": (lambda p: p.transformer.enable_group_offload(
+        onload_device=torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1), False),
+    "layerwise_casting": (lambda p: p.transformer.enable_layerwise_casting(
+        storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32), False),
+}
+
+
+def _pipe():
+    pipe = build_tiny_wan_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _run(pipe):
+    return pipe(**KW, generator=torch.Generator().manual_seed(0)).frames
+
+
+def _config():
+    return videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64, dense_steps=1)
+
+
+@pytest.mark.parametrize("name", list(HOOKS))
+def test_sparse_attention_with_diffusers_hook(name):
+    setup, skips = HOOKS[name]
+    hook_first = _pipe()
+    setup(hook_first)
+    ref = _run(hook_first)                                      # the diffusers hook alone
+    session = videosparse.apply(hook_first, _config())["transformer"]
+    out = _run(hook_first)
+    stats = session.stats()
+
+    ours_first = _pipe()
+    videosparse.apply(ours_first, _config())
+    setup(ours_first)
+    assert np.array_equal(_run(ours_first), out)                # the order of the two does not matter
+
+    assert stats["dense_calls"] == DENSE_CALLS                  # the hook does not shift our step count
+    assert stats["sparse_calls"] > 0 and not np.array_equal(out, ref)
+    if skips:                                                   # the cache still skips work on top of ours
+        assert stats["sparse_calls"] + stats["dense_calls"] < ALL_CALLS
+    else:
+        assert stats["sparse_calls"] + stats["dense_calls"] == ALL_CALLS
+
+    for pipe in (hook_first, ours_first):                       # remove() leaves the diffusers hook in place
+        videosparse.remove(pipe)
+        assert np.array_equal(_run(pipe), ref)
