@@ -172,6 +172,20 @@ def test_auto_picks_the_fastest_backend_on_this_gpu():
     assert select_backend(q.float(), q.float(), q.float(), dense_plan(1, 2, 1000, device="cuda")).name == "reference"
 
 
+@pytest.mark.parametrize("S,D,dtype,correction", [(9000, 96, torch.bfloat16, True), (5000, 80, torch.float16, False),
+                                                   (4000, 48, torch.bfloat16, False)])
+def test_other_head_dims_run_padded_on_the_fastest_backend(S, D, dtype, correction):
+    """Head dims the kernels do not take (Allegro's 96) run on the fastest one zero-padded to 64 / 128."""
+    from videosparse.kernels import block_sparse_attention, select_backend
+    from videosparse.plan import dense_plan
+
+    q = torch.empty(1, 2, 1000, D, device="cuda", dtype=dtype)
+    assert select_backend(q, q, q, dense_plan(1, 2, 1000, device="cuda")).name == \
+        f"{_backends()[0]}+pad{64 if D <= 64 else 128}"
+    _check(lambda q, k, v, plan: block_sparse_attention(q, k, v, plan, return_lse=True), S, D, dtype, "random",
+           correction)
+
+
 @pytest.mark.parametrize("S,block,density", [(75600, 128, 0.1), (17550, 64, 0.3), (1000, 128, 1.0)])
 def test_correction_inputs_kernel_matches_torch_at_real_size(S, block, density):
     """The one-launch correction inputs equal their torch version (Kmax 60+ at the Wan 14B shape)."""

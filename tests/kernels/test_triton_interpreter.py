@@ -38,6 +38,9 @@ CASES = {
     "generic-bf16-d64-b128-odd": (2, 2, 300, 300, 64, 128, 128, 0.5, "bfloat16", False, "generic", ""),
     "generic-bf16-d128-b128-odd": (2, 2, 300, 300, 128, 128, 128, 0.5, "bfloat16", False, "generic", ""),
     "generic-fp16-d128-m64n128-corr": (1, 2, 333, 333, 128, 64, 128, 0.4, "float16", True, "generic", ""),
+    # head dims the kernels do not take run zero-padded to the next one they do (`dispatch.PaddedHeadDim`)
+    "generic-fp32-d96-b64-corr-padded": (1, 2, 300, 300, 96, 64, 64, 0.3, "float32", True, "generic", ""),
+    "generic-bf16-d48-b128-padded": (2, 2, 257, 257, 48, 128, 128, 0.5, "bfloat16", False, "generic", ""),
     "hopper-fp32-d64-b64-corr": (2, 2, 300, 300, 64, 64, 64, 0.3, "float32", True, "hopper", ""),
     "hopper-fp16-d128-b128": (1, 3, 257, 257, 128, 128, 128, 0.5, "float16", False, "hopper", ""),
     "hopper-bf16-d64-m128n64-corr": (2, 1, 256, 256, 64, 128, 64, 0.4, "bfloat16", True, "hopper", ""),
@@ -165,7 +168,7 @@ def _run_case(name: str) -> dict:
     from helpers import random_plan, rel_err
 
     from videosparse.kernels import block_sparse_attention, reference_attention
-    from videosparse.kernels.dispatch import get_backend
+    from videosparse.kernels.dispatch import get_backend, select_backend
     from videosparse.plan import Plan, dense_plan
     from videosparse.sol.centroids import tile_centroids_torch
 
@@ -191,7 +194,7 @@ def _run_case(name: str) -> dict:
     scale = 1.0 / math.sqrt(D)
     if kernel == "generic":
         out, lse = block_sparse_attention(q, k, v, plan, scale=scale, return_lse=True, backend="triton")
-        used = "triton_generic"
+        used = select_backend(q, k, v, plan, "triton").name
     else:   # the Hopper kernel's code path (TMA descriptors, persistent loop, centroid pass + merge)
         plan.validate(q, k, v)
         out, lse = get_backend("hopper")(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale, True)
@@ -235,8 +238,9 @@ def test_triton_kernel_matches_reference(interpreter_results, name):
     res = interpreter_results.get(name)
     assert res is not None, f"case {name} did not report"
     assert "error" not in res, res.get("error")
-    dtype, kernel = CASES[name][8], CASES[name][10]
-    assert res["backend"] == ("triton_generic" if kernel == "generic" else "hopper")
+    D, dtype, kernel = CASES[name][4], CASES[name][8], CASES[name][10]
+    pad = "" if D in (64, 128) else f"+pad{64 if D < 64 else 128}"
+    assert res["backend"] == ("triton_generic" if kernel == "generic" else "hopper") + pad
     assert res["shape_ok"]
     assert res["rel_err"] <= _tolerance(dtype, res["ref_rel_err"]), res
     assert res["lse_err"] <= (1e-4 if dtype == "float32" else 2e-2), res

@@ -3,7 +3,9 @@
 Every backend declares what it supports through `not_supported_reasons(q, k, v, plan) -> list[str]`.
 `backend="auto"` takes the first backend in `AUTO_ORDER` with no reasons (on CPU tensors it skips the
 Triton backends: the interpreter is for tests); `"triton"` takes the first Triton backend with none;
-`"reference"` forces the torch reference. When nothing fits, the error lists every backend's reasons.
+`"reference"` forces the torch reference. When nothing fits, the error lists every backend's reasons. A head dim
+the Triton kernels do not take (96, 80, ...) runs on one of them zero-padded to the next one they do
+(`PaddedHeadDim`), on CUDA under "auto" and anywhere under "triton", before the reference would be chosen.
 Triton modules are imported lazily, so the package imports without Triton.
 """
 
@@ -36,6 +38,45 @@ class _ReferenceBackend:
 
     def __call__(self, q, k, v, plan, scale, return_lse):
         return reference_attention(q, k, v, plan, scale, return_lse)
+
+
+PADDED_HEAD_DIMS = (64, 128)    # head dims the Triton kernels take; others below 128 run zero-padded to the next
+
+
+@dataclass(frozen=True)
+class PaddedHeadDim:
+    """A Triton backend run on q, k, v zero-padded along the head dim to `head_dim`, for head dims the kernels do not
+    take (Allegro's 96): the pad adds nothing to q.k, so scores, softmax and LSE are those of the real head dim (the
+    caller's scale, 1/sqrt(real D) by default), and the output's pad columns (zero) are dropped. Costs the pad's
+    copies and (head_dim / D - 1) more tensor work."""
+
+    inner: Backend
+    head_dim: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.inner.name}+pad{self.head_dim}"
+
+    def not_supported_reasons(self, q, k, v, plan) -> list[str]:
+        return self.inner.not_supported_reasons(*(_padded_stand_in(x, self.head_dim) for x in (q, k, v)), plan)
+
+    def __call__(self, q, k, v, plan, scale, return_lse):
+        D = q.shape[-1]
+        pad = (0, self.head_dim - D)
+        q, k, v = (torch.nn.functional.pad(x, pad) for x in (q, k, v))
+        if plan.has_correction:
+            plan = plan.with_correction(torch.nn.functional.pad(plan.k_mean, pad),
+                                        torch.nn.functional.pad(plan.v_sum, pad), plan.tile_len)
+        result = self.inner(q, k, v, plan, scale, return_lse)
+        if return_lse:
+            return result[0][..., :D], result[1]
+        return result[..., :D]
+
+
+def _padded_stand_in(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """A small contiguous tensor like x with the padded head dim, for a backend's `not_supported_reasons` (they look
+    at device, dtype, head dim and contiguity, not at the length)."""
+    return x.new_empty(1, 1, 1, head_dim)
 
 
 # name -> "module:attribute" of a Backend instance (imported on first use) or the instance itself.
@@ -82,6 +123,8 @@ def select_backend(q, k, v, plan: Plan, backend: str = "auto") -> Backend:
         raise ValueError(f"backend={backend!r} is not known; choose 'auto', 'triton' or one of {sorted(_REGISTRY)}.")
     reasons: dict[str, list[str]] = {}
     for name in candidates:
+        if name == "reference" and backend == "auto" and (padded := _padded_backend(q, k, v, plan, backend)):
+            return padded
         if backend == "auto" and name in TRITON_BACKENDS and q.device.type == "cpu":
             # the Triton interpreter is a test vehicle, never an automatic choice
             reasons[name] = ["auto never runs the Triton interpreter on CPU (use backend='triton')"]
@@ -94,8 +137,25 @@ def select_backend(q, k, v, plan: Plan, backend: str = "auto") -> Backend:
         if not why:
             return impl
         reasons[name] = why
+    if backend == "triton" and (padded := _padded_backend(q, k, v, plan, backend)):
+        return padded
     detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in reasons.items()) or "no backend registered"
     raise ValueError(f"no backend for backend={backend!r} supports these inputs ({detail}).")
+
+
+def _padded_backend(q, k, v, plan: Plan, backend: str) -> PaddedHeadDim | None:
+    """For a head dim the Triton backends do not take (below the largest they do): the first of them, in `backend`'s
+    order, that takes the inputs zero-padded to the next head dim they do (`PaddedHeadDim`); None otherwise. "auto"
+    asks only on CUDA (on CPU the reference serves any head dim)."""
+    D = q.shape[-1]
+    target = next((d for d in PADDED_HEAD_DIMS if d > D), None)
+    if D in PADDED_HEAD_DIMS or target is None or (backend == "auto" and q.device.type != "cuda"):
+        return None
+    for name in TRITON_BACKENDS:
+        impl = get_backend(name)
+        if impl is not None and not (padded := PaddedHeadDim(impl, target)).not_supported_reasons(q, k, v, plan):
+            return padded
+    return None
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -1,0 +1,32 @@
+"""Head dims the Triton kernels do not take run zero-padded (`dispatch.PaddedHeadDim`): the padding itself, on CPU with
+the reference as the inner backend (the Triton kernels under it: interpreter cases in test_triton_interpreter.py and
+GPU cases in test_gpu_kernels.py)."""
+
+import pytest
+import torch
+
+from helpers import random_plan, rel_err
+from videosparse.kernels import reference_attention, select_backend
+from videosparse.kernels.dispatch import PaddedHeadDim, get_backend
+from videosparse.sol.centroids import tile_centroids_torch
+
+
+@pytest.mark.parametrize("D,target,correction", [(96, 128, True), (80, 128, False), (48, 64, True)])
+def test_padded_run_equals_the_unpadded_one(D, target, correction):
+    g = torch.Generator().manual_seed(D)
+    q, k, v = (torch.randn(2, 3, 200, D, generator=g, dtype=torch.float64) for _ in range(3))
+    plan = random_plan(2, 3, 200, 64, 64, 0.4, seed=D)
+    if correction:
+        plan = plan.with_correction(*tile_centroids_torch(k, v, 64))
+    padded = PaddedHeadDim(get_backend("reference"), target)
+    assert padded.name == f"reference+pad{target}"
+    out, lse = padded(q, k, v, plan, D ** -0.5, True)
+    ref, ref_lse = reference_attention(q, k, v, plan, D ** -0.5, return_lse=True)
+    assert out.shape == q.shape and rel_err(out, ref) < 1e-12
+    assert torch.allclose(lse, ref_lse, atol=1e-12)
+    assert rel_err(padded(q, k, v, plan, D ** -0.5, False), ref) < 1e-12
+
+
+def test_auto_on_cpu_keeps_the_reference_for_any_head_dim():
+    q = torch.randn(1, 2, 100, 96)
+    assert select_backend(q, q, q, random_plan(1, 2, 100, 64, 64, 0.5)).name == "reference"
