@@ -49,10 +49,11 @@ class CogVideoXSparseAttnProcessor(SparseAttentionMixin, CogVideoXAttnProcessor2
 def cogvideox_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
     """Video grid after patching from hidden_states (B, F, C, H, W), and the text length (text first).
 
-    CogVideoX 1.5 patches time too (`patch_size_t`); its pipeline pads the latent frames to a multiple.
+    CogVideoX 1.5 patches time too (`patch_size_t`); its pipeline pads the latent frames to a multiple. ConsisID's
+    config has no `patch_size_t` (spatial patches only).
     """
     hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
     text = forward_arg(args, kwargs, "encoder_hidden_states", 1)
     _, F, _, H, W = hidden_states.shape
-    p, pt = module.config.patch_size, module.config.patch_size_t or 1
+    p, pt = module.config.patch_size, getattr(module.config, "patch_size_t", None) or 1
     return (F // pt, H // p, W // p), text.shape[1]

@@ -50,10 +50,13 @@ def blocks_attn1(prefix: str) -> Callable[[str, torch.nn.Module], bool]:
 
 def _register_builtin_models() -> None:
     from diffusers import (
+        AllegroTransformer3DModel,
         AnyFlowTransformer3DModel,
         ChronoEditTransformer3DModel,
         CogVideoXTransformer3DModel,
+        ConsisIDTransformer3DModel,
         CosmosTransformer3DModel,
+        EasyAnimateTransformer3DModel,
         HeliosTransformer3DModel,
         HunyuanVideo15Transformer3DModel,
         HunyuanVideoFramepackTransformer3DModel,
@@ -62,6 +65,7 @@ def _register_builtin_models() -> None:
         Kandinsky6Transformer3DModel,
         LTX2VideoTransformer3DModel,
         LTXVideoTransformer3DModel,
+        MiniMaxH3Transformer3DModel,
         MochiTransformer3DModel,
         MotifVideoTransformer3DModel,
         SkyReelsV2Transformer3DModel,
@@ -233,6 +237,46 @@ def _register_builtin_models() -> None:
                          kandinsky_grid, attention_shape=kandinsky_attention_shape)
 
     register_model(Kandinsky6Transformer3DModel, kandinsky6_spec)
+
+    def easyanimate_spec() -> ModelSpec:
+        from .easyanimate import EasyAnimateSparseAttnProcessor, easyanimate_grid
+
+        # transformer_blocks.<i>.attn1, the blocks' only attention: joint [text; video], text first (global tiles)
+        return ModelSpec(EasyAnimateSparseAttnProcessor, blocks_attn1("transformer_blocks."), easyanimate_grid,
+                         text_position="before")
+
+    register_model(EasyAnimateTransformer3DModel, easyanimate_spec)
+
+    def consisid_spec() -> ModelSpec:
+        from .cogvideox import CogVideoXSparseAttnProcessor, cogvideox_grid
+
+        # CogVideoX's blocks: transformer_blocks.<i>.attn1, joint [text; video], text first (global tiles). The local
+        # facial extractor and the perceiver cross-attention to the face tokens are plain modules with no processor
+        return ModelSpec(CogVideoXSparseAttnProcessor, blocks_attn1("transformer_blocks."), cogvideox_grid,
+                         text_position="before")
+
+    register_model(ConsisIDTransformer3DModel, consisid_spec)
+
+    def allegro_spec() -> ModelSpec:
+        from .allegro import AllegroSparseAttnProcessor, allegro_grid
+
+        # transformer_blocks.<i>.attn1 (video self-attention, 3D RoPE) only: attn2, the same stock class as
+        # cross-attention to the T5 text with its key mask, keeps its stock processor
+        return ModelSpec(AllegroSparseAttnProcessor, blocks_attn1("transformer_blocks."), allegro_grid)
+
+    register_model(AllegroTransformer3DModel, allegro_spec)
+
+    def minimax_h3_spec() -> ModelSpec:
+        from .minimax import MiniMaxH3SparseAttnProcessor, minimax_grid
+
+        # transformer_blocks.<i>.attn: full self-attention over the packed [text | conditions | audio | video]
+        # sequence, the generated video last; the rows before it are served as global tiles before the video. The
+        # token refiner's text-only attn (token_refiner.refiner_blocks.<j>.attn) keeps its stock processor
+        return ModelSpec(MiniMaxH3SparseAttnProcessor,
+                         lambda name, m: name.startswith("transformer_blocks.") and name.rsplit(".", 1)[-1] == "attn",
+                         minimax_grid, text_position="before")
+
+    register_model(MiniMaxH3Transformer3DModel, minimax_h3_spec)
 
 
 def model_spec(transformer: torch.nn.Module) -> ModelSpec:
