@@ -12,7 +12,8 @@ import torch
 from diffusers import ConsisIDTransformer3DModel
 from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
 from diffusers.models.embeddings import get_3d_rotary_pos_embed
-from tester import ProcessorTesterMixin, apply_and_list_served, check_blocks_attn1_served, with_cache_context
+from tester import (ProcessorTesterMixin, apply_and_list_served, assert_tiny_pipeline_sparse, check_blocks_attn1_served,
+                    with_cache_context)
 
 import videosparse
 from videosparse.processors import attention_processors, sessions
@@ -162,16 +163,5 @@ def test_tiny_pipeline_end_to_end():
     def run():
         return pipe(**kw, generator=torch.Generator().manual_seed(0)).frames
 
-    ref = run()
-    handle = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64))
-    seen = set()
-    with videosparse.processors.observe(pipe, lambda r: seen.add((r.grid, r.text_len, tuple(r.q.shape)))):
-        sparse = run()
-    assert seen == {((3, 4, 18), 16, (2, 16 + 216, 2, 64))}
-    stats = handle["transformer"].stats()
-    assert stats["transformer_calls"] == 2
-    assert all(s["dense_calls"] == 0 and s["sparse_calls"] == 2 and s["fallbacks"] == []
-               for s in stats["layers"].values())
-    assert np.isfinite(sparse).all() and not np.array_equal(sparse, ref)
-    videosparse.remove(pipe)
-    assert np.array_equal(run(), ref)
+    assert_tiny_pipeline_sparse(pipe, run, lambda r: (r.grid, r.text_len, tuple(r.q.shape)),
+                                {((3, 4, 18), 16, (2, 16 + 216, 2, 64))}, calls=2)

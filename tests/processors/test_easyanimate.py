@@ -2,7 +2,6 @@
 
 import logging
 
-import numpy as np
 import torch
 from diffusers import EasyAnimateTransformer3DModel
 from diffusers.models.transformers.transformer_easyanimate import EasyAnimateAttnProcessor2_0
@@ -11,8 +10,8 @@ import videosparse
 from videosparse.processors import attention_processors, sessions
 from videosparse.processors.easyanimate import EasyAnimateSparseAttnProcessor, easyanimate_grid
 
-from tester import (ProcessorTesterMixin, assert_batch_items_sparse_as_alone, check_blocks_attn1_served,
-                    check_extra_tokens_served_as_global_tiles, with_cache_context)
+from tester import (ProcessorTesterMixin, assert_batch_items_sparse_as_alone, assert_tiny_pipeline_sparse,
+                    check_blocks_attn1_served, check_extra_tokens_served_as_global_tiles, with_cache_context)
 
 TEXT, TEXT_T5 = 8, 6
 LATENT = (3, 14, 36)            # latent (F, H, W); patch 2 -> grid 3 x 7 x 18 = 378 tokens: partial (1, 4, 16) tiles
@@ -230,16 +229,5 @@ def test_tiny_pipeline_end_to_end():
     def run():
         return pipe(**kw, generator=torch.Generator().manual_seed(0)).frames
 
-    ref = run()
-    handle = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64))
-    seen = set()
-    with videosparse.processors.observe(pipe, lambda r: seen.add((r.grid, r.text_len, r.q.shape[0]))):
-        sparse = run()
-    assert seen == {((3, 4, 15), 256, 2)}
-    stats = handle["transformer"].stats()
-    assert stats["transformer_calls"] == 2
-    assert all(s["dense_calls"] == 0 and s["sparse_calls"] == 2 and s["fallbacks"] == []
-               for s in stats["layers"].values())
-    assert np.isfinite(sparse).all() and not np.array_equal(sparse, ref)
-    videosparse.remove(pipe)
-    assert np.array_equal(run(), ref)
+    assert_tiny_pipeline_sparse(pipe, run, lambda r: (r.grid, r.text_len, r.q.shape[0]), {((3, 4, 15), 256, 2)},
+                                calls=2)

@@ -358,3 +358,24 @@ def assert_batch_items_sparse_as_alone(tester, transformer, inputs: dict, sparse
     for b in range(2):
         alone = tester.run(transformer, {k: item(k, v, b) for k, v in inputs.items()})
         assert (out[b:b + 1] - alone).abs().max() <= 1e-5
+
+
+def assert_tiny_pipeline_sparse(pipe, run, record_key, expected: set, calls: int) -> None:
+    """A tiny pipeline end to end: with Veda at density 0.5 (64-token (1, 4, 16) tiles) each of the `calls`
+    transformer forwards of `run()` serves every layer sparse, no fallback; its records give `{record_key(r)} ==
+    expected`; the video changes; remove() restores it exactly."""
+    import numpy as np
+
+    ref = run()
+    handle = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64))
+    seen = set()
+    with observe(pipe, lambda r: seen.add(record_key(r))):
+        sparse = run()
+    assert seen == expected
+    stats = handle["transformer"].stats()
+    assert stats["transformer_calls"] == calls
+    assert all(s["dense_calls"] == 0 and s["sparse_calls"] == calls and s["fallbacks"] == []
+               for s in stats["layers"].values())
+    assert np.isfinite(sparse).all() and not np.array_equal(sparse, ref)
+    videosparse.remove(pipe)
+    assert np.array_equal(run(), ref)

@@ -37,6 +37,13 @@ def project_heads(x: torch.Tensor, heads: int, to_q, to_k, to_v, norm_q=None, no
     return query, key, value
 
 
+def project_text_heads(attn, encoder_hidden_states: torch.Tensor):
+    """q, k, v [B, L, H, D] of the text stream of a dual-stream (MMDiT) block: its `add_q/k/v_proj` and
+    `norm_added_q/k`."""
+    return project_heads(encoder_hidden_states, attn.heads, attn.add_q_proj, attn.add_k_proj, attn.add_v_proj,
+                         attn.norm_added_q, attn.norm_added_k)
+
+
 class SparseAttentionMixin:
     """Mixed into a model's stock processor class (`_stock`, the second base); one instance per self-attention
     layer. Calls the sparse path cannot serve go to `self._stock.__call__`.

@@ -33,17 +33,20 @@ class CogVideoXSparseAttnProcessor(SparseAttentionMixin, CogVideoXAttnProcessor2
         query, key, value = project_heads(hidden_states, attn.heads, attn.to_q, attn.to_k, attn.to_v,
                                           attn.norm_q, attn.norm_k)            # [B, S, H, D]
         if image_rotary_emb is not None:
-            query = torch.cat([query[:, :text_len],
-                               apply_rotary_emb(query[:, text_len:], image_rotary_emb, sequence_dim=1)], dim=1)
+            query = rotate_after_text(query, text_len, image_rotary_emb)
             if not attn.is_cross_attention:
-                key = torch.cat([key[:, :text_len],
-                                 apply_rotary_emb(key[:, text_len:], image_rotary_emb, sequence_dim=1)], dim=1)
+                key = rotate_after_text(key, text_len, image_rotary_emb)
         hidden_states = self.attend(query, key, value).flatten(2, 3).type_as(query)
         hidden_states = attn.to_out[0](hidden_states)
         hidden_states = attn.to_out[1](hidden_states)
         encoder_hidden_states, hidden_states = hidden_states.split(
             [text_len, hidden_states.size(1) - text_len], dim=1)
         return hidden_states, encoder_hidden_states
+
+
+def rotate_after_text(x: torch.Tensor, text_len: int, image_rotary_emb) -> torch.Tensor:
+    """diffusers' `apply_rotary_emb` on the video tokens of x [B, S, H, D], which follow `text_len` text tokens."""
+    return torch.cat([x[:, :text_len], apply_rotary_emb(x[:, text_len:], image_rotary_emb, sequence_dim=1)], dim=1)
 
 
 def cogvideox_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:

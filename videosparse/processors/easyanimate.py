@@ -19,10 +19,12 @@ is `text_proj(encoder_hidden_states)`, followed by `text_proj_t5(encoder_hidden_
 from __future__ import annotations
 
 import torch
-from diffusers.models.embeddings import apply_rotary_emb
-from diffusers.models.transformers.transformer_easyanimate import EasyAnimateAttnProcessor2_0
+from diffusers.models.transformers.transformer_easyanimate import (
+    EasyAnimateAttnProcessor2_0,
+)
 
-from .base import SparseAttentionMixin, project_heads
+from .base import SparseAttentionMixin, project_heads, project_text_heads
+from .cogvideox import rotate_after_text
 from .context import forward_arg
 
 
@@ -48,18 +50,14 @@ class EasyAnimateSparseAttnProcessor(SparseAttentionMixin, EasyAnimateAttnProces
         query, key, value = project_heads(hidden_states, attn.heads, attn.to_q, attn.to_k, attn.to_v,
                                           attn.norm_q, attn.norm_k)            # [B, S, H, D]
         if attn.add_q_proj is not None:
-            enc_query, enc_key, enc_value = project_heads(encoder_hidden_states, attn.heads, attn.add_q_proj,
-                                                          attn.add_k_proj, attn.add_v_proj, attn.norm_added_q,
-                                                          attn.norm_added_k)
+            enc_query, enc_key, enc_value = project_text_heads(attn, encoder_hidden_states)
             query = torch.cat([enc_query, query], dim=1)
             key = torch.cat([enc_key, key], dim=1)
             value = torch.cat([enc_value, value], dim=1)
         if image_rotary_emb is not None:
-            query = torch.cat([query[:, :text_len],
-                               apply_rotary_emb(query[:, text_len:], image_rotary_emb, sequence_dim=1)], dim=1)
+            query = rotate_after_text(query, text_len, image_rotary_emb)
             if not attn.is_cross_attention:
-                key = torch.cat([key[:, :text_len],
-                                 apply_rotary_emb(key[:, text_len:], image_rotary_emb, sequence_dim=1)], dim=1)
+                key = rotate_after_text(key, text_len, image_rotary_emb)
 
         hidden_states = self.attend(query, key, value).flatten(2, 3).to(query.dtype)
         encoder_hidden_states, hidden_states = hidden_states[:, :text_len], hidden_states[:, text_len:]

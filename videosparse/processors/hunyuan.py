@@ -33,7 +33,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 
-from .base import SparseAttentionMixin, project_heads
+from .base import SparseAttentionMixin, project_heads, project_text_heads
 from .context import forward_arg, patch_tokens, valid_text_length
 
 
@@ -70,9 +70,7 @@ class _HunyuanFamilySparseAttention(SparseAttentionMixin):
                 query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
                 key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
         if not joint:
-            enc_query, enc_key, enc_value = project_heads(encoder_hidden_states, attn.heads, attn.add_q_proj,
-                                                          attn.add_k_proj, attn.add_v_proj, attn.norm_added_q,
-                                                          attn.norm_added_k)
+            enc_query, enc_key, enc_value = project_text_heads(attn, encoder_hidden_states)
             query = torch.cat([query, enc_query], dim=1)
             key = torch.cat([key, enc_key], dim=1)
             value = torch.cat([value, enc_value], dim=1)

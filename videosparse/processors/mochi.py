@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.attention_processor import MochiAttnProcessor2_0
 
-from .base import SparseAttentionMixin, project_heads
+from .base import SparseAttentionMixin, project_heads, project_text_heads
 from .context import forward_arg, valid_text_length
 
 
@@ -60,9 +60,7 @@ class MochiSparseAttnProcessor(SparseAttentionMixin, MochiAttnProcessor2_0):
             return self._stock.__call__(self, *stock)
         query, key, value = project_heads(hidden_states, attn.heads, attn.to_q, attn.to_k, attn.to_v,
                                           attn.norm_q, attn.norm_k)
-        text_query, text_key, text_value = project_heads(encoder_hidden_states, attn.heads, attn.add_q_proj,
-                                                         attn.add_k_proj, attn.add_v_proj, attn.norm_added_q,
-                                                         attn.norm_added_k)
+        text_query, text_key, text_value = project_text_heads(attn, encoder_hidden_states)
         if image_rotary_emb is not None:
             query = apply_mochi_rope(query, *image_rotary_emb)
             key = apply_mochi_rope(key, *image_rotary_emb)
