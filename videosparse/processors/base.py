@@ -44,6 +44,16 @@ def project_text_heads(attn, encoder_hidden_states: torch.Tensor):
                          attn.norm_added_q, attn.norm_added_k)
 
 
+def project_joint_outputs(attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor):
+    """(video, text) outputs of a joint-attention block: its `to_out` (linear, dropout) on the video part and its
+    `to_add_out` on the text part, each where the block has one."""
+    if getattr(attn, "to_out", None) is not None:
+        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
+    if getattr(attn, "to_add_out", None) is not None:
+        encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+    return hidden_states, encoder_hidden_states
+
+
 class SparseAttentionMixin:
     """Mixed into a model's stock processor class (`_stock`, the second base); one instance per self-attention
     layer. Calls the sparse path cannot serve go to `self._stock.__call__`.

@@ -23,7 +23,7 @@ from diffusers.models.transformers.transformer_easyanimate import (
     EasyAnimateAttnProcessor2_0,
 )
 
-from .base import SparseAttentionMixin, project_heads, project_text_heads
+from .base import SparseAttentionMixin, project_heads, project_joint_outputs, project_text_heads
 from .cogvideox import rotate_after_text
 from .context import forward_arg
 
@@ -61,12 +61,7 @@ class EasyAnimateSparseAttnProcessor(SparseAttentionMixin, EasyAnimateAttnProces
 
         hidden_states = self.attend(query, key, value).flatten(2, 3).to(query.dtype)
         encoder_hidden_states, hidden_states = hidden_states[:, :text_len], hidden_states[:, text_len:]
-        if getattr(attn, "to_out", None) is not None:
-            hidden_states = attn.to_out[0](hidden_states)
-            hidden_states = attn.to_out[1](hidden_states)
-        if getattr(attn, "to_add_out", None) is not None:
-            encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
-        return hidden_states, encoder_hidden_states
+        return project_joint_outputs(attn, hidden_states, encoder_hidden_states)
 
 
 def easyanimate_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:

@@ -33,7 +33,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 
-from .base import SparseAttentionMixin, project_heads, project_text_heads
+from .base import SparseAttentionMixin, project_heads, project_joint_outputs, project_text_heads
 from .context import forward_arg, patch_tokens, valid_text_length
 
 
@@ -79,12 +79,7 @@ class _HunyuanFamilySparseAttention(SparseAttentionMixin):
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
 
         hidden_states, encoder_hidden_states = hidden_states[:, :-text_len], hidden_states[:, -text_len:]
-        if getattr(attn, "to_out", None) is not None:
-            hidden_states = attn.to_out[0](hidden_states)
-            hidden_states = attn.to_out[1](hidden_states)
-        if getattr(attn, "to_add_out", None) is not None:
-            encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
-        return hidden_states, encoder_hidden_states
+        return project_joint_outputs(attn, hidden_states, encoder_hidden_states)
 
     def _attend_joint(self, query, key, value, text_tokens: int, attention_mask) -> torch.Tensor:
         """Attention of the joint q, k, v [B, S, H, D] whose last `text_tokens` are text: the valid prefix (the
