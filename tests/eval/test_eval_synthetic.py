@@ -113,6 +113,21 @@ def test_shrunken_mochi_runs_sparse():
     assert 0.5 < row["realised_density"] < 0.95 and 0 < row["output_rel_l2_vs_dense"] < 0.5
 
 
+def test_shrunken_allegro_runs_sparse():
+    """Allegro (the class defaults: 24 heads x 96): 4 latent channels, 22 latent frames at 720x1280, 512 T5 tokens by
+    cross-attention with their mask, the 3D RoPE as AllegroPipeline builds it; one block at a tiny size on CPU."""
+    setup = synthetic_setup("allegro")
+    assert setup.latent == (4, 22, 90, 160) and setup.grid == (22, 45, 80) and setup.attention_tokens == 79_200
+    assert (setup.model.heads, setup.model.head_dim, setup.num_layers) == (24, 96, 32)
+    assert 2.5e9 < count_parameters(setup) < 3.0e9
+    small = synthetic_setup("allegro", frames=9, height=128, width=128, layers=1)
+    inputs = make_inputs(small, torch.device("cpu"), torch.float32)
+    (_, positions) = inputs["image_rotary_emb"]
+    assert [int(p.max()) for p in positions] == [2, 7, 7]                 # (t, h, w) of the 3 x 8 x 8 token grid
+    row = _shrunken_sparse_row("allegro", frames=9, height=128, width=128)
+    assert 0.3 < row["realised_density"] < 0.7 and 0 < row["output_rel_l2_vs_dense"] < 0.5
+
+
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="frames must be 1 \\+ a multiple of 4"):
         synthetic_setup("wan-1.3b", frames=8)

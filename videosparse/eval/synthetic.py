@@ -255,6 +255,15 @@ SYNTHETIC_MODELS: dict[str, SyntheticModel] = {
         (33, 640, 640), text_len=256, joint_text=True, image_tokens=729, history=(2, 2, 16),
         description="FramePack I2V (HunyuanVideo 24 heads x 128, 20 dual + 40 single blocks), 640x640, a window of "
                     "9 latent frames + 4,000 history and 729 image tokens"),
+    "allegro": SyntheticModel(
+        # rhymes-ai/Allegro: AllegroTransformer3DModel's defaults (24 heads x 96, 32 layers, patch 1 x 2 x 2, caption
+        # projection of 4096-wide T5 states; the published config). Default size 720 x 1280, 88 frames, which its VAE
+        # (4 x 8 x 8, 4 channels) turns into 22 latent frames: given here as 85 frames, the 1 + 4k form with the same
+        # 22; 512 T5 tokens by cross-attention. Head dim 96 runs on the GPU kernels zero-padded to 128
+        "allegro", "AllegroTransformer3DModel",
+        dict(num_attention_heads=24, attention_head_dim=96, num_layers=32, patch_size=2, patch_size_t=1),
+        (85, 720, 1280), latent_channels=4, text_len=512, text_dim=4096, layer_keys=("num_layers",),
+        description="Allegro (24 heads x 96, 32 layers, VAE 4 x 8 x 8), 720x1280 88 frames (22 latent frames)"),
 }
 
 
@@ -481,6 +490,9 @@ def make_inputs(setup: SyntheticSetup, device: torch.device, dtype: torch.dtype,
         inputs.update(_kandinsky5_inputs(setup, inputs["hidden_states"], randn, device, dtype))
     if m.transformer_cls == "HunyuanVideoFramepackTransformer3DModel":
         inputs.update(_framepack_inputs(setup, randn, device, dtype))
+    if m.transformer_cls == "AllegroTransformer3DModel":
+        inputs.update(encoder_attention_mask=torch.ones(1, m.text_len, device=device, dtype=dtype),
+                      image_rotary_emb=_allegro_rotary_emb(setup, device))
     return inputs
 
 
@@ -583,6 +595,20 @@ def _cogvideox_rotary_emb(setup: SyntheticSetup, device: torch.device):
     p = int(cfg["patch_size"])
     crops = get_resize_crop_region_for_grid((H, W), cfg["sample_width"] // p, cfg["sample_height"] // p)
     return get_3d_rotary_pos_embed(int(cfg["attention_head_dim"]), crops, (H, W), T, device=device)
+
+
+def _allegro_rotary_emb(setup: SyntheticSetup, device: torch.device):
+    """The 3D RoPE that `AllegroPipeline` passes to its transformer: (freqs_t, freqs_h, freqs_w) and the (t, h, w)
+    position of every token."""
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed_allegro
+
+    cfg = setup.config
+    T, H, W = setup.grid
+    freqs_t, freqs_h, freqs_w, grid_t, grid_h, grid_w = get_3d_rotary_pos_embed_allegro(
+        embed_dim=int(cfg["attention_head_dim"]), crops_coords=((0, 0), (H, W)), grid_size=(H, W), temporal_size=T,
+        interpolation_scale=(2.2, 2.0, 2.0), device=device)
+    pos = torch.cartesian_prod(grid_t.long(), grid_h.long(), grid_w.long())
+    return (freqs_t, freqs_h, freqs_w), tuple(pos.reshape(-1, 3).transpose(0, 1).reshape(3, 1, -1).contiguous())
 
 
 @dataclass
