@@ -40,7 +40,8 @@ def block_sparse_attention(
 
     Args:
         q: [B, H, S, D]; k, v: [B, H, Sk, D], contiguous; bf16/fp16 on GPU (fp32/fp64 on the
-            reference path); D in {64, 128} for the Triton kernels.
+            reference path). The Triton kernels take D in {64, 128}; other D below 128 run on them zero-padded
+            to the next (`dispatch.PaddedHeadDim`).
         plan: a `videosparse.plan.Plan` (with optional zero-order correction tensors).
         scale: softmax scale, default 1/sqrt(D).
         return_lse: also return the fp32 row log-sum-exp [B, H, S].
