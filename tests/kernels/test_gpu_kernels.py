@@ -186,6 +186,23 @@ def test_other_head_dims_run_padded_on_the_fastest_backend(S, D, dtype, correcti
            correction)
 
 
+def test_padded_head_dim_under_torch_compile():
+    """The padded path inside the custom op (`kernels.ops`): compiled fullgraph equals eager at head dim 96."""
+    from videosparse.kernels import block_sparse_attention
+    from videosparse.sol.centroids import tile_centroids_torch
+
+    q, k, v = (torch.randn(1, 4, 3000, 96, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    plan = random_plan(1, 4, 3000, 128, 128, 0.3, seed=1, device="cuda")
+    plan = plan.with_correction(*tile_centroids_torch(k, v, 128))
+
+    def attend(q, k, v):
+        return block_sparse_attention(q, k, v, plan, validate=False)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True)(q, k, v)
+    assert torch.equal(compiled, attend(q, k, v))
+
+
 @pytest.mark.parametrize("S,block,density", [(75600, 128, 0.1), (17550, 64, 0.3), (1000, 128, 1.0)])
 def test_correction_inputs_kernel_matches_torch_at_real_size(S, block, density):
     """The one-launch correction inputs equal their torch version (Kmax 60+ at the Wan 14B shape)."""
