@@ -362,3 +362,47 @@ def test_shrunken_framepack_runs_sparse(monkeypatch):
     row = _shrunken_sparse_row("framepack", layers=2, frames=9, height=272, width=256)
     floor = 1 - (small.tokens / small.attention_tokens) ** 2          # every pair with a global tile is kept
     assert all(floor < d < 0.99 for d in row["layer_density"]) and 0 < row["output_rel_l2_vs_dense"] < 0.5
+
+
+def test_shrunken_minimax_h3_runs_sparse(monkeypatch):
+    """MiniMax-H3 33B (the class defaults) in the t2va layout at the pipeline's 768 x 1344, 124 frames: 37 latent
+    frames (given as 145, the 1 + 4k form) of 24 x 42 patches after 256 text and 2 x 207 audio rows, one packed
+    sequence built by the pipeline's own layout and timestep helpers. Narrowed to 2 heads x 128 over a 256-wide
+    residual, one block at a tiny size with a partial last tile runs sparse on CPU, text and audio as global tiles."""
+    import inspect
+
+    from diffusers import MiniMaxH3Transformer3DModel
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (audio_latent_num_frames,
+                                                                         video_latent_num_frames)
+
+    setup = synthetic_setup("minimax-h3")
+    assert setup.latent == (24, video_latent_num_frames(124, 17, 5), 768 // 16, 1344 // 16) == (24, 37, 48, 84)
+    assert setup.grid == (37, 24, 42) and setup.tokens == 37_296
+    assert setup.audio_tokens == 2 * audio_latent_num_frames(124) == 414
+    assert setup.attention_tokens == 37_296 + 414 + 256 == 37_966 and setup.describe()["audio_tokens"] == 414
+    assert (setup.model.heads, setup.model.head_dim, setup.num_layers) == (56, 128, 50)
+    assert 33.0e9 < count_parameters(setup) < 33.3e9
+    _narrowed(monkeypatch, "minimax-h3", num_attention_heads=2, hidden_size=256, ffn_dim=512,
+              time_embed_hidden_dim=256, time_embed_dim=128)
+    small = synthetic_setup("minimax-h3", frames=9, height=288, width=256, layers=1)
+    assert small.grid == (3, 9, 8) and small.audio_tokens == 2 * 13        # 3 latent frames stand for 8 frames
+    inputs = make_inputs(small, torch.device("cpu"), torch.float32)
+    forward_args = set(inspect.signature(MiniMaxH3Transformer3DModel.forward).parameters) - {"self", "attention_kwargs"}
+    assert set(inputs) == forward_args
+    assert tuple(inputs["hidden_states"].shape) == (1, 3 * 9 * 8, 24 * 4)
+    assert tuple(inputs["audio_hidden_states"].shape) == (1, 26, 32)
+    assert tuple(inputs["encoder_hidden_states"].shape) == (1, 256, 5120)
+    n = small.attention_tokens
+    assert n == 216 + 26 + 256 and tuple(inputs["position_ids"].shape) == (n, 3)
+    assert inputs["text_indices"].tolist() == list(range(256))
+    assert inputs["audio_indices"].tolist() == list(range(256, 282)) and inputs["video_indices"].tolist() == list(
+        range(282, n))
+    assert inputs["token_tags"].bincount().tolist() == [216, 256, 26]          # video, text, audio
+    video_t, audio_t = inputs["timestep"].tolist()                            # 1 - the shifted sigmas of a mid step
+    assert video_t == pytest.approx(1 / 13) and audio_t == pytest.approx(0.25)
+    assert inputs["timestep_indices"].tolist() == [0] * 256 + [1] * 26 + [0] * 216
+    row = _shrunken_sparse_row("minimax-h3", frames=9, height=288, width=256)
+    # 6 video tiles (3 x 9 x 8 on 1 x 8 x 8: partial last tiles); every pair with one of the 282 text / audio rows
+    # (global tiles) is kept
+    floor = 1 - (small.tokens / small.attention_tokens) ** 2
+    assert floor < row["realised_density"] < 0.99 and 0 < row["output_rel_l2_vs_dense"] < 0.5

@@ -26,12 +26,18 @@ kandinsky5  Kandinsky 5.0 Video Pro 19B:         121 x 768 x 1024           31 x
             60 x 32 x 128 (+4 text blocks)
 framepack   FramePack I2V (HunyuanVideo):        33 x 640 x 640             9 x 40 x 40 = 14,400
             20+40 x 24 x 128                     (a 9-latent-frame window)  + 4,985 global (*)
+allegro     Allegro: 32 x 24 x 96                88 x 720 x 1280            22 x 45 x 80 = 79,200
+minimax-h3  MiniMax-H3 33B: 50 x 56 x 128        124 x 768 x 1344           37 x 24 x 42 = 37,296
+            (one packed text/audio/video seq.)   (37 latent frames)         + 670 global (**)
 ==========  ===================================  =========================  ===============================
 
 (*) FramePack attends over [history; video; image; text]: the window's 14,400 video tokens are the tile grid; the
 history (start image + 1 frame at 1x: 3,200, 2 frames at 2x: 400, 16 frames at 4x: 400), the 729 SigLIP image tokens
 and the 256 text tokens are global tiles, always kept, so the realised density has a floor near 0.45 at this size
 (1 - (14,400 / 19,385)^2 = 0.448): a method's target density below it is not reached.
+
+(**) MiniMax-H3 attends over one packed sequence [text | audio | video] (t2va): 256 text rows (a fixed count: the
+prompt's Qwen3-VL tokens, no template) and the 414 rows of its stereo soundtrack (2 x 207 latents) are global tiles.
 
 A model whose transformer class has no videosparse processor is refused with the registry's message.
 """
@@ -81,6 +87,7 @@ class SyntheticModel:
         image_tokens: image tokens that join the self-attention (FramePack's SigLIP tokens, `image_proj_dim` wide).
         history: latent frames of the history that FramePack packs before the video, at 1x (the start image and
             the 1x history), 2x and 4x compression (`HISTORY_KERNELS`).
+        audio_rows: latent frames -> audio rows that join the self-attention (MiniMax-H3's packed soundtrack).
     """
 
     name: str
@@ -97,6 +104,7 @@ class SyntheticModel:
     attention_shape: Callable[[dict], tuple[int, int]] | None = None
     image_tokens: int = 0
     history: tuple[int, ...] = ()
+    audio_rows: Callable[[int], int] | None = None
 
     @property
     def patch(self) -> tuple[int, int, int]:
@@ -140,6 +148,19 @@ def _kandinsky_attention_shape(config: dict) -> tuple[int, int]:
     from ..processors.kandinsky import kandinsky_attention_shape
 
     return kandinsky_attention_shape(SimpleNamespace(**config))
+
+
+def _minimax_h3_audio_rows(latent_frames: int) -> int:
+    """Audio rows MiniMax-H3 packs with `latent_frames` video latent frames: its video VAE turns 17 n + 5 frames (24
+    fps) into 5 n + 2 latent frames, so they stand for 17 (T - 2) / 5 + 5 frames (rounded where T is not 5 n + 2),
+    whose soundtrack has `audio_latent_num_frames` latents per channel (40 per second), in 2 channels."""
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
+        MINIMAX_H3_AUDIO_CHANNELS,
+        audio_latent_num_frames,
+    )
+
+    frames = max(1, round(17 * (latent_frames - 2) / 5 + 5))
+    return audio_latent_num_frames(frames) * MINIMAX_H3_AUDIO_CHANNELS
 
 
 _WAN_COMMON = dict(patch_size=(1, 2, 2), attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
@@ -264,6 +285,24 @@ SYNTHETIC_MODELS: dict[str, SyntheticModel] = {
         dict(num_attention_heads=24, attention_head_dim=96, num_layers=32, patch_size=2, patch_size_t=1),
         (85, 720, 1280), latent_channels=4, text_len=512, text_dim=4096, layer_keys=("num_layers",),
         description="Allegro (24 heads x 96, 32 layers, VAE 4 x 8 x 8), 720x1280 88 frames (22 latent frames)"),
+    "minimax-h3": SyntheticModel(
+        # MiniMaxAI/MiniMax-H3 (33B): MiniMaxH3Transformer3DModel's defaults (50 blocks of 56 heads x 128 over a
+        # 5376-wide residual, SwiGLU 14336, 2 token-refiner blocks (text only, stock; not counted as layers), patch
+        # (1, 2, 2), 24 video / 32 audio latent channels, 5120-wide Qwen3-VL text states); the keys read here are
+        # spelled out. One packed sequence, no cross-attention: the t2va layout [text | target audio | target video]
+        # of MiniMaxH3PrepareLayoutStep, all of it in every block's self-attention. Default size of the modular
+        # pipeline: 768 x 1344 (its 16:9 canvas), 124 frames at 24 fps, which its VAE (17 n + 5 frames -> 5 n + 2
+        # latent frames, 16 x 16 spatially) turns into 37 latent frames of 48 x 84: given here as 145 frames, the
+        # 1 + 4k form with the same 37 (so `--frames` counts 4 frames a latent frame); the soundtrack is that of the
+        # frames the latent frames stand for (124: 2 x 207 audio rows, `_minimax_h3_audio_rows`). Text: 256 tokens, a
+        # fixed count for a detailed prompt (t2va encodes the prompt verbatim, no template, no padding)
+        "minimax-h3", "MiniMaxH3Transformer3DModel",
+        dict(num_attention_heads=56, attention_head_dim=128, num_layers=50, ffn_dim=14336, patch_size=(1, 2, 2),
+             in_channels=24, audio_in_channels=32, text_dim=5120),
+        (145, 768, 1344), latent_channels=24, vae_scale=(4, 16), text_len=256, text_dim=5120, joint_text=True,
+        layer_keys=("num_layers",), audio_rows=_minimax_h3_audio_rows,
+        description="MiniMax-H3 33B (56 heads x 128, 50 blocks, one packed [text | audio | video] sequence), "
+                    "768x1344 124 frames (37 latent frames) + 414 audio rows"),
 }
 
 
@@ -309,9 +348,14 @@ class SyntheticSetup:
                      for frames, kernel in zip(self.model.history, HISTORY_KERNELS))
 
     @property
+    def audio_tokens(self) -> int:
+        """Audio rows that join the self-attention (`SyntheticModel.audio_rows`); 0 without."""
+        return self.model.audio_rows(self.latent[1]) if self.model.audio_rows else 0
+
+    @property
     def attention_tokens(self) -> int:
-        """Tokens of one self-attention call: video, plus the history, image and text tokens that join it."""
-        joined = sum(self.history_tokens) + self.model.image_tokens
+        """Tokens of one self-attention call: video, plus the history, image, audio and text tokens that join it."""
+        joined = sum(self.history_tokens) + self.model.image_tokens + self.audio_tokens
         return self.tokens + joined + (self.model.text_len if self.model.joint_text else 0)
 
     @property
@@ -327,6 +371,8 @@ class SyntheticSetup:
             shape["history_tokens"] = list(self.history_tokens)
         if self.model.image_tokens:
             shape["image_tokens"] = self.model.image_tokens
+        if self.audio_tokens:
+            shape["audio_tokens"] = self.audio_tokens
         return shape
 
 
@@ -493,6 +539,8 @@ def make_inputs(setup: SyntheticSetup, device: torch.device, dtype: torch.dtype,
     if m.transformer_cls == "AllegroTransformer3DModel":
         inputs.update(encoder_attention_mask=torch.ones(1, m.text_len, device=device, dtype=dtype),
                       image_rotary_emb=_allegro_rotary_emb(setup, device))
+    if m.transformer_cls == "MiniMaxH3Transformer3DModel":
+        inputs.update(_minimax_h3_inputs(setup, inputs["hidden_states"], randn, device))
     return inputs
 
 
@@ -583,6 +631,42 @@ def _framepack_inputs(setup: SyntheticSetup, randn, device: torch.device, dtype:
             "latents_clean": randn(1, C, clean, H, W), "indices_latents_clean": torch.cat([start, history_1x]),
             "latents_history_2x": randn(1, C, history_2x, H, W), "indices_latents_history_2x": indices_2x,
             "latents_history_4x": randn(1, C, history_4x, H, W), "indices_latents_history_4x": indices_4x}
+
+
+def _minimax_h3_inputs(setup: SyntheticSetup, latents: torch.Tensor, randn, device: torch.device,
+                       sigma: float = 0.5) -> dict:
+    """What `MiniMaxH3LoopDenoiser` passes its transformer in the t2va workflow besides the text states: the latents
+    as packed patch rows (`patchify_video_latents`), the audio rows, and the layout of
+    `MiniMaxH3PrepareLayoutStep.build_packed_sequence` ([text | target audio | target video], no keyframes; every
+    text row tagged text) with the per-row timesteps of `MiniMaxH3SetTimestepsStep.build_row_timesteps` at a mid step
+    (grid sigma 0.5 through the video (12) and audio (3) shifts of its two schedulers; timestep = 1 - sigma)."""
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import (
+        MiniMaxH3PrepareLayoutStep,
+        MiniMaxH3SetTimestepsStep,
+        patchify_video_latents,
+    )
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
+        MINIMAX_H3_AUDIO_CHANNELS,
+        MINIMAX_H3_AUDIO_TAG,
+        MINIMAX_H3_TEXT_TAG,
+        MINIMAX_H3_VIDEO_TAG,
+    )
+
+    m = setup.model
+    _, T, H, W = setup.latent
+    audio_rows = setup.audio_tokens
+    positions, tags, video, audio, text, condition_video, condition_audio = \
+        MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+            torch.full((m.text_len,), MINIMAX_H3_TEXT_TAG), T, H, W, audio_rows // MINIMAX_H3_AUDIO_CHANNELS, m.patch,
+            MINIMAX_H3_AUDIO_CHANNELS, MINIMAX_H3_AUDIO_TAG, MINIMAX_H3_VIDEO_TAG)
+    video_t, audio_t = (1 - shift * sigma / (1 + (shift - 1) * sigma) for shift in (12.0, 3.0))
+    timestep, timestep_indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
+        video, audio, condition_video, condition_audio, m.text_len, video_t, audio_t, max(video_t, 0.999), 1.0)
+    layout = dict(timestep=timestep, timestep_indices=timestep_indices, token_tags=tags, position_ids=positions,
+                  video_indices=video, audio_indices=audio, text_indices=text)
+    return {"hidden_states": patchify_video_latents(latents, m.patch)[None],
+            "audio_hidden_states": randn(1, audio_rows, int(m.config["audio_in_channels"])),
+            **{name: value.to(device) for name, value in layout.items()}}
 
 
 def _cogvideox_rotary_emb(setup: SyntheticSetup, device: torch.device):
