@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.attention_processor import MochiAttnProcessor2_0
 
-from .base import SparseAttentionMixin, project_heads, project_text_heads
+from .base import SparseAttentionMixin, project_heads, project_joint_outputs, project_text_heads
 from .context import forward_arg, valid_text_length
 
 
@@ -74,11 +74,8 @@ class MochiSparseAttnProcessor(SparseAttentionMixin, MochiAttnProcessor2_0):
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
 
         hidden_states, encoder_hidden_states = hidden_states.split_with_sizes((video_len, text_len), dim=1)
-        hidden_states = attn.to_out[0](hidden_states)
-        hidden_states = attn.to_out[1](hidden_states)
-        if hasattr(attn, "to_add_out"):            # absent in the last, context_pre_only block
-            encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
-        return hidden_states, encoder_hidden_states
+        # the last, context_pre_only block has no to_add_out
+        return project_joint_outputs(attn, hidden_states, encoder_hidden_states)
 
 
 def mochi_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | None]:
