@@ -406,3 +406,27 @@ def test_shrunken_minimax_h3_runs_sparse(monkeypatch):
     # (global tiles) is kept
     floor = 1 - (small.tokens / small.attention_tokens) ** 2
     assert floor < row["realised_density"] < 0.99 and 0 < row["output_rel_l2_vs_dense"] < 0.5
+
+
+def test_shrunken_wan_animate2_runs_sparse(monkeypatch):
+    """Wan-Animate-2 (the class defaults: the Wan 14B backbone) in one generation step of an 81-frame 800 x 640
+    segment: 22 latent frames (the reference image's, then 21; given as 85 frames) of 50 x 40 patches, and a geometry
+    that fills the block mask (origin_len 81, origin_area 800 x 640). Narrowed to 2 heads x 128, one block at a tiny
+    size: the untimed extraction pass fills the cache, then the generation forward runs sparse with no fallback."""
+    import inspect
+
+    from diffusers import WanAnimate2Transformer3DModel
+
+    setup = synthetic_setup("wan-animate2")
+    assert setup.latent == (16, 22, 100, 80) and setup.grid == (22, 50, 40) and setup.tokens == 44_000
+    assert (setup.model.heads, setup.model.head_dim, setup.num_layers) == (40, 128, 40)
+    assert 16.0e9 < count_parameters(setup) < 17.5e9
+    _narrowed(monkeypatch, "wan-animate2", dim=256, num_heads=2, ffn_dim=512)
+    small = synthetic_setup("wan-animate2", frames=9, height=144, width=128, layers=1)
+    assert small.grid == (3, 9, 8)
+    inputs = make_inputs(small, torch.device("cpu"), torch.float32)
+    forward_args = set(inspect.signature(WanAnimate2Transformer3DModel.forward).parameters)
+    assert set(inputs) <= forward_args and inputs["kv_cache_mode"] == "cached" and inputs["seq_len"] == 216
+    assert inputs["origin_len"] // 4 + 1 == 2 and inputs["origin_area"][0] * inputs["origin_area"][1] // 256 == 72
+    row = _shrunken_sparse_row("wan-animate2", frames=9, height=144, width=128)
+    assert 0.3 < row["realised_density"] < 0.8 and 0 < row["output_rel_l2_vs_dense"] < 0.5

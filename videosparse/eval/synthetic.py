@@ -29,6 +29,8 @@ framepack   FramePack I2V (HunyuanVideo):        33 x 640 x 640             9 x 
 allegro     Allegro: 32 x 24 x 96                88 x 720 x 1280            22 x 45 x 80 = 79,200
 minimax-h3  MiniMax-H3 33B: 50 x 56 x 128        124 x 768 x 1344           37 x 24 x 42 = 37,296
             (one packed text/audio/video seq.)   (37 latent frames)         + 670 global (**)
+wan-animate2  Wan-Animate-2 (Wan 14B):           81 x 800 x 640 segment     22 x 50 x 40 = 44,000
+            40 x 40 x 128                        (+ reference image frame)  + 2,000 per-frame keys (***)
 ==========  ===================================  =========================  ===============================
 
 (*) FramePack attends over [history; video; image; text]: the window's 14,400 video tokens are the tile grid; the
@@ -38,6 +40,11 @@ and the 256 text tokens are global tiles, always kept, so the realised density h
 
 (**) MiniMax-H3 attends over one packed sequence [text | audio | video] (t2va): 256 text rows (a fixed count: the
 prompt's Qwen3-VL tokens, no template) and the 414 rows of its stereo soundtrack (2 x 207 latents) are global tiles.
+
+(***) Wan-Animate-2's generation pass (one denoising forward of a segment): the reference image's latent frame and the
+segment's 21 latent frames are the grid; each frame f >= 1 also attends to the 2,000 cached reference tokens of
+frame f - 1 (dense per frame, merged by log-sum-exp), which the reference-extraction pass (untimed, stock, before
+the methods) fills.
 
 A model whose transformer class has no videosparse processor is refused with the registry's message.
 """
@@ -88,6 +95,8 @@ class SyntheticModel:
         history: latent frames of the history that FramePack packs before the video, at 1x (the start image and
             the 1x history), 2x and 4x compression (`HISTORY_KERNELS`).
         audio_rows: latent frames -> audio rows that join the self-attention (MiniMax-H3's packed soundtrack).
+        prepare: (setup, transformer, inputs) -> None, run once after the build with the stock processors, for
+            state a forward reads besides its inputs (Wan-Animate-2's reference K/V cache: its extraction pass).
     """
 
     name: str
@@ -105,6 +114,7 @@ class SyntheticModel:
     image_tokens: int = 0
     history: tuple[int, ...] = ()
     audio_rows: Callable[[int], int] | None = None
+    prepare: Callable | None = None
 
     @property
     def patch(self) -> tuple[int, int, int]:
@@ -161,6 +171,34 @@ def _minimax_h3_audio_rows(latent_frames: int) -> int:
 
     frames = max(1, round(17 * (latent_frames - 2) / 5 + 5))
     return audio_latent_num_frames(frames) * MINIMAX_H3_AUDIO_CHANNELS
+
+
+def _wan_animate2_attention_shape(config: dict) -> tuple[int, int]:
+    """(heads, head dim) of a Wan-Animate-2 config (`num_heads`, `dim`)."""
+    from types import SimpleNamespace
+
+    from ..processors.wan import wan_animate2_attention_shape
+
+    return wan_animate2_attention_shape(SimpleNamespace(**config))
+
+
+def _wan_animate2_prepare(setup: SyntheticSetup, transformer, inputs: dict, seed: int = 1) -> None:
+    """Wan-Animate-2's reference-extraction pass, as `WanAnimate2SegmentReferenceStep` calls it: the driving segment's
+    latents (the generation grid without its first frame; random, 16 channels) with their 20-channel condition, the
+    same text and CLIP states, the first timestep, filling `inputs["kv_cache"]`."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    latents, condition = inputs["hidden_states"][0], inputs["condition_latents"][0]
+    device, dtype = latents.device, latents.dtype
+    T, H, W = setup.grid
+
+    def randn(like: torch.Tensor) -> torch.Tensor:
+        return torch.randn(like[:, 1:].shape, generator=g).to(device=device, dtype=dtype)
+
+    with torch.no_grad():
+        transformer(hidden_states=[randn(latents)], condition_latents=[randn(condition)],
+                    timestep=inputs["timestep"], encoder_hidden_states=inputs["encoder_hidden_states"],
+                    encoder_hidden_states_image=inputs["encoder_hidden_states_image"], kv_cache=inputs["kv_cache"],
+                    kv_cache_mode="extract", seq_len=(T - 1) * H * W, offset_grid_sizes=inputs["reference_grid_sizes"])
 
 
 _WAN_COMMON = dict(patch_size=(1, 2, 2), attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
@@ -303,6 +341,19 @@ SYNTHETIC_MODELS: dict[str, SyntheticModel] = {
         layer_keys=("num_layers",), audio_rows=_minimax_h3_audio_rows,
         description="MiniMax-H3 33B (56 heads x 128, 50 blocks, one packed [text | audio | video] sequence), "
                     "768x1344 124 frames (37 latent frames) + 414 audio rows"),
+    "wan-animate2": SyntheticModel(
+        # WanAnimate2Transformer3DModel's defaults (the Wan 14B backbone: dim 5120, 40 heads x 128, 40 layers, ffn
+        # 13824; 36 input channels = 16 latent + 20 condition (4 mask + 16 latent), CLIP image context), the keys read
+        # here spelled out. One generation forward of a segment at the modular pipeline's defaults (800 x 640,
+        # segment_frame_length 81 -> 21 latent frames after the reference image's one): 22 latent frames, given as 85
+        # frames (the 1 + 4k form with the same 22); `origin_len` 81. The reference K/V come from an untimed
+        # extraction pass (`prepare`); 512 umT5 tokens and 257 CLIP tokens by cross-attention
+        "wan-animate2", "WanAnimate2Transformer3DModel",
+        dict(dim=5120, num_heads=40, num_layers=40, ffn_dim=13824, in_dim=36, patch_size=(1, 2, 2), use_img_emb=True),
+        (85, 800, 640), layer_keys=("num_layers",), attention_shape=_wan_animate2_attention_shape,
+        prepare=_wan_animate2_prepare,
+        description="Wan-Animate-2 (Wan 14B: 40 heads x 128, 40 layers), generation pass of an 81-frame 800x640 "
+                    "segment (22 latent frames with the reference image's) + per-frame reference keys"),
 }
 
 
@@ -541,7 +592,30 @@ def make_inputs(setup: SyntheticSetup, device: torch.device, dtype: torch.dtype,
                       image_rotary_emb=_allegro_rotary_emb(setup, device))
     if m.transformer_cls == "MiniMaxH3Transformer3DModel":
         inputs.update(_minimax_h3_inputs(setup, inputs["hidden_states"], randn, device))
+    if m.transformer_cls == "WanAnimate2Transformer3DModel":
+        inputs.update(_wan_animate2_inputs(setup, inputs["hidden_states"], randn, device, dtype))
     return inputs
+
+
+def _wan_animate2_inputs(setup: SyntheticSetup, latents: torch.Tensor, randn, device: torch.device,
+                         dtype: torch.dtype) -> dict:
+    """What `WanAnimate2SegmentDenoiseInner` passes its transformer for one generation step (batch 1, one guidance
+    branch): per-item lists of the latents (16 channels) and of the 20-channel condition latents and of the text
+    states, the CLIP image states, the timestep in the model's dtype, the segment's KV cache (filled by
+    `_wan_animate2_prepare`), the token count and the reference grid, and the segment's geometry the block mask is
+    built for (`origin_len` frames such that `origin_len // 4 + 1` is the reference's latent frames; `origin_area`
+    the pixel size)."""
+    from diffusers.models.transformers.transformer_wan_animate_2 import WanAnimate2KVCache
+
+    T, H, W = setup.grid
+    in_dim = int(setup.config["in_dim"])
+    return {"hidden_states": [latents[0]], "condition_latents": [randn(in_dim - latents.shape[1], *latents.shape[2:])],
+            "encoder_hidden_states": [randn(setup.model.text_len, setup.model.text_dim)],
+            "encoder_hidden_states_image": randn(1, 257, 1280),
+            "timestep": torch.tensor([500.0], device=device, dtype=dtype),
+            "kv_cache": WanAnimate2KVCache(setup.num_layers), "kv_cache_mode": "cached", "seq_len": T * H * W,
+            "reference_grid_sizes": torch.tensor([[T - 1, H, W]]), "origin_len": 4 * (T - 2) + 1,
+            "origin_area": list(setup.video[1:])}
 
 
 def _ltx_inputs(setup: SyntheticSetup, latents: torch.Tensor, device: torch.device) -> dict:
@@ -759,6 +833,13 @@ def method_applied(transformer, config, compile_mode: str | None = None):
             torch._dynamo.reset()
 
 
+def first_output(result) -> torch.Tensor:
+    """The sample of a transformer forward's tuple (or output object): its first item, stacked when the model returns
+    one tensor per batch item (Wan-Animate-2)."""
+    out = result[0]
+    return torch.stack(out) if isinstance(out, (list, tuple)) else out
+
+
 def every_step_sparse(config):
     """`config` with no dense steps: a synthetic forward stands for a sparse denoising step (there is no
     schedule to count steps in, and a fractional `dense_steps` would warn on every method)."""
@@ -770,7 +851,7 @@ def time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeat
     """Apply `spec` to `transformer`, run `warmup` + `repeats` forwards on `inputs`, remove it; returns the row of
     the report (median forward, attention and plan seconds, realised density, fallbacks...) and the last output."""
     config = every_step_sparse(spec.config)
-    device = inputs["hidden_states"].device
+    device = next(transformer.parameters()).device
     forward, attention, plan = [], [], []
     with method_applied(transformer, config, compile_mode) as (model, session), torch.no_grad():
         if device.type == "cuda":
@@ -783,7 +864,7 @@ def time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeat
             for _ in range(repeats):
                 _sync(device)
                 t0 = time.perf_counter()
-                out = model(**inputs)[0]
+                out = first_output(model(**inputs))
                 _sync(device)
                 forward.append(time.perf_counter() - t0)
             attention = plan = [None]
@@ -793,7 +874,7 @@ def time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeat
             for _ in range(repeats):
                 ttimer, atimer = TransformerTimer([transformer]), AttentionTimer([transformer])
                 with ttimer(), atimer():
-                    out = transformer(**inputs)[0]
+                    out = first_output(transformer(**inputs))
                 forward.append(ttimer.times[-1])
                 attention.append(atimer.attention_total)
                 plan.append(atimer.plan_total)
@@ -855,6 +936,8 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
     t0 = time.perf_counter()
     transformer = build_transformer(setup, device, dtype)
     inputs = make_inputs(setup, device, dtype)
+    if setup.model.prepare is not None:
+        setup.model.prepare(setup, transformer, inputs)
     result.estimates["build_s"] = time.perf_counter() - t0
     logger.info("synthetic %s: %.2fB params, grid %s (%d tokens), built in %.1f s", name, params / 1e9, setup.grid,
                 setup.tokens, result.estimates["build_s"])

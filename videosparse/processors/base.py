@@ -6,7 +6,9 @@ returns the attention output in the same layout. It decides dense vs sparse for 
 sparse runs gather -> plan -> kernel -> scatter. The dense path always calls
 diffusers' `dispatch_attention_fn` with the processor's `_attention_backend` and `_parallel_config`,
 so the user's backend choice and context parallelism keep working; under Ulysses context parallelism the
-sparse path runs too (`parallel.py`).
+sparse path runs too (`parallel.py`). With `return_lse=True` it also returns each row's log-sum-exp, dense calls
+then running on videosparse's kernel with a dense plan (`dense_with_lse`), so that a caller can merge the result
+with attention over further keys (`merge_attention`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 from ..kernels import block_sparse_attention
+from ..plan import dense_plan
 from ..rope import apply_interleaved_rope
 from .context import AttentionRecord, LayerStats, SparseSession
 from .parallel import heads_to_seq, seq_to_heads, ulysses_shard
@@ -52,6 +55,26 @@ def project_joint_outputs(attn, hidden_states: torch.Tensor, encoder_hidden_stat
     if getattr(attn, "to_add_out", None) is not None:
         encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
     return hidden_states, encoder_hidden_states
+
+
+def dense_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto"):
+    """Full attention of q [B, S, H, D] over k, v [B, S, H, D] (diffusers' layout) on videosparse's kernel with a
+    dense plan: (out [B, S, H, D] in q's dtype, lse fp32 [B, S, H], natural-log row log-sum-exp)."""
+    B, S, H, _ = q.shape
+    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    out, lse = block_sparse_attention(qt, kt, vt, dense_plan(B, H, S, device=q.device), return_lse=True,
+                                      backend=backend, validate=False)
+    return out.transpose(1, 2), lse.transpose(1, 2)
+
+
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
+    """Attention over the union of two disjoint key sets from the attention over each: out [..., D] with its row
+    log-sum-exp lse [...]. Returns (out [..., D] in out_a's dtype, lse); computed in fp32 (fp64 for fp64 inputs)."""
+    dtype = torch.promote_types(out_a.dtype, torch.float32)
+    lse = torch.logaddexp(lse_a.to(dtype), lse_b.to(dtype))
+    weight_a, weight_b = torch.exp(lse_a - lse).unsqueeze(-1), torch.exp(lse_b - lse).unsqueeze(-1)
+    out = out_a.to(dtype) * weight_a + out_b.to(dtype) * weight_b
+    return out.to(out_a.dtype), lse
 
 
 class SparseAttentionMixin:
@@ -127,6 +150,11 @@ class SparseAttentionMixin:
         return None
 
     # ---------------------------------------------------------------- attention
+    @property
+    def _kernel_choice(self) -> str:
+        """The block-sparse kernel backend of the config ("auto" under the dense config)."""
+        return getattr(self.session.config, "backend", "auto")
+
     def _dense(self, q, k, v, attention_mask) -> torch.Tensor:
         return dispatch_attention_fn(
             q, k, v, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
@@ -136,13 +164,15 @@ class SparseAttentionMixin:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask=None,
                rope: tuple[torch.Tensor, torch.Tensor] | None = None, text_len: int | None = None,
-               item: int | None = None) -> torch.Tensor:
+               item: int | None = None, return_lse: bool = False):
         """Self-attention of q, k, v [B, S, H, D] (diffusers order) -> [B, S, H, D].
 
         rope: Wan's rotary tables (freqs_cos, freqs_sin), still to be applied to q and k
         (`apply_interleaved_rope`); the sparse path fuses the rotation into the tile-order gather.
         text_len: the text tokens in q, k, v (default: the forward's, `context.text_len`).
         item: the batch item that q, k, v hold when the forward's items are served one by one (for observers).
+        return_lse: also return the rows' log-sum-exp, fp32 [B, S, H]; dense calls then run `dense_with_lse`
+            (no attention mask, no context parallelism).
 
         Under Ulysses context parallelism q, k, v hold this rank's tokens of every head; the sparse path exchanges
         them for every token of this rank's heads, and the output back (`parallel`).
@@ -150,6 +180,9 @@ class SparseAttentionMixin:
         session = self.session
         text_len = session.context.text_len if text_len is None else text_len
         shard = ulysses_shard(getattr(self, "_parallel_config", None))
+        if return_lse and (attention_mask is not None or shard is not None):
+            raise ValueError("attend(return_lse=True) takes no attention mask and no context parallelism; got "
+                             f"attention_mask={type(attention_mask).__name__}, shard={shard!r}.")
         reason = self._dense_reason(q, attention_mask, text_len, shard)
         if rope is not None and (session.observers or reason is not None or shard is not None):
             q, k = apply_interleaved_rope(q, *rope), apply_interleaved_rope(k, *rope)
@@ -166,16 +199,19 @@ class SparseAttentionMixin:
         stats = self._stats()
         if reason is not None:
             stats.record_dense()
+            if return_lse:
+                return dense_with_lse(q, k, v, self._kernel_choice)
             return self._dense(q, k, v, attention_mask)
 
         if shard is not None:
             heads = shard.heads(q.shape[2])
             q, k, v = (seq_to_heads(x, shard) for x in (q, k, v))
             return heads_to_seq(self._sparse(q, k, v, text_len, rope, heads), shard)
-        return self._sparse(q, k, v, text_len, rope)
+        return self._sparse(q, k, v, text_len, rope, return_lse=return_lse)
 
-    def _sparse(self, q, k, v, text_len: int, rope=None, heads: slice | None = None) -> torch.Tensor:
-        """gather -> plan -> kernel -> scatter of q, k, v [B, S, H, D] (the layer's heads `heads`, default all)."""
+    def _sparse(self, q, k, v, text_len: int, rope=None, heads: slice | None = None, return_lse: bool = False):
+        """gather -> plan -> kernel -> scatter of q, k, v [B, S, H, D] (the layer's heads `heads`, default all);
+        with `return_lse` also the rows' lse, fp32 [B, S, H]."""
         session = self.session
         layout, state = self.slot.layouts[text_len], self.slot.method_state
         if heads is not None:
@@ -183,8 +219,12 @@ class SparseAttentionMixin:
             state = session.method.head_state(self.layer, state, heads)
         qt, kt, vt = layout.gather(q, rope), layout.gather(k, rope), layout.gather(v)
         plan = session.method.plan(qt, kt, vt, layout, self.layer, state)
-        out = block_sparse_attention(qt, kt, vt, plan, backend=session.config.backend, validate=False)
+        out = block_sparse_attention(qt, kt, vt, plan, backend=session.config.backend, validate=False,
+                                     return_lse=return_lse)
         self._stats().record_sparse(plan.kv_count, layout.num_tiles)
+        if return_lse:
+            out, lse = out
+            return layout.scatter(out), layout.scatter(lse.unsqueeze(-1)).squeeze(-1)
         return layout.scatter(out)
 
     def _record_stock_call(self, reason: str) -> None:

@@ -369,6 +369,8 @@ class SparseContextHook(ModelHook):
                 "videosparse.apply(pipe, config), pass scheduler=pipe.scheduler to videosparse.processors(...), "
                 "or give dense_steps as a step count (an int).", dense_steps)
         hidden = forward_arg(args, kwargs, "hidden_states", 0)
+        if isinstance(hidden, (list, tuple)):       # per-item latents (Wan-Animate-2): device and dtype of the first
+            hidden = hidden[0]
         session.prepare(ctx.grid, ctx.text_len, hidden.device, hidden.dtype)
         session.calls += 1
 

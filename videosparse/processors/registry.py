@@ -69,6 +69,7 @@ def _register_builtin_models() -> None:
         MochiTransformer3DModel,
         MotifVideoTransformer3DModel,
         SkyReelsV2Transformer3DModel,
+        WanAnimate2Transformer3DModel,
         WanAnimateTransformer3DModel,
         WanTransformer3DModel,
         WanVACETransformer3DModel,
@@ -98,6 +99,17 @@ def _register_builtin_models() -> None:
         return ModelSpec(WanAnimateSparseAttnProcessor, blocks_attn1("blocks."), wan_grid)
 
     register_model(WanAnimateTransformer3DModel, wan_animate_spec)
+
+    def wan_animate2_spec() -> ModelSpec:
+        from .wan import WanAnimate2SparseAttnProcessor, wan_animate2_attention_shape, wan_animate2_grid
+
+        # blocks.<i>.self_attn, both passes (extraction; generation with the per-frame reference keys added densely);
+        # cross_attn (text + CLIP image) keeps its stock processor
+        return ModelSpec(WanAnimate2SparseAttnProcessor,
+                         lambda name, m: name.startswith("blocks.") and name.rsplit(".", 1)[-1] == "self_attn",
+                         wan_animate2_grid, attention_shape=wan_animate2_attention_shape)
+
+    register_model(WanAnimate2Transformer3DModel, wan_animate2_spec)
 
     def chronoedit_spec() -> ModelSpec:
         from .wan import ChronoEditSparseAttnProcessor, wan_grid
