@@ -130,8 +130,8 @@ class WanAnimate2SparseAttnProcessor(_WanFamilySparseAttention, transformer_wan_
     their log-sum-exp (`merge_attention`): the stock result, sparse in its generation part only. The layer's
     density counts the generation part. Served when the segment fills the geometry the mask was built for (the
     pipeline's calls do): F = origin frames + 1 generation frames of origin hw tokens, origin-frames reference
-    frames of as many tokens; other geometries (where stock's zero padding also counts as keys) and context
-    parallelism keep the stock call. Under the dense config both parts run dense on the kernel.
+    frames of as many tokens; other geometries (where stock's zero padding also counts as keys) and a parallel
+    config keep the stock call. Under the dense config both parts run dense on the kernel.
     """
 
     _stock = transformer_wan_animate_2.WanAnimate2AttnProcessor
@@ -166,12 +166,12 @@ class WanAnimate2SparseAttnProcessor(_WanFamilySparseAttention, transformer_wan_
     def _unserved(self, kv_cache_mode) -> str | None:
         """Why a call keeps the stock processor (None: served, also under the dense config): an unknown mode (stock
         raises), what `wan_animate2_grid` found in the context hook (items of different grids; a generation
-        geometry off the mask's), a generation pass under context parallelism."""
+        geometry off the mask's), a parallel config (the model has no context-parallel plan in diffusers, and the
+        RoPE tables here span the whole sequence)."""
         if kv_cache_mode not in ("extract", "cached"):
             return f"kv_cache_mode={kv_cache_mode!r}"
-        if kv_cache_mode == "cached" and getattr(self, "_parallel_config", None) is not None:
-            return ("Wan-Animate-2's generation pass under context parallelism (its reference keys are per frame) "
-                    "keeps the stock processor")
+        if getattr(self, "_parallel_config", None) is not None:
+            return "Wan-Animate-2 under a parallel config keeps the stock processor"
         return self.session.context.unsupported
 
     def _generation_attention(self, q, k, v, k_ref, v_ref, hw: int):
