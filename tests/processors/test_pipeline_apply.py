@@ -21,6 +21,7 @@ def test_pipeline_apply_remove_bit_identical_and_steps_seen():
     with videosparse.processors.observe(pipe, lambda r: steps.append((r.step, r.branch))):
         sparse = _run(pipe)
     assert {s for s, _ in steps} == {0, 1, 2} and {b for _, b in steps} == {"cond", "uncond"}
+    assert videosparse.sessions(pipe) == handle          # the top-level names of the README
     stats = handle["transformer"].stats()
     assert stats["transformer_calls"] == 6
     assert stats["dense_calls"] == 2 * 2 and stats["sparse_calls"] == 2 * 2 * 2   # 2 layers, cond+uncond
@@ -43,6 +44,70 @@ def test_step_index_from_scheduler_when_pipeline_gives_none():
             tr(hidden_states=x, timestep=t[None], encoder_hidden_states=text)
     layers = session.stats()["layers"]
     assert all(s["dense_calls"] == 2 and s["sparse_calls"] == 2 for s in layers.values())
+
+
+def test_scheduler_swapped_after_apply_is_the_one_read():
+    """A scheduler assigned to the pipeline after `apply` (e.g. a different shift) counts the steps, not the one the
+    pipeline had at apply time: a 4-step schedule with 2 dense steps gives 2 dense and 2 sparse calls per layer."""
+    pipe = build_tiny_wan_pipeline()
+    handle = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64, dense_steps=2))
+    pipe.scheduler.set_timesteps(10)                          # the old scheduler: another schedule
+    pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+    pipe.scheduler.set_timesteps(4)
+    assert handle["transformer"].scheduler is pipe.scheduler
+    x, text = torch.randn(1, 4, 2, 16, 24), torch.randn(1, 8, 32)
+    with torch.no_grad():
+        for t in pipe.scheduler.timesteps:
+            pipe.transformer(hidden_states=x, timestep=t[None], encoder_hidden_states=text)
+    layers = handle["transformer"].stats()["layers"]
+    assert all(s["dense_calls"] == 2 and s["sparse_calls"] == 2 for s in layers.values())
+
+
+def test_dense_steps_covering_every_step_warn_once(caplog):
+    """dense_steps at or above the call's step count runs every step dense: one warning says so (no speedup)."""
+    import logging
+
+    pipe = build_tiny_wan_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    handle = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64, dense_steps=5))
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        _run(pipe)
+        _run(pipe)
+    assert handle["transformer"].stats()["sparse_calls"] == 0
+    assert sum("covers all 3 denoising steps" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_forced_backend_that_cannot_run_is_an_error():
+    """An explicit kernel backend that cannot serve the inputs (the Triton kernels take fp16 / bf16, not fp32) is a
+    clear error at the first forward, naming the backend and why, instead of every layer silently dense."""
+    import pytest
+
+    pipe = build_tiny_wan_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64, backend="triton"))
+    with pytest.raises(ValueError, match="backend='triton' cannot run .* torch.float32 .* Use backend='auto'"):
+        _run(pipe)
+
+
+def test_kernel_problem_of_the_session_warned_once(monkeypatch, caplog):
+    """When no fast kernel serves the inputs under backend='auto' (on a GPU: a dtype or head dim the kernels do not
+    take), every layer runs dense, counted per layer, with one warning for the session, not one per layer."""
+    import logging
+
+    from videosparse.kernels.probe import KernelProbe
+    from videosparse.processors import context
+
+    monkeypatch.setattr(context, "probe_kernel", lambda *args: KernelProbe("reference", "no fast kernel serves x"))
+    pipe = build_tiny_wan_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    ref = _run(pipe)
+    handle = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64, dense_steps=0))
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        out = _run(pipe)
+    stats = handle["transformer"].stats()
+    assert stats["sparse_calls"] == 0 and np.abs(out - ref).max() < 1e-5
+    assert all(s["fallbacks"] == ["no fast kernel serves x"] for s in stats["layers"].values())
+    assert sum("no fast kernel serves x" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_step_from_the_schedulers_counter_with_bf16_timesteps():

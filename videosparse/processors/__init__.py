@@ -67,7 +67,8 @@ def _transformers(obj) -> dict[str, torch.nn.Module]:
     return found
 
 
-def make_processors(transformer: torch.nn.Module, config, *, scheduler=None) -> dict[str, Any]:
+def make_processors(transformer: torch.nn.Module, config, *, scheduler=None, pipeline=None,
+                    name: str | None = None) -> dict[str, Any]:
     """Sparse processors for every self-attention layer of `transformer` (others stay as they are).
 
     Also attaches the context hook and the session to the transformer, so the returned dict is
@@ -77,6 +78,8 @@ def make_processors(transformer: torch.nn.Module, config, *, scheduler=None) -> 
         transformer: a supported diffusers transformer (e.g. `WanTransformer3DModel`).
         config: `VedaConfig`, `SolConfig` or `DenseConfig`.
         scheduler: the pipeline's scheduler, used to find the step index when the pipeline gives none.
+        pipeline: the pipeline (held weakly) whose current `scheduler` is read at every forward instead.
+        name: the transformer's component name in its pipeline, for error messages.
 
     Returns:
         dict of processor name -> processor, for `set_attn_processor`.
@@ -94,11 +97,12 @@ def make_processors(transformer: torch.nn.Module, config, *, scheduler=None) -> 
     info = model_info(transformer, spec, len(self_attn))
     beyond = [layer for layer in getattr(config, "dense_layers", ()) if layer >= len(self_attn)]
     if beyond:
+        where = f" ({name})" if name else ""
         raise ValueError(f"dense_layers={config.dense_layers!r} names layers {beyond}, but this "
-                         f"{type(transformer).__name__} has {len(self_attn)} self-attention layers "
+                         f"{type(transformer).__name__}{where} has {len(self_attn)} self-attention layers "
                          f"(0..{len(self_attn) - 1}).")
     method = make_method(config, info)
-    session = SparseSession(config, method, info, originals, scheduler)
+    session = SparseSession(config, method, info, originals, scheduler, pipeline)
     procs = dict(originals)
     for layer, name in enumerate(self_attn):
         procs[name] = spec.processor_cls(session, layer, originals[name])
@@ -188,7 +192,7 @@ def apply(pipe_or_transformer, config) -> dict[str, SparseSession]:
         >>> videosparse.remove(pipe)
     """
     transformers = _transformers(pipe_or_transformer)
-    scheduler = getattr(pipe_or_transformer, "scheduler", None)
+    pipeline = pipe_or_transformer if hasattr(pipe_or_transformer, "scheduler") else None
     for name, transformer in transformers.items():  # check everything before touching anything
         model_spec(transformer)
         active = getattr(transformer, SESSION_ATTR, None)
@@ -197,8 +201,9 @@ def apply(pipe_or_transformer, config) -> dict[str, SparseSession]:
     check_config(config)
     applied: list[torch.nn.Module] = []
     try:
-        for transformer in transformers.values():
-            procs = make_processors(transformer, config, scheduler=scheduler)
+        for name, transformer in transformers.items():
+            procs = make_processors(transformer, config, pipeline=pipeline,
+                                    name=name if len(transformers) > 1 else None)
             applied.append(transformer)
             _set_attention_processors(transformer, procs)
     except BaseException:

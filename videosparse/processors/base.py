@@ -143,7 +143,13 @@ class SparseAttentionMixin:
             unsupported = (f"the video has fewer tokens ({layout.num_video_tokens}) than one tile ({layout.block}); "
                            "there is nothing to skip")
         elif session.kernel_problem is not None:
-            unsupported = session.kernel_problem
+            # the session's problem (device, dtype, head dim), not this layer's: counted per layer, warned once
+            self._stats().fallbacks.add(session.kernel_problem)
+            if not session.kernel_problem_warned:
+                session.kernel_problem_warned = True
+                logger.warning("videosparse: every self-attention layer runs dense attention: %s",
+                               session.kernel_problem)
+            return session.kernel_problem
         if unsupported:
             self._warn_once(unsupported)
             return unsupported

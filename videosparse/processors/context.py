@@ -15,6 +15,7 @@ import functools
 import inspect
 import logging
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -164,22 +165,32 @@ class SparseSession:
     # negative prompt that a guider runs as separate forwards (HunyuanVideo 1.5) alternate without rebuilding them
     layout_cache_lengths = 2
 
-    def __init__(self, config, method, info, original_processors: dict[str, Any], scheduler=None) -> None:
+    def __init__(self, config, method, info, original_processors: dict[str, Any], scheduler=None,
+                 pipeline=None) -> None:
         self.config = config
         self.method = method
         self.info = info
         self.original_processors = original_processors
-        self.scheduler = scheduler
+        self._scheduler = scheduler
+        self._pipeline = weakref.ref(pipeline) if pipeline is not None else None
         self.context = CallContext()
         self.slots: list[LayerSlot] = []
         self.observers: list[Callable[[AttentionRecord], None]] = []
         self.calls = 0
         self.kernel_problem: str | None = None   # why the fast path cannot serve the current inputs
+        self.kernel_problem_warned = False       # that problem is one of the session: warned once, for all layers
         self.kernel_backend: str | None = None   # the kernel backend the sparse calls run on (None: not probed)
         self._prepared_for: tuple | None = None
         # every layer's layouts by valid text length, kept for reuse while the grid and device stay (`prepare`)
         self._layout_cache: dict[int, list[HeadTiling]] = {}
         self._layout_cache_for: tuple | None = None
+
+    @property
+    def scheduler(self):
+        """The scheduler the steps are counted with: the pipeline's current `scheduler` when the session was made by
+        `videosparse.apply(pipe, ...)` (a scheduler swapped in after apply is the one read), else the one given."""
+        pipeline = self._pipeline() if self._pipeline is not None else None
+        return getattr(pipeline, "scheduler", self._scheduler) if pipeline is not None else self._scheduler
 
     def slot(self, layer: int) -> LayerSlot:
         """The `LayerSlot` of self-attention layer `layer` (made on first request)."""
@@ -227,6 +238,12 @@ class SparseSession:
             method.prepare(device)
             probe = probe_kernel(self.config.backend, device, dtype, info.num_heads, info.head_dim, method.block,
                                  getattr(self.config, "correction", False))
+            if probe.problem is not None and self.config.backend != "auto":
+                raise ValueError(
+                    f"backend={self.config.backend!r} cannot run this transformer's attention ({dtype}, "
+                    f"{info.num_heads} heads x {info.head_dim}, {method.block}-token tiles, on {device}): "
+                    f"{probe.problem} Use backend='auto', which picks the fastest kernel that fits (the torch "
+                    "reference on CPU) and runs dense with a warning where none does.")
             self.kernel_backend, self.kernel_problem = probe.backend, probe.problem
         self._prepared_for = key
 
@@ -335,6 +352,7 @@ class SparseContextHook(ModelHook):
         self.state_manager = StateManager(_BranchState)
         self._timestep_position = 1          # set from the model's forward signature on the first call
         self._warned_unknown_steps = False
+        self._warned_all_dense = False
 
     def initialize_hook(self, module):
         self._timestep_position = parameter_position(type(module).forward, "timestep", default=1)
@@ -360,6 +378,13 @@ class SparseContextHook(ModelHook):
         ctx.step, ctx.num_steps = self._step(cache_ctx, args, kwargs)
         ctx.sparse_step = ctx.step is None or ctx.step >= session.config.dense_step_count(ctx.num_steps)
         dense_steps = getattr(session.config, "dense_steps", 0)
+        if ctx.num_steps and session.method is not None and not self._warned_all_dense \
+                and session.config.dense_step_count(ctx.num_steps) >= ctx.num_steps:
+            self._warned_all_dense = True
+            logger.warning(
+                "videosparse: dense_steps=%s covers all %d denoising steps of this call, so every step runs dense "
+                "(no speedup); give fewer dense steps (an int below %d, or a fraction).", dense_steps,
+                ctx.num_steps, ctx.num_steps)
         if ctx.num_steps is None and isinstance(dense_steps, float) and dense_steps > 0 \
                 and not self._warned_unknown_steps:
             self._warned_unknown_steps = True
