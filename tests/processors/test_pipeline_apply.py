@@ -176,3 +176,16 @@ def test_timestep_position_follows_the_forward_signature():
 
     assert parameter_position(CogVideoXTransformer3DModel.forward, "timestep", 1) == 2
     assert parameter_position(WanTransformer3DModel.forward, "timestep", 0) == 1
+
+
+def test_dense_layers_beyond_one_expert_names_it():
+    """A two-expert pipeline (Wan 2.2: transformer and transformer_2) whose second expert has fewer layers than
+    `dense_layers` names: the error says which component, and nothing is applied."""
+    import pytest
+
+    pipe = build_tiny_wan_pipeline(num_layers=3)
+    pipe.register_modules(transformer_2=build_tiny_wan_pipeline(num_layers=2).transformer)
+    before = dict(pipe.transformer.attn_processors)
+    with pytest.raises(ValueError, match=r"dense_layers=\(2,\) .*\(transformer_2\) has 2 self-attention layers"):
+        videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, dense_layers=(2,)))
+    assert videosparse.sessions(pipe) == {} and dict(pipe.transformer.attn_processors) == before
