@@ -70,3 +70,22 @@ def test_numpy_scalars_become_plain_numbers():
 def test_dense_layers_have_one_spelling():
     assert VedaConfig(dense_layers=(3, 0, 3)) == VedaConfig(dense_layers=[0, 3])
     assert SolConfig(density=0.2, dense_layers=(1, 0)).dense_layers == (0, 1)
+
+
+def test_tile_shapes_may_be_numpy_ints():
+    """Integer-like tile sizes are accepted like a numpy density is; bools and floats are not."""
+    np = pytest.importorskip("numpy")
+    cfg = VedaConfig(tiling=(np.int64(8), np.int32(4), np.int64(4)))
+    assert cfg == VedaConfig(tiling=(8, 4, 4)) and all(type(v) is int for v in cfg.tiling)
+    assert config_from_dict(cfg.to_dict()) == cfg
+    sol = SolConfig(density=0.1, block=np.int64(64), tiling=[np.int16(1), np.int64(8), np.int64(8)])
+    assert sol.tiling == (1, 8, 8)
+    for bad in [(np.bool_(True), 4, 32), (8.0, 4, 4), (np.float64(8), 4, 4)]:
+        with pytest.raises(ValueError, match="three positive ints"):
+            VedaConfig(tiling=bad)
+
+
+def test_in_memory_estimator_marker_is_not_loaded():
+    """The dict entry of an estimator that was never saved is refused with a way out, not taken for a path."""
+    with pytest.raises(ValueError, match=r"never saved.*save_pretrained"):
+        config_from_dict({"method": "veda", "estimator": "<in-memory VedaEstimator, never saved>"})

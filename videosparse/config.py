@@ -3,7 +3,9 @@
 Each config is a frozen dataclass validated in `__post_init__`; a bad value raises a `ValueError`
 (or `TypeError`) that names the field, the value and what is allowed. Configs round-trip through
 plain dicts (`to_dict` / `config_from_dict`) so they can be written beside every checkpoint and
-evaluation result. The config's *type* selects the method (see `videosparse.processors`).
+evaluation result; an estimator object is written as the path or hub id it was loaded from, and one
+built in memory (never loaded) as an `<in-memory ...>` marker that `config_from_dict` refuses. The
+config's *type* selects the method (see `videosparse.processors`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ BLOCK_SIZES = (64, 128)
 
 TileShape = tuple[int, int, int]
 
+# what `to_dict` writes for an estimator object that was built in memory (no path or hub id to load it from)
+IN_MEMORY_ESTIMATOR = "<in-memory"
+
 
 def _plain_numbers(config, names: tuple[str, ...]) -> None:
     """numpy / torch scalars in the fields `names` become Python int / float (so that checks, `to_dict` and
@@ -42,7 +47,7 @@ def _layers(value: Any) -> tuple[int, ...]:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise TypeError(f"dense_layers={value!r} must be a tuple or list of self-attention layer indices, "
                         "e.g. (0,) or [0, 29].")
-    return tuple(int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else v for v in value)
+    return tuple(int(v) if _is_int(v) else v for v in value)
 
 
 def _check_backend(value: str) -> None:
@@ -72,9 +77,13 @@ def _check_density(name: str, density: float) -> None:
         raise ValueError(f"{name}={density!r} must be a number in (0, 1] (the fraction of key tiles computed exactly).")
 
 
+def _is_int(value: Any) -> bool:
+    """An integer-like value (int, a numpy integer: any `numbers.Integral`), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _check_tile(tile: Any, block: int) -> TileShape:
-    if not (isinstance(tile, (tuple, list)) and len(tile) == 3
-            and all(isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in tile)):
+    if not (isinstance(tile, (tuple, list)) and len(tile) == 3 and all(_is_int(t) and t > 0 for t in tile)):
         raise ValueError(f"tile shape {tile!r} must be three positive ints (pt, ph, pw).")
     if tile[0] * tile[1] * tile[2] != block:
         raise ValueError(
@@ -84,6 +93,16 @@ def _check_tile(tile: Any, block: int) -> TileShape:
     return tuple(int(t) for t in tile)
 
 
+def _estimator_entry(estimator: Any) -> str:
+    """What `to_dict` writes for an estimator object: the path or hub id `from_pretrained` loaded it from
+    (its `source`), else an `<in-memory ...>` marker that no path or hub id can be mistaken for."""
+    source = getattr(estimator, "source", None)
+    if source is not None:
+        return os.fspath(source)
+    model = getattr(estimator, "model_class", None)
+    return f"{IN_MEMORY_ESTIMATOR} {type(estimator).__name__}{f' for {model}' if model else ''}, never saved>"
+
+
 @dataclass(frozen=True)
 class _BaseConfig:
     """Fields every sparse method shares: the dense schedule and the kernel backend."""
@@ -91,14 +110,21 @@ class _BaseConfig:
     method: ClassVar[str] = ""
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain-dict form (JSON-safe) with the method name and the config version."""
+        """Plain-dict form (JSON-safe) with the method name and the config version.
+
+        Paths are written as strings; an estimator object as the path or hub id it was loaded from with
+        `VedaEstimator.from_pretrained`, or, built in memory, as `"<in-memory VedaEstimator ...>"` (which
+        `config_from_dict` refuses: save the estimator and pass its directory to get a config that round-trips).
+        """
         out: dict[str, Any] = {"method": self.method, "version": CONFIG_VERSION}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, tuple):
                 value = [list(v) if isinstance(v, tuple) else v for v in value]
+            elif isinstance(value, os.PathLike):
+                value = os.fspath(value)
             elif not isinstance(value, (str, int, float, bool, type(None), list, dict)):
-                value = str(getattr(value, "source", value))
+                value = _estimator_entry(value)
             out[f.name] = value
         return out
 
@@ -137,12 +163,13 @@ class VedaConfig(_BaseConfig):
         density (`float`, defaults to 0.1): fraction of video key tiles computed exactly per query
             tile, in (0, 1]. The diagonal tile is forced and counted; text tiles are always kept.
         estimator (`str`, `os.PathLike`, `VedaEstimator` or `None`): a trained estimator (a directory
-            or hub id for `VedaEstimator.from_pretrained`, or the object). `None` uses the untrained
-            estimator, i.e. mean-pooled q·k per tile (the VSA-style baseline).
+            or hub id for `VedaEstimator.from_pretrained`, or the object, which is left as it is: videosparse
+            runs an fp32 eval copy). `None` uses the untrained estimator, i.e. mean-pooled q·k per tile (the
+            VSA-style baseline). `to_dict` writes an object as the path or hub id it was loaded from.
         tiling (`tuple[int, int, int]`, path or `None`): one tile shape (pt, ph, pw) for every head
             with pt*ph*pw == block, or a JSON file written by `videosparse search-tiling` giving each
             (layer, head) its own shape. `None` (default): the tile shapes the estimator was trained
-            with, or (4, 4, 8) without an estimator.
+            with; without an estimator (4, 4, 8) for block=128 and (4, 4, 4) for block=64.
         block (`int`, defaults to 128): tokens per tile, 128 or 64.
         dense_steps (`int` or `float`, defaults to 0.2): initial denoising steps run dense (an int
             count, or a float fraction of the steps). The early steps lay out the video; running the
@@ -172,6 +199,12 @@ class VedaConfig(_BaseConfig):
     def __post_init__(self) -> None:
         _plain_numbers(self, ("density", "block", "dense_steps"))
         _check_density("density", self.density)
+        if isinstance(self.estimator, str) and self.estimator.startswith(IN_MEMORY_ESTIMATOR):
+            raise ValueError(
+                f"estimator={self.estimator!r} stands for an estimator object that was never saved, so this config "
+                "cannot be rebuilt from it; save the estimator with est.save_pretrained(dir) and pass estimator=dir "
+                "(or the object loaded with VedaEstimator.from_pretrained(dir), which to_dict writes as dir)."
+            )
         if self.block not in BLOCK_SIZES:
             raise ValueError(f"block={self.block!r} is not supported; choose one of {BLOCK_SIZES}.")
         if isinstance(self.tiling, (tuple, list)):
@@ -248,7 +281,11 @@ CONFIG_CLASSES: dict[str, type[_BaseConfig]] = {c.method: c for c in (DenseConfi
 
 
 def config_from_dict(data: dict[str, Any]) -> _BaseConfig:
-    """Rebuild a config from `to_dict()` output."""
+    """Rebuild a config from `to_dict()` output.
+
+    An estimator object comes back as the path or hub id it was loaded from (loaded again at `apply`); one
+    that was built in memory was written as an `<in-memory ...>` marker and raises a `ValueError`.
+    """
     data = dict(data)
     method = data.pop("method", None)
     version = data.pop("version", CONFIG_VERSION)

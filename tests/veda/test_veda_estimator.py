@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import rel_err
-from videosparse.config import VedaConfig
+from videosparse.config import VedaConfig, config_from_dict
 from videosparse.layout import head_tiling
 from videosparse.method import ModelInfo
 from videosparse.veda.estimator import VedaEstimator
@@ -204,3 +204,93 @@ def test_estimator_paths_that_hold_no_estimator_are_clear_errors(tmp_path):
     config = json.loads((tmp_path / "with_config" / "config.json").read_text())
     loaded = VedaEstimator.from_pretrained(tmp_path / "weights_only", **config)
     assert torch.equal(loaded.proj_q, est.proj_q)
+
+
+def test_config_with_a_loaded_estimator_round_trips_through_its_dict(tmp_path):
+    """to_dict writes the path an estimator was loaded from; the rebuilt config loads the same weights."""
+    make_est(init_std=0.3).save_pretrained(tmp_path / "est")
+    for given in (str(tmp_path / "est"), tmp_path / "est"):
+        est = VedaEstimator.from_pretrained(given)
+        assert est.source == str(tmp_path / "est")
+        cfg = VedaConfig(density=0.2, estimator=est)
+        d = json.loads(json.dumps(cfg.to_dict()))
+        assert d["estimator"] == str(tmp_path / "est")
+        back = config_from_dict(d)
+        assert back == VedaConfig(density=0.2, estimator=str(tmp_path / "est"))
+        assert torch.equal(VedaMethod(back, INFO).estimator.proj_q, est.proj_q)
+    assert make_est().source is None
+
+
+def test_config_with_an_in_memory_estimator_is_marked_and_refused_on_load():
+    """An estimator built in memory has no path: its dict entry cannot pass for one, and loading it says why."""
+    d = VedaConfig(density=0.2, estimator=make_est()).to_dict()
+    assert d["estimator"] == "<in-memory VedaEstimator for WanTransformer3DModel, never saved>"
+    with pytest.raises(ValueError, match=r"never saved.*save_pretrained"):
+        config_from_dict(d)
+    with pytest.raises(ValueError, match="never saved"):
+        VedaConfig(estimator=d["estimator"])
+
+
+def test_the_callers_estimator_is_left_as_it_was():
+    """VedaMethod runs an fp32 eval copy without grads; the caller's module keeps dtype, mode, grads and device."""
+    est = make_est(init_std=0.3).to(torch.bfloat16).train()
+    est.proj_q.grad = torch.ones_like(est.proj_q)
+    weights = est.proj_q.detach().clone()
+    method = VedaMethod(VedaConfig(density=0.2, estimator=est), INFO)
+    layout = head_tiling((4, 8, 16), (4, 4, 8), 3, 128)
+    q, k = (layout.gather(torch.randn(1, 512, 3, 32)) for _ in range(2))
+    method.scores(q, k, layout, 1)
+    method.prepare("meta")
+    assert est.proj_q.dtype == torch.bfloat16 and est.training and est.proj_q.requires_grad
+    assert est.proj_q.device.type == "cpu" and torch.equal(est.proj_q.detach(), weights)
+    assert torch.equal(est.proj_q.grad, torch.ones_like(est.proj_q))
+    run = method.estimator
+    assert run is not est and run.proj_q.dtype == torch.float32 and not run.training
+    assert not run.proj_q.requires_grad and run.proj_q.grad is None
+
+
+def test_the_callers_estimator_is_left_as_it_was_through_apply():
+    import videosparse
+    from videosparse.models.tiny_wan import build_tiny_wan_pipeline
+
+    transformer = build_tiny_wan_pipeline().transformer
+    est = make_est(num_heads=2, head_dim=64, block=64, tile_shapes=(1, 4, 16)).to(torch.bfloat16).train()
+    videosparse.apply(transformer, VedaConfig(density=0.5, estimator=est, block=64, dense_steps=0))
+    with torch.no_grad():
+        transformer(hidden_states=torch.randn(1, 4, 2, 16, 24), timestep=torch.tensor([500]),
+                    encoder_hidden_states=torch.randn(1, 8, 32))
+    videosparse.remove(transformer)
+    assert est.proj_q.dtype == torch.bfloat16 and est.training and est.proj_q.requires_grad
+
+
+def test_default_tiling_rule_is_the_documented_one():
+    """VedaConfig's docstring states the tile shape used without an estimator or tiling, per block size."""
+    from videosparse.veda.method import DEFAULT_TILES
+
+    for block, shape in DEFAULT_TILES.items():
+        assert f"{shape} for block={block}" in " ".join(VedaConfig.__doc__.split())
+        assert VedaMethod(VedaConfig(density=0.1, block=block), INFO).tile_shapes(0, 3) == shape
+
+
+def test_tile_mismatch_hint_names_tiling_json_only_when_there_is_one(tmp_path):
+    """An estimator trained with one fixed tile shape has no tiling.json: the error names the shape to pass."""
+    make_est(tile_shapes=(8, 4, 4)).save_pretrained(tmp_path / "est")
+    est = VedaEstimator.from_pretrained(tmp_path / "est")
+    with pytest.raises(ValueError, match=r"tiling=None.*VedaConfig\(tiling=\(8, 4, 4\)\)\)") as err:
+        VedaMethod(VedaConfig(density=0.1, estimator=est, tiling=(4, 4, 8)), INFO)
+    assert "tiling.json" not in str(err.value)
+    (tmp_path / "est" / "tiling.json").write_text("{}")
+    with pytest.raises(ValueError, match=f"tiling={str(tmp_path / 'est' / 'tiling.json')!r}"):
+        VedaMethod(VedaConfig(density=0.1, estimator=est, tiling=(4, 4, 8)), INFO)
+    per_head = make_est(tile_shapes=[[(8, 4, 4), (2, 8, 8), (4, 4, 8)], (8, 4, 4)])
+    with pytest.raises(ValueError, match=r"tiling=None\), the default, to use the tile shapes .* trained with\)"):
+        VedaMethod(VedaConfig(density=0.1, estimator=per_head, tiling=(4, 4, 8)), INFO)
+
+
+def test_estimator_tile_shapes_may_be_numpy_ints(tmp_path):
+    np = pytest.importorskip("numpy")
+    est = make_est(tile_shapes=(np.int64(8), np.int32(4), np.int64(4)))
+    assert est.layer_tiles(1) == [(8, 4, 4)] * 3 and all(type(v) is int for v in est.tile_shapes[0][0])
+    est.save_pretrained(tmp_path / "est")
+    assert json.loads((tmp_path / "est" / "config.json").read_text())["tile_shapes"] == [8, 4, 4]
+    assert VedaEstimator.from_pretrained(tmp_path / "est").tile_shapes == est.tile_shapes

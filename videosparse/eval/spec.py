@@ -124,8 +124,11 @@ def parse_method_spec(text: str, *, backend: str | None = None) -> MethodSpec:
         ValueError: unknown method or field, a malformed item, or a value the config rejects.
 
     Example:
-        >>> parse_method_spec("sol@0.2:band=0").config
-        SolConfig(density=0.2, tau=None, block=64, tiling=(4, 4, 4), band=0, correction=True, dense_steps=0, dense_layers=(), backend='auto')
+        >>> spec = parse_method_spec("sol@0.2:band=0")
+        >>> spec.config == SolConfig(density=0.2, band=0)
+        True
+        >>> spec.config.block, spec.config.tiling, spec.config.dense_steps       # the config's defaults
+        (128, (4, 4, 8), 0.2)
     """
     spec = "".join(str(text).split())
     m = _NAME_RE.match(spec)

@@ -297,8 +297,13 @@ def model_spec(transformer: torch.nn.Module) -> ModelSpec:
     for cls in type(transformer).__mro__:
         if cls in _MODEL_SPECS:
             return _MODEL_SPECS[cls]()
+    name = type(transformer).__name__
+    if isinstance(getattr(transformer, "components", None), dict) or hasattr(transformer, "transformer"):
+        raise ValueError(f"{name} is a pipeline, not a transformer; pass pipe.transformer (e.g. "
+                         "videosparse.processors(pipe.transformer, config)) or use videosparse.apply(pipe, config), "
+                         "which serves every transformer of the pipeline.")
     supported = ", ".join(sorted(c.__name__ for c in _MODEL_SPECS))
-    raise ValueError(f"transformer class {type(transformer).__name__} is not supported; supported: {supported}.")
+    raise ValueError(f"transformer class {name} is not supported; supported: {supported}.")
 
 
 def _patch_size(cfg) -> tuple[int, int, int]:

@@ -22,6 +22,7 @@ together with a config.json recording the model it was distilled for; `check_com
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 from pathlib import Path
@@ -43,19 +44,24 @@ def scaled_logits(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tenso
     return out.view(*lead, a.shape[-2], b.shape[-2])
 
 
+def _is_shape(value: Any) -> bool:
+    """One (pt, ph, pw): three integer-like values (ints, numpy integers; not bools)."""
+    return len(value) == 3 and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value)
+
+
 def _normalize_tiles(tile_shapes: Any, num_layers: int, num_heads: int) -> list[list[list[int]]]:
     """[num_layers][num_heads][3] from one shape, one shape per layer, or one per (layer, head)."""
     if tile_shapes is None:
         raise ValueError("tile_shapes is required (one (pt, ph, pw), or one per layer and head).")
     t = tile_shapes
-    if len(t) == 3 and all(isinstance(v, int) for v in t):
-        return [[list(t) for _ in range(num_heads)] for _ in range(num_layers)]
+    if _is_shape(t):
+        return [[[int(v) for v in t] for _ in range(num_heads)] for _ in range(num_layers)]
     if len(t) != num_layers:
         raise ValueError(f"tile_shapes names {len(t)} layers; expected one shape or {num_layers} layers.")
     out = []
     for layer, entry in enumerate(t):
-        if len(entry) == 3 and all(isinstance(v, int) for v in entry):
-            out.append([list(entry) for _ in range(num_heads)])
+        if _is_shape(entry):
+            out.append([[int(v) for v in entry] for _ in range(num_heads)])
         elif len(entry) == num_heads:
             out.append([list(map(int, s)) for s in entry])
         else:
@@ -81,6 +87,10 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
     Parameters:
         proj_q, proj_k: fp32 [num_layers, num_heads, 3*D, D].
 
+    Attributes:
+        source (`str` or `None`): the path or hub id `from_pretrained` loaded it from (`None` when built in
+            memory); `VedaConfig.to_dict` writes it, so stats and reports name the estimator that ran.
+
     Example:
         >>> from videosparse.veda import VedaEstimator
         >>> est = VedaEstimator("WanTransformer3DModel", num_layers=2, num_heads=4, head_dim=64, tile_shapes=(4, 4, 8))
@@ -91,7 +101,8 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
     def __init__(self, model_class: str, num_layers: int, num_heads: int, head_dim: int, block: int = 128,
                  tile_shapes: Any = (4, 4, 8), init_std: float = DEFAULT_INIT_STD, density: float | None = None):
         super().__init__()
-        for name, value in (("num_layers", num_layers), ("num_heads", num_heads), ("head_dim", head_dim), ("block", block)):
+        for name, value in (("num_layers", num_layers), ("num_heads", num_heads), ("head_dim", head_dim),
+                            ("block", block)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int.")
         if not isinstance(init_std, (int, float)) or init_std < 0:
@@ -102,9 +113,15 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
         for layer, heads in enumerate(self.tile_shapes):
             for h, s in enumerate(heads):
                 if len(s) != 3 or math.prod(s) != block:
-                    raise ValueError(f"tile_shapes[{layer}][{h}]={s} must be (pt, ph, pw) with pt*ph*pw == block={block}.")
+                    raise ValueError(f"tile_shapes[{layer}][{h}]={s} must be (pt, ph, pw) with pt*ph*pw == "
+                                     f"block={block}.")
+        # the config save_pretrained writes gets plain ints (the mixin drops numpy ones and would save the default)
+        if isinstance(self._hub_mixin_config, dict):
+            shapes = {tuple(s) for heads in self.tile_shapes for s in heads}
+            self._hub_mixin_config["tile_shapes"] = list(shapes.pop()) if len(shapes) == 1 else self.tile_shapes
         self.init_std = float(init_std)
         self.density = density
+        self.source: str | None = None
         shape = (num_layers, num_heads, 3 * head_dim, head_dim)
         self.proj_q = nn.Parameter(torch.randn(shape) * self.init_std)
         self.proj_k = nn.Parameter(torch.randn(shape) * self.init_std)
@@ -179,12 +196,23 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
                 if layer < self.num_layers and [list(s) for s in heads] != self.tile_shapes[layer]:
                     bad.append(
                         f"tile shapes of layer {layer}: estimator was distilled with {self.layer_tiles(layer)}, "
-                        f"the config asks for {[tuple(s) for s in heads]} (pass the tiling the estimator was "
-                        "trained with, e.g. VedaConfig(tiling=<estimator dir>/tiling.json))"
+                        f"the config asks for {[tuple(s) for s in heads]} ({self._tiling_hint()})"
                     )
                     break
         if bad:
-            raise ValueError("this VedaEstimator does not match the transformer it is used with: " + "; ".join(bad) + ".")
+            raise ValueError("this VedaEstimator does not match the transformer it is used with: "
+                             + "; ".join(bad) + ".")
+
+    def _tiling_hint(self) -> str:
+        """How to pass the tile shapes the estimator was trained with (for the mismatch error)."""
+        hint = "leave VedaConfig(tiling=None), the default, to use the tile shapes the estimator was trained with"
+        shapes = {tuple(s) for heads in self.tile_shapes for s in heads}
+        if len(shapes) == 1:
+            hint += f", or pass VedaConfig(tiling={shapes.pop()})"
+        tiling_file = os.path.join(self.source, "tiling.json") if self.source is not None else None
+        if tiling_file is not None and os.path.isfile(tiling_file):
+            hint += f", or VedaConfig(tiling={tiling_file!r}) (the tiling it was distilled with)"
+        return hint
 
     # ------------------------------------------------------------------ hub mixin: safetensors only
     @classmethod
@@ -201,12 +229,14 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
         if os.path.isdir(model_id):
             model_file = os.path.join(model_id, SAFETENSORS_NAME)
             if not os.path.isfile(model_file):
-                raise ValueError(f"{model_id!r} holds no {SAFETENSORS_NAME}; VedaEstimator loads safetensors weights only.")
+                raise ValueError(f"{model_id!r} holds no {SAFETENSORS_NAME}; VedaEstimator loads safetensors "
+                                 "weights only.")
         else:
             model_file = hf_hub_download(repo_id=model_id, filename=SAFETENSORS_NAME, revision=revision,
                                          cache_dir=cache_dir, force_download=force_download, token=token,
                                          local_files_only=local_files_only)
         safetensors.torch.load_model(model, model_file, strict=True, device=map_location)
+        model.source = model_id
         model.eval()
         return model
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from typing import Sequence
@@ -34,8 +35,9 @@ class VedaMethod(SparseMethod):
     """Top-k tile selection from estimator logits (arXiv 2605.30325).
 
     With `config.estimator=None` the scores are mean-pooled q.k per tile (the untrained estimator);
-    otherwise the `VedaEstimator` (object, directory or hub id) scores the tiles. `config.tiling`
-    is one tile shape for every head or a tiling JSON from the head-aware search.
+    otherwise the `VedaEstimator` (object, directory or hub id) scores the tiles; an object is run as
+    an fp32 eval copy and left as the caller had it. `config.tiling` is one tile shape for every head
+    or a tiling JSON from the head-aware search.
 
     Args:
         config: a `VedaConfig`.
@@ -67,6 +69,9 @@ class VedaMethod(SparseMethod):
                 head_dim=info.head_dim, block=config.block,
                 tile_shapes=[self.head_shapes(l, info.num_heads) for l in range(info.num_layers)],
             )
+            if est is config.estimator:   # the caller's module: run a copy (its dtype, mode, grads, device stay)
+                est = copy.deepcopy(est)
+                est.zero_grad(set_to_none=True)
             self.estimator = est.float().eval().requires_grad_(False)
         self._kernel_backend = "torch" if config.backend == "reference" else "auto"
 
