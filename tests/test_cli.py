@@ -110,3 +110,79 @@ def test_video_keeps_sizes_that_are_not_multiples_of_16(tmp_path):
     frames = np.random.default_rng(0).random((4, 36, 44, 3)).astype(np.float32)
     path = write_video(frames, str(tmp_path / "v.mp4"), fps=4)
     assert iio.imread(path).shape == (4, 36, 44, 3)
+
+
+def test_bool_fields_parse_strictly_on_the_command_line(capsys):
+    import pytest
+
+    from videosparse.distill import DistillConfig
+    from videosparse.distill.config import config_from_namespace
+
+    p = build_parser()
+    for text, value in (("False", False), ("no", False), ("0", False), ("NO", False), ("true", True),
+                        ("Yes", True), ("1", True)):
+        assert config_from_namespace(p.parse_args(["distill", "--resume", text]), DistillConfig).resume is value, text
+    assert p.parse_args(["distill", "--resume"]).resume is True             # the flag alone
+    assert p.parse_args(["distill"]).resume is None                         # not given: the config's default
+    with pytest.raises(SystemExit):
+        p.parse_args(["distill", "--resume", "maybe"])
+    err = capsys.readouterr().err
+    assert "argument --resume: 'maybe' is not a bool" in err and "true or false" in err
+
+
+def test_distill_prompts_accepted_forms_in_help_and_error(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["distill", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "one prompt per line" in help_text and """one prompt: '["a cat"]'""" in help_text
+    out = tmp_path / "run"
+    assert main(["distill", "--prompts", "a cat", "--model", "tiny", "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "prompts='a cat' is not a file" in err and "one prompt per line" in err
+    assert """--prompts '["a cat"]'""" in err
+    assert not out.exists()                                                 # refused before any work
+
+
+def test_distill_block_64_takes_vedas_default_tile_shape():
+    from videosparse.distill import DistillConfig
+    from videosparse.distill.config import config_from_namespace
+    from videosparse.veda.method import DEFAULT_TILES
+
+    p = build_parser()
+    cfg = config_from_namespace(p.parse_args(["distill", "--block", "64"]), DistillConfig)
+    assert cfg.tiling == DEFAULT_TILES[64] == (4, 4, 4)
+    assert DistillConfig().tiling == DEFAULT_TILES[128] == (4, 4, 8)
+    assert DistillConfig(block=64, tiling="2x4x8").tiling == (2, 4, 8)      # a given shape is kept
+
+
+def test_verbose_flag_before_or_after_the_subcommand():
+    p = build_parser()
+    assert p.parse_args(["generate", "-v"]).verbose is True
+    assert p.parse_args(["-v", "generate"]).verbose is True
+    assert p.parse_args(["distill", "--verbose"]).verbose is True
+    assert p.parse_args(["search-tiling", "-v"]).verbose is True
+    assert p.parse_args(["generate"]).verbose is False
+
+
+def test_missing_local_model_directory_is_named(tmp_path, capsys):
+    import pytest
+
+    from videosparse.cli import check_model
+
+    for model in ("/nonexistent/dir", "./nope", "~/no-such-videosparse-model", "models/wan/v1"):
+        assert main(["generate", "--model", model]) == 2, model
+        assert f"--model {model!r} looks like a local directory, but it does not exist" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="is a file, not a pipeline directory"):
+        check_model(str(tmp_path / "file"))
+    for model in (None, "reference", "tiny", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", str(tmp_path)):
+        check_model(model)                                                  # hub ids and real folders pass
+
+
+def test_sol_says_it_takes_no_tiling_file(capsys):
+    assert main(["generate", "--method", "sol", "--tiling", "tiling.json"]) == 2
+    err = capsys.readouterr().err
+    assert "--tiling 'tiling.json': Sol takes one tile shape like 4x4x8" in err
+    assert "only --method veda reads a tiling JSON" in err

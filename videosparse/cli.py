@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -44,7 +45,8 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of key tiles kept (default 0.1 veda / 0.15 sol)")
     p.add_argument("--tau", type=float, default=None, help="sol: threshold in std devs (instead of --density)")
     p.add_argument("--estimator", default=None, help="veda: trained estimator directory or hub id")
-    p.add_argument("--tiling", type=_tile, default=None, help="tile shape like 4x4x8, or a tiling JSON path")
+    p.add_argument("--tiling", type=_tile, default=None,
+                   help="tile shape like 4x4x8 (pt*ph*pw = block); veda also takes a tiling JSON from search-tiling")
     p.add_argument("--block", type=int, default=None, help="tokens per tile (128 or 64)")
     p.add_argument("--dense-steps", type=_steps, default=None,
                    help="initial dense steps: an int count or a float fraction (default 0.2)")
@@ -67,6 +69,9 @@ def method_config(args: argparse.Namespace):
         if getattr(args, name, None) is not None and args.method not in methods:
             flag = name.replace("_", "-")
             raise ValueError(f"--{flag} does not apply to --method {args.method} (only to {' and '.join(methods)}).")
+    if args.method == "sol" and isinstance(args.tiling, str):
+        raise ValueError(f"--tiling {args.tiling!r}: Sol takes one tile shape like 4x4x8 (pt*ph*pw = block), not a "
+                         "tiling file; only --method veda reads a tiling JSON searched by `videosparse search-tiling`.")
     optional = {k: v for k, v in (("tiling", args.tiling), ("block", args.block), ("correction", args.correction),
                                   ("dense_steps", args.dense_steps), ("dense_layers", args.dense_layers),
                                   ("backend", args.backend)) if v is not None}
@@ -80,6 +85,17 @@ def method_config(args: argparse.Namespace):
     return SolConfig(density=args.density if args.density is not None else 0.15, **optional)
 
 
+def check_model(model: str | None) -> None:
+    """ValueError when `model` reads as a local path that is not a directory: it starts with / . or ~, or has
+    more slashes than a hub id's 'org/name' (or a backslash on Windows). diffusers would call it a bad repo id."""
+    if model is None or model in ("reference", "tiny") or os.path.isdir(os.path.expanduser(model)):
+        return
+    if model.startswith(("/", ".", "~")) or model.count("/") > 1 or (os.sep != "/" and os.sep in model):
+        what = "is a file, not a pipeline directory" if os.path.exists(os.path.expanduser(model)) else "does not exist"
+        raise ValueError(f"--model {model!r} looks like a local directory, but it {what}; give an existing diffusers "
+                         "pipeline directory, a hub id like Wan-AI/Wan2.1-T2V-1.3B-Diffusers, 'reference' or 'tiny'.")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="hub id or local directory; 'reference' (the default: the shipped model, offline) or 'tiny'")
@@ -87,8 +103,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
 
 
-def _add_generate_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate a video with sparse attention")
+def _add_generate_parser(sub, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("generate", help="generate a video with sparse attention", parents=[common])
     _add_model_args(p)
     add_method_args(p)
     p.add_argument("--prompt", default=None)
@@ -125,6 +141,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--fps={args.fps} must be a positive integer (frames per second of the video).")
     check_device(args.device)
     config = method_config(args)
+    check_model(args.model)
     loaded = load_pipeline(args.model, args.device, DTYPES.get(args.dtype))
     pipe = loaded.pipe
     pipe.set_progress_bar_config(disable=True)
@@ -218,8 +235,9 @@ def _image_input(pipe, image: str | None):
     return load_image(image)
 
 
-def _add_evaluate_parser(sub) -> None:
-    p = sub.add_parser("evaluate", help="quality and speed of a method grid vs dense (or --synthetic speed mode)")
+def _add_evaluate_parser(sub, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("evaluate", help="quality and speed of a method grid vs dense (or --synthetic speed mode)",
+                       parents=[common])
     _add_model_args(p)
     from .eval.command import add_evaluate_arguments
 
@@ -231,15 +249,18 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     from .eval.command import run_evaluate
 
     check_device(args.device)
+    check_model(args.model)
     return run_evaluate(args)
 
 
-def _add_distill_parser(sub) -> None:
+def _add_distill_parser(sub, common: argparse.ArgumentParser) -> None:
     from .distill.config import DistillConfig, add_config_arguments
 
     p = sub.add_parser("distill", help="distill a Veda tile estimator from the model's dense attention",
-                       description="Every DistillConfig field is a flag (JSON values allowed); runs under "
-                                   "`accelerate launch -m videosparse.cli distill ...` across GPUs.")
+                       parents=[common],
+                       description="Every DistillConfig field is a flag (JSON values allowed; bool fields take "
+                                   "true/false); runs under `accelerate launch -m videosparse.cli distill ...` "
+                                   "across GPUs.")
     add_config_arguments(p, DistillConfig)
     p.set_defaults(func=_run_distill)
 
@@ -249,6 +270,7 @@ def _run_distill(args: argparse.Namespace) -> int:
     from .distill.config import DistillConfig, config_from_namespace
 
     cfg = config_from_namespace(args, DistillConfig)
+    check_model(cfg.model)
     result = run_distillation(cfg)
     if result.metrics:
         t, u = result.metrics["trained"], result.metrics["untrained_mean_pool"]
@@ -257,10 +279,10 @@ def _run_distill(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_search_tiling_parser(sub) -> None:
+def _add_search_tiling_parser(sub, common: argparse.ArgumentParser) -> None:
     from .distill.config import TilingSearchConfig, add_config_arguments
 
-    p = sub.add_parser("search-tiling", help="head-aware tile-shape search on captured attention",
+    p = sub.add_parser("search-tiling", help="head-aware tile-shape search on captured attention", parents=[common],
                        description="Every TilingSearchConfig field is a flag (JSON values allowed).")
     add_config_arguments(p, TilingSearchConfig)
     p.set_defaults(func=_run_search_tiling)
@@ -271,6 +293,7 @@ def _run_search_tiling(args: argparse.Namespace) -> int:
     from .distill.config import TilingSearchConfig, config_from_namespace
 
     cfg = config_from_namespace(args, TilingSearchConfig)
+    check_model(cfg.model)
     res = run_tiling_search(cfg)
     s = res.summary
     print(f"searched tiling: mean relative error {s['mean_rel_err_searched']:.4f}; best single shape "
@@ -283,11 +306,12 @@ def _run_search_tiling(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="videosparse", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log INFO messages")
+    # -v also after the subcommand; SUPPRESS so that a subcommand without it keeps a -v given before it
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log INFO messages")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_generate_parser(sub)
-    _add_evaluate_parser(sub)
-    _add_distill_parser(sub)
-    _add_search_tiling_parser(sub)
+    for add in (_add_generate_parser, _add_evaluate_parser, _add_distill_parser, _add_search_tiling_parser):
+        add(sub, common)
     return parser
 
 

@@ -96,6 +96,10 @@ def test_short_distillation_lowers_kl_and_writes_a_loadable_estimator(tmp_path, 
     assert json.loads((out / "distill_config.json").read_text())["max_steps"] == 24
     est = VedaEstimator.from_pretrained(out)
     assert est.model_class == "WanTransformer3DModel" and est.num_heads == 2 and est.head_dim == 64
+    card = (out / "README.md").read_text()                 # our card, not huggingface_hub's placeholder one
+    assert "More Information Needed" not in card and "pushed to the Hub" not in card
+    assert "`WanTransformer3DModel`" in card and "4x4x8 for every head" in card and "2 prompts" in card
+    assert f'VedaConfig(density=0.3, estimator="{out}")' in card and "library_name: videosparse" in card
     assert est.proj_q.abs().max() > 1e-2                  # moved away from the 1e-4 init
 
     import videosparse
@@ -171,7 +175,8 @@ def test_killed_then_resumed_run_equals_uninterrupted(tmp_path, cache):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000004"]
     # nor is one trained on other prompts (the samples are recaptured under the same file names)
     with pytest.raises(ValueError, match="differs in \\['captures'\\]"):
-        run_distillation(make_cfg(out, max_steps=4, prompts=("a green triangle moving right", "a blue square moving up")))
+        run_distillation(make_cfg(out, max_steps=4,
+                                  prompts=("a green triangle moving right", "a blue square moving up")))
 
 
 def test_distill_config_validation(tmp_path):
@@ -186,3 +191,35 @@ def test_distill_config_validation(tmp_path):
     assert make_cfg(tmp_path, tiling="8x4x4").tiling == (8, 4, 4)
     cfg = make_cfg(tmp_path, tiling=(8, 4, 4))
     assert DistillConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+def test_distill_config_bool_fields_must_be_bools(tmp_path):
+    for bad in ("False", "no", 0, 1, None):
+        with pytest.raises(ValueError, match=f"resume={bad!r} must be a bool"):
+            make_cfg(tmp_path, resume=bad)
+    assert make_cfg(tmp_path, resume=False).resume is False
+    cfg_file = tmp_path / "cfg.json"                        # a config file with "resume": "false" is refused too
+    cfg_file.write_text(json.dumps({**make_cfg(tmp_path).to_dict(), "resume": "false"}))
+    with pytest.raises(ValueError, match="resume='false' must be a bool"):
+        DistillConfig.load(cfg_file)
+
+
+def test_model_card_describes_the_estimator_without_placeholders(tmp_path):
+    from videosparse.distill.train import model_card
+
+    est = VedaEstimator("WanTransformer3DModel", 2, 2, 64, block=64,
+                        tile_shapes=[[[4, 4, 4], [1, 8, 8]], [[4, 4, 4], [4, 4, 4]]])
+    cfg = make_cfg(tmp_path, block=64, tiling=str(tmp_path / "tiling.json"), val_fraction=0.5)
+    files = [Path(f"p00000_s000{i}_cond.safetensors") for i in range(2)]
+    metrics = {"split": "val", "density": 0.3, "trained": {"kl": 0.1, "recall": 0.8},
+               "untrained_mean_pool": {"kl": 0.2, "recall": 0.6}}
+    card = model_card(est, cfg, metrics, [{"step": 12, "loss": 0.125, "recall": 0.75}], 12, files,
+                      [Path("p00001_s0000_cond.safetensors")])
+    assert "More Information Needed" not in card
+    for text in ("# Veda tile estimator for `WanTransformer3DModel`", "| self-attention layers | 2 |",
+                 "| heads per layer | 2 |", "| head dim | 64 |", "| block (tokens per tile) | 64 |",
+                 "4x4x4 (3 heads), 1x8x8 (1 head)", "2 prompts, 3 samples", "1 of them held out",
+                 "12 optimizer steps (max_steps=12", "loss 0.1250, tile recall 0.750",
+                 "KL 0.1000 (untrained, mean-pooled q·k: 0.2000), tile recall 0.800",
+                 f'VedaConfig(density=0.3, estimator="{tmp_path}", block=64)', "--block 64"):
+        assert text in card, text

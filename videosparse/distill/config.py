@@ -7,6 +7,7 @@ output (`distill_config.json`, `search_config.json`).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -36,6 +37,10 @@ def _density(name: str, value: Any) -> None:
 
 
 def _tiling(value: Any, block: int) -> Any:
+    if value is None:                                   # the shape VedaConfig runs without a tiling: per block
+        from ..veda.method import DEFAULT_TILES
+
+        return DEFAULT_TILES[block]
     if isinstance(value, str) and re.fullmatch(r"\d+x\d+x\d+", value):       # "4x4x8", as the CLI writes it
         value = tuple(int(v) for v in value.split("x"))
     elif isinstance(value, (str, os.PathLike)):
@@ -92,19 +97,29 @@ def check_device(device: Any) -> None:
         raise ValueError(f"device={device!r} is not usable here ({reason}); use 'cpu'.") from None
 
 
+_PROMPT_FORMS = ("a text file with one prompt per line (blank lines skipped), or a list of prompts (on the "
+                 """command line a JSON list: --prompts '["a cat", "a dog"]'; one prompt: --prompts '["a cat"]')""")
+
+
 def _prompts(value: Any) -> Any:
     if isinstance(value, (str, os.PathLike)):
         return os.fspath(value)
     if isinstance(value, (list, tuple)) and value and all(isinstance(p, str) for p in value):
         return tuple(value)
-    raise ValueError(f"prompts={value!r} must be a non-empty list of strings or a path to a text file (one per line).")
+    raise ValueError(f"prompts={value!r} must be {_PROMPT_FORMS}.")
+
+
+def _bool_fields(cls) -> tuple[str, ...]:
+    """The fields of dataclass `cls` annotated `bool` (a string under `from __future__ import annotations`)."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.type in (bool, "bool"))
 
 
 def read_prompts(prompts: Union[str, tuple[str, ...]]) -> list[str]:
     """The prompt list: the tuple itself, or the non-empty lines of a text file."""
     if isinstance(prompts, str):
         if not os.path.isfile(prompts):
-            raise ValueError(f"prompts file {prompts!r} does not exist.")
+            raise ValueError(f"prompts={prompts!r} is not a file; prompts must be {_PROMPT_FORMS}. "
+                             "A plain string is read as a file path, never as a prompt.")
         with open(prompts) as f:
             lines = [line.strip() for line in f if line.strip()]
         if not lines:
@@ -175,6 +190,10 @@ class CaptureConfig(_JsonConfig):
     component: str = "transformer"
 
     def __post_init__(self) -> None:
+        for name in _bool_fields(type(self)):           # "False" from a JSON file or a flag would be truthy
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} must be a bool (True or False), not {type(value).__name__}.")
         object.__setattr__(self, "prompts", _prompts(self.prompts))
         for name in ("num_inference_steps", "num_frames", "height", "width", "steps_per_prompt"):
             _optional_positive_int(name, getattr(self, name))
@@ -198,7 +217,8 @@ class DistillConfig(CaptureConfig):
             (`cache/`) go. Loadable by `VedaEstimator.from_pretrained` / `VedaConfig(estimator=...)`.
         density (`float`, defaults to 0.1): density at which tile recall is logged.
         tiling: the tile shape or tiling JSON the estimator's features are pooled with (the same one
-            must be used at inference; a JSON is copied to `output_dir/tiling.json`).
+            must be used at inference; a JSON is copied to `output_dir/tiling.json`). None (default): the
+            shape `VedaConfig` uses for the block without a tiling, (4, 4, 8) for 128 and (4, 4, 4) for 64.
         block (`int`, defaults to 128): tokens per tile.
         epochs (`int`), max_steps (`int` or None): training length (max_steps wins when set).
         learning_rate, weight_decay, warmup_steps, lr_scheduler: AdamW and a diffusers scheduler name.
@@ -216,7 +236,7 @@ class DistillConfig(CaptureConfig):
 
     output_dir: str = "veda-estimator"
     density: float = 0.1
-    tiling: Any = (4, 4, 8)
+    tiling: Any = None
     block: int = 128
     epochs: int = 10
     max_steps: int | None = None
@@ -321,16 +341,46 @@ def _cli_value(text: str) -> Any:
         return text
 
 
+_TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
+
+
+def _cli_bool(text: str) -> bool:
+    """A bool flag's value: true/yes/1 or false/no/0 in any case; anything else is an argparse error."""
+    word = text.strip().lower()
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
+    raise argparse.ArgumentTypeError(f"{text!r} is not a bool; use true or false (also yes/no, 1/0; any case).")
+
+
+# flag help beyond "default: ..." for fields whose accepted values are not obvious
+_FIELD_HELP = {
+    "prompts": """a text file with one prompt per line (blank lines skipped), or a JSON list of prompts: '["a cat", """
+               """"a dog"]'; one prompt: '["a cat"]' (a plain string is read as a file path, never as a prompt)""",
+    "tiling": "tile shape like 4x4x8 or [4,4,8] with pt*ph*pw = block, or a tiling JSON from `videosparse "
+              "search-tiling`; None: VedaConfig's shape for the block (4x4x8 for 128, 4x4x4 for 64)",
+}
+
+
 def add_config_arguments(parser, cls) -> None:
     """Add `--config` (a JSON file to start from) and one `--field-name` flag per dataclass field of `cls`.
 
     Values are parsed as JSON when possible (`--tiling [8,4,4]`, `--max-steps 100`, `--prompts
-    '["a cat", "a dog"]'`), else taken as strings (`--prompts prompts.txt`, `--model reference`).
+    '["a cat", "a dog"]'`), else taken as strings (`--prompts prompts.txt`, `--model reference`); bool
+    fields take true/false, yes/no or 1/0 (any case) and nothing else.
     """
     parser.add_argument("--config", help=f"JSON {cls.__name__} to start from (e.g. the one written beside a run)")
+    bools = _bool_fields(cls)
     for f in dataclasses.fields(cls):
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_cli_value, default=None,
-                            help=f"default: {f.default!r}")
+        flag = "--" + f.name.replace("_", "-")
+        if f.name in bools:                             # strict: "False" must not become a truthy string
+            parser.add_argument(flag, dest=f.name, type=_cli_bool, nargs="?", const=True, default=None,
+                                metavar="{true,false}",
+                                help=f"true or false (also yes/no, 1/0); {flag} alone: true; default: {f.default!r}")
+        elif f.name in _FIELD_HELP:
+            parser.add_argument(flag, dest=f.name, type=_cli_value, default=None,
+                                help=f"{_FIELD_HELP[f.name]}; default: {f.default!r}")
+        else:
+            parser.add_argument(flag, dest=f.name, type=_cli_value, default=None, help=f"default: {f.default!r}")
 
 
 def config_from_namespace(ns, cls):

@@ -47,7 +47,8 @@ def iter_attention_records(cfg, pipe, call_kwargs: dict[str, Any], *, layers=Non
             records.append(record)
 
         with observe(transformer, keep), torch.no_grad():
-            pipe(prompt, generator=torch.Generator("cpu").manual_seed(cfg.seed + i), output_type="latent", **call_kwargs)
+            pipe(prompt, generator=torch.Generator("cpu").manual_seed(cfg.seed + i), output_type="latent",
+                 **call_kwargs)
         logger.info("prompt %d/%d: %d attention records", i + 1, len(prompts), len(records))
         yield from records
 
@@ -65,6 +66,7 @@ def run_tiling_search(cfg: TilingSearchConfig) -> TilingSearchResult:
         >>> from videosparse.distill import TilingSearchConfig, run_tiling_search
         >>> res = run_tiling_search(TilingSearchConfig(model="reference", output="tiling.json"))   # doctest: +SKIP
     """
+    read_prompts(cfg.prompts)                               # a bad prompts value fails before the model loads
     pipe, call_kwargs = load_capture_pipeline(cfg)
     transformer = getattr(pipe, cfg.component, None)
     if not isinstance(transformer, torch.nn.Module):

@@ -35,7 +35,7 @@ from ..veda.losses import tile_kl_loss, tile_recall
 from ..veda.method import mean_pooled_logits
 from ..veda.tiling import load_tiling
 from .capture import capture_to_cache, per_head_shapes, split_by_prompt
-from .config import DistillConfig
+from .config import DistillConfig, read_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,8 @@ class TileSampleDataset(torch.utils.data.Dataset):
         try:
             return {l: (t[f"q.{l}"], t[f"k.{l}"], t[f"heat.{l}"].float()) for l in range(self.num_layers)}
         except KeyError as e:
-            raise ValueError(f"sample {self.files[i]} lacks {e.args[0]!r}; was it captured from another model?") from None
+            raise ValueError(f"sample {self.files[i]} lacks {e.args[0]!r}; was it captured from another model?"
+                             ) from None
 
 
 class EpochShuffleSampler(torch.utils.data.Sampler[int]):
@@ -306,8 +307,10 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
                            resumed_from)
             expected = {k: v for k, v in run_key.items() if k != "captures"}
         if st.get("run") != expected:
-            diff = sorted(k for k in set(expected) | set(st.get("run", {})) if expected.get(k) != st.get("run", {}).get(k))
-            what = " (the captured samples: prompts, model, capture settings or tile shapes)" if "captures" in diff else ""
+            written = st.get("run", {})
+            diff = sorted(k for k in set(expected) | set(written) if expected.get(k) != written.get(k))
+            what = (" (the captured samples: prompts, model, capture settings or tile shapes)"
+                    if "captures" in diff else "")
             raise ValueError(
                 f"checkpoint {resumed_from} was written by a different run (differs in {diff}{what}); resume it with "
                 "the same configuration, samples and process count, or use another output_dir (or resume=False)."
@@ -324,7 +327,8 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
             f.writelines(json.dumps(h) + "\n" for h in history)
         os.replace(tmp, log_path)
 
-    progress = tqdm(total=total_steps, initial=global_step, desc="distill", disable=not accelerator.is_local_main_process)
+    progress = tqdm(total=total_steps, initial=global_step, desc="distill",
+                    disable=not accelerator.is_local_main_process)
     running, running_n = running_resumed
     while global_step < total_steps:
         loader.set_epoch(epoch)
@@ -382,18 +386,108 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
             "split": "val" if val_files else "train",
             "density": cfg.density,
             "trained": evaluate_estimator(trained, eval_files, info.num_layers, cfg.density, accelerator.device),
-            "untrained_mean_pool": evaluate_estimator(None, eval_files, info.num_layers, cfg.density, accelerator.device),
+            "untrained_mean_pool": evaluate_estimator(None, eval_files, info.num_layers, cfg.density,
+                                                      accelerator.device),
         }
-        _save_final(trained, out, cfg, metrics_out)
+        card = model_card(trained, cfg, metrics_out, history, global_step, files, val_files)
+        _save_final(trained, out, cfg, metrics_out, card)
     accelerator.wait_for_everyone()
     return DistillResult(out, global_step, history, metrics_out, resumed_from)
 
 
-def _save_final(estimator: VedaEstimator, out: Path, cfg: DistillConfig, metrics: dict[str, Any]) -> None:
-    """Weights + config (save_pretrained into a temp folder, files moved in by rename), metrics, tiling."""
+def _shapes_text(estimator: VedaEstimator) -> str:
+    """'4x4x8 for every head', or each distinct shape with its head count."""
+    counts: dict[str, int] = {}
+    for heads in estimator.tile_shapes:
+        for shape in heads:
+            name = "x".join(map(str, shape))
+            counts[name] = counts.get(name, 0) + 1
+    if len(counts) == 1:
+        return f"{next(iter(counts))} for every head"
+    return "per head (searched tiling, also in `tiling.json`): " + ", ".join(
+        f"{name} ({n} head{'s' if n > 1 else ''})" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def model_card(estimator: VedaEstimator, cfg: DistillConfig, metrics: dict[str, Any], history: list[dict[str, Any]],
+               global_step: int, files: Sequence[Path], val_files: Sequence[Path] = ()) -> str:
+    """The README.md written beside the estimator: what it serves, how it was distilled, how to load it.
+
+    (Replaces huggingface_hub's default card of `save_pretrained`, which only has placeholders.)
+    """
+    from huggingface_hub import ModelCard, ModelCardData
+
+    prompts = {Path(f).name.split("_")[0] for f in (*files, *val_files)}
+    model = cfg.model or "reference"
+    source = f"`{model}`" + (f" (its `{cfg.component}`)" if cfg.component != "transformer" else "")
+    held_out = f", {len(val_files)} of them held out for the evaluation" if val_files else ""
+    length = f"max_steps={cfg.max_steps}" if cfg.max_steps else f"{cfg.epochs} epochs"
+    block_arg = "" if estimator.block == 128 else f", block={estimator.block}"     # VedaConfig's default: 128
+    block_flag = "" if estimator.block == 128 else f" --block {estimator.block}"
+    lines = [
+        f"# Veda tile estimator for `{estimator.model_class}`",
+        "",
+        "A videosparse Veda estimator (arXiv 2605.30325): TripPool features of every query and key tile and a "
+        "per-head projection score each (query tile, key tile) pair of the video self-attention, and videosparse's "
+        "Veda method computes only the top-scoring key tiles of each query tile. It was distilled from the model's "
+        "own dense attention.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| transformer class | `{estimator.model_class}` |",
+        f"| self-attention layers | {estimator.num_layers} |",
+        f"| heads per layer | {estimator.num_heads} |",
+        f"| head dim | {estimator.head_dim} |",
+        f"| block (tokens per tile) | {estimator.block} |",
+        f"| tile shapes (pt x ph x pw) | {_shapes_text(estimator)} |",
+        "",
+        "## Training",
+        "",
+        f"`videosparse distill` on {source}: {len(prompts)} prompt{'s' if len(prompts) != 1 else ''}, "
+        f"{len(files) + len(val_files)} samples (one per prompt, denoising step and CFG branch{held_out}); "
+        f"{global_step} optimizer steps ({length}, "
+        f"learning rate {cfg.learning_rate:g}, {cfg.lr_scheduler} schedule), row-wise KL to the dense tile "
+        f"attention; recall logged at density {cfg.density:g}.",
+    ]
+    if history:
+        last = history[-1]
+        recall = f", tile recall {last['recall']:.3f}" if "recall" in last else ""
+        lines += ["", f"Last logged training step ({last.get('step')}): loss {last['loss']:.4f}{recall}."]
+    if metrics.get("trained"):
+        t, u = metrics["trained"], metrics["untrained_mean_pool"]
+        lines += ["", f"Evaluation on the {metrics.get('split', 'train')} samples at density {metrics['density']:g}: "
+                      f"KL {t['kl']:.4f} (untrained, mean-pooled q·k: {u['kl']:.4f}), tile recall {t['recall']:.3f} "
+                      f"(untrained: {u['recall']:.3f})."]
+    lines += [
+        "",
+        "The full settings are in `distill_config.json`, the training log in `log.jsonl`, the evaluation in "
+        "`metrics.json`.",
+        "",
+        "## Use",
+        "",
+        "```python",
+        "import videosparse",
+        "",
+        f'videosparse.apply(pipe, videosparse.VedaConfig(density={cfg.density:g}, estimator="{cfg.output_dir}"'
+        f"{block_arg}))",
+        "```",
+        "",
+        f"or `videosparse generate --estimator {cfg.output_dir}{block_flag}` (a directory or, once uploaded, its hub "
+        f"id). The pipeline's transformer must be a `{estimator.model_class}` with the layers, heads and head dim "
+        "above (videosparse checks and raises otherwise); its own tile shapes are used unless `tiling=` is given.",
+    ]
+    data = ModelCardData(library_name="videosparse", tags=["videosparse", "veda", "sparse-attention"])
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n"))
+
+
+def _save_final(estimator: VedaEstimator, out: Path, cfg: DistillConfig, metrics: dict[str, Any],
+                card: str | None = None) -> None:
+    """Weights + config + model card (save_pretrained into a temp folder, files moved in by rename), metrics,
+    tiling."""
     tmp = out / ".tmp_final"
     shutil.rmtree(tmp, ignore_errors=True)
     estimator.save_pretrained(tmp)
+    if card is not None:
+        (tmp / "README.md").write_text(card)            # instead of huggingface_hub's placeholder card
     for name in os.listdir(tmp):
         os.replace(tmp / name, out / name)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -425,6 +519,7 @@ def run_distillation(cfg: DistillConfig, *, step_callback: Callable[[int, dict[s
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
+    read_prompts(cfg.prompts)                               # a bad prompts value fails before any work
     out = Path(cfg.output_dir)
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision,
                               gradient_accumulation_steps=cfg.gradient_accumulation_steps,
