@@ -189,3 +189,17 @@ def test_dense_layers_beyond_one_expert_names_it():
     with pytest.raises(ValueError, match=r"dense_layers=\(2,\) .*\(transformer_2\) has 2 self-attention layers"):
         videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, dense_layers=(2,)))
     assert videosparse.sessions(pipe) == {} and dict(pipe.transformer.attn_processors) == before
+
+
+def test_veda_warns_once_when_the_kept_tiles_exceed_the_target(caplog):
+    """A video of one 64-token tile (5 x 64 x 96 pixels: 2 x 4 x 6 tokens) at density 0.1: every query tile keeps its
+    own, so the realised density is 1; Veda says so once (not per layer or step), as Sol does for its exact tiles."""
+    import logging
+
+    pipe = build_tiny_wan_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    handle = videosparse.apply(pipe, videosparse.VedaConfig(density=0.1, tiling=(1, 4, 16), block=64, dense_steps=0))
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        _run(pipe)
+    assert handle["transformer"].stats()["density"] == 1.0
+    assert sum("target density 0.100 gives 1.000" in r.getMessage() for r in caplog.records) == 1

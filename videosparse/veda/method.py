@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 from typing import Sequence
@@ -11,11 +12,13 @@ import torch
 
 from ..layout import HeadTiling
 from ..method import ModelInfo, SparseMethod
-from ..plan import Plan, topk_plan
+from ..plan import Plan, row_budget_list, topk_plan
 from ..sol.centroids import tile_centroids  # dispatching: Triton on CUDA, torch elsewhere
 from .estimator import VedaEstimator, load_estimator, scaled_logits
 from .tiling import Tiling, load_tiling
 from .trippool import trippool_qk
+
+logger = logging.getLogger(__name__)
 
 TileShape = tuple[int, int, int]
 DEFAULT_TILES: dict[int, TileShape] = {128: (4, 4, 8), 64: (4, 4, 4)}   # block -> shape without estimator/tiling
@@ -47,6 +50,7 @@ class VedaMethod(SparseMethod):
     def __init__(self, config, info: ModelInfo) -> None:
         super().__init__(config, info)
         self.tiling: Tiling | None = None
+        self._warned_floors: set[tuple[int, int]] = set()
         if isinstance(config.tiling, (str, os.PathLike)):
             self.tiling = load_tiling(config.tiling, config.block)
             meta = self.tiling.meta
@@ -89,6 +93,21 @@ class VedaMethod(SparseMethod):
         if len(shapes) == 3 and all(isinstance(v, int) for v in shapes):
             return [tuple(shapes)] * num_heads  # type: ignore[list-item]
         return [tuple(s) for s in shapes]  # type: ignore[misc]
+
+    def on_layout(self, layer: int, layout: HeadTiling) -> None:
+        """Warn once per tile count when the tiles every plan keeps (each query tile's own tile, at least one per
+        row, and the global tiles: rows and columns) put the realised density above 1.25x the target (eager)."""
+        Mv, G = layout.num_video_tiles, layout.num_global_tiles
+        N = Mv + G
+        if not Mv or (Mv, G) in self._warned_floors or self.config.is_dense_layer(layer):
+            return
+        floor = (sum(row_budget_list(self.config.density, Mv, Mv)) + Mv * G + G * N) / (N * N)
+        if floor > 1.25 * self.config.density:
+            self._warned_floors.add((Mv, G))
+            logger.warning(
+                "Veda: target density %.3f gives %.3f on this input: %d video tiles (every query tile keeps at least "
+                "its own) and %d global tiles (text or conditions, always kept); the realised density cannot be lower.",
+                self.config.density, floor, Mv, G)
 
     def prepare(self, device: torch.device | str) -> None:
         """Move the estimator to `device` and give every layer's state its weights (see `scores`)."""
