@@ -79,7 +79,7 @@ def load_pipeline(model: str | None = None, device: str | None = None, dtype: to
     else:
         from diffusers import DiffusionPipeline
 
-        pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
+        pipe = DiffusionPipeline.from_pretrained(model, dtype=dtype)
         loaded = LoadedPipeline(pipe, model, pipeline_call_defaults(pipe))
     loaded.pipe.to(device)
     return loaded

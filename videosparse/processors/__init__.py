@@ -186,7 +186,7 @@ def apply(pipe_or_transformer, config) -> dict[str, SparseSession]:
     Example:
         >>> import torch, videosparse
         >>> from diffusers import WanPipeline
-        >>> pipe = WanPipeline.from_pretrained("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", torch_dtype=torch.bfloat16)
+        >>> pipe = WanPipeline.from_pretrained("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", dtype=torch.bfloat16)
         >>> videosparse.apply(pipe, videosparse.VedaConfig(density=0.1))
         >>> video = pipe("a cat surfing", num_frames=81).frames[0]
         >>> videosparse.remove(pipe)
