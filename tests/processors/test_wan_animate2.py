@@ -182,10 +182,10 @@ def _tiny_pipeline():
 
 
 def test_tiny_modular_pipeline_end_to_end():
-    """WanAnimate2ModularPipeline, one segment of 5 frames at 64 x 160 pixels, 2 steps with guidance: every forward
-    (the segment's extraction pass over the (2, 4, 10) grid, then 2 steps x 2 guidance branches of generation passes
-    over (1 + 2, 4, 10), 2 tiles a frame group, the last partial) runs sparse on both layers, the video changes, and
-    remove() restores it exactly."""
+    """WanAnimate2ModularPipeline, a 9-frame driving video in two segments of 5 frames (the second conditioned on the
+    first's last frame) at 64 x 160 pixels, 2 steps with guidance: every forward (each segment's extraction pass over
+    the (2, 4, 10) grid, then 2 steps x 2 guidance branches of generation passes over (1 + 2, 4, 10), 2 tiles a frame
+    group, the last partial) runs sparse on both layers, the video changes, and remove() restores it exactly."""
     from PIL import Image
 
     pipe = _tiny_pipeline()
@@ -194,7 +194,7 @@ def test_tiny_modular_pipeline_end_to_end():
     def frame():
         return Image.fromarray(rng.integers(0, 256, (64, 160, 3), dtype=np.uint8))
 
-    image, video = frame(), [frame() for _ in range(5)]
+    image, video = frame(), [frame() for _ in range(9)]
 
     def run():
         return np.asarray(pipe(image=image, driving_video=video, prompt="a red circle", negative_prompt="blue",
@@ -202,4 +202,4 @@ def test_tiny_modular_pipeline_end_to_end():
                                num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0),
                                output="videos"))
 
-    assert_tiny_pipeline_sparse(pipe, run, lambda r: r.grid, {(2, 4, 10), (3, 4, 10)}, calls=5)
+    assert_tiny_pipeline_sparse(pipe, run, lambda r: r.grid, {(2, 4, 10), (3, 4, 10)}, calls=2 * 5)
