@@ -19,13 +19,30 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def built(device, dtype, layers=None, **size):
+    """(setup, transformer, inputs) of `--synthetic wan-animate2`: random weights, its generation-pass inputs, the
+    reference K/V filled by the stock extraction pass."""
+    from videosparse.eval.synthetic import build_transformer, make_inputs, synthetic_setup
+
+    setup = synthetic_setup("wan-animate2", layers=layers, **size)
+    transformer = build_transformer(setup, device, dtype)
+    inputs = make_inputs(setup, device, dtype)
+    setup.model.prepare(setup, transformer, inputs)
+    return setup, transformer, inputs
+
+
+def uncompile_blocks(transformer) -> None:
+    """Undo `compile_repeated_blocks()` (nn.Module.compile on every block)."""
+    for block in transformer.blocks:
+        block._compiled_call_impl = None
+
+
 def main(argv=None) -> dict:
     import torch
 
     import videosparse
     from videosparse.eval.spec import parse_method_specs
-    from videosparse.eval.synthetic import (build_transformer, every_step_sparse, first_output, make_inputs,
-                                            synthetic_setup)
+    from videosparse.eval.synthetic import every_step_sparse, first_output
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", nargs="+", default=["veda@0.25", "veda@0.1", "veda@0.05"],
@@ -42,10 +59,8 @@ def main(argv=None) -> dict:
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    setup = synthetic_setup("wan-animate2", args.frames, args.height, args.width, args.layers)
-    transformer = build_transformer(setup, device, dtype)
-    inputs = make_inputs(setup, device, dtype)
-    setup.model.prepare(setup, transformer, inputs)
+    setup, transformer, inputs = built(device, dtype, args.layers, frames=args.frames, height=args.height,
+                                       width=args.width)
 
     def sync():
         if device.type == "cuda":
@@ -73,8 +88,7 @@ def main(argv=None) -> dict:
         times = [t for t, _ in timed]
         rows[label] = {"forward_s": statistics.median(times), "forward_s_all": times, "warmup_s": warmup,
                        "output_rel_l2_vs_stock": float((out - reference).norm() / reference.norm())}
-        for block in transformer.blocks:             # undo compile_repeated_blocks (nn.Module.compile)
-            block._compiled_call_impl = None
+        uncompile_blocks(transformer)
         if spec is not None:
             videosparse.remove(transformer)
         stock = rows["stock"]["forward_s"]

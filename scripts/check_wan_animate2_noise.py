@@ -16,18 +16,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def check(layers: int, device, dtype, size: dict) -> dict:
     import torch
 
     import videosparse
-    from videosparse.eval.synthetic import build_transformer, first_output, make_inputs, synthetic_setup
+    from bench_wan_animate2_compiled import built, uncompile_blocks
+    from videosparse.eval.synthetic import first_output
 
-    setup = synthetic_setup("wan-animate2", layers=layers, **size)
-    transformer = build_transformer(setup, device, dtype)
-    inputs = make_inputs(setup, device, dtype)
-    setup.model.prepare(setup, transformer, inputs)
+    _, transformer, inputs = built(device, dtype, layers, **size)
 
     def run(compiled: bool) -> torch.Tensor:
         if compiled:
@@ -35,8 +34,7 @@ def check(layers: int, device, dtype, size: dict) -> dict:
             transformer.compile_repeated_blocks()
         with torch.no_grad():
             out = first_output(transformer(**inputs)).float()
-        for block in transformer.blocks:             # undo compile_repeated_blocks (nn.Module.compile)
-            block._compiled_call_impl = None
+        uncompile_blocks(transformer)
         return out
 
     def rel(a, b) -> float:

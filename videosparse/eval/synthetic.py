@@ -52,6 +52,7 @@ A model whose transformer class has no videosparse processor is refused with the
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import math
 import os
@@ -150,14 +151,16 @@ class SyntheticModel:
 HISTORY_KERNELS = ((1, 2, 2), (2, 4, 4), (4, 8, 8))
 
 
-def _kandinsky_attention_shape(config: dict) -> tuple[int, int]:
-    """(heads, head dim) of a Kandinsky 5 config, by the rule videosparse serves it with (head dim `sum(axes_dims)`,
-    heads `model_dim` over it)."""
-    from types import SimpleNamespace
+def _processor_attention_shape(module: str, rule: str) -> Callable[[dict], tuple[int, int]]:
+    """config dict -> (heads, head dim) by the rule `rule` of `videosparse.processors.<module>` (for configs without
+    `num_attention_heads` / `attention_head_dim`: Kandinsky 5, Wan-Animate-2), imported on first use."""
 
-    from ..processors.kandinsky import kandinsky_attention_shape
+    def shape(config: dict) -> tuple[int, int]:
+        from types import SimpleNamespace
 
-    return kandinsky_attention_shape(SimpleNamespace(**config))
+        return getattr(importlib.import_module(f"..processors.{module}", __package__), rule)(SimpleNamespace(**config))
+
+    return shape
 
 
 def _minimax_h3_audio_rows(latent_frames: int) -> int:
@@ -171,15 +174,6 @@ def _minimax_h3_audio_rows(latent_frames: int) -> int:
 
     frames = max(1, round(17 * (latent_frames - 2) / 5 + 5))
     return audio_latent_num_frames(frames) * MINIMAX_H3_AUDIO_CHANNELS
-
-
-def _wan_animate2_attention_shape(config: dict) -> tuple[int, int]:
-    """(heads, head dim) of a Wan-Animate-2 config (`num_heads`, `dim`)."""
-    from types import SimpleNamespace
-
-    from ..processors.wan import wan_animate2_attention_shape
-
-    return wan_animate2_attention_shape(SimpleNamespace(**config))
 
 
 def _wan_animate2_prepare(setup: SyntheticSetup, transformer, inputs: dict, seed: int = 1) -> None:
@@ -299,7 +293,7 @@ SYNTHETIC_MODELS: dict[str, SyntheticModel] = {
              patch_size=(1, 2, 2), model_dim=4096, ff_dim=16384, num_text_blocks=4, num_visual_blocks=60,
              axes_dims=(32, 48, 48), visual_cond=True, attention_type="regular"),
         (121, 768, 1024), latent_channels=33, text_len=256, text_dim=3584, layer_keys=("num_visual_blocks",),
-        attention_shape=_kandinsky_attention_shape,
+        attention_shape=_processor_attention_shape("kandinsky", "kandinsky_attention_shape"),
         description="Kandinsky 5.0 Video Pro 19B (32 heads x 128, 60 visual blocks, text by cross-attention), "
                     "768x1024 121 frames"),
     "framepack": SyntheticModel(
@@ -350,8 +344,8 @@ SYNTHETIC_MODELS: dict[str, SyntheticModel] = {
         # extraction pass (`prepare`); 512 umT5 tokens and 257 CLIP tokens by cross-attention
         "wan-animate2", "WanAnimate2Transformer3DModel",
         dict(dim=5120, num_heads=40, num_layers=40, ffn_dim=13824, in_dim=36, patch_size=(1, 2, 2), use_img_emb=True),
-        (85, 800, 640), layer_keys=("num_layers",), attention_shape=_wan_animate2_attention_shape,
-        prepare=_wan_animate2_prepare,
+        (85, 800, 640), layer_keys=("num_layers",), prepare=_wan_animate2_prepare,
+        attention_shape=_processor_attention_shape("wan", "wan_animate2_attention_shape"),
         description="Wan-Animate-2 (Wan 14B: 40 heads x 128, 40 layers), generation pass of an 81-frame 800x640 "
                     "segment (22 latent frames with the reference image's) + per-frame reference keys"),
 }
