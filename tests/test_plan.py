@@ -68,6 +68,19 @@ def test_topk_density_one_is_dense():
     assert torch.equal(p.kv_index, d.kv_index) and torch.equal(p.kv_count, d.kv_count)
 
 
+def test_dense_plan_over_another_key_length():
+    """dense_plan(..., key_len=Sk): every query tile lists every key tile of Sk keys (queries over a shorter or a
+    longer key set); the plan validates against such inputs; a key length below 1 is refused."""
+    q, k = torch.zeros(1, 2, 300, 16), torch.zeros(1, 2, 37, 16)
+    plan = dense_plan(1, 2, 300, key_len=37)
+    plan.validate(q, k, k)
+    assert plan.kv_index.shape == (1, 2, 3, 1) and plan.kv_count.eq(1).all()
+    longer = dense_plan(1, 2, 37, key_len=300)
+    assert longer.kv_index.shape == (1, 2, 1, 3) and torch.equal(longer.kv_index[0, 0, 0], torch.arange(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="key_len=0"):
+        dense_plan(1, 2, 300, key_len=0)
+
+
 def test_validate_rejects_bad_plans():
     q = torch.zeros(1, 2, 300, 16)
     good = random_plan(1, 2, 300, 128, 128, 0.5)

@@ -188,11 +188,15 @@ def plan_from_mask(mask: torch.Tensor, block_m: int = 128, block_n: int = 128) -
 
 
 def dense_plan(batch: int, heads: int, seq_len: int, block_m: int = 128, block_n: int = 128,
-               device: torch.device | str = "cpu") -> Plan:
-    """The plan that keeps every key tile (full attention)."""
+               device: torch.device | str = "cpu", key_len: int | None = None) -> Plan:
+    """The plan that keeps every key tile (full attention) of `seq_len` queries over `key_len` keys (default
+    `seq_len`)."""
     check_block("block_m", block_m)
     check_block("block_n", block_n)
-    Mq, Nk = math.ceil(seq_len / block_m), math.ceil(seq_len / block_n)
+    key_len = seq_len if key_len is None else key_len
+    if key_len < 1:
+        raise ValueError(f"key_len={key_len} must be >= 1.")
+    Mq, Nk = math.ceil(seq_len / block_m), math.ceil(key_len / block_n)
     index = torch.arange(Nk, dtype=torch.int32, device=device).expand(batch, heads, Mq, Nk).contiguous()
     count = torch.full((batch, heads, Mq), Nk, dtype=torch.int32, device=device)
     return Plan(index, count, block_m, block_n, order=row_order([Nk] * Mq, batch * heads, device))

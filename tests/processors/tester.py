@@ -31,9 +31,13 @@ class ProcessorTesterMixin:
         """The model on CUDA in bf16 for the GPU case (a family whose class keeps modules in fp32 overrides this)."""
         return transformer.to("cuda", torch.bfloat16)
 
+    def output(self, result) -> torch.Tensor:
+        """The tensor the tests compare, from a forward's `return_dict=False` tuple (default: its first item)."""
+        return result[0]
+
     def run(self, transformer, inputs, name="cond", step=0, steps=4):
         with torch.no_grad(), transformer.cache_context(name, step_index=step, num_inference_steps=steps):
-            return transformer(**inputs, return_dict=False)[0]
+            return self.output(transformer(**inputs, return_dict=False))
 
     # ------------------------------------------------------------------ tests
     def test_dense_config_equals_stock(self):
@@ -191,7 +195,7 @@ class ProcessorTesterMixin:
         counters.clear()
         compiled = torch.compile(tr, backend="eager")
         with torch.no_grad(), tr.cache_context("cond", step_index=2, num_inference_steps=4):
-            out = compiled(**inputs, return_dict=False)[0]
+            out = self.output(compiled(**inputs, return_dict=False))
         torch._dynamo.reset()
         assert torch.equal(out, eager)
         assert sessions(tr)["transformer"].stats()["sparse_calls"] == 2 * self.num_layers

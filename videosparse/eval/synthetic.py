@@ -31,6 +31,8 @@ minimax-h3  MiniMax-H3 33B: 50 x 56 x 128        124 x 768 x 1344           37 x
             (one packed text/audio/video seq.)   (37 latent frames)         + 670 global (**)
 wan-animate2  Wan-Animate-2 (Wan 14B):           81 x 800 x 640 segment     22 x 50 x 40 = 44,000
             40 x 40 x 128                        (+ reference image frame)  + 2,000 per-frame keys (***)
+cosmos3     Cosmos 3 (Qwen3-8B-size MoT):        189 x 720 x 1280           48 x 23 x 40 = 44,160
+            36 x 32 x 128, 8 KV heads            (48 latent frames)         + 256 text keys (****)
 ==========  ===================================  =========================  ===============================
 
 (*) FramePack attends over [history; video; image; text]: the window's 14,400 video tokens are the tile grid; the
@@ -45,6 +47,10 @@ prompt's Qwen3-VL tokens, no template) and the 414 rows of its stereo soundtrack
 segment's 21 latent frames are the grid; each frame f >= 1 also attends to the 2,000 cached reference tokens of
 frame f - 1 (dense per frame, merged by log-sum-exp), which the reference-extraction pass (untimed, stock, before
 the methods) fills.
+
+(****) Cosmos 3's generation rows (the video, one time-major grid; its latent height 45 is padded to 46 for the 2 x 2
+patches) attend to themselves and to the 256 rows of the prompt (its causal understanding pathway, stock), which join
+densely (merged by log-sum-exp).
 
 A model whose transformer class has no videosparse processor is refused with the registry's message.
 """
@@ -98,6 +104,7 @@ class SyntheticModel:
         audio_rows: latent frames -> audio rows that join the self-attention (MiniMax-H3's packed soundtrack).
         prepare: (setup, transformer, inputs) -> None, run once after the build with the stock processors, for
             state a forward reads besides its inputs (Wan-Animate-2's reference K/V cache: its extraction pass).
+        pad_patches: the model pads the latents to whole patches (Cosmos 3), so any latent size fits.
     """
 
     name: str
@@ -116,9 +123,12 @@ class SyntheticModel:
     history: tuple[int, ...] = ()
     audio_rows: Callable[[int], int] | None = None
     prepare: Callable | None = None
+    pad_patches: bool = False
 
     @property
     def patch(self) -> tuple[int, int, int]:
+        if "latent_patch_size" in self.config:
+            return (1, int(self.config["latent_patch_size"]), int(self.config["latent_patch_size"]))
         p = self.config.get("patch_size", (1, 2, 2))
         if isinstance(p, int):
             return (int(self.config.get("patch_size_t", 1)), p, p)
@@ -348,6 +358,20 @@ SYNTHETIC_MODELS: dict[str, SyntheticModel] = {
         attention_shape=_processor_attention_shape("wan", "wan_animate2_attention_shape"),
         description="Wan-Animate-2 (Wan 14B: 40 heads x 128, 40 layers), generation pass of an 81-frame 800x640 "
                     "segment (22 latent frames with the reference image's) + per-frame reference keys"),
+    "cosmos3": SyntheticModel(
+        # Cosmos3OmniTransformer's defaults (a Qwen3-8B-size backbone per pathway: 36 layers of 32 query heads and 8
+        # KV heads x 128 over a 4096-wide residual, SwiGLU 12288; 48 latent channels in 2 x 2 patches), the keys read
+        # here spelled out. Text to video at the pipeline's default 189 frames of 720 x 1280 (its Wan 2.2 VAE: 4 x 16 x
+        # 16, 48 channels -> 48 x 45 x 80 latents, padded to 46 rows for the patches); no sound. The understanding
+        # pathway holds the prompt's 256 tokens (a fixed count for a detailed prompt with the system prompt)
+        "cosmos3", "Cosmos3OmniTransformer",
+        dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+             intermediate_size=12288, latent_channel=48, latent_patch_size=2, patch_latent_dim=192),
+        (189, 720, 1280), latent_channels=48, vae_scale=(4, 16), text_len=256, joint_text=True,
+        layer_keys=("num_hidden_layers",), pad_patches=True,
+        attention_shape=_processor_attention_shape("cosmos3", "cosmos3_attention_shape"),
+        description="Cosmos 3 (36 layers of 32 query / 8 KV heads x 128, understanding + generation pathways), "
+                    "720x1280 189 frames (48 latent frames) + 256 text keys"),
 }
 
 
@@ -379,6 +403,8 @@ class SyntheticSetup:
     def grid(self) -> tuple[int, int, int]:
         _, T, H, W = self.latent
         pt, ph, pw = self.model.patch
+        if self.model.pad_patches:
+            return (-(-T // pt), -(-H // ph), -(-W // pw))
         return (T // pt, H // ph, W // pw)
 
     @property
@@ -435,6 +461,7 @@ def synthetic_setup(name: str, frames: int | None = None, height: int | None = N
     video = (frames or F, height or H, width or W)
     t, s = model.vae_scale
     _, ph, pw = model.patch
+    ph, pw = (1, 1) if model.pad_patches else (ph, pw)
     if (video[0] - 1) % t or video[1] % (s * ph) or video[2] % (s * pw):
         raise ValueError(f"video size {video} does not fit {name}: frames must be 1 + a multiple of {t}, height a "
                          f"multiple of {s * ph}, width a multiple of {s * pw}.")
@@ -550,6 +577,9 @@ def make_inputs(setup: SyntheticSetup, device: torch.device, dtype: torch.dtype,
     def randn(*shape):
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
+    if m.transformer_cls == "Cosmos3OmniTransformer":
+        text = torch.randint(0, int(setup.config.get("vocab_size", 151936)), (m.text_len,), generator=g).tolist()
+        return dict(cosmos3_inputs(setup.config, randn(1, C, T, H, W), text, device=device), return_dict=False)
     inputs = {"hidden_states": randn(1, C, T, H, W), "timestep": torch.tensor([500], device=device),
               "encoder_hidden_states": randn(1, m.text_len, m.text_dim), "return_dict": False}
     if m.transformer_cls == "HunyuanVideoTransformer3DModel":
@@ -589,6 +619,56 @@ def make_inputs(setup: SyntheticSetup, device: torch.device, dtype: torch.dtype,
     if m.transformer_cls == "WanAnimate2Transformer3DModel":
         inputs.update(_wan_animate2_inputs(setup, inputs["hidden_states"], randn, device, dtype))
     return inputs
+
+
+def cosmos3_inputs(config, latents: torch.Tensor, text_ids: list[int], sound_latents: torch.Tensor | None = None,
+                   fps: float = 24.0, condition_frames: tuple[int, ...] = (), timestep: float = 500.0,
+                   device: torch.device | str = "cpu") -> dict:
+    """The keyword arguments `Cosmos3OmniPipeline` passes its transformer for one step of one guidance branch, laid
+    out by the pipeline's own segment builders: the `text_ids` (the understanding rows), then the video latents
+    [1, C, T, H, W] as one vision item (`condition_frames`: latent frames held clean, not predicted), then the sound
+    latents [C_sound, L] when given. config: the transformer's config (a dict or its FrozenDict)."""
+    from types import SimpleNamespace
+
+    from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import Cosmos3OmniPipeline as Pipeline
+
+    stub = SimpleNamespace(transformer=SimpleNamespace(config=_cosmos3_config(config)), vae_scale_factor_temporal=4)
+    text = Pipeline._prepare_text_segment(stub, list(text_ids), device)
+    offset = text["vision_start_temporal_offset"]
+    vision = Pipeline._prepare_vision_segment(stub, latents, bool(condition_frames), offset, fps, text["und_len"],
+                                              device, condition_frame_indexes=list(condition_frames))
+    length = text["und_len"] + vision["num_vision_tokens"]
+    positions = [text["text_mrope_ids"], vision["vision_mrope_ids"]]
+    inputs = dict(input_ids=text["input_ids"], text_indexes=text["text_indexes"], und_len=text["und_len"],
+                  vision_tokens=[latents], vision_token_shapes=vision["vision_token_shapes"],
+                  vision_sequence_indexes=vision["vision_sequence_indexes"],
+                  vision_mse_loss_indexes=vision["vision_mse_loss_indexes"],
+                  vision_timesteps=torch.full((vision["num_noisy_vision_tokens"],), timestep, device=device),
+                  vision_noisy_frame_indexes=vision["vision_noisy_frame_indexes"])
+    if sound_latents is not None:
+        sound_fps = float(stub.transformer.config.sound_latent_fps)
+        sound = Pipeline._prepare_sound_segment(stub, sound_latents, offset, sound_fps, length, device)
+        positions.append(sound["sound_mrope_ids"])
+        length += sound["sound_len"]
+        inputs.update(sound_tokens=[sound_latents], sound_token_shapes=sound["sound_token_shapes"],
+                      sound_sequence_indexes=sound["sound_sequence_indexes"],
+                      sound_mse_loss_indexes=sound["sound_mse_loss_indexes"],
+                      sound_timesteps=torch.full((sound["sound_len"],), timestep, device=device),
+                      sound_noisy_frame_indexes=sound["sound_noisy_frame_indexes"])
+    return dict(inputs, position_ids=torch.cat(positions, dim=1), sequence_length=length)
+
+
+def _cosmos3_config(config) -> Any:
+    """`config` (a dict of constructor arguments, or a model's config) read by attribute, with the constructor's
+    defaults for the keys it leaves out (what the pipeline's segment builders read)."""
+    import inspect
+    from types import SimpleNamespace
+
+    from diffusers import Cosmos3OmniTransformer
+
+    defaults = {name: p.default for name, p in inspect.signature(Cosmos3OmniTransformer.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    return SimpleNamespace(**{**defaults, **dict(config)})
 
 
 def _wan_animate2_inputs(setup: SyntheticSetup, latents: torch.Tensor, randn, device: torch.device,

@@ -58,12 +58,12 @@ def project_joint_outputs(attn, hidden_states: torch.Tensor, encoder_hidden_stat
 
 
 def dense_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto"):
-    """Full attention of q [B, S, H, D] over k, v [B, S, H, D] (diffusers' layout) on videosparse's kernel with a
+    """Full attention of q [B, S, H, D] over k, v [B, Sk, H, D] (diffusers' layout) on videosparse's kernel with a
     dense plan: (out [B, S, H, D] in q's dtype, lse fp32 [B, S, H], natural-log row log-sum-exp)."""
     B, S, H, _ = q.shape
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-    out, lse = block_sparse_attention(qt, kt, vt, dense_plan(B, H, S, device=q.device), return_lse=True,
-                                      backend=backend, validate=False)
+    plan = dense_plan(B, H, S, device=q.device, key_len=k.shape[1])
+    out, lse = block_sparse_attention(qt, kt, vt, plan, return_lse=True, backend=backend, validate=False)
     return out.transpose(1, 2), lse.transpose(1, 2)
 
 

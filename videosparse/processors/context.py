@@ -396,7 +396,11 @@ class SparseContextHook(ModelHook):
         hidden = forward_arg(args, kwargs, "hidden_states", 0)
         if isinstance(hidden, (list, tuple)):       # per-item latents (Wan-Animate-2): device and dtype of the first
             hidden = hidden[0]
-        session.prepare(ctx.grid, ctx.text_len, hidden.device, hidden.dtype)
+        if torch.is_tensor(hidden) and hidden.is_floating_point():
+            device, dtype = hidden.device, hidden.dtype
+        else:                                       # no hidden_states (Cosmos 3 embeds token ids): the model's own
+            device, dtype = module.device, module.dtype
+        session.prepare(ctx.grid, ctx.text_len, device, dtype)
         session.calls += 1
 
     def _step(self, cache_ctx, args, kwargs) -> tuple[int | None, int | None]:

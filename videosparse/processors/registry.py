@@ -55,6 +55,7 @@ def _register_builtin_models() -> None:
         ChronoEditTransformer3DModel,
         CogVideoXTransformer3DModel,
         ConsisIDTransformer3DModel,
+        Cosmos3OmniTransformer,
         CosmosTransformer3DModel,
         EasyAnimateTransformer3DModel,
         HeliosTransformer3DModel,
@@ -290,6 +291,17 @@ def _register_builtin_models() -> None:
 
     register_model(MiniMaxH3Transformer3DModel, minimax_h3_spec)
 
+    def cosmos3_spec() -> ModelSpec:
+        from .cosmos3 import Cosmos3SparseAttnProcessor, cosmos3_attention_shape, cosmos3_grid
+
+        # layers.<i>.self_attn (Cosmos3PackedMoTAttention): its generation pathway (the video grid, then sound and
+        # action rows, over the understanding keys and their own) is served; the causal text pathway stays stock
+        return ModelSpec(Cosmos3SparseAttnProcessor,
+                         lambda name, m: name.startswith("layers.") and name.rsplit(".", 1)[-1] == "self_attn",
+                         cosmos3_grid, text_position="after", attention_shape=cosmos3_attention_shape)
+
+    register_model(Cosmos3OmniTransformer, cosmos3_spec)
+
 
 def model_spec(transformer: torch.nn.Module) -> ModelSpec:
     if not _MODEL_SPECS:
@@ -307,8 +319,9 @@ def model_spec(transformer: torch.nn.Module) -> ModelSpec:
 
 
 def _patch_size(cfg) -> tuple[int, int, int]:
-    """(pt, ph, pw) from a config's `patch_size` (3-tuple, 2-tuple, or int with `patch_size_t`)."""
-    p = cfg.patch_size
+    """(pt, ph, pw) from a config's `patch_size` (3-tuple, 2-tuple, or int with `patch_size_t`), or its spatial
+    `latent_patch_size` (Cosmos 3)."""
+    p = cfg.patch_size if hasattr(cfg, "patch_size") else int(cfg.latent_patch_size)
     if isinstance(p, int):
         return (int(getattr(cfg, "patch_size_t", None) or 1), p, p)
     p = tuple(int(v) for v in p)

@@ -1,0 +1,142 @@
+"""Cosmos 3 (Cosmos3OmniTransformer): the generation pathway of every layer's self_attn served (the video grid sparse,
+the sound rows as global tiles after it, the text keys added densely and merged by log-sum-exp), the causal text
+pathway stock; grouped-query attention; packed sequences laid out otherwise, and the model's context-parallel seams,
+stock with one warning per layer.
+
+The inputs are laid out by the pipeline's own segment builders (`videosparse.eval.synthetic.cosmos3_inputs`), as
+`Cosmos3OmniPipeline` calls the transformer.
+"""
+
+import pytest
+import torch
+from diffusers import Cosmos3OmniTransformer
+from diffusers.models.transformers.transformer_cosmos3 import Cosmos3AttnProcessor
+from tester import (
+    ProcessorTesterMixin,
+    assert_runs_stock_with_one_warning,
+    check_blocks_attn1_served,
+    check_extra_tokens_served_as_global_tiles,
+)
+
+import videosparse
+from videosparse.eval.synthetic import cosmos3_inputs
+from videosparse.processors import sessions
+from videosparse.processors.base import dense_with_lse, merge_attention
+from videosparse.processors.cosmos3 import repeat_kv_heads
+
+LATENT = (3, 15, 24)          # latent frames x height x width -> patches 3 x 8 x 12 (height padded) = 288 rows
+GRID = (3, 8, 12)
+TEXT, SOUND, SOUND_DIM = 10, 6, 8
+SERVED = ["layers.0.self_attn.processor", "layers.1.self_attn.processor"]
+
+
+def tiny_cosmos3(**kwargs):
+    """A tiny Cosmos3OmniTransformer: 2 layers of 2 query heads sharing 1 KV head x 64, 4 latent channels in 2 x 2
+    patches, sound generation on (8 channels), mRoPE sections 12 / 10 / 10 of the 32 rotary frequencies."""
+    config = dict(head_dim=64, hidden_size=64, intermediate_size=96, num_attention_heads=2, num_key_value_heads=1,
+                  num_hidden_layers=2, latent_channel=4, latent_patch_size=2, patch_latent_dim=16, vocab_size=64,
+                  rope_axes_dim=(12, 10, 10), sound_gen=True, sound_dim=SOUND_DIM)
+    config.update(kwargs)
+    torch.manual_seed(0)
+    return Cosmos3OmniTransformer(**config).eval()
+
+
+def make_inputs(transformer, seed=1, sound=SOUND, condition_frames=()):
+    g = torch.Generator().manual_seed(seed)
+    latents = torch.randn(1, transformer.config.latent_channel, *LATENT, generator=g)
+    text = torch.randint(0, transformer.config.vocab_size, (TEXT,), generator=g).tolist()
+    sound_latents = torch.randn(SOUND_DIM, sound, generator=g) if sound else None
+    return cosmos3_inputs(transformer.config, latents, text, sound_latents, condition_frames=condition_frames)
+
+
+def sound_first(inputs: dict) -> dict:
+    """`inputs` with the sound rows packed before the video (the pipeline puts them after it): the same computation
+    (every row keeps its mRoPE position), but the vision rows no longer follow the text."""
+    und, n, s = inputs["und_len"], inputs["vision_sequence_indexes"].numel(), inputs["sound_sequence_indexes"].numel()
+    pos = inputs["position_ids"]
+    moved = dict(inputs, position_ids=torch.cat([pos[:, :und], pos[:, und + n:], pos[:, und:und + n]], dim=1))
+    moved.update(sound_sequence_indexes=torch.arange(und, und + s), sound_mse_loss_indexes=torch.arange(und, und + s),
+                 vision_sequence_indexes=inputs["vision_sequence_indexes"] + s,
+                 vision_mse_loss_indexes=inputs["vision_mse_loss_indexes"] + s)
+    return moved
+
+
+class TestCosmos3(ProcessorTesterMixin):
+    def make_transformer(self):
+        return tiny_cosmos3()
+
+    def make_inputs(self, transformer):
+        return make_inputs(transformer)
+
+    def output(self, result):
+        vision, sound, _ = result
+        return torch.cat([vision[0].flatten(), sound[0].flatten()])
+
+    def test_generation_pathway_served_text_pathway_stock(self):
+        tr, before, records, _, _ = check_blocks_attn1_served(self, Cosmos3AttnProcessor, SERVED)
+        # the observers see the generation rows (video grid, then the sound rows) with the KV heads repeated
+        assert all(r.q.shape == r.k.shape == (1, 288 + SOUND, 2, 64) for r in records)
+
+    def test_sound_rows_are_global_tiles(self, caplog):
+        tr = self.make_transformer()
+        check_extra_tokens_served_as_global_tiles(self, tr, self.make_inputs(tr), GRID, SOUND, "after", caplog)
+
+    @pytest.mark.parametrize("config", [
+        dict(num_key_value_heads=2),                                         # no grouping
+        dict(qk_norm_for_text=False, use_und_k_norm_for_gen=True),           # a separate k norm for the text keys
+        dict(hidden_act="relu2", num_attention_heads=4, num_key_value_heads=2),   # Nemotron norms, 2 groups of 2
+    ], ids=["mha", "und-k-norm-for-gen", "nemotron"])
+    def test_variants_at_density_one_equal_stock(self, config):
+        tr = tiny_cosmos3(**config)
+        inputs = make_inputs(tr)
+        ref = self.run(tr, inputs)
+        videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=self.tiling, block=self.block))
+        assert (self.run(tr, inputs) - ref).abs().max() <= 1e-5
+        assert sessions(tr)["transformer"].stats()["sparse_calls"] == self.num_layers
+
+    def test_image_conditioned_without_sound(self):
+        """Image to video (latent frame 0 held clean, not predicted) and no sound rows: the same grid, served."""
+        tr = self.make_transformer()
+        inputs = make_inputs(tr, sound=0, condition_frames=(0,))
+        vision_only = (lambda result: result[0][0])
+        ref = vision_only(self._forward(tr, inputs))
+        videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=self.tiling, block=self.block))
+        out = vision_only(self._forward(tr, inputs))
+        assert (out - ref).abs().max() <= 1e-5 and torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))
+        s = sessions(tr)["transformer"].stats()
+        assert s["sparse_calls"] == self.num_layers and s["layers"][0]["total_pairs"] == 2 * 5 * 5    # 2 heads x 5 x 5 tiles
+
+    def _forward(self, tr, inputs, step=1):
+        with torch.no_grad(), tr.cache_context("cond", step_index=step, num_inference_steps=4):
+            return tr(**inputs, return_dict=False)
+
+    def test_vision_not_after_the_text_runs_stock(self, caplog):
+        tr = self.make_transformer()
+        inputs = self.make_inputs(tr)
+        moved = sound_first(inputs)
+        assert torch.allclose(self.run(tr, moved), self.run(tr, inputs), atol=1e-5)   # the same model computation
+        assert_runs_stock_with_one_warning(self, tr, moved, "not the first generation rows", caplog)
+
+    def test_context_parallel_seams_run_stock(self, caplog):
+        tr = self.make_transformer()
+        tr._cp_shard_fn = lambda und, gen, rope: (und, gen, rope)       # identity seams: one rank
+        tr._cp_gather_fn = lambda und, gen: (und, gen)
+        assert_runs_stock_with_one_warning(self, tr, self.make_inputs(tr), "context-parallel seams", caplog)
+
+
+def test_text_keys_merged_by_lse_equal_attention_over_both():
+    """The split the processor makes: queries over their own keys and over a shorter set of text keys (another
+    length, a partial tile), each with its log-sum-exp, merged = attention over the union (fp64); KV heads repeated
+    to the query heads as SDPA's enable_gqa."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 200, 4, 64, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 200, 2, 64, generator=g, dtype=torch.float64) for _ in range(2))
+    k_txt, v_txt = (torch.randn(2, 37, 2, 64, generator=g, dtype=torch.float64) for _ in range(2))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), torch.cat([k, k_txt], 1).transpose(1, 2), torch.cat([v, v_txt], 1).transpose(1, 2),
+        enable_gqa=True).transpose(1, 2)
+    parts = [dense_with_lse(q, repeat_kv_heads(a, 2), repeat_kv_heads(b, 2), "reference") for a, b in
+             ((k, v), (k_txt, v_txt))]
+    out, _ = merge_attention(*parts[0], *parts[1])
+    assert (out - ref).abs().max() <= 1e-6             # the kernels' lse is fp32
+    assert repeat_kv_heads(k, 1) is k

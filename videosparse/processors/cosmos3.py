@@ -1,0 +1,118 @@
+"""Cosmos 3 (`Cosmos3OmniTransformer`, `Cosmos3OmniPipeline`): sparse attention processor and model facts.
+
+Cosmos 3 is a mixture-of-transformers: every layer holds two sets of weights, one for the *understanding* rows (the
+prompt's text tokens, a causal prefix of `und_len` rows) and one for the *generation* rows (the video, then the sound
+and action rows when those are generated). Its attention (`Cosmos3PackedMoTAttention`, `Cosmos3AttnProcessor`) runs
+two pathways per layer over one packed, unbatched sequence:
+
+- understanding: the text rows attend causally to each other (stock here: a few hundred rows);
+- generation: the generation rows attend to every understanding key and to every generation key, without a mask.
+
+The generation pathway is the quadratic one (at 720p and 189 frames: 44,160 video rows next to a few hundred text
+rows), and what videosparse serves. Its queries and keys use grouped-query attention (num_key_value_heads KV heads,
+each shared by num_attention_heads / num_key_value_heads query heads) and a rotate-half multimodal RoPE from
+per-row cos / sin tables. The pipeline lays the generation rows out as [video | sound | action]: the video is one
+time-major grid (`_patchify_and_pack_latents` flattens latents as t, h, w), the sound and action rows follow it.
+
+So the generation attention is split by keys: the generation rows over the generation keys run through `attend`
+(the video grid sparse, sound and action rows as global tiles after it; the layer's density counts this part), the
+generation rows over the understanding keys run densely on the kernel (`dense_with_lse`), and the two are merged by
+their log-sum-exp (`merge_attention`): stock's attention at density 1, whatever the split. The KV heads are repeated
+to the query heads before the tile-order gather, as SDPA's `enable_gqa` does. A forward whose packed sequence is not
+laid out that way (several vision items, vision rows not right after the text), or whose model has the context
+parallelism seams set (`_cp_shard_fn`), keeps the stock processor with one warning per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers.transformer_cosmos3 import Cosmos3AttnProcessor, _rotate_half
+
+from .base import SparseAttentionMixin, dense_with_lse, merge_attention
+from .context import forward_arg
+
+
+def cosmos3_attention_shape(cfg) -> tuple[int, int]:
+    """(query heads, head dim) of a Cosmos 3 config."""
+    return int(cfg.num_attention_heads), int(cfg.head_dim)
+
+
+def repeat_kv_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, S, Hkv, D] -> [B, S, Hkv * groups, D]: query head h reads KV head h // groups (SDPA's `enable_gqa`)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=2)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Cosmos 3's rotate-half RoPE of x [S, H, D] with the tables cos, sin [S, D] (as the stock processor)."""
+    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+
+
+class Cosmos3SparseAttnProcessor(SparseAttentionMixin, Cosmos3AttnProcessor):
+    """`Cosmos3AttnProcessor` whose generation pathway runs through videosparse (see the module docstring); the
+    projections, q/k norms, RoPE and the causal understanding pathway are stock's."""
+
+    _stock = Cosmos3AttnProcessor
+
+    def __call__(self, attn, und_seq: torch.Tensor, gen_seq: torch.Tensor, rotary_emb):
+        problem = self.session.context.unsupported
+        if problem is None and getattr(self, "_parallel_config", None) is not None:
+            problem = "Cosmos 3 under a parallel config keeps the stock processor"
+        if problem is not None:
+            self._record_stock_call(problem)
+            return self._stock.__call__(self, attn, und_seq, gen_seq, rotary_emb)
+        heads, kv_heads, head_dim = attn.num_attention_heads, attn.num_key_value_heads, attn.head_dim
+        q_und = attn.norm_q(attn.to_q(und_seq).view(-1, heads, head_dim))
+        k_und = attn.norm_k(attn.to_k(und_seq).view(-1, kv_heads, head_dim))
+        v_und = attn.to_v(und_seq).view(-1, kv_heads, head_dim)
+        k_und_for_gen = attn.k_norm_und_for_gen(k_und) if attn.k_norm_und_for_gen is not None else k_und
+        q_gen = attn.norm_added_q(attn.add_q_proj(gen_seq).view(-1, heads, head_dim))
+        k_gen = attn.norm_added_k(attn.add_k_proj(gen_seq).view(-1, kv_heads, head_dim))
+        v_gen = attn.add_v_proj(gen_seq).view(-1, kv_heads, head_dim)
+
+        cos_und, sin_und, cos_gen, sin_gen = rotary_emb
+        q_und, k_und = _rotate(q_und, cos_und, sin_und), _rotate(k_und, cos_und, sin_und)
+        k_und_for_gen = _rotate(k_und_for_gen, cos_und, sin_und)
+        q_gen, k_gen = _rotate(q_gen, cos_gen, sin_gen), _rotate(k_gen, cos_gen, sin_gen)
+
+        causal_out = dispatch_attention_fn(
+            q_und.unsqueeze(0), k_und.unsqueeze(0), v_und.unsqueeze(0), is_causal=True, enable_gqa=True,
+            backend=getattr(self, "_attention_backend", None), parallel_config=None)
+        groups = heads // kv_heads
+        gen_out = self._generation_attention(
+            q_gen.unsqueeze(0), *(repeat_kv_heads(x.unsqueeze(0), groups) for x in (k_gen, v_gen, k_und_for_gen, v_und)))
+        und_out = attn.to_out(causal_out.squeeze(0).flatten(-2, -1))
+        return und_out, attn.to_add_out(gen_out.squeeze(0).flatten(-2, -1).type_as(q_gen))
+
+    def _generation_attention(self, q, k, v, k_und, v_und):
+        """q, k, v [1, N, H, D] of the generation rows, k_und, v_und [1, U, H, D] of the understanding rows ->
+        [1, N, H, D]: the generation rows over both key sets (sparse over their own, dense over the text)."""
+        out, lse = self.attend(q, k, v, return_lse=True)
+        if k_und.shape[1] == 0:
+            return out
+        out_und, lse_und = dense_with_lse(q, k_und, v_und, self._kernel_choice)
+        return merge_attention(out, lse, out_und, lse_und)[0]
+
+
+def cosmos3_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | None]:
+    """The video grid (T, H, W) of the generation rows, the sound and action rows after it (global tiles), and why the
+    forward keeps the stock processor (None when it can be served; else the grid is (1, 1, N), only to keep the
+    layouts well-formed). Syncs the host once (the vision rows' indexes)."""
+    und_len = int(forward_arg(args, kwargs, "und_len", 3))
+    generation = int(forward_arg(args, kwargs, "sequence_length", 4)) - und_len
+    shapes = forward_arg(args, kwargs, "vision_token_shapes", 6)
+    indexes = forward_arg(args, kwargs, "vision_sequence_indexes", 7)
+    problem = None
+    if getattr(module, "_cp_shard_fn", None) is not None:
+        problem = "the model's context-parallel seams (_cp_shard_fn) are set"
+    elif shapes is None or len(shapes) != 1:
+        problem = f"the forward packs {0 if shapes is None else len(shapes)} vision items (served: exactly one)"
+    else:
+        grid = tuple(int(n) for n in shapes[0])
+        tokens = grid[0] * grid[1] * grid[2]
+        expected = torch.arange(und_len, und_len + tokens, device=indexes.device)
+        if indexes.numel() != tokens or tokens > generation or not bool((indexes == expected).all()):
+            problem = "the vision rows are not the first generation rows, right after the text"
+    if problem is not None:
+        return (1, 1, max(generation, 1)), 0, problem + "; sparse attention needs them as the video grid"
+    return grid, generation - tokens, None
