@@ -76,7 +76,8 @@ def test_dense_plan_over_another_key_length():
     plan.validate(q, k, k)
     assert plan.kv_index.shape == (1, 2, 3, 1) and plan.kv_count.eq(1).all()
     longer = dense_plan(1, 2, 37, key_len=300)
-    assert longer.kv_index.shape == (1, 2, 1, 3) and torch.equal(longer.kv_index[0, 0, 0], torch.arange(3, dtype=torch.int32))
+    assert longer.kv_index.shape == (1, 2, 1, 3)
+    assert torch.equal(longer.kv_index[0, 0, 0], torch.arange(3, dtype=torch.int32))
     with pytest.raises(ValueError, match="key_len=0"):
         dense_plan(1, 2, 300, key_len=0)
 

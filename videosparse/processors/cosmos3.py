@@ -72,15 +72,15 @@ class Cosmos3SparseAttnProcessor(SparseAttentionMixin, Cosmos3AttnProcessor):
 
         cos_und, sin_und, cos_gen, sin_gen = rotary_emb
         q_und, k_und = _rotate(q_und, cos_und, sin_und), _rotate(k_und, cos_und, sin_und)
-        k_und_for_gen = _rotate(k_und_for_gen, cos_und, sin_und)
+        k_und_for_gen = k_und if attn.k_norm_und_for_gen is None else _rotate(k_und_for_gen, cos_und, sin_und)
         q_gen, k_gen = _rotate(q_gen, cos_gen, sin_gen), _rotate(k_gen, cos_gen, sin_gen)
 
         causal_out = dispatch_attention_fn(
             q_und.unsqueeze(0), k_und.unsqueeze(0), v_und.unsqueeze(0), is_causal=True, enable_gqa=True,
             backend=getattr(self, "_attention_backend", None), parallel_config=None)
         groups = heads // kv_heads
-        gen_out = self._generation_attention(
-            q_gen.unsqueeze(0), *(repeat_kv_heads(x.unsqueeze(0), groups) for x in (k_gen, v_gen, k_und_for_gen, v_und)))
+        keys = (repeat_kv_heads(x.unsqueeze(0), groups) for x in (k_gen, v_gen, k_und_for_gen, v_und))
+        gen_out = self._generation_attention(q_gen.unsqueeze(0), *keys)
         und_out = attn.to_out(causal_out.squeeze(0).flatten(-2, -1))
         return und_out, attn.to_add_out(gen_out.squeeze(0).flatten(-2, -1).type_as(q_gen))
 
