@@ -141,3 +141,20 @@ def test_text_keys_merged_by_lse_equal_attention_over_both():
     out, _ = merge_attention(*parts[0], *parts[1])
     assert (out - ref).abs().max() <= 1e-6             # the kernels' lse is fp32
     assert repeat_kv_heads(k, 1) is k
+
+
+def test_dense_calls_run_the_stock_processor():
+    """Dense by the config (the dense config; a sparse config's dense steps): the stock processor serves the call, so
+    the output is stock's bit for bit, and the call is counted dense."""
+    tr = tiny_cosmos3()
+    inputs = make_inputs(tr)
+    tester = TestCosmos3()
+    ref = tester.run(tr, inputs)
+    videosparse.apply(tr, videosparse.DenseConfig())
+    assert torch.equal(tester.run(tr, inputs), ref)
+    videosparse.remove(tr)
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=tester.tiling, block=tester.block, dense_steps=1))
+    assert torch.equal(tester.run(tr, inputs, step=0), ref)
+    assert not torch.equal(tester.run(tr, inputs, step=1), ref)
+    s = sessions(tr)["transformer"].stats()
+    assert s["dense_calls"] == s["sparse_calls"] == tester.num_layers

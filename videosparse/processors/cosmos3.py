@@ -17,9 +17,10 @@ time-major grid (`_patchify_and_pack_latents` flattens latents as t, h, w), the 
 So the generation attention is split by keys: the generation rows over the generation keys run through `attend`
 (the video grid sparse, sound and action rows as global tiles after it; the layer's density counts this part), the
 generation rows over the understanding keys run densely on the kernel (`dense_with_lse`), and the two are merged by
-their log-sum-exp (`merge_attention`): stock's attention at density 1, whatever the split. The KV heads are repeated
-to the query heads before the tile-order gather, as SDPA's `enable_gqa` does. A forward whose packed sequence is not
-laid out that way (several vision items, vision rows not right after the text), or whose model has the context
+their log-sum-exp (`merge_attention`): stock's attention at density 1, whatever the split. Calls that run dense by
+the config (dense config, dense steps and layers) and that no observer watches run the stock processor. The KV heads
+are repeated to the query heads before the tile-order gather, as SDPA's `enable_gqa` does. A forward whose packed
+sequence is not laid out that way (several vision items, vision rows not right after the text), or whose model has the context
 parallelism seams set (`_cp_shard_fn`), keeps the stock processor with one warning per layer.
 """
 
@@ -61,6 +62,9 @@ class Cosmos3SparseAttnProcessor(SparseAttentionMixin, Cosmos3AttnProcessor):
         if problem is not None:
             self._record_stock_call(problem)
             return self._stock.__call__(self, attn, und_seq, gen_seq, rotary_emb)
+        if self._plain_dense():
+            self._stats().record_dense()
+            return self._stock.__call__(self, attn, und_seq, gen_seq, rotary_emb)
         heads, kv_heads, head_dim = attn.num_attention_heads, attn.num_key_value_heads, attn.head_dim
         q_und = attn.norm_q(attn.to_q(und_seq).view(-1, heads, head_dim))
         k_und = attn.norm_k(attn.to_k(und_seq).view(-1, kv_heads, head_dim))
@@ -83,6 +87,13 @@ class Cosmos3SparseAttnProcessor(SparseAttentionMixin, Cosmos3AttnProcessor):
         gen_out = self._generation_attention(q_gen.unsqueeze(0), *keys)
         und_out = attn.to_out(causal_out.squeeze(0).flatten(-2, -1))
         return und_out, attn.to_add_out(gen_out.squeeze(0).flatten(-2, -1).type_as(q_gen))
+
+    def _plain_dense(self) -> bool:
+        """This call runs dense by the config (dense config, step or layer) and nobody observes it: stock's own
+        attention then serves it whole (the observers' records come from `attend`)."""
+        session = self.session
+        return not session.observers and (session.method is None or self.slot.dense
+                                          or not session.context.sparse_step)
 
     def _generation_attention(self, q, k, v, k_und, v_und):
         """q, k, v [1, N, H, D] of the generation rows, k_und, v_und [1, U, H, D] of the understanding rows ->
