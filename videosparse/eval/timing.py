@@ -94,7 +94,8 @@ class AttentionTimer:
 
     For the duration of the context it wraps, per instance, every videosparse processor's
     `attend(q, k, v)` (the whole attention: dense/sparse decision, Wan's RoPE, gather, plan, kernel, scatter; not
-    the projections, which dense and sparse share) and every session's `method.plan` (mask
+    the projections, which dense and sparse share; a processor whose attention takes more than one `attend` names
+    its entry point in `timed_entry`) and every session's `method.plan` (mask
     building). On CUDA each call is bracketed by CUDA events, so nothing synchronises inside the
     forward; the durations are read when the context closes. Nothing in `videosparse.processors`
     changes: the wrappers are instance attributes, deleted on exit.
@@ -132,11 +133,11 @@ class AttentionTimer:
         wrapped: list[tuple[object, str]] = []
 
         def wrap_attend(proc):
-            original = proc.attend
+            original = getattr(proc, proc.timed_entry)
 
-            def attend(q, k, v, attention_mask=None, **kwargs):
+            def attend(q, *args, **kwargs):
                 begin = attn_clock.start(q.device)
-                out = original(q, k, v, attention_mask, **kwargs)
+                out = original(q, *args, **kwargs)
                 attn_clock.stop(q.device, begin)
                 layers.append(proc.layer)
                 return out
@@ -157,8 +158,8 @@ class AttentionTimer:
         sessions = []
         for t in self.transformers:
             for proc in self._processors(t):
-                proc.attend = wrap_attend(proc)
-                wrapped.append((proc, "attend"))
+                setattr(proc, proc.timed_entry, wrap_attend(proc))
+                wrapped.append((proc, proc.timed_entry))
                 sessions.append(proc.session)
         for session in {id(s): s for s in sessions}.values():
             if session.method is not None:

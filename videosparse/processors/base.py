@@ -88,6 +88,7 @@ class SparseAttentionMixin:
     """
 
     _stock: type                       # the model's stock processor class
+    timed_entry = "attend"             # the method holding a call's whole attention (what `AttentionTimer` times)
 
     def __init__(self, session: SparseSession, layer: int, original=None) -> None:
         self._stock.__init__(self)

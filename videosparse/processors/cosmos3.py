@@ -18,10 +18,10 @@ So the generation attention is split by keys: the generation rows over the gener
 (the video grid sparse, sound and action rows as global tiles after it; the layer's density counts this part), the
 generation rows over the understanding keys run densely on the kernel (`dense_with_lse`), and the two are merged by
 their log-sum-exp (`merge_attention`): stock's attention at density 1, whatever the split. Calls that run dense by
-the config (dense config, dense steps and layers) and that no observer watches run the stock processor. The KV heads
-are repeated to the query heads before the tile-order gather, as SDPA's `enable_gqa` does. A forward whose packed
-sequence is not laid out that way (several vision items, vision rows not right after the text), or whose model has the context
-parallelism seams set (`_cp_shard_fn`), keeps the stock processor with one warning per layer.
+the config (dense config, dense steps and layers) and that no observer watches make stock's attention call. The KV
+heads are repeated to the query heads before the tile-order gather, as SDPA's `enable_gqa` does. A forward whose
+packed sequence is not laid out that way (several vision items, vision rows not right after the text), or whose
+model has the context parallelism seams set (`_cp_shard_fn`), keeps the stock processor with one warning per layer.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class Cosmos3SparseAttnProcessor(SparseAttentionMixin, Cosmos3AttnProcessor):
     projections, q/k norms, RoPE and the causal understanding pathway are stock's."""
 
     _stock = Cosmos3AttnProcessor
+    timed_entry = "attend_generation"
 
     def __call__(self, attn, und_seq: torch.Tensor, gen_seq: torch.Tensor, rotary_emb):
         problem = self.session.context.unsupported
@@ -61,9 +62,6 @@ class Cosmos3SparseAttnProcessor(SparseAttentionMixin, Cosmos3AttnProcessor):
             problem = "Cosmos 3 under a parallel config keeps the stock processor"
         if problem is not None:
             self._record_stock_call(problem)
-            return self._stock.__call__(self, attn, und_seq, gen_seq, rotary_emb)
-        if self._plain_dense():
-            self._stats().record_dense()
             return self._stock.__call__(self, attn, und_seq, gen_seq, rotary_emb)
         heads, kv_heads, head_dim = attn.num_attention_heads, attn.num_key_value_heads, attn.head_dim
         q_und = attn.norm_q(attn.to_q(und_seq).view(-1, heads, head_dim))
@@ -82,22 +80,28 @@ class Cosmos3SparseAttnProcessor(SparseAttentionMixin, Cosmos3AttnProcessor):
         causal_out = dispatch_attention_fn(
             q_und.unsqueeze(0), k_und.unsqueeze(0), v_und.unsqueeze(0), is_causal=True, enable_gqa=True,
             backend=getattr(self, "_attention_backend", None), parallel_config=None)
-        groups = heads // kv_heads
-        keys = (repeat_kv_heads(x.unsqueeze(0), groups) for x in (k_gen, v_gen, k_und_for_gen, v_und))
-        gen_out = self._generation_attention(q_gen.unsqueeze(0), *keys)
+        gen_out = self.attend_generation(*(x.unsqueeze(0) for x in (q_gen, k_gen, v_gen, k_und_for_gen, v_und)))
         und_out = attn.to_out(causal_out.squeeze(0).flatten(-2, -1))
         return und_out, attn.to_add_out(gen_out.squeeze(0).flatten(-2, -1).type_as(q_gen))
 
     def _plain_dense(self) -> bool:
-        """This call runs dense by the config (dense config, step or layer) and nobody observes it: stock's own
-        attention then serves it whole (the observers' records come from `attend`)."""
+        """This call runs dense by the config (dense config, step or layer) and nobody observes it (the observers'
+        records come from `attend`)."""
         session = self.session
         return not session.observers and (session.method is None or self.slot.dense
                                           or not session.context.sparse_step)
 
-    def _generation_attention(self, q, k, v, k_und, v_und):
-        """q, k, v [1, N, H, D] of the generation rows, k_und, v_und [1, U, H, D] of the understanding rows ->
-        [1, N, H, D]: the generation rows over both key sets (sparse over their own, dense over the text)."""
+    def attend_generation(self, q, k, v, k_und, v_und):
+        """The generation pathway's attention: q [1, N, H, D] of the generation rows over their own keys k, v
+        [1, N, Hkv, D] and the understanding rows' k_und, v_und [1, U, Hkv, D] -> [1, N, H, D]. Dense by the config:
+        stock's call (one attention over both key sets, grouped-query); else sparse over the generation keys, dense
+        over the text keys, merged."""
+        if self._plain_dense():
+            self._stats().record_dense()
+            return dispatch_attention_fn(q, torch.cat([k_und, k], dim=1), torch.cat([v_und, v], dim=1),
+                                         enable_gqa=True, backend=getattr(self, "_attention_backend", None))
+        groups = q.shape[2] // k.shape[2]
+        k, v, k_und, v_und = (repeat_kv_heads(x, groups) for x in (k, v, k_und, v_und))
         out, lse = self.attend(q, k, v, return_lse=True)
         if k_und.shape[1] == 0:
             return out
