@@ -1,7 +1,6 @@
 """Cosmos 3 (Cosmos3OmniTransformer): the generation pathway of every layer's self_attn served (the video grid sparse,
-the sound rows as global tiles after it, the text keys added densely and merged by log-sum-exp), the causal text
-pathway stock; grouped-query attention; packed sequences laid out otherwise, and the model's context-parallel seams,
-stock with one warning per layer.
+the sound rows and the text keys as global tiles after it), the causal text pathway stock; grouped-query attention;
+packed sequences laid out otherwise, and the model's context-parallel seams, stock with one warning per layer.
 
 The inputs are laid out by the pipeline's own segment builders (`videosparse.eval.synthetic.cosmos3_inputs`), as
 `Cosmos3OmniPipeline` calls the transformer.
@@ -74,12 +73,13 @@ class TestCosmos3(ProcessorTesterMixin):
 
     def test_generation_pathway_served_text_pathway_stock(self):
         tr, before, records, _, _ = check_blocks_attn1_served(self, Cosmos3AttnProcessor, SERVED)
-        # the observers see the generation rows (video grid, then the sound rows) with the KV heads repeated
-        assert all(r.q.shape == r.k.shape == (1, 288 + SOUND, 2, 64) for r in records)
+        # the observers see the generation rows (video grid, then the sound rows) and the text rows after them, with
+        # the KV heads repeated
+        assert all(r.q.shape == r.k.shape == (1, 288 + SOUND + TEXT, 2, 64) for r in records)
 
-    def test_sound_rows_are_global_tiles(self, caplog):
+    def test_sound_rows_and_text_keys_are_global_tiles(self, caplog):
         tr = self.make_transformer()
-        check_extra_tokens_served_as_global_tiles(self, tr, self.make_inputs(tr), GRID, SOUND, "after", caplog)
+        check_extra_tokens_served_as_global_tiles(self, tr, self.make_inputs(tr), GRID, SOUND + TEXT, "after", caplog)
 
     @pytest.mark.parametrize("config", [
         dict(num_key_value_heads=2),                                         # no grouping
@@ -125,10 +125,10 @@ class TestCosmos3(ProcessorTesterMixin):
         assert_runs_stock_with_one_warning(self, tr, self.make_inputs(tr), "context-parallel seams", caplog)
 
 
-def test_text_keys_merged_by_lse_equal_attention_over_both():
-    """The split the processor makes: queries over their own keys and over a shorter set of text keys (another
-    length, a partial tile), each with its log-sum-exp, merged = attention over the union (fp64); KV heads repeated
-    to the query heads as SDPA's enable_gqa."""
+def test_two_key_sets_merged_by_lse_equal_attention_over_both():
+    """Queries over their own keys and over a shorter set of keys (another length, a partial tile) on the kernel
+    (`dense_with_lse`), each with its log-sum-exp, merged = attention over the union (fp64); KV heads repeated to the
+    query heads as SDPA's enable_gqa."""
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 200, 4, 64, generator=g, dtype=torch.float64)
     k, v = (torch.randn(2, 200, 2, 64, generator=g, dtype=torch.float64) for _ in range(2))

@@ -14,14 +14,14 @@ each shared by num_attention_heads / num_key_value_heads query heads) and a rota
 per-row cos / sin tables. The pipeline lays the generation rows out as [video | sound | action]: the video is one
 time-major grid (`_patchify_and_pack_latents` flattens latents as t, h, w), the sound and action rows follow it.
 
-So the generation attention is split by keys: the generation rows over the generation keys run through `attend`
-(the video grid sparse, sound and action rows as global tiles after it; the layer's density counts this part), the
-generation rows over the understanding keys run densely on the kernel (`dense_with_lse`), and the two are merged by
-their log-sum-exp (`merge_attention`): stock's attention at density 1, whatever the split. Calls that run dense by
-the config (dense config, dense steps and layers) and that no observer watches make stock's attention call. The KV
-heads are repeated to the query heads before the tile-order gather, as SDPA's `enable_gqa` does. A forward whose
-packed sequence is not laid out that way (several vision items, vision rows not right after the text), or whose
-model has the context parallelism seams set (`_cp_shard_fn`), keeps the stock processor with one warning per layer.
+So the generation attention runs as one `attend` call over [video | sound | action | text]: the video grid sparse;
+the sound and action rows and the understanding (text) keys as global tiles after it, which every video row keeps,
+as stock attends to them. The text rows' own queries in that call (the understanding queries stand in for them) are
+dropped: the understanding pathway's output is stock's causal attention. Calls that run dense by the config (dense
+config, dense steps and layers) and that no observer watches make stock's attention call instead. The KV heads are
+repeated to the query heads before the tile-order gather, as SDPA's `enable_gqa` does. A forward whose packed
+sequence is not laid out that way (several vision items, vision rows not right after the text), or whose model has
+the context parallelism seams set (`_cp_shard_fn`), keeps the stock processor with one warning per layer.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_cosmos3 import Cosmos3AttnProcessor, _rotate_half
 
-from .base import SparseAttentionMixin, dense_with_lse, merge_attention
+from .base import SparseAttentionMixin
 from .context import forward_arg
 
 
@@ -80,7 +80,8 @@ class Cosmos3SparseAttnProcessor(SparseAttentionMixin, Cosmos3AttnProcessor):
         causal_out = dispatch_attention_fn(
             q_und.unsqueeze(0), k_und.unsqueeze(0), v_und.unsqueeze(0), is_causal=True, enable_gqa=True,
             backend=getattr(self, "_attention_backend", None), parallel_config=None)
-        gen_out = self.attend_generation(*(x.unsqueeze(0) for x in (q_gen, k_gen, v_gen, k_und_for_gen, v_und)))
+        gen_out = self.attend_generation(
+            *(x.unsqueeze(0) for x in (q_gen, k_gen, v_gen, k_und_for_gen, v_und, q_und)))
         und_out = attn.to_out(causal_out.squeeze(0).flatten(-2, -1))
         return und_out, attn.to_add_out(gen_out.squeeze(0).flatten(-2, -1).type_as(q_gen))
 
@@ -91,28 +92,25 @@ class Cosmos3SparseAttnProcessor(SparseAttentionMixin, Cosmos3AttnProcessor):
         return not session.observers and (session.method is None or self.slot.dense
                                           or not session.context.sparse_step)
 
-    def attend_generation(self, q, k, v, k_und, v_und):
+    def attend_generation(self, q, k, v, k_und, v_und, q_und):
         """The generation pathway's attention: q [1, N, H, D] of the generation rows over their own keys k, v
         [1, N, Hkv, D] and the understanding rows' k_und, v_und [1, U, Hkv, D] -> [1, N, H, D]. Dense by the config:
-        stock's call (one attention over both key sets, grouped-query); else sparse over the generation keys, dense
-        over the text keys, merged."""
+        stock's call (one attention over both key sets, grouped-query); else one `attend` over [generation; text],
+        whose text rows (queries q_und [1, U, H, D]) are dropped."""
         if self._plain_dense():
             self._stats().record_dense()
             return dispatch_attention_fn(q, torch.cat([k_und, k], dim=1), torch.cat([v_und, v], dim=1),
                                          enable_gqa=True, backend=getattr(self, "_attention_backend", None))
         groups = q.shape[2] // k.shape[2]
-        k, v, k_und, v_und = (repeat_kv_heads(x, groups) for x in (k, v, k_und, v_und))
-        out, lse = self.attend(q, k, v, return_lse=True)
-        if k_und.shape[1] == 0:
-            return out
-        out_und, lse_und = dense_with_lse(q, k_und, v_und, self._kernel_choice)
-        return merge_attention(out, lse, out_und, lse_und)[0]
+        k, v = (repeat_kv_heads(torch.cat(pair, dim=1), groups) for pair in ((k, k_und), (v, v_und)))
+        return self.attend(torch.cat([q, q_und], dim=1), k, v)[:, :q.shape[1]]
 
 
 def cosmos3_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | None]:
-    """The video grid (T, H, W) of the generation rows, the sound and action rows after it (global tiles), and why the
-    forward keeps the stock processor (None when it can be served; else the grid is (1, 1, N), only to keep the
-    layouts well-formed). Syncs the host once (the vision rows' indexes)."""
+    """The video grid (T, H, W) of the generation rows; the rows after it in the processor's attention call (sound,
+    action and the understanding keys: global tiles); and why the forward keeps the stock processor (None when it can
+    be served; else the grid is (1, 1, N), only to keep the layouts well-formed). Syncs the host once (the vision
+    rows' indexes)."""
     und_len = int(forward_arg(args, kwargs, "und_len", 3))
     generation = int(forward_arg(args, kwargs, "sequence_length", 4)) - und_len
     shapes = forward_arg(args, kwargs, "vision_token_shapes", 6)
@@ -130,4 +128,4 @@ def cosmos3_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str |
             problem = "the vision rows are not the first generation rows, right after the text"
     if problem is not None:
         return (1, 1, max(generation, 1)), 0, problem + "; sparse attention needs them as the video grid"
-    return grid, generation - tokens, None
+    return grid, generation - tokens + und_len, None
