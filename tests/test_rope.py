@@ -20,16 +20,25 @@ CASES = {
     "fp16-heads-tiled": (1, (4, 6, 5), ((2, 4, 4), (4, 4, 2), (2, 4, 4)), 3, 64, "float16", "float32", False),
     "fp32-strided-x": (2, (2, 4, 9), (2, 4, 4), 2, 16, "float32", "float32", True),
     "bf16-d128": (1, (3, 4, 6), (2, 4, 4), 2, 128, "bfloat16", "bfloat16", False),
+    "half-gqa-heads-tiled": (1, (3, 4, 5), ((2, 4, 4), (4, 4, 2), (2, 4, 4), (4, 4, 2)), 4, 64, "bfloat16", "bfloat16",
+                             False),
+    "half-strided-x": (2, (2, 4, 9), (2, 4, 4), 2, 32, "float32", "float32", True),
+    "interleaved-gqa": (1, (3, 5, 7), (2, 4, 4), 4, 32, "float16", "float32", False),
 }
+# name: (rotate-half RoPE, output heads per head of x) where not (False, 1)
+VARIANTS = {"half-gqa-heads-tiled": (True, 2), "half-strided-x": (True, 1), "interleaved-gqa": (False, 4)}
 
 
-def _inputs(B, grid, H, D, dtype, fdtype, strided, seed):
+def _inputs(B, grid, H, D, dtype, fdtype, strided, seed, half=False):
     g = torch.Generator().manual_seed(seed)
     S = grid[0] * grid[1] * grid[2]
     if strided:   # (B, H, S, D) storage viewed as (B, S, H, D): non-contiguous token and head strides
         x = torch.randn(B, H, S, D, generator=g).to(dtype).transpose(1, 2)
     else:
         x = torch.randn(B, S, H, D, generator=g).to(dtype)
+    if half:      # any tables: the two halves of a row need not repeat each other (the kernel reads both)
+        angle = torch.randn(1, S, 1, D, generator=g, dtype=torch.float64) * 3
+        return x, angle.cos().to(fdtype), angle.sin().to(fdtype)
     angle = torch.randn(1, S, 1, D // 2, generator=g, dtype=torch.float64) * 3
     cos = angle.cos().repeat_interleave(2, -1).to(fdtype)    # Wan's tables repeat each frequency twice
     sin = angle.sin().repeat_interleave(2, -1).to(fdtype)
@@ -43,15 +52,18 @@ def _layout(grid, tiles, H):
 
 
 def _run_case(name: str) -> dict:
-    from videosparse.rope import apply_interleaved_rope, rope_gather
+    from videosparse.rope import HalfRope, apply_rope, rope_gather
 
     B, grid, tiles, H, D, dtype, fdtype, strided = CASES[name]
-    x, cos, sin = _inputs(B, grid, H, D, getattr(torch, dtype), getattr(torch, fdtype), strided, sum(map(ord, name)))
+    half, groups = VARIANTS.get(name, (False, 1))
+    x, cos, sin = _inputs(B, grid, H // groups, D, getattr(torch, dtype), getattr(torch, fdtype), strided,
+                          sum(map(ord, name)), half)
     layout = _layout(grid, tiles, H)
     perm = layout.first.indices("cpu")[0] if layout.uniform else layout.head_indices("cpu")[0]
-    out = rope_gather(x, perm, cos, sin, backend="triton")
-    # reference: the stock math in fp32 (the kernel rounds once at the end), then the torch gather
-    ref = layout.gather(apply_interleaved_rope(x.float(), cos.float(), sin.float()))
+    out = rope_gather(x, perm, cos, sin, backend="triton", half=half, groups=groups)
+    # reference: the stock math in fp32 (the kernel rounds once at the end), then the torch gather of the repeated heads
+    tables = HalfRope(cos.float(), sin.float()) if half else (cos.float(), sin.float())
+    ref = layout.gather(apply_rope(x.float(), tables).repeat_interleave(groups, dim=2))
     err = float((out.float() - ref).norm() / ref.norm())
     return {"rel_l2": err, "shape_ok": tuple(out.shape) == (B, H, x.shape[1], D),
             "dtype_ok": out.dtype == x.dtype, "contiguous": out.is_contiguous()}
@@ -83,6 +95,31 @@ def test_layout_gather_with_rope_equals_rope_then_gather_on_cpu():
                                    rtol=0, atol=0)
 
 
+def test_half_rope_and_repeated_heads_in_the_cpu_gather():
+    """On the CPU (torch path): `apply_half_rope` is Cosmos 3's rotation; the layouts' gather with a `HalfRope` and
+    `groups` equals rotate, repeat the heads, then gather (one order for all heads and one per head); a head count
+    that does not fit the tiling is refused."""
+    from diffusers.models.transformers.transformer_cosmos3 import _rotate_half
+
+    from videosparse.layout import head_tiling
+    from videosparse.rope import HalfRope, apply_half_rope
+
+    g = torch.Generator().manual_seed(5)
+    grid, D = (2, 3, 7), 16
+    S = grid[0] * grid[1] * grid[2]
+    x = torch.randn(2, S, 2, D, generator=g, dtype=torch.float64)
+    cos, sin = torch.randn(2, 1, S, 1, D, generator=g, dtype=torch.float64)
+    rotated = apply_half_rope(x, cos, sin)
+    assert torch.allclose(rotated, x * cos + _rotate_half(x) * sin)
+    for tiles in ((1, 3, 4), ((1, 3, 4), (2, 3, 2), (1, 3, 4), (2, 3, 2))):
+        layout = head_tiling(grid, tiles, 4, block=12)
+        ref = layout.gather(rotated.repeat_interleave(2, dim=2))
+        assert torch.equal(layout.gather(x, HalfRope(cos, sin), groups=2), ref)
+        assert torch.equal(layout.gather(x, groups=2), layout.gather(x.repeat_interleave(2, dim=2)))
+    with pytest.raises(ValueError, match="x has 2 heads"):
+        head_tiling(grid, ((1, 3, 4), (2, 3, 2), (1, 3, 4)), 3, block=12).gather(x)
+
+
 def test_apply_interleaved_rope_rotates_pairs():
     """Pair (x0, x1) by angle a -> (x0 cos a - x1 sin a, x0 sin a + x1 cos a); norms are kept."""
     from videosparse.rope import apply_interleaved_rope
@@ -109,12 +146,17 @@ def test_rope_gather_dispatch_and_errors():
         rope_gather(x6, perm, cos6, sin6, backend="triton")
     with pytest.raises(ValueError, match=r"freqs_cos has shape \(1, 4, 1, 8\)"):
         rope_gather(x, perm, cos[:, :4], sin, backend="triton")
+    for groups in (0, 1.5, True):
+        with pytest.raises(ValueError, match=f"groups={groups!r} must be an int >= 1"):
+            rope_gather(x, perm, cos, sin, groups=groups)
 
 
-@pytest.mark.parametrize("per_head", [False, True])
-def test_rope_gather_kernel_compiles_to_16_byte_accesses_for_sm90(per_head):
+@pytest.mark.parametrize("per_head,half,groups", [(False, False, 1), (True, False, 1), (False, True, 4),
+                                                   (True, True, 1)])
+def test_rope_gather_kernel_compiles_to_16_byte_accesses_for_sm90(per_head, half, groups):
     """AOT for sm_90 on CPU: with 16-divisible strides (what the JIT sees at Wan sizes) rows move as
-    16-byte vectors; a change that falls back to 2-byte accesses costs ~10x on the GPU."""
+    16-byte vectors, interleaved and rotate-half, with and without repeated KV heads (groups 1 is folded as a launch
+    folds it); a change that falls back to 2-byte accesses costs ~10x on the GPU."""
     import re
 
     triton = pytest.importorskip("triton")
@@ -130,7 +172,12 @@ def test_rope_gather_kernel_compiles_to_16_byte_accesses_for_sm90(per_head):
     sig.update({n: "i32" for n in ints})
     aligned = ("x_ptr", "perm_ptr", "cos_ptr", "sin_ptr", "out_ptr") + ints[3:]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = ASTSource(_rope_gather_kernel, sig, dict(D=128, BLOCK=32, PER_HEAD=per_head), attrs=attrs)
+    constants = dict(D=128, BLOCK=32, PER_HEAD=per_head, HALF=half)
+    if groups == 1:
+        constants["GROUPS"] = 1
+    else:
+        sig["GROUPS"] = "i32"
+    src = ASTSource(_rope_gather_kernel, sig, constants, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
     assert re.search(r"ld\.global\S*\.v4", ptx) and re.search(r"st\.global\S*\.v4", ptx)
     assert not re.search(r"st\.global\.b16", ptx), "the output rows are stored 2 bytes at a time"
@@ -153,6 +200,26 @@ def test_gpu_rope_gather_at_wan_size(dtype):
     ref = layout.gather(apply_interleaved_rope(x.double(), cos, sin))
     err = float((out.double() - ref).norm() / ref.norm())
     assert out.dtype == dtype and err < (4e-3 if dtype == torch.bfloat16 else 5e-4), err
+
+
+@pytest.mark.gpu
+def test_gpu_rope_gather_half_with_repeated_heads_at_cosmos3_size():
+    """Cosmos 3's generation rows at 720p (44,160 video + 256 text rows): rotate-half RoPE of 8 KV heads x 128 fused
+    with the gather and the repeat to 32 heads, against rotate, repeat, gather in float64."""
+    from videosparse.layout import TileLayout
+    from videosparse.rope import HalfRope, apply_half_rope
+
+    grid, text, H, groups, D = (48, 23, 40), 256, 32, 4, 128
+    S = grid[0] * grid[1] * grid[2] + text
+    g = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(1, S, H // groups, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    angle = torch.rand(1, S, 1, D // 2, device="cuda", generator=g, dtype=torch.float64) * 50
+    cos, sin = (torch.cat([t, t], -1).to(torch.bfloat16) for t in (angle.cos(), angle.sin()))
+    layout = TileLayout(grid, (4, 4, 8), text_len=text)
+    out = layout.gather(x, HalfRope(cos, sin), groups=groups)
+    ref = layout.gather(apply_half_rope(x.double(), cos.double(), sin.double()).repeat_interleave(groups, dim=2))
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert out.shape == (1, H, S, D) and err < 4e-3, err
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from .rope import apply_interleaved_rope, rope_gather
+from .rope import HalfRope, apply_rope, rope_gather
 
 TEXT_POSITIONS = ("before", "after")
 
@@ -142,22 +142,22 @@ class TileLayout:
             self._device_cache[key] = (self.perm.to(device), self.inv.to(device))
         return self._device_cache[key]
 
-    def gather(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """(B, S, H, D) in the original order -> (B, H, S, D) contiguous in tile order.
+    def gather(self, x: torch.Tensor, rope=None, groups: int = 1) -> torch.Tensor:
+        """(B, S, H, D) in the original order -> (B, H * groups, S, D) contiguous in tile order.
 
-        rope: optional Wan rotary tables (freqs_cos, freqs_sin), [1, S, 1, D]: returns the gather of
-        `apply_interleaved_rope(x, *rope)`, fused into one pass where `rope_gather` applies.
+        rope: optional rotary tables, [1, S, 1, D]: Wan's (freqs_cos, freqs_sin) or a `HalfRope`; returns the gather
+        of `apply_rope(x, rope)`, fused into one pass where `rope_gather` applies.
+        groups: output heads per head of x (grouped-query KV heads repeated: output head h is x's head h // groups).
         """
         _check_seq(x, self.seq_len, "x")
         perm, _ = self.indices(x.device)
-        fused, x = _rope_first(x, perm, rope)
+        fused, x = _rope_first(x, perm, rope, groups)
         if fused is not None:
             return fused
         xt = x.transpose(1, 2)
         wide = _wide_view(xt)
-        if wide is not None:
-            return wide[:, :, perm].view(x.dtype)
-        return xt[:, :, perm]
+        out = wide[:, :, perm].view(x.dtype) if wide is not None else xt[:, :, perm]
+        return out if groups == 1 else out.repeat_interleave(groups, dim=1)
 
     def scatter(self, y: torch.Tensor) -> torch.Tensor:
         """(B, H, S, D) in tile order -> (B, S, H, D) in the original order (contiguous in eager mode)."""
@@ -172,13 +172,14 @@ class TileLayout:
         return y[:, :, inv].transpose(1, 2)
 
 
-def _rope_first(x: torch.Tensor, perm: torch.Tensor, rope) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(RoPE(x) already gathered by `perm` when the fused kernel applies, else None; x, rotated when
-    `rope` is given and the fused kernel did not apply). rope: Wan's (freqs_cos, freqs_sin) or None."""
+def _rope_first(x: torch.Tensor, perm: torch.Tensor, rope, groups: int = 1) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(RoPE(x) already gathered by `perm` (and its heads repeated `groups` times) when the fused kernel applies, else
+    None; x, rotated when `rope` is given and the fused kernel did not apply). rope: Wan's (freqs_cos, freqs_sin), a
+    `HalfRope`, or None."""
     if rope is None:
         return None, x
-    fused = rope_gather(x, perm, *rope)
-    return (fused, x) if fused is not None else (None, apply_interleaved_rope(x, *rope))
+    fused = rope_gather(x, perm, *rope, half=isinstance(rope, HalfRope), groups=groups)
+    return (fused, x) if fused is not None else (None, apply_rope(x, rope))
 
 
 def _wide_view(x: torch.Tensor) -> torch.Tensor | None:
@@ -272,18 +273,21 @@ class HeadTiling:
             self._device_cache[key] = (perm.to(device), inv.to(device))
         return self._device_cache[key]
 
-    def gather(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """(B, S, H, D) original order -> (B, H, S, D) contiguous, each head in its own tile order
-        (`rope` as in `TileLayout.gather`)."""
+    def gather(self, x: torch.Tensor, rope=None, groups: int = 1) -> torch.Tensor:
+        """(B, S, H / groups, D) original order -> (B, H, S, D) contiguous, each head in its own tile order
+        (`rope` and `groups` as in `TileLayout.gather`)."""
         if self.uniform:
-            return self.first.gather(x, rope)
+            return self.first.gather(x, rope, groups)
         _check_seq(x, self.seq_len, "x")
-        if x.shape[2] != len(self.tiles):
-            raise ValueError(f"x has {x.shape[2]} heads but the tiling names {len(self.tiles)} tile shapes.")
+        if x.shape[2] * groups != len(self.tiles):
+            raise ValueError(f"x has {x.shape[2]} heads (x {groups} groups) but the tiling names {len(self.tiles)} "
+                             "tile shapes.")
         perm, _ = self.head_indices(x.device)
-        fused, x = _rope_first(x, perm, rope)
+        fused, x = _rope_first(x, perm, rope, groups)
         if fused is not None:
             return fused
+        if groups > 1:
+            x = x.repeat_interleave(groups, dim=2)
         B, S, H, D = x.shape
         xt = x.transpose(1, 2)
         wide = _wide_view(xt)

@@ -1,15 +1,20 @@
-"""Wan's interleaved rotary embedding, alone and fused with the tile-order gather.
+"""Rotary embeddings, alone and fused with the tile-order gather.
 
-`apply_interleaved_rope` is the math of diffusers' `WanAttnProcessor` (pairs (x[2i], x[2i+1])
-rotated by cos[2i] / sin[2i+1]); the dense path and every fallback use it. `rope_gather` is the
-same rotation fused with the token gather of a `TileLayout`: one Triton pass reads x (B, S, H, D)
-in diffusers' order and writes RoPE(x) (B, H, S, D) in tile order, computing in fp32 and rounding
-once. In eager mode it replaces about a dozen elementwise kernels per tensor (the stock RoPE builds
-several full-size temporaries in the dtype of the rotary table) plus the gather's own copy; under
-torch.compile Inductor fuses the torch form itself, so the fused kernel is not used there.
+Two styles. Wan's interleaved RoPE, given as a plain tuple of tables (freqs_cos, freqs_sin):
+`apply_interleaved_rope` is the math of diffusers' `WanAttnProcessor` (pairs (x[2i], x[2i+1]) rotated by
+cos[2i] / sin[2i+1]). Rotate-half RoPE (Cosmos 3, Qwen-style mRoPE), given as `HalfRope(cos, sin)`:
+x * cos + rotate_half(x) * sin with rotate_half(x) = [-x[D/2:], x[:D/2]] (`apply_half_rope`). `apply_rope` takes
+either; the dense path and every fallback use it. `rope_gather` is the same rotation fused with the token gather of
+a `TileLayout`: one Triton pass reads x (B, S, H, D) in diffusers' order and writes RoPE(x) (B, H, S, D) in tile
+order, computing in fp32 and rounding once; it can also repeat grouped-query KV heads (`groups`). In eager mode it
+replaces about a dozen elementwise kernels per tensor (the stock RoPE builds several full-size temporaries in the
+dtype of the rotary table) plus the gather's own copy; under torch.compile Inductor fuses the torch form itself, so
+the fused kernel is not used there.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -32,6 +37,26 @@ def apply_interleaved_rope(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: 
     return out.type_as(x)
 
 
+class HalfRope(NamedTuple):
+    """Rotate-half rotary tables cos, sin, broadcastable to x [B, S, H, D] ([1, S, 1, D] for the fused gather)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def apply_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on x [B, S, H, D]: x * cos + [-x[D/2:], x[:D/2]] * sin (as Cosmos 3's processor)."""
+    half = x.shape[-1] // 2
+    return (x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin).type_as(x)
+
+
+def apply_rope(x: torch.Tensor, rope) -> torch.Tensor:
+    """x [B, S, H, D] rotated by `rope`: a `HalfRope`, or Wan's interleaved tables (freqs_cos, freqs_sin)."""
+    if isinstance(rope, HalfRope):
+        return apply_half_rope(x, *rope)
+    return apply_interleaved_rope(x, *rope)
+
+
 def _fused_reason(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> str | None:
     """Why the fused kernel cannot take these inputs (None: it can)."""
     B, S, H, D = x.shape
@@ -47,21 +72,25 @@ def _fused_reason(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Ten
 
 
 def rope_gather(x: torch.Tensor, perm: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor, *,
-                backend: str = "auto") -> torch.Tensor | None:
+                backend: str = "auto", half: bool = False, groups: int = 1) -> torch.Tensor | None:
     """RoPE(x) in tile order, in one pass; None when the fused kernel does not apply (the caller falls back).
 
     Args:
         x: [B, S, H, D] (any strides with a unit last dim), fp32/fp16/bf16.
-        perm: int64 [S] (one order for all heads) or [H, S] (one per head): tile position -> token.
-        freqs_cos, freqs_sin: [1, S, 1, D], Wan's rotary tables.
+        perm: int64 [S] (one order for all heads) or [H * groups, S] (one per output head): tile position -> token.
+        freqs_cos, freqs_sin: [1, S, 1, D], Wan's interleaved rotary tables, or rotate-half ones with `half`.
         backend: "auto" (the Triton kernel on CUDA in eager mode, else None), "triton" (also on CPU
             under TRITON_INTERPRET=1; a clear error when the inputs do not fit) or "torch" (None).
+        half: rotate-half RoPE (`apply_half_rope`) instead of the interleaved one.
+        groups: output heads per head of x (grouped-query KV heads repeated: output head h reads x's h // groups).
 
     Returns:
-        [B, H, S, D] contiguous in x's dtype, or None.
+        [B, H * groups, S, D] contiguous in x's dtype, or None.
     """
     if backend not in ROPE_BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; choose one of {ROPE_BACKENDS}.")
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"groups={groups!r} must be an int >= 1 (output heads per head of x).")
     if backend == "torch":
         return None
     if backend == "auto":
@@ -78,4 +107,4 @@ def rope_gather(x: torch.Tensor, perm: torch.Tensor, freqs_cos: torch.Tensor, fr
         return None
     from .kernels.triton_rope_gather import rope_gather_triton
 
-    return rope_gather_triton(x, perm, freqs_cos, freqs_sin)
+    return rope_gather_triton(x, perm, freqs_cos, freqs_sin, half=half, groups=groups)

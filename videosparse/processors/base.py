@@ -20,7 +20,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 from ..kernels import block_sparse_attention
 from ..plan import dense_plan
-from ..rope import apply_interleaved_rope
+from ..rope import apply_rope
 from .context import AttentionRecord, LayerStats, SparseSession
 from .parallel import heads_to_seq, seq_to_heads, ulysses_shard
 
@@ -172,10 +172,12 @@ class SparseAttentionMixin:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask=None,
                rope: tuple[torch.Tensor, torch.Tensor] | None = None, text_len: int | None = None,
                item: int | None = None, return_lse: bool = False):
-        """Self-attention of q, k, v [B, S, H, D] (diffusers order) -> [B, S, H, D].
+        """Self-attention of q [B, S, H, D], k, v [B, S, H / G, D] (diffusers order; G > 1: grouped-query attention,
+        query head h reads KV head h // G) -> [B, S, H, D].
 
-        rope: Wan's rotary tables (freqs_cos, freqs_sin), still to be applied to q and k
-        (`apply_interleaved_rope`); the sparse path fuses the rotation into the tile-order gather.
+        rope: rotary tables still to be applied to q and k: Wan's (freqs_cos, freqs_sin) or a `HalfRope`
+        (`videosparse.rope.apply_rope`); the sparse path fuses the rotation (and the KV heads' repeat) into the
+        tile-order gather.
         text_len: the text tokens in q, k, v (default: the forward's, `context.text_len`).
         item: the batch item that q, k, v hold when the forward's items are served one by one (for observers).
         return_lse: also return the rows' log-sum-exp, fp32 [B, S, H]; dense calls then run `dense_with_lse`
@@ -191,9 +193,17 @@ class SparseAttentionMixin:
             raise ValueError("attend(return_lse=True) takes no attention mask and no context parallelism; got "
                              f"attention_mask={type(attention_mask).__name__}, shard={shard!r}.")
         reason = self._dense_reason(q, attention_mask, text_len, shard)
-        if rope is not None and (session.observers or reason is not None or shard is not None):
-            q, k = apply_interleaved_rope(q, *rope), apply_interleaved_rope(k, *rope)
+        if q.shape[2] % k.shape[2] or k.shape[2] != v.shape[2]:
+            raise ValueError(f"q has {q.shape[2]} heads, k {k.shape[2]} and v {v.shape[2]}: k and v need the same "
+                             "head count, a divisor of q's (grouped-query attention).")
+        groups = q.shape[2] // k.shape[2]
+        unfused = session.observers or reason is not None or shard is not None
+        if rope is not None and unfused:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
             rope = None
+        if groups > 1 and unfused:
+            k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+            groups = 1
         if session.observers and shard is not None:
             self._warn_once("attention observers (distillation capture, attention metrics) skipped under context "
                             "parallelism", "%s; run them on one GPU")
@@ -214,17 +224,18 @@ class SparseAttentionMixin:
             heads = shard.heads(q.shape[2])
             q, k, v = (seq_to_heads(x, shard) for x in (q, k, v))
             return heads_to_seq(self._sparse(q, k, v, text_len, rope, heads), shard)
-        return self._sparse(q, k, v, text_len, rope, return_lse=return_lse)
+        return self._sparse(q, k, v, text_len, rope, return_lse=return_lse, groups=groups)
 
-    def _sparse(self, q, k, v, text_len: int, rope=None, heads: slice | None = None, return_lse: bool = False):
-        """gather -> plan -> kernel -> scatter of q, k, v [B, S, H, D] (the layer's heads `heads`, default all);
-        with `return_lse` also the rows' lse, fp32 [B, S, H]."""
+    def _sparse(self, q, k, v, text_len: int, rope=None, heads: slice | None = None, return_lse: bool = False,
+                groups: int = 1):
+        """gather -> plan -> kernel -> scatter of q [B, S, H, D], k, v [B, S, H / groups, D] (the layer's heads
+        `heads`, default all); with `return_lse` also the rows' lse, fp32 [B, S, H]."""
         session = self.session
         layout, state = self.slot.layouts[text_len], self.slot.method_state
         if heads is not None:
             layout = layout.select_heads(heads)
             state = session.method.head_state(self.layer, state, heads)
-        qt, kt, vt = layout.gather(q, rope), layout.gather(k, rope), layout.gather(v)
+        qt, kt, vt = layout.gather(q, rope), layout.gather(k, rope, groups), layout.gather(v, groups=groups)
         plan = session.method.plan(qt, kt, vt, layout, self.layer, state)
         out = block_sparse_attention(qt, kt, vt, plan, backend=session.config.backend, validate=False,
                                      return_lse=return_lse)

@@ -18,8 +18,9 @@ So the generation attention runs as one `attend` call over [video | sound | acti
 the sound and action rows and the understanding (text) keys as global tiles after it, which every video row keeps,
 as stock attends to them. The text rows' own queries in that call (the understanding queries stand in for them) are
 dropped: the understanding pathway's output is stock's causal attention. Calls that run dense by the config (dense
-config, dense steps and layers) and that no observer watches make stock's attention call instead. The KV heads are
-repeated to the query heads before the tile-order gather, as SDPA's `enable_gqa` does. A forward whose packed
+config, dense steps and layers) and that no observer watches make stock's attention call instead. The rotate-half
+RoPE and the repeat of the KV heads to the query heads (as SDPA's `enable_gqa`) are fused into the tile-order gather
+(one Triton pass per tensor on the GPU, `videosparse.rope.rope_gather`). A forward whose packed
 sequence is not laid out that way (several vision items, vision rows not right after the text), or whose model has
 the context parallelism seams set (`_cp_shard_fn`), keeps the stock processor with one warning per layer.
 """
@@ -30,6 +31,7 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_cosmos3 import Cosmos3AttnProcessor, _rotate_half
 
+from ..rope import HalfRope
 from .base import SparseAttentionMixin
 from .context import forward_arg
 
@@ -37,11 +39,6 @@ from .context import forward_arg
 def cosmos3_attention_shape(cfg) -> tuple[int, int]:
     """(query heads, head dim) of a Cosmos 3 config."""
     return int(cfg.num_attention_heads), int(cfg.head_dim)
-
-
-def repeat_kv_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[B, S, Hkv, D] -> [B, S, Hkv * groups, D]: query head h reads KV head h // groups (SDPA's `enable_gqa`)."""
-    return x if groups == 1 else x.repeat_interleave(groups, dim=2)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -72,18 +69,14 @@ class Cosmos3SparseAttnProcessor(SparseAttentionMixin, Cosmos3AttnProcessor):
         k_gen = attn.norm_added_k(attn.add_k_proj(gen_seq).view(-1, kv_heads, head_dim))
         v_gen = attn.add_v_proj(gen_seq).view(-1, kv_heads, head_dim)
 
-        cos_und, sin_und, cos_gen, sin_gen = rotary_emb
-        q_und, k_und = _rotate(q_und, cos_und, sin_und), _rotate(k_und, cos_und, sin_und)
-        k_und_for_gen = k_und if attn.k_norm_und_for_gen is None else _rotate(k_und_for_gen, cos_und, sin_und)
-        q_gen, k_gen = _rotate(q_gen, cos_gen, sin_gen), _rotate(k_gen, cos_gen, sin_gen)
-
+        cos_und, sin_und = rotary_emb[:2]
+        q_und_rotated, k_und_rotated = _rotate(q_und, cos_und, sin_und), _rotate(k_und, cos_und, sin_und)
         causal_out = dispatch_attention_fn(
-            q_und.unsqueeze(0), k_und.unsqueeze(0), v_und.unsqueeze(0), is_causal=True, enable_gqa=True,
-            backend=getattr(self, "_attention_backend", None), parallel_config=None)
-        gen_out = self.attend_generation(
-            *(x.unsqueeze(0) for x in (q_gen, k_gen, v_gen, k_und_for_gen, v_und, q_und)))
+            q_und_rotated.unsqueeze(0), k_und_rotated.unsqueeze(0), v_und.unsqueeze(0), is_causal=True,
+            enable_gqa=True, backend=getattr(self, "_attention_backend", None), parallel_config=None)
+        gen_out = self.attend_generation(q_gen, k_gen, v_gen, q_und, k_und_for_gen, v_und, rotary_emb)
         und_out = attn.to_out(causal_out.squeeze(0).flatten(-2, -1))
-        return und_out, attn.to_add_out(gen_out.squeeze(0).flatten(-2, -1).type_as(q_gen))
+        return und_out, attn.to_add_out(gen_out.flatten(-2, -1).type_as(q_gen))
 
     def _plain_dense(self) -> bool:
         """This call runs dense by the config (dense config, step or layer) and nobody observes it (the observers'
@@ -92,18 +85,25 @@ class Cosmos3SparseAttnProcessor(SparseAttentionMixin, Cosmos3AttnProcessor):
         return not session.observers and (session.method is None or self.slot.dense
                                           or not session.context.sparse_step)
 
-    def attend_generation(self, q, k, v, k_und, v_und, q_und):
-        """The generation pathway's attention: q [1, N, H, D] of the generation rows over their own keys k, v
-        [1, N, Hkv, D] and the understanding rows' k_und, v_und [1, U, Hkv, D] -> [1, N, H, D]. Dense by the config:
-        stock's call (one attention over both key sets, grouped-query); else one `attend` over [generation; text],
-        whose text rows (queries q_und [1, U, H, D]) are dropped."""
+    def attend_generation(self, q, k, v, q_und, k_und, v_und, rotary_emb):
+        """The generation pathway's attention from the rows' pre-RoPE projections: q [N, H, D], k, v [N, Hkv, D] of
+        the generation rows, q_und [U, H, D], k_und, v_und [U, Hkv, D] of the understanding rows (k_und: its keys for
+        the generation pathway), and the forward's rotary tables (cos, sin of the understanding rows, then of the
+        generation rows; [rows, D] each) -> [N, H, D]. Dense by the config: stock's call (RoPE, then one attention
+        over both key sets, grouped-query); else one `attend` over [generation; text] with the rotate-half RoPE and
+        the KV heads' repeat fused into its tile-order gather, the text rows' outputs dropped."""
+        cos_und, sin_und, cos_gen, sin_gen = rotary_emb
         if self._plain_dense():
             self._stats().record_dense()
-            return dispatch_attention_fn(q, torch.cat([k_und, k], dim=1), torch.cat([v_und, v], dim=1),
-                                         enable_gqa=True, backend=getattr(self, "_attention_backend", None))
-        groups = q.shape[2] // k.shape[2]
-        k, v = (repeat_kv_heads(torch.cat(pair, dim=1), groups) for pair in ((k, k_und), (v, v_und)))
-        return self.attend(torch.cat([q, q_und], dim=1), k, v)[:, :q.shape[1]]
+            keys = torch.cat([_rotate(k_und, cos_und, sin_und), _rotate(k, cos_gen, sin_gen)])
+            out = dispatch_attention_fn(_rotate(q, cos_gen, sin_gen).unsqueeze(0), keys.unsqueeze(0),
+                                        torch.cat([v_und, v]).unsqueeze(0), enable_gqa=True,
+                                        backend=getattr(self, "_attention_backend", None))
+            return out.squeeze(0)
+        tables = ((cos_gen, cos_und), (sin_gen, sin_und))
+        rope = HalfRope(*(torch.cat([gen, und])[None, :, None] for gen, und in tables))
+        rows = (torch.cat([gen, und]).unsqueeze(0) for gen, und in ((q, q_und), (k, k_und), (v, v_und)))
+        return self.attend(*rows, rope=rope)[0, :q.shape[0]]
 
 
 def cosmos3_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | None]:
