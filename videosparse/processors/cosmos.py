@@ -16,9 +16,9 @@ a mask.
 
 from __future__ import annotations
 
-from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_cosmos import CosmosAttnProcessor2_0
 
+from ..rope import HalfRope
 from .base import SparseAttentionMixin
 from .context import forward_arg
 
@@ -26,11 +26,11 @@ from .context import forward_arg
 class CosmosSparseAttnProcessor(SparseAttentionMixin, CosmosAttnProcessor2_0):
     """`CosmosAttnProcessor2_0` whose self-attention runs through videosparse.
 
-    Projections, the per-head RMSNorm of q and k and the RoPE (`apply_rotary_emb(..., use_real=True,
-    use_real_unbind_dim=-2)`) run in (B, H, S, D) layout as diffusers does, and k and v are repeated as the stock
-    processor repeats them for grouped-query attention (`repeat_interleave(query.size(3) // key.size(3), dim=3)`, a
-    factor of 1 for every `CosmosTransformer3DModel`, whose `attn1` has as many key/value heads as query heads);
-    only the attention call changes. Calls with encoder states (cross-attention) go to the stock processor
+    Projections and the per-head RMSNorm of q and k are diffusers' own; the RoPE (`apply_rotary_emb(...,
+    use_real=True, use_real_unbind_dim=-2)`, the rotate-half rotation) goes to `attend` as a `HalfRope`, fused into the
+    tile-order gather on sparse calls. The stock processor's `repeat_interleave(query.size(3) // key.size(3), dim=3)`
+    of k and v is a factor of 1 for every `CosmosTransformer3DModel` (its q and k are split into the same heads), so
+    it is left out. Calls with encoder states (cross-attention) go to the stock processor
     untouched, and so does a call with an attention mask (the model never gives `attn1` one; warned once per layer).
     """
 
@@ -43,17 +43,13 @@ class CosmosSparseAttnProcessor(SparseAttentionMixin, CosmosAttnProcessor2_0):
         if attention_mask is not None:
             self._record_stock_call("an attention mask was given")
             return self._stock.__call__(self, *stock)
-        query = attn.to_q(hidden_states).unflatten(2, (attn.heads, -1)).transpose(1, 2)     # [B, H, S, D]
-        key = attn.to_k(hidden_states).unflatten(2, (attn.heads, -1)).transpose(1, 2)
-        value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1)).transpose(1, 2)
-        query = attn.norm_q(query)
-        key = attn.norm_k(key)
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, use_real=True, use_real_unbind_dim=-2)
-            key = apply_rotary_emb(key, image_rotary_emb, use_real=True, use_real_unbind_dim=-2)
-        key = key.repeat_interleave(query.size(3) // key.size(3), dim=3)
-        value = value.repeat_interleave(query.size(3) // value.size(3), dim=3)
-        hidden_states = self.attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
+        query = attn.to_q(hidden_states).unflatten(2, (attn.heads, -1))                  # [B, S, H, D]
+        key = attn.to_k(hidden_states).unflatten(2, (attn.heads, -1))
+        value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        # diffusers' apply_rotary_emb(use_real=True, use_real_unbind_dim=-2) is the rotate-half RoPE (in fp32)
+        rope = None if image_rotary_emb is None else HalfRope(*(t[None, :, None] for t in image_rotary_emb))
+        hidden_states = self.attend(query, key, value, rope=rope)
         hidden_states = hidden_states.flatten(2, 3).type_as(query)
         hidden_states = attn.to_out[0](hidden_states)
         return attn.to_out[1](hidden_states)
