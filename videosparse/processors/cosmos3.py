@@ -20,18 +20,18 @@ as stock attends to them. The text rows' own queries in that call (the understan
 dropped: the understanding pathway's output is stock's causal attention. Calls that run dense by the config (dense
 config, dense steps and layers) and that no observer watches make stock's attention call instead. The rotate-half
 RoPE and the repeat of the KV heads to the query heads (as SDPA's `enable_gqa`) are fused into the tile-order gather
-(one Triton pass per tensor on the GPU, `videosparse.rope.rope_gather`). A forward whose packed
-sequence is not laid out that way (several vision items, vision rows not right after the text), or whose model has
-the context parallelism seams set (`_cp_shard_fn`), keeps the stock processor with one warning per layer.
+(one Triton pass per tensor on the GPU, `videosparse.rope.rope_gather`). A forward whose packed sequence is not laid
+out that way (several vision items, vision rows not right after the text), or whose model has the context
+parallelism seams set (`_cp_shard_fn`), keeps the stock processor with one warning per layer.
 """
 
 from __future__ import annotations
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
-from diffusers.models.transformers.transformer_cosmos3 import Cosmos3AttnProcessor, _rotate_half
+from diffusers.models.transformers.transformer_cosmos3 import Cosmos3AttnProcessor
 
-from ..rope import HalfRope
+from ..rope import HalfRope, apply_half_rope
 from .base import SparseAttentionMixin
 from .context import forward_arg
 
@@ -42,8 +42,8 @@ def cosmos3_attention_shape(cfg) -> tuple[int, int]:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Cosmos 3's rotate-half RoPE of x [S, H, D] with the tables cos, sin [S, D] (as the stock processor)."""
-    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+    """Cosmos 3's rotate-half RoPE of x [S, H, D] with the tables cos, sin [S, D] (the stock processor's ops)."""
+    return apply_half_rope(x, cos.unsqueeze(1), sin.unsqueeze(1))
 
 
 class Cosmos3SparseAttnProcessor(SparseAttentionMixin, Cosmos3AttnProcessor):
