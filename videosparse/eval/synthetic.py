@@ -49,8 +49,8 @@ frame f - 1 (dense per frame, merged by log-sum-exp), which the reference-extrac
 the methods) fills.
 
 (****) Cosmos 3's generation rows (the video, one time-major grid; its latent height 45 is padded to 46 for the 2 x 2
-patches) attend to themselves and to the 256 rows of the prompt (its causal understanding pathway, stock), which join
-densely (merged by log-sum-exp).
+patches) attend to themselves and to the keys of the prompt's 256 rows (whose own causal understanding pathway stays
+stock), which join the same kernel call as global tiles.
 
 A model whose transformer class has no videosparse processor is refused with the registry's message.
 """
