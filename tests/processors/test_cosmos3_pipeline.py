@@ -216,3 +216,28 @@ def test_image_to_video_density_one_equals_stock(stock):
     s = videosparse.sessions(pipe)["transformer"].stats()
     assert s["sparse_calls"] == LAYERS * STEPS * 2 and s["dense_calls"] == 0
     assert all(layer["fallbacks"] == [] for layer in s["layers"].values())
+
+
+def test_generate_command_on_a_saved_tiny_cosmos3(stock, tmp_path):
+    """`videosparse generate --model DIR --compare-dense` on the tiny pipeline saved to disk (its output holds one
+    unbatched `.video`, not the usual `.frames`): the video and its JSON are written, the dense video equals the stock
+    pipeline's, and `eval.generate` returns the frames [T, H, W, 3]."""
+    import json
+
+    from videosparse.cli import main
+    from videosparse.eval.generate import generate
+
+    pipe = tiny_cosmos3_pipeline()
+    kwargs = dict(prompt=PROMPT, negative_prompt=NEGATIVE, num_frames=FRAMES, height=HEIGHT, width=WIDTH, fps=FPS,
+                  num_inference_steps=STEPS, guidance_scale=4.0)
+    dense = generate(pipe, None, kwargs, seed=0)
+    assert dense.frames.shape == (FRAMES, HEIGHT, WIDTH, 3) and close(dense.frames, stock[0], rel=1e-6)
+    pipe.save_pretrained(tmp_path / "tiny")
+    out = tmp_path / "video.mp4"
+    assert main(["generate", "--model", str(tmp_path / "tiny"), "--frames", str(FRAMES), "--height", str(HEIGHT),
+                 "--width", str(WIDTH), "--steps", "3", "--block", "64", "--tiling", "1x4x16", "--density", "0.5",
+                 "--compare-dense", "--out", str(out), "--json", str(tmp_path / "run.json")]) == 0
+    assert out.is_file()
+    report = json.loads((tmp_path / "run.json").read_text())
+    assert (report["frames"], report["height"], report["width"]) == (FRAMES, HEIGHT, WIDTH)
+    assert report["stats"]["transformer"]["sparse_calls"] > 0 and report["dense"]["psnr_db"] > 20

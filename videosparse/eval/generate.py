@@ -64,12 +64,22 @@ def generate(pipe, config, call_kwargs: dict, seed: int = 0, device: str | None 
     finally:
         if handle is not None:
             remove(pipe)
-    frames = None if output_type == "latent" else np.asarray(out.frames[0], dtype=np.float32)
+    frames = None if output_type == "latent" else np.asarray(output_video(out), dtype=np.float32)
     return GenerationResult(frames, list(timer.times), wall, stats)
 
 
+def output_video(out):
+    """The first video of a pipeline output: `.frames[0]` (one video per prompt, the diffusers convention), or
+    `.video` where the pipeline returns a single unbatched video (Cosmos 3's `Cosmos3OmniPipelineOutput`)."""
+    if hasattr(out, "frames"):
+        return out.frames[0]
+    if hasattr(out, "video"):
+        return out.video
+    raise TypeError(f"{type(out).__name__} holds no video: expected a `frames` or a `video` field.")
+
+
 def _sync_outputs(out) -> None:
-    frames = getattr(out, "frames", None)
+    frames = getattr(out, "frames", getattr(out, "video", None))
     if isinstance(frames, torch.Tensor) and frames.is_cuda:
         torch.cuda.synchronize(frames.device)
 
