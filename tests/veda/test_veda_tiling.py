@@ -158,3 +158,18 @@ def test_search_with_64_token_tiles():
     q, k, v = planted(grid, [(4, 4, 4), (2, 4, 8)], block=64, D=32)
     res = search_tiling([record(0, grid, q, k, v)], density=1 / 16, block=64)
     assert res.tiling.layers[0] == ((4, 4, 4), (2, 4, 8))
+
+
+def test_a_grid_every_candidate_pads_is_warned_once(caplog):
+    """A grid that every candidate pads by more than the limit keeps the least-padding shape, warned once per grid,
+    not once per captured sample (a search over many steps and layers repeated it for each)."""
+    import logging
+
+    grid = (3, 5, 7)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 105, 1, 32, generator=g) for _ in range(3))
+    samples = [record(layer, grid, q, k, v) for layer in (0, 1) for _ in range(3)]
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        res = search_tiling(samples, density=0.5, block=64)
+    assert sum("every candidate pads" in r.getMessage() for r in caplog.records) == 1
+    assert len({shape for layer in res.tiling.layers for shape in layer}) == 1

@@ -246,6 +246,7 @@ def search_tiling(
     votes: dict[int, list[Counter]] = {}
     allowed_per_layer: dict[int, list[TileShape]] = {}
     heads_seen = None
+    warned_grids: set[tuple[int, ...]] = set()
     for rec in samples:
         layer = int(rec.layer)
         grid = tuple(int(g) for g in rec.grid)
@@ -255,8 +256,10 @@ def search_tiling(
         allowed = [s for s in shapes_all if pads[s] <= max_padding + 1e-12]
         if not allowed:
             least = min(shapes_all, key=lambda s: pads[s])
-            logger.warning("grid %s: every candidate pads by more than %.0f%%; keeping %s (%.1f%%)",
-                           grid, 100 * max_padding, least, 100 * pads[least])
+            if grid not in warned_grids:                 # once per grid, not once per captured sample
+                warned_grids.add(grid)
+                logger.warning("grid %s: every candidate pads by more than %.0f%%; keeping %s (%.1f%%)",
+                               grid, 100 * max_padding, least, 100 * pads[least])
             allowed = [least]
         prev = allowed_per_layer.get(layer)
         allowed_per_layer[layer] = allowed if prev is None else [s for s in prev if s in allowed] or prev
