@@ -20,7 +20,6 @@ from tester import (
 import videosparse
 from videosparse.eval.synthetic import cosmos3_inputs
 from videosparse.processors import sessions
-from videosparse.processors.base import dense_with_lse, merge_attention
 
 LATENT = (3, 15, 24)          # latent frames x height x width -> patches 3 x 8 x 12 (height padded) = 288 rows
 GRID = (3, 8, 12)
@@ -122,23 +121,6 @@ class TestCosmos3(ProcessorTesterMixin):
         tr._cp_shard_fn = lambda und, gen, rope: (und, gen, rope)       # identity seams: one rank
         tr._cp_gather_fn = lambda und, gen: (und, gen)
         assert_runs_stock_with_one_warning(self, tr, self.make_inputs(tr), "context-parallel seams", caplog)
-
-
-def test_two_key_sets_merged_by_lse_equal_attention_over_both():
-    """Queries over their own keys and over a shorter set of keys (another length, a partial tile) on the kernel
-    (`dense_with_lse`), each with its log-sum-exp, merged = attention over the union (fp64); KV heads repeated to the
-    query heads as SDPA's enable_gqa."""
-    g = torch.Generator().manual_seed(3)
-    q = torch.randn(2, 200, 4, 64, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(2, 200, 2, 64, generator=g, dtype=torch.float64) for _ in range(2))
-    k_txt, v_txt = (torch.randn(2, 37, 2, 64, generator=g, dtype=torch.float64) for _ in range(2))
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), torch.cat([k, k_txt], 1).transpose(1, 2), torch.cat([v, v_txt], 1).transpose(1, 2),
-        enable_gqa=True).transpose(1, 2)
-    parts = [dense_with_lse(q, a.repeat_interleave(2, dim=2), b.repeat_interleave(2, dim=2), "reference")
-             for a, b in ((k, v), (k_txt, v_txt))]
-    out, _ = merge_attention(*parts[0], *parts[1])
-    assert (out - ref).abs().max() <= 1e-6             # the kernels' lse is fp32
 
 
 def test_dense_calls_run_the_stock_processor():

@@ -134,6 +134,23 @@ def test_dense_with_lse_and_merge_equal_attention_over_the_union():
     assert out32.dtype == torch.float32 and (out32 - ref).abs().max() < 1e-5
 
 
+def test_two_key_sets_merged_by_lse_equal_attention_over_both():
+    """Queries over their own keys and over a shorter set of keys (another length, a partial tile) on the kernel
+    (`dense_with_lse`), each with its log-sum-exp, merged = attention over the union (fp64); KV heads repeated to the
+    query heads as SDPA's enable_gqa."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 200, 4, 64, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 200, 2, 64, generator=g, dtype=torch.float64) for _ in range(2))
+    k_txt, v_txt = (torch.randn(2, 37, 2, 64, generator=g, dtype=torch.float64) for _ in range(2))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), torch.cat([k, k_txt], 1).transpose(1, 2), torch.cat([v, v_txt], 1).transpose(1, 2),
+        enable_gqa=True).transpose(1, 2)
+    parts = [dense_with_lse(q, a.repeat_interleave(2, dim=2), b.repeat_interleave(2, dim=2), "reference")
+             for a, b in ((k, v), (k_txt, v_txt))]
+    out, _ = merge_attention(*parts[0], *parts[1])
+    assert (out - ref).abs().max() <= 1e-6             # the kernels' lse is fp32
+
+
 def test_rope_tables_equal_diffusers_rope_apply():
     """wan_animate2_rope + apply_interleaved_rope (fp32) equals diffusers' rope_apply (float64) on an odd grid with a
     temporal stride and offset positions."""

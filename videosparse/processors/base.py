@@ -110,18 +110,24 @@ class SparseAttentionMixin:
             stats.fallbacks.add(reason)
             logger.warning("videosparse: layer %d " + message, self.layer, reason)
 
+    def _scheduled_dense(self) -> str | None:
+        """Why the config runs this call dense ("dense config", "dense layer", "dense step"), else None."""
+        if self.session.method is None:
+            return "dense config"
+        if self.slot.dense:
+            return "dense layer"
+        if not self.session.context.sparse_step:
+            return "dense step"
+        return None
+
     def _dense_reason(self, q: torch.Tensor, attention_mask, text_len, shard) -> str | None:
         """Why this call must run dense (None = sparse). Warnings only for unsupported inputs.
 
         shard: `ulysses_shard` of the processor's parallel config (q then holds this rank's 1/P of the tokens)."""
-        session = self.session
-        if session.method is None:
-            return "dense config"
-        if self.slot.dense:
-            return "dense layer"
-        ctx = session.context
-        if not ctx.sparse_step:
-            return "dense step"
+        scheduled = self._scheduled_dense()
+        if scheduled is not None:
+            return scheduled
+        session, ctx = self.session, self.session.context
         unsupported = None
         if ctx.grid is None:
             unsupported = "no video grid recorded (was the transformer called through its forward?)"

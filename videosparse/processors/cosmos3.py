@@ -78,13 +78,6 @@ class Cosmos3SparseAttnProcessor(SparseAttentionMixin, Cosmos3AttnProcessor):
         und_out = attn.to_out(causal_out.squeeze(0).flatten(-2, -1))
         return und_out, attn.to_add_out(gen_out.flatten(-2, -1).type_as(q_gen))
 
-    def _plain_dense(self) -> bool:
-        """This call runs dense by the config (dense config, step or layer) and nobody observes it (the observers'
-        records come from `attend`)."""
-        session = self.session
-        return not session.observers and (session.method is None or self.slot.dense
-                                          or not session.context.sparse_step)
-
     def attend_generation(self, q, k, v, q_und, k_und, v_und, rotary_emb):
         """The generation pathway's attention from the rows' pre-RoPE projections: q [N, H, D], k, v [N, Hkv, D] of
         the generation rows, q_und [U, H, D], k_und, v_und [U, Hkv, D] of the understanding rows (k_und: its keys for
@@ -93,7 +86,7 @@ class Cosmos3SparseAttnProcessor(SparseAttentionMixin, Cosmos3AttnProcessor):
         over both key sets, grouped-query); else one `attend` over [generation; text] with the rotate-half RoPE and
         the KV heads' repeat fused into its tile-order gather, the text rows' outputs dropped."""
         cos_und, sin_und, cos_gen, sin_gen = rotary_emb
-        if self._plain_dense():
+        if not self.session.observers and self._scheduled_dense() is not None:   # observers' records come from attend
             self._stats().record_dense()
             keys = torch.cat([_rotate(k_und, cos_und, sin_und), _rotate(k, cos_gen, sin_gen)])
             out = dispatch_attention_fn(_rotate(q, cos_gen, sin_gen).unsqueeze(0), keys.unsqueeze(0),
