@@ -1,4 +1,5 @@
-"""Wan's RoPE fused with the tile-order gather: Triton kernel (interpreter) vs rope-then-gather in torch.
+"""RoPE fused with the tile-order gather (Wan's interleaved, rotate-half, diffusers' pairs on a range of rows): Triton
+kernel (interpreter) vs rope-then-gather in torch.
 
 The Triton cases run in one child process under TRITON_INTERPRET=1 (see tests/helpers.py); GPU tests
 (marked `gpu`) check a Wan 1.3B-size layer.
@@ -24,9 +25,14 @@ CASES = {
                              False),
     "half-strided-x": (2, (2, 4, 9), (2, 4, 4), 2, 32, "float32", "float32", True),
     "interleaved-gqa": (1, (3, 5, 7), (2, 4, 4), 4, 32, "float16", "float32", False),
+    "pairs-text-after": (2, (3, 5, 7), (2, 4, 4), 2, 32, "bfloat16", "float32", False),
+    "pairs-text-before-heads-tiled": (1, (4, 6, 5), ((2, 4, 4), (4, 4, 2)), 2, 64, "float16", "float32", True),
+    "pairs-all-rows-gqa": (1, (3, 4, 5), (2, 4, 4), 4, 16, "float32", "float64", False),
 }
-# name: (rotate-half RoPE, output heads per head of x) where not (False, 1)
-VARIANTS = {"half-gqa-heads-tiled": (True, 2), "half-strided-x": (True, 1), "interleaved-gqa": (False, 4)}
+# name: (style, output heads per head of x, text rows before / after the rotated rows) where not ("interleaved", 1)
+VARIANTS = {"half-gqa-heads-tiled": ("half", 2, 0, 0), "half-strided-x": ("half", 1, 0, 0),
+            "interleaved-gqa": ("interleaved", 4, 0, 0), "pairs-text-after": ("pairs", 1, 0, 37),
+            "pairs-text-before-heads-tiled": ("pairs", 1, 21, 0), "pairs-all-rows-gqa": ("pairs", 2, 0, 0)}
 
 
 def _inputs(B, grid, H, D, dtype, fdtype, strided, seed, half=False):
@@ -51,22 +57,43 @@ def _layout(grid, tiles, H):
     return head_tiling(grid, tiles, H, block=32)
 
 
+def _pair_inputs(B, grid, H, D, dtype, fdtype, strided, seed, before, after):
+    """x [B, before + S + after, H, D] and diffusers-style pair tables [S, D] for its S middle rows: any tables
+    (the two members of a pair need not share cos / sin; the kernel reads both)."""
+    x, cos, sin = _inputs(B, (1, 1, before + grid[0] * grid[1] * grid[2] + after), H, D, dtype, fdtype, strided, seed,
+                          half=True)
+    S = grid[0] * grid[1] * grid[2]
+    return x, cos[0, before:before + S, 0], sin[0, before:before + S, 0]
+
+
 def _run_case(name: str) -> dict:
-    from videosparse.rope import HalfRope, apply_rope, rope_gather
+    from videosparse.layout import head_tiling
+    from videosparse.rope import HalfRope, PairRope, apply_rope, rope_gather
 
     B, grid, tiles, H, D, dtype, fdtype, strided = CASES[name]
-    half, groups = VARIANTS.get(name, (False, 1))
-    x, cos, sin = _inputs(B, grid, H // groups, D, getattr(torch, dtype), getattr(torch, fdtype), strided,
-                          sum(map(ord, name)), half)
-    layout = _layout(grid, tiles, H)
+    style, groups, before, after = VARIANTS.get(name, ("interleaved", 1, 0, 0))
+    args = (B, grid, H // groups, D, getattr(torch, dtype), getattr(torch, fdtype), strided, sum(map(ord, name)))
+    if style == "pairs":
+        x, cos, sin = _pair_inputs(*args, before, after)
+        rope, tables = PairRope(cos, sin, before), PairRope(cos.float(), sin.float(), before)
+        layout = head_tiling(grid, tiles, H, block=32, text_len=before + after,
+                             text_position="before" if before else "after")
+    else:
+        x, cos, sin = _inputs(*args, half=style == "half")
+        rope = HalfRope(cos, sin) if style == "half" else (cos, sin)
+        tables = HalfRope(cos.float(), sin.float()) if style == "half" else (cos.float(), sin.float())
+        layout = _layout(grid, tiles, H)
     perm = layout.first.indices("cpu")[0] if layout.uniform else layout.head_indices("cpu")[0]
-    out = rope_gather(x, perm, cos, sin, backend="triton", half=half, groups=groups)
+    out = rope_gather(x, perm, rope, backend="triton", groups=groups)
     # reference: the stock math in fp32 (the kernel rounds once at the end), then the torch gather of the repeated heads
-    tables = HalfRope(cos.float(), sin.float()) if half else (cos.float(), sin.float())
     ref = layout.gather(apply_rope(x.float(), tables).repeat_interleave(groups, dim=2))
     err = float((out.float() - ref).norm() / ref.norm())
-    return {"rel_l2": err, "shape_ok": tuple(out.shape) == (B, H, x.shape[1], D),
-            "dtype_ok": out.dtype == x.dtype, "contiguous": out.is_contiguous()}
+    S = x.shape[1]
+    unrotated = torch.cat([torch.arange(before), torch.arange(S - after, S)]) if style == "pairs" else torch.arange(0)
+    kept = layout.scatter(out)[:, unrotated]        # rows outside a PairRope's range: x itself, bit for bit
+    return {"rel_l2": err, "shape_ok": tuple(out.shape) == (B, H, S, D),
+            "dtype_ok": out.dtype == x.dtype, "contiguous": out.is_contiguous(),
+            "unrotated_exact": torch.equal(kept, x[:, unrotated].repeat_interleave(groups, dim=2))}
 
 
 # ---------------------------------------------------------------- parent side (pytest)
@@ -79,7 +106,7 @@ def interpreter_results() -> dict:
 def test_rope_gather_triton_equals_rope_then_gather(interpreter_results, name):
     res = interpreter_results[name]
     assert "error" not in res, res.get("error")
-    assert res["shape_ok"] and res["dtype_ok"] and res["contiguous"]
+    assert res["shape_ok"] and res["dtype_ok"] and res["contiguous"] and res["unrotated_exact"]
     tol = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}[CASES[name][5]]
     assert res["rel_l2"] < tol, res
 
@@ -133,46 +160,51 @@ def test_apply_interleaved_rope_rotates_pairs():
 
 
 def test_rope_gather_dispatch_and_errors():
-    from videosparse.rope import rope_gather
+    from videosparse.rope import PairRope, apply_rope, rope_gather
 
     x, cos, sin = _inputs(1, (2, 2, 2), 2, 8, torch.float32, torch.float32, False, 2)
     perm = torch.arange(8)
-    assert rope_gather(x, perm, cos, sin) is None              # auto on CPU: the caller's torch path
-    assert rope_gather(x, perm, cos, sin, backend="torch") is None
+    assert rope_gather(x, perm, (cos, sin)) is None              # auto on CPU: the caller's torch path
+    assert rope_gather(x, perm, (cos, sin), backend="torch") is None
     with pytest.raises(ValueError, match="backend='cuda'"):
-        rope_gather(x, perm, cos, sin, backend="cuda")
+        rope_gather(x, perm, (cos, sin), backend="cuda")
     x6, cos6, sin6 = _inputs(1, (2, 2, 2), 2, 6, torch.float32, torch.float32, False, 2)
     with pytest.raises(ValueError, match="head dim 6"):
-        rope_gather(x6, perm, cos6, sin6, backend="triton")
+        rope_gather(x6, perm, (cos6, sin6), backend="triton")
     with pytest.raises(ValueError, match=r"freqs_cos has shape \(1, 4, 1, 8\)"):
-        rope_gather(x, perm, cos[:, :4], sin, backend="triton")
+        rope_gather(x, perm, (cos[:, :4], sin), backend="triton")
+    with pytest.raises(ValueError, match=r"freqs_cos has shape \(6, 8\), not \(R, 8\) with 3 \+ R <= 8"):
+        rope_gather(x, perm, PairRope(cos[0, :6, 0], sin[0, :6, 0], 3), backend="triton")
+    with pytest.raises(ValueError, match=r"PairRope covers rows \[3, 9\) but x has 8 rows"):
+        apply_rope(x, PairRope(cos[0, :6, 0], sin[0, :6, 0], 3))
     for groups in (0, 1.5, True):
         with pytest.raises(ValueError, match=f"groups={groups!r} must be an int >= 1"):
-            rope_gather(x, perm, cos, sin, groups=groups)
+            rope_gather(x, perm, (cos, sin), groups=groups)
 
 
-@pytest.mark.parametrize("per_head,half,groups", [(False, False, 1), (True, False, 1), (False, True, 4),
-                                                   (True, True, 1)])
-def test_rope_gather_kernel_compiles_to_16_byte_accesses_for_sm90(per_head, half, groups):
+@pytest.mark.parametrize("per_head,style,groups", [(False, "interleaved", 1), (True, "interleaved", 1),
+                                                    (False, "half", 4), (True, "half", 1), (False, "pairs", 1),
+                                                    (True, "pairs", 2)])
+def test_rope_gather_kernel_compiles_to_16_byte_accesses_for_sm90(per_head, style, groups):
     """AOT for sm_90 on CPU: with 16-divisible strides (what the JIT sees at Wan sizes) rows move as
-    16-byte vectors, interleaved and rotate-half, with and without repeated KV heads (groups 1 is folded as a launch
-    folds it); a change that falls back to 2-byte accesses costs ~10x on the GPU."""
+    16-byte vectors, in every style, with and without repeated KV heads (groups 1 is folded as a launch folds it); a
+    change that falls back to 2-byte accesses costs ~10x on the GPU."""
     import re
 
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from videosparse.kernels.triton_rope_gather import _rope_gather_kernel
+    from videosparse.kernels.triton_rope_gather import STYLES, _rope_gather_kernel
 
     names = _rope_gather_kernel.arg_names
     sig = {n: "constexpr" for n in names}
     sig.update({n: "*bf16" for n in ("x_ptr", "cos_ptr", "sin_ptr", "out_ptr")}, perm_ptr="*i64")
     ints = ("S", "H", "perm_stride_h", "stride_xb", "stride_xs", "stride_xh", "stride_cs", "stride_ss")
-    sig.update({n: "i32" for n in ints})
+    sig.update({n: "i32" for n in ints + ("rot_start", "rot_rows")})
     aligned = ("x_ptr", "perm_ptr", "cos_ptr", "sin_ptr", "out_ptr") + ints[3:]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    constants = dict(D=128, BLOCK=32, PER_HEAD=per_head, HALF=half)
+    constants = dict(D=128, BLOCK=32, PER_HEAD=per_head, STYLE=STYLES[style])
     if groups == 1:
         constants["GROUPS"] = 1
     else:
@@ -220,6 +252,30 @@ def test_gpu_rope_gather_half_with_repeated_heads_at_cosmos3_size():
     ref = layout.gather(apply_half_rope(x.double(), cos.double(), sin.double()).repeat_interleave(groups, dim=2))
     err = float((out.double() - ref).norm() / ref.norm())
     assert out.shape == (1, H, S, D) and err < 4e-3, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grid,H,D,text,position", [((33, 45, 80), 24, 128, 256, "after"),      # HunyuanVideo 720P
+                                                    ((13, 30, 45), 48, 64, 226, "before")])     # CogVideoX 5B
+def test_gpu_rope_gather_pairs_on_the_video_rows_at_real_size(grid, H, D, text, position):
+    """diffusers' `apply_rotary_emb` pairs on the video rows of a joint sequence (text rows unrotated) fused with the
+    gather, against rotate-then-gather in float64."""
+    from videosparse.layout import TileLayout
+    from videosparse.rope import PairRope, apply_rope
+
+    video = grid[0] * grid[1] * grid[2]
+    g = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(1, video + text, H, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    angle = torch.rand(video, D // 2, device="cuda", generator=g, dtype=torch.float64) * 50
+    cos, sin = angle.cos().repeat_interleave(2, -1), angle.sin().repeat_interleave(2, -1)
+    start = text if position == "before" else 0
+    layout = TileLayout(grid, (4, 4, 8), text_len=text, text_position=position)
+    out = layout.gather(x, PairRope(cos.float(), sin.float(), start))
+    ref = layout.gather(apply_rope(x.double(), PairRope(cos, sin, start)))
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert out.shape == (1, H, video + text, D) and err < 4e-3, err
+    text_rows = slice(0, text) if position == "before" else slice(video, video + text)
+    assert torch.equal(layout.scatter(out)[:, text_rows], x[:, text_rows])     # not rotated, bit for bit
 
 
 if __name__ == "__main__":

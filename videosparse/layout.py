@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from .rope import HalfRope, apply_rope, rope_gather
+from .rope import apply_rope, rope_gather
 
 TEXT_POSITIONS = ("before", "after")
 
@@ -145,7 +145,7 @@ class TileLayout:
     def gather(self, x: torch.Tensor, rope=None, groups: int = 1) -> torch.Tensor:
         """(B, S, H, D) in the original order -> (B, H * groups, S, D) contiguous in tile order.
 
-        rope: optional rotary tables, [1, S, 1, D]: Wan's (freqs_cos, freqs_sin) or a `HalfRope`; returns the gather
+        rope: optional rotary tables: Wan's (freqs_cos, freqs_sin), a `HalfRope` or a `PairRope`; returns the gather
         of `apply_rope(x, rope)`, fused into one pass where `rope_gather` applies.
         groups: output heads per head of x (grouped-query KV heads repeated: output head h is x's head h // groups).
         """
@@ -175,10 +175,10 @@ class TileLayout:
 def _rope_first(x: torch.Tensor, perm: torch.Tensor, rope, groups: int = 1) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(RoPE(x) already gathered by `perm` (and its heads repeated `groups` times) when the fused kernel applies, else
     None; x, rotated when `rope` is given and the fused kernel did not apply). rope: Wan's (freqs_cos, freqs_sin), a
-    `HalfRope`, or None."""
+    `HalfRope`, a `PairRope`, or None."""
     if rope is None:
         return None, x
-    fused = rope_gather(x, perm, *rope, half=isinstance(rope, HalfRope), groups=groups)
+    fused = rope_gather(x, perm, rope, groups=groups)
     return (fused, x) if fused is not None else (None, apply_rope(x, rope))
 
 

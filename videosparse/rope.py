@@ -1,15 +1,18 @@
 """Rotary embeddings, alone and fused with the tile-order gather.
 
-Two styles. Wan's interleaved RoPE, given as a plain tuple of tables (freqs_cos, freqs_sin):
+Three styles. Wan's interleaved RoPE, given as a plain tuple of tables (freqs_cos, freqs_sin):
 `apply_interleaved_rope` is the math of diffusers' `WanAttnProcessor` (pairs (x[2i], x[2i+1]) rotated by
-cos[2i] / sin[2i+1]). Rotate-half RoPE (Cosmos 3, Qwen-style mRoPE), given as `HalfRope(cos, sin)`:
-x * cos + rotate_half(x) * sin with rotate_half(x) = [-x[D/2:], x[:D/2]] (`apply_half_rope`). `apply_rope` takes
-either; the dense path and every fallback use it. `rope_gather` is the same rotation fused with the token gather of
-a `TileLayout`: one Triton pass reads x (B, S, H, D) in diffusers' order and writes RoPE(x) (B, H, S, D) in tile
-order, computing in fp32 and rounding once; it can also repeat grouped-query KV heads (`groups`). In eager mode it
-replaces about a dozen elementwise kernels per tensor (the stock RoPE builds several full-size temporaries in the
-dtype of the rotary table) plus the gather's own copy; under torch.compile Inductor fuses the torch form itself, so
-the fused kernel is not used there.
+cos[2i] / sin[2i+1]). Rotate-half RoPE (Cosmos, Qwen-style mRoPE), given as `HalfRope(cos, sin)`:
+x * cos + rotate_half(x) * sin with rotate_half(x) = [-x[D/2:], x[:D/2]] (`apply_half_rope`). diffusers'
+`apply_rotary_emb(use_real=True)` with pairs (HunyuanVideo, CogVideoX, EasyAnimate), given as `PairRope(cos, sin,
+start)`: x * cos + [-x[2i+1], x[2i]] * sin on the rows [start, start + len(cos)) only (the video rows of a joint
+[video; text] or [text; video] sequence; the text rows are not rotated). `apply_rope` takes any of them; the dense
+path and every fallback use it. `rope_gather` is the same rotation fused with the token gather of a `TileLayout`:
+one Triton pass reads x (B, S, H, D) in diffusers' order and writes RoPE(x) (B, H, S, D) in tile order, computing in
+fp32 and rounding once; it can also repeat grouped-query KV heads (`groups`). In eager mode it replaces about a
+dozen elementwise kernels per tensor (the stock RoPE builds several full-size temporaries in the dtype of the
+rotary table) plus the gather's own copy; under torch.compile Inductor fuses the torch form itself, so the fused
+kernel is not used there.
 """
 
 from __future__ import annotations
@@ -50,38 +53,80 @@ def apply_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return (x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin).type_as(x)
 
 
+class PairRope(NamedTuple):
+    """diffusers' `apply_rotary_emb(use_real=True)` tables cos, sin [R, D] (pairs (x[2i], x[2i+1]), any float dtype)
+    for the rows [start, start + R) of x [B, S, H, D]; the other rows are not rotated."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    start: int = 0
+
+
+def apply_pair_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """diffusers' `apply_rotary_emb(..., sequence_dim=1)` on the rows [start, start + len(cos)) of x [B, S, H, D],
+    the other rows as they are (bit-equal to the stock processors that rotate only their video rows)."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    stop = start + cos.shape[0]
+    if start < 0 or stop > x.shape[1]:
+        raise ValueError(f"PairRope covers rows [{start}, {stop}) but x has {x.shape[1]} rows.")
+    rotated = apply_rotary_emb(x[:, start:stop], (cos, sin), sequence_dim=1)
+    if start == 0 and stop == x.shape[1]:
+        return rotated
+    return torch.cat([x[:, :start], rotated, x[:, stop:]], dim=1)
+
+
 def apply_rope(x: torch.Tensor, rope) -> torch.Tensor:
-    """x [B, S, H, D] rotated by `rope`: a `HalfRope`, or Wan's interleaved tables (freqs_cos, freqs_sin)."""
+    """x [B, S, H, D] rotated by `rope`: a `HalfRope`, a `PairRope`, or Wan's interleaved tables (freqs_cos,
+    freqs_sin)."""
     if isinstance(rope, HalfRope):
         return apply_half_rope(x, *rope)
+    if isinstance(rope, PairRope):
+        return apply_pair_rope(x, *rope)
     return apply_interleaved_rope(x, *rope)
 
 
-def _fused_reason(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> str | None:
-    """Why the fused kernel cannot take these inputs (None: it can)."""
+def _tables(rope, S: int) -> tuple[str, torch.Tensor, torch.Tensor, int]:
+    """(style, cos, sin, first rotated row) of `rope` for x with S rows; cos / sin as given (their shape checked by
+    `_fused_reason`)."""
+    if isinstance(rope, HalfRope):
+        return "half", rope.cos, rope.sin, 0
+    if isinstance(rope, PairRope):
+        return "pairs", rope.cos, rope.sin, rope.start
+    freqs_cos, freqs_sin = rope
+    return "interleaved", freqs_cos, freqs_sin, 0
+
+
+def _fused_reason(x: torch.Tensor, style: str, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
+                  start: int) -> str | None:
+    """Why the fused kernel cannot take these inputs (None: it can). Tables: [1, S, 1, D] (Wan's, `HalfRope`) or
+    [R, D] with start + R <= S (`PairRope`)."""
     B, S, H, D = x.shape
     half = D // 2
     if D % 2 or half < 1 or half & (half - 1):
         return f"head dim {D} is not twice a power of two"
     for name, f in (("freqs_cos", freqs_cos), ("freqs_sin", freqs_sin)):
-        if f.dim() != 4 or f.shape[0] != 1 or f.shape[1] != S or f.shape[2] != 1 or f.shape[3] != D:
+        if style == "pairs":
+            if f.dim() != 2 or f.shape[1] != D or start < 0 or start + f.shape[0] > S:
+                return f"{name} has shape {tuple(f.shape)}, not (R, {D}) with {start} + R <= {S}"
+        elif f.dim() != 4 or f.shape[0] != 1 or f.shape[1] != S or f.shape[2] != 1 or f.shape[3] != D:
             return f"{name} has shape {tuple(f.shape)}, not (1, {S}, 1, {D})"
         if f.device != x.device:
             return f"{name} is on {f.device}, x on {x.device}"
     return None
 
 
-def rope_gather(x: torch.Tensor, perm: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor, *,
-                backend: str = "auto", half: bool = False, groups: int = 1) -> torch.Tensor | None:
+def rope_gather(x: torch.Tensor, perm: torch.Tensor, rope, *, backend: str = "auto",
+                groups: int = 1) -> torch.Tensor | None:
     """RoPE(x) in tile order, in one pass; None when the fused kernel does not apply (the caller falls back).
 
     Args:
         x: [B, S, H, D] (any strides with a unit last dim), fp32/fp16/bf16.
         perm: int64 [S] (one order for all heads) or [H * groups, S] (one per output head): tile position -> token.
-        freqs_cos, freqs_sin: [1, S, 1, D], Wan's interleaved rotary tables, or rotate-half ones with `half`.
+        rope: Wan's interleaved tables (freqs_cos, freqs_sin) [1, S, 1, D], a `HalfRope` [1, S, 1, D] or a
+            `PairRope` [R, D] (see `apply_rope`).
         backend: "auto" (the Triton kernel on CUDA in eager mode, else None), "triton" (also on CPU
             under TRITON_INTERPRET=1; a clear error when the inputs do not fit) or "torch" (None).
-        half: rotate-half RoPE (`apply_half_rope`) instead of the interleaved one.
         groups: output heads per head of x (grouped-query KV heads repeated: output head h reads x's h // groups).
 
     Returns:
@@ -100,11 +145,12 @@ def rope_gather(x: torch.Tensor, perm: torch.Tensor, freqs_cos: torch.Tensor, fr
             import triton  # noqa: F401
         except ImportError:
             return None
-    reason = _fused_reason(x, freqs_cos, freqs_sin)
+    style, freqs_cos, freqs_sin, start = _tables(rope, x.shape[1])
+    reason = _fused_reason(x, style, freqs_cos, freqs_sin, start)
     if reason is not None:
         if backend == "triton":
             raise ValueError(f"rope_gather(backend='triton') cannot run: {reason}.")
         return None
     from .kernels.triton_rope_gather import rope_gather_triton
 
-    return rope_gather_triton(x, perm, freqs_cos, freqs_sin, half=half, groups=groups)
+    return rope_gather_triton(x, perm, freqs_cos, freqs_sin, style=style, start=start, groups=groups)

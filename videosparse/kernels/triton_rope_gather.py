@@ -1,5 +1,5 @@
-"""Triton kernel: RoPE (Wan's interleaved pairs, or rotate-half) fused with the gather into tile order, optionally
-repeating grouped-query KV heads (see `videosparse.rope`)."""
+"""Triton kernel: RoPE (Wan's interleaved pairs, rotate-half, or diffusers' `apply_rotary_emb` pairs on a range of
+rows) fused with the gather into tile order, optionally repeating grouped-query KV heads (see `videosparse.rope`)."""
 
 from __future__ import annotations
 
@@ -10,39 +10,65 @@ import triton.language as tl
 BLOCK_T = 32   # tokens per program; each program walks every head of its tokens
 
 
+# STYLE: how a row is rotated (see `videosparse.rope`)
+INTERLEAVED = tl.constexpr(0)   # Wan's pairs: cos[2i], sin[2i + 1] for both members of pair i
+HALF = tl.constexpr(1)          # rotate-half: x * cos + [-x[D/2:], x[:D/2]] * sin
+PAIRS = tl.constexpr(2)         # diffusers' apply_rotary_emb(use_real=True): x * cos + [-x[2i+1], x[2i]] * sin
+STYLES = {"interleaved": INTERLEAVED.value, "half": HALF.value, "pairs": PAIRS.value}
+
+
 @triton.jit
-def _rotation_tables(cos_ptr, sin_ptr, src, stride_cs, stride_ss, m, D: tl.constexpr):
-    """cos[src, 2i] and sin[src, 2i+1] as fp32 [BLOCK, D/2] (full rows loaded, then de-interleaved)."""
+def _pair_tables(cos_ptr, sin_ptr, row, stride_cs, stride_ss, m, D: tl.constexpr, STYLE: tl.constexpr):
+    """The tables of pairs (2i, 2i + 1) at table rows `row`, fp32 [BLOCK, D/2] x 4: (cos even, cos odd, sin even,
+    sin odd); Wan's interleaved style reads cos[2i] and sin[2i + 1] for both members of a pair. Rows outside `m` get
+    cos 1, sin 0 (not rotated)."""
     d = tl.arange(0, D)
-    cos = tl.load(cos_ptr + src[:, None] * stride_cs + d[None, :], mask=m, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + src[:, None] * stride_ss + d[None, :], mask=m, other=0.0).to(tl.float32)
-    c_even, _ = tl.split(tl.reshape(cos, [cos.shape[0], D // 2, 2]))
-    _, s_odd = tl.split(tl.reshape(sin, [sin.shape[0], D // 2, 2]))
-    return c_even, s_odd
+    cos = tl.load(cos_ptr + row[:, None] * stride_cs + d[None, :], mask=m, other=1.0).to(tl.float32)
+    sin = tl.load(sin_ptr + row[:, None] * stride_ss + d[None, :], mask=m, other=0.0).to(tl.float32)
+    c_even, c_odd = tl.split(tl.reshape(cos, [cos.shape[0], D // 2, 2]))
+    s_even, s_odd = tl.split(tl.reshape(sin, [sin.shape[0], D // 2, 2]))
+    if STYLE == INTERLEAVED:
+        return c_even, c_even, s_odd, s_odd
+    return c_even, c_odd, s_even, s_odd
 
 
 @triton.jit
-def _half_tables(cos_ptr, sin_ptr, src, stride_cs, stride_ss, m, D: tl.constexpr):
-    """cos and sin rows of tokens `src`, each as its two halves: fp32 [BLOCK, D/2] x 4 (cos lo, cos hi, sin lo, hi)."""
+def _half_tables(cos_ptr, sin_ptr, row, stride_cs, stride_ss, m, D: tl.constexpr):
+    """cos and sin at table rows `row`, each as its two halves: fp32 [BLOCK, D/2] x 4 (cos lo, cos hi, sin lo, hi);
+    rows outside `m` get cos 1, sin 0."""
     dh = tl.arange(0, D // 2)
-    c_row = cos_ptr + src[:, None] * stride_cs + dh[None, :]
-    s_row = sin_ptr + src[:, None] * stride_ss + dh[None, :]
-    c1 = tl.load(c_row, mask=m, other=0.0).to(tl.float32)
-    c2 = tl.load(c_row + D // 2, mask=m, other=0.0).to(tl.float32)
+    c_row = cos_ptr + row[:, None] * stride_cs + dh[None, :]
+    s_row = sin_ptr + row[:, None] * stride_ss + dh[None, :]
+    c1 = tl.load(c_row, mask=m, other=1.0).to(tl.float32)
+    c2 = tl.load(c_row + D // 2, mask=m, other=1.0).to(tl.float32)
     s1 = tl.load(s_row, mask=m, other=0.0).to(tl.float32)
     s2 = tl.load(s_row + D // 2, mask=m, other=0.0).to(tl.float32)
     return c1, c2, s1, s2
 
 
 @triton.jit
+def _tables(cos_ptr, sin_ptr, src, valid, rot_start, rot_rows, stride_cs, stride_ss, D: tl.constexpr,
+            STYLE: tl.constexpr):
+    """The four fp32 [BLOCK, D/2] tables of tokens `src` (`_pair_tables` or `_half_tables`); table row src -
+    rot_start for the rotated rows [rot_start, rot_start + rot_rows), identity elsewhere."""
+    row = src - rot_start
+    rotated = valid & (row >= 0) & (row < rot_rows)
+    row = tl.where(rotated, row, 0)
+    m = rotated[:, None]
+    if STYLE == HALF:
+        return _half_tables(cos_ptr, sin_ptr, row, stride_cs, stride_ss, m, D)
+    return _pair_tables(cos_ptr, sin_ptr, row, stride_cs, stride_ss, m, D, STYLE)
+
+
+@triton.jit
 def _rope_gather_kernel(
     x_ptr, perm_ptr, cos_ptr, sin_ptr, out_ptr,
-    S, H, perm_stride_h, stride_xb, stride_xs, stride_xh, stride_cs, stride_ss, GROUPS,
-    D: tl.constexpr, BLOCK: tl.constexpr, PER_HEAD: tl.constexpr, HALF: tl.constexpr,
+    S, H, perm_stride_h, stride_xb, stride_xs, stride_xh, stride_cs, stride_ss, GROUPS, rot_start, rot_rows,
+    D: tl.constexpr, BLOCK: tl.constexpr, PER_HEAD: tl.constexpr, STYLE: tl.constexpr,
 ):
     # program (token block, batch): out[b, h, t] = rope(x[b, perm[h, t], h // GROUPS]) for BLOCK positions t, every
-    # output head h. Interleaved: the pairs (2i, 2i + 1) are split and re-joined in registers, rows read and written
-    # whole (coalesced); rotate-half: the two halves are loaded and stored separately.
+    # output head h. Pairs (interleaved, PAIRS): split and re-joined in registers, rows read and written whole
+    # (coalesced); rotate-half: the two halves are loaded and stored separately.
     pid_t = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     t = pid_t * BLOCK + tl.arange(0, BLOCK)
@@ -52,35 +78,31 @@ def _rope_gather_kernel(
     dh = tl.arange(0, D // 2)
     if not PER_HEAD:   # one order for all heads: tables loaded once per token block
         src = tl.load(perm_ptr + t, mask=valid, other=0).to(tl.int64)
-        if HALF:
-            c1, c2, s1, s2 = _half_tables(cos_ptr, sin_ptr, src, stride_cs, stride_ss, m, D)
-        else:
-            c, s = _rotation_tables(cos_ptr, sin_ptr, src, stride_cs, stride_ss, m, D)
+        c1, c2, s1, s2 = _tables(cos_ptr, sin_ptr, src, valid, rot_start, rot_rows, stride_cs, stride_ss, D, STYLE)
     for h in range(H):
         if PER_HEAD:
             src = tl.load(perm_ptr + h * perm_stride_h + t, mask=valid, other=0).to(tl.int64)
-            if HALF:
-                c1, c2, s1, s2 = _half_tables(cos_ptr, sin_ptr, src, stride_cs, stride_ss, m, D)
-            else:
-                c, s = _rotation_tables(cos_ptr, sin_ptr, src, stride_cs, stride_ss, m, D)
+            c1, c2, s1, s2 = _tables(cos_ptr, sin_ptr, src, valid, rot_start, rot_rows, stride_cs, stride_ss, D,
+                                     STYLE)
         x_row = x_ptr + b * stride_xb + src[:, None] * stride_xs + (h // GROUPS) * stride_xh
         out_row = out_ptr + ((b * H + h) * S + t[:, None]) * D
-        if HALF:
+        if STYLE == HALF:
             x1 = tl.load(x_row + dh[None, :], mask=m, other=0.0).to(tl.float32)
             x2 = tl.load(x_row + D // 2 + dh[None, :], mask=m, other=0.0).to(tl.float32)
             tl.store(out_row + dh[None, :], (x1 * c1 - x2 * s1).to(out_ptr.dtype.element_ty), mask=m)
             tl.store(out_row + D // 2 + dh[None, :], (x2 * c2 + x1 * s2).to(out_ptr.dtype.element_ty), mask=m)
-        else:
+        else:   # pairs (x1, x2) = (x[2i], x[2i + 1]); tables (cos even, cos odd, sin even, sin odd)
             x = tl.load(x_row + d[None, :], mask=m, other=0.0).to(tl.float32)
             x1, x2 = tl.split(tl.reshape(x, [BLOCK, D // 2, 2]))
-            out = tl.reshape(tl.join(x1 * c - x2 * s, x1 * s + x2 * c), [BLOCK, D])
+            out = tl.reshape(tl.join(x1 * c1 - x2 * s1, x2 * c2 + x1 * s2), [BLOCK, D])
             tl.store(out_row + d[None, :], out.to(out_ptr.dtype.element_ty), mask=m)
 
 
 def rope_gather_triton(x: torch.Tensor, perm: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
-                       half: bool = False, groups: int = 1) -> torch.Tensor:
-    """x [B, S, Hx, D], perm int64 [S] or [Hx * groups, S], freqs [1, S, 1, D] -> RoPE(x) [B, Hx * groups, S, D] in
-    tile order; output head h reads x's head h // groups. half: rotate-half RoPE, else Wan's interleaved pairs."""
+                       style: str = "interleaved", start: int = 0, groups: int = 1) -> torch.Tensor:
+    """x [B, S, Hx, D], perm int64 [S] or [Hx * groups, S], freqs [1, R, 1, D] or [R, D] for the rows [start, start
+    + R) -> RoPE(x) [B, Hx * groups, S, D] in tile order (other rows unrotated); output head h reads x's head h //
+    groups. style: "interleaved" (Wan's), "half" (rotate-half) or "pairs" (diffusers' `apply_rotary_emb`)."""
     B, S, Hx, D = x.shape
     H = Hx * groups
     if x.stride(-1) != 1:
@@ -93,8 +115,8 @@ def rope_gather_triton(x: torch.Tensor, perm: torch.Tensor, freqs_cos: torch.Ten
     else:
         raise ValueError(f"perm has shape {tuple(perm.shape)}; expected ({S},) or ({H}, {S}).")
     perm = perm.contiguous()
-    cos = freqs_cos.reshape(S, D)
-    sin = freqs_sin.reshape(S, D)
+    cos = freqs_cos.reshape(-1, D)
+    sin = freqs_sin.reshape(-1, D)
     if cos.stride(-1) != 1:
         cos = cos.contiguous()
     if sin.stride(-1) != 1:
@@ -104,6 +126,6 @@ def rope_gather_triton(x: torch.Tensor, perm: torch.Tensor, freqs_cos: torch.Ten
     _rope_gather_kernel[grid](
         x, perm, cos, sin, out,
         S, H, perm_stride_h, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), sin.stride(0), groups,
-        D=D, BLOCK=BLOCK_T, PER_HEAD=per_head, HALF=half, num_warps=4,
+        start, cos.shape[0], D=D, BLOCK=BLOCK_T, PER_HEAD=per_head, STYLE=STYLES[style], num_warps=4,
     )
     return out

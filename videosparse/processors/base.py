@@ -177,17 +177,20 @@ class SparseAttentionMixin:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask=None,
                rope: tuple[torch.Tensor, torch.Tensor] | None = None, text_len: int | None = None,
-               item: int | None = None, return_lse: bool = False):
+               item: int | None = None, return_lse: bool = False, return_kv: bool = False):
         """Self-attention of q [B, S, H, D], k, v [B, S, H / G, D] (diffusers order; G > 1: grouped-query attention,
         query head h reads KV head h // G) -> [B, S, H, D].
 
-        rope: rotary tables still to be applied to q and k: Wan's (freqs_cos, freqs_sin) or a `HalfRope`
-        (`videosparse.rope.apply_rope`); the sparse path fuses the rotation (and the KV heads' repeat) into the
-        tile-order gather.
+        rope: rotary tables still to be applied to q and k: Wan's (freqs_cos, freqs_sin), a `HalfRope` or a
+        `PairRope` (`videosparse.rope.apply_rope`); the sparse path fuses the rotation (and the KV heads' repeat)
+        into the tile-order gather.
         text_len: the text tokens in q, k, v (default: the forward's, `context.text_len`).
         item: the batch item that q, k, v hold when the forward's items are served one by one (for observers).
         return_lse: also return the rows' log-sum-exp, fp32 [B, S, H]; dense calls then run `dense_with_lse`
             (no attention mask, no context parallelism).
+        return_kv: also return (k, v) [B, S, H, D] as the attention used them (rotated, KV heads repeated; on
+            sparse calls views of the tile-order copies: the key order does not change an attention over them), for
+            a caller that attends other queries to the same keys (no context parallelism, not with return_lse).
 
         Under Ulysses context parallelism q, k, v hold this rank's tokens of every head; the sparse path exchanges
         them for every token of this rank's heads, and the output back (`parallel`).
@@ -198,6 +201,9 @@ class SparseAttentionMixin:
         if return_lse and (attention_mask is not None or shard is not None):
             raise ValueError("attend(return_lse=True) takes no attention mask and no context parallelism; got "
                              f"attention_mask={type(attention_mask).__name__}, shard={shard!r}.")
+        if return_kv and (return_lse or shard is not None):
+            raise ValueError(f"attend(return_kv=True) takes neither return_lse nor context parallelism; got "
+                             f"return_lse={return_lse}, shard={shard!r}.")
         reason = self._dense_reason(q, attention_mask, text_len, shard)
         if q.shape[2] % k.shape[2] or k.shape[2] != v.shape[2]:
             raise ValueError(f"q has {q.shape[2]} heads, k {k.shape[2]} and v {v.shape[2]}: k and v need the same "
@@ -224,18 +230,20 @@ class SparseAttentionMixin:
             stats.record_dense()
             if return_lse:
                 return dense_with_lse(q, k, v, self._kernel_choice)
-            return self._dense(q, k, v, attention_mask)
+            out = self._dense(q, k, v, attention_mask)
+            return (out, (k, v)) if return_kv else out
 
         if shard is not None:
             heads = shard.heads(q.shape[2])
             q, k, v = (seq_to_heads(x, shard) for x in (q, k, v))
             return heads_to_seq(self._sparse(q, k, v, text_len, rope, heads), shard)
-        return self._sparse(q, k, v, text_len, rope, return_lse=return_lse, groups=groups)
+        return self._sparse(q, k, v, text_len, rope, return_lse=return_lse, groups=groups, return_kv=return_kv)
 
     def _sparse(self, q, k, v, text_len: int, rope=None, heads: slice | None = None, return_lse: bool = False,
-                groups: int = 1):
+                groups: int = 1, return_kv: bool = False):
         """gather -> plan -> kernel -> scatter of q [B, S, H, D], k, v [B, S, H / groups, D] (the layer's heads
-        `heads`, default all); with `return_lse` also the rows' lse, fp32 [B, S, H]."""
+        `heads`, default all); with `return_lse` also the rows' lse, fp32 [B, S, H]; with `return_kv` also the
+        rotated, repeated k, v in tile order as [B, S, H, D] views."""
         session = self.session
         layout, state = self.slot.layouts[text_len], self.slot.method_state
         if heads is not None:
@@ -249,6 +257,8 @@ class SparseAttentionMixin:
         if return_lse:
             out, lse = out
             return layout.scatter(out), layout.scatter(lse.unsqueeze(-1)).squeeze(-1)
+        if return_kv:
+            return layout.scatter(out), (kt.transpose(1, 2), vt.transpose(1, 2))
         return layout.scatter(out)
 
     def _record_stock_call(self, reason: str) -> None:
@@ -259,7 +269,7 @@ class SparseAttentionMixin:
         self._stats().record_dense()
 
     def attend_text_prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text_tokens: int,
-                           attention_mask=None, padded_rows: str = "attend") -> torch.Tensor:
+                           attention_mask=None, padded_rows: str = "attend", rope=None) -> torch.Tensor:
         """Joint [video; text] self-attention whose text keys are valid only up to each item's valid length (a
         key-padding prefix mask): [B, S, H, D] -> same, for models whose padded text tokens come last
         (HunyuanVideo, Mochi). The last `text_tokens` of the sequence are text.
@@ -267,25 +277,30 @@ class SparseAttentionMixin:
         The valid prefix of each item (video and its `context.text_len` valid text tokens) goes through
         `attend` (sparse or dense, as it decides), one call for the batch when the items agree, else one per item
         with its own layout. The padded text rows either attend densely to the valid keys ("attend", what
-        HunyuanVideo's masked call gives them) or are zeros ("zero", what Mochi and HunyuanVideo 1.5 give them).
-        Under context parallelism the sequence is split across ranks, so the stock masked call runs instead.
+        HunyuanVideo's masked call gives them; they read the keys as the valid prefix's call used them) or are zeros
+        ("zero", what Mochi and HunyuanVideo 1.5 give them). `rope` (as in `attend`) may rotate rows of the valid
+        prefix only. Under context parallelism the sequence is split across ranks, so the stock masked call runs
+        instead.
         """
         if getattr(self, "_parallel_config", None) is not None:
-            return self.attend(q, k, v, attention_mask)     # dense, with the stock mask
+            return self.attend(q, k, v, attention_mask, rope=rope)     # dense, with the stock mask
         lengths = self.session.context.text_len
         if isinstance(lengths, tuple):
-            return torch.cat([self._attend_valid(q[b:b + 1], k[b:b + 1], v[b:b + 1], text_tokens, n, padded_rows, b)
-                              for b, n in enumerate(lengths)])
-        return self._attend_valid(q, k, v, text_tokens, lengths, padded_rows)
+            return torch.cat([self._attend_valid(q[b:b + 1], k[b:b + 1], v[b:b + 1], text_tokens, n, padded_rows,
+                                                 rope, b) for b, n in enumerate(lengths)])
+        return self._attend_valid(q, k, v, text_tokens, lengths, padded_rows, rope)
 
-    def _attend_valid(self, q, k, v, text_tokens: int, text_len: int, padded_rows: str,
+    def _attend_valid(self, q, k, v, text_tokens: int, text_len: int, padded_rows: str, rope=None,
                       item: int | None = None) -> torch.Tensor:
         valid = q.shape[1] - text_tokens + text_len
         if valid >= q.shape[1]:
-            return self.attend(q, k, v, None, text_len=text_len, item=item)
-        head = self.attend(q[:, :valid], k[:, :valid], v[:, :valid], None, text_len=text_len, item=item)
+            return self.attend(q, k, v, None, rope=rope, text_len=text_len, item=item)
         if padded_rows == "zero":
+            head = self.attend(q[:, :valid], k[:, :valid], v[:, :valid], None, rope=rope, text_len=text_len,
+                               item=item)
             tail = q.new_zeros(q.shape[0], q.shape[1] - valid, *head.shape[2:])
         else:
-            tail = self._dense(q[:, valid:], k[:, :valid], v[:, :valid], None)
+            head, (keys, values) = self.attend(q[:, :valid], k[:, :valid], v[:, :valid], None, rope=rope,
+                                               text_len=text_len, item=item, return_kv=True)
+            tail = self._dense(q[:, valid:], keys, values, None)
         return torch.cat([head, tail], dim=1)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
-from diffusers.models.embeddings import apply_rotary_emb
 
+from ..rope import PairRope, apply_rope
 from .base import SparseAttentionMixin, project_heads
 from .context import forward_arg
 
@@ -17,7 +17,8 @@ from .context import forward_arg
 class CogVideoXSparseAttnProcessor(SparseAttentionMixin, CogVideoXAttnProcessor2_0):
     """`CogVideoXAttnProcessor2_0` whose joint self-attention runs through videosparse.
 
-    Projections, qk-norm and RoPE are diffusers' own; only the attention call changes. A call with an
+    Projections and qk-norm are diffusers' own; the RoPE of the video rows goes to `attend` as a `PairRope` (fused into
+    the tile-order gather on sparse calls). A call with an
     attention mask (the model itself never passes one) goes to the stock processor.
     """
 
@@ -32,21 +33,17 @@ class CogVideoXSparseAttnProcessor(SparseAttentionMixin, CogVideoXAttnProcessor2
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         query, key, value = project_heads(hidden_states, attn.heads, attn.to_q, attn.to_k, attn.to_v,
                                           attn.norm_q, attn.norm_k)            # [B, S, H, D]
-        if image_rotary_emb is not None:
-            query = rotate_after_text(query, text_len, image_rotary_emb)
-            if not attn.is_cross_attention:
-                key = rotate_after_text(key, text_len, image_rotary_emb)
-        hidden_states = self.attend(query, key, value).flatten(2, 3).type_as(query)
+        rope = None
+        if image_rotary_emb is not None and not attn.is_cross_attention:   # q and k: `attend` rotates (fused)
+            rope = PairRope(*image_rotary_emb, start=text_len)
+        elif image_rotary_emb is not None:
+            query = apply_rope(query, PairRope(*image_rotary_emb, start=text_len))
+        hidden_states = self.attend(query, key, value, rope=rope).flatten(2, 3).type_as(query)
         hidden_states = attn.to_out[0](hidden_states)
         hidden_states = attn.to_out[1](hidden_states)
         encoder_hidden_states, hidden_states = hidden_states.split(
             [text_len, hidden_states.size(1) - text_len], dim=1)
         return hidden_states, encoder_hidden_states
-
-
-def rotate_after_text(x: torch.Tensor, text_len: int, image_rotary_emb) -> torch.Tensor:
-    """diffusers' `apply_rotary_emb` on the video tokens of x [B, S, H, D], which follow `text_len` text tokens."""
-    return torch.cat([x[:, :text_len], apply_rotary_emb(x[:, text_len:], image_rotary_emb, sequence_dim=1)], dim=1)
 
 
 def cogvideox_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:

@@ -29,10 +29,10 @@ for the attention call, so the window's video is the tile grid and history, imag
 from __future__ import annotations
 
 import torch
-from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 
+from ..rope import PairRope, apply_rope
 from .base import SparseAttentionMixin, project_heads, project_joint_outputs, project_text_heads
 from .context import forward_arg, patch_tokens, valid_text_length
 
@@ -40,8 +40,9 @@ from .context import forward_arg, patch_tokens, valid_text_length
 class _HunyuanFamilySparseAttention(SparseAttentionMixin):
     """The shared `__call__`: joint [video; text] self-attention through videosparse.
 
-    Projections, qk-norm and RoPE are diffusers' own; only the attention call changes. Calls without
-    text (the token refiner's layout) go to the stock processor untouched.
+    Projections and qk-norm are diffusers' own; the RoPE (diffusers' `apply_rotary_emb` on the video rows) goes to
+    `attend` as a `PairRope`, fused into the tile-order gather on sparse calls. Calls without text (the token
+    refiner's layout) go to the stock processor untouched.
     """
 
     _padded_rows = "attend"            # what the stock masked call gives the padded text rows (attend_text_prefix)
@@ -60,31 +61,27 @@ class _HunyuanFamilySparseAttention(SparseAttentionMixin):
             hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
         query, key, value = project_heads(hidden_states, attn.heads, attn.to_q, attn.to_k, attn.to_v,
                                           attn.norm_q, attn.norm_k)
-        if image_rotary_emb is not None:
-            if joint:
-                query = torch.cat([apply_rotary_emb(query[:, :-text_len], image_rotary_emb, sequence_dim=1),
-                                   query[:, -text_len:]], dim=1)
-                key = torch.cat([apply_rotary_emb(key[:, :-text_len], image_rotary_emb, sequence_dim=1),
-                                 key[:, -text_len:]], dim=1)
-            else:
-                query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-                key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
         if not joint:
             enc_query, enc_key, enc_value = project_text_heads(attn, encoder_hidden_states)
             query = torch.cat([query, enc_query], dim=1)
             key = torch.cat([key, enc_key], dim=1)
             value = torch.cat([value, enc_value], dim=1)
-
-        hidden_states = self._attend_joint(query, key, value, text_len, attention_mask)
+        # diffusers' RoPE on the video rows (the first ones; the text rows after them are not rotated), applied by
+        # `attend`: fused into the tile-order gather on sparse calls, as stock on dense ones
+        rope = None if image_rotary_emb is None else PairRope(*image_rotary_emb)
+        hidden_states = self._attend_joint(query, key, value, text_len, attention_mask, rope)
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
 
         hidden_states, encoder_hidden_states = hidden_states[:, :-text_len], hidden_states[:, -text_len:]
         return project_joint_outputs(attn, hidden_states, encoder_hidden_states)
 
-    def _attend_joint(self, query, key, value, text_tokens: int, attention_mask) -> torch.Tensor:
+    def _attend_joint(self, query, key, value, text_tokens: int, attention_mask,
+                      rope: PairRope | None = None) -> torch.Tensor:
         """Attention of the joint q, k, v [B, S, H, D] whose last `text_tokens` are text: the valid prefix (the
-        video and each item's first ctx.text_len text tokens; padded text tokens come last) through videosparse."""
-        return self.attend_text_prefix(query, key, value, text_tokens, attention_mask, padded_rows=self._padded_rows)
+        video and each item's first ctx.text_len text tokens; padded text tokens come last) through videosparse;
+        `rope` rotates the first rows of q and k."""
+        return self.attend_text_prefix(query, key, value, text_tokens, attention_mask, padded_rows=self._padded_rows,
+                                       rope=rope)
 
 
 class HunyuanVideoSparseAttnProcessor(_HunyuanFamilySparseAttention, HunyuanVideoAttnProcessor2_0):
@@ -108,16 +105,21 @@ class HunyuanVideoFramepackSparseAttnProcessor(HunyuanVideoSparseAttnProcessor):
     is the same up to summation order) and served with the image and text tokens as global tiles; the output
     goes back to diffusers' order. Observers see the moved order, [video; history; image; text]."""
 
-    def _attend_joint(self, query, key, value, text_tokens: int, attention_mask) -> torch.Tensor:
+    def _attend_joint(self, query, key, value, text_tokens: int, attention_mask,
+                      rope: PairRope | None = None) -> torch.Tensor:
         session = self.session
         grid = session.context.grid
         video = grid[0] * grid[1] * grid[2] if grid is not None else 0
         history = query.shape[1] - text_tokens - video
         if grid is None or history < 0:        # not this grid: `attend` warns and runs dense
-            return super()._attend_joint(query, key, value, text_tokens, attention_mask)
+            return super()._attend_joint(query, key, value, text_tokens, attention_mask, rope)
         if history == 0 or (session.method is None and not session.observers):
             # a dense config, unobserved: diffusers' order as it is (the valid prefix is the same), bit-exact stock
-            return super()._attend_joint(query, key, value, history + text_tokens, attention_mask)
+            return super()._attend_joint(query, key, value, history + text_tokens, attention_mask, rope)
+        if rope is not None and (rope.start != 0 or rope.cos.shape[0] != history + video):
+            query, key, rope = apply_rope(query, rope), apply_rope(key, rope), None   # not [history; video]: as stock
+        if rope is not None:                   # the rotated rows [history; video] become [video; history]
+            rope = PairRope(*(torch.cat([t[history:], t[:history]]) for t in rope[:2]))
 
         def history_after_video(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
             return torch.cat([x.narrow(dim, history, video), x.narrow(dim, 0, history),
@@ -126,7 +128,7 @@ class HunyuanVideoFramepackSparseAttnProcessor(HunyuanVideoSparseAttnProcessor):
         if attention_mask is not None:         # the key mask [B, 1, 1, S] (context parallelism only reads it)
             attention_mask = history_after_video(attention_mask, attention_mask.dim() - 1)
         out = super()._attend_joint(history_after_video(query), history_after_video(key),
-                                    history_after_video(value), history + text_tokens, attention_mask)
+                                    history_after_video(value), history + text_tokens, attention_mask, rope)
         return torch.cat([out[:, video:video + history], out[:, :video], out[:, video + history:]], dim=1)
 
 

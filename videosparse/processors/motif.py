@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.transformer_motif_video import MotifVideoAttnProcessor2_0
 
+from ..rope import PairRope
 from .context import forward_arg, valid_text_length
 from .hunyuan import _HunyuanFamilySparseAttention, _video_grid
 
@@ -48,11 +49,12 @@ class MotifVideoSparseAttnProcessor(_HunyuanFamilySparseAttention, MotifVideoAtt
                                         image_rotary_emb)
         return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
 
-    def _attend_joint(self, query, key, value, text_tokens: int, attention_mask) -> torch.Tensor:
+    def _attend_joint(self, query, key, value, text_tokens: int, attention_mask,
+                      rope: PairRope | None = None) -> torch.Tensor:
         if attention_mask is None or getattr(self, "_parallel_config", None) is not None:
-            return super()._attend_joint(query, key, value, text_tokens, attention_mask)
+            return super()._attend_joint(query, key, value, text_tokens, attention_mask, rope)
         if attention_mask.dtype != torch.bool or attention_mask.shape[-2] != 1:
-            return self.attend(query, key, value, attention_mask)      # not the forward's key mask: dense, warned
+            return self.attend(query, key, value, attention_mask, rope=rope)   # not the forward's key mask: dense
         # the key mask's text part [B, L] -> each item's valid text tokens first (in order), then the padded ones
         keep = attention_mask.reshape(attention_mask.shape[0], -1)[:, -text_tokens:]
         order = torch.argsort(keep.logical_not().to(torch.uint8), dim=1, stable=True)
@@ -61,7 +63,8 @@ class MotifVideoSparseAttnProcessor(_HunyuanFamilySparseAttention, MotifVideoAtt
         def valid_first(x: torch.Tensor) -> torch.Tensor:
             return torch.cat([x[:, :-text_tokens], x[:, -text_tokens:].gather(1, index)], dim=1)
 
-        out = super()._attend_joint(valid_first(query), valid_first(key), valid_first(value), text_tokens, None)
+        # (the text rows move among themselves; `rope` rotates video rows only)
+        out = super()._attend_joint(valid_first(query), valid_first(key), valid_first(value), text_tokens, None, rope)
         text = torch.empty_like(out[:, -text_tokens:]).scatter_(1, index, out[:, -text_tokens:])
         return torch.cat([out[:, :-text_tokens], text], dim=1)
 
