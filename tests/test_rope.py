@@ -28,11 +28,15 @@ CASES = {
     "pairs-text-after": (2, (3, 5, 7), (2, 4, 4), 2, 32, "bfloat16", "float32", False),
     "pairs-text-before-heads-tiled": (1, (4, 6, 5), ((2, 4, 4), (4, 4, 2)), 2, 64, "float16", "float32", True),
     "pairs-all-rows-gqa": (1, (3, 4, 5), (2, 4, 4), 4, 16, "float32", "float64", False),
+    "head-pairs-text-after-heads-tiled": (2, (3, 5, 7), ((2, 4, 4), (4, 4, 2)), 2, 32, "bfloat16", "float32", False),
+    "head-pairs-gqa-strided-x": (1, (3, 4, 5), (2, 4, 4), 4, 64, "float16", "float32", True),
 }
 # name: (style, output heads per head of x, text rows before / after the rotated rows) where not ("interleaved", 1)
 VARIANTS = {"half-gqa-heads-tiled": ("half", 2, 0, 0), "half-strided-x": ("half", 1, 0, 0),
             "interleaved-gqa": ("interleaved", 4, 0, 0), "pairs-text-after": ("pairs", 1, 0, 37),
-            "pairs-text-before-heads-tiled": ("pairs", 1, 21, 0), "pairs-all-rows-gqa": ("pairs", 2, 0, 0)}
+            "pairs-text-before-heads-tiled": ("pairs", 1, 21, 0), "pairs-all-rows-gqa": ("pairs", 2, 0, 0),
+            "head-pairs-text-after-heads-tiled": ("head_pairs", 1, 0, 19),
+            "head-pairs-gqa-strided-x": ("head_pairs", 2, 0, 0)}
 
 
 def _inputs(B, grid, H, D, dtype, fdtype, strided, seed, half=False):
@@ -68,7 +72,7 @@ def _pair_inputs(B, grid, H, D, dtype, fdtype, strided, seed, before, after):
 
 def _run_case(name: str) -> dict:
     from videosparse.layout import head_tiling
-    from videosparse.rope import HalfRope, PairRope, apply_rope, rope_gather
+    from videosparse.rope import HalfRope, HeadPairRope, PairRope, apply_rope, rope_gather
 
     B, grid, tiles, H, D, dtype, fdtype, strided = CASES[name]
     style, groups, before, after = VARIANTS.get(name, ("interleaved", 1, 0, 0))
@@ -78,6 +82,12 @@ def _run_case(name: str) -> dict:
         rope, tables = PairRope(cos, sin, before), PairRope(cos.float(), sin.float(), before)
         layout = head_tiling(grid, tiles, H, block=32, text_len=before + after,
                              text_position="before" if before else "after")
+    elif style == "head_pairs":    # Mochi: one angle per pair and head of x, for the video rows (text after)
+        x, _, _ = _pair_inputs(*args, 0, after)
+        angle = torch.randn(x.shape[1] - after, x.shape[2], D // 2, generator=torch.Generator().manual_seed(3)) * 3
+        cos, sin = angle.cos().to(getattr(torch, fdtype)), angle.sin().to(getattr(torch, fdtype))
+        rope, tables = HeadPairRope(cos, sin), HeadPairRope(cos.float(), sin.float())
+        layout = head_tiling(grid, tiles, H, block=32, text_len=after)
     else:
         x, cos, sin = _inputs(*args, half=style == "half")
         rope = HalfRope(cos, sin) if style == "half" else (cos, sin)
@@ -89,7 +99,7 @@ def _run_case(name: str) -> dict:
     ref = layout.gather(apply_rope(x.float(), tables).repeat_interleave(groups, dim=2))
     err = float((out.float() - ref).norm() / ref.norm())
     S = x.shape[1]
-    unrotated = torch.cat([torch.arange(before), torch.arange(S - after, S)]) if style == "pairs" else torch.arange(0)
+    unrotated = torch.cat([torch.arange(before), torch.arange(S - after, S)])
     kept = layout.scatter(out)[:, unrotated]        # rows outside a PairRope's range: x itself, bit for bit
     return {"rel_l2": err, "shape_ok": tuple(out.shape) == (B, H, S, D),
             "dtype_ok": out.dtype == x.dtype, "contiguous": out.is_contiguous(),
@@ -184,7 +194,7 @@ def test_rope_gather_dispatch_and_errors():
 
 @pytest.mark.parametrize("per_head,style,groups", [(False, "interleaved", 1), (True, "interleaved", 1),
                                                     (False, "half", 4), (True, "half", 1), (False, "pairs", 1),
-                                                    (True, "pairs", 2)])
+                                                    (True, "pairs", 2), (False, "head_pairs", 1)])
 def test_rope_gather_kernel_compiles_to_16_byte_accesses_for_sm90(per_head, style, groups):
     """AOT for sm_90 on CPU: with 16-divisible strides (what the JIT sees at Wan sizes) rows move as
     16-byte vectors, in every style, with and without repeated KV heads (groups 1 is folded as a launch folds it); a
@@ -201,7 +211,7 @@ def test_rope_gather_kernel_compiles_to_16_byte_accesses_for_sm90(per_head, styl
     sig = {n: "constexpr" for n in names}
     sig.update({n: "*bf16" for n in ("x_ptr", "cos_ptr", "sin_ptr", "out_ptr")}, perm_ptr="*i64")
     ints = ("S", "H", "perm_stride_h", "stride_xb", "stride_xs", "stride_xh", "stride_cs", "stride_ss")
-    sig.update({n: "i32" for n in ints + ("rot_start", "rot_rows")})
+    sig.update({n: "i32" for n in ints + ("stride_ch", "rot_start", "rot_rows")})
     aligned = ("x_ptr", "perm_ptr", "cos_ptr", "sin_ptr", "out_ptr") + ints[3:]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     constants = dict(D=128, BLOCK=32, PER_HEAD=per_head, STYLE=STYLES[style])
@@ -276,6 +286,26 @@ def test_gpu_rope_gather_pairs_on_the_video_rows_at_real_size(grid, H, D, text, 
     assert out.shape == (1, H, video + text, D) and err < 4e-3, err
     text_rows = slice(0, text) if position == "before" else slice(video, video + text)
     assert torch.equal(layout.scatter(out)[:, text_rows], x[:, text_rows])     # not rotated, bit for bit
+
+
+@pytest.mark.gpu
+def test_gpu_rope_gather_head_pairs_at_mochi_size():
+    """Mochi's per-head pair angles on the video rows (256 text rows after, unrotated) fused with the gather, against
+    rotate-then-gather in float64."""
+    from videosparse.layout import TileLayout
+    from videosparse.rope import HeadPairRope, apply_rope
+
+    grid, H, D, text = (28, 30, 53), 24, 128, 256
+    video = grid[0] * grid[1] * grid[2]
+    g = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(1, video + text, H, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    angle = torch.rand(video, H, D // 2, device="cuda", generator=g, dtype=torch.float64) * 50
+    layout = TileLayout(grid, (4, 4, 8), text_len=text)
+    out = layout.gather(x, HeadPairRope(angle.cos().float(), angle.sin().float()))
+    ref = layout.gather(apply_rope(x.double(), HeadPairRope(angle.cos(), angle.sin())))
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert out.shape == (1, H, video + text, D) and err < 4e-3, err
+    assert torch.equal(layout.scatter(out)[:, video:], x[:, video:])
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ cos[2i] / sin[2i+1]). Rotate-half RoPE (Cosmos, Qwen-style mRoPE), given as `Hal
 x * cos + rotate_half(x) * sin with rotate_half(x) = [-x[D/2:], x[:D/2]] (`apply_half_rope`). diffusers'
 `apply_rotary_emb(use_real=True)` with pairs (HunyuanVideo, CogVideoX, EasyAnimate), given as `PairRope(cos, sin,
 start)`: x * cos + [-x[2i+1], x[2i]] * sin on the rows [start, start + len(cos)) only (the video rows of a joint
-[video; text] or [text; video] sequence; the text rows are not rotated). `apply_rope` takes any of them; the dense
+[video; text] or [text; video] sequence; the text rows are not rotated). Mochi's per-head angles, given as
+`HeadPairRope(cos, sin)` [R, H, D/2]: pair i of head h of row r rotated by (cos, sin)[r, h, i], rows [0, R) only.
+`apply_rope` takes any of them; the dense
 path and every fallback use it. `rope_gather` is the same rotation fused with the token gather of a `TileLayout`:
 one Triton pass reads x (B, S, H, D) in diffusers' order and writes RoPE(x) (B, H, S, D) in tile order, computing in
 fp32 and rounding once; it can also repeat grouped-query KV heads (`groups`). In eager mode it replaces about a
@@ -76,13 +78,37 @@ def apply_pair_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start
     return torch.cat([x[:, :start], rotated, x[:, stop:]], dim=1)
 
 
+class HeadPairRope(NamedTuple):
+    """Mochi's per-head rotary angles cos, sin [R, H, D/2] (fp32, from `MochiRoPE`) for the rows [0, R) of x
+    [B, S, H, D]: pair (x[2i], x[2i+1]) of head h rotated by (cos, sin)[row, h, i]; the other rows are not rotated."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def apply_head_pair_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Mochi's RoPE on the first cos.shape[0] rows of x [B, S, H, D], the rotation of the stock
+    `MochiAttnProcessor2_0` (whose helper is local to its `__call__`): each pair rotated in fp32, each rotated half
+    rounded to x's dtype, the pairs interleaved back; the other rows as they are."""
+    rows = cos.shape[0]
+    if rows > x.shape[1]:
+        raise ValueError(f"HeadPairRope covers rows [0, {rows}) but x has {x.shape[1]} rows.")
+    pairs = x[:, :rows].float().unflatten(-1, (-1, 2))
+    first, second = pairs[..., 0], pairs[..., 1]
+    rotated = (first * cos - second * sin).to(x.dtype), (first * sin + second * cos).to(x.dtype)
+    rotated = torch.stack(rotated, dim=-1).flatten(-2)
+    return rotated if rows == x.shape[1] else torch.cat([rotated, x[:, rows:]], dim=1)
+
+
 def apply_rope(x: torch.Tensor, rope) -> torch.Tensor:
-    """x [B, S, H, D] rotated by `rope`: a `HalfRope`, a `PairRope`, or Wan's interleaved tables (freqs_cos,
-    freqs_sin)."""
+    """x [B, S, H, D] rotated by `rope`: a `HalfRope`, a `PairRope`, a `HeadPairRope`, or Wan's interleaved tables
+    (freqs_cos, freqs_sin)."""
     if isinstance(rope, HalfRope):
         return apply_half_rope(x, *rope)
     if isinstance(rope, PairRope):
         return apply_pair_rope(x, *rope)
+    if isinstance(rope, HeadPairRope):
+        return apply_head_pair_rope(x, *rope)
     return apply_interleaved_rope(x, *rope)
 
 
@@ -93,14 +119,16 @@ def _tables(rope, S: int) -> tuple[str, torch.Tensor, torch.Tensor, int]:
         return "half", rope.cos, rope.sin, 0
     if isinstance(rope, PairRope):
         return "pairs", rope.cos, rope.sin, rope.start
+    if isinstance(rope, HeadPairRope):
+        return "head_pairs", rope.cos, rope.sin, 0
     freqs_cos, freqs_sin = rope
     return "interleaved", freqs_cos, freqs_sin, 0
 
 
 def _fused_reason(x: torch.Tensor, style: str, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
                   start: int) -> str | None:
-    """Why the fused kernel cannot take these inputs (None: it can). Tables: [1, S, 1, D] (Wan's, `HalfRope`) or
-    [R, D] with start + R <= S (`PairRope`)."""
+    """Why the fused kernel cannot take these inputs (None: it can). Tables: [1, S, 1, D] (Wan's, `HalfRope`),
+    [R, D] with start + R <= S (`PairRope`) or [R, H, D/2] with R <= S (`HeadPairRope`)."""
     B, S, H, D = x.shape
     half = D // 2
     if D % 2 or half < 1 or half & (half - 1):
@@ -109,6 +137,9 @@ def _fused_reason(x: torch.Tensor, style: str, freqs_cos: torch.Tensor, freqs_si
         if style == "pairs":
             if f.dim() != 2 or f.shape[1] != D or start < 0 or start + f.shape[0] > S:
                 return f"{name} has shape {tuple(f.shape)}, not (R, {D}) with {start} + R <= {S}"
+        elif style == "head_pairs":
+            if f.dim() != 3 or f.shape[0] > S or f.shape[1:] != (H, half):
+                return f"{name} has shape {tuple(f.shape)}, not (R, {H}, {half}) with R <= {S}"
         elif f.dim() != 4 or f.shape[0] != 1 or f.shape[1] != S or f.shape[2] != 1 or f.shape[3] != D:
             return f"{name} has shape {tuple(f.shape)}, not (1, {S}, 1, {D})"
         if f.device != x.device:
@@ -123,8 +154,8 @@ def rope_gather(x: torch.Tensor, perm: torch.Tensor, rope, *, backend: str = "au
     Args:
         x: [B, S, H, D] (any strides with a unit last dim), fp32/fp16/bf16.
         perm: int64 [S] (one order for all heads) or [H * groups, S] (one per output head): tile position -> token.
-        rope: Wan's interleaved tables (freqs_cos, freqs_sin) [1, S, 1, D], a `HalfRope` [1, S, 1, D] or a
-            `PairRope` [R, D] (see `apply_rope`).
+        rope: Wan's interleaved tables (freqs_cos, freqs_sin) [1, S, 1, D], a `HalfRope` [1, S, 1, D], a
+            `PairRope` [R, D] or a `HeadPairRope` [R, H, D/2] (see `apply_rope`).
         backend: "auto" (the Triton kernel on CUDA in eager mode, else None), "triton" (also on CPU
             under TRITON_INTERPRET=1; a clear error when the inputs do not fit) or "torch" (None).
         groups: output heads per head of x (grouped-query KV heads repeated: output head h reads x's h // groups).

@@ -11,7 +11,8 @@ from diffusers.models.attention_processor import MochiAttnProcessor2_0
 
 import videosparse
 from videosparse.processors import attention_processors, sessions
-from videosparse.processors.mochi import MochiSparseAttnProcessor, apply_mochi_rope, mochi_grid
+from videosparse.processors.mochi import MochiSparseAttnProcessor, mochi_grid
+from videosparse.rope import apply_head_pair_rope
 
 from tester import ProcessorTesterMixin
 
@@ -64,8 +65,10 @@ def test_rope_equals_stock_bitwise(dtype):
     x = torch.randn(2, 30, 3, 64).to(dtype)
     freqs = torch.randn(30, 3, 32) * 3
     cos, sin = torch.cos(freqs), torch.sin(freqs)
-    out = apply_mochi_rope(x, cos, sin)
+    out = apply_head_pair_rope(x, cos, sin)
     assert out.dtype == dtype and torch.equal(out, _stock_rope()(x, cos, sin))
+    text = torch.randn(2, 7, 3, 64).to(dtype)          # rows after the tables' rows: not rotated
+    assert torch.equal(apply_head_pair_rope(torch.cat([x, text], 1), cos, sin), torch.cat([out, text], 1))
 
 
 def test_grid_spatial_patch_and_valid_prefix():

@@ -1,5 +1,6 @@
-"""Triton kernel: RoPE (Wan's interleaved pairs, rotate-half, or diffusers' `apply_rotary_emb` pairs on a range of
-rows) fused with the gather into tile order, optionally repeating grouped-query KV heads (see `videosparse.rope`)."""
+"""Triton kernel: RoPE (Wan's interleaved pairs, rotate-half, diffusers' `apply_rotary_emb` pairs or Mochi's per-head
+pairs, on a range of rows) fused with the gather into tile order, optionally repeating grouped-query KV heads (see
+`videosparse.rope`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ BLOCK_T = 32   # tokens per program; each program walks every head of its tokens
 INTERLEAVED = tl.constexpr(0)   # Wan's pairs: cos[2i], sin[2i + 1] for both members of pair i
 HALF = tl.constexpr(1)          # rotate-half: x * cos + [-x[D/2:], x[:D/2]] * sin
 PAIRS = tl.constexpr(2)         # diffusers' apply_rotary_emb(use_real=True): x * cos + [-x[2i+1], x[2i]] * sin
-STYLES = {"interleaved": INTERLEAVED.value, "half": HALF.value, "pairs": PAIRS.value}
+HEAD_PAIRS = tl.constexpr(3)    # Mochi's: pair i of head h rotated by the angle (cos, sin)[row, h, i]
+STYLES = {"interleaved": INTERLEAVED.value, "half": HALF.value, "pairs": PAIRS.value, "head_pairs": HEAD_PAIRS.value}
 
 
 @triton.jit
@@ -30,6 +32,16 @@ def _pair_tables(cos_ptr, sin_ptr, row, stride_cs, stride_ss, m, D: tl.constexpr
     if STYLE == INTERLEAVED:
         return c_even, c_even, s_odd, s_odd
     return c_even, c_odd, s_even, s_odd
+
+
+@triton.jit
+def _head_pair_tables(cos_ptr, sin_ptr, row, stride_cs, stride_ss, m, D: tl.constexpr):
+    """One angle per pair at table rows `row` (the head's tables): fp32 [BLOCK, D/2] x 4 as `_pair_tables` gives
+    them (cos, cos, sin, sin); rows outside `m` get cos 1, sin 0."""
+    dh = tl.arange(0, D // 2)
+    cos = tl.load(cos_ptr + row[:, None] * stride_cs + dh[None, :], mask=m, other=1.0).to(tl.float32)
+    sin = tl.load(sin_ptr + row[:, None] * stride_ss + dh[None, :], mask=m, other=0.0).to(tl.float32)
+    return cos, cos, sin, sin
 
 
 @triton.jit
@@ -49,12 +61,14 @@ def _half_tables(cos_ptr, sin_ptr, row, stride_cs, stride_ss, m, D: tl.constexpr
 @triton.jit
 def _tables(cos_ptr, sin_ptr, src, valid, rot_start, rot_rows, stride_cs, stride_ss, D: tl.constexpr,
             STYLE: tl.constexpr):
-    """The four fp32 [BLOCK, D/2] tables of tokens `src` (`_pair_tables` or `_half_tables`); table row src -
-    rot_start for the rotated rows [rot_start, rot_start + rot_rows), identity elsewhere."""
+    """The four fp32 [BLOCK, D/2] tables of tokens `src` (`_pair_tables`, `_head_pair_tables` or `_half_tables`);
+    table row src - rot_start for the rotated rows [rot_start, rot_start + rot_rows), identity elsewhere."""
     row = src - rot_start
     rotated = valid & (row >= 0) & (row < rot_rows)
     row = tl.where(rotated, row, 0)
     m = rotated[:, None]
+    if STYLE == HEAD_PAIRS:
+        return _head_pair_tables(cos_ptr, sin_ptr, row, stride_cs, stride_ss, m, D)
     if STYLE == HALF:
         return _half_tables(cos_ptr, sin_ptr, row, stride_cs, stride_ss, m, D)
     return _pair_tables(cos_ptr, sin_ptr, row, stride_cs, stride_ss, m, D, STYLE)
@@ -63,12 +77,13 @@ def _tables(cos_ptr, sin_ptr, src, valid, rot_start, rot_rows, stride_cs, stride
 @triton.jit
 def _rope_gather_kernel(
     x_ptr, perm_ptr, cos_ptr, sin_ptr, out_ptr,
-    S, H, perm_stride_h, stride_xb, stride_xs, stride_xh, stride_cs, stride_ss, GROUPS, rot_start, rot_rows,
-    D: tl.constexpr, BLOCK: tl.constexpr, PER_HEAD: tl.constexpr, STYLE: tl.constexpr,
+    S, H, perm_stride_h, stride_xb, stride_xs, stride_xh, stride_cs, stride_ss, stride_ch, GROUPS, rot_start,
+    rot_rows, D: tl.constexpr, BLOCK: tl.constexpr, PER_HEAD: tl.constexpr, STYLE: tl.constexpr,
 ):
     # program (token block, batch): out[b, h, t] = rope(x[b, perm[h, t], h // GROUPS]) for BLOCK positions t, every
-    # output head h. Pairs (interleaved, PAIRS): split and re-joined in registers, rows read and written whole
-    # (coalesced); rotate-half: the two halves are loaded and stored separately.
+    # output head h. Pairs (interleaved, PAIRS, HEAD_PAIRS): split and re-joined in registers, rows read and written
+    # whole (coalesced); rotate-half: the two halves are loaded and stored separately. HEAD_PAIRS tables have one
+    # head per head of x (stride_ch).
     pid_t = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     t = pid_t * BLOCK + tl.arange(0, BLOCK)
@@ -76,14 +91,18 @@ def _rope_gather_kernel(
     m = valid[:, None]
     d = tl.arange(0, D)
     dh = tl.arange(0, D // 2)
-    if not PER_HEAD:   # one order for all heads: tables loaded once per token block
+    if not PER_HEAD:   # one order for all heads
         src = tl.load(perm_ptr + t, mask=valid, other=0).to(tl.int64)
-        c1, c2, s1, s2 = _tables(cos_ptr, sin_ptr, src, valid, rot_start, rot_rows, stride_cs, stride_ss, D, STYLE)
+        if STYLE != HEAD_PAIRS:   # tables shared by the heads: loaded once per token block
+            c1, c2, s1, s2 = _tables(cos_ptr, sin_ptr, src, valid, rot_start, rot_rows, stride_cs, stride_ss, D,
+                                     STYLE)
     for h in range(H):
         if PER_HEAD:
             src = tl.load(perm_ptr + h * perm_stride_h + t, mask=valid, other=0).to(tl.int64)
-            c1, c2, s1, s2 = _tables(cos_ptr, sin_ptr, src, valid, rot_start, rot_rows, stride_cs, stride_ss, D,
-                                     STYLE)
+        if PER_HEAD or STYLE == HEAD_PAIRS:
+            th = (h // GROUPS) * stride_ch
+            c1, c2, s1, s2 = _tables(cos_ptr + th, sin_ptr + th, src, valid, rot_start, rot_rows, stride_cs,
+                                     stride_ss, D, STYLE)
         x_row = x_ptr + b * stride_xb + src[:, None] * stride_xs + (h // GROUPS) * stride_xh
         out_row = out_ptr + ((b * H + h) * S + t[:, None]) * D
         if STYLE == HALF:
@@ -100,9 +119,10 @@ def _rope_gather_kernel(
 
 def rope_gather_triton(x: torch.Tensor, perm: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
                        style: str = "interleaved", start: int = 0, groups: int = 1) -> torch.Tensor:
-    """x [B, S, Hx, D], perm int64 [S] or [Hx * groups, S], freqs [1, R, 1, D] or [R, D] for the rows [start, start
-    + R) -> RoPE(x) [B, Hx * groups, S, D] in tile order (other rows unrotated); output head h reads x's head h //
-    groups. style: "interleaved" (Wan's), "half" (rotate-half) or "pairs" (diffusers' `apply_rotary_emb`)."""
+    """x [B, S, Hx, D], perm int64 [S] or [Hx * groups, S], freqs [1, R, 1, D], [R, D] or ([R, Hx, D/2],
+    "head_pairs") for the rows [start, start + R) -> RoPE(x) [B, Hx * groups, S, D] in tile order (other rows
+    unrotated); output head h reads x's head h // groups. style: "interleaved" (Wan's), "half" (rotate-half), "pairs"
+    (diffusers' `apply_rotary_emb`) or "head_pairs" (Mochi's)."""
     B, S, Hx, D = x.shape
     H = Hx * groups
     if x.stride(-1) != 1:
@@ -115,8 +135,11 @@ def rope_gather_triton(x: torch.Tensor, perm: torch.Tensor, freqs_cos: torch.Ten
     else:
         raise ValueError(f"perm has shape {tuple(perm.shape)}; expected ({S},) or ({H}, {S}).")
     perm = perm.contiguous()
-    cos = freqs_cos.reshape(-1, D)
-    sin = freqs_sin.reshape(-1, D)
+    head_tables = style == "head_pairs"
+    cos = freqs_cos if head_tables else freqs_cos.reshape(-1, D)
+    sin = freqs_sin if head_tables else freqs_sin.reshape(-1, D)
+    if head_tables and cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
     if cos.stride(-1) != 1:
         cos = cos.contiguous()
     if sin.stride(-1) != 1:
@@ -125,7 +148,8 @@ def rope_gather_triton(x: torch.Tensor, perm: torch.Tensor, freqs_cos: torch.Ten
     grid = (triton.cdiv(S, BLOCK_T), B)
     _rope_gather_kernel[grid](
         x, perm, cos, sin, out,
-        S, H, perm_stride_h, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), sin.stride(0), groups,
-        start, cos.shape[0], D=D, BLOCK=BLOCK_T, PER_HEAD=per_head, STYLE=STYLES[style], num_warps=4,
+        S, H, perm_stride_h, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), sin.stride(0),
+        cos.stride(1) if head_tables else 0, groups, start, cos.shape[0],
+        D=D, BLOCK=BLOCK_T, PER_HEAD=per_head, STYLE=STYLES[style], num_warps=4,
     )
     return out

@@ -25,26 +25,17 @@ from __future__ import annotations
 import torch
 from diffusers.models.attention_processor import MochiAttnProcessor2_0
 
+from ..rope import HeadPairRope
 from .base import SparseAttentionMixin, project_heads, project_joint_outputs, project_text_heads
 from .context import forward_arg, valid_text_length
-
-
-def apply_mochi_rope(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
-    """Mochi's RoPE on x [B, S, H, D], the rotation of the stock `MochiAttnProcessor2_0` (whose helper is local to
-    its `__call__`): each pair (x[2i], x[2i+1]) is rotated in fp32 by the angle of `freqs_cos/sin` [S, H, D/2]
-    (fp32, from `MochiRoPE`), each rotated half is rounded to x's dtype, and the pairs are interleaved back."""
-    pairs = x.float().unflatten(-1, (-1, 2))
-    first, second = pairs[..., 0], pairs[..., 1]
-    rotated = (first * freqs_cos - second * freqs_sin).to(x.dtype), (first * freqs_sin + second * freqs_cos).to(x.dtype)
-    return torch.stack(rotated, dim=-1).flatten(-2)
 
 
 class MochiSparseAttnProcessor(SparseAttentionMixin, MochiAttnProcessor2_0):
     """`MochiAttnProcessor2_0` whose joint [video; valid text] attention runs through videosparse.
 
-    Projections and qk-norms are diffusers' own modules, the RoPE its math (`apply_mochi_rope`); only the
-    attention call changes. Padded text rows get zeros, as in the stock processor. The forwards that
-    `mochi_grid` marks unsupported (a non-prefix text mask) run the stock processor.
+    Projections and qk-norms are diffusers' own modules, the RoPE its math (`videosparse.rope.HeadPairRope`, fused
+    into the tile-order gather on sparse calls). Padded text rows get zeros, as in the stock processor. The forwards
+    that `mochi_grid` marks unsupported (a non-prefix text mask) run the stock processor.
     """
 
     _stock = MochiAttnProcessor2_0
@@ -61,16 +52,15 @@ class MochiSparseAttnProcessor(SparseAttentionMixin, MochiAttnProcessor2_0):
         query, key, value = project_heads(hidden_states, attn.heads, attn.to_q, attn.to_k, attn.to_v,
                                           attn.norm_q, attn.norm_k)
         text_query, text_key, text_value = project_text_heads(attn, encoder_hidden_states)
-        if image_rotary_emb is not None:
-            query = apply_mochi_rope(query, *image_rotary_emb)
-            key = apply_mochi_rope(key, *image_rotary_emb)
+        # Mochi's per-head RoPE on the video rows, applied by `attend` (fused into the tile-order gather when sparse)
+        rope = None if image_rotary_emb is None else HeadPairRope(*image_rotary_emb)
 
         # [video; each item's valid text prefix]; the padded text rows get zeros, as the stock processor gives them
         video_len, text_len = query.shape[1], text_query.shape[1]
         query = torch.cat([query, text_query], dim=1)
         key = torch.cat([key, text_key], dim=1)
         value = torch.cat([value, text_value], dim=1)
-        hidden_states = self.attend_text_prefix(query, key, value, text_len, padded_rows="zero")
+        hidden_states = self.attend_text_prefix(query, key, value, text_len, padded_rows="zero", rope=rope)
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
 
         hidden_states, encoder_hidden_states = hidden_states.split_with_sizes((video_len, text_len), dim=1)
