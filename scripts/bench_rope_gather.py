@@ -1,7 +1,8 @@
 """RoPE fused with the tile-order gather vs the processors' torch rotation then the gather (GPU), per q or k tensor at
 the real sizes of the models that use each style: Wan's interleaved tables, diffusers' `apply_rotary_emb` pairs on the
-video rows of a joint sequence (HunyuanVideo, HunyuanVideo 1.5, CogVideoX), Mochi's per-head pairs, rotate-half
-(Cosmos-Predict2.5, and Cosmos 3 with its 8 KV heads repeated to 32). Checks each fused output against the float64 rotation first.
+video rows of a joint sequence (HunyuanVideo, HunyuanVideo 1.5, CogVideoX), angles per pair (Mochi's per head,
+Kandinsky 5's shared by the heads), rotate-half (Cosmos-Predict2.5, and Cosmos 3 with its 8 KV heads repeated to 32).
+Checks each fused output against the float64 rotation first.
 
     python scripts/bench_rope_gather.py            # -> benchmarks/rope_gather_h200.json
 """
@@ -25,6 +26,7 @@ SHAPES = {
     "HunyuanVideo 1.5 480P": ("pairs", (31, 30, 53), 16, 16, 128, 256, "after", 54),
     "CogVideoX 5B": ("pairs", (13, 30, 45), 48, 48, 64, 226, "before", 42),
     "Mochi 1 480P": ("head_pairs", (28, 30, 53), 24, 24, 128, 256, "after", 48),
+    "Kandinsky 5.0 Video Pro": ("shared_pairs", (31, 48, 64), 32, 32, 128, 0, "after", 60),
     "Cosmos-Predict2.5 2B": ("half", (24, 44, 80), 16, 16, 128, 0, "after", 28),
     "Cosmos 3 720P": ("half", (48, 23, 40), 32, 8, 128, 256, "after", 36),
 }
@@ -39,8 +41,9 @@ def _inputs(style, S, video, text, text_position, H_kv, D, device):
     g = torch.Generator(device).manual_seed(0)
     x = torch.randn(1, S, H_kv, D, device=device, generator=g, dtype=torch.bfloat16)
     rows = video if style in ("pairs", "head_pairs") else S
-    if style == "head_pairs":
-        angle = torch.rand(rows, H_kv, D // 2, device=device, generator=g, dtype=torch.float64) * 50
+    if style in ("head_pairs", "shared_pairs"):    # one angle per pair and head, or per pair for all heads
+        heads = H_kv if style == "head_pairs" else 1
+        angle = torch.rand(rows, heads, D // 2, device=device, generator=g, dtype=torch.float64) * 50
         return x, HeadPairRope(angle.cos().float(), angle.sin().float())
     angle = torch.rand(rows, D // 2, device=device, generator=g, dtype=torch.float64) * 50
     if style == "half":

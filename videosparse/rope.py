@@ -1,16 +1,17 @@
 """Rotary embeddings, alone and fused with the tile-order gather.
 
-Three styles. Wan's interleaved RoPE, given as a plain tuple of tables (freqs_cos, freqs_sin):
+Four styles. Wan's interleaved RoPE, given as a plain tuple of tables (freqs_cos, freqs_sin):
 `apply_interleaved_rope` is the math of diffusers' `WanAttnProcessor` (pairs (x[2i], x[2i+1]) rotated by
 cos[2i] / sin[2i+1]). Rotate-half RoPE (Cosmos, Qwen-style mRoPE), given as `HalfRope(cos, sin)`:
 x * cos + rotate_half(x) * sin with rotate_half(x) = [-x[D/2:], x[:D/2]] (`apply_half_rope`). diffusers'
 `apply_rotary_emb(use_real=True)` with pairs (HunyuanVideo, CogVideoX, EasyAnimate), given as `PairRope(cos, sin,
 start)`: x * cos + [-x[2i+1], x[2i]] * sin on the rows [start, start + len(cos)) only (the video rows of a joint
-[video; text] or [text; video] sequence; the text rows are not rotated). Mochi's per-head angles, given as
-`HeadPairRope(cos, sin)` [R, H, D/2]: pair i of head h of row r rotated by (cos, sin)[r, h, i], rows [0, R) only.
-`apply_rope` takes any of them; the dense
-path and every fallback use it. `rope_gather` is the same rotation fused with the token gather of a `TileLayout`:
-one Triton pass reads x (B, S, H, D) in diffusers' order and writes RoPE(x) (B, H, S, D) in tile order, computing in
+[video; text] or [text; video] sequence; the text rows are not rotated). Angles per pair (Mochi's per head,
+Kandinsky's 2 x 2 rotations shared by the heads), given as `HeadPairRope(cos, sin)` [R, H or 1, D/2]: pair i of head
+h of row r rotated by (cos, sin)[r, h, i], rows [0, R) only (`apply_head_pair_rope`).
+
+`apply_rope` takes any of them; the dense path and every fallback use it. `rope_gather` is the same rotation fused
+with the token gather of a `TileLayout`: one Triton pass reads x (B, S, H, D) in diffusers' order and writes RoPE(x) (B, H, S, D) in tile order, computing in
 fp32 and rounding once; it can also repeat grouped-query KV heads (`groups`). In eager mode it replaces about a
 dozen elementwise kernels per tensor (the stock RoPE builds several full-size temporaries in the dtype of the
 rotary table) plus the gather's own copy; under torch.compile Inductor fuses the torch form itself, so the fused
@@ -79,8 +80,9 @@ def apply_pair_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start
 
 
 class HeadPairRope(NamedTuple):
-    """Mochi's per-head rotary angles cos, sin [R, H, D/2] (fp32, from `MochiRoPE`) for the rows [0, R) of x
-    [B, S, H, D]: pair (x[2i], x[2i+1]) of head h rotated by (cos, sin)[row, h, i]; the other rows are not rotated."""
+    """Rotary angles per pair, cos, sin [R, H, D/2] (Mochi's, one set per head; fp32) or [R, 1, D/2] (Kandinsky's 2 x 2
+    rotations, shared by the heads), for the rows [0, R) of x [B, S, H, D]: pair (x[2i], x[2i+1]) of head h rotated by
+    (cos, sin)[row, h, i]; the other rows are not rotated."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -138,8 +140,8 @@ def _fused_reason(x: torch.Tensor, style: str, freqs_cos: torch.Tensor, freqs_si
             if f.dim() != 2 or f.shape[1] != D or start < 0 or start + f.shape[0] > S:
                 return f"{name} has shape {tuple(f.shape)}, not (R, {D}) with {start} + R <= {S}"
         elif style == "head_pairs":
-            if f.dim() != 3 or f.shape[0] > S or f.shape[1:] != (H, half):
-                return f"{name} has shape {tuple(f.shape)}, not (R, {H}, {half}) with R <= {S}"
+            if f.dim() != 3 or f.shape[0] > S or f.shape[1] not in (1, H) or f.shape[2] != half:
+                return f"{name} has shape {tuple(f.shape)}, not (R, {H} or 1, {half}) with R <= {S}"
         elif f.dim() != 4 or f.shape[0] != 1 or f.shape[1] != S or f.shape[2] != 1 or f.shape[3] != D:
             return f"{name} has shape {tuple(f.shape)}, not (1, {S}, 1, {D})"
         if f.device != x.device:

@@ -4,9 +4,11 @@ On CPU `rope_gather` runs only when forced (its "auto" backend is CUDA-only), so
 "triton"`) for one tiny transformer per RoPE style and layout of rotated rows: HunyuanVideo (pairs on the video rows
 before the text; a padded batch served item by item, whose padded text rows read the tile-order keys), HunyuanVideo
 1.5, FramePack (the history rows moved behind the video with their tables), Motif-Video (its valid text rows moved
-first), CogVideoX and EasyAnimate (pairs after the text), Cosmos (rotate-half), Wan (interleaved) and Mochi (per-head
-pairs; a padded batch, item by item). Density 1 must equal the stock forward; at density 0.5 the fused run must
-equal the same config with the torch rotation (rope-then-gather).
+first), CogVideoX and EasyAnimate (pairs after the text), Cosmos (rotate-half), Wan (interleaved), Mochi (per-head
+pairs; a padded batch, item by item) and Kandinsky 6 (its 2 x 2 rotations as pair angles shared by the heads;
+Kandinsky 5's are the same table, taken only in bf16, the dtype its stock rounds to: see test_kandinsky.py).
+Density 1 must equal the stock forward; at density 0.5 the fused run must equal the same config with the torch
+rotation (rope-then-gather).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ CASES = {
     "cosmos": ("test_cosmos", "TestCosmosProcessors", {}),
     "wan": ("test_wan_processors", "TestWanProcessors", {}),
     "mochi-padded-batch": ("test_mochi", "TestMochiProcessors", {"valid": (5, 8)}),
+    "kandinsky6": ("test_kandinsky6", "TestKandinsky6VideoOnly", {}),
 }
 
 

@@ -333,3 +333,23 @@ def test_tiny_pipeline_end_to_end(name):
     layers = handle["transformer"].stats()["layers"]
     assert all(s["dense_calls"] == 2 and s["sparse_calls"] == 2 for s in layers.values())
     videosparse.remove(pipe)
+
+
+def test_rope_table_as_head_pair_rope_equals_stock_rotation():
+    """Kandinsky's 2 x 2 rotation table handed to `attend` as a `HeadPairRope` rotates exactly as the stock does:
+    Kandinsky 5 (rounded to bf16) for bf16 q only, Kandinsky 6 (no rounding) in any dtype; a table per batch item is
+    not taken."""
+    from videosparse.processors.kandinsky import apply_kandinsky_rope, kandinsky_head_pair_rope
+    from videosparse.rope import apply_rope
+
+    g = torch.Generator().manual_seed(0)
+    angle = torch.randn(1, 40, 1, 16, generator=g) * 3
+    c, s = angle.cos(), angle.sin()
+    table = torch.stack([c, -s, s, c], dim=-1).unflatten(-1, (2, 2))          # [1, S, 1, D/2, 2, 2]
+    x = torch.randn(2, 40, 3, 32, generator=g)
+    bf16 = kandinsky_head_pair_rope(table, torch.bfloat16)
+    assert torch.equal(apply_rope(x.bfloat16(), bf16), apply_kandinsky_rope(x.bfloat16(), table))
+    assert kandinsky_head_pair_rope(table, torch.float32) is None             # stock rounds fp32 q to bf16
+    k6 = kandinsky_head_pair_rope(table, torch.float32, rounding=None)
+    assert torch.equal(apply_rope(x, k6), apply_kandinsky_rope(x, table, rounding=None))
+    assert kandinsky_head_pair_rope(table.expand(2, -1, -1, -1, -1, -1), torch.float32, rounding=None) is None

@@ -15,7 +15,7 @@ BLOCK_T = 32   # tokens per program; each program walks every head of its tokens
 INTERLEAVED = tl.constexpr(0)   # Wan's pairs: cos[2i], sin[2i + 1] for both members of pair i
 HALF = tl.constexpr(1)          # rotate-half: x * cos + [-x[D/2:], x[:D/2]] * sin
 PAIRS = tl.constexpr(2)         # diffusers' apply_rotary_emb(use_real=True): x * cos + [-x[2i+1], x[2i]] * sin
-HEAD_PAIRS = tl.constexpr(3)    # Mochi's: pair i of head h rotated by the angle (cos, sin)[row, h, i]
+HEAD_PAIRS = tl.constexpr(3)    # Mochi's, Kandinsky's: pair i of head h rotated by (cos, sin)[row, h or 0, i]
 STYLES = {"interleaved": INTERLEAVED.value, "half": HALF.value, "pairs": PAIRS.value, "head_pairs": HEAD_PAIRS.value}
 
 
@@ -119,7 +119,7 @@ def _rope_gather_kernel(
 
 def rope_gather_triton(x: torch.Tensor, perm: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
                        style: str = "interleaved", start: int = 0, groups: int = 1) -> torch.Tensor:
-    """x [B, S, Hx, D], perm int64 [S] or [Hx * groups, S], freqs [1, R, 1, D], [R, D] or ([R, Hx, D/2],
+    """x [B, S, Hx, D], perm int64 [S] or [Hx * groups, S], freqs [1, R, 1, D], [R, D] or ([R, Hx or 1, D/2],
     "head_pairs") for the rows [start, start + R) -> RoPE(x) [B, Hx * groups, S, D] in tile order (other rows
     unrotated); output head h reads x's head h // groups. style: "interleaved" (Wan's), "half" (rotate-half), "pairs"
     (diffusers' `apply_rotary_emb`) or "head_pairs" (Mochi's)."""
@@ -149,7 +149,7 @@ def rope_gather_triton(x: torch.Tensor, perm: torch.Tensor, freqs_cos: torch.Ten
     _rope_gather_kernel[grid](
         x, perm, cos, sin, out,
         S, H, perm_stride_h, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), sin.stride(0),
-        cos.stride(1) if head_tables else 0, groups, start, cos.shape[0],
+        cos.stride(1) if head_tables and cos.shape[1] > 1 else 0, groups, start, cos.shape[0],
         D=D, BLOCK=BLOCK_T, PER_HEAD=per_head, STYLE=STYLES[style], num_warps=4,
     )
     return out

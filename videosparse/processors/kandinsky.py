@@ -50,6 +50,7 @@ import torch
 from diffusers.models.transformers.transformer_kandinsky import Kandinsky5AttnProcessor
 from diffusers.models.transformers.transformer_kandinsky6 import Kandinsky6AttnProcessor
 
+from ..rope import HeadPairRope
 from .base import SparseAttentionMixin, project_heads
 from .context import forward_arg
 
@@ -67,12 +68,29 @@ def apply_kandinsky_rope(x: torch.Tensor, rope: torch.Tensor,
     return (rotated if rounding is None else rotated.to(rounding)).type_as(x)
 
 
+def kandinsky_head_pair_rope(rope: torch.Tensor, dtype: torch.dtype,
+                             rounding: torch.dtype | None = torch.bfloat16) -> HeadPairRope | None:
+    """The RoPE table rope [(1,) S, 1, D/2, 2, 2] (rotation matrices [[cos, -sin], [sin, cos]]) as a `HeadPairRope`
+    that `attend` applies with the stock result for q, k in `dtype` (rounded once to `dtype`, which must then be the
+    stock's `rounding` unless that is None); None when it cannot (a table per batch item, or an fp32 q in Kandinsky 5,
+    whose stock rounds to bf16)."""
+    if rounding not in (None, dtype):
+        return None
+    if rope.dim() == 6:
+        if rope.shape[0] != 1:
+            return None
+        rope = rope[0]
+    return HeadPairRope(rope[..., 0, 0].contiguous(), rope[..., 1, 0].contiguous())
+
+
 class Kandinsky5SparseAttnProcessor(SparseAttentionMixin, Kandinsky5AttnProcessor):
     """`Kandinsky5AttnProcessor` whose visual self-attention runs through videosparse.
 
-    Projections, the per-head RMSNorm of q and k (in fp32) and the RoPE run as diffusers does them, in (B, S, H, D)
-    layout; only the attention call changes. Calls with encoder states (cross-attention to the text) and calls with
-    `sparse_params` (the model's NABLA attention; warned once per layer) go to the stock processor untouched.
+    Projections and the per-head RMSNorm of q and k (in fp32) run as diffusers does them, in (B, S, H, D) layout; the
+    RoPE goes to `attend` as a `HeadPairRope` (fused into the tile-order gather on sparse calls) when q is bf16, the
+    dtype the stock rounds the rotation to, else it is applied as stock. Calls with encoder states (cross-attention
+    to the text) and calls with `sparse_params` (the model's NABLA attention; warned once per layer) go to the stock
+    processor untouched.
     """
 
     _stock = Kandinsky5AttnProcessor
@@ -87,18 +105,20 @@ class Kandinsky5SparseAttnProcessor(SparseAttentionMixin, Kandinsky5AttnProcesso
         query, key, value = project_heads(hidden_states, attn.num_heads, attn.to_query, attn.to_key, attn.to_value)
         query = attn.query_norm(query.float()).type_as(query)
         key = attn.key_norm(key.float()).type_as(key)
-        if rotary_emb is not None:
+        rope = None if rotary_emb is None else kandinsky_head_pair_rope(rotary_emb, query.dtype)
+        if rope is None and rotary_emb is not None:
             query = apply_kandinsky_rope(query, rotary_emb)
             key = apply_kandinsky_rope(key, rotary_emb)
-        hidden_states = self.attend(query, key, value)
+        hidden_states = self.attend(query, key, value, rope=rope)
         return attn.out_layer(hidden_states.flatten(-2, -1))
 
 
 class Kandinsky6SparseAttnProcessor(SparseAttentionMixin, Kandinsky6AttnProcessor):
     """`Kandinsky6AttnProcessor` whose video self-attention runs through videosparse.
 
-    Projections, the per-head RMSNorm of q and k (in their dtype) and the RoPE (`rotary_emb` on q, `rotary_emb_kv` on
-    k, no bf16 rounding) run as diffusers does them, in (B, S, H, D) layout; only the attention call changes. A call
+    Projections and the per-head RMSNorm of q and k (in their dtype) run as diffusers does them, in (B, S, H, D)
+    layout; the RoPE (`rotary_emb` on q, `rotary_emb_kv` on k, no bf16 rounding) goes to `attend` as a `HeadPairRope`
+    when both are one table (self-attention), else it is applied as stock. A call
     with encoder states (cross-attention) goes to the stock processor untouched.
     """
 
@@ -111,11 +131,15 @@ class Kandinsky6SparseAttnProcessor(SparseAttentionMixin, Kandinsky6AttnProcesso
                                         attn_mask)
         query, key, value = project_heads(hidden_states, attn.num_heads, attn.to_query, attn.to_key, attn.to_value,
                                           attn.query_norm, attn.key_norm)
-        if rotary_emb is not None:
-            query = apply_kandinsky_rope(query, rotary_emb, rounding=None)
-        if rotary_emb_kv is not None:
-            key = apply_kandinsky_rope(key, rotary_emb_kv, rounding=None)
-        hidden_states = self.attend(query, key, value, attn_mask)
+        rope = None
+        if rotary_emb is not None and rotary_emb_kv is rotary_emb:      # self-attention: one table for q and k
+            rope = kandinsky_head_pair_rope(rotary_emb, query.dtype, rounding=None)
+        if rope is None:
+            if rotary_emb is not None:
+                query = apply_kandinsky_rope(query, rotary_emb, rounding=None)
+            if rotary_emb_kv is not None:
+                key = apply_kandinsky_rope(key, rotary_emb_kv, rounding=None)
+        hidden_states = self.attend(query, key, value, attn_mask, rope=rope)
         return attn.out_layer(hidden_states.flatten(-2, -1))
 
 
