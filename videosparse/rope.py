@@ -11,11 +11,11 @@ Kandinsky's 2 x 2 rotations shared by the heads), given as `HeadPairRope(cos, si
 h of row r rotated by (cos, sin)[r, h, i], rows [0, R) only (`apply_head_pair_rope`).
 
 `apply_rope` takes any of them; the dense path and every fallback use it. `rope_gather` is the same rotation fused
-with the token gather of a `TileLayout`: one Triton pass reads x (B, S, H, D) in diffusers' order and writes RoPE(x) (B, H, S, D) in tile order, computing in
-fp32 and rounding once; it can also repeat grouped-query KV heads (`groups`). In eager mode it replaces about a
-dozen elementwise kernels per tensor (the stock RoPE builds several full-size temporaries in the dtype of the
-rotary table) plus the gather's own copy; under torch.compile Inductor fuses the torch form itself, so the fused
-kernel is not used there.
+with the token gather of a `TileLayout`: one Triton pass reads x (B, S, H, D) in diffusers' order and writes RoPE(x)
+(B, H, S, D) in tile order, computing in fp32 and rounding once; it can also repeat grouped-query KV heads (`groups`).
+In eager mode it replaces about a dozen elementwise kernels per tensor (the stock RoPE builds several full-size
+temporaries in the dtype of the rotary table) plus the gather's own copy; under torch.compile Inductor fuses the torch
+form itself, so the fused kernel is not used there.
 """
 
 from __future__ import annotations
