@@ -1,7 +1,8 @@
 """RoPE fused with the tile-order gather vs the processors' torch rotation then the gather (GPU), per q or k tensor at
 the real sizes of the models that use each style: Wan's interleaved tables, diffusers' `apply_rotary_emb` pairs on the
 video rows of a joint sequence (HunyuanVideo, HunyuanVideo 1.5, CogVideoX), angles per pair (Mochi's per head,
-Kandinsky 5's shared by the heads), rotate-half (Cosmos-Predict2.5, and Cosmos 3 with its 8 KV heads repeated to 32).
+Kandinsky 5's shared by the heads), rotate-half (Cosmos-Predict2.5, Cosmos 3 with its 8 KV heads repeated to 32, and
+Allegro's in each third of its head dim 96).
 Checks each fused output against the float64 rotation first.
 
     python scripts/bench_rope_gather.py            # -> benchmarks/rope_gather_h200.json
@@ -29,6 +30,7 @@ SHAPES = {
     "Kandinsky 5.0 Video Pro": ("shared_pairs", (31, 48, 64), 32, 32, 128, 0, "after", 60),
     "Cosmos-Predict2.5 2B": ("half", (24, 44, 80), 16, 16, 128, 0, "after", 28),
     "Cosmos 3 720P": ("half", (48, 23, 40), 32, 8, 128, 256, "after", 36),
+    "Allegro 720P": ("half3", (22, 45, 80), 24, 24, 96, 0, "after", 32),
 }
 
 
@@ -46,9 +48,11 @@ def _inputs(style, S, video, text, text_position, H_kv, D, device):
         angle = torch.rand(rows, heads, D // 2, device=device, generator=g, dtype=torch.float64) * 50
         return x, HeadPairRope(angle.cos().float(), angle.sin().float())
     angle = torch.rand(rows, D // 2, device=device, generator=g, dtype=torch.float64) * 50
-    if style == "half":
-        cos, sin = (torch.cat([t, t], -1).float() for t in (angle.cos(), angle.sin()))
-        return x, HalfRope(cos[None, :, None], sin[None, :, None])
+    if style in ("half", "half3"):      # each section's two halves share their angles
+        sections = 3 if style == "half3" else 1
+        cos, sin = (torch.cat([p for part in t.chunk(sections, -1) for p in (part, part)], -1).float()
+                    for t in (angle.cos(), angle.sin()))
+        return x, HalfRope(cos[None, :, None], sin[None, :, None], sections)
     cos, sin = (t.repeat_interleave(2, -1).float() for t in (angle.cos(), angle.sin()))
     if style == "pairs":
         return x, PairRope(cos, sin, text if text_position == "before" else 0)

@@ -30,13 +30,16 @@ CASES = {
     "pairs-all-rows-gqa": (1, (3, 4, 5), (2, 4, 4), 4, 16, "float32", "float64", False),
     "head-pairs-text-after-heads-tiled": (2, (3, 5, 7), ((2, 4, 4), (4, 4, 2)), 2, 32, "bfloat16", "float32", False),
     "head-pairs-gqa-strided-x": (1, (3, 4, 5), (2, 4, 4), 4, 64, "float16", "float32", True),
+    "half-3-sections-d96-heads-tiled": (1, (3, 5, 7), ((2, 4, 4), (4, 4, 2)), 2, 96, "bfloat16", "float32", False),
+    "half-3-sections-d48-strided-x": (2, (2, 4, 9), (2, 4, 4), 2, 48, "float32", "float32", True),
 }
 # name: (style, output heads per head of x, text rows before / after the rotated rows) where not ("interleaved", 1)
 VARIANTS = {"half-gqa-heads-tiled": ("half", 2, 0, 0), "half-strided-x": ("half", 1, 0, 0),
             "interleaved-gqa": ("interleaved", 4, 0, 0), "pairs-text-after": ("pairs", 1, 0, 37),
             "pairs-text-before-heads-tiled": ("pairs", 1, 21, 0), "pairs-all-rows-gqa": ("pairs", 2, 0, 0),
             "head-pairs-text-after-heads-tiled": ("head_pairs", 1, 0, 19),
-            "head-pairs-gqa-strided-x": ("head_pairs", 2, 0, 0)}
+            "head-pairs-gqa-strided-x": ("head_pairs", 2, 0, 0), "half-3-sections-d96-heads-tiled": ("half3", 1, 0, 0),
+            "half-3-sections-d48-strided-x": ("half3", 1, 0, 0)}
 
 
 def _inputs(B, grid, H, D, dtype, fdtype, strided, seed, half=False):
@@ -88,6 +91,10 @@ def _run_case(name: str) -> dict:
         cos, sin = angle.cos().to(getattr(torch, fdtype)), angle.sin().to(getattr(torch, fdtype))
         rope, tables = HeadPairRope(cos, sin), HeadPairRope(cos.float(), sin.float())
         layout = head_tiling(grid, tiles, H, block=32, text_len=after)
+    elif style == "half3":         # Allegro: rotate-half in each third of the head dim
+        x, cos, sin = _inputs(*args, half=True)
+        rope, tables = HalfRope(cos, sin, sections=3), HalfRope(cos.float(), sin.float(), sections=3)
+        layout = _layout(grid, tiles, H)
     else:
         x, cos, sin = _inputs(*args, half=style == "half")
         rope = HalfRope(cos, sin) if style == "half" else (cos, sin)
@@ -194,7 +201,8 @@ def test_rope_gather_dispatch_and_errors():
 
 @pytest.mark.parametrize("per_head,style,groups", [(False, "interleaved", 1), (True, "interleaved", 1),
                                                     (False, "half", 4), (True, "half", 1), (False, "pairs", 1),
-                                                    (True, "pairs", 2), (False, "head_pairs", 1)])
+                                                    (True, "pairs", 2), (False, "head_pairs", 1),
+                                                    (False, "half3", 1)])
 def test_rope_gather_kernel_compiles_to_16_byte_accesses_for_sm90(per_head, style, groups):
     """AOT for sm_90 on CPU: with 16-divisible strides (what the JIT sees at Wan sizes) rows move as
     16-byte vectors, in every style, with and without repeated KV heads (groups 1 is folded as a launch folds it); a
@@ -205,7 +213,7 @@ def test_rope_gather_kernel_compiles_to_16_byte_accesses_for_sm90(per_head, styl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from videosparse.kernels.triton_rope_gather import STYLES, _rope_gather_kernel
+    from videosparse.kernels.triton_rope_gather import STYLES, _rope_gather_kernel, launch_warps
 
     names = _rope_gather_kernel.arg_names
     sig = {n: "constexpr" for n in names}
@@ -214,13 +222,16 @@ def test_rope_gather_kernel_compiles_to_16_byte_accesses_for_sm90(per_head, styl
     sig.update({n: "i32" for n in ints + ("stride_ch", "rot_start", "rot_rows")})
     aligned = ("x_ptr", "perm_ptr", "cos_ptr", "sin_ptr", "out_ptr") + ints[3:]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    constants = dict(D=128, BLOCK=32, PER_HEAD=per_head, STYLE=STYLES[style])
+    sections = 3 if style == "half3" else 1      # Allegro: head dim 96, rotate-half in each third
+    constants = dict(D=128 // 4 * 3 if sections == 3 else 128, BLOCK=32, PER_HEAD=per_head,
+                     STYLE=STYLES[style.rstrip("3")], SECTIONS=sections)
     if groups == 1:
         constants["GROUPS"] = 1
     else:
         sig["GROUPS"] = "i32"
     src = ASTSource(_rope_gather_kernel, sig, constants, attrs=attrs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+    warps = launch_warps(constants["D"], sections)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ptx"]
     assert re.search(r"ld\.global\S*\.v4", ptx) and re.search(r"st\.global\S*\.v4", ptx)
     assert not re.search(r"st\.global\.b16", ptx), "the output rows are stored 2 bytes at a time"
 

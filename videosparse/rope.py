@@ -3,7 +3,8 @@
 Four styles. Wan's interleaved RoPE, given as a plain tuple of tables (freqs_cos, freqs_sin):
 `apply_interleaved_rope` is the math of diffusers' `WanAttnProcessor` (pairs (x[2i], x[2i+1]) rotated by
 cos[2i] / sin[2i+1]). Rotate-half RoPE (Cosmos, Qwen-style mRoPE), given as `HalfRope(cos, sin)`:
-x * cos + rotate_half(x) * sin with rotate_half(x) = [-x[D/2:], x[:D/2]] (`apply_half_rope`). diffusers'
+x * cos + rotate_half(x) * sin with rotate_half(x) = [-x[D/2:], x[:D/2]] (`apply_half_rope`; with `sections` that in
+each of equal parts of D, Allegro's t / h / w channels). diffusers'
 `apply_rotary_emb(use_real=True)` with pairs (HunyuanVideo, CogVideoX, EasyAnimate), given as `PairRope(cos, sin,
 start)`: x * cos + [-x[2i+1], x[2i]] * sin on the rows [start, start + len(cos)) only (the video rows of a joint
 [video; text] or [text; video] sequence; the text rows are not rotated). Angles per pair (Mochi's per head,
@@ -44,14 +45,20 @@ def apply_interleaved_rope(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: 
 
 
 class HalfRope(NamedTuple):
-    """Rotate-half rotary tables cos, sin, broadcastable to x [B, S, H, D] ([1, S, 1, D] for the fused gather)."""
+    """Rotate-half rotary tables cos, sin, broadcastable to x [B, S, H, D] ([1, S, 1, D] for the fused gather); with
+    `sections` > 1 each of that many equal parts of D is rotated on its own (Allegro: t, h, w)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
+    sections: int = 1
 
 
-def apply_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on x [B, S, H, D]: x * cos + [-x[D/2:], x[:D/2]] * sin (as Cosmos 3's processor)."""
+def apply_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sections: int = 1) -> torch.Tensor:
+    """Rotate-half RoPE on x [B, S, H, D]: x * cos + [-x[D/2:], x[:D/2]] * sin (as Cosmos 3's processor), or that in
+    each of `sections` equal parts of D (as diffusers' `apply_rotary_emb_allegro`, sections=3)."""
+    if sections > 1:
+        parts = zip(x.chunk(sections, -1), cos.chunk(sections, -1), sin.chunk(sections, -1))
+        return torch.cat([apply_half_rope(*part) for part in parts], dim=-1)
     half = x.shape[-1] // 2
     return (x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin).type_as(x)
 
@@ -114,27 +121,31 @@ def apply_rope(x: torch.Tensor, rope) -> torch.Tensor:
     return apply_interleaved_rope(x, *rope)
 
 
-def _tables(rope, S: int) -> tuple[str, torch.Tensor, torch.Tensor, int]:
-    """(style, cos, sin, first rotated row) of `rope` for x with S rows; cos / sin as given (their shape checked by
+def _tables(rope) -> tuple[str, torch.Tensor, torch.Tensor, int, int]:
+    """(style, cos, sin, first rotated row, sections) of `rope`; cos / sin as given (their shape checked by
     `_fused_reason`)."""
     if isinstance(rope, HalfRope):
-        return "half", rope.cos, rope.sin, 0
+        return "half", rope.cos, rope.sin, 0, rope.sections
     if isinstance(rope, PairRope):
-        return "pairs", rope.cos, rope.sin, rope.start
+        return "pairs", rope.cos, rope.sin, rope.start, 1
     if isinstance(rope, HeadPairRope):
-        return "head_pairs", rope.cos, rope.sin, 0
+        return "head_pairs", rope.cos, rope.sin, 0, 1
     freqs_cos, freqs_sin = rope
-    return "interleaved", freqs_cos, freqs_sin, 0
+    return "interleaved", freqs_cos, freqs_sin, 0, 1
 
 
 def _fused_reason(x: torch.Tensor, style: str, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
-                  start: int) -> str | None:
+                  start: int, sections: int = 1) -> str | None:
     """Why the fused kernel cannot take these inputs (None: it can). Tables: [1, S, 1, D] (Wan's, `HalfRope`),
     [R, D] with start + R <= S (`PairRope`) or [R, H, D/2] with R <= S (`HeadPairRope`)."""
     B, S, H, D = x.shape
     half = D // 2
-    if D % 2 or half < 1 or half & (half - 1):
-        return f"head dim {D} is not twice a power of two"
+    if isinstance(sections, bool) or not isinstance(sections, int) or sections < 1 or D % (2 * sections):
+        return f"sections={sections!r} does not split head dim {D} into equal parts of even width"
+    part = D // sections // 2
+    if part < 1 or part & (part - 1):
+        return (f"head dim {D} is not twice a power of two" if sections == 1 else
+                f"head dim {D} in {sections} sections is not {sections} x twice a power of two")
     for name, f in (("freqs_cos", freqs_cos), ("freqs_sin", freqs_sin)):
         if style == "pairs":
             if f.dim() != 2 or f.shape[1] != D or start < 0 or start + f.shape[0] > S:
@@ -178,12 +189,13 @@ def rope_gather(x: torch.Tensor, perm: torch.Tensor, rope, *, backend: str = "au
             import triton  # noqa: F401
         except ImportError:
             return None
-    style, freqs_cos, freqs_sin, start = _tables(rope, x.shape[1])
-    reason = _fused_reason(x, style, freqs_cos, freqs_sin, start)
+    style, freqs_cos, freqs_sin, start, sections = _tables(rope)
+    reason = _fused_reason(x, style, freqs_cos, freqs_sin, start, sections)
     if reason is not None:
         if backend == "triton":
             raise ValueError(f"rope_gather(backend='triton') cannot run: {reason}.")
         return None
     from .kernels.triton_rope_gather import rope_gather_triton
 
-    return rope_gather_triton(x, perm, freqs_cos, freqs_sin, style=style, start=start, groups=groups)
+    return rope_gather_triton(x, perm, freqs_cos, freqs_sin, style=style, start=start, groups=groups,
+                              sections=sections)

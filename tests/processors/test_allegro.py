@@ -180,3 +180,21 @@ def test_tiny_pipeline_end_to_end():
 
     assert_tiny_pipeline_sparse(pipe, run, lambda r: (r.grid, tuple(r.q.shape)), {((6, 8, 8), (2, 384, 2, 96))},
                                 calls=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_as_three_section_half_rope_equals_stock_bitwise(dtype):
+    """The pipeline's tables and positions as one `HalfRope` with three sections rotate exactly as
+    `apply_rotary_emb_allegro`; positions given per batch item are not taken."""
+    from diffusers.models.embeddings import apply_rotary_emb_allegro
+
+    from videosparse.processors.allegro import allegro_half_rope
+    from videosparse.rope import apply_rope
+
+    tr = tiny_allegro(1, 96)
+    freqs, positions = pipeline_rope(tr)
+    x = torch.randn(2, positions[0].shape[1], 2, 96).to(dtype)                # [B, S, H, D]
+    rope = allegro_half_rope(freqs, positions)
+    ref = apply_rotary_emb_allegro(x.transpose(1, 2), freqs, positions).transpose(1, 2)
+    assert rope.sections == 3 and torch.equal(apply_rope(x, rope), ref)
+    assert allegro_half_rope(freqs, tuple(p.expand(2, -1) for p in positions)) is None

@@ -6,7 +6,8 @@ before the text; a padded batch served item by item, whose padded text rows read
 1.5, FramePack (the history rows moved behind the video with their tables), Motif-Video (its valid text rows moved
 first), CogVideoX and EasyAnimate (pairs after the text), Cosmos (rotate-half), Wan (interleaved), Mochi (per-head
 pairs; a padded batch, item by item) and Kandinsky 6 (its 2 x 2 rotations as pair angles shared by the heads;
-Kandinsky 5's are the same table, taken only in bf16, the dtype its stock rounds to: see test_kandinsky.py).
+Kandinsky 5's are the same table, taken only in bf16, the dtype its stock rounds to: see test_kandinsky.py) and
+Allegro (rotate-half in each third of its head dim 96).
 Density 1 must equal the stock forward; at density 0.5 the fused run must equal the same config with the torch
 rotation (rope-then-gather).
 """
@@ -33,6 +34,7 @@ CASES = {
     "wan": ("test_wan_processors", "TestWanProcessors", {}),
     "mochi-padded-batch": ("test_mochi", "TestMochiProcessors", {"valid": (5, 8)}),
     "kandinsky6": ("test_kandinsky6", "TestKandinsky6VideoOnly", {}),
+    "allegro-d96": ("test_allegro", "TestAllegroProcessors", {}),
 }
 
 

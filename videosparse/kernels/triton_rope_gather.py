@@ -11,9 +11,15 @@ import triton.language as tl
 BLOCK_T = 32   # tokens per program; each program walks every head of its tokens
 
 
+def launch_warps(D: int, sections: int = 1) -> int:
+    """Warps per program: 8 elements (16 bytes) per thread of a [BLOCK_T, half a section] tile, at most 4 (Allegro's
+    sections of 32 give 2)."""
+    return max(1, min(4, BLOCK_T * (D // sections // 2) // 256))
+
+
 # STYLE: how a row is rotated (see `videosparse.rope`)
 INTERLEAVED = tl.constexpr(0)   # Wan's pairs: cos[2i], sin[2i + 1] for both members of pair i
-HALF = tl.constexpr(1)          # rotate-half: x * cos + [-x[D/2:], x[:D/2]] * sin
+HALF = tl.constexpr(1)          # rotate-half: x * cos + [-x[D/2:], x[:D/2]] * sin (in each of SECTIONS parts of D)
 PAIRS = tl.constexpr(2)         # diffusers' apply_rotary_emb(use_real=True): x * cos + [-x[2i+1], x[2i]] * sin
 HEAD_PAIRS = tl.constexpr(3)    # Mochi's, Kandinsky's: pair i of head h rotated by (cos, sin)[row, h or 0, i]
 STYLES = {"interleaved": INTERLEAVED.value, "half": HALF.value, "pairs": PAIRS.value, "head_pairs": HEAD_PAIRS.value}
@@ -79,38 +85,49 @@ def _rope_gather_kernel(
     x_ptr, perm_ptr, cos_ptr, sin_ptr, out_ptr,
     S, H, perm_stride_h, stride_xb, stride_xs, stride_xh, stride_cs, stride_ss, stride_ch, GROUPS, rot_start,
     rot_rows, D: tl.constexpr, BLOCK: tl.constexpr, PER_HEAD: tl.constexpr, STYLE: tl.constexpr,
+    SECTIONS: tl.constexpr = 1,
 ):
     # program (token block, batch): out[b, h, t] = rope(x[b, perm[h, t], h // GROUPS]) for BLOCK positions t, every
     # output head h. Pairs (interleaved, PAIRS, HEAD_PAIRS): split and re-joined in registers, rows read and written
-    # whole (coalesced); rotate-half: the two halves are loaded and stored separately. HEAD_PAIRS tables have one
-    # head per head of x (stride_ch).
+    # whole (coalesced); rotate-half: the two halves of each of the SECTIONS parts of D (Allegro: 3, its t / h / w
+    # channels) are loaded and stored separately. HEAD_PAIRS tables have one head per head of x (stride_ch).
+    DS: tl.constexpr = D // SECTIONS
     pid_t = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     t = pid_t * BLOCK + tl.arange(0, BLOCK)
     valid = t < S
     m = valid[:, None]
-    d = tl.arange(0, D)
-    dh = tl.arange(0, D // 2)
     if not PER_HEAD:   # one order for all heads
         src = tl.load(perm_ptr + t, mask=valid, other=0).to(tl.int64)
-        if STYLE != HEAD_PAIRS:   # tables shared by the heads: loaded once per token block
+        if STYLE != HEAD_PAIRS and SECTIONS == 1:   # tables shared by the heads: loaded once per token block
             c1, c2, s1, s2 = _tables(cos_ptr, sin_ptr, src, valid, rot_start, rot_rows, stride_cs, stride_ss, D,
                                      STYLE)
     for h in range(H):
         if PER_HEAD:
             src = tl.load(perm_ptr + h * perm_stride_h + t, mask=valid, other=0).to(tl.int64)
-        if PER_HEAD or STYLE == HEAD_PAIRS:
+        if (PER_HEAD or STYLE == HEAD_PAIRS) and SECTIONS == 1:
             th = (h // GROUPS) * stride_ch
             c1, c2, s1, s2 = _tables(cos_ptr + th, sin_ptr + th, src, valid, rot_start, rot_rows, stride_cs,
                                      stride_ss, D, STYLE)
         x_row = x_ptr + b * stride_xb + src[:, None] * stride_xs + (h // GROUPS) * stride_xh
         out_row = out_ptr + ((b * H + h) * S + t[:, None]) * D
         if STYLE == HALF:
-            x1 = tl.load(x_row + dh[None, :], mask=m, other=0.0).to(tl.float32)
-            x2 = tl.load(x_row + D // 2 + dh[None, :], mask=m, other=0.0).to(tl.float32)
-            tl.store(out_row + dh[None, :], (x1 * c1 - x2 * s1).to(out_ptr.dtype.element_ty), mask=m)
-            tl.store(out_row + D // 2 + dh[None, :], (x2 * c2 + x1 * s2).to(out_ptr.dtype.element_ty), mask=m)
+            dh = tl.arange(0, DS // 2)
+            if SECTIONS > 1:   # (as `_tables`, clamped: a select or cast of the mask here trips Triton 3.6's sm_90
+                row = src - rot_start               # layout passes)
+                rotated = (valid & (row >= 0) & (row < rot_rows))[:, None]
+                row = tl.minimum(tl.maximum(row, 0), rot_rows - 1)
+            for k in tl.static_range(SECTIONS):
+                if SECTIONS > 1:    # several tables per row: loaded per section (they stay in L1 / L2)
+                    c1, c2, s1, s2 = _half_tables(cos_ptr + k * DS, sin_ptr + k * DS, row, stride_cs, stride_ss,
+                                                  rotated, DS)
+                lo = k * DS + dh[None, :]
+                x1 = tl.load(x_row + lo, mask=m, other=0.0).to(tl.float32)
+                x2 = tl.load(x_row + lo + DS // 2, mask=m, other=0.0).to(tl.float32)
+                tl.store(out_row + lo, (x1 * c1 - x2 * s1).to(out_ptr.dtype.element_ty), mask=m)
+                tl.store(out_row + lo + DS // 2, (x2 * c2 + x1 * s2).to(out_ptr.dtype.element_ty), mask=m)
         else:   # pairs (x1, x2) = (x[2i], x[2i + 1]); tables (cos even, cos odd, sin even, sin odd)
+            d = tl.arange(0, D)
             x = tl.load(x_row + d[None, :], mask=m, other=0.0).to(tl.float32)
             x1, x2 = tl.split(tl.reshape(x, [BLOCK, D // 2, 2]))
             out = tl.reshape(tl.join(x1 * c1 - x2 * s1, x2 * c2 + x1 * s2), [BLOCK, D])
@@ -118,11 +135,12 @@ def _rope_gather_kernel(
 
 
 def rope_gather_triton(x: torch.Tensor, perm: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
-                       style: str = "interleaved", start: int = 0, groups: int = 1) -> torch.Tensor:
+                       style: str = "interleaved", start: int = 0, groups: int = 1, sections: int = 1) -> torch.Tensor:
     """x [B, S, Hx, D], perm int64 [S] or [Hx * groups, S], freqs [1, R, 1, D], [R, D] or ([R, Hx or 1, D/2],
     "head_pairs") for the rows [start, start + R) -> RoPE(x) [B, Hx * groups, S, D] in tile order (other rows
     unrotated); output head h reads x's head h // groups. style: "interleaved" (Wan's), "half" (rotate-half), "pairs"
-    (diffusers' `apply_rotary_emb`) or "head_pairs" (Mochi's)."""
+    (diffusers' `apply_rotary_emb`) or "head_pairs" (Mochi's); sections: "half" in each of that many equal parts of
+    D."""
     B, S, Hx, D = x.shape
     H = Hx * groups
     if x.stride(-1) != 1:
@@ -150,6 +168,7 @@ def rope_gather_triton(x: torch.Tensor, perm: torch.Tensor, freqs_cos: torch.Ten
         x, perm, cos, sin, out,
         S, H, perm_stride_h, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), sin.stride(0),
         cos.stride(1) if head_tables and cos.shape[1] > 1 else 0, groups, start, cos.shape[0],
-        D=D, BLOCK=BLOCK_T, PER_HEAD=per_head, STYLE=STYLES[style], num_warps=4,
+        D=D, BLOCK=BLOCK_T, PER_HEAD=per_head, STYLE=STYLES[style], SECTIONS=sections,
+        num_warps=launch_warps(D, sections),
     )
     return out

@@ -19,9 +19,11 @@ the CPU reference serves 96 as it is.
 
 from __future__ import annotations
 
+import torch
 from diffusers.models.attention_processor import AllegroAttnProcessor2_0
 from diffusers.models.embeddings import apply_rotary_emb_allegro
 
+from ..rope import HalfRope
 from .base import SparseAttentionMixin
 from .context import forward_arg
 
@@ -29,7 +31,8 @@ from .context import forward_arg
 class AllegroSparseAttnProcessor(SparseAttentionMixin, AllegroAttnProcessor2_0):
     """`AllegroAttnProcessor2_0` whose self-attention runs through videosparse.
 
-    Projections and RoPE run in (B, H, S, D) layout as diffusers does; only the attention call changes. Calls with
+    Projections run in (B, H, S, D) layout as diffusers does; the RoPE goes to `attend` as a three-section
+    `HalfRope` (fused into the tile-order gather on sparse calls). Calls with
     encoder states (cross-attention, `attn2`) go to the stock processor untouched, and so does a call with an
     attention mask (the forward's optional video mask, which `AllegroPipeline` never passes; warned once per layer).
     Allegro's `attn1` has no spatial or group norm, residual connection or output rescale, so those stock steps are
@@ -48,13 +51,26 @@ class AllegroSparseAttnProcessor(SparseAttentionMixin, AllegroAttnProcessor2_0):
             return self._stock.__call__(self, *stock)
         query, key, value = (proj(hidden_states).unflatten(2, (attn.heads, -1)).transpose(1, 2)   # [B, H, S, D]
                              for proj in (attn.to_q, attn.to_k, attn.to_v))
-        if image_rotary_emb is not None:
+        rope = None if image_rotary_emb is None else allegro_half_rope(*image_rotary_emb)
+        if rope is None and image_rotary_emb is not None:
             query = apply_rotary_emb_allegro(query, *image_rotary_emb)
             key = apply_rotary_emb_allegro(key, *image_rotary_emb)
-        hidden_states = self.attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
+        hidden_states = self.attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), rope=rope)
         hidden_states = hidden_states.flatten(2, 3).type_as(query)
         hidden_states = attn.to_out[0](hidden_states)
         return attn.to_out[1](hidden_states)
+
+
+def allegro_half_rope(freqs, positions) -> HalfRope | None:
+    """Allegro's RoPE (`apply_rotary_emb_allegro(x, freqs, positions)`: t, h, w tables [P, D/6] looked up at each
+    token's positions [1, S], rotate-half in each third of the head dim) as one `HalfRope` [1, S, 1, D] with three
+    sections, which `attend` applies (fused into the tile-order gather on sparse calls); None when the positions are
+    given per batch item."""
+    if any(p.dim() != 2 or p.shape[0] != 1 for p in positions):
+        return None
+    cos, sin = (torch.cat([torch.nn.functional.embedding(p[0], table[i]) for p, table in zip(positions, freqs)], -1)
+                for i in (0, 1))
+    return HalfRope(cos[None, :, None], sin[None, :, None], sections=len(freqs))
 
 
 def allegro_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
