@@ -145,7 +145,8 @@ class TileLayout:
     def gather(self, x: torch.Tensor, rope=None, groups: int = 1) -> torch.Tensor:
         """(B, S, H, D) in the original order -> (B, H * groups, S, D) contiguous in tile order.
 
-        rope: optional rotary tables: Wan's (freqs_cos, freqs_sin), a `HalfRope` or a `PairRope`; returns the gather
+        rope: optional rotary tables, any `videosparse.rope.apply_rope` takes (Wan's tuple, `HalfRope`, `PairRope`,
+        `HeadPairRope`); returns the gather
         of `apply_rope(x, rope)`, fused into one pass where `rope_gather` applies.
         groups: output heads per head of x (grouped-query KV heads repeated: output head h is x's head h // groups).
         """
@@ -174,8 +175,7 @@ class TileLayout:
 
 def _rope_first(x: torch.Tensor, perm: torch.Tensor, rope, groups: int = 1) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(RoPE(x) already gathered by `perm` (and its heads repeated `groups` times) when the fused kernel applies, else
-    None; x, rotated when `rope` is given and the fused kernel did not apply). rope: Wan's (freqs_cos, freqs_sin), a
-    `HalfRope`, a `PairRope`, or None."""
+    None; x, rotated when `rope` is given and the fused kernel did not apply). rope: any `apply_rope` takes, or None."""
     if rope is None:
         return None, x
     fused = rope_gather(x, perm, rope, groups=groups)
