@@ -146,8 +146,7 @@ class TileLayout:
         """(B, S, H, D) in the original order -> (B, H * groups, S, D) contiguous in tile order.
 
         rope: optional rotary tables, any `videosparse.rope.apply_rope` takes (Wan's tuple, `HalfRope`, `PairRope`,
-        `HeadPairRope`); returns the gather
-        of `apply_rope(x, rope)`, fused into one pass where `rope_gather` applies.
+        `HeadPairRope`); returns the gather of `apply_rope(x, rope)`, fused into one pass where `rope_gather` applies.
         groups: output heads per head of x (grouped-query KV heads repeated: output head h is x's head h // groups).
         """
         _check_seq(x, self.seq_len, "x")

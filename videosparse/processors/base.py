@@ -182,8 +182,8 @@ class SparseAttentionMixin:
         query head h reads KV head h // G) -> [B, S, H, D].
 
         rope: rotary tables still to be applied to q and k: Wan's (freqs_cos, freqs_sin), a `HalfRope`, a `PairRope`
-        or a `HeadPairRope` (`videosparse.rope.apply_rope`); the sparse path fuses the rotation (and the KV heads' repeat)
-        into the tile-order gather.
+        or a `HeadPairRope` (`videosparse.rope.apply_rope`); the sparse path fuses the rotation (and the KV heads'
+        repeat) into the tile-order gather.
         text_len: the text tokens in q, k, v (default: the forward's, `context.text_len`).
         item: the batch item that q, k, v hold when the forward's items are served one by one (for observers).
         return_lse: also return the rows' log-sum-exp, fp32 [B, S, H]; dense calls then run `dense_with_lse`
