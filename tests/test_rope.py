@@ -177,7 +177,7 @@ def test_apply_interleaved_rope_rotates_pairs():
 
 
 def test_rope_gather_dispatch_and_errors():
-    from videosparse.rope import PairRope, apply_rope, rope_gather
+    from videosparse.rope import HalfRope, PairRope, apply_rope, rope_gather
 
     x, cos, sin = _inputs(1, (2, 2, 2), 2, 8, torch.float32, torch.float32, False, 2)
     perm = torch.arange(8)
@@ -194,6 +194,10 @@ def test_rope_gather_dispatch_and_errors():
         rope_gather(x, perm, PairRope(cos[0, :6, 0], sin[0, :6, 0], 3), backend="triton")
     with pytest.raises(ValueError, match=r"PairRope covers rows \[3, 9\) but x has 8 rows"):
         apply_rope(x, PairRope(cos[0, :6, 0], sin[0, :6, 0], 3))
+    with pytest.raises(ValueError, match="sections=3 does not split head dim 8"):
+        apply_rope(x, HalfRope(cos, sin, sections=3))
+    with pytest.raises(ValueError, match="sections=3 does not split head dim 8"):
+        rope_gather(x, perm, HalfRope(cos, sin, sections=3), backend="triton")
     for groups in (0, 1.5, True):
         with pytest.raises(ValueError, match=f"groups={groups!r} must be an int >= 1"):
             rope_gather(x, perm, (cos, sin), groups=groups)

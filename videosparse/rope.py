@@ -57,6 +57,8 @@ def apply_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, secti
     """Rotate-half RoPE on x [B, S, H, D]: x * cos + [-x[D/2:], x[:D/2]] * sin (as Cosmos 3's processor), or that in
     each of `sections` equal parts of D (as diffusers' `apply_rotary_emb_allegro`, sections=3)."""
     if sections > 1:
+        if x.shape[-1] % (2 * sections):
+            raise ValueError(f"sections={sections} does not split head dim {x.shape[-1]} into equal even parts.")
         parts = zip(x.chunk(sections, -1), cos.chunk(sections, -1), sin.chunk(sections, -1))
         return torch.cat([apply_half_rope(*part) for part in parts], dim=-1)
     half = x.shape[-1] // 2
@@ -96,9 +98,9 @@ class HeadPairRope(NamedTuple):
 
 
 def apply_head_pair_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Mochi's RoPE on the first cos.shape[0] rows of x [B, S, H, D], the rotation of the stock
-    `MochiAttnProcessor2_0` (whose helper is local to its `__call__`): each pair rotated in fp32, each rotated half
-    rounded to x's dtype, the pairs interleaved back; the other rows as they are."""
+    """Angles per pair on the first cos.shape[0] rows of x [B, S, H, D], as the stock `MochiAttnProcessor2_0`
+    rotates (its helper is local to its `__call__`; Kandinsky's 2 x 2 rotations give the same bits): each pair rotated
+    in fp32, each rotated half rounded to x's dtype, the pairs interleaved back; the other rows as they are."""
     rows = cos.shape[0]
     if rows > x.shape[1]:
         raise ValueError(f"HeadPairRope covers rows [0, {rows}) but x has {x.shape[1]} rows.")
@@ -137,7 +139,7 @@ def _tables(rope) -> tuple[str, torch.Tensor, torch.Tensor, int, int]:
 def _fused_reason(x: torch.Tensor, style: str, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
                   start: int, sections: int = 1) -> str | None:
     """Why the fused kernel cannot take these inputs (None: it can). Tables: [1, S, 1, D] (Wan's, `HalfRope`),
-    [R, D] with start + R <= S (`PairRope`) or [R, H, D/2] with R <= S (`HeadPairRope`)."""
+    [R, D] with start + R <= S (`PairRope`) or [R, H or 1, D/2] with R <= S (`HeadPairRope`)."""
     B, S, H, D = x.shape
     half = D // 2
     if isinstance(sections, bool) or not isinstance(sections, int) or sections < 1 or D % (2 * sections):
@@ -168,7 +170,7 @@ def rope_gather(x: torch.Tensor, perm: torch.Tensor, rope, *, backend: str = "au
         x: [B, S, H, D] (any strides with a unit last dim), fp32/fp16/bf16.
         perm: int64 [S] (one order for all heads) or [H * groups, S] (one per output head): tile position -> token.
         rope: Wan's interleaved tables (freqs_cos, freqs_sin) [1, S, 1, D], a `HalfRope` [1, S, 1, D], a
-            `PairRope` [R, D] or a `HeadPairRope` [R, H, D/2] (see `apply_rope`).
+            `PairRope` [R, D] or a `HeadPairRope` [R, H or 1, D/2] (see `apply_rope`).
         backend: "auto" (the Triton kernel on CUDA in eager mode, else None), "triton" (also on CPU
             under TRITON_INTERPRET=1; a clear error when the inputs do not fit) or "torch" (None).
         groups: output heads per head of x (grouped-query KV heads repeated: output head h reads x's h // groups).

@@ -90,7 +90,8 @@ def _rope_gather_kernel(
     # program (token block, batch): out[b, h, t] = rope(x[b, perm[h, t], h // GROUPS]) for BLOCK positions t, every
     # output head h. Pairs (interleaved, PAIRS, HEAD_PAIRS): split and re-joined in registers, rows read and written
     # whole (coalesced); rotate-half: the two halves of each of the SECTIONS parts of D (Allegro: 3, its t / h / w
-    # channels) are loaded and stored separately. HEAD_PAIRS tables have one head per head of x (stride_ch).
+    # channels) are loaded and stored separately. HEAD_PAIRS tables have one head per head of x (stride_ch), or one
+    # for all (stride_ch 0).
     DS: tl.constexpr = D // SECTIONS
     pid_t = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
