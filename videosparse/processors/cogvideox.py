@@ -33,17 +33,24 @@ class CogVideoXSparseAttnProcessor(SparseAttentionMixin, CogVideoXAttnProcessor2
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         query, key, value = project_heads(hidden_states, attn.heads, attn.to_q, attn.to_k, attn.to_v,
                                           attn.norm_q, attn.norm_k)            # [B, S, H, D]
-        rope = None
-        if image_rotary_emb is not None and not attn.is_cross_attention:   # q and k: `attend` rotates (fused)
-            rope = PairRope(*image_rotary_emb, start=text_len)
-        elif image_rotary_emb is not None:
-            query = apply_rope(query, PairRope(*image_rotary_emb, start=text_len))
+        query, rope = rope_after_text(attn, query, text_len, image_rotary_emb)
         hidden_states = self.attend(query, key, value, rope=rope).flatten(2, 3).type_as(query)
         hidden_states = attn.to_out[0](hidden_states)
         hidden_states = attn.to_out[1](hidden_states)
         encoder_hidden_states, hidden_states = hidden_states.split(
             [text_len, hidden_states.size(1) - text_len], dim=1)
         return hidden_states, encoder_hidden_states
+
+
+def rope_after_text(attn, query: torch.Tensor, text_len: int, image_rotary_emb) -> tuple[torch.Tensor, PairRope | None]:
+    """diffusers' RoPE of the video rows, which follow `text_len` text rows, for a joint [text; video] call: as a
+    `PairRope` for `attend` (which rotates q and k, fused into the tile-order gather on sparse calls), or, where the
+    stock processor rotates the query alone (`attn.is_cross_attention`), applied to `query` here. Returns (query,
+    rope)."""
+    if image_rotary_emb is None:
+        return query, None
+    rope = PairRope(*image_rotary_emb, start=text_len)
+    return (apply_rope(query, rope), None) if attn.is_cross_attention else (query, rope)
 
 
 def cogvideox_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:

@@ -23,8 +23,8 @@ from diffusers.models.transformers.transformer_easyanimate import (
     EasyAnimateAttnProcessor2_0,
 )
 
-from ..rope import PairRope, apply_rope
 from .base import SparseAttentionMixin, project_heads, project_joint_outputs, project_text_heads
+from .cogvideox import rope_after_text
 from .context import forward_arg
 
 
@@ -54,11 +54,7 @@ class EasyAnimateSparseAttnProcessor(SparseAttentionMixin, EasyAnimateAttnProces
             query = torch.cat([enc_query, query], dim=1)
             key = torch.cat([enc_key, key], dim=1)
             value = torch.cat([enc_value, value], dim=1)
-        rope = None
-        if image_rotary_emb is not None and not attn.is_cross_attention:   # q and k: `attend` rotates (fused)
-            rope = PairRope(*image_rotary_emb, start=text_len)
-        elif image_rotary_emb is not None:
-            query = apply_rope(query, PairRope(*image_rotary_emb, start=text_len))
+        query, rope = rope_after_text(attn, query, text_len, image_rotary_emb)
 
         hidden_states = self.attend(query, key, value, rope=rope).flatten(2, 3).to(query.dtype)
         encoder_hidden_states, hidden_states = hidden_states[:, :text_len], hidden_states[:, text_len:]
