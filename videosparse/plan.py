@@ -13,6 +13,11 @@ every backend, so it can be checked against the reference and executed by the fa
     order     int32 [B*H*Mq]          optional: the order the kernels take the (b*H + h)*Mq + m rows in,
                                       longest first (a permutation); builders that know their row
                                       lengths on the host attach it, otherwise the kernels sort kv_count
+    valid_keys int32 [B]              optional: keys at positions >= valid_keys[b] are masked for every
+                                      query of item b (a key-padding mask given as a device tensor, so
+                                      that prompt lengths change no shape); listed tiles start below it
+                                      (`with_valid_keys` drops the others), skipped tiles past it do not
+                                      enter the correction
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class Plan:
     v_sum: torch.Tensor | None = None
     tile_len: torch.Tensor | None = None
     order: torch.Tensor | None = None
+    valid_keys: torch.Tensor | None = None
 
     @property
     def has_correction(self) -> bool:
@@ -71,6 +77,22 @@ class Plan:
 
     def without_correction(self) -> "Plan":
         return replace(self, k_mean=None, v_sum=None, tile_len=None)
+
+    def with_valid_keys(self, valid_keys: torch.Tensor | None) -> "Plan":
+        """This plan with the key-padding limit `valid_keys` (int32 [B]; None: the plan itself): every row keeps
+        only its listed tiles that start below its item's limit (tensor ops, no host sync: rows are sorted, so the
+        kept ones stay packed left), and the kernels mask the keys at or past it in the last one."""
+        if valid_keys is None:
+            return self
+        B = self.kv_count.shape[0]
+        if valid_keys.dtype != torch.int32 or tuple(valid_keys.shape) != (B,):
+            raise ValueError(f"valid_keys must be int32 [{B}] (one key count per batch item); got "
+                             f"{valid_keys.dtype} {tuple(valid_keys.shape)}.")
+        kmax = self.kv_index.shape[-1]
+        listed = torch.arange(kmax, device=self.kv_index.device) < self.kv_count[..., None]
+        below = self.kv_index * self.block_n < valid_keys.view(B, 1, 1, 1)
+        count = (listed & below).sum(-1, dtype=torch.int32)
+        return replace(self, kv_count=count, valid_keys=valid_keys)
 
     def validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, *, where: str = "") -> None:
         """Check the plan against q, k (B, H, S, D); raise ValueError naming tensor, shape and expectation."""
@@ -122,6 +144,18 @@ class Plan:
             if Nk and bool((self.tile_len < 1).any()):
                 raise ValueError(f"tile_len values must be >= 1 (tokens per key tile); got minimum "
                                  f"{int(self.tile_len.min())}{at}.")
+        if self.valid_keys is not None:
+            vk = self.valid_keys
+            if vk.dtype != torch.int32 or tuple(vk.shape) != (B,) or vk.device != q.device:
+                raise ValueError(f"valid_keys must be int32 [{B}] on {q.device}; got {vk.dtype} {tuple(vk.shape)} "
+                                 f"on {vk.device}{at}.")
+            if B and (int(vk.min()) < 1 or int(vk.max()) > Sk):
+                raise ValueError(f"valid_keys values must lie in [1, Sk={Sk}]; got range [{int(vk.min())}, "
+                                 f"{int(vk.max())}]{at}.")
+            past = idx.long() * self.block_n >= vk.view(B, 1, 1, 1)
+            if bool((past & valid).any()):
+                raise ValueError(f"kv_index lists key tiles that start at or past valid_keys{at}; "
+                                 "Plan.with_valid_keys drops them.")
         if self.order is not None:
             n = B * H * Mq
             if self.order.dtype != torch.int32 or tuple(self.order.shape) != (n,) or self.order.device != q.device:

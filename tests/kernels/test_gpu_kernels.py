@@ -41,6 +41,8 @@ def _backends():
     (50, 64, torch.bfloat16, "dense", False),          # fewer rows than one TMA box
     (50, 128, torch.float16, "random", True),
     (5000, 128, torch.bfloat16, "empty", True),
+    (16380, 128, torch.bfloat16, "valid", True),       # a key-padding limit per item (Plan.valid_keys)
+    (9000, 64, torch.float16, "valid", False),
 ])
 def test_kernel_matches_reference_at_real_size(backend, S, D, dtype, plan_kind, correction):
     _check_backend(backend, S, D, dtype, plan_kind, correction)
@@ -74,6 +76,14 @@ def _check(run, S, D, dtype, plan_kind, correction, block=128):
         count = plan.kv_count.clone()
         count[:, :, ::2] = 0
         plan = Plan(plan.kv_index, count, block, block)
+    if plan_kind == "valid":     # keys of item b valid up to a limit inside a tile; every 3rd query tile dense
+        count = plan.kv_count.clone()
+        index = plan.kv_index.clone()
+        dense = dense_plan(B, H, S, block, block, device=dev)
+        index = torch.nn.functional.pad(index, (0, dense.kv_index.shape[-1] - index.shape[-1]))
+        index[:, :, ::3], count[:, :, ::3] = dense.kv_index[:, :, ::3], dense.kv_count[:, :, ::3]
+        limits = torch.tensor([S - 77, S // 2 + 31], dtype=torch.int32, device=dev)
+        plan = Plan(index.contiguous(), count, block, block).with_valid_keys(limits)
     if correction:
         plan = plan.with_correction(*tile_centroids_torch(k, v, block))
     out, lse = run(q, k, v, plan)
@@ -91,6 +101,7 @@ def _check(run, S, D, dtype, plan_kind, correction, block=128):
     (9000, 64, torch.float16, "banded", True),
     (5000, 128, torch.bfloat16, "empty", True),
     (4000, 64, torch.bfloat16, "random", False),
+    (9000, 128, torch.bfloat16, "valid", True),
 ])
 def test_triton_kernels_at_64x64_tiles(backend, S, D, dtype, plan_kind, correction):
     """64 x 64 tiles (a Veda per-head tile shape; the Gluon kernel takes 128 x 128 only) against the reference."""
@@ -132,6 +143,7 @@ def test_gluon_variants_match_reference(knobs, S, D, dtype, plan_kind, correctio
     (5000, 128, "empty", True, None),      # 320 items: 56 left, 2 parts; empty items among them
     (2560, 128, "dense", False, None),     # 160 items: 28 left, 4 parts of 5 tiles
     (2000, 128, "random", False, 6),       # 128 items on 6 programs: 2 left, up to 3 parts of 1-2 tiles
+    (5000, 128, "valid", True, None),      # a key-padding limit per item: the masked tile in the last part
 ])
 def test_gluon_tail_split_matches_whole_items(S, D, plan_kind, correction, programs):
     """The split tail (parts merged by `combine_parts`) gives the reference's answer, and the unsplit kernel's

@@ -19,7 +19,7 @@ TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"   # ptxas, 
 
 SHARED_LIMIT = 232448  # bytes of shared memory per block on sm_90
 
-# (head_dim, dtype, block_m, block_n, centroids, mask_last, merge)
+# (head_dim, dtype, block_m, block_n, centroids, mask_last, merge[, has_limit: a plan with valid_keys])
 VARIANTS = {
     "d128-exact-partial": (128, "bf16", 128, 128, False, True, False),
     "d128-exact-full-merge": (128, "bf16", 128, 128, False, False, True),
@@ -27,6 +27,8 @@ VARIANTS = {
     "d64-exact-partial-merge": (64, "bf16", 128, 128, False, True, True),
     "d64-centroids": (64, "bf16", 128, 128, True, False, False),
     "d128-fp16-b64": (128, "fp16", 64, 64, False, True, False),
+    "d128-exact-valid-keys-merge": (128, "bf16", 128, 128, False, True, True, True),
+    "d64-exact-valid-keys-b64": (64, "bf16", 64, 64, False, True, False, True),
 }
 
 
@@ -41,9 +43,9 @@ def hopper_module():
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_hopper_kernel_compiles_with_tma_wgmma_and_warp_specialization(hopper_module, name, tmp_path):
-    d, dtype, bm, bn, centroids, mask_last, merge = VARIANTS[name]
+    d, dtype, bm, bn, centroids, mask_last, merge, *has_limit = VARIANTS[name]
     k = hopper_module.compile_for_sm90(head_dim=d, dtype=dtype, block_m=bm, block_n=bn, centroids=centroids,
-                                       mask_last=mask_last, merge=merge)
+                                       mask_last=mask_last, merge=merge, has_limit=bool(has_limit))
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     assert "ttg.warp_specialize" in ttgir, "warp specialization was dropped"
     assert k.metadata.num_warps > 4, "no producer/consumer warp groups were added"
@@ -98,7 +100,7 @@ def test_hopper_refuses_stage_counts_that_return_nan():
         triton_hopper.hopper_attention(q, q, q, dense_plan(1, 1, 128), 0.125, num_stages=3)
 
 
-# Gluon kernel: (head_dim, dtype, num_stages, correction, mask_last, q_buffers, split_tail)
+# Gluon kernel: (head_dim, dtype, num_stages, correction, mask_last, q_buffers, split_tail[, has_limit])
 GLUON_VARIANTS = {
     "d128-bf16-default-partial": (128, "bf16", 2, False, True, 2, False),
     "d128-bf16-3stages-1qbuf-partial": (128, "bf16", 3, False, True, 1, False),
@@ -107,6 +109,8 @@ GLUON_VARIANTS = {
     "d64-bf16-2stages-2qbufs-correction-partial": (64, "bf16", 2, True, True, 2, False),
     "d128-bf16-2stages-2qbufs-split-tail": (128, "bf16", 2, False, True, 2, True),
     "d64-fp16-2stages-2qbufs-correction-split-tail": (64, "fp16", 2, True, True, 2, True),
+    "d128-bf16-valid-keys-correction": (128, "bf16", 2, True, True, 2, False, True),
+    "d64-bf16-valid-keys-split-tail": (64, "bf16", 2, False, True, 2, True, True),
 }
 
 
@@ -115,9 +119,10 @@ def test_gluon_kernel_compiles_with_two_consumer_warpgroups_tma_and_wgmma(name, 
     pytest.importorskip("triton.experimental.gluon")
     from videosparse.kernels import gluon_hopper
 
-    d, dtype, stages, correction, mask_last, q_buffers, split = GLUON_VARIANTS[name]
+    d, dtype, stages, correction, mask_last, q_buffers, split, *has_limit = GLUON_VARIANTS[name]
     k = gluon_hopper.compile_for_sm90(head_dim=d, dtype=dtype, num_stages=stages, correction=correction,
-                                      mask_last=mask_last, q_buffers=q_buffers, split_tail=split)
+                                      mask_last=mask_last, q_buffers=q_buffers, split_tail=split,
+                                      has_limit=bool(has_limit))
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     assert "ttg.warp_specialize" in ttgir
     assert k.metadata.num_warps == 12, "expected 4 (consumer 0) + 4 (consumer 1) + 4 (loader warp, rounded) warps"
@@ -321,8 +326,9 @@ def test_gluon_correction_bias_loads_hide_under_the_score_gemm(head_dim, q_buffe
     assert loads_before_score_waits(correction=False) == [0] * 4
 
 
-@pytest.mark.parametrize("out_dtype,chunk,d_p2", [("bf16", 128, 128), ("fp16", 64, 64), ("fp32", 128, 128)])
-def test_correction_inputs_kernel_compiles_for_sm90(hopper_module, out_dtype, chunk, d_p2):
+@pytest.mark.parametrize("out_dtype,chunk,d_p2,valid", [("bf16", 128, 128, False), ("fp16", 64, 64, False),
+                                                        ("fp32", 128, 128, False), ("bf16", 128, 128, True)])
+def test_correction_inputs_kernel_compiles_for_sm90(hopper_module, out_dtype, chunk, d_p2, valid):
     """The one-launch correction inputs kernel compiles for sm_90 (the interpreter tests do not compile it)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -330,10 +336,10 @@ def test_correction_inputs_kernel_compiles_for_sm90(hopper_module, out_dtype, ch
     from videosparse.kernels._triton_utils import _correction_inputs_kernel
 
     sig = dict(KV_INDEX="*i32", KV_COUNT="*i32", TILE_LEN="*i32", K_MEAN="*fp32", V_SUM="*fp32",
-               KM_OUT="*" + out_dtype, VM_OUT="*" + out_dtype, BIAS="*fp32", N_ITEMS="i32", NK="i32", NCP="i32",
-               KMAX="i32", N_ROWS="i32", D="i32", D_P2="constexpr", CHUNK="constexpr", KB="constexpr",
-               ROWS="constexpr")
-    src = ASTSource(_correction_inputs_kernel, sig, dict(D_P2=d_p2, CHUNK=chunk, KB=32, ROWS=16))
+               KM_OUT="*" + out_dtype, VM_OUT="*" + out_dtype, BIAS="*fp32", VALID_KEYS="*i32", N_ITEMS="i32",
+               NK="i32", NCP="i32", KMAX="i32", N_ROWS="i32", D="i32", ITEMS_PER_B="i32", BLOCK_N="i32",
+               D_P2="constexpr", CHUNK="constexpr", KB="constexpr", ROWS="constexpr", HAS_VALID="constexpr")
+    src = ASTSource(_correction_inputs_kernel, sig, dict(D_P2=d_p2, CHUNK=chunk, KB=32, ROWS=16, HAS_VALID=valid))
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32))
     assert ".entry _correction_inputs_kernel" in k.asm["ptx"]
     assert k.metadata.shared <= SHARED_LIMIT

@@ -14,11 +14,15 @@ def test_opcheck_with_and_without_correction():
     q, k, v = (torch.randn(2, 3, 300, 64) for _ in range(3))
     p = random_plan(2, 3, 300, 64, 64, 0.3, seed=4)
     base = (q, k, v, p.kv_index, p.kv_count, 64, 64)
-    torch.library.opcheck(block_sparse_attention_op, (*base, None, None, None, None, 0.125, "reference"))
-    torch.library.opcheck(block_sparse_attention_op, (*base, *tile_centroids_torch(k, v, 64), None, 0.125,
+    torch.library.opcheck(block_sparse_attention_op, (*base, None, None, None, None, None, 0.125, "reference"))
+    torch.library.opcheck(block_sparse_attention_op, (*base, *tile_centroids_torch(k, v, 64), None, None, 0.125,
                                                       "reference"))
     order = torch.randperm(p.kv_count.numel()).to(torch.int32)      # any permutation of the rows
-    torch.library.opcheck(block_sparse_attention_op, (*base, None, None, None, order, 0.125, "reference"))
+    torch.library.opcheck(block_sparse_attention_op, (*base, None, None, None, order, None, 0.125, "reference"))
+    capped = p.with_valid_keys(torch.tensor([250, 170], dtype=torch.int32))     # a key-padding limit per item
+    torch.library.opcheck(block_sparse_attention_op, (q, k, v, capped.kv_index, capped.kv_count, 64, 64,
+                                                      *tile_centroids_torch(k, v, 64), None, capped.valid_keys,
+                                                      0.125, "reference"))
 
 
 def test_fullgraph_compile_matches_eager():
@@ -40,7 +44,7 @@ def test_opcheck_with_non_contiguous_q():
     k, v = (torch.randn(2, 3, 300, 64) for _ in range(2))
     p = random_plan(2, 3, 300, 64, 64, 0.3, seed=6)
     torch.library.opcheck(block_sparse_attention_op, (q, k, v, p.kv_index, p.kv_count, 64, 64, None, None, None,
-                                                      None, 0.125, "reference"),
+                                                      None, None, 0.125, "reference"),
                           test_utils=("test_schema", "test_faketensor"))
 
 

@@ -65,3 +65,56 @@ def test_a_plan_without_index_columns_gives_empty_rows():
     plan = Plan(torch.zeros(1, 2, 3, 0, dtype=torch.int32), torch.zeros(1, 2, 3, dtype=torch.int32))
     out, lse = block_sparse_attention(q, q, q, plan, return_lse=True)
     assert bool((out == 0).all()) and bool(torch.isneginf(lse).all())
+
+
+@pytest.mark.parametrize("S,block", [(300, 64), (333, 128)])
+@pytest.mark.parametrize("correction", [False, True])
+def test_valid_keys_equal_attention_over_each_items_key_prefix(S, block, correction):
+    """`Plan.valid_keys` (a key-padding limit per batch item, as a tensor): item b attends as if its keys ended
+    at valid_keys[b], i.e. exactly the plan on k[:, :, :valid_keys[b]] (partial last tile), skipped tiles past
+    the limit adding nothing to the correction. Limits inside a tile, on a tile boundary, and all keys."""
+    from videosparse.plan import Plan
+
+    B, H, D = 3, 2, 64
+    q, k, v = (torch.randn(B, H, S, D, dtype=torch.float64) for _ in range(3))
+    limits = [S - 37, 2 * block, S]
+    plan = random_plan(B, H, S, block, block, 0.5, seed=S)
+    k_mean, v_sum, tile_len = (t.double() if t.is_floating_point() else t for t in tile_centroids_torch(k, v, block))
+    capped = plan.with_valid_keys(torch.tensor(limits, dtype=torch.int32))
+    assert bool((capped.kv_count <= plan.kv_count).all()) and bool((capped.kv_count < plan.kv_count).any())
+    if correction:
+        capped = capped.with_correction(k_mean, v_sum, tile_len)
+    out, lse = block_sparse_attention(q, k, v, capped, return_lse=True, backend="reference")
+    for b, n in enumerate(limits):
+        nk = -(-n // block)
+        item = Plan(capped.kv_index[b:b + 1], capped.kv_count[b:b + 1], block, block)
+        if correction:   # the tiles of the prefix, centroids as given (a crossing tile is listed or corrected as is)
+            item = item.with_correction(k_mean[b:b + 1, :, :nk], v_sum[b:b + 1, :, :nk], tile_len[:nk])
+        want, want_lse = block_sparse_attention(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], item,
+                                                return_lse=True, backend="reference", validate=False)
+        assert rel_err(out[b:b + 1], want) < 1e-12, b
+        finite = torch.isfinite(want_lse)
+        assert torch.equal(torch.isfinite(lse[b:b + 1]), finite)
+        assert float((lse[b:b + 1] - want_lse)[finite].abs().max()) < 1e-6
+
+
+def test_valid_keys_are_checked():
+    from videosparse.plan import Plan
+
+    q = torch.randn(2, 2, 300, 64)
+    plan = dense_plan(2, 2, 300, 64, 64)
+    for bad, match in ((torch.tensor([300, 0], dtype=torch.int32), r"\[1, Sk=300\]"),
+                       (torch.tensor([301, 10], dtype=torch.int32), r"\[1, Sk=300\]"),
+                       (torch.tensor([300], dtype=torch.int32), "int32 \\[2\\]"),
+                       (torch.tensor([300, 10]), "int32 \\[2\\]")):
+        with pytest.raises(ValueError, match=match):
+            block_sparse_attention(q, q, q, Plan(plan.kv_index, plan.kv_count, 64, 64, valid_keys=bad))
+    # listing a tile that starts past the limit is an error (with_valid_keys drops them)
+    with pytest.raises(ValueError, match="past valid_keys"):
+        block_sparse_attention(q, q, q, Plan(plan.kv_index, plan.kv_count, 64, 64,
+                                             valid_keys=torch.tensor([300, 100], dtype=torch.int32)))
+    capped = plan.with_valid_keys(torch.tensor([300, 100], dtype=torch.int32))
+    assert capped.kv_count[0].eq(5).all() and capped.kv_count[1].eq(2).all()
+    block_sparse_attention(q, q, q, capped)
+    with pytest.raises(ValueError, match="int32 \\[2\\]"):
+        plan.with_valid_keys(torch.tensor([3, 4, 5], dtype=torch.int32))

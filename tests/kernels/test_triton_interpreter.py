@@ -46,7 +46,18 @@ CASES = {
     "hopper-bf16-d64-m128n64-corr": (2, 1, 256, 256, 64, 128, 64, 0.4, "bfloat16", True, "hopper", ""),
     "hopper-fp32-empty-rows-corr": (2, 2, 200, 333, 64, 64, 64, 0.3, "float32", True, "hopper", "empty"),
     "hopper-fp32-dense-d128": (1, 2, 384, 384, 128, 128, 128, 1.0, "float32", False, "hopper", "dense"),
+    # a key-padding limit per batch item (`Plan.valid_keys`): keys past it masked, tiles past it neither listed
+    # nor corrected; the limits cross a tile inside the sequence
+    "generic-fp32-valid-keys-corr": (2, 2, 300, 300, 64, 64, 64, 0.4, "float32", True, "generic", "valid"),
+    "generic-bf16-d128-b128-valid-keys": (2, 2, 333, 333, 128, 128, 128, 0.5, "bfloat16", False, "generic", "valid"),
+    "hopper-fp32-d64-b64-valid-keys-corr": (2, 2, 300, 300, 64, 64, 64, 0.4, "float32", True, "hopper", "valid"),
+    "hopper-bf16-d128-b128-valid-keys": (2, 1, 384, 384, 128, 128, 128, 0.6, "bfloat16", False, "hopper", "valid"),
 }
+
+
+def valid_keys_for(B: int, Sk: int) -> torch.Tensor:
+    """int32 [B]: per-item key limits for the "valid" cases, Sk - 5, Sk - 75, ... (at least 1)."""
+    return torch.tensor([max(1, Sk - 5 - 70 * b) for b in range(B)], dtype=torch.int32)
 
 
 # correction inputs (one Triton launch) vs their torch version; name: B, H, S, block, D, density, dtype, extra
@@ -54,6 +65,7 @@ PREP_CASES = {
     "prep-b128-odd": (2, 3, 1000, 128, 128, 0.3, "bfloat16", ""),
     "prep-b64-empty-rows": (1, 2, 333, 64, 64, 0.5, "float16", "empty"),
     "prep-b64-long-lists": (1, 1, 5000, 64, 64, 0.6, "float32", ""),     # Kmax > 32: several list blocks
+    "prep-b64-valid-keys": (2, 2, 333, 64, 64, 0.5, "float16", "valid"),
 }
 
 
@@ -143,6 +155,8 @@ def _run_prep_case(name: str) -> dict:
         count = plan.kv_count.clone()
         count[:, :, ::2] = 0
         plan = Plan(plan.kv_index, count, block, block)
+    if extra == "valid":
+        plan = plan.with_valid_keys(valid_keys_for(B, S))
     plan = plan.with_correction(*tile_centroids_torch(k, v, block))
     Nk = math.ceil(S / block)
     got = correction_inputs(plan, Nk, block, k.dtype)
@@ -189,6 +203,8 @@ def _run_case(name: str) -> dict:
         plan = Plan(plan.kv_index, count, bm, bn)
     if extra == "kmax0":     # no index columns at all (partial last key tile: its reads must stay in bounds)
         plan = Plan(plan.kv_index[..., :0].contiguous(), torch.zeros_like(plan.kv_count), bm, bn)
+    if extra == "valid":
+        plan = plan.with_valid_keys(valid_keys_for(B, Sk))
     if corr:
         plan = plan.with_correction(*tile_centroids_torch(k, v, bn))
     scale = 1.0 / math.sqrt(D)

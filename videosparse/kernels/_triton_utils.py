@@ -10,7 +10,9 @@ flat tensors both kernels read:
     k_mean    [B*H*Nk, D]  (q.dtype)  correction: mean key per key tile
     v_mean    [B*H*Nk, D]  (q.dtype)  correction: mean value per key tile (v_sum / len)
     bias      fp32 [B*H*Mq, Ncp]      correction: log2(len_j), or -inf where tile j is exact or j >= Nk
-                                      (Ncp = Nk rounded up to whole chunks)
+                                      (Ncp = Nk rounded up to whole chunks) or, with `plan.valid_keys`,
+                                      where tile j starts at or past the item's valid keys
+    key_limit int32 [B*H]             with `plan.valid_keys`: the valid keys of every (b, h)
 
 With v_mean and a log2(len) bias, a skipped tile contributes exp(s - m) * len * v_mean = exp(s - m) * v_sum
 to the numerator and exp(s - m) * len to the denominator, exactly as the reference.
@@ -60,24 +62,38 @@ def correction_inputs_torch(plan: Plan, num_key_tiles: int, chunk: int, dtype: t
     valid = torch.arange(kmax, device=dev) < plan.kv_count[..., None]
     idx = torch.where(valid, plan.kv_index.long(), ncp).reshape(B * H * Mq, kmax)
     bias.scatter_(-1, idx, float("-inf"))
+    if plan.valid_keys is not None:      # tiles that start past an item's valid keys do not count
+        tiles = (plan.valid_keys.long() + plan.block_n - 1) // plan.block_n
+        past = torch.arange(ncp + 1, device=dev) >= tiles.repeat_interleave(H * Mq)[:, None]
+        bias.masked_fill_(past, float("-inf"))
     return k_mean, v_mean, bias[:, :ncp].contiguous()
 
 
+def key_limit(plan: Plan, heads: int) -> torch.Tensor | None:
+    """int32 [B*H]: `plan.valid_keys` per (b, h) row of the kernels' flat layout (None without it)."""
+    if plan.valid_keys is None:
+        return None
+    return plan.valid_keys.repeat_interleave(heads).contiguous()
+
+
 @triton.jit
-def _correction_inputs_kernel(KV_INDEX, KV_COUNT, TILE_LEN, K_MEAN, V_SUM, KM_OUT, VM_OUT, BIAS, N_ITEMS, NK, NCP,
-                              KMAX, N_ROWS, D, D_P2: tl.constexpr, CHUNK: tl.constexpr, KB: tl.constexpr,
-                              ROWS: tl.constexpr):
-    """Programs [0, N_ITEMS): one bias row each (log2 len, -inf on the item's exact tiles and past NK; the
-    exact tiles are matched KB list entries at a time); programs past that: ROWS rows of k_mean (cast) and
-    v_mean = v_sum / max(len, 1) each."""
+def _correction_inputs_kernel(KV_INDEX, KV_COUNT, TILE_LEN, K_MEAN, V_SUM, KM_OUT, VM_OUT, BIAS, VALID_KEYS,
+                              N_ITEMS, NK, NCP, KMAX, N_ROWS, D, ITEMS_PER_B, BLOCK_N, D_P2: tl.constexpr,
+                              CHUNK: tl.constexpr, KB: tl.constexpr, ROWS: tl.constexpr, HAS_VALID: tl.constexpr):
+    """Programs [0, N_ITEMS): one bias row each (log2 len, -inf on the item's exact tiles, past NK and, HAS_VALID,
+    from the first tile that starts at or past its item's VALID_KEYS; the exact tiles are matched KB list entries
+    at a time); programs past that: ROWS rows of k_mean (cast) and v_mean = v_sum / max(len, 1) each."""
     pid = tl.program_id(0)
     if pid < N_ITEMS:
         count = tl.load(KV_COUNT + pid)
         row = KV_INDEX + pid.to(tl.int64) * KMAX
+        n_tiles = NK
+        if HAS_VALID:
+            n_tiles = tl.minimum(NK, tl.cdiv(tl.load(VALID_KEYS + pid // ITEMS_PER_B), BLOCK_N))
         for c0 in range(0, NCP, CHUNK):
             cols = c0 + tl.arange(0, CHUNK)
             length = tl.load(TILE_LEN + cols, mask=cols < NK, other=1).to(tl.float32)
-            bias = tl.where(cols < NK, tl.math.log2(tl.maximum(length, 1.0)), float("-inf"))
+            bias = tl.where(cols < n_tiles, tl.math.log2(tl.maximum(length, 1.0)), float("-inf"))
             exact = tl.zeros([CHUNK], dtype=tl.int32)
             for j0 in range(0, count, KB):
                 js = j0 + tl.arange(0, KB)
@@ -115,10 +131,11 @@ def correction_inputs(plan: Plan, num_key_tiles: int, chunk: int, dtype: torch.d
     bias = torch.empty(n_items, ncp, dtype=torch.float32, device=dev)
     rows = 16
     grid = (n_items + triton.cdiv(n_rows, rows),)
+    valid = plan.valid_keys
     _correction_inputs_kernel[grid](kv_index, kv_count, tile_len, plan.k_mean.contiguous(), plan.v_sum.contiguous(),
-                                    k_mean, v_mean, bias, n_items, Nk, ncp, kmax, n_rows, D,
-                                    D_P2=triton.next_power_of_2(D), CHUNK=chunk, KB=32,
-                                    ROWS=rows)
+                                    k_mean, v_mean, bias, kv_count if valid is None else valid, n_items, Nk, ncp,
+                                    kmax, n_rows, D, H * Mq, plan.block_n, D_P2=triton.next_power_of_2(D),
+                                    CHUNK=chunk, KB=32, ROWS=rows, HAS_VALID=valid is not None)
     return k_mean, v_mean, bias
 
 

@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ..plan import Plan
-from ._triton_utils import LOG2E, aot_seq_len, correction_inputs, launch_dims, launch_signature
+from ._triton_utils import LOG2E, aot_seq_len, correction_inputs, key_limit, launch_dims, launch_signature
 from .tail_split import AUTO_MIN_SAVED, combine_parts, tail_split
 from .triton_hopper import HopperBackend
 
@@ -387,11 +387,12 @@ def _finish_pending(WG: gl.constexpr, pv_c, acc, m_i, l_i, p_op, v_smem, v_ready
 
 
 @gluon.jit
-def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH,
-             N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM: gl.constexpr,
+def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, KEY_LIMIT, qk_scale, S, SK, MQ, KMAX, N_UNITS,
+             NCP, NCH, N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM: gl.constexpr,
              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr,
              CORR: gl.constexpr, EPI_TMA: gl.constexpr, SPLIT: gl.constexpr, LATE_K: gl.constexpr,
-             LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr, unit_smem, HANDOFF: gl.constexpr):
+             LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr, unit_smem, HANDOFF: gl.constexpr,
+             HAS_LIMIT: gl.constexpr):
     """One consumer warpgroup (rows WG*64 .. WG*64+63 of each item), the pipeline carried across work items: per
     item the score GEMMs, online softmax and P.V GEMMs of its exact tiles and (CORR) centroid chunks
     (`_tile_loop`); an item's last P.V GEMM is issued after the next item's first score GEMM, and its epilogue
@@ -428,6 +429,9 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
         bh, mt, n, row, bias_row, n_all, slot, qb, q_half = _item_start(ORDER, KV_COUNT, KV_INDEX, BIAS, it, t, MQ,
                                                                         KMAX, NCP, NCH, N_FULL, PARTS, q_smem,
                                                                         q_ready, unit_smem, WG, SPLIT, HANDOFF)
+        limit = SK                  # keys past it are masked in the last listed tile (MASK_LAST)
+        if HAS_LIMIT:
+            limit = gl.load(KEY_LIMIT + bh)
         if n_all > 0:
             s0 = c % NUM_STAGES
             mbarrier.wait(k_ready.index(s0), (c // NUM_STAGES) & 1)
@@ -440,7 +444,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
                 qk = warpgroup_mma_wait(1, deps=(qk_tok,))
                 if not FIRST_OVERLAP:
                     mbarrier.arrive(k_empty.index(s0), count=1)
-                qk = _fix_scores(qk, 0, n, row, bias, cols, SK, BLOCK_N, MASK_LAST, CORR)
+                qk = _fix_scores(qk, 0, n, row, bias, cols, limit, BLOCK_N, MASK_LAST, CORR)
                 m_n, l_n, p = _first_softmax(qk, qk_scale)
                 if FIRST_OVERLAP:
                     # always taken (c counts steps): the branch keeps ptxas from hoisting the wait for the
@@ -457,7 +461,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
             else:
                 qk = warpgroup_mma_wait(0, deps=(qk_tok,))
                 mbarrier.arrive(k_empty.index(s0), count=1)
-                qk = _fix_scores(qk, 0, n, row, bias, cols, SK, BLOCK_N, MASK_LAST, CORR)
+                qk = _fix_scores(qk, 0, n, row, bias, cols, limit, BLOCK_N, MASK_LAST, CORR)
                 m_n, l_n, p = _first_softmax(qk, qk_scale)
                 p_n = gl.convert_layout(p.to(dtype), p_layout)
                 rel_qb = -1
@@ -471,7 +475,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
             l_i = l_n
             p_op = p_n
             acc = zero_o
-            acc, m_i, l_i, p_op = _tile_loop(c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, row, bias_row, cols, SK,
+            acc, m_i, l_i, p_op = _tile_loop(c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, row, bias_row, cols, limit,
                                              qk_scale, inv_scale, zero_s, k_smem, v_smem, bars, rel_qb, BLOCK_N,
                                              NUM_STAGES, MASK_LAST, CORR, EPI_TMA, LATE_K, LATE_Q)
             pend = 1
@@ -506,12 +510,15 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale
 
 
 @gluon.jit
-def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COUNT, ORDER, qk_scale, S, SK, NK, NCP,
-               N_BH, MQ, KMAX, N_UNITS, N_FULL, PARTS, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COUNT, ORDER, KEY_LIMIT, qk_scale, S, SK,
+               NK, NCP, N_BH, MQ, KMAX, N_UNITS, N_FULL, PARTS, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr, CORR: gl.constexpr,
                Q_BUFS: gl.constexpr, EPI_TMA: gl.constexpr, SPLIT: gl.constexpr, LATE_K: gl.constexpr,
-               LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr, HANDOFF: gl.constexpr):
+               LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr, HANDOFF: gl.constexpr,
+               HAS_LIMIT: gl.constexpr = False):
     """Q, O [N_BH*S, D]; K, V [N_BH*SK, D]; LSE fp32 [N_BH*S]; plan KV_INDEX [items, KMAX], KV_COUNT, ORDER.
+    MASK_LAST: keys past SK, or (HAS_LIMIT) past the row's KEY_LIMIT int32 [N_BH] (`plan.valid_keys`), are masked
+    in an item's last listed tile (the only one that can hold any: rows are sorted and start below the limit).
 
     Work units (`tail_split`): N_UNITS = N_FULL + (items - N_FULL) * PARTS; SPLIT: the units from N_FULL on are
     parts of the last items, written to O_PART fp32 [(N_UNITS - N_FULL) * 128, D] and LSE_PART fp32 (natural
@@ -572,12 +579,14 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COU
     # partition arguments are written out in each tuple: a tuple held in a variable turns constexprs into
     # tensors. Default partition: consumer warpgroup 0; workers: consumer warpgroup 1 and the loader warp.
     gl.warp_specialize([
-        (_consume, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH, N_FULL,
-                    PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM, BLOCK_N, NUM_STAGES,
-                    MASK_LAST, STORE_LSE, CORR, EPI_TMA, SPLIT, LATE_K, LATE_Q, FIRST_OVERLAP, unit_smem, HANDOFF)),
-        (_consume, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP, NCH, N_FULL,
-                    PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM, BLOCK_N, NUM_STAGES,
-                    MASK_LAST, STORE_LSE, CORR, EPI_TMA, SPLIT, LATE_K, LATE_Q, FIRST_OVERLAP, unit_smem, HANDOFF)),
+        (_consume, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, KEY_LIMIT, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP,
+                    NCH, N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM, BLOCK_N,
+                    NUM_STAGES, MASK_LAST, STORE_LSE, CORR, EPI_TMA, SPLIT, LATE_K, LATE_Q, FIRST_OVERLAP, unit_smem,
+                    HANDOFF, HAS_LIMIT)),
+        (_consume, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, KEY_LIMIT, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP,
+                    NCH, N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM, BLOCK_N,
+                    NUM_STAGES, MASK_LAST, STORE_LSE, CORR, EPI_TMA, SPLIT, LATE_K, LATE_Q, FIRST_OVERLAP, unit_smem,
+                    HANDOFF, HAS_LIMIT)),
         (_loader, (desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX, N_UNITS,
                    NCH, N_FULL, PARTS, q_smem, k_smem, v_smem, bars, unit_smem, BLOCK_N, NUM_STAGES, SPLIT,
                    HANDOFF)),
@@ -682,13 +691,16 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
     grid = (max(1, min(n_units, programs)),)
     late_k = default_late_k_release(D) if late_k_release is None else late_k_release
     triton.set_allocator(_alloc)
+    limit = key_limit(plan, H)
     _gluon_fwd[grid](q, k, v, k_mean, v_mean, bias, out, lse, o_part, lse_part, kv_index, kv_count, order,
+                     kv_count if limit is None else limit,
                      scale * LOG2E, S, Sk, Nk, bias.shape[-1] if corr else 0, B * H, Mq, kv_index.shape[1], n_units,
                      n_full, parts, HEAD_DIM=D, BLOCK_N=plan.block_n, NUM_STAGES=stages,
-                     MASK_LAST=(Sk % plan.block_n) != 0, STORE_LSE=return_lse, CORR=corr,
+                     MASK_LAST=(Sk % plan.block_n) != 0 or limit is not None, STORE_LSE=return_lse, CORR=corr,
                      Q_BUFS=q_buffers, EPI_TMA=tma_store and q_buffers == 2, SPLIT=parts > 1,
                      LATE_K=late_k, LATE_Q=late_k if late_q_release is None else late_q_release,
-                     FIRST_OVERLAP=first_step_overlap, HANDOFF=unit_handoff, num_warps=4, maxnreg=maxnreg)
+                     FIRST_OVERLAP=first_step_overlap, HANDOFF=unit_handoff, HAS_LIMIT=limit is not None, num_warps=4,
+                     maxnreg=maxnreg)
     if parts > 1:
         combine_parts(o_part, lse_part, out, lse if return_lse else None, order, n_full, parts, Mq)
     return (out, lse) if return_lse else out
@@ -698,12 +710,12 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
                      mask_last: bool = True, store_lse: bool = True, correction: bool = False, q_buffers: int = 2,
                      tma_store: bool = True, split_tail: bool = False, late_k_release: bool | None = None,
                      late_q_release: bool | None = None, first_step_overlap: bool = True, unit_handoff: bool = True,
-                     maxnreg: int = 168, seq_len: int | None = None, heads: int = 12):
+                     maxnreg: int = 168, seq_len: int | None = None, heads: int = 12, has_limit: bool = False):
     """Compile the kernel ahead of time for sm_90 (works on a CPU-only machine); returns the CompiledKernel.
 
     Its integer arguments are specialized as a launch with a dense plan on [1, heads, seq_len, head_dim] q, k, v
     would be (`launch_signature`; seq_len defaults to 32,760 with `mask_last`, else 32,768); with `split_tail`
-    the last 60 items are cut in two parts.
+    the last 60 items are cut in two parts; `has_limit`: a plan with `valid_keys` (with `mask_last`).
 
     Inspect `.asm["ttgir"]` (`ttg.warp_specialize`), `.asm["ptx"]` (`wgmma`, `cp.async.bulk.tensor`,
     `setmaxnreg`) and `.metadata.shared` (bytes of shared memory).
@@ -714,18 +726,18 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
     ptr = "*" + dtype
     late_k = default_late_k_release(head_dim) if late_k_release is None else late_k_release
     pointers = dict(Q=ptr, K=ptr, V=ptr, KM=ptr, VM=ptr, BIAS="*fp32", O=ptr, LSE="*fp32", O_PART="*fp32",
-                    LSE_PART="*fp32", KV_INDEX="*i32", KV_COUNT="*i32", ORDER="*i32")
-    S = aot_seq_len(seq_len, mask_last)
+                    LSE_PART="*fp32", KV_INDEX="*i32", KV_COUNT="*i32", ORDER="*i32", KEY_LIMIT="*i32")
+    S = aot_seq_len(seq_len, mask_last or has_limit)
     tiles = -(-S // 128)
     items = tiles * heads
     n_full, parts = (items - 60, 2) if split_tail else (items, 1)
     values = dict(qk_scale=0.125, S=S, SK=S, NK=tiles, NCP=-(-tiles // 128) * 128 if correction else 0, N_BH=heads,
                   MQ=tiles, KMAX=tiles, N_UNITS=n_full + (items - n_full) * parts, N_FULL=n_full, PARTS=parts)
     constants = dict(HEAD_DIM=head_dim, BLOCK_N=128, NUM_STAGES=num_stages or default_stages(head_dim),
-                     MASK_LAST=mask_last, STORE_LSE=store_lse, CORR=correction, Q_BUFS=q_buffers,
+                     MASK_LAST=mask_last or has_limit, STORE_LSE=store_lse, CORR=correction, Q_BUFS=q_buffers,
                      EPI_TMA=tma_store and q_buffers == 2, SPLIT=split_tail, LATE_K=late_k,
                      LATE_Q=late_k if late_q_release is None else late_q_release, FIRST_OVERLAP=first_step_overlap,
-                     HANDOFF=unit_handoff)
+                     HANDOFF=unit_handoff, HAS_LIMIT=has_limit)
     signature, constants, attrs = launch_signature(_gluon_fwd.arg_names, pointers, values, constants)
     src = GluonASTSource(_gluon_fwd, signature, constants, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))

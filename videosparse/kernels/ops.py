@@ -26,18 +26,19 @@ def block_sparse_attention_op(
     v_sum: torch.Tensor | None,
     tile_len: torch.Tensor | None,
     order: torch.Tensor | None,
+    valid_keys: torch.Tensor | None,
     scale: float,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, H, S, D] in q's dtype, lse fp32 [B, H, S]) for the plan given by its tensors."""
-    plan = Plan(kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, order)
+    plan = Plan(kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, order, valid_keys)
     impl = select_backend(q, k, v, plan, backend)
     out, lse = impl(q, k, v, plan, scale, True)
     return out.contiguous(), lse.contiguous()
 
 
 @block_sparse_attention_op.register_fake
-def _(q, k, v, kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, order, scale, backend):
+def _(q, k, v, kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, order, valid_keys, scale, backend):
     B, H, S, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, H, S), dtype=torch.float32)
 
@@ -58,4 +59,5 @@ torch.library.register_autograd("videosparse::block_sparse_attention", _no_backw
 
 def run_op(q, k, v, plan: Plan, scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     return block_sparse_attention_op(q, k, v, plan.kv_index, plan.kv_count, plan.block_m, plan.block_n,
-                                     plan.k_mean, plan.v_sum, plan.tile_len, plan.order, float(scale), backend)
+                                     plan.k_mean, plan.v_sum, plan.tile_len, plan.order, plan.valid_keys, float(scale),
+                                     backend)

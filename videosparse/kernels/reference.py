@@ -10,7 +10,8 @@ For query row r in query tile i, with S_i = the key tiles listed in the plan for
     lse_r = m + log(denominator)                        (natural log, fp32)
 
 i.e. every skipped tile's keys are replaced by its mean key (zero-order correction). Keys past
-the sequence end (the partial last tile) are masked. A row with no keys at all returns 0 and
+the sequence end (the partial last tile) are masked; with `plan.valid_keys`, also the keys of item b at
+positions >= valid_keys[b], and skipped tiles that start there do not enter the correction. A row with no keys at all returns 0 and
 lse = -inf. Computation runs in fp32 (fp64 for fp64 inputs), one query tile row at a time, so
 memory stays O(S*D) per head plus one tile row.
 """
@@ -52,7 +53,8 @@ def reference_attention(
     pad = Nk * bn - Sk
     kp = torch.nn.functional.pad(k, (0, 0, 0, pad)).to(cd).view(B, H, Nk, bn * D)
     vp = torch.nn.functional.pad(v, (0, 0, 0, pad)).to(cd).view(B, H, Nk, bn * D)
-    key_real = (torch.arange(Nk * bn, device=q.device) < Sk).view(Nk, bn)
+    limit = torch.full((B,), Sk, device=q.device) if plan.valid_keys is None else plan.valid_keys.long().clamp_max(Sk)
+    key_real = (torch.arange(Nk * bn, device=q.device) < limit[:, None]).view(B, 1, Nk, bn)   # [B, 1, Nk, bn]
     kmax = plan.kv_index.shape[-1]
     slot = torch.arange(kmax, device=q.device)
     if plan.has_correction:
@@ -72,13 +74,15 @@ def reference_attention(
         g = idx[..., None].expand(B, H, kmax, bn * D)
         kt = torch.gather(kp, 2, g).view(B, H, kmax * bn, D)
         vt = torch.gather(vp, 2, g).view(B, H, kmax * bn, D)
-        keep = (slot_valid[..., None] & key_real[idx]).view(B, H, 1, kmax * bn)
+        real = torch.gather(key_real.expand(B, H, Nk, bn), 2, idx[..., None].expand(B, H, kmax, bn))
+        keep = (slot_valid[..., None] & real).view(B, H, 1, kmax * bn)
         logits = (qi @ kt.transpose(-1, -2)) * scale
         logits = logits.masked_fill(~keep, float("-inf"))
         values = vt
         if plan.has_correction:
             chosen = torch.zeros(B, H, Nk + 1, dtype=torch.bool, device=q.device)
             chosen.scatter_(-1, torch.where(slot_valid, idx, Nk), True)
+            chosen[:, :, :Nk] |= (torch.arange(Nk, device=q.device) * bn >= limit[:, None])[:, None]  # past the keys
             proxy = (qi @ k_mean.transpose(-1, -2)) * scale + log_len      # [B, H, r, Nk]
             proxy = proxy.masked_fill(chosen[:, :, None, :Nk], float("-inf"))
             logits = torch.cat([logits, proxy], -1)

@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from ..plan import Plan
-from ._triton_utils import (LOG2E, NEG_BIG, correction_inputs, finish_rows, interpreter_active, launch_dims,
-                            launch_signature, softmax_step, stride_arg_names)
+from ._triton_utils import (LOG2E, NEG_BIG, correction_inputs, finish_rows, interpreter_active, key_limit,
+                            launch_dims, launch_signature, softmax_step, stride_arg_names)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BLOCKS = (16, 32, 64, 128)
@@ -32,7 +32,7 @@ SUPPORTED_BLOCKS = (16, 32, 64, 128)
 def _generic_fwd(
     Q, K, V, O, LSE,
     KV_INDEX, KV_COUNT, ORDER,
-    K_MEAN, V_MEAN, BIAS,
+    K_MEAN, V_MEAN, BIAS, KEY_LIMIT,
     qk_scale,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -46,9 +46,11 @@ def _generic_fwd(
     STORE_LSE: tl.constexpr,
     UPCAST: tl.constexpr,
     KEY_CHUNK: tl.constexpr,
+    HAS_LIMIT: tl.constexpr = False,
 ):
     """KEY_CHUNK (divides BLOCK_N): keys per softmax step; a key tile is taken in BLOCK_N / KEY_CHUNK steps, so that
-    the score tile and the K/V chunks fit in registers (`default_key_chunk`)."""
+    the score tile and the K/V chunks fit in registers (`default_key_chunk`). PARTIAL_K: the last listed tile may
+    hold keys past the limit, SK or (HAS_LIMIT) the row's KEY_LIMIT [B*H] (`plan.valid_keys`); they are masked."""
     item = tl.load(ORDER + tl.program_id(0))
     bh = item // MQ
     mt = item % MQ
@@ -89,8 +91,11 @@ def _generic_fwd(
     count = tl.load(KV_COUNT + item)
     n_full = count
     if PARTIAL_K:
+        limit = SK
+        if HAS_LIMIT:
+            limit = tl.load(KEY_LIMIT + bh)
         last = tl.load(row + tl.maximum(count - 1, 0))
-        n_full = count - ((count > 0) & (last == NK - 1)).to(tl.int32)
+        n_full = count - ((count > 0) & (last * BLOCK_N + BLOCK_N > limit)).to(tl.int32)
     PARTS: tl.constexpr = BLOCK_N // KEY_CHUNK
     for jp in range(0, n_full * PARTS):      # each listed tile in PARTS steps of KEY_CHUNK keys
         keys = tl.load(row + jp // PARTS) * BLOCK_N + (jp % PARTS) * KEY_CHUNK + offs_c
@@ -105,8 +110,8 @@ def _generic_fwd(
     if PARTIAL_K:
         if n_full < count:
             for part in tl.static_range(PARTS):
-                keys = (NK - 1) * BLOCK_N + part * KEY_CHUNK + offs_c
-                k_ok = keys < SK
+                keys = last * BLOCK_N + part * KEY_CHUNK + offs_c
+                k_ok = keys < limit
                 kt = tl.load(k_base + keys[None, :].to(tl.int64) * stride_ks, mask=k_ok[None, :], other=0.0)
                 vt = tl.load(v_base + keys[:, None].to(tl.int64) * stride_vs, mask=k_ok[:, None], other=0.0)
                 if UPCAST:
@@ -164,14 +169,14 @@ def compile_generic(*, capability: int = 80, head_dim: int = 128, dtype: str = "
     num_warps = num_warps or default_num_warps(block_m, block_n, head_dim)
     ptr = "*" + dtype
     pointers = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", KV_INDEX="*i32", KV_COUNT="*i32", ORDER="*i32",
-                    K_MEAN=ptr, V_MEAN=ptr, BIAS="*fp32")
+                    K_MEAN=ptr, V_MEAN=ptr, BIAS="*fp32", KEY_LIMIT="*i32")
     Mq, Nk = -(-seq_len // block_m), -(-seq_len // block_n)
     strides = (heads * seq_len * head_dim, seq_len * head_dim, head_dim, 1) * 3     # q, k, v contiguous
     values = dict(zip(stride_arg_names(_generic_fwd), strides), qk_scale=0.125, H=heads, S=seq_len, SK=seq_len,
                   MQ=Mq, NK=Nk, KMAX=Nk, NCP=Nk if correction else 0)
     constants = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CORRECTION=correction,
                      PARTIAL_K=seq_len % block_n != 0, STORE_LSE=True, UPCAST=False,
-                     KEY_CHUNK=key_chunk or default_key_chunk(block_m, block_n, num_warps))
+                     KEY_CHUNK=key_chunk or default_key_chunk(block_m, block_n, num_warps), HAS_LIMIT=False)
     signature, constants, attrs = launch_signature(_generic_fwd.arg_names, pointers, values, constants)
     options = dict(num_warps=num_warps, num_stages=num_stages or default_num_stages(head_dim))
     return triton.compile(ASTSource(_generic_fwd, signature, constants, attrs),
@@ -194,6 +199,7 @@ def generic_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = Fals
     """
     B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = launch_dims(q, k, plan)
     bm, bn = plan.block_m, plan.block_n
+    limit = key_limit(plan, H)
     out = torch.empty(B, H, S, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if return_lse else out
     if plan.has_correction:
@@ -213,14 +219,14 @@ def generic_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = Fals
     _generic_fwd[(order.numel(),)](
         q, k, v, out, lse,
         kv_index, kv_count, order,
-        k_mean, v_mean, bias,
+        k_mean, v_mean, bias, kv_count if limit is None else limit,
         scale * LOG2E,
         *q.stride(), *k.stride(), *v.stride(),
         H, S, Sk, Mq, Nk, kv_index.shape[1], ncp,
         HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn,
-        CORRECTION=plan.has_correction, PARTIAL_K=(Sk % bn) != 0, STORE_LSE=return_lse,
+        CORRECTION=plan.has_correction, PARTIAL_K=(Sk % bn) != 0 or limit is not None, STORE_LSE=return_lse,
         UPCAST=INTERPRETED and q.dtype != torch.float32, KEY_CHUNK=key_chunk,
-        num_warps=num_warps, num_stages=num_stages,
+        HAS_LIMIT=limit is not None, num_warps=num_warps, num_stages=num_stages,
     )
     return (out, lse) if return_lse else out
 

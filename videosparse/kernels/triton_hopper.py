@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ..plan import Plan
-from ._triton_utils import (LOG2E, NEG_BIG, aot_seq_len, correction_inputs, finish_rows, launch_dims,
+from ._triton_utils import (LOG2E, NEG_BIG, aot_seq_len, correction_inputs, finish_rows, key_limit, launch_dims,
                             launch_signature, partial_state, softmax_step)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -51,7 +51,7 @@ def _hopper_available(device: torch.device) -> bool:
 @triton.jit
 def _hopper_fwd(
     Q, K, V, O, LSE,
-    KV_INDEX, KV_COUNT, ORDER, BIAS,
+    KV_INDEX, KV_COUNT, ORDER, BIAS, KEY_LIMIT,
     qk_scale,
     S, SK, N_BH, MQ, KMAX, NCP, N_ITEMS,
     HEAD_DIM: tl.constexpr,
@@ -66,10 +66,12 @@ def _hopper_fwd(
     WARP_SPECIALIZE: tl.constexpr,
     FLATTEN: tl.constexpr,
     SKIP_LOG2: tl.constexpr = 0.0,
+    HAS_LIMIT: tl.constexpr = False,
 ):
     """One pass of block-sparse attention over a persistent grid.
 
-    CENTROIDS=False: K, V are [N_BH*SK, D]; per item the listed key tiles (MASK_LAST masks keys past SK).
+    CENTROIDS=False: K, V are [N_BH*SK, D]; per item the listed key tiles (MASK_LAST masks keys past SK, or with
+                     HAS_LIMIT past the row's KEY_LIMIT [N_BH], `plan.valid_keys`).
     CENTROIDS=True:  K, V are k_mean, v_mean [N_BH*NK, D]; per item all NCP/BLOCK_N centroid chunks, with
                      the log2-domain column bias BIAS [N_ITEMS, NCP] (log2 len, -inf for exact tiles and pad).
     MERGE: O, LSE already hold a partial result (normalised out, natural-log lse) of this item from an
@@ -115,6 +117,9 @@ def _hopper_fwd(
         else:
             n_iter = tl.load(KV_COUNT + item)
         row = KV_INDEX + item.to(tl.int64) * KMAX
+        limit = SK
+        if HAS_LIMIT:
+            limit = tl.load(KEY_LIMIT + bh)
 
         # the only loop with dots: it must stay free of run-time `if`s (warp specialization)
         for j in tl.range(0, n_iter, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
@@ -132,12 +137,12 @@ def _hopper_fwd(
                 bias = desc_b.load([item, start]).reshape([BLOCK_N])
                 acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale, bias, True)
             elif SKIP_LOG2 > 0:
-                bias = tl.where(start + offs_n < SK, 0.0, float("-inf"))
+                bias = tl.where(start + offs_n < limit, 0.0, float("-inf"))
                 gap = tl.max(tl.max(qk * qk_scale + bias[None, :], 1) - m_i, 0)
                 if gap > -SKIP_LOG2:
                     acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale, bias, True)
             elif MASK_LAST:
-                bias = tl.where(start + offs_n < SK, 0.0, float("-inf"))
+                bias = tl.where(start + offs_n < limit, 0.0, float("-inf"))
                 acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale, bias, True)
             else:
                 acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale, qk_scale, False)
@@ -228,13 +233,14 @@ def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False
                   num_warps=num_warps, num_stages=num_stages)
     if corr:
         centroid_pass(q, plan, scale, out, lse, dims, num_programs=grid[0], **common)
+    limit = key_limit(plan, H)
     _hopper_fwd[grid](
         q, k, v, out, lse,
-        kv_index, kv_count, order, lse,
+        kv_index, kv_count, order, lse, kv_count if limit is None else limit,
         scale * LOG2E,
         S, Sk, B * H, Mq, kv_index.shape[1], 0, n_items,
-        CENTROIDS=False, MASK_LAST=(Sk % bn) != 0, MERGE=corr, STORE_LSE=return_lse,
-        SKIP_LOG2=float(online_skip or 0.0) * LOG2E, **common)
+        CENTROIDS=False, MASK_LAST=(Sk % bn) != 0 or limit is not None, MERGE=corr, STORE_LSE=return_lse,
+        SKIP_LOG2=float(online_skip or 0.0) * LOG2E, HAS_LIMIT=limit is not None, **common)
     return (out, lse) if return_lse else out
 
 
@@ -256,7 +262,7 @@ def centroid_pass(q, plan: Plan, scale: float, out, lse, dims, *, num_programs: 
     grid = (num_programs or _num_programs(q.device, n_items),)
     _hopper_fwd[grid](
         q, k_mean, v_mean, out, lse,
-        kv_index, kv_count, order, bias,
+        kv_index, kv_count, order, bias, kv_count,
         scale * LOG2E,
         S, Nk, B * H, Mq, kv_index.shape[1], bias.shape[1], n_items,
         CENTROIDS=True, MASK_LAST=False, MERGE=False, STORE_LSE=True, **options)
@@ -265,12 +271,12 @@ def centroid_pass(q, plan: Plan, scale: float, out, lse, dims, *, num_programs: 
 def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", block_m: int = 128, block_n: int = 128,
                      centroids: bool = False, mask_last: bool = True, merge: bool = False, store_lse: bool = True,
                      num_stages: int | None = None, warp_specialize: bool = True, flatten: bool = False,
-                     skip_log2: float = 0.0, seq_len: int | None = None, heads: int = 12):
+                     skip_log2: float = 0.0, seq_len: int | None = None, heads: int = 12, has_limit: bool = False):
     """Compile the kernel ahead of time for sm_90 (works on a CPU-only machine); returns the CompiledKernel.
 
     Its integer arguments are specialized as a launch with a dense plan on [1, heads, seq_len, head_dim] q, k, v
     would be (`launch_signature`; seq_len defaults to 32,760 with `mask_last`, else 32,768); `centroids`: the
-    correction's centroid pass, whose keys are the key tiles' centroids.
+    correction's centroid pass, whose keys are the key tiles' centroids; `has_limit`: a plan with `valid_keys`.
 
     Inspect `.asm["ttgir"]` (warp specialization: `ttg.warp_specialize`), `.asm["ptx"]` (`wgmma`,
     `cp.async.bulk.tensor`) and `.metadata.shared` (bytes of shared memory).
@@ -282,14 +288,14 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", block_m: int =
         num_stages = 2
     ptr = "*" + dtype
     pointers = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", KV_INDEX="*i32", KV_COUNT="*i32", ORDER="*i32",
-                    BIAS="*fp32")
+                    BIAS="*fp32", KEY_LIMIT="*i32")
     S = aot_seq_len(seq_len, mask_last)
     mq, nk = -(-S // block_m), -(-S // block_n)
     values = dict(qk_scale=0.125, S=S, SK=nk if centroids else S, N_BH=heads, MQ=mq, KMAX=nk,
                   NCP=-(-nk // block_n) * block_n if centroids else 0, N_ITEMS=mq * heads)
     constants = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CENTROIDS=centroids,
                      MASK_LAST=mask_last, MERGE=merge, STORE_LSE=store_lse, UPCAST=False, NUM_STAGES=num_stages,
-                     WARP_SPECIALIZE=warp_specialize, FLATTEN=flatten, SKIP_LOG2=skip_log2)
+                     WARP_SPECIALIZE=warp_specialize, FLATTEN=flatten, SKIP_LOG2=skip_log2, HAS_LIMIT=has_limit)
     signature, constants, attrs = launch_signature(_hopper_fwd.arg_names, pointers, values, constants)
     src = ASTSource(_hopper_fwd, signature, constants, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=num_stages))
