@@ -83,8 +83,8 @@ def test_padded_rows_get_stock_attention():
     t, tr = _tiny()
     videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=t.tiling, block=t.block))
     session = sessions(tr)["transformer"]
-    t.run(tr, t.make_inputs(tr, valid=(5,)))            # records grid (3, 7, 18) and 5 valid text tokens
-    assert session.context.text_len == 5
+    t.run(tr, t.make_inputs(tr, valid=(5,)))            # records grid (3, 7, 18): 8 text tokens, 5 of them valid
+    assert session.context.text_len == 8 and session.context.text_valid.tolist() == [5]
     proc = next(p for p in tr.attn_processors.values() if hasattr(p, "attend_text_prefix"))
     S, valid = 378 + TEXT, 378 + 5
     q, k, v = (torch.randn(1, S, 2, 64) for _ in range(3))
@@ -96,10 +96,11 @@ def test_padded_rows_get_stock_attention():
     assert not torch.allclose(out[:, :valid], ref[:, :valid], atol=1e-3)   # the prefix really ran sparse
 
 
-def test_different_valid_lengths_are_served_item_by_item(caplog):
+def test_different_valid_lengths_run_in_one_call(caplog):
     """A batch whose prompts have different valid lengths (e.g. prompt and negative prompt batched for guidance):
-    each item runs sparse with the layout of its own length, exactly as if it ran alone; at density 1 the
-    output equals stock."""
+    one sparse call for the batch, each item's padded keys masked in the kernel (`Plan.valid_keys`), exactly as if
+    it ran alone; at density 1 the output equals stock. Observed forwards serve each item's valid prefix with the
+    layout of its own length (observers see what attention used), as dense configs do."""
     t, tr = _tiny()
     inputs = t.make_inputs(tr, valid=(8, 5))
     ref = t.run(tr, inputs)
@@ -107,16 +108,19 @@ def test_different_valid_lengths_are_served_item_by_item(caplog):
     assert (t.run(tr, inputs) - ref).abs().max() <= 1e-5
     videosparse.remove(tr)
     videosparse.apply(tr, videosparse.VedaConfig(density=0.5, tiling=t.tiling, block=t.block))
-    text_lens = []
+    session = sessions(tr)["transformer"]
     with caplog.at_level(logging.WARNING, logger="videosparse"):
-        with videosparse.processors.observe(tr, lambda r: text_lens.append(r.text_len)):
-            out = t.run(tr, inputs)
-    assert sorted(set(text_lens)) == [5, 8] and not [r for r in caplog.records if "runs dense" in r.message]
-    s = sessions(tr)["transformer"].stats()
-    assert s["sparse_calls"] == 2 * 2 and s["dense_calls"] == 0       # 2 layers x 2 items
+        out = t.run(tr, inputs)
+    assert not [r for r in caplog.records if "runs dense" in r.message]
+    assert session.stats()["sparse_calls"] == 2 and session.stats()["dense_calls"] == 0     # 2 layers, one call
     for b in range(2):
         alone = t.run(tr, {k: (v[b:b + 1] if torch.is_tensor(v) else v) for k, v in inputs.items()})
         assert (out[b:b + 1] - alone).abs().max() <= 1e-5
+    text_lens = []
+    with videosparse.processors.observe(tr, lambda r: text_lens.append(r.text_len)):
+        observed = t.run(tr, inputs)
+    assert sorted(set(text_lens)) == [5, 8] and torch.isfinite(observed).all()
+    assert session.stats()["sparse_calls"] == 2 + 2 * 2 + 2 * 2       # batch, items alone, observed: 2 layers x 2
 
 
 def test_sol_and_token_replace_variant():
@@ -132,3 +136,25 @@ def test_sol_and_token_replace_variant():
     videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=t.tiling, block=t.block))
     assert (t.run(tr, inputs) - ref).abs().max() <= 1e-5
     assert sessions(tr)["transformer"].stats()["sparse_calls"] == 2
+
+
+def test_new_prompt_lengths_do_not_recompile():
+    """Sparse forwards cover every text token and mask the padded keys in the kernel, so under torch.compile a
+    prompt of another valid length runs the same graph (it used to compile one per length, up to Dynamo's limit of
+    8, after which the forward ran eagerly); each output equals eager."""
+    from torch._dynamo.utils import counters
+
+    t, tr = _tiny()
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=t.tiling, block=t.block))
+    eager = {n: t.run(tr, t.make_inputs(tr, valid=(n,)), step=2) for n in (8, 5, 3, 1)}
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(tr, backend="eager")
+    try:
+        for n, want in eager.items():
+            with torch.no_grad(), tr.cache_context("cond", step_index=2, num_inference_steps=4):
+                out = compiled(**t.make_inputs(tr, valid=(n,)), return_dict=False)[0]
+            assert (out - want).abs().max() <= 1e-5, n
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    finally:
+        torch._dynamo.reset()

@@ -69,7 +69,7 @@ def test_valid_text_length_counts_the_reordered_valid_tokens(image):
     assert sessions(tr)["transformer"].stats()["sparse_calls"] == t.num_layers
 
 
-def test_unequal_valid_lengths_across_the_batch_are_served_item_by_item():
+def test_unequal_valid_lengths_across_the_batch_run_in_one_call():
     t = TestHunyuanVideo15Processors()
     tr = t.make_transformer()
     inputs = t.make_inputs(tr, valid=(6, 5), valid_2=(3, 3))
@@ -78,7 +78,7 @@ def test_unequal_valid_lengths_across_the_batch_are_served_item_by_item():
     out = t.run(tr, inputs)
     assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
     stats = sessions(tr)["transformer"].stats()
-    assert stats["sparse_calls"] == 2 * t.num_layers and stats["dense_calls"] == 0     # one call per item
+    assert stats["sparse_calls"] == t.num_layers and stats["dense_calls"] == 0     # one call, padded keys masked
 
 
 @pytest.mark.parametrize("config", [videosparse.DenseConfig(), videosparse.VedaConfig(density=1.0, tiling=(1, 4, 16),
@@ -92,7 +92,11 @@ def test_padded_text_rows_are_zero_as_in_stock(config):
     inputs = t.make_inputs(tr, valid=(6, 2), valid_2=(3, 1))
     videosparse.apply(tr, config)
     t.run(tr, inputs)                                          # records the grid and the valid lengths (9, 3)
-    assert sessions(tr)["transformer"].context.text_len == (9, 3)
+    context = sessions(tr)["transformer"].context
+    if config.method == "dense":                               # each item's valid prefix
+        assert context.text_len == (9, 3) and context.text_valid is None
+    else:                                                      # all text tokens, the padded keys masked
+        assert context.text_len == TEXT + TEXT_2 + IMAGE and context.text_valid.tolist() == [9, 3]
     attn = tr.transformer_blocks[0].attn
     g = torch.Generator().manual_seed(2)
     video = torch.randn(2, 378, 128, generator=g)
@@ -110,9 +114,10 @@ def test_padded_text_rows_are_zero_as_in_stock(config):
 
 def test_guidance_branches_reuse_their_layouts(monkeypatch):
     """HunyuanVideo15Pipeline's guider runs the prompt and the negative prompt as separate forwards with different
-    valid text lengths: each length's layouts are built once and reused when the branches alternate (not rebuilt,
-    index tensors and all, on every forward); a new grid drops them."""
-    from videosparse.processors import context
+    valid text lengths: sparse forwards of both share one layout over all text tokens (the padded keys masked in
+    the kernel), built once; observed forwards, which serve each valid prefix, build each length's layouts once and
+    reuse them when the branches alternate; a new grid drops them."""
+    from videosparse.processors import context, observe
 
     built = []
     real = context.head_tiling
@@ -120,17 +125,27 @@ def test_guidance_branches_reuse_their_layouts(monkeypatch):
     t = TestHunyuanVideo15Processors()
     tr = t.make_transformer()
     cond, uncond = t.make_inputs(tr, valid=(6,)), t.make_inputs(tr, valid=(2,))      # 9 and 5 valid text tokens
+    total = TEXT + TEXT_2 + IMAGE
     videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=t.tiling, block=t.block))
     slot = sessions(tr)["transformer"].slots[0]
-    first = t.run(tr, cond, "cond", 0)
-    cond_layout = slot.layouts[9]
-    first_uncond = t.run(tr, uncond, "uncond", 0)
-    uncond_layout = slot.layouts[5]
+    first, first_uncond = t.run(tr, cond, "cond", 0), t.run(tr, uncond, "uncond", 0)
+    layout = slot.layouts[total]
     for step in (1, 2):
         assert torch.equal(t.run(tr, cond, "cond", step), first)
-        assert slot.layouts == {9: cond_layout} and slot.layouts[9] is cond_layout
         assert torch.equal(t.run(tr, uncond, "uncond", step), first_uncond)
-        assert slot.layouts == {5: uncond_layout} and slot.layouts[5] is uncond_layout
-    assert sorted(built) == [5] * t.num_layers + [9] * t.num_layers           # each length's layouts built once
-    t.run(tr, dict(cond, hidden_states=cond["hidden_states"][:, :, :2]), "cond", 3)     # another grid: rebuilt
-    assert slot.layouts[9] is not cond_layout and slot.layouts[9].grid == (2, 7, 18)
+        assert slot.layouts == {total: layout} and slot.layouts[total] is layout
+    assert built == [total] * t.num_layers
+    built.clear()
+    with observe(tr, lambda record: None):
+        t.run(tr, cond, "cond", 3)
+        cond_layout = slot.layouts[9]
+        t.run(tr, uncond, "uncond", 3)
+        uncond_layout = slot.layouts[5]
+        for step in (4, 5):
+            t.run(tr, cond, "cond", step)
+            assert slot.layouts == {9: cond_layout} and slot.layouts[9] is cond_layout
+            t.run(tr, uncond, "uncond", step)
+            assert slot.layouts == {5: uncond_layout} and slot.layouts[5] is uncond_layout
+        assert sorted(built) == [5] * t.num_layers + [9] * t.num_layers       # each length's layouts built once
+        t.run(tr, dict(cond, hidden_states=cond["hidden_states"][:, :, :2]), "cond", 6)    # another grid: rebuilt
+        assert slot.layouts[9] is not cond_layout and slot.layouts[9].grid == (2, 7, 18)

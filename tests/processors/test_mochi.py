@@ -73,8 +73,10 @@ def test_rope_equals_stock_bitwise(dtype):
 
 def test_grid_spatial_patch_and_valid_prefix():
     t, tr = _tiny()
-    assert mochi_grid(tr, (), t.make_inputs(tr, valid=(5, 5))) == ((3, 7, 18), 5, None)
-    assert mochi_grid(tr, (), t.make_inputs(tr, valid=(8,))) == ((3, 7, 18), 8, None)
+    for valid, lengths in (((5, 5), 5), ((8,), 8), ((1, 6), (1, 6))):
+        grid, text, reason = mochi_grid(tr, (), t.make_inputs(tr, valid=valid))
+        assert grid == (3, 7, 18) and reason is None and text.total == TEXT and text.lengths() == lengths
+        assert text.valid.dtype == torch.int32 and text.valid.tolist() == list(valid)
 
 
 def test_token_order_is_time_major():
@@ -152,9 +154,9 @@ def test_padded_text_rows_are_zero_as_in_stock():
     assert torch.equal(out[1][:, 5:], attn.to_add_out.bias.expand(1, 3, -1))
 
 
-def test_unequal_valid_lengths_are_served_item_by_item(caplog):
-    """CFG batches [negative; positive] prompts in one forward: each item runs sparse with the layout of its own
-    valid length, as it would alone; at density 1 the output equals stock."""
+def test_unequal_valid_lengths_run_in_one_call(caplog):
+    """CFG batches [negative; positive] prompts in one forward: one sparse call for both, each item's padded keys
+    masked in the kernel and its padded rows zero, as it would run alone; at density 1 the output equals stock."""
     t, tr = _tiny()
     inputs = t.make_inputs(tr, valid=(1, 6))
     ref = t.run(tr, inputs)
@@ -166,7 +168,7 @@ def test_unequal_valid_lengths_are_served_item_by_item(caplog):
         out = t.run(tr, inputs)
     assert not [r for r in caplog.records if "runs dense" in r.message]
     s = sessions(tr)["transformer"].stats()
-    assert s["sparse_calls"] == 2 * 2 and s["dense_calls"] == 0             # 2 layers x 2 items
+    assert s["sparse_calls"] == 2 and s["dense_calls"] == 0                 # 2 layers, one call each
     for b in range(2):
         alone = t.run(tr, {k: (v[b:b + 1] if torch.is_tensor(v) else v) for k, v in inputs.items()})
         assert (out[b:b + 1] - alone).abs().max() <= 1e-5

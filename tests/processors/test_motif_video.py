@@ -116,16 +116,18 @@ def test_sequence_layout_video_image_text(monkeypatch):
     assert all(torch.equal(c[2], mask[:, None, None]) for c in calls)
     cos = calls[0][3][0]
     assert cos.shape[0] == video and torch.equal(cos, tr.rope(inputs["hidden_states"])[0])
-    assert motif_grid(tr, (), inputs) == (GRID, IMAGE + 6)
-    assert motif_grid(tr, (), motif_inputs(valid=(8, 5), side="right")) == (GRID, (8, 5))
+    for grid_inputs, total, lengths in ((inputs, IMAGE + TEXT, IMAGE + 6),
+                                        (motif_inputs(valid=(8, 5), side="right"), TEXT, (8, 5))):
+        grid, text = motif_grid(tr, (), grid_inputs)
+        assert grid == GRID and text.total == total and text.lengths() == lengths
     assert motif_grid(tr, (), dict(motif_inputs(), encoder_attention_mask=None)) == (GRID, TEXT)
 
 
 @pytest.mark.parametrize(("side", "valid"), [("left", (8, 3)), ("right", (5, 5))])
 def test_padded_text_either_side_equals_stock(side, valid, monkeypatch, caplog):
-    """A batch of two with the text padded on either side (equal valid lengths, or different ones: served item by
-    item): the dense config and density 1 equal stock, density 0.5 runs sparse with no fallback, each item as if it
-    ran alone. Taking the first valid-count text tokens as the valid ones (HunyuanVideo's prefix rule, without moving
+    """A batch of two with the text padded on either side (equal valid lengths, or different ones: one sparse call
+    with each item's padded keys masked; the dense config item by item): the dense config and density 1 equal
+    stock, density 0.5 runs sparse with no fallback, each item as if it ran alone. Taking the first valid-count text tokens as the valid ones (HunyuanVideo's prefix rule, without moving
     the valid tokens first) would be wrong for left padding."""
     t, tr = _tiny()
     inputs = motif_inputs(valid=valid, side=side)
@@ -134,7 +136,7 @@ def test_padded_text_either_side_equals_stock(side, valid, monkeypatch, caplog):
         videosparse.apply(tr, config)
         assert (t.run(tr, inputs) - ref).abs().max() <= 1e-5, config
         videosparse.remove(tr)
-    assert_batch_items_sparse_as_alone(t, tr, inputs, 2 * len(set(valid)), caplog)
+    assert_batch_items_sparse_as_alone(t, tr, inputs, 2, caplog)          # one call per layer, padded keys masked
     videosparse.remove(tr)
     monkeypatch.setattr(MotifVideoSparseAttnProcessor, "_attend_joint", _HunyuanFamilySparseAttention._attend_joint)
     videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=t.tiling, block=t.block))

@@ -177,7 +177,8 @@ class SparseAttentionMixin:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask=None,
                rope: tuple[torch.Tensor, torch.Tensor] | None = None, text_len: int | None = None,
-               item: int | None = None, return_lse: bool = False, return_kv: bool = False):
+               item: int | None = None, return_lse: bool = False, return_kv: bool = False,
+               valid_keys: torch.Tensor | None = None):
         """Self-attention of q [B, S, H, D], k, v [B, S, H / G, D] (diffusers order; G > 1: grouped-query attention,
         query head h reads KV head h // G) -> [B, S, H, D].
 
@@ -191,6 +192,10 @@ class SparseAttentionMixin:
         return_kv: also return (k, v) [B, S, H, D] as the attention used them (rotated, KV heads repeated; on
             sparse calls views of the tile-order copies: the key order does not change an attention over them), for
             a caller that attends other queries to the same keys (no context parallelism, not with return_lse).
+        valid_keys: int32 [B], a key-padding mask as a tensor: item b's keys at positions >= valid_keys[b] are
+            masked (they must be its last text tokens, which stay last in tile order). Sparse calls run the whole
+            sequence with it (`Plan.valid_keys`), dense calls with the key mask [B, 1, 1, S] made of it (then
+            `attention_mask` is not used). Not with observers, return_lse, return_kv or context parallelism.
 
         Under Ulysses context parallelism q, k, v hold this rank's tokens of every head; the sparse path exchanges
         them for every token of this rank's heads, and the output back (`parallel`).
@@ -204,7 +209,11 @@ class SparseAttentionMixin:
         if return_kv and (return_lse or shard is not None):
             raise ValueError(f"attend(return_kv=True) takes neither return_lse nor context parallelism; got "
                              f"return_lse={return_lse}, shard={shard!r}.")
-        reason = self._dense_reason(q, attention_mask, text_len, shard)
+        if valid_keys is not None and (return_lse or return_kv or shard is not None or session.observers):
+            raise ValueError(f"attend(valid_keys=...) takes no return_lse, return_kv, context parallelism or "
+                             f"observers; got return_lse={return_lse}, return_kv={return_kv}, shard={shard!r}, "
+                             f"{len(session.observers)} observers.")
+        reason = self._dense_reason(q, attention_mask if valid_keys is None else None, text_len, shard)
         if q.shape[2] % k.shape[2] or k.shape[2] != v.shape[2]:
             raise ValueError(f"q has {q.shape[2]} heads, k {k.shape[2]} and v {v.shape[2]}: k and v need the same "
                              "head count, a divisor of q's (grouped-query attention).")
@@ -230,6 +239,9 @@ class SparseAttentionMixin:
             stats.record_dense()
             if return_lse:
                 return dense_with_lse(q, k, v, self._kernel_choice)
+            if valid_keys is not None:
+                positions = torch.arange(k.shape[1], device=k.device)
+                attention_mask = (positions < valid_keys[:, None])[:, None, None, :]      # [B, 1, 1, S] key mask
             out = self._dense(q, k, v, attention_mask)
             return (out, (k, v)) if return_kv else out
 
@@ -237,13 +249,14 @@ class SparseAttentionMixin:
             heads = shard.heads(q.shape[2])
             q, k, v = (seq_to_heads(x, shard) for x in (q, k, v))
             return heads_to_seq(self._sparse(q, k, v, text_len, rope, heads), shard)
-        return self._sparse(q, k, v, text_len, rope, return_lse=return_lse, groups=groups, return_kv=return_kv)
+        return self._sparse(q, k, v, text_len, rope, return_lse=return_lse, groups=groups, return_kv=return_kv,
+                            valid_keys=valid_keys)
 
     def _sparse(self, q, k, v, text_len: int, rope=None, heads: slice | None = None, return_lse: bool = False,
-                groups: int = 1, return_kv: bool = False):
+                groups: int = 1, return_kv: bool = False, valid_keys: torch.Tensor | None = None):
         """gather -> plan -> kernel -> scatter of q [B, S, H, D], k, v [B, S, H / groups, D] (the layer's heads
         `heads`, default all); with `return_lse` also the rows' lse, fp32 [B, S, H]; with `return_kv` also the
-        rotated, repeated k, v in tile order as [B, S, H, D] views."""
+        rotated, repeated k, v in tile order as [B, S, H, D] views; `valid_keys` as in `attend`."""
         session = self.session
         layout, state = self.slot.layouts[text_len], self.slot.method_state
         if heads is not None:
@@ -251,9 +264,10 @@ class SparseAttentionMixin:
             state = session.method.head_state(self.layer, state, heads)
         qt, kt, vt = layout.gather(q, rope), layout.gather(k, rope, groups), layout.gather(v, groups=groups)
         plan = session.method.plan(qt, kt, vt, layout, self.layer, state)
-        out = block_sparse_attention(qt, kt, vt, plan, backend=session.config.backend, validate=False,
-                                     return_lse=return_lse)
+        # the density counts the method's choice over the layout's tiles (padded key tiles it lists are not run)
         self._stats().record_sparse(plan.kv_count, layout.num_tiles)
+        out = block_sparse_attention(qt, kt, vt, plan.with_valid_keys(valid_keys), backend=session.config.backend,
+                                     validate=False, return_lse=return_lse)
         if return_lse:
             out, lse = out
             return layout.scatter(out), layout.scatter(lse.unsqueeze(-1)).squeeze(-1)
@@ -281,9 +295,23 @@ class SparseAttentionMixin:
         ("zero", what Mochi and HunyuanVideo 1.5 give them). `rope` (as in `attend`) may rotate rows of the valid
         prefix only. Under context parallelism the sequence is split across ranks, so the stock masked call runs
         instead.
+
+        Sparse forwards (`context.text_valid` set by the context hook) run the whole sequence in one call whatever
+        the valid lengths, the padded keys masked in the kernel (`attend(valid_keys=...)`): the padded rows then
+        sit in global tiles and attend densely to the valid keys, or are zeroed, and a new prompt length changes no
+        shape (no recompile under torch.compile). Dense configs and observed forwards take each item's valid
+        prefix (`context.text_len`), one call per distinct length.
         """
         if getattr(self, "_parallel_config", None) is not None:
             return self.attend(q, k, v, attention_mask, rope=rope)     # dense, with the stock mask
+        valid = self.session.context.text_valid
+        if valid is not None:
+            valid_keys = (q.shape[1] - text_tokens) + valid
+            out = self.attend(q, k, v, rope=rope, text_len=text_tokens, valid_keys=valid_keys)
+            if padded_rows == "zero":
+                padded = torch.arange(q.shape[1], device=q.device) >= valid_keys[:, None]
+                out = out.masked_fill(padded[:, :, None, None], 0)
+            return out
         lengths = self.session.context.text_len
         if isinstance(lengths, tuple):
             return torch.cat([self._attend_valid(q[b:b + 1], k[b:b + 1], v[b:b + 1], text_tokens, n, padded_rows,

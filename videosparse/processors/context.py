@@ -118,7 +118,8 @@ class CallContext:
     """Where the current transformer forward is: grid, text tokens, step and branch."""
 
     grid: tuple[int, int, int] | None = None
-    text_len: int | tuple[int, ...] = 0   # valid text tokens; per batch item when they differ across the batch
+    text_len: int | tuple[int, ...] = 0   # text tokens the layouts cover (see `PaddedText`)
+    text_valid: torch.Tensor | None = None   # int32 [B]: each item's valid text tokens, when the sparse path masks
     step: int | None = None
     num_steps: int | None = None
     branch: str = "default"
@@ -323,15 +324,31 @@ def patch_tokens(latents: torch.Tensor, kernel, pad=None) -> int:
     return math.prod(n // k for n, k in zip(sizes, kernel))
 
 
-def valid_text_length(valid: torch.Tensor | None, total: int) -> int | tuple[int, ...]:
-    """The valid text tokens of a forward from the per-item valid lengths [B] (int64/int32; None = all `total`):
-    one int when the batch agrees, else one count per item (e.g. a prompt and a shorter negative prompt
-    batched for classifier-free guidance; `SparseAttentionMixin.attend_text_prefix` serves each item with its
-    own layout). Syncs the host once."""
+@dataclass(frozen=True)
+class PaddedText:
+    """The text tokens of a forward whose padded tail is masked (what a grid function returns for HunyuanVideo,
+    Mochi, ...): `total` in the sequence, the first `valid[b]` of item b valid (int32 [B], on the model's device).
+
+    A sparse forward covers all `total` (one layout, whatever the prompt) and masks the padded keys in the kernel
+    (`Plan.valid_keys`), so that prompts of other lengths run the same shapes and, under torch.compile, the same
+    graph. Dense configs and observed forwards serve each item's valid prefix instead (`lengths`)."""
+
+    total: int
+    valid: torch.Tensor
+
+    def lengths(self) -> int | tuple[int, ...]:
+        """The valid text tokens as host ints: one when the batch agrees, else one per item (e.g. a prompt and a
+        shorter negative prompt batched for classifier-free guidance). Syncs the host."""
+        lengths = tuple(int(n) for n in self.valid.tolist())
+        return lengths[0] if len(set(lengths)) == 1 else lengths
+
+
+def valid_text_length(valid: torch.Tensor | None, total: int) -> int | PaddedText:
+    """The text tokens of a forward from the per-item valid lengths [B] (None = all `total` valid): `total`, or a
+    `PaddedText` (no host sync here)."""
     if valid is None:
         return total
-    lengths = tuple(int(n) for n in valid.tolist())
-    return lengths[0] if len(set(lengths)) == 1 else lengths
+    return PaddedText(total, valid.to(torch.int32))
 
 
 class SparseContextHook(ModelHook):
@@ -371,7 +388,14 @@ class SparseContextHook(ModelHook):
         """
         session, ctx = self.session, self.session.context
         found = self.grid_fn(module, args, kwargs)
-        ctx.grid, ctx.text_len = found[0], found[1]
+        ctx.grid, ctx.text_len, ctx.text_valid = found[0], found[1], None
+        if isinstance(ctx.text_len, PaddedText):
+            # sparse and unobserved: every text token in the layout, the padded keys masked by the kernel (one shape
+            # and one graph for any prompt); else each item's valid prefix (observers see what attention used)
+            if session.method is not None and not session.observers:
+                ctx.text_len, ctx.text_valid = ctx.text_len.total, ctx.text_len.valid
+            else:
+                ctx.text_len = ctx.text_len.lengths()
         ctx.unsupported = found[2] if len(found) > 2 else None
         cache_ctx = getattr(self.state_manager, "_context", None)
         ctx.branch = cache_ctx.name if cache_ctx is not None else "default"

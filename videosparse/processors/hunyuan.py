@@ -34,7 +34,7 @@ from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVid
 
 from ..rope import PairRope, apply_rope
 from .base import SparseAttentionMixin, project_heads, project_joint_outputs, project_text_heads
-from .context import forward_arg, patch_tokens, valid_text_length
+from .context import PaddedText, forward_arg, patch_tokens, valid_text_length
 
 
 class _HunyuanFamilySparseAttention(SparseAttentionMixin):
@@ -170,7 +170,11 @@ def hunyuan_framepack_grid(module, args, kwargs) -> tuple[tuple[int, int, int], 
     image = forward_arg(args, kwargs, "image_embeds", 5)
     extra = _framepack_history_tokens(module, args, kwargs) + (image.shape[1] if image is not None else 0)
     valid = None if mask is None else mask.sum(dim=1, dtype=torch.int) + extra
-    return _video_grid(module, args, kwargs), valid_text_length(valid, text.shape[1] + extra)
+    text_len = valid_text_length(valid, text.shape[1] + extra)
+    if isinstance(text_len, PaddedText) and text.shape[0] == 1:
+        # the forward crops a single item's text to its valid tokens (no mask): the blocks see that many
+        return _video_grid(module, args, kwargs), text_len.lengths()
+    return _video_grid(module, args, kwargs), text_len
 
 
 def _framepack_history_tokens(module, args, kwargs) -> int:
