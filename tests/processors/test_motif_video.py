@@ -127,8 +127,9 @@ def test_sequence_layout_video_image_text(monkeypatch):
 def test_padded_text_either_side_equals_stock(side, valid, monkeypatch, caplog):
     """A batch of two with the text padded on either side (equal valid lengths, or different ones: one sparse call
     with each item's padded keys masked; the dense config item by item): the dense config and density 1 equal
-    stock, density 0.5 runs sparse with no fallback, each item as if it ran alone. Taking the first valid-count text tokens as the valid ones (HunyuanVideo's prefix rule, without moving
-    the valid tokens first) would be wrong for left padding."""
+    stock, density 0.5 runs sparse with no fallback, each item as if it ran alone. Taking the first valid-count
+    text tokens as the valid ones (HunyuanVideo's prefix rule, without moving the valid tokens first) would be wrong
+    for left padding."""
     t, tr = _tiny()
     inputs = motif_inputs(valid=valid, side=side)
     ref = t.run(tr, inputs)

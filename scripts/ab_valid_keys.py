@@ -1,0 +1,57 @@
+#!/usr/bin/env python
+"""The Gluon kernel with a key-padding limit (`Plan.valid_keys`) against the same plan without one, at the
+HunyuanVideo 720P shape (1 x 24 x 119,056, head dim 128, bf16): every key valid (the limit costs a load per work
+item and the masked-last-tile path) and the last 200 keys padded; interleaved rounds, do_bench medians (GPU).
+
+    python scripts/ab_valid_keys.py --out benchmarks/ab_valid_keys_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from helpers import random_plan  # noqa: E402
+
+from videosparse.kernels import block_sparse_attention  # noqa: E402
+from videosparse.plan import dense_plan  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default="benchmarks/ab_valid_keys_h200.json")
+    args = ap.parse_args()
+    B, H, S, D = 1, 24, 119056, 128
+    rows = []
+    for density in (1.0, 0.1, 0.05):
+        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        plan = (dense_plan(B, H, S, device="cuda") if density == 1
+                else random_plan(B, H, S, 128, 128, density, seed=1, device="cuda"))
+        variants = {"plain": plan,
+                    "valid_all": plan.with_valid_keys(torch.tensor([S], dtype=torch.int32, device="cuda")),
+                    "valid_pad200": plan.with_valid_keys(torch.tensor([S - 200], dtype=torch.int32, device="cuda"))}
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for r in range(args.rounds):      # order reversed every other round
+            for name, p in list(variants.items())[:: 1 if r % 2 == 0 else -1]:
+                times[name].append(triton.testing.do_bench(
+                    lambda: block_sparse_attention(q, k, v, p, validate=False), warmup=25, rep=200))
+        median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+        equal = bool(torch.equal(block_sparse_attention(q, k, v, plan), block_sparse_attention(q, k, v,
+                                                                                                 variants["valid_all"])))
+        rows.append(dict(density=density, ms=median, valid_all_bitwise_equal=equal))
+        print(density, {n: round(m, 3) for n, m in median.items()}, "bitwise equal:", equal, flush=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(what=__doc__.splitlines()[0], shape=[B, H, S, D], rounds=args.rounds, rows=rows,
+                       device=torch.cuda.get_device_name()), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
