@@ -288,9 +288,9 @@ class SparseAttentionMixin:
         key-padding prefix mask): [B, S, H, D] -> same, for models whose padded text tokens come last
         (HunyuanVideo, Mochi). The last `text_tokens` of the sequence are text.
 
-        The valid prefix of each item (video and its `context.text_len` valid text tokens) goes through
-        `attend` (sparse or dense, as it decides), one call for the batch when the items agree, else one per item
-        with its own layout. The padded text rows either attend densely to the valid keys ("attend", what
+        Dense configs and observed forwards: the valid prefix of each item (video and its `context.text_len` valid
+        text tokens) goes through `attend`, one call for the batch when the items agree, else one per item with its
+        own layout. The padded text rows either attend densely to the valid keys ("attend", what
         HunyuanVideo's masked call gives them; they read the keys as the valid prefix's call used them) or are zeros
         ("zero", what Mochi and HunyuanVideo 1.5 give them). `rope` (as in `attend`) may rotate rows of the valid
         prefix only. Under context parallelism the sequence is split across ranks, so the stock masked call runs
@@ -299,8 +299,7 @@ class SparseAttentionMixin:
         Sparse forwards (`context.text_valid` set by the context hook) run the whole sequence in one call whatever
         the valid lengths, the padded keys masked in the kernel (`attend(valid_keys=...)`): the padded rows then
         sit in global tiles and attend densely to the valid keys, or are zeroed, and a new prompt length changes no
-        shape (no recompile under torch.compile). Dense configs and observed forwards take each item's valid
-        prefix (`context.text_len`), one call per distinct length.
+        shape (no recompile under torch.compile).
         """
         if getattr(self, "_parallel_config", None) is not None:
             return self.attend(q, k, v, attention_mask, rope=rope)     # dense, with the stock mask

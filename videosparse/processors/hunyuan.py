@@ -8,12 +8,13 @@ its stock processor.
 
 diffusers masks with a prefix mask: the video and the first `L_valid` text tokens are valid
 (HunyuanVideo 1.5 reorders its image, ByT5 and Qwen tokens so that the valid ones come first). The grid
-functions compute `L_valid` once per forward and report it as the text length, so the layouts cover the
-valid prefix; the processor runs sparse attention over that prefix and gives the padded text rows what the
-stock masked call gives them (their outputs never reach a valid token): HunyuanVideo masks keys only, so
-its padded rows attend densely to the valid keys; HunyuanVideo 1.5 masks queries too, so its padded rows
-are zeros (and cost nothing). A batch whose items have different `L_valid` (a prompt and a negative prompt
-batched for guidance) is served item by item, each with the layout of its own length.
+functions report `L_valid` per item as a device tensor (`PaddedText`): sparse forwards keep every text token in
+the layout and the kernel masks the padded keys (`attend_text_prefix`), so the shapes do not depend on the
+prompt, and a batch whose items have different `L_valid` (a prompt and a negative prompt batched for guidance)
+runs in one call. The padded text rows get what the stock masked call gives them (their outputs never reach a
+valid token): HunyuanVideo masks keys only, so its padded rows attend densely to the valid keys (they sit in
+global tiles); HunyuanVideo 1.5 masks queries too, so its padded rows are zeros. Dense configs and observed
+forwards serve each item's valid prefix instead.
 
 FramePack runs HunyuanVideo's blocks and processor on [history; video; image; text] (every call, both block
 kinds). The history comes first: `_pack_history_states` prepends the clean latents (start image + 1x history,
@@ -77,9 +78,8 @@ class _HunyuanFamilySparseAttention(SparseAttentionMixin):
 
     def _attend_joint(self, query, key, value, text_tokens: int, attention_mask,
                       rope: PairRope | None = None) -> torch.Tensor:
-        """Attention of the joint q, k, v [B, S, H, D] whose last `text_tokens` are text: the valid prefix (the
-        video and each item's first ctx.text_len text tokens; padded text tokens come last) through videosparse;
-        `rope` rotates the first rows of q and k."""
+        """Attention of the joint q, k, v [B, S, H, D] whose last `text_tokens` are text, the padded ones last, through
+        videosparse (`attend_text_prefix`); `rope` rotates the first rows of q and k."""
         return self.attend_text_prefix(query, key, value, text_tokens, attention_mask, padded_rows=self._padded_rows,
                                        rope=rope)
 

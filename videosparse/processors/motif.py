@@ -14,7 +14,8 @@ T5Gemma2 text tokens. The mask is a key mask [B, 1, 1, S] (the video and the ima
 `encoder_attention_mask` says), so the padded text rows attend to the valid keys, as in HunyuanVideo. The tokenizer
 pads to `max_sequence_length`, on whichever side it is configured to: the processor moves the valid text tokens in
 front of the padded ones for the attention call (a permutation of keys and queries: the same result up to summation
-order) and serves the video with the valid prefix as global tiles (`attend_text_prefix`), then puts the outputs back.
+order) and serves [image; text] as global tiles with the padded keys masked (`attend_text_prefix`), then puts the
+outputs back.
 
 The DDT decoder blocks (the last `num_decoder_layers` single-stream blocks; 8 of 24 in Motif-Video-2B) run their
 attention over [decoder video; encoder's video output] with no mask and RoPE on the first part only: two copies of the
