@@ -78,10 +78,12 @@ class Plan:
     def without_correction(self) -> "Plan":
         return replace(self, k_mean=None, v_sum=None, tile_len=None)
 
-    def with_valid_keys(self, valid_keys: torch.Tensor | None) -> "Plan":
+    def with_valid_keys(self, valid_keys: torch.Tensor | None, skip_padded_queries: bool = False) -> "Plan":
         """This plan with the key-padding limit `valid_keys` (int32 [B]; None: the plan itself): every row keeps
         only its listed tiles that start below its item's limit (tensor ops, no host sync: rows are sorted, so the
-        kept ones stay packed left), and the kernels mask the keys at or past it in the last one."""
+        kept ones stay packed left), and the kernels mask the keys at or past it in the last one.
+        skip_padded_queries: the query tiles that start at or past the limit get no tiles (their rows come out zero,
+        at no cost), for models whose padded rows are zeros."""
         if valid_keys is None:
             return self
         B = self.kv_count.shape[0]
@@ -92,6 +94,9 @@ class Plan:
         listed = torch.arange(kmax, device=self.kv_index.device) < self.kv_count[..., None]
         below = self.kv_index * self.block_n < valid_keys.view(B, 1, 1, 1)
         count = (listed & below).sum(-1, dtype=torch.int32)
+        if skip_padded_queries:
+            starts = torch.arange(count.shape[-1], device=count.device) * self.block_m
+            count = count.masked_fill(starts >= valid_keys.view(B, 1, 1), 0)
         return replace(self, kv_count=count, valid_keys=valid_keys)
 
     def validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, *, where: str = "") -> None:

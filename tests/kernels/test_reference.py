@@ -116,5 +116,12 @@ def test_valid_keys_are_checked():
     capped = plan.with_valid_keys(torch.tensor([300, 100], dtype=torch.int32))
     assert capped.kv_count[0].eq(5).all() and capped.kv_count[1].eq(2).all()
     block_sparse_attention(q, q, q, capped)
+    # the query tiles past the limit skipped too: their rows come out zero (lse -inf), the others as before
+    skipped = plan.with_valid_keys(torch.tensor([300, 100], dtype=torch.int32), skip_padded_queries=True)
+    assert skipped.kv_count[0].eq(5).all() and skipped.kv_count[1].tolist() == [[2, 2, 0, 0, 0]] * 2
+    out, lse = block_sparse_attention(q, q, q, skipped, return_lse=True)
+    ref = block_sparse_attention(q, q, q, capped)
+    assert torch.equal(out[1, :, :128], ref[1, :, :128]) and bool((out[1, :, 128:] == 0).all())
+    assert bool(torch.isneginf(lse[1, :, 128:]).all())
     with pytest.raises(ValueError, match="int32 \\[2\\]"):
         plan.with_valid_keys(torch.tensor([3, 4, 5], dtype=torch.int32))

@@ -138,3 +138,38 @@ def test_dense_calls_run_the_stock_processor():
     assert not torch.equal(tester.run(tr, inputs, step=1), ref)
     s = sessions(tr)["transformer"].stats()
     assert s["dense_calls"] == s["sparse_calls"] == tester.num_layers
+
+
+def test_prompt_lengths_ending_in_the_same_tile_share_the_compiled_graphs():
+    """Sparse forwards pad the prompt's rows to whole tiles, the padding masked as keys (`PaddedText.pad_to_tile`),
+    so under torch.compile prompts whose rows end in the same tile reuse the graphs of the first: Dynamo compiles the
+    forward once and once more with a dynamic prompt length, as it does for the stock processor (it used to compile
+    one graph per prompt length, up to its limit of 8); every output equals eager."""
+    from torch._dynamo.utils import counters
+
+    tr = tiny_cosmos3()
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64))
+
+    def inputs(n):
+        g = torch.Generator().manual_seed(1)
+        latents = torch.randn(1, tr.config.latent_channel, *LATENT, generator=g)
+        text = torch.randint(0, tr.config.vocab_size, (n,), generator=g).tolist()
+        return cosmos3_inputs(tr.config, latents, text, torch.randn(SOUND_DIM, SOUND, generator=g))
+
+    def run(model, n):
+        with torch.no_grad(), tr.cache_context("cond", step_index=2, num_inference_steps=4):
+            vision, sound, _ = model(**inputs(n), return_dict=False)
+        return torch.cat([vision[0].flatten(), sound[0].flatten()])
+
+    lengths = (10, 7, 13, 20, 5)         # 288 video + 6 sound + n rows: 5 tiles of 64 for n <= 26
+    eager = {n: run(tr, n) for n in lengths}
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(tr, backend="eager")
+    try:
+        for n in lengths:
+            assert (run(compiled, n) - eager[n]).abs().max() <= 1e-5, n
+        assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+        assert sessions(tr)["transformer"].context.text_len == 5 * 64 - 288
+    finally:
+        torch._dynamo.reset()

@@ -178,7 +178,7 @@ class SparseAttentionMixin:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask=None,
                rope: tuple[torch.Tensor, torch.Tensor] | None = None, text_len: int | None = None,
                item: int | None = None, return_lse: bool = False, return_kv: bool = False,
-               valid_keys: torch.Tensor | None = None):
+               valid_keys: torch.Tensor | None = None, padded_rows: str = "attend"):
         """Self-attention of q [B, S, H, D], k, v [B, S, H / G, D] (diffusers order; G > 1: grouped-query attention,
         query head h reads KV head h // G) -> [B, S, H, D].
 
@@ -196,6 +196,8 @@ class SparseAttentionMixin:
             masked (they must be its last text tokens, which stay last in tile order). Sparse calls run the whole
             sequence with it (`Plan.valid_keys`), dense calls with the key mask [B, 1, 1, S] made of it (then
             `attention_mask` is not used). Not with observers, return_lse, return_kv or context parallelism.
+        padded_rows: with valid_keys, what the rows past the limit need: "attend" (the valid keys, as the others)
+            or "zero" (the caller zeroes them; sparse calls then skip their whole query tiles).
 
         Under Ulysses context parallelism q, k, v hold this rank's tokens of every head; the sparse path exchanges
         them for every token of this rank's heads, and the output back (`parallel`).
@@ -250,13 +252,15 @@ class SparseAttentionMixin:
             q, k, v = (seq_to_heads(x, shard) for x in (q, k, v))
             return heads_to_seq(self._sparse(q, k, v, text_len, rope, heads), shard)
         return self._sparse(q, k, v, text_len, rope, return_lse=return_lse, groups=groups, return_kv=return_kv,
-                            valid_keys=valid_keys)
+                            valid_keys=valid_keys, skip_padded_queries=padded_rows == "zero")
 
     def _sparse(self, q, k, v, text_len: int, rope=None, heads: slice | None = None, return_lse: bool = False,
-                groups: int = 1, return_kv: bool = False, valid_keys: torch.Tensor | None = None):
+                groups: int = 1, return_kv: bool = False, valid_keys: torch.Tensor | None = None,
+                skip_padded_queries: bool = False):
         """gather -> plan -> kernel -> scatter of q [B, S, H, D], k, v [B, S, H / groups, D] (the layer's heads
         `heads`, default all); with `return_lse` also the rows' lse, fp32 [B, S, H]; with `return_kv` also the
-        rotated, repeated k, v in tile order as [B, S, H, D] views; `valid_keys` as in `attend`."""
+        rotated, repeated k, v in tile order as [B, S, H, D] views; `valid_keys` as in `attend` (with
+        `skip_padded_queries` the query tiles past it are not computed)."""
         session = self.session
         layout, state = self.slot.layouts[text_len], self.slot.method_state
         if heads is not None:
@@ -264,10 +268,16 @@ class SparseAttentionMixin:
             state = session.method.head_state(self.layer, state, heads)
         qt, kt, vt = layout.gather(q, rope), layout.gather(k, rope, groups), layout.gather(v, groups=groups)
         plan = session.method.plan(qt, kt, vt, layout, self.layer, state)
-        # the density counts the method's choice over the layout's tiles (padded key tiles it lists are not run)
-        self._stats().record_sparse(plan.kv_count, layout.num_tiles)
-        out = block_sparse_attention(qt, kt, vt, plan.with_valid_keys(valid_keys), backend=session.config.backend,
-                                     validate=False, return_lse=return_lse)
+        pairs = None
+        if valid_keys is not None:      # the density counts pairs of valid tiles (padded tiles are not computed)
+            plan = plan.with_valid_keys(valid_keys, skip_padded_queries)
+            key_tiles = (valid_keys.long() + plan.block_n - 1) // plan.block_n
+            query_tiles = (valid_keys.long() + plan.block_m - 1) // plan.block_m if skip_padded_queries else \
+                plan.kv_count.shape[-1]
+            pairs = (plan.kv_count.shape[1] * query_tiles * key_tiles).sum()
+        self._stats().record_sparse(plan.kv_count, layout.num_tiles, pairs)
+        out = block_sparse_attention(qt, kt, vt, plan, backend=session.config.backend, validate=False,
+                                     return_lse=return_lse)
         if return_lse:
             out, lse = out
             return layout.scatter(out), layout.scatter(lse.unsqueeze(-1)).squeeze(-1)
@@ -306,7 +316,7 @@ class SparseAttentionMixin:
         valid = self.session.context.text_valid
         if valid is not None:
             valid_keys = (q.shape[1] - text_tokens) + valid
-            out = self.attend(q, k, v, rope=rope, text_len=text_tokens, valid_keys=valid_keys)
+            out = self.attend(q, k, v, rope=rope, text_len=text_tokens, valid_keys=valid_keys, padded_rows=padded_rows)
             if padded_rows == "zero":
                 padded = torch.arange(q.shape[1], device=q.device) >= valid_keys[:, None]
                 out = out.masked_fill(padded[:, :, None, None], 0)

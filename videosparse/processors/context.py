@@ -45,9 +45,14 @@ class LayerStats:
         self.counts = torch.zeros(5, dtype=torch.int64, device=device)
         self.fallbacks: set[str] = set()
 
-    def record_sparse(self, kv_count: torch.Tensor, num_key_tiles: int) -> None:
+    def record_sparse(self, kv_count: torch.Tensor, num_key_tiles: int, pairs: torch.Tensor | None = None) -> None:
         """Account one sparse call whose plan has these kv_count [B, H, Mq] (no sync): one Triton launch on CUDA
-        in eager mode, else 7 small torch kernels (fused by torch.compile)."""
+        in eager mode, else 7 small torch kernels (fused by torch.compile). The call's pairs are rows x
+        num_key_tiles, or `pairs` (an int64 device scalar) when given (a call with padded keys: the pairs of its
+        valid tiles)."""
+        if pairs is not None:
+            self.counts[3].add_(pairs)
+            num_key_tiles = 0
         if self.counts.is_cuda and HAS_TRITON and not torch.compiler.is_compiling():
             from ..kernels.triton_counters import record_sparse_triton
 
@@ -335,6 +340,8 @@ class PaddedText:
 
     total: int
     valid: torch.Tensor
+    pad_to_tile: bool = False   # the forward holds only the valid rows (total == valid): the processor pads them
+    #                             to the layout's length, the sequence rounded up to whole tiles (Cosmos 3's prompt)
 
     def lengths(self) -> int | tuple[int, ...]:
         """The valid text tokens as host ints: one when the batch agrees, else one per item (e.g. a prompt and a
@@ -393,7 +400,10 @@ class SparseContextHook(ModelHook):
             # sparse and unobserved: every text token in the layout, the padded keys masked by the kernel (one shape
             # and one graph for any prompt); else each item's valid prefix (observers see what attention used)
             if session.method is not None and not session.observers:
-                ctx.text_len, ctx.text_valid = ctx.text_len.total, ctx.text_len.valid
+                text, video = ctx.text_len, math.prod(ctx.grid)
+                total = -(-(video + text.total) // session.method.block) * session.method.block - video \
+                    if text.pad_to_tile else text.total
+                ctx.text_len, ctx.text_valid = total, text.valid
             else:
                 ctx.text_len = ctx.text_len.lengths()
         ctx.unsupported = found[2] if len(found) > 2 else None

@@ -33,7 +33,7 @@ from diffusers.models.transformers.transformer_cosmos3 import Cosmos3AttnProcess
 
 from ..rope import HalfRope, apply_half_rope
 from .base import SparseAttentionMixin
-from .context import forward_arg
+from .context import PaddedText, forward_arg
 
 
 def cosmos3_attention_shape(cfg) -> tuple[int, int]:
@@ -93,10 +93,27 @@ class Cosmos3SparseAttnProcessor(SparseAttentionMixin, Cosmos3AttnProcessor):
                                         torch.cat([v_und, v]).unsqueeze(0), enable_gqa=True,
                                         backend=getattr(self, "_attention_backend", None))
             return out.squeeze(0)
+        valid = self.session.context.text_valid
+        # sparse forwards: the text rows padded with zero rows to the layout's length (the sequence in whole tiles,
+        # `PaddedText.pad_to_tile`) and masked as keys (`attend(valid_keys=)`), so that prompts whose rows end in the
+        # same tile run the same shapes (one compiled graph)
+        pad = 0 if valid is None else self.session.context.text_len - (q.shape[0] - self._video_rows() + q_und.shape[0])
         tables = ((cos_gen, cos_und), (sin_gen, sin_und))
-        rope = HalfRope(*(torch.cat([gen, und])[None, :, None] for gen, und in tables))
-        rows = (torch.cat([gen, und]).unsqueeze(0) for gen, und in ((q, q_und), (k, k_und), (v, v_und)))
-        return self.attend(*rows, rope=rope)[0, :q.shape[0]]
+        rope = HalfRope(*(_pad_rows(torch.cat([gen, und]), pad)[None, :, None] for gen, und in tables))
+        rows = [_pad_rows(torch.cat([gen, und]), pad).unsqueeze(0) for gen, und in ((q, q_und), (k, k_und), (v, v_und))]
+        if valid is None:
+            return self.attend(*rows, rope=rope)[0, :q.shape[0]]
+        return self.attend(*rows, rope=rope, valid_keys=self._video_rows() + valid)[0, :q.shape[0]]
+
+    def _video_rows(self) -> int:
+        grid = self.session.context.grid
+        return grid[0] * grid[1] * grid[2]
+
+
+def _pad_rows(x: torch.Tensor, pad: int) -> torch.Tensor:
+    """x [rows, ...] with `pad` zero rows appended."""
+    return x if pad == 0 else torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+
 
 
 def cosmos3_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | None]:
@@ -121,4 +138,5 @@ def cosmos3_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str |
             problem = "the vision rows are not the first generation rows, right after the text"
     if problem is not None:
         return (1, 1, max(generation, 1)), 0, problem + "; sparse attention needs them as the video grid"
-    return grid, generation - tokens + und_len, None
+    rest = generation - tokens + und_len           # sound and action rows, then the prompt's
+    return grid, PaddedText(rest, torch.tensor([rest], dtype=torch.int32, device=indexes.device), pad_to_tile=True), None
