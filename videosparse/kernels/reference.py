@@ -12,8 +12,8 @@ For query row r in query tile i, with S_i = the key tiles listed in the plan for
 i.e. every skipped tile's keys are replaced by its mean key (zero-order correction). Keys past
 the sequence end (the partial last tile) are masked; with `plan.valid_keys`, also the keys of item b at
 positions >= valid_keys[b], and skipped tiles that start there do not enter the correction. A row with
-no keys at all returns 0 and lse = -inf. Computation runs in fp32 (fp64 for fp64 inputs), one query tile row at a time, so
-memory stays O(S*D) per head plus one tile row.
+no keys at all returns 0 and lse = -inf. Computation runs in fp32 (fp64 for fp64 inputs), one query tile
+row at a time, so memory stays O(S*D) per head plus one tile row.
 """
 
 from __future__ import annotations

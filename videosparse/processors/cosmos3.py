@@ -97,10 +97,12 @@ class Cosmos3SparseAttnProcessor(SparseAttentionMixin, Cosmos3AttnProcessor):
         # sparse forwards: the text rows padded with zero rows to the layout's length (the sequence in whole tiles,
         # `PaddedText.pad_to_tile`) and masked as keys (`attend(valid_keys=)`), so that prompts whose rows end in the
         # same tile run the same shapes (one compiled graph)
-        pad = 0 if valid is None else self.session.context.text_len - (q.shape[0] - self._video_rows() + q_und.shape[0])
+        layout_rows = self._video_rows() + self.session.context.text_len
+        pad = 0 if valid is None else layout_rows - q.shape[0] - q_und.shape[0]
         tables = ((cos_gen, cos_und), (sin_gen, sin_und))
         rope = HalfRope(*(_pad_rows(torch.cat([gen, und]), pad)[None, :, None] for gen, und in tables))
-        rows = [_pad_rows(torch.cat([gen, und]), pad).unsqueeze(0) for gen, und in ((q, q_und), (k, k_und), (v, v_und))]
+        rows = [_pad_rows(torch.cat([gen, und]), pad).unsqueeze(0)
+                for gen, und in ((q, q_und), (k, k_und), (v, v_und))]
         if valid is None:
             return self.attend(*rows, rope=rope)[0, :q.shape[0]]
         return self.attend(*rows, rope=rope, valid_keys=self._video_rows() + valid)[0, :q.shape[0]]
@@ -139,4 +141,5 @@ def cosmos3_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str |
     if problem is not None:
         return (1, 1, max(generation, 1)), 0, problem + "; sparse attention needs them as the video grid"
     rest = generation - tokens + und_len           # sound and action rows, then the prompt's
-    return grid, PaddedText(rest, torch.tensor([rest], dtype=torch.int32, device=indexes.device), pad_to_tile=True), None
+    valid = torch.tensor([rest], dtype=torch.int32, device=indexes.device)
+    return grid, PaddedText(rest, valid, pad_to_tile=True), None
