@@ -9,6 +9,7 @@ item and the masked-last-tile path) and the last 200 keys padded; interleaved ro
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -18,7 +19,8 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from helpers import random_plan  # noqa: E402
+from bench_kernel import time_interleaved  # noqa: E402
+from helpers import random_plan  # noqa: E402   (the random tile masks these runs were made with)
 
 from videosparse.kernels import block_sparse_attention  # noqa: E402
 from videosparse.plan import dense_plan, plan_from_mask  # noqa: E402
@@ -46,11 +48,9 @@ def main() -> None:
         variants = {"plain": plan,
                     "valid_all": plan.with_valid_keys(torch.tensor([S], dtype=torch.int32, device="cuda")),
                     "valid_pad200": plan.with_valid_keys(torch.tensor([S - 200], dtype=torch.int32, device="cuda"))}
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        for r in range(args.rounds):      # order reversed every other round
-            for name, p in list(variants.items())[:: 1 if r % 2 == 0 else -1]:
-                times[name].append(triton.testing.do_bench(
-                    lambda: block_sparse_attention(q, k, v, p, validate=False), warmup=25, rep=200))
+        calls = {name: functools.partial(block_sparse_attention, q, k, v, p, validate=False)
+                 for name, p in variants.items()}
+        times = time_interleaved(calls, args.rounds, lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200))
         median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
         equal = bool(torch.equal(block_sparse_attention(q, k, v, plan), block_sparse_attention(q, k, v,
                                                                                                  variants["valid_all"])))

@@ -27,6 +27,8 @@ parallelism seams set (`_cp_shard_fn`), keeps the stock processor with one warni
 
 from __future__ import annotations
 
+import math
+
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_cosmos3 import Cosmos3AttnProcessor
@@ -93,28 +95,24 @@ class Cosmos3SparseAttnProcessor(SparseAttentionMixin, Cosmos3AttnProcessor):
                                         torch.cat([v_und, v]).unsqueeze(0), enable_gqa=True,
                                         backend=getattr(self, "_attention_backend", None))
             return out.squeeze(0)
-        valid = self.session.context.text_valid
-        # sparse forwards: the text rows padded with zero rows to the layout's length (the sequence in whole tiles,
-        # `PaddedText.pad_to_tile`) and masked as keys (`attend(valid_keys=)`), so that prompts whose rows end in the
-        # same tile run the same shapes (one compiled graph)
-        layout_rows = self._video_rows() + self.session.context.text_len
-        pad = 0 if valid is None else layout_rows - q.shape[0] - q_und.shape[0]
+        valid, pad, video = self.session.context.text_valid, 0, None
+        if valid is not None:
+            # sparse forwards: the text rows padded with zero rows to the layout's length (the sequence in whole
+            # tiles, `PaddedText.pad_to_tile`) and masked as keys (`attend(valid_keys=)`), so that prompts whose rows
+            # end in the same tile run the same shapes (one compiled graph)
+            video = math.prod(self.session.context.grid)
+            pad = video + self.session.context.text_len - q.shape[0] - q_und.shape[0]
         tables = ((cos_gen, cos_und), (sin_gen, sin_und))
         rope = HalfRope(*(_pad_rows(torch.cat([gen, und]), pad)[None, :, None] for gen, und in tables))
         rows = [_pad_rows(torch.cat([gen, und]), pad).unsqueeze(0)
                 for gen, und in ((q, q_und), (k, k_und), (v, v_und))]
-        if valid is None:
-            return self.attend(*rows, rope=rope)[0, :q.shape[0]]
-        return self.attend(*rows, rope=rope, valid_keys=self._video_rows() + valid)[0, :q.shape[0]]
-
-    def _video_rows(self) -> int:
-        grid = self.session.context.grid
-        return grid[0] * grid[1] * grid[2]
+        valid_keys = None if valid is None else video + valid
+        return self.attend(*rows, rope=rope, valid_keys=valid_keys)[0, :q.shape[0]]
 
 
 def _pad_rows(x: torch.Tensor, pad: int) -> torch.Tensor:
     """x [rows, ...] with `pad` zero rows appended."""
-    return x if pad == 0 else torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)) if pad else x
 
 
 
