@@ -296,12 +296,12 @@ def test_gluon_unit_handoff_takes_the_unit_decode_off_the_consumers(head_dim, co
 
 @pytest.mark.parametrize("head_dim,q_buffers", [(128, 2), (64, 2), (128, 1)])
 def test_gluon_correction_bias_loads_hide_under_the_score_gemm(head_dim, q_buffers):
-    """With the zero-order correction, each centroid step's bias row is loaded after its score GEMM is issued
-    and before the wait for it (32 values per thread), so the load latency hides under the GEMM; a change
-    that moves the load behind the wait fails here. Without the correction no load sits there. Checked on the
-    early release schedule (`late_k_release=False`): with the late one (the default at head dim 128) ptxas
-    duplicates the score wait into the exact-tile and centroid branches and hoists 9 of the 32 loads before it,
-    which this count does not follow (correction A/B: benchmarks/ab_gluon_late_k_all_head_dims_correction_h200.json)."""
+    """With the zero-order correction, each centroid step's bias row (32 values per thread) is read from shared
+    memory, where the loader staged it with the chunk, after its score GEMM is issued and before the wait for it,
+    and no step loads from global memory there; a change that moves the read behind the wait, or back to global
+    memory, fails here. Without the correction no load sits there. Checked on the early release schedule
+    (`late_k_release=False`): with the late one (the default at head dim 128) ptxas duplicates the score wait into
+    the exact-tile and centroid branches, which this count does not follow."""
     pytest.importorskip("triton.experimental.gluon")
 
     from videosparse.kernels import gluon_hopper
@@ -316,14 +316,15 @@ def test_gluon_correction_bias_loads_hide_under_the_score_gemm(head_dim, q_buffe
             if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1"):     # wait for S_j, P_{j-1} V_{j-1} may run on
                 seg = ops[start:i]
                 first_gemm = next((k for k, x in enumerate(seg) if x.startswith("HGMMA")), len(seg))
-                counts.append(sum(bool(re.search(r"(^|\s)LDG", x)) for x in seg[first_gemm:]))   # global loads
+                counts.append((sum(bool(re.search(r"(^|\s)LDG", x)) for x in seg[first_gemm:]),     # global
+                               sum(bool(re.search(r"(^|\s)LDS", x)) for x in seg[first_gemm:])))    # shared
             if "DEPBAR" in op:
                 start = i
         return counts
 
     with_corr = loads_before_score_waits(correction=True)
-    assert len(with_corr) == 4 and min(with_corr) >= 16, with_corr
-    assert loads_before_score_waits(correction=False) == [0] * 4
+    assert len(with_corr) == 4 and all(g == 0 and s >= 16 for g, s in with_corr), with_corr
+    assert loads_before_score_waits(correction=False) == [(0, 0)] * 4
 
 
 @pytest.mark.parametrize("out_dtype,chunk,d_p2,valid", [("bf16", 128, 128, False), ("fp16", 64, 64, False),

@@ -25,12 +25,14 @@ does not overlap its own GEMMs. This kernel writes the schedule out:
 Measured and removed (the README gives the numbers; the code is in git at 8525f03): a pipeline per work item
 without the cross-item carry, FA3's enforced ping-pong of the two warpgroups' GEMMs, and P read by the P.V GEMM
 from shared memory instead of registers; none was faster on the H200. Nor, on this pipeline (code in git at
-e300669), the ping-pong on hardware named barriers (even) or the softmax's row max and sum as shallow trees (slower).
+e300669), the ping-pong on hardware named barriers (even) or the softmax's row max and sum as shallow trees (slower);
+nor the correction's centroid GEMMs in fp8 or its exact tiles and chunks in two loops (slower; README).
 
 Semantics are those of `reference.reference_attention`. With the zero-order correction each item's
 centroid chunks (k_mean, v_sum/len, bias log2 len; -inf for its exact tiles) follow its exact tiles in
-the same loop. Rows past S are not stored; key columns past Sk in the last tile are masked. Needs a CUDA
-device of compute capability 9.x; compile it ahead of time on any machine with `compile_for_sm90`.
+the same loop, each chunk's bias staged in shared memory by the loader with its k_mean. Rows past S are not
+stored; key columns past Sk in the last tile are masked. Needs a CUDA device of compute capability 9.x; compile
+it ahead of time on any machine with `compile_for_sm90`.
 """
 
 from __future__ import annotations
@@ -135,11 +137,11 @@ def _unit_received(buf):
 
 
 @gluon.jit
-def _item_start(ORDER, KV_COUNT, KV_INDEX, BIAS, it, t, MQ, KMAX, NCP, NCH, N_FULL, PARTS, q_smem, q_ready,
-                unit_smem, WG: gl.constexpr, SPLIT: gl.constexpr, HANDOFF: gl.constexpr):
+def _item_start(ORDER, KV_COUNT, KV_INDEX, it, t, MQ, KMAX, NCH, N_FULL, PARTS, q_smem, q_ready, unit_smem,
+                WG: gl.constexpr, SPLIT: gl.constexpr, HANDOFF: gl.constexpr):
     """A consumer's start of its t-th work unit (unit it, `_work_unit`): waits for the item's Q; returns
-    (bh, mt, n exact tiles, its kv_index row, its bias row, n_all steps, workspace slot, Q buffer, this
-    warpgroup's Q half). HANDOFF: the unit's item and kv_count come from the loader through shared memory
+    (bh, mt, n exact tiles, its kv_index row, n_all steps, workspace slot, Q buffer, this warpgroup's Q
+    half). HANDOFF: the unit's item and kv_count come from the loader through shared memory
     (`_unit_send`) with the Q barrier, instead of two dependent global loads before it."""
     Q_BUFS: gl.constexpr = q_ready.type.shape[0]
     if HANDOFF:
@@ -149,24 +151,23 @@ def _item_start(ORDER, KV_COUNT, KV_INDEX, BIAS, it, t, MQ, KMAX, NCP, NCH, N_FU
         _, tail, v, k, part = _unit_part(it, N_FULL, PARTS, SPLIT)
         item, bh, mt, row, n, n_all, slot = _unit_tiles(item, item // MQ, item % MQ, total, tail, v, k, part,
                                                         KV_INDEX, KMAX, NCH, SPLIT)
-        bias_row = BIAS + item.to(gl.int64) * NCP
     else:
         item, bh, mt, row, n, n_all, slot, _ = _work_unit(ORDER, KV_COUNT, KV_INDEX, it, MQ, KMAX, NCH, N_FULL,
                                                           PARTS, SPLIT)
-        bias_row = BIAS + item.to(gl.int64) * NCP
         qb = t % Q_BUFS
         mbarrier.wait(q_ready.index(qb), (t // Q_BUFS) & 1)
-    return bh, mt, n, row, bias_row, n_all, slot, qb, q_smem.index(2 * qb + WG)
+    return bh, mt, n, row, n_all, slot, qb, q_smem.index(2 * qb + WG)
 
 
 @gluon.jit
-def _loader(desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX, N_UNITS, NCH,
-            N_FULL, PARTS, q_smem, k_smem, v_smem, bars, unit_smem, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-            SPLIT: gl.constexpr, HANDOFF: gl.constexpr):
+def _loader(desc_q, desc_k, desc_v, desc_km, desc_vm, desc_b, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, NCP, MQ, KMAX,
+            N_UNITS, NCH, N_FULL, PARTS, q_smem, k_smem, v_smem, bars, unit_smem, BLOCK_N: gl.constexpr,
+            NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr, HANDOFF: gl.constexpr, CORR: gl.constexpr):
     """1 warp: Q halves per work unit, then its listed K/V tiles and centroid chunks (k_mean / v_mean rows of
-    the item's head; NCH = 0 without a correction) into the stage ring. HANDOFF: also the unit's item and
-    kv_count, for the consumers, into the slot of its Q buffer (`_unit_send`)."""
-    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = bars
+    the item's head and, CORR, the chunk's slice of the item's bias row into the stage's b_smem, on the K barrier;
+    NCH = 0 without a correction) into the stage ring. HANDOFF: also the unit's item and kv_count, for the
+    consumers, into the slot of its Q buffer (`_unit_send`)."""
+    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, b_smem = bars
     Q_BUFS: gl.constexpr = q_ready.type.shape[0]
     c = 0
     t = 0
@@ -189,11 +190,18 @@ def _loader(desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER,
             else:
                 key_row = bh * NK + (j - n) * BLOCK_N
             mbarrier.wait(k_empty.index(s), ph ^ 1)
-            mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
-            if j < n:
-                tma.async_copy_global_to_shared(desc_k, [key_row, 0], k_ready.index(s), k_smem.index(s))
+            if CORR:
+                if j < n:
+                    mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
+                    tma.async_copy_global_to_shared(desc_k, [key_row, 0], k_ready.index(s), k_smem.index(s))
+                else:
+                    mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes + desc_b.block_type.nbytes)
+                    tma.async_copy_global_to_shared(desc_km, [key_row, 0], k_ready.index(s), k_smem.index(s))
+                    tma.async_copy_global_to_shared(desc_b, [item * NCP + (j - n) * BLOCK_N], k_ready.index(s),
+                                                    b_smem.index(s))
             else:
-                tma.async_copy_global_to_shared(desc_km, [key_row, 0], k_ready.index(s), k_smem.index(s))
+                mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
+                tma.async_copy_global_to_shared(desc_k, [key_row, 0], k_ready.index(s), k_smem.index(s))
             mbarrier.wait(v_empty.index(s), ph ^ 1)
             mbarrier.expect(v_ready.index(s), desc_v.block_type.nbytes)
             if j < n:
@@ -205,13 +213,14 @@ def _loader(desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER,
 
 
 @gluon.jit
-def _step_bias(j, n, bias_row, cols, inv_scale, BLOCK_N: gl.constexpr, CORR: gl.constexpr):
+def _step_bias(j, n, b_smem, s, cols, inv_scale, CORR: gl.constexpr):
     """CORR: the bias of centroid step j >= n in raw-score units (log2(len) / qk_scale; -inf for exact tiles and
-    padding), fp32 [BLOCK_N] (zeros, unused, for exact tiles: ptxas branches over the load). Issued before the
-    wait for the step's score GEMM, so that the load's latency hides under the GEMM."""
+    padding), fp32 [BLOCK_N] (zeros, unused, for exact tiles: ptxas branches over the load), from stage s of
+    b_smem, where the loader put the chunk's bias row with its k_mean (`_loader`). Read before the wait for the
+    step's score GEMM."""
     if CORR:
         if j >= n:
-            bias = gl.load(bias_row + (j - n) * BLOCK_N + cols) * inv_scale
+            bias = b_smem.index(s).load(cols.type.layout) * inv_scale
         else:
             bias = gl.zeros_like(cols, dtype=gl.float32)
     else:
@@ -313,7 +322,7 @@ def _release_q_at_step(q_empty, qb, rel_qb, j, n_all, EPI_TMA: gl.constexpr):
 
 
 @gluon.jit
-def _tile_loop(c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, row, bias_row, cols, SK, qk_scale, inv_scale, zero_s,
+def _tile_loop(c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, row, cols, SK, qk_scale, inv_scale, zero_s,
                k_smem, v_smem, bars, rel_qb, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr,
                CORR: gl.constexpr, EPI_TMA: gl.constexpr, LATE_K: gl.constexpr, LATE_Q: gl.constexpr):
     """Steps 1 .. n_all-1 of an item: S_j = Q K_j^T issued before P_{j-1} V_{j-1}, online softmax of S_j while
@@ -326,7 +335,7 @@ def _tile_loop(c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, row, bias_row, cols
     conditional Q release placed after the softmax (LATE_Q) is a branch between them, and the softmax stays
     under the GEMM (66 of 66 exponentials; where the K arrive goes does not matter for that:
     `scripts/probe_ptxas_overlap.py` "+late-release" variants, `scripts/inspect_gluon_sass.py`)."""
-    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = bars
+    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, b_smem = bars
     dtype: gl.constexpr = p_op.dtype
     p_layout: gl.constexpr = p_op.type.layout
     row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
@@ -338,7 +347,7 @@ def _tile_loop(c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, row, bias_row, cols
         mbarrier.wait(v_ready.index(sp), ((cj - 1) // NUM_STAGES) & 1)
         qk_tok = warpgroup_mma(q_half, k_smem.index(sj).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         acc_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
-        bias = _step_bias(j, n, bias_row, cols, inv_scale, BLOCK_N, CORR)
+        bias = _step_bias(j, n, b_smem, sj, cols, inv_scale, CORR)
         qk = warpgroup_mma_wait(1, deps=(qk_tok,))
         if not LATE_K:
             mbarrier.arrive(k_empty.index(sj), count=1)
@@ -387,8 +396,8 @@ def _finish_pending(WG: gl.constexpr, pv_c, acc, m_i, l_i, p_op, v_smem, v_ready
 
 
 @gluon.jit
-def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, KEY_LIMIT, qk_scale, S, SK, MQ, KMAX, N_UNITS,
-             NCP, NCH, N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM: gl.constexpr,
+def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, KEY_LIMIT, qk_scale, S, SK, MQ, KMAX, N_UNITS,
+             NCH, N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM: gl.constexpr,
              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASK_LAST: gl.constexpr, STORE_LSE: gl.constexpr,
              CORR: gl.constexpr, EPI_TMA: gl.constexpr, SPLIT: gl.constexpr, LATE_K: gl.constexpr,
              LATE_Q: gl.constexpr, FIRST_OVERLAP: gl.constexpr, unit_smem, HANDOFF: gl.constexpr,
@@ -402,7 +411,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, KEY_LIMI
     item's Q half and stores it with TMA; that Q buffer goes back to the loader at the next item's second step
     (`_release_q`). SPLIT: the work units of `tail_split`; a part of a split item ends with `_unit_epilogue`
     into the workspace. HANDOFF: see `_item_start`."""
-    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = bars
+    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, b_smem = bars
     dtype: gl.constexpr = O.dtype.element_ty
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
@@ -426,9 +435,9 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, KEY_LIMI
     l_i = gl.zeros([64], gl.float32, layout=row_s)
     p_op = gl.convert_layout(zero_s.to(dtype), p_layout)
     for it in range(gl.program_id(0), N_UNITS, gl.num_programs(0)):
-        bh, mt, n, row, bias_row, n_all, slot, qb, q_half = _item_start(ORDER, KV_COUNT, KV_INDEX, BIAS, it, t, MQ,
-                                                                        KMAX, NCP, NCH, N_FULL, PARTS, q_smem,
-                                                                        q_ready, unit_smem, WG, SPLIT, HANDOFF)
+        bh, mt, n, row, n_all, slot, qb, q_half = _item_start(ORDER, KV_COUNT, KV_INDEX, it, t, MQ, KMAX, NCH,
+                                                              N_FULL, PARTS, q_smem, q_ready, unit_smem, WG, SPLIT,
+                                                              HANDOFF)
         limit = SK                  # keys past it are masked in the last listed tile (MASK_LAST)
         if HAS_LIMIT:
             limit = gl.load(KEY_LIMIT + bh)
@@ -436,7 +445,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, KEY_LIMI
             s0 = c % NUM_STAGES
             mbarrier.wait(k_ready.index(s0), (c // NUM_STAGES) & 1)
             qk_tok = warpgroup_mma(q_half, k_smem.index(s0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            bias = _step_bias(0, n, bias_row, cols, inv_scale, BLOCK_N, CORR)
+            bias = _step_bias(0, n, b_smem, s0, cols, inv_scale, CORR)
             if pend == 1:
                 sp = pv_c % NUM_STAGES
                 mbarrier.wait(v_ready.index(sp), (pv_c // NUM_STAGES) & 1)
@@ -475,7 +484,7 @@ def _consume(WG: gl.constexpr, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, KEY_LIMI
             l_i = l_n
             p_op = p_n
             acc = zero_o
-            acc, m_i, l_i, p_op = _tile_loop(c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, row, bias_row, cols, limit,
+            acc, m_i, l_i, p_op = _tile_loop(c, n, n_all, qb, q_half, acc, m_i, l_i, p_op, row, cols, limit,
                                              qk_scale, inv_scale, zero_s, k_smem, v_smem, bars, rel_qb, BLOCK_N,
                                              NUM_STAGES, MASK_LAST, CORR, EPI_TMA, LATE_K, LATE_Q)
             pend = 1
@@ -527,7 +536,9 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COU
     EPI_TMA (two Q buffers only): outputs go through shared memory and TMA stores.
 
     CORR: KM, VM [N_BH*NK, D] tile centroids (k_mean, v_sum/len) and BIAS fp32 [items, NCP] (log2 len; -inf
-    for the item's exact tiles and for padding), NCP = NK rounded up to BLOCK_N.
+    for the item's exact tiles and for padding), NCP = NK rounded up to BLOCK_N; the loader stages each chunk's
+    slice of the bias row in shared memory with its k_mean (one 512-byte TMA box on the K barrier), so that the
+    consumers read it there instead of from L2 in the step.
     """
     dtype: gl.constexpr = Q.dtype.element_ty
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
@@ -548,14 +559,21 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COU
                                              block_shape=[BLOCK_N, HEAD_DIM], layout=kv_sl)
         desc_vm = tma.make_tensor_descriptor(VM, shape=[N_BH * NK, HEAD_DIM], strides=[HEAD_DIM, 1],
                                              block_shape=[BLOCK_N, HEAD_DIM], layout=kv_sl)
+        b_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+        desc_b = tma.make_tensor_descriptor(BIAS, shape=[N_BH * MQ * NCP], strides=[1], block_shape=[BLOCK_N],
+                                            layout=b_sl)
+        b_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N], b_sl)
         NCH = NCP // BLOCK_N
     else:
         desc_km = desc_k
         desc_vm = desc_v
+        desc_b = desc_k
         NCH = 0
     q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, 64, HEAD_DIM], q_sl)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_sl)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_sl)
+    if not CORR:
+        b_smem = k_smem             # unused
     if HANDOFF:   # (item, kv_count) of the unit whose Q is in each Q buffer
         unit_smem = gl.allocate_shared_memory(gl.int32, [Q_BUFS, 2],
                                               gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
@@ -575,21 +593,21 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COU
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
-    bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
+    bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, b_smem)
     # partition arguments are written out in each tuple: a tuple held in a variable turns constexprs into
     # tensors. Default partition: consumer warpgroup 0; workers: consumer warpgroup 1 and the loader warp.
     gl.warp_specialize([
-        (_consume, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, KEY_LIMIT, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP,
-                    NCH, N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM, BLOCK_N,
+        (_consume, (0, O, LSE, KV_INDEX, KV_COUNT, ORDER, KEY_LIMIT, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCH,
+                    N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM, BLOCK_N,
                     NUM_STAGES, MASK_LAST, STORE_LSE, CORR, EPI_TMA, SPLIT, LATE_K, LATE_Q, FIRST_OVERLAP, unit_smem,
                     HANDOFF, HAS_LIMIT)),
-        (_consume, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, BIAS, KEY_LIMIT, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCP,
-                    NCH, N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM, BLOCK_N,
+        (_consume, (1, O, LSE, KV_INDEX, KV_COUNT, ORDER, KEY_LIMIT, qk_scale, S, SK, MQ, KMAX, N_UNITS, NCH,
+                    N_FULL, PARTS, O_PART, LSE_PART, q_smem, k_smem, v_smem, bars, desc_o, HEAD_DIM, BLOCK_N,
                     NUM_STAGES, MASK_LAST, STORE_LSE, CORR, EPI_TMA, SPLIT, LATE_K, LATE_Q, FIRST_OVERLAP, unit_smem,
                     HANDOFF, HAS_LIMIT)),
-        (_loader, (desc_q, desc_k, desc_v, desc_km, desc_vm, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, MQ, KMAX, N_UNITS,
-                   NCH, N_FULL, PARTS, q_smem, k_smem, v_smem, bars, unit_smem, BLOCK_N, NUM_STAGES, SPLIT,
-                   HANDOFF)),
+        (_loader, (desc_q, desc_k, desc_v, desc_km, desc_vm, desc_b, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, NCP, MQ,
+                   KMAX, N_UNITS, NCH, N_FULL, PARTS, q_smem, k_smem, v_smem, bars, unit_smem, BLOCK_N, NUM_STAGES,
+                   SPLIT, HANDOFF, CORR)),
     ], [4, 1], [240, 24])
 
 
@@ -665,11 +683,13 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
     """
     B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = launch_dims(q, k, plan)
     stages = num_stages or default_stages(D)
+    corr = plan.has_correction
     smem = (2 * q_buffers * HALF_M + 2 * stages * plan.block_n) * D * q.element_size()
+    smem += stages * plan.block_n * 4 if corr else 0        # the centroid chunks' bias rows
     if q_buffers not in (1, 2) or smem > SHARED_LIMIT:
         raise ValueError(f"q_buffers={q_buffers!r}, num_stages={stages!r} at head dim {D}: need q_buffers in (1, 2) "
-                         f"and Q + K/V buffers within {SHARED_LIMIT} bytes of shared memory (this asks {smem}).")
-    corr = plan.has_correction
+                         f"and Q, K/V and bias buffers within {SHARED_LIMIT} bytes of shared memory (this asks "
+                         f"{smem}).")
     out = torch.empty_like(q)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if return_lse else out
     if corr:
