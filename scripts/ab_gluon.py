@@ -135,8 +135,9 @@ def main(argv=None):
             print(f"{name} {args.block}x{args.block} tiles density {kept:.3f}{' +corr' if args.correction else ''}: "
                   f"new {tf['new']:.0f} baseline {tf['baseline']:.0f} TFLOP/s ({tf['new'] / tf['baseline'] - 1:+.1%}), "
                   f"outputs differ by {diff:.1e}", flush=True)
-    Path(args.out).write_text(json.dumps(dict(kernel=args.kernel, baseline=str(args.baseline or "this tree"),
-                                              new_kwargs=new_kw, baseline_kwargs=base_kw, rows=rows), indent=1))
+    Path(args.out).write_text(json.dumps(dict(kernel=args.kernel, gpu=torch.cuda.get_device_name(),
+                                              baseline=str(args.baseline or "this tree"), new_kwargs=new_kw,
+                                              baseline_kwargs=base_kw, rows=rows), indent=1))
     return rows
 
 

@@ -161,6 +161,28 @@ def test_gluon_backend_declines_cpu_and_unsupported_inputs_with_reasons():
         assert part in why
 
 
+def test_gluon_backend_declines_correction_bias_rows_past_tma_coordinates():
+    """The loader stages the correction's bias rows by 1D TMA boxes, whose int32 coordinates reach 2^31 elements:
+    a larger plan (here 2^17 items x 16,384 chunk columns, as meta tensors) goes to another backend, with a reason;
+    the same plan without the correction does not hit it."""
+    import torch
+
+    pytest.importorskip("triton.experimental.gluon")
+    from videosparse.kernels.gluon_hopper import BACKEND
+    from videosparse.plan import Plan
+
+    S, items = 2 ** 28, 2 ** 17
+    k = torch.empty(1, 1, S, 128, device="meta", dtype=torch.bfloat16)
+    index = torch.empty(1, 1, items, 4, device="meta", dtype=torch.int32)
+    count = torch.empty(1, 1, items, device="meta", dtype=torch.int32)
+    plan = Plan(index, count, 128, 128)
+    nk = S // 128
+    centroids = torch.empty(1, 1, nk, 128, device="meta")
+    corrected = plan.with_correction(centroids, centroids, torch.empty(nk, device="meta", dtype=torch.int32))
+    assert "2^31" in " ".join(BACKEND.not_supported_reasons(k, k, k, corrected))
+    assert "2^31" not in " ".join(BACKEND.not_supported_reasons(k, k, k, plan))
+
+
 def test_gluon_refuses_buffers_that_do_not_fit_shared_memory():
     import torch
 
