@@ -317,9 +317,10 @@ class SparseAttentionMixin:
         if valid is not None:
             valid_keys = (q.shape[1] - text_tokens) + valid
             out = self.attend(q, k, v, rope=rope, text_len=text_tokens, valid_keys=valid_keys, padded_rows=padded_rows)
-            if padded_rows == "zero":
-                padded = torch.arange(q.shape[1], device=q.device) >= valid_keys[:, None]
-                out = out.masked_fill(padded[:, :, None, None], 0)
+            if padded_rows == "zero" and text_tokens:
+                # the padded rows are among the last text_tokens: zero them there, in place (not a pass over all rows)
+                rows = torch.arange(q.shape[1] - text_tokens, q.shape[1], device=q.device)
+                out[:, -text_tokens:].masked_fill_((rows >= valid_keys[:, None])[:, :, None, None], 0)
             return out
         lengths = self.session.context.text_len
         if isinstance(lengths, tuple):
