@@ -347,6 +347,10 @@ def test_gluon_correction_bias_loads_hide_under_the_score_gemm(head_dim, q_buffe
     with_corr = loads_before_score_waits(correction=True)
     assert len(with_corr) == 4 and all(g == 0 and s >= 16 for g, s in with_corr), with_corr
     assert loads_before_score_waits(correction=False) == [(0, 0)] * 4
+    # the loader stages the rows with one 1D TMA box per chunk; without the correction there is none
+    staged = "cp.async.bulk.tensor.1d.shared::cluster.global"
+    assert staged in gluon_hopper.compile_for_sm90(head_dim=head_dim, q_buffers=q_buffers, correction=True).asm["ptx"]
+    assert staged not in gluon_hopper.compile_for_sm90(head_dim=head_dim, q_buffers=q_buffers).asm["ptx"]
 
 
 @pytest.mark.parametrize("out_dtype,chunk,d_p2,valid", [("bf16", 128, 128, False), ("fp16", 64, 64, False),
