@@ -402,16 +402,17 @@ ITEM_SWEEP = dict(B=1, H=48, S=32768, head_dims=(128, 64), counts=(8, 16, 32, 64
 
 
 def fixed_count_plan(B, H, S, n, block, device, seed=1):
-    """Every query tile lists exactly n random key tiles (sorted): all work items equally long."""
+    """Every query tile lists exactly n random key tiles (sorted): all work items equally long, with their work
+    order attached as `topk_plan` attaches it (so the kernels do not sort per call)."""
     import torch
 
-    from videosparse.plan import Plan
+    from videosparse.plan import Plan, row_order
 
     M = math.ceil(S / block)
     g = torch.Generator(device=device).manual_seed(seed)
     idx = torch.rand(B, H, M, M, device=device, generator=g).topk(n, dim=-1).indices.sort(-1).values
     count = torch.full((B, H, M), n, dtype=torch.int32, device=device)
-    return Plan(idx.to(torch.int32).contiguous(), count, block, block)
+    return Plan(idx.to(torch.int32).contiguous(), count, block, block, order=row_order([n] * M, B * H, device))
 
 
 def fit_item_cost(points):
@@ -424,8 +425,10 @@ def fit_item_cost(points):
 
 def bench_item_sweep(results, args, deadline):
     """Where the time of a work item goes: plans with exactly n key tiles per query tile (n = 8..64) at 48 heads
-    of 32,768 tokens (93 waves of 132 items), ours timed in interleaved rounds; fits the time per wave of work
-    items as fixed + n * per-tile cost (the fixed part is what sparse plans pay more than dense per tile)."""
+    of 32,768 tokens (93 waves of 132 items), ours (and FA4 block-sparse with the same plans, unless --no-peers or
+    not importable) timed in interleaved rounds; fits the time per wave of work items as fixed + n * per-tile cost
+    for each (the fixed part is what sparse plans pay more than dense per tile). Rows carry `impl`; the entry's
+    top-level fit is ours, `fits` holds every implementation's."""
     import torch
     from triton.testing import do_bench
 
@@ -439,17 +442,40 @@ def bench_item_sweep(results, args, deadline):
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
         waves = math.ceil(items / sms)
         plans = {n: fixed_count_plan(B, H, S, n, 128, DEVICE) for n in ITEM_SWEEP["counts"]}
-        fns = {n: (lambda p=p, qkv=(q, k, v): block_sparse_attention(*qkv, p, validate=False))
+        fns = {("ours", n): (lambda p=p, qkv=(q, k, v): block_sparse_attention(*qkv, p, validate=False))
                for n, p in plans.items()}
+        if not getattr(args, "no_peers", False) and q.is_cuda:
+            qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+            for n, p in plans.items():
+                fa4 = make_fa4(p)
+                if fa4 is None:
+                    break
+                try:
+                    o = first(fa4(qt, kt, vt, D ** -0.5)).transpose(1, 2).float()
+                    ref = fns[("ours", n)]().float()
+                    err = float((o - ref).norm() / ref.norm())
+                    if err > 2e-2:
+                        raise RuntimeError(f"FA4 differs from ours by {err:.3g} (rel. L2)")
+                    fns[("fa4", n)] = lambda fa4=fa4, qkv=(qt, kt, vt): fa4(*qkv, D ** -0.5)
+                except Exception as e:
+                    results["errors"].append(f"item sweep fa4 d{D} n={n}: {type(e).__name__}: {str(e)[:300]}")
+                    break
         if time.time() > deadline:
             results["errors"].append("deadline: item sweep skipped")
             return
         times = time_interleaved(fns, args.rounds, lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median"))
-        rows = [dict(D=D, H=H, S=S, n=n, items=items, waves=waves, ms=median(t), ms_rounds=[round(x, 4) for x in t],
-                     us_per_wave=median(t) * 1e3 / waves) for n, t in times.items()]
-        fit = fit_item_cost([(r["n"], r["us_per_wave"]) for r in rows])
-        results["item_sweep"].append(dict(D=D, rows=rows, **fit))
-        log(f"item sweep d{D}: fixed {fit['fixed_us']:.2f} us per work item, {fit['per_tile_us']:.3f} us per key tile")
+        rows = [dict(impl=impl, D=D, H=H, S=S, n=n, items=items, waves=waves, ms=median(t),
+                     ms_rounds=[round(x, 4) for x in t], us_per_wave=median(t) * 1e3 / waves)
+                for (impl, n), t in times.items()]
+        fits = {}
+        for impl in dict.fromkeys(r["impl"] for r in rows):
+            pts = [(r["n"], r["us_per_wave"]) for r in rows if r["impl"] == impl]
+            if len(pts) == len(plans):          # a peer that failed part-way gets no fit
+                fits[impl] = fit_item_cost(pts)
+        results["item_sweep"].append(dict(D=D, rows=rows, **fits["ours"], fits=fits))
+        for impl, fit in fits.items():
+            log(f"item sweep d{D} {impl}: fixed {fit['fixed_us']:.2f} us per work item, "
+                f"{fit['per_tile_us']:.3f} us per key tile")
 
 
 # ------------------------------------------------------------------ report
@@ -530,7 +556,8 @@ def main():
     ap.add_argument("--no-peers", action="store_true", help="skip Flex and FA4")
     ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--item-sweep", action="store_true",
-                    help="also fit the fixed cost per work item and the cost per key tile (fixed-count plans)")
+                    help="also fit the fixed cost per work item and the cost per key tile (fixed-count plans), ours "
+                         "and FA4's (unless --no-peers)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="timings per implementation, interleaved with the others of the same shape and plan; "
                          "the median is reported (default 3)")

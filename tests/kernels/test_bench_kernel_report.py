@@ -61,6 +61,7 @@ def test_item_sweep_fits_fixed_and_per_tile_cost(monkeypatch):
     q = torch.randn(2, 3, 1000, 64)
     plan.validate(q, q, q)
     assert bool((plan.kv_count == 3).all()) and plan.kv_index.shape == (2, 3, 8, 3)
+    assert plan.order is not None and sorted(plan.order.tolist()) == list(range(2 * 3 * 8))
 
     ran = []
 
@@ -78,6 +79,8 @@ def test_item_sweep_fits_fixed_and_per_tile_cost(monkeypatch):
     assert [r["n"] for r in sweep["rows"]] == [1, 2, 3] and len(ran) == 6
     assert all(r["waves"] == 6 and len(r["ms_rounds"]) == 2 for r in sweep["rows"])    # 1 x 2 x 3 items, 1 "SM"
     assert set(sweep) >= {"fixed_us", "per_tile_us"} and results["errors"] == []
+    assert list(sweep["fits"]) == ["ours"] and {r["impl"] for r in sweep["rows"]} == {"ours"}   # no FA4 on CPU
+    assert sweep["fits"]["ours"]["fixed_us"] == sweep["fixed_us"]
 
 
 def test_gpu_state_reads_nvidia_smi_and_is_empty_without_it():
