@@ -118,12 +118,38 @@ def test_topk_plan_builds_no_host_tensors_after_the_first_call(monkeypatch):
     assert torch.equal(again.kv_index, first.kv_index) and torch.equal(again.kv_count, first.kv_count)
 
 
+def test_work_order_is_longest_first_by_power_of_two_class_and_keeps_head_order_within_one():
+    """Rows whose lengths share a bit length keep their (b, h, m) order, so a top-k plan's floor/ceil budgets
+    (25/26) run head by head; a longer class goes first, empty rows last; a permutation either way."""
+    from videosparse.plan import row_budget_list, work_order
+
+    budgets = torch.tensor(row_budget_list(0.1, 256, 256), dtype=torch.int32)
+    assert set(budgets.tolist()) == {25, 26}
+    counts = budgets.repeat(2, 3, 1)
+    assert torch.equal(work_order(counts), torch.arange(2 * 3 * 256, dtype=torch.int32))
+
+    g = torch.Generator().manual_seed(0)
+    counts = torch.randint(0, 300, (2, 5, 37), generator=g, dtype=torch.int32)
+    counts[0, 1, :4] = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    order = work_order(counts)
+    assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(counts.numel()))
+    order = order.long()
+    flat = counts.reshape(-1)[order]
+    bits = torch.tensor([int(c).bit_length() for c in flat])
+    assert (bits[1:] <= bits[:-1]).all()                                     # classes longest first
+    same = bits[1:] == bits[:-1]
+    assert (order[1:][same] > order[:-1][same]).all()                       # stable: (b, h, m) order within
+    assert (flat[-int((flat == 0).sum()):] == 0).all()                      # empty rows last
+    assert torch.equal(work_order(torch.tensor([[[25, 26, 40, 63, 64, 7]]], dtype=torch.int32)),
+                       torch.tensor([4, 2, 3, 0, 1, 5], dtype=torch.int32))
+
+
 @pytest.mark.parametrize("globals_", [0, 3])
 @pytest.mark.parametrize("density", [0.07, 0.3, 1.0])
 def test_builders_attach_the_work_order_the_kernels_would_sort(globals_, density):
-    """topk_plan and dense_plan carry `order` from their row budgets: equal to the kernels' stable
-    longest-first sort of kv_count (so the kernels skip that sort), cached across calls."""
-    from videosparse.kernels._triton_utils import work_order
+    """topk_plan and dense_plan carry `order` from their row budgets: equal to the kernels' `work_order` of
+    kv_count (so the kernels skip that sort), cached across calls."""
+    from videosparse.plan import work_order
 
     plan = topk_plan(torch.randn(2, 3, 25, 25), density, num_global_tiles=globals_)
     assert plan.order.dtype == torch.int32 and torch.equal(plan.order, work_order(plan.kv_count))

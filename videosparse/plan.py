@@ -10,9 +10,10 @@ every backend, so it can be checked against the reference and executed by the fa
     k_mean    [B, H, Nk, D]           optional: mean key of every key tile       (zero-order
     v_sum     [B, H, Nk, D]           optional: sum of values of every key tile   correction of
     tile_len  [Nk]                    optional: real tokens of every key tile     skipped tiles)
-    order     int32 [B*H*Mq]          optional: the order the kernels take the (b*H + h)*Mq + m rows in,
-                                      longest first (a permutation); builders that know their row
-                                      lengths on the host attach it, otherwise the kernels sort kv_count
+    order     int32 [B*H*Mq]          optional: the order the kernels take the (b*H + h)*Mq + m rows in
+                                      (a permutation; `work_order`: longest first by power-of-two class);
+                                      builders that know their row lengths on the host attach it,
+                                      otherwise the kernels sort kv_count
     valid_keys int32 [B]              optional: keys at positions >= valid_keys[b] are masked for every
                                       query of item b (a key-padding mask given as a device tensor, so
                                       that prompt lengths change no shape); listed tiles start below it
@@ -198,18 +199,31 @@ def _cached(cache: dict, key: tuple, build):
 _ORDERS: dict[tuple, torch.Tensor] = {}
 
 
+def work_order(kv_count: torch.Tensor) -> torch.Tensor:
+    """int32 [B*H*Mq]: the order the kernels take the plan rows (b*H + h)*Mq + m in, from kv_count (int32
+    [B, H, Mq]): longest first by power-of-two class of the row length (its bit length: 1, 2-3, 4-7, ...;
+    empty rows last), stable within a class.
+
+    Why classes and not the exact length: rows whose lengths differ by less than 2x stay in head-major order,
+    so the persistent grid's programs work on one or two heads at a time and each head's K/V is read into L2
+    once. Sorted by exact length, a top-k plan's floor/ceil budgets (25 and 26 tiles at density 0.1 of 256)
+    made two passes over every head: 4-5% slower at 12 x 32,768 on the H200 (`benchmarks/order_ab_2_h200.json`).
+    The classes keep what longest-first is for (long rows, e.g. global-tile rows or denser heads, go first;
+    the last wave holds the shortest class)."""
+    lengths = kv_count.reshape(-1)
+    return torch.sort(torch.frexp(lengths.float()).exponent, descending=True, stable=True).indices.to(torch.int32)
+
+
 def row_order(row_lengths: list[int], groups: int, device: torch.device | str) -> torch.Tensor | None:
-    """int32 [groups * len(row_lengths)]: the plan rows g * len + m (every group g of B*H has the same
-    planned row lengths) longest first, stable: what the kernels' sort of kv_count gives when the lengths
-    are these, computed on the host once per (lengths, groups, device) and cached. The kernels then skip
-    their sort (one ~20 us launch per call at 3,072 rows on the H200). None under torch.compile (a host
-    sort and copy per call in the graph would cost more): the kernel custom op sorts."""
+    """int32 [groups * len(row_lengths)]: `work_order` of the plan rows g * len + m when every group g of B*H
+    has these planned row lengths, computed on the host once per (lengths, groups, device) and cached. The
+    kernels then skip their sort (one ~20 us launch per call at 3,072 rows on the H200). None under
+    torch.compile (a host sort and copy per call in the graph would cost more): the kernel custom op sorts."""
     if torch.compiler.is_compiling():
         return None
 
     def build():
-        lengths = torch.tensor(row_lengths, dtype=torch.int32).repeat(groups)
-        return torch.sort(lengths, descending=True, stable=True).indices.to(torch.int32).to(device)
+        return work_order(torch.tensor(row_lengths, dtype=torch.int32).repeat(groups)).to(device)
 
     return _cached(_ORDERS, (tuple(row_lengths), groups, str(device)), build)
 

@@ -188,3 +188,25 @@ def test_ncu_stall_summary_splits_roles_and_weights_by_samples(tmp_path):
     assert loader["stalls"] == {"long_sb": 100.0}
     assert consumer["instruction_mix"]["MUFU"] == 60.0          # predicated instructions count by their opcode
     assert consumer["hottest"][0] == dict(sass="WARPGROUP.DEPBAR.LE gsb0, 0x0", share=50.0, stalls={"barrier": 100.0})
+
+
+def test_ab_work_order_plans_are_valid_and_its_orders_are_permutations():
+    """scripts/ab_work_order.py: every plan it times is valid at its token count, and every order it compares is a
+    permutation of the plan rows; `exact` is longest first, `head` keeps each head's rows together."""
+    import torch
+
+    ab = load_script("ab_work_order")
+    for name, (plan, tokens) in ab.plans(3, 2048, 128, "cpu").items():
+        q = torch.zeros(1, 3, tokens, 16)
+        plan.validate(q, q)
+        n = plan.kv_count.numel()
+        for order_name, order in ab.orders(plan.kv_count).items():
+            assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(n)), (name, order_name)
+        flat = plan.kv_count.reshape(-1)
+        exact = flat[ab.exact_order(plan.kv_count).long()]
+        assert (exact[1:] <= exact[:-1]).all(), name
+        heads = ab.head_order(plan.kv_count).long() // plan.kv_count.shape[-1]
+        assert int((heads[1:] != heads[:-1]).sum()) == plan.kv_count.shape[1] - 1, name
+    counts = torch.tensor([[[3, 1, 2], [2, 2, 3]]])
+    p = ab.counts_plan(counts, torch.Generator().manual_seed(0))
+    assert torch.equal(p.kv_count, counts.int())

@@ -84,9 +84,8 @@ def _run_split_case(name: str) -> dict:
     from helpers import random_plan, rel_err
 
     from videosparse.kernels import reference_attention
-    from videosparse.kernels._triton_utils import work_order
     from videosparse.kernels.tail_split import combine_parts, combine_parts_torch, tail_split, work_units
-    from videosparse.plan import Plan, dense_plan
+    from videosparse.plan import Plan, dense_plan, work_order
 
     B, H, S, D, density, programs, extra = SPLIT_CASES[name]
     g = torch.Generator().manual_seed(sum(map(ord, name)))

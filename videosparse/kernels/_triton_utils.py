@@ -3,8 +3,9 @@
 Imported only through the backend registry (it imports triton). Host helpers turn a `Plan` into the
 flat tensors both kernels read:
 
-    order     int32 [B*H*Mq]          work items (b*H + h)*Mq + m, longest first (stable by kv_count; the plan's
-                                      own `order` when it carries one: no sort per call)
+    order     int32 [B*H*Mq]          work items (b*H + h)*Mq + m, longest first by power-of-two class
+                                      (`plan.work_order`; the plan's own `order` when it carries one: no sort
+                                      per call)
     kv_index  int32 [B*H*Mq, Kmax]    the plan's key tiles, contiguous
     kv_count  int32 [B*H*Mq]
     k_mean    [B*H*Nk, D]  (q.dtype)  correction: mean key per key tile
@@ -26,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..plan import Plan
+from ..plan import Plan, work_order
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -37,12 +38,6 @@ NEG_BIG = tl.constexpr(-1.0e30)
 def interpreter_active() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     return bool(triton.knobs.runtime.interpret)
-
-
-def work_order(kv_count: torch.Tensor) -> torch.Tensor:
-    """int32 [B*H*Mq]: flat work-item ids sorted by kv_count, longest first, stable (keeps head locality)."""
-    flat = kv_count.reshape(-1)
-    return torch.sort(flat, descending=True, stable=True).indices.to(torch.int32)
 
 
 def correction_inputs_torch(plan: Plan, num_key_tiles: int, chunk: int, dtype: torch.dtype):

@@ -1,0 +1,140 @@
+#!/usr/bin/env python
+"""A/B (GPU) of the kernels' work order: the same plan and kernel, the plan's rows taken in different orders.
+
+Orders (int32 permutations of the B*H*Mq plan rows):
+
+* ``exact``: longest first by exact kv_count, stable (the kernels' order before `plan.work_order`);
+* ``class``: `plan.work_order`, longest first by power-of-two class of kv_count, stable (the current order);
+* ``head``: heads by their total kv_count, longest first, the rows of a head in query-tile order;
+* ``identity``: (b, h, m) order.
+
+Plans at 12 x 32,768 (head dim 128 and 64): random top-k plans (`bench_kernel.random_plan`, floor/ceil budgets
+per row) at density 0.1 and 0.05, the same with 2 global tiles (text-like rows that list every tile), and plans
+whose rows have uneven counts (log-normal per row; per-head densities 0.03-0.4). Interleaved rounds, medians;
+outputs of every order are checked against the first::
+
+    python scripts/ab_work_order.py [--rounds 7] [--out benchmarks/order_ab_2_h200.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+from statistics import median
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def exact_order(kv_count):
+    """int32: rows longest first by exact kv_count, stable."""
+    import torch
+
+    return torch.sort(kv_count.reshape(-1), descending=True, stable=True).indices.to(torch.int32)
+
+
+def head_order(kv_count):
+    """int32: heads (b, h) by total kv_count, longest first, stable; a head's rows in query-tile order."""
+    import torch
+
+    BH, M = kv_count.shape[0] * kv_count.shape[1], kv_count.shape[2]
+    heads = torch.sort(kv_count.reshape(BH, M).sum(1), descending=True, stable=True).indices
+    return (heads[:, None] * M + torch.arange(M, device=kv_count.device)).reshape(-1).to(torch.int32)
+
+
+def orders(kv_count):
+    """{name: int32 order} of the four orders compared."""
+    import torch
+
+    from videosparse.plan import work_order
+
+    return {"exact": exact_order(kv_count), "class": work_order(kv_count), "head": head_order(kv_count),
+            "identity": torch.arange(kv_count.numel(), dtype=torch.int32, device=kv_count.device)}
+
+
+def counts_plan(counts, generator):
+    """Plan with the given kv_count (int [B, H, M]): each row lists that many distinct random key tiles, sorted."""
+    import torch
+
+    from videosparse.plan import Plan
+
+    M = counts.shape[-1]
+    kmax = int(counts.max())
+    scores = torch.rand(*counts.shape, M, device=counts.device, generator=generator)
+    idx = scores.topk(kmax, dim=-1).indices
+    keep = torch.arange(kmax, device=counts.device) < counts[..., None]   # topk is in random column order
+    idx = torch.where(keep, idx, M).sort(-1).values
+    idx = torch.where(idx == M, 0, idx)
+    return Plan(idx.to(torch.int32).contiguous(), counts.to(torch.int32).contiguous(), 128, 128)
+
+
+def plans(H, S, D, device):
+    """{name: (plan, tokens)}: the plans timed at H heads of S video tokens."""
+    import torch
+
+    from bench_kernel import random_plan
+    from videosparse.plan import topk_plan
+
+    M = math.ceil(S / 128)
+    g = torch.Generator(device=device).manual_seed(5)
+    out = {"topk 0.1": (random_plan(1, H, S, 0.1, 128, device), S)}
+    if D == 64:
+        return out
+    out["topk 0.05"] = (random_plan(1, H, S, 0.05, 128, device), S)
+    out["topk 0.1 + 2 global tiles"] = (topk_plan(torch.rand(1, H, M, M, device=device, generator=g), 0.1,
+                                                  num_global_tiles=2), S + 2 * 128)
+    lognormal = torch.exp(torch.randn(1, H, M, device=device, generator=g) * 0.7 + math.log(20)).round().clamp(1, M)
+    out["log-normal rows (mean ~26 tiles)"] = (counts_plan(lognormal.long(), g), S)
+    density = torch.rand(H, device=device, generator=g) * 0.37 + 0.03
+    per_head = (density[None, :, None] * M + torch.randn(1, H, M, device=device, generator=g)).round().clamp(1, M)
+    out["per-head density 0.03-0.4"] = (counts_plan(per_head.long(), g), S)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", default="ab_work_order.json")
+    args = ap.parse_args(argv)
+
+    import torch
+    from triton.testing import do_bench
+
+    from bench_kernel import time_interleaved
+    from videosparse.kernels import block_sparse_attention
+
+    fns, work = {}, {}
+    for H, S, D in ((12, 32768, 128), (12, 32768, 64)):
+        for name, (plan, tokens) in plans(H, S, D, "cuda").items():
+            q, k, v = (torch.randn(1, H, tokens, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            ref = None
+            for order_name, order in orders(plan.kv_count).items():
+                p = replace(plan, order=order)
+                out = block_sparse_attention(q, k, v, p).float()
+                ref = out if ref is None else ref
+                diff = float((out - ref).norm() / ref.norm())
+                if diff > 1e-2:
+                    raise RuntimeError(f"{name}: order {order_name} changes the output by {diff:.2e}")
+                key = f"{H}x{S} d{D} | {name} | {order_name}"
+                fns[key] = lambda p=p, q=q, k=k, v=v: block_sparse_attention(q, k, v, p, validate=False)
+                work[key] = 4.0 * int(plan.kv_count.sum()) * 128 * 128 * D
+    times = time_interleaved(fns, args.rounds, lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    results = {}
+    for key, ts in times.items():
+        ms = median(ts)
+        exact = median(times[key.rsplit(" | ", 1)[0] + " | exact"])
+        results[key] = dict(ms=ms, tflops=work[key] / ms / 1e9, vs_exact=exact / ms - 1,
+                            ms_rounds=[round(x, 4) for x in ts])
+        print(f"{key:60s} {ms:8.3f} ms {work[key] / ms / 1e9:6.0f} TFLOP/s  vs exact {exact / ms - 1:+6.1%}")
+    Path(args.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rounds=args.rounds,
+                                              results=results), indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
