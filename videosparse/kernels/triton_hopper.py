@@ -4,9 +4,10 @@ Layout of this file (as Triton's fused-attention tutorial): hardware checks, the
 wrapper, the backend object that the dispatch registry imports.
 
 The kernel runs a persistent grid (one program per SM). Work items are (batch, head, query tile),
-taken longest-first (sorted by kv_count on the host) and dealt round-robin to the programs. Per item
-one warp-specialized loop (TMA loads of K and V at the listed tile, wgmma, online softmax in the
-exp2 domain), then the epilogue (out = acc / l, lse = m + log l, masked stores: rows past S dropped).
+taken longest-first (`plan.work_order`: by power-of-two class of kv_count) and dealt round-robin to
+the programs. Per item one warp-specialized loop (TMA loads of K and V at the listed tile, wgmma,
+online softmax in the exp2 domain), then the epilogue (out = acc / l, lse = m + log l, masked stores:
+rows past S dropped).
 
 * Partial last key tile: kv_index is sorted, so it can only be the last entry; when S is not a
   multiple of BLOCK_N the loop adds a column bias (0 / -inf) to every tile (a tail step after the
