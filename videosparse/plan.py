@@ -207,7 +207,7 @@ def work_order(kv_count: torch.Tensor) -> torch.Tensor:
     Why classes and not the exact length: rows whose lengths differ by less than 2x stay in head-major order,
     so the persistent grid's programs work on one or two heads at a time and each head's K/V is read into L2
     once. Sorted by exact length, a top-k plan's floor/ceil budgets (25 and 26 tiles at density 0.1 of 256)
-    made two passes over every head: 4-5% slower at 12 x 32,768 on the H200 (`benchmarks/order_ab_2_h200.json`).
+    made two passes over every head: 2-5% slower at 12 x 32,768 on the H200 (`benchmarks/order_ab_2_h200.json`).
     The classes keep what longest-first is for (long rows, e.g. global-tile rows or denser heads, go first;
     the last wave holds the shortest class)."""
     lengths = kv_count.reshape(-1)
