@@ -13,7 +13,7 @@ per row) at density 0.1 and 0.05, the same with 2 global tiles (text-like rows t
 whose rows have uneven counts (log-normal per row; per-head densities 0.03-0.4). Interleaved rounds, medians;
 outputs of every order are checked against the first::
 
-    python scripts/ab_work_order.py [--rounds 7] [--out benchmarks/order_ab_2_h200.json]
+    python scripts/ab_work_order.py [--rounds 7] [--backend hopper] [--out benchmarks/order_ab_2_h200.json]
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", default="ab_work_order.json")
+    ap.add_argument("--backend", default="auto", help="kernel backend timed (default: auto, the Gluon kernel on sm_90)")
     args = ap.parse_args(argv)
 
     import torch
@@ -115,13 +116,14 @@ def main(argv=None):
             ref = None
             for order_name, order in orders(plan.kv_count).items():
                 p = replace(plan, order=order)
-                out = block_sparse_attention(q, k, v, p).float()
+                out = block_sparse_attention(q, k, v, p, backend=args.backend).float()
                 ref = out if ref is None else ref
                 diff = float((out - ref).norm() / ref.norm())
                 if diff > 1e-2:
                     raise RuntimeError(f"{name}: order {order_name} changes the output by {diff:.2e}")
                 key = f"{H}x{S} d{D} | {name} | {order_name}"
-                fns[key] = lambda p=p, q=q, k=k, v=v: block_sparse_attention(q, k, v, p, validate=False)
+                fns[key] = lambda p=p, q=q, k=k, v=v: block_sparse_attention(q, k, v, p, backend=args.backend,
+                                                                                validate=False)
                 work[key] = 4.0 * int(plan.kv_count.sum()) * 128 * 128 * D
     times = time_interleaved(fns, args.rounds, lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median"))
     results = {}
@@ -132,7 +134,7 @@ def main(argv=None):
                             ms_rounds=[round(x, 4) for x in ts])
         print(f"{key:60s} {ms:8.3f} ms {work[key] / ms / 1e9:6.0f} TFLOP/s  vs exact {exact / ms - 1:+6.1%}")
     Path(args.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rounds=args.rounds,
-                                              results=results), indent=1))
+                                              backend=args.backend, results=results), indent=1))
     return results
 
 
