@@ -3,8 +3,9 @@
 
 Orders (int32 permutations of the B*H*Mq plan rows):
 
-* ``exact``: longest first by exact kv_count, stable (the kernels' order before `plan.work_order`);
-* ``class``: `plan.work_order`, longest first by power-of-two class of kv_count, stable (the current order);
+* ``exact``: longest first by exact kv_count, stable (the kernels' first order);
+* ``work_order``: `plan.work_order` (the current order): rows over twice the mean length first, then ``head``;
+* ``class``: longest first by power-of-two class of kv_count, stable (the order before);
 * ``head``: heads by their total kv_count, longest first, the rows of a head in query-tile order;
 * ``identity``: (b, h, m) order.
 
@@ -47,13 +48,23 @@ def head_order(kv_count):
     return (heads[:, None] * M + torch.arange(M, device=kv_count.device)).reshape(-1).to(torch.int32)
 
 
+def class_order(kv_count):
+    """int32: rows longest first by power-of-two class of kv_count (bit length), stable; empty rows last (the
+    kernels' order from commit f03b67c to the head-major `plan.work_order`)."""
+    import torch
+
+    return torch.sort(torch.frexp(kv_count.reshape(-1).float()).exponent, descending=True,
+                      stable=True).indices.to(torch.int32)
+
+
 def orders(kv_count):
-    """{name: int32 order} of the four orders compared."""
+    """{name: int32 order} of the orders compared."""
     import torch
 
     from videosparse.plan import work_order
 
-    return {"exact": exact_order(kv_count), "class": work_order(kv_count), "head": head_order(kv_count),
+    return {"exact": exact_order(kv_count), "work_order": work_order(kv_count), "class": class_order(kv_count),
+            "head": head_order(kv_count),
             "identity": torch.arange(kv_count.numel(), dtype=torch.int32, device=kv_count.device)}
 
 

@@ -118,30 +118,39 @@ def test_topk_plan_builds_no_host_tensors_after_the_first_call(monkeypatch):
     assert torch.equal(again.kv_index, first.kv_index) and torch.equal(again.kv_count, first.kv_count)
 
 
-def test_work_order_is_longest_first_by_power_of_two_class_and_keeps_head_order_within_one():
-    """Rows whose lengths share a bit length keep their (b, h, m) order, so a top-k plan's floor/ceil budgets
-    (25/26) run head by head; a longer class goes first, empty rows last; a permutation either way."""
+def test_work_order_runs_long_rows_first_then_heads_by_total_in_query_tile_order():
+    """Rows over twice the mean non-empty length first (longest first), the others head-major (heads by total
+    kv_count, largest first; rows in query-tile order), empty rows last; a permutation either way."""
     from videosparse.plan import row_budget_list, work_order
 
     budgets = torch.tensor(row_budget_list(0.1, 256, 256), dtype=torch.int32)
     assert set(budgets.tolist()) == {25, 26}
-    counts = budgets.repeat(2, 3, 1)
+    counts = budgets.repeat(2, 3, 1)                      # a top-k plan: every head alike -> (b, h, m) order
     assert torch.equal(work_order(counts), torch.arange(2 * 3 * 256, dtype=torch.int32))
 
     g = torch.Generator().manual_seed(0)
-    counts = torch.randint(0, 300, (2, 5, 37), generator=g, dtype=torch.int32)
-    counts[0, 1, :4] = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    counts = torch.randint(1, 40, (2, 5, 37), generator=g, dtype=torch.int32)
+    counts[0, 1, :4] = 0
+    counts[1, 3, 5] = 250
+    counts[0, 4, 30] = 300
     order = work_order(counts)
     assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(counts.numel()))
     order = order.long()
-    flat = counts.reshape(-1)[order]
-    bits = torch.tensor([int(c).bit_length() for c in flat])
-    assert (bits[1:] <= bits[:-1]).all()                                     # classes longest first
-    same = bits[1:] == bits[:-1]
-    assert (order[1:][same] > order[:-1][same]).all()                       # stable: (b, h, m) order within
-    assert (flat[-int((flat == 0).sum()):] == 0).all()                      # empty rows last
-    assert torch.equal(work_order(torch.tensor([[[25, 26, 40, 63, 64, 7]]], dtype=torch.int32)),
-                       torch.tensor([4, 2, 3, 0, 1, 5], dtype=torch.int32))
+    flat = counts.reshape(-1)
+    assert order[:2].tolist() == [4 * 37 + 30, (5 + 3) * 37 + 5]                # the long rows, longest first
+    assert order[-4:].tolist() == [37, 38, 39, 40]                              # empty rows last, in order
+    middle = order[2:-4]
+    head, tile = middle // 37, middle % 37
+    totals = counts.reshape(10, 37).sum(1)
+    runs = torch.unique_consecutive(head)
+    assert runs.numel() == 10 and (totals[runs][1:] <= totals[runs][:-1]).all()  # heads largest total first
+    same = head[1:] == head[:-1]
+    assert (tile[1:][same] > tile[:-1][same]).all()                             # query-tile order in a head
+    assert (flat[middle] > 0).all()
+
+    ties = torch.tensor([[[5, 5], [1, 9]], [[0, 0], [7, 3]]], dtype=torch.int32)   # equal totals keep (b, h)
+    assert work_order(ties).tolist() == [0, 1, 2, 3, 6, 7, 4, 5]
+    assert work_order(torch.zeros(1, 2, 3, dtype=torch.int32)).tolist() == list(range(6))
 
 
 @pytest.mark.parametrize("globals_", [0, 3])

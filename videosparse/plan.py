@@ -11,7 +11,7 @@ every backend, so it can be checked against the reference and executed by the fa
     v_sum     [B, H, Nk, D]           optional: sum of values of every key tile   correction of
     tile_len  [Nk]                    optional: real tokens of every key tile     skipped tiles)
     order     int32 [B*H*Mq]          optional: the order the kernels take the (b*H + h)*Mq + m rows in
-                                      (a permutation; `work_order`: longest first by power-of-two class);
+                                      (a permutation; `work_order`: long rows first, then head-major);
                                       builders that know their row lengths on the host attach it,
                                       otherwise the kernels sort kv_count
     valid_keys int32 [B]              optional: keys at positions >= valid_keys[b] are masked for every
@@ -201,17 +201,29 @@ _ORDERS: dict[tuple, torch.Tensor] = {}
 
 def work_order(kv_count: torch.Tensor) -> torch.Tensor:
     """int32 [B*H*Mq]: the order the kernels take the plan rows (b*H + h)*Mq + m in, from kv_count (int32
-    [B, H, Mq]): longest first by power-of-two class of the row length (its bit length: 1, 2-3, 4-7, ...;
-    empty rows last), stable within a class.
+    [B, H, Mq], or any shape whose last dim is Mq):
 
-    Why classes and not the exact length: rows whose lengths differ by less than 2x stay in head-major order,
-    so the persistent grid's programs work on one or two heads at a time and each head's K/V is read into L2
-    once. Sorted by exact length, a top-k plan's floor/ceil budgets (25 and 26 tiles at density 0.1 of 256)
-    made two passes over every head: 2-5% slower at 12 x 32,768 on the H200 (`benchmarks/order_ab_2_h200.json`).
-    The classes keep what longest-first is for (long rows, e.g. global-tile rows or denser heads, go first;
-    the last wave holds the shortest class)."""
-    lengths = kv_count.reshape(-1)
-    return torch.sort(torch.frexp(lengths.float()).exponent, descending=True, stable=True).indices.to(torch.int32)
+    1. long rows, those with more than twice the mean of the non-empty rows' kv_count (global-tile rows, a
+       dense head among sparse ones), longest first;
+    2. the other non-empty rows head-major: heads (b, h) by their total kv_count, largest first, and a head's
+       rows in query-tile order;
+    3. empty rows.
+
+    Why not longest first by exact length: the persistent grid's programs take consecutive entries, so in
+    head-major order they work on one or two heads at a time and L2 holds those heads' K/V (16 MB per head at
+    32,768 tokens x 128); sorted by length, every wave reads from every head. A top-k plan's floor/ceil budgets
+    (25 / 26 tiles at density 0.1 of 256) then make two passes over all heads, and rows of spread lengths many
+    (on the H200, 12 x 32,768, `scripts/ab_work_order.py`: +1 to +4% on top-k plans, +2 to +5% on rows of
+    log-normal length, `benchmarks/order_ab_4_h200.json`). Long rows still go first, so that the last wave
+    does not hold them (head-major with 2 global-tile rows per head: -7%)."""
+    Mq = kv_count.shape[-1] if kv_count.dim() else 1
+    counts = kv_count.reshape(-1, Mq).long()
+    heads = torch.sort(counts.sum(1), descending=True, stable=True).indices
+    base = (heads[:, None] * Mq + torch.arange(Mq, device=counts.device)).reshape(-1)
+    c = counts.reshape(-1)[base]
+    mean = c.sum() / (c > 0).sum().clamp_min(1)
+    key = torch.where(c > 2 * mean, c + 2, (c > 0).long())     # long rows by length > other rows > empty rows
+    return base[torch.sort(key, descending=True, stable=True).indices].to(torch.int32)
 
 
 def row_order(row_lengths: list[int], groups: int, device: torch.device | str) -> torch.Tensor | None:
@@ -223,7 +235,7 @@ def row_order(row_lengths: list[int], groups: int, device: torch.device | str) -
         return None
 
     def build():
-        return work_order(torch.tensor(row_lengths, dtype=torch.int32).repeat(groups)).to(device)
+        return work_order(torch.tensor(row_lengths, dtype=torch.int32).repeat(groups, 1)).to(device)
 
     return _cached(_ORDERS, (tuple(row_lengths), groups, str(device)), build)
 

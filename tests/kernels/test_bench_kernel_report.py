@@ -192,7 +192,8 @@ def test_ncu_stall_summary_splits_roles_and_weights_by_samples(tmp_path):
 
 def test_ab_work_order_plans_are_valid_and_its_orders_are_permutations():
     """scripts/ab_work_order.py: every plan it times is valid at its token count, and every order it compares is a
-    permutation of the plan rows; `exact` is longest first, `head` keeps each head's rows together."""
+    permutation of the plan rows; `exact` is longest first, `class` longest first by power-of-two class, `head`
+    keeps each head's rows together."""
     import torch
 
     ab = load_script("ab_work_order")
@@ -207,6 +208,8 @@ def test_ab_work_order_plans_are_valid_and_its_orders_are_permutations():
         assert (exact[1:] <= exact[:-1]).all(), name
         heads = ab.head_order(plan.kv_count).long() // plan.kv_count.shape[-1]
         assert int((heads[1:] != heads[:-1]).sum()) == plan.kv_count.shape[1] - 1, name
+        bits = torch.frexp(flat[ab.class_order(plan.kv_count).long()].float()).exponent
+        assert (bits[1:] <= bits[:-1]).all(), name
     counts = torch.tensor([[[3, 1, 2], [2, 2, 3]]])
     p = ab.counts_plan(counts, torch.Generator().manual_seed(0))
     assert torch.equal(p.kv_count, counts.int())

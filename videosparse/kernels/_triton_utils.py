@@ -3,7 +3,7 @@
 Imported only through the backend registry (it imports triton). Host helpers turn a `Plan` into the
 flat tensors both kernels read:
 
-    order     int32 [B*H*Mq]          work items (b*H + h)*Mq + m, longest first by power-of-two class
+    order     int32 [B*H*Mq]          work items (b*H + h)*Mq + m: long rows first, then head-major
                                       (`plan.work_order`; the plan's own `order` when it carries one: no sort
                                       per call)
     kv_index  int32 [B*H*Mq, Kmax]    the plan's key tiles, contiguous
@@ -180,7 +180,7 @@ def launch_dims(q: torch.Tensor, k: torch.Tensor, plan: Plan):
     Sk = k.shape[2]
     Mq, Nk = math.ceil(S / plan.block_m), math.ceil(Sk / plan.block_n)
     kv_index, kv_count = flat_plan(plan)
-    order = plan.order if plan.order is not None else work_order(kv_count)
+    order = plan.order if plan.order is not None else work_order(plan.kv_count)
     return B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order
 
 

@@ -14,7 +14,7 @@ does not overlap its own GEMMs. This kernel writes the schedule out:
   wait above the softmax): `LATE_Q` puts the step's conditional Q-buffer release there, `LATE_K` the K-stage
   release (both on by default at head dim 128: `default_late_k_release`; `scripts/inspect_gluon_sass.py`
   counts the overlap). The two warpgroups also interleave one's softmax with the other's GEMMs.
-* persistent grid, work items (batch*head, query tile) longest-first as in `triton_hopper`; two Q
+* persistent grid, work items (batch*head, query tile) in `plan.work_order` as in `triton_hopper`; two Q
   buffers let the loader fetch the next item's Q and first K/V tiles early, and the pipeline is carried
   across items: an item's last P.V GEMM and epilogue overlap the next item's first score GEMM and softmax
   (`FIRST_OVERLAP`: that softmax also stays under the P.V GEMM); the epilogue
@@ -64,7 +64,7 @@ def _wgmma_layout(n):
 
 @gluon.jit
 def _work_item(ORDER, KV_COUNT, it, MQ):
-    """(item, batch*head, query tile, kv_count) of the it-th work item (longest first)."""
+    """(item, batch*head, query tile, kv_count) of the it-th work item of ORDER."""
     item = gl.load(ORDER + it)
     return item, item // MQ, item % MQ, gl.load(KV_COUNT + item)
 

@@ -3,8 +3,8 @@
 Same semantics as the torch reference (see `reference.py`); no TMA, no warp specialization, plain
 pointer loads, so it runs on any NVIDIA GPU of compute capability >= 8.0 and under
 `TRITON_INTERPRET=1` on CPU tensors (that is what CI exercises). One program per work item
-(batch, head, query tile), launched longest-first (`plan.work_order`) so that long rows do not
-trail at the end of the grid.
+(batch, head, query tile), launched in `plan.work_order` (long rows first, then head by head) so that
+long rows do not trail at the end of the grid.
 
 Per item, in one online softmax (exp2 domain):
 1. zero-order correction (when the plan carries centroids): all Nk centroids in chunks of KEY_CHUNK,

@@ -4,7 +4,7 @@ Layout of this file (as Triton's fused-attention tutorial): hardware checks, the
 wrapper, the backend object that the dispatch registry imports.
 
 The kernel runs a persistent grid (one program per SM). Work items are (batch, head, query tile),
-taken longest-first (`plan.work_order`: by power-of-two class of kv_count) and dealt round-robin to
+taken in `plan.work_order` (long rows first, then head by head) and dealt round-robin to
 the programs. Per item one warp-specialized loop (TMA loads of K and V at the listed tile, wgmma,
 online softmax in the exp2 domain), then the epilogue (out = acc / l, lse = m + log l, masked stores:
 rows past S dropped).
