@@ -17,6 +17,18 @@ def test_method_args_build_configs():
     assert method_config(a) == VedaConfig(density=0.1, tiling=(8, 4, 4), dense_steps=0.25)
 
 
+def test_malformed_schedule_arguments_are_argparse_errors_naming_the_form(capsys):
+    import pytest
+
+    for argv, msg in ((["--dense-steps", "abc"], "argument --dense-steps: dense steps 'abc' must be an int count"),
+                      (["--dense-layers", "a,b"], "layers 'a,b' must be comma-separated layer indices (e.g. 0,3)")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["generate", *argv])
+        assert exit_.value.code == 2 and msg in capsys.readouterr().err, argv
+    a = build_parser().parse_args(["generate", "--dense-steps", "1e-1", "--dense-layers", ""])
+    assert a.dense_steps == 0.1 and a.dense_layers == ()
+
+
 def test_bad_arguments_exit_with_clear_error(capsys):
     assert main(["generate", "--density", "2"]) == 2
     assert "density=2.0" in capsys.readouterr().err
@@ -34,7 +46,8 @@ def test_bad_arguments_exit_with_clear_error(capsys):
                       (["--fps", "0"], "--fps=0"),
                       (["--out", "/no/such/folder/v.mp4"], "does not exist"),
                       (["--json", "/no/such/folder/s.json"], "does not exist"),
-                      (["--device", "foo"], "device='foo' is not a torch device")):
+                      (["--device", "foo"], "device='foo' is not a torch device"),
+                      (["--tiling", "/no/such/tiling.json"], "neither a tile shape like 4x4x8 nor an existing")):
         assert main(["generate", *argv]) == 2, argv
         assert msg in capsys.readouterr().err, argv
 

@@ -85,6 +85,18 @@ def test_tile_shapes_may_be_numpy_ints():
             VedaConfig(tiling=bad)
 
 
+def test_tile_shapes_may_be_written_as_the_cli_writes_them():
+    """"4x4x8" is the shape (4, 4, 8) for both methods, as `--tiling 4x4x8` is; any other string is Veda's tiling
+    JSON path; a wrong product is caught at construction either way."""
+    assert VedaConfig(tiling="4x4x8") == VedaConfig(tiling=(4, 4, 8))
+    assert SolConfig(density=0.2, tiling=" 2X8x8 ").tiling == (2, 8, 8)
+    assert VedaConfig(tiling="runs/tiling.json").tiling == "runs/tiling.json"
+    with pytest.raises(ValueError, match=r"tile shape \(4, 4, 4\) has pt\*ph\*pw = 64"):
+        VedaConfig(tiling="4x4x4")
+    with pytest.raises(ValueError, match="three positive ints"):
+        SolConfig(density=0.2, tiling="runs/tiling.json")
+
+
 def test_in_memory_estimator_marker_is_not_loaded():
     """The dict entry of an estimator that was never saved is refused with a way out, not taken for a path."""
     with pytest.raises(ValueError, match=r"never saved.*save_pretrained"):

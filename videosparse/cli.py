@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .config import BACKENDS, DenseConfig, SolConfig, VedaConfig
+from .config import BACKENDS, DenseConfig, SolConfig, VedaConfig, parse_dense_steps, parse_layers, parse_tile
 from .distill.config import check_device
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -22,20 +22,15 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 VIDEO_SUFFIXES = (".mp4", ".mkv", ".mov", ".avi")        # (libx264 video; .webm would need VP8/VP9/AV1)
 
 
-def _tile(text: str):
-    """'4x4x8' -> (4, 4, 8); anything else is a path to a tiling JSON."""
-    parts = text.lower().split("x")
-    if len(parts) == 3 and all(p.isdigit() for p in parts):
-        return tuple(int(p) for p in parts)
-    return text
-
-
-def _layers(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip()) if text else ()
-
-
-def _steps(text: str) -> int | float:
-    return float(text) if "." in text else int(text)
+def _argument(parse):
+    """An argparse `type` from a parser that raises ValueError: its message becomes argparse's error."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    convert.__name__ = parse.__name__
+    return convert
 
 
 def add_method_args(p: argparse.ArgumentParser) -> None:
@@ -45,12 +40,13 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of key tiles kept (default 0.1 veda / 0.15 sol)")
     p.add_argument("--tau", type=float, default=None, help="sol: threshold in std devs (instead of --density)")
     p.add_argument("--estimator", default=None, help="veda: trained estimator directory or hub id")
-    p.add_argument("--tiling", type=_tile, default=None,
+    p.add_argument("--tiling", type=parse_tile, default=None,
                    help="tile shape like 4x4x8 (pt*ph*pw = block); veda also takes a tiling JSON from search-tiling")
     p.add_argument("--block", type=int, default=None, help="tokens per tile (128 or 64)")
-    p.add_argument("--dense-steps", type=_steps, default=None,
+    p.add_argument("--dense-steps", type=_argument(parse_dense_steps), default=None,
                    help="initial dense steps: an int count or a float fraction (default 0.2)")
-    p.add_argument("--dense-layers", type=_layers, default=None, help="comma-separated layers kept dense")
+    p.add_argument("--dense-layers", type=_argument(parse_layers), default=None,
+                   help="comma-separated layers kept dense")
     p.add_argument("--correction", action=argparse.BooleanOptionalAction, default=None,
                    help="zero-order correction of skipped tiles (default: off for veda, on for sol)")
     p.add_argument("--backend", default=None, choices=list(BACKENDS),
@@ -72,6 +68,9 @@ def method_config(args: argparse.Namespace):
     if args.method == "sol" and isinstance(args.tiling, str):
         raise ValueError(f"--tiling {args.tiling!r}: Sol takes one tile shape like 4x4x8 (pt*ph*pw = block), not a "
                          "tiling file; only --method veda reads a tiling JSON searched by `videosparse search-tiling`.")
+    if isinstance(args.tiling, str) and not os.path.isfile(args.tiling):   # before the pipeline loads
+        raise ValueError(f"--tiling {args.tiling!r} is neither a tile shape like 4x4x8 nor an existing tiling JSON "
+                         "file (written by `videosparse search-tiling`).")
     optional = {k: v for k, v in (("tiling", args.tiling), ("block", args.block), ("correction", args.correction),
                                   ("dense_steps", args.dense_steps), ("dense_layers", args.dense_layers),
                                   ("backend", args.backend)) if v is not None}

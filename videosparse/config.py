@@ -82,6 +82,35 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def parse_tile(text: Any) -> Any:
+    """'4x4x8' (any case of x) -> (4, 4, 8); anything else is returned as it is (a shape, or a tiling JSON path)."""
+    if isinstance(text, str):
+        parts = text.strip().lower().split("x")
+        if len(parts) == 3 and all(p.isdigit() for p in parts):
+            return tuple(int(p) for p in parts)
+    return text
+
+
+def parse_dense_steps(text: str) -> int | float:
+    """'4' -> 4 (a count), '0.2' or '2e-1' -> 0.2 (a fraction of the steps); ValueError naming the forms."""
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"dense steps {text!r} must be an int count (e.g. 4) or a float fraction of the "
+                             "steps (e.g. 0.2).") from None
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """'0,3' -> (0, 3); '' -> (); ValueError naming the form."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"layers {text!r} must be comma-separated layer indices (e.g. 0,3).") from None
+
+
 def _check_tile(tile: Any, block: int) -> TileShape:
     if not (isinstance(tile, (tuple, list)) and len(tile) == 3 and all(_is_int(t) and t > 0 for t in tile)):
         raise ValueError(f"tile shape {tile!r} must be three positive ints (pt, ph, pw).")
@@ -167,9 +196,10 @@ class VedaConfig(_BaseConfig):
             runs an fp32 eval copy). `None` uses the untrained estimator, i.e. mean-pooled q·k per tile (the
             VSA-style baseline). `to_dict` writes an object as the path or hub id it was loaded from.
         tiling (`tuple[int, int, int]`, path or `None`): one tile shape (pt, ph, pw) for every head
-            with pt*ph*pw == block, or a JSON file written by `videosparse search-tiling` giving each
-            (layer, head) its own shape. `None` (default): the tile shapes the estimator was trained
-            with; without an estimator (4, 4, 8) for block=128 and (4, 4, 4) for block=64.
+            with pt*ph*pw == block (or the string "4x4x8"), or a JSON file written by `videosparse
+            search-tiling` giving each (layer, head) its own shape. `None` (default): the tile shapes the
+            estimator was trained with; without an estimator (4, 4, 8) for block=128 and (4, 4, 4) for
+            block=64.
         block (`int`, defaults to 128): tokens per tile, 128 or 64.
         dense_steps (`int` or `float`, defaults to 0.2): initial denoising steps run dense (an int
             count, or a float fraction of the steps). The early steps lay out the video; running the
@@ -207,6 +237,7 @@ class VedaConfig(_BaseConfig):
             )
         if self.block not in BLOCK_SIZES:
             raise ValueError(f"block={self.block!r} is not supported; choose one of {BLOCK_SIZES}.")
+        object.__setattr__(self, "tiling", parse_tile(self.tiling))
         if isinstance(self.tiling, (tuple, list)):
             object.__setattr__(self, "tiling", _check_tile(self.tiling, self.block))
         elif self.tiling is not None and not isinstance(self.tiling, (str, os.PathLike)):
@@ -230,7 +261,7 @@ class SolConfig(_BaseConfig):
         block (`int`, defaults to 128): tokens per tile, 128 or 64. The paper uses 64-token blocks;
             128 is the default here because the Hopper kernel runs 128x128 tiles 2.2x faster than
             64x64 ones at the same density (benchmarks/sol_plan_h200.json).
-        tiling (`tuple[int, int, int]`): the 3D tile shape, pt*ph*pw == block.
+        tiling (`tuple[int, int, int]`): the 3D tile shape, pt*ph*pw == block (or the string "4x4x8").
         band (`int`, defaults to 1): key tiles with |i - j| <= band are always exact.
         correction (`bool`, defaults to True): zero-order correction for skipped tiles.
         dense_steps, dense_layers, backend: as in `VedaConfig` (dense_steps defaults to 0.2 here too).
@@ -268,7 +299,7 @@ class SolConfig(_BaseConfig):
             raise ValueError(f"block={self.block!r} is not supported; choose one of {BLOCK_SIZES}.")
         if self.tiling is None:
             object.__setattr__(self, "tiling", (4, 4, 4) if self.block == 64 else (4, 4, 8))
-        object.__setattr__(self, "tiling", _check_tile(self.tiling, self.block))
+        object.__setattr__(self, "tiling", _check_tile(parse_tile(self.tiling), self.block))
         if isinstance(self.band, bool) or not isinstance(self.band, int) or self.band < 0:
             raise ValueError(f"band={self.band!r} must be an int >= 0.")
         object.__setattr__(self, "dense_layers", _dense_schedule(self.dense_steps, _layers(self.dense_layers)))

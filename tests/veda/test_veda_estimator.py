@@ -130,6 +130,14 @@ def test_mismatched_estimator_is_a_clear_error(field, value, match):
         VedaMethod(VedaConfig(density=0.1, estimator=est, tiling=(4, 4, 8)), INFO)
 
 
+@pytest.mark.parametrize("num_layers", [1, 3])
+def test_estimator_of_another_depth_is_a_clear_error_with_its_own_tiling(num_layers):
+    """With the default tiling (the estimator's own tile shapes) a shallower estimator is the same clear error,
+    not an IndexError from looking up the shapes of layers it does not have."""
+    with pytest.raises(ValueError, match=f"num_layers: estimator has {num_layers}, the model/config has 2"):
+        VedaMethod(VedaConfig(density=0.1, estimator=make_est(num_layers=num_layers)), INFO)
+
+
 def test_default_tiling_is_the_estimators_own():
     per_head = [[(8, 4, 4), (2, 8, 8), (4, 4, 8)], (8, 4, 4)]
     method = VedaMethod(VedaConfig(density=0.1, estimator=make_est(tile_shapes=per_head)), INFO)

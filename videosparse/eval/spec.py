@@ -41,7 +41,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import CONFIG_CLASSES, DenseConfig, SolConfig, VedaConfig
+from ..config import CONFIG_CLASSES, DenseConfig, SolConfig, VedaConfig, parse_dense_steps, parse_layers, parse_tile
 
 DEFAULT_DENSITY = {"veda": 0.1, "sol": 0.15}
 
@@ -85,6 +85,10 @@ class MethodSpec:
         return f"{name}:{rest}" if rest else name
 
 
+_FORMS = {"density": "a number in (0, 1]", "tau": "a number (standard deviations)", "block": "an int (128 or 64)",
+          "band": "an int >= 0", "correction": f"one of {'/'.join(_BOOL)}"}
+
+
 def _parse_value(key: str, text: str, spec: str) -> Any:
     try:
         if key in ("density", "tau"):
@@ -92,20 +96,18 @@ def _parse_value(key: str, text: str, spec: str) -> Any:
         if key in ("block", "band"):
             return int(text)
         if key == "dense_steps":
-            return float(text) if ("." in text or "e" in text.lower()) else int(text)
+            return parse_dense_steps(text)
         if key == "dense_layers":
-            return tuple(int(x) for x in text.split(",") if x.strip())
+            return parse_layers(text)
         if key == "correction":
             if text.lower() not in _BOOL:
                 raise ValueError
             return _BOOL[text.lower()]
         if key == "tiling":
-            parts = text.lower().split("x")
-            if len(parts) == 3 and all(p.isdigit() for p in parts):
-                return tuple(int(p) for p in parts)
-            return text
-    except ValueError:
-        raise ValueError(f"method spec {spec!r}: {key}={text!r} is not a valid value for {key}.") from None
+            return parse_tile(text)
+    except ValueError as e:
+        form = _FORMS.get(key, str(e).rstrip("."))
+        raise ValueError(f"method spec {spec!r}: {key}={text!r} is not a valid value for {key}: {form}.") from None
     return text
 
 

@@ -66,13 +66,13 @@ class VedaMethod(SparseMethod):
         self._estimator_tiles: list | None = None
         if config.estimator is not None:
             est = load_estimator(config.estimator)
+            model = dict(model_class=info.model_class, num_layers=info.num_layers, num_heads=info.num_heads,
+                         head_dim=info.head_dim, block=config.block)
+            est.check_compatible(**model)   # first the sizes: the tile shapes below index the estimator's layers
             if config.tiling is None:   # the tile shapes the estimator was trained with
                 self._estimator_tiles = [[tuple(s) for s in heads] for heads in est.tile_shapes]
-            est.check_compatible(
-                model_class=info.model_class, num_layers=info.num_layers, num_heads=info.num_heads,
-                head_dim=info.head_dim, block=config.block,
-                tile_shapes=[self.head_shapes(l, info.num_heads) for l in range(info.num_layers)],
-            )
+            est.check_compatible(**model, tile_shapes=[self.head_shapes(l, info.num_heads)
+                                                       for l in range(info.num_layers)])
             if est is config.estimator:   # the caller's module: run a copy (its dtype, mode, grads, device stay)
                 est = copy.deepcopy(est)
                 est.zero_grad(set_to_none=True)
