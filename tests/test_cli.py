@@ -199,3 +199,16 @@ def test_sol_says_it_takes_no_tiling_file(capsys):
     err = capsys.readouterr().err
     assert "--tiling 'tiling.json': Sol takes one tile shape like 4x4x8" in err
     assert "only --method veda reads a tiling JSON" in err
+
+
+def test_prompt_words_outside_the_tokenizer_are_named():
+    """The reference model's closed vocabulary maps other words to [UNK]: generate names them."""
+    from types import SimpleNamespace
+
+    from videosparse.cli import _unknown_words
+    from videosparse.models.reference_text import build_reference_tokenizer
+
+    pipe = SimpleNamespace(tokenizer=build_reference_tokenizer())
+    assert _unknown_words(pipe, "a red circle moving right, on a dark background") == []
+    assert _unknown_words(pipe, "a Red elephant dancing") == ["elephant", "dancing"]
+    assert _unknown_words(SimpleNamespace(), "anything") == []

@@ -122,6 +122,16 @@ def _add_generate_parser(sub, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=_run_generate)
 
 
+def _unknown_words(pipe, prompt) -> list[str]:
+    """The words of `prompt` that the pipeline's tokenizer maps to its unknown token (the reference model's
+    closed vocabulary drops them); [] when the pipeline has no such tokenizer."""
+    tok = getattr(pipe, "tokenizer", None)
+    unk = getattr(tok, "unk_token_id", None)
+    if unk is None or not isinstance(prompt, str):
+        return []
+    return [w for w in prompt.split() if unk in tok(w, add_special_tokens=False)["input_ids"]]
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     from .eval.generate import generate, write_video
     from .models.loading import load_pipeline
@@ -151,6 +161,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         if value is not None:
             call[key] = value
     _check_size(pipe, call)
+    if unknown := _unknown_words(pipe, call.get("prompt")):
+        logging.getLogger(__name__).warning("the model's tokenizer does not know %s: %s ignores them",
+                                            ", ".join(repr(w) for w in unknown), loaded.name)
     image = _image_input(pipe, args.image)
     if image is not None:
         call["image"] = image
