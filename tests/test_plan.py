@@ -224,3 +224,26 @@ def test_nan_scores_never_displace_the_forced_diagonal():
     assert int(plan.kv_count.min()) >= 1
     nan_plan = topk_plan(torch.full((1, 2, 6, 6), float("nan")), 0.4)
     assert torch.equal(nan_plan.to_dense_mask(6), torch.eye(6, dtype=torch.bool).expand(1, 2, 6, 6))
+
+
+def test_row_order_under_compile_is_an_arange_exactly_where_work_order_is_the_identity(monkeypatch):
+    """In a compiled graph the builders give the identity order as an arange (no per-call sort in the kernel op)
+    and nothing (the op sorts) where `work_order` is not the identity; the shortcut's rule never claims an
+    identity that `work_order` does not give."""
+    import random
+
+    from videosparse import plan as plan_mod
+
+    rng = random.Random(0)
+    for _ in range(500):
+        lengths = [rng.choice([0, 1, 2, 5, 13, 40, rng.randint(1, 6)]) for _ in range(rng.randint(1, 9))]
+        groups = rng.randint(1, 3)
+        order = plan_mod.work_order(torch.tensor(lengths, dtype=torch.int32).repeat(groups, 1))
+        if plan_mod._order_is_identity(lengths):
+            assert torch.equal(order, torch.arange(groups * len(lengths), dtype=torch.int32)), lengths
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    budgets = plan_mod.row_budget_list(0.1, 256, 256)
+    assert torch.equal(plan_mod.row_order(budgets, 6, "cpu"), torch.arange(6 * 256, dtype=torch.int32))
+    assert plan_mod.row_order(budgets + [258, 258], 6, "cpu") is None            # global-tile rows: the op sorts
+    assert topk_plan(torch.randn(2, 3, 25, 25), 0.2).order.tolist() == list(range(2 * 3 * 25))
+    assert topk_plan(torch.randn(2, 3, 25, 25), 0.2, num_global_tiles=2).order is None

@@ -229,15 +229,27 @@ def work_order(kv_count: torch.Tensor) -> torch.Tensor:
 def row_order(row_lengths: list[int], groups: int, device: torch.device | str) -> torch.Tensor | None:
     """int32 [groups * len(row_lengths)]: `work_order` of the plan rows g * len + m when every group g of B*H
     has these planned row lengths, computed on the host once per (lengths, groups, device) and cached. The
-    kernels then skip their sort (one ~20 us launch per call at 3,072 rows on the H200). None under
-    torch.compile (a host sort and copy per call in the graph would cost more): the kernel custom op sorts."""
+    kernels then skip their sort (one ~20 us launch per call at 3,072 rows on the H200). Under torch.compile
+    (where a host sort and copy per call in the graph would cost more) only the common case is given: when the
+    order is the identity (no long rows, no empty ones: every head alike, e.g. Wan's top-k plans) an arange in
+    the graph; otherwise None and the kernel custom op sorts."""
     if torch.compiler.is_compiling():
+        if _order_is_identity(row_lengths):
+            return torch.arange(groups * len(row_lengths), dtype=torch.int32, device=device)
         return None
 
     def build():
         return work_order(torch.tensor(row_lengths, dtype=torch.int32).repeat(groups, 1)).to(device)
 
     return _cached(_ORDERS, (tuple(row_lengths), groups, str(device)), build)
+
+
+def _order_is_identity(row_lengths: list[int]) -> bool:
+    """Whether `work_order` of any number of groups with these row lengths is the identity: every row
+    non-empty and none over twice the mean (every group then has the same total, so heads keep their order)."""
+    if not row_lengths or min(row_lengths) < 1:
+        return False
+    return 2 * sum(row_lengths) >= max(row_lengths) * len(row_lengths)
 
 
 def plan_from_mask(mask: torch.Tensor, block_m: int = 128, block_n: int = 128) -> Plan:
