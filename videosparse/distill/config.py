@@ -11,11 +11,10 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Union
 
-from ..config import BLOCK_SIZES
+from ..config import BLOCK_SIZES, parse_tile
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
 CACHE_DTYPES = ("float32", "float16", "bfloat16")
@@ -41,9 +40,8 @@ def _tiling(value: Any, block: int) -> Any:
         from ..veda.method import DEFAULT_TILES
 
         return DEFAULT_TILES[block]
-    if isinstance(value, str) and re.fullmatch(r"\d+x\d+x\d+", value):       # "4x4x8", as the CLI writes it
-        value = tuple(int(v) for v in value.split("x"))
-    elif isinstance(value, (str, os.PathLike)):
+    value = parse_tile(value)                           # "4x4x8", as the CLI writes it
+    if isinstance(value, (str, os.PathLike)):
         return os.fspath(value)
     if isinstance(value, (list, tuple)) and len(value) == 3 and all(isinstance(v, int) and v > 0 for v in value):
         if value[0] * value[1] * value[2] != block:
