@@ -212,10 +212,11 @@ def work_order(kv_count: torch.Tensor) -> torch.Tensor:
     Why not longest first by exact length: the persistent grid's programs take consecutive entries, so in
     head-major order they work on one or two heads at a time and L2 holds those heads' K/V (16 MB per head at
     32,768 tokens x 128); sorted by length, every wave reads from every head. A top-k plan's floor/ceil budgets
-    (25 / 26 tiles at density 0.1 of 256) then make two passes over all heads, and rows of spread lengths many
-    (on the H200, 12 x 32,768, `scripts/ab_work_order.py`: +1 to +4% on top-k plans, +2 to +5% on rows of
-    log-normal length, `benchmarks/order_ab_4_h200.json`). Long rows still go first, so that the last wave
-    does not hold them (head-major with 2 global-tile rows per head: -7%)."""
+    (25 / 26 tiles at density 0.1 of 256) then make two passes over all heads, and rows of spread lengths many.
+    Against that order on the H200 (12 x 32,768, `scripts/ab_work_order.py`, `benchmarks/order_ab_4_h200.json`,
+    `..._hopper_h200.json`): +1 to +3% on top-k plans, +0 to +2% on rows of log-normal length, where longest
+    first by power-of-two class (the order before) lost 3-7%. Long rows still go first, so that the last wave
+    does not hold them (head-major with 2 global-tile rows per head: -7% in the Gluon kernel)."""
     Mq = kv_count.shape[-1] if kv_count.dim() else 1
     counts = kv_count.reshape(-1, Mq).long()
     heads = torch.sort(counts.sum(1), descending=True, stable=True).indices
