@@ -4,7 +4,8 @@
 Orders (int32 permutations of the B*H*Mq plan rows):
 
 * ``exact``: longest first by exact kv_count, stable (the kernels' first order);
-* ``work_order``: `plan.work_order` (the current order): rows over twice the mean length first, then ``head``;
+* ``work_order``: `plan.work_order` (the current order): rows over twice the mean length first, then ``identity``;
+* ``long_then_heads``: the same long rows first, then ``head``;
 * ``class``: longest first by power-of-two class of kv_count, stable (the order before);
 * ``head``: heads by their total kv_count, longest first, the rows of a head in query-tile order;
 * ``identity``: (b, h, m) order.
@@ -15,6 +16,7 @@ whose rows have uneven counts (log-normal per row; per-head densities 0.03-0.4).
 outputs of every order are checked against the first::
 
     python scripts/ab_work_order.py [--rounds 7] [--backend hopper] [--out benchmarks/order_ab_2_h200.json]
+    python scripts/ab_work_order.py --cost       # time per call of computing each order
 """
 
 from __future__ import annotations
@@ -57,6 +59,27 @@ def class_order(kv_count):
                       stable=True).indices.to(torch.int32)
 
 
+def long_then_heads_order(kv_count):
+    """int32: rows over twice the mean non-empty length first (longest first), then `head_order`, empty rows last
+    (`plan.work_order` with the heads sorted by total; "hybrid" in benchmarks/order_ab_4_h200.json)."""
+    import torch
+
+    base = head_order(kv_count).long()
+    c = kv_count.reshape(-1)[base].long()
+    key = torch.where(c * torch.count_nonzero(c) > 2 * c.sum(), c + 2, c.clamp(max=1))
+    return base[torch.sort(key, descending=True, stable=True).indices].to(torch.int32)
+
+
+def _work_order(kv_count):
+    from videosparse.plan import work_order
+
+    return work_order(kv_count)
+
+
+ORDER_FUNCTIONS = {"work_order": _work_order, "exact": exact_order, "class": class_order,
+                   "long_then_heads": long_then_heads_order}
+
+
 def orders(kv_count):
     """{name: int32 order} of the orders compared."""
     import torch
@@ -64,7 +87,7 @@ def orders(kv_count):
     from videosparse.plan import work_order
 
     return {"exact": exact_order(kv_count), "work_order": work_order(kv_count), "class": class_order(kv_count),
-            "head": head_order(kv_count),
+            "long_then_heads": long_then_heads_order(kv_count), "head": head_order(kv_count),
             "identity": torch.arange(kv_count.numel(), dtype=torch.int32, device=kv_count.device)}
 
 
@@ -107,11 +130,26 @@ def plans(H, S, D, device):
     return out
 
 
+def order_cost():
+    """{rows: {order: us}}: time per call of computing each order from kv_count on the GPU (launch-bound)."""
+    import torch
+    from triton.testing import do_bench
+
+    out = {}
+    for shape in ((1, 12, 256), (1, 40, 591)):
+        kv = torch.randint(20, 30, shape, device="cuda", dtype=torch.int32)
+        out["x".join(map(str, shape))] = {name: do_bench(lambda fn=fn: fn(kv), warmup=50, rep=200) * 1e3
+                                          for name, fn in ORDER_FUNCTIONS.items()}
+        print(shape, {k: f"{v:.1f} us" for k, v in out["x".join(map(str, shape))].items()})
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", default="ab_work_order.json")
     ap.add_argument("--backend", default="auto", help="kernel backend timed (default: auto, the Gluon kernel on sm_90)")
+    ap.add_argument("--cost", action="store_true", help="only time computing each order (us per call), no kernels")
     args = ap.parse_args(argv)
 
     import torch
@@ -120,6 +158,8 @@ def main(argv=None):
     from bench_kernel import time_interleaved
     from videosparse.kernels import block_sparse_attention
 
+    if args.cost:
+        return order_cost()
     fns, work = {}, {}
     for H, S, D in ((12, 32768, 128), (12, 32768, 64)):
         for name, (plan, tokens) in plans(H, S, D, "cuda").items():

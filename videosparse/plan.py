@@ -11,7 +11,7 @@ every backend, so it can be checked against the reference and executed by the fa
     v_sum     [B, H, Nk, D]           optional: sum of values of every key tile   correction of
     tile_len  [Nk]                    optional: real tokens of every key tile     skipped tiles)
     order     int32 [B*H*Mq]          optional: the order the kernels take the (b*H + h)*Mq + m rows in
-                                      (a permutation; `work_order`: long rows first, then head-major);
+                                      (a permutation; `work_order`: long rows first, then (b, h, m));
                                       builders that know their row lengths on the host attach it,
                                       otherwise the kernels sort kv_count
     valid_keys int32 [B]              optional: keys at positions >= valid_keys[b] are masked for every
@@ -200,14 +200,10 @@ _ORDERS: dict[tuple, torch.Tensor] = {}
 
 
 def work_order(kv_count: torch.Tensor) -> torch.Tensor:
-    """int32 [B*H*Mq]: the order the kernels take the plan rows (b*H + h)*Mq + m in, from kv_count (int32
-    [B, H, Mq], or any shape whose last dim is Mq):
-
-    1. long rows, those with more than twice the mean of the non-empty rows' kv_count (global-tile rows, a
-       dense head among sparse ones), longest first;
-    2. the other non-empty rows head-major: heads (b, h) by their total kv_count, largest first, and a head's
-       rows in query-tile order;
-    3. empty rows.
+    """int32 [B*H*Mq]: the order the kernels take the plan rows (b*H + h)*Mq + m in, from kv_count (int32, any
+    shape, rows in that order): rows with more than twice the mean kv_count of the non-empty rows first (global-tile
+    rows, a dense head among sparse ones), longest first; then the other non-empty rows in (b, h, m) order; empty
+    rows last.
 
     Why not longest first by exact length: the persistent grid's programs take consecutive entries, so in
     head-major order they work on one or two heads at a time and L2 holds those heads' K/V (16 MB per head at
@@ -216,15 +212,12 @@ def work_order(kv_count: torch.Tensor) -> torch.Tensor:
     Against that order on the H200 (12 x 32,768, `scripts/ab_work_order.py`, `benchmarks/order_ab_4_h200.json`,
     `..._hopper_h200.json`): +1 to +3% on top-k plans, +0 to +2% on rows of log-normal length, where longest
     first by power-of-two class (the order before) lost 3-7%. Long rows still go first, so that the last wave
-    does not hold them (head-major with 2 global-tile rows per head: -7% in the Gluon kernel)."""
-    Mq = kv_count.shape[-1] if kv_count.dim() else 1
-    counts = kv_count.reshape(-1, Mq).long()
-    heads = torch.sort(counts.sum(1), descending=True, stable=True).indices
-    base = (heads[:, None] * Mq + torch.arange(Mq, device=counts.device)).reshape(-1)
-    c = counts.reshape(-1)[base]
-    mean = c.sum() / (c > 0).sum().clamp_min(1)
-    key = torch.where(c > 2 * mean, c + 2, (c > 0).long())     # long rows by length > other rows > empty rows
-    return base[torch.sort(key, descending=True, stable=True).indices].to(torch.int32)
+    does not hold them ((b, h, m) order with 2 global-tile rows per head: -8% in the Gluon kernel). Ten small
+    launches, no host sync (the kernels sort per call only plans that carry no `order`)."""
+    c = kv_count.reshape(-1).long()
+    long_rows = c * torch.count_nonzero(c) > 2 * c.sum()              # c > 2 x the mean of the non-empty rows
+    key = torch.where(long_rows, c + 2, c.clamp(max=1))                 # long rows by length > other rows > empty
+    return torch.sort(key, descending=True, stable=True).indices.to(torch.int32)
 
 
 def row_order(row_lengths: list[int], groups: int, device: torch.device | str) -> torch.Tensor | None:
@@ -240,14 +233,14 @@ def row_order(row_lengths: list[int], groups: int, device: torch.device | str) -
         return None
 
     def build():
-        return work_order(torch.tensor(row_lengths, dtype=torch.int32).repeat(groups, 1)).to(device)
+        return work_order(torch.tensor(row_lengths, dtype=torch.int32).repeat(groups)).to(device)
 
     return _cached(_ORDERS, (tuple(row_lengths), groups, str(device)), build)
 
 
 def _order_is_identity(row_lengths: list[int]) -> bool:
     """Whether `work_order` of any number of groups with these row lengths is the identity: every row
-    non-empty and none over twice the mean (every group then has the same total, so heads keep their order)."""
+    non-empty and none over twice the mean."""
     if not row_lengths or min(row_lengths) < 1:
         return False
     return 2 * sum(row_lengths) >= max(row_lengths) * len(row_lengths)
