@@ -210,7 +210,8 @@ def work_order(kv_count: torch.Tensor) -> torch.Tensor:
     32,768 tokens x 128); sorted by length, every wave reads from every head. A top-k plan's floor/ceil budgets
     (25 / 26 tiles at density 0.1 of 256) then make two passes over all heads, and rows of spread lengths many.
     Against that order on the H200 (12 x 32,768, `scripts/ab_work_order.py`, `benchmarks/order_ab_4_h200.json`,
-    `..._hopper_h200.json`): +1 to +3% on top-k plans, +0 to +2% on rows of log-normal length, where longest
+    `..._hopper_h200.json`, where the rows after the long ones had their heads sorted by total: the same
+    permutation on top-k plans): +1 to +3% on top-k plans, +0 to +2% on rows of log-normal length, where longest
     first by power-of-two class (the order before) lost 3-7%. Long rows still go first, so that the last wave
     does not hold them ((b, h, m) order with 2 global-tile rows per head: -8% in the Gluon kernel). Ten small
     launches, no host sync (the kernels sort per call only plans that carry no `order`)."""
