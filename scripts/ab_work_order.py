@@ -60,14 +60,19 @@ def class_order(kv_count):
 
 
 def long_then_heads_order(kv_count):
-    """int32: rows over twice the mean non-empty length first (longest first), then `head_order`, empty rows last
-    (`plan.work_order` with the heads sorted by total; "hybrid" in benchmarks/order_ab_4_h200.json)."""
-    import torch
+    """int32: `plan.work_order` of the rows taken in `head_order` (the long rows first, then heads sorted by total;
+    "hybrid" in benchmarks/order_ab_4_h200.json)."""
+    from videosparse.plan import work_order
 
     base = head_order(kv_count).long()
-    c = kv_count.reshape(-1)[base].long()
-    key = torch.where(c * torch.count_nonzero(c) > 2 * c.sum(), c + 2, c.clamp(max=1))
-    return base[torch.sort(key, descending=True, stable=True).indices].to(torch.int32)
+    return base[work_order(kv_count.reshape(-1)[base]).long()].int()
+
+
+def identity_order(kv_count):
+    """int32: (b, h, m) order."""
+    import torch
+
+    return torch.arange(kv_count.numel(), dtype=torch.int32, device=kv_count.device)
 
 
 def _work_order(kv_count):
@@ -76,19 +81,14 @@ def _work_order(kv_count):
     return work_order(kv_count)
 
 
-ORDER_FUNCTIONS = {"work_order": _work_order, "exact": exact_order, "class": class_order,
-                   "long_then_heads": long_then_heads_order}
+# the orders compared ("exact" first: the baseline of the A/B)
+ORDER_FUNCTIONS = {"exact": exact_order, "work_order": _work_order, "class": class_order,
+                   "long_then_heads": long_then_heads_order, "head": head_order, "identity": identity_order}
 
 
 def orders(kv_count):
     """{name: int32 order} of the orders compared."""
-    import torch
-
-    from videosparse.plan import work_order
-
-    return {"exact": exact_order(kv_count), "work_order": work_order(kv_count), "class": class_order(kv_count),
-            "long_then_heads": long_then_heads_order(kv_count), "head": head_order(kv_count),
-            "identity": torch.arange(kv_count.numel(), dtype=torch.int32, device=kv_count.device)}
+    return {name: fn(kv_count) for name, fn in ORDER_FUNCTIONS.items()}
 
 
 def counts_plan(counts, generator):

@@ -29,7 +29,6 @@ def _argument(parse):
             return parse(text)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
-    convert.__name__ = parse.__name__
     return convert
 
 
