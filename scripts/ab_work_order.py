@@ -4,9 +4,11 @@
 Orders (int32 permutations of the B*H*Mq plan rows):
 
 * ``exact``: longest first by exact kv_count, stable (the kernels' first order);
-* ``work_order``: `plan.work_order` (the current order): rows over twice the mean length first, then ``identity``;
+* ``work_order``: `plan.work_order` for the device's persistent grid (the current order): ``base`` with each wave
+  of as many entries as programs dealt so that the programs' work stays even;
+* ``base``: rows over twice the mean length first, then ``identity`` (the order before, work_order's base);
 * ``long_then_heads``: the same long rows first, then ``head``;
-* ``class``: longest first by power-of-two class of kv_count, stable (the order before);
+* ``class``: longest first by power-of-two class of kv_count, stable (the order before ``base``);
 * ``head``: heads by their total kv_count, longest first, the rows of a head in query-tile order;
 * ``identity``: (b, h, m) order.
 
@@ -15,7 +17,7 @@ per row) at density 0.1 and 0.05, the same with 2 global tiles (text-like rows t
 whose rows have uneven counts (log-normal per row; per-head densities 0.03-0.4). Interleaved rounds, medians;
 outputs of every order are checked against the first::
 
-    python scripts/ab_work_order.py [--rounds 7] [--backend hopper] [--out benchmarks/order_ab_2_h200.json]
+    python scripts/ab_work_order.py [--rounds 7] [--backend hopper] [--orders work_order base] [--out ...json]
     python scripts/ab_work_order.py --cost       # time per call of computing each order
 """
 
@@ -76,19 +78,27 @@ def identity_order(kv_count):
 
 
 def _work_order(kv_count):
+    """int32: `plan.work_order` for the device's persistent grid (what the kernels run)."""
+    from videosparse.plan import device_programs, work_order
+
+    return work_order(kv_count, device_programs(kv_count.device))
+
+
+def base_order(kv_count):
+    """int32: `plan.work_order`'s base order (long rows first, then (b, h, m), empty rows last)."""
     from videosparse.plan import work_order
 
     return work_order(kv_count)
 
 
 # the orders compared ("exact" first: the baseline of the A/B)
-ORDER_FUNCTIONS = {"exact": exact_order, "work_order": _work_order, "class": class_order,
+ORDER_FUNCTIONS = {"exact": exact_order, "work_order": _work_order, "base": base_order, "class": class_order,
                    "long_then_heads": long_then_heads_order, "head": head_order, "identity": identity_order}
 
 
-def orders(kv_count):
-    """{name: int32 order} of the orders compared."""
-    return {name: fn(kv_count) for name, fn in ORDER_FUNCTIONS.items()}
+def orders(kv_count, names=tuple(ORDER_FUNCTIONS)):
+    """{name: int32 order} of the orders `names`."""
+    return {name: ORDER_FUNCTIONS[name](kv_count) for name in dict.fromkeys(names)}
 
 
 def counts_plan(counts, generator):
@@ -149,6 +159,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", default="ab_work_order.json")
     ap.add_argument("--backend", default="auto", help="kernel backend timed (default: auto, the Gluon kernel on sm_90)")
+    ap.add_argument("--orders", nargs="+", default=list(ORDER_FUNCTIONS), choices=list(ORDER_FUNCTIONS),
+                    help="orders timed ('exact' always: the baseline)")
     ap.add_argument("--cost", action="store_true", help="only time computing each order (us per call), no kernels")
     args = ap.parse_args(argv)
 
@@ -159,13 +171,15 @@ def main(argv=None):
     from videosparse.kernels import block_sparse_attention
 
     if args.cost:
-        return order_cost()
+        costs = order_cost()
+        Path(args.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), us_per_call=costs), indent=1))
+        return costs
     fns, work = {}, {}
     for H, S, D in ((12, 32768, 128), (12, 32768, 64)):
         for name, (plan, tokens) in plans(H, S, D, "cuda").items():
             q, k, v = (torch.randn(1, H, tokens, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             ref = None
-            for order_name, order in orders(plan.kv_count).items():
+            for order_name, order in orders(plan.kv_count, ["exact"] + args.orders).items():
                 p = replace(plan, order=order)
                 out = block_sparse_attention(q, k, v, p, backend=args.backend).float()
                 ref = out if ref is None else ref

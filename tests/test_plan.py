@@ -119,8 +119,9 @@ def test_topk_plan_builds_no_host_tensors_after_the_first_call(monkeypatch):
 
 
 def test_work_order_runs_long_rows_first_then_the_rest_in_row_order():
-    """Rows over twice the mean non-empty length first (longest first, ties in row order), the others in
-    (b, h, m) order, empty rows last; a permutation either way."""
+    """Without a program count (launches of one program per row): rows over twice the mean non-empty length first
+    (longest first, ties in row order), the others in (b, h, m) order, empty rows last; a permutation either
+    way."""
     from videosparse.plan import row_budget_list, work_order
 
     budgets = torch.tensor(row_budget_list(0.1, 256, 256), dtype=torch.int32)
@@ -146,20 +147,86 @@ def test_work_order_runs_long_rows_first_then_the_rest_in_row_order():
     assert work_order(torch.zeros(1, 2, 3, dtype=torch.int32)).tolist() == list(range(6))
 
 
+def _balanced_order_written_out(base: list[int], cost: list[int], programs: int) -> list[int]:
+    """The balanced work order's rule in plain Python, on the rows of `base` (costs by row): the partial last
+    wave goes to programs 0..r-1 as it is and is counted first; then per wave the costliest row (the earlier
+    entry among equals) to the least-loaded program (the lower program among equals)."""
+    cost = [cost[i] for i in base]
+    n = len(cost)
+    full = n // programs
+    order = list(range(n))
+    load = [0] * programs
+    for j in range(n - full * programs):
+        load[j] = cost[full * programs + j]
+    for w in range(full):
+        rows = sorted(range(w * programs, (w + 1) * programs), key=lambda i: (-cost[i], i))
+        cols = sorted(range(programs), key=lambda p: (load[p], p))
+        for i, p in zip(rows, cols):
+            order[w * programs + p] = i
+            load[p] += cost[i]
+    return [base[i] for i in order]
+
+
+def test_balanced_work_order_keeps_waves_head_major_and_evens_out_the_programs():
+    """work_order(kv_count, programs): the base order's waves (`work_order(kv_count)`) dealt by the written-out
+    rule (costs kv_count + ROW_FIXED_COST), so every wave holds its own rows; on rows of log-normal length the
+    most-loaded program carries far less than under the base, (b, h, m) or longest-first order."""
+    import math
+
+    from videosparse.plan import ROW_FIXED_COST, work_order
+
+    g = torch.Generator().manual_seed(0)
+    for shape, programs in (((2, 3, 37), 5), ((1, 4, 9), 7), ((1, 1, 5), 8), ((1, 2, 12), 6), ((1, 12, 256), 132)):
+        counts = torch.randint(0, 40, shape, generator=g, dtype=torch.int32)
+        counts.view(-1)[::7] *= 4
+        order, base = work_order(counts, programs), work_order(counts)
+        assert order.dtype == torch.int32
+        want = _balanced_order_written_out(base.tolist(), [c + ROW_FIXED_COST for c in counts.reshape(-1).tolist()],
+                                           programs)
+        assert order.tolist() == want, (shape, programs)
+        for w in range(math.ceil(counts.numel() / programs)):
+            wave = slice(w * programs, (w + 1) * programs)
+            assert sorted(order[wave].tolist()) == sorted(base[wave].tolist())
+    ties = torch.full((1, 2, 10), 3, dtype=torch.int32)
+    assert work_order(ties, 4).tolist() == _balanced_order_written_out(list(range(20)), [5] * 20, 4)
+
+    def busiest(order, cost, programs):
+        loads = torch.zeros(programs)
+        for j, i in enumerate(order.tolist()):
+            loads[j % programs] += cost[i]
+        return float(loads.max())
+
+    counts = torch.exp(torch.randn(1, 12, 256, generator=g) * 0.7 + math.log(20)).round().clamp(1, 256).int()
+    cost = (counts.reshape(-1) + ROW_FIXED_COST).tolist()
+    ideal = sum(cost) / 132
+    balanced = busiest(work_order(counts, 132), cost, 132)
+    assert balanced < 1.06 * ideal
+    assert balanced < 0.9 * busiest(work_order(counts), cost, 132)
+    assert balanced < 0.8 * busiest(torch.arange(counts.numel()), cost, 132)
+    assert balanced < 0.9 * busiest(torch.sort(counts.reshape(-1), descending=True, stable=True).indices, cost, 132)
+    with pytest.raises(ValueError, match="programs"):
+        work_order(counts, 0)
+
+
 @pytest.mark.parametrize("globals_", [0, 3])
 @pytest.mark.parametrize("density", [0.07, 0.3, 1.0])
-def test_builders_attach_the_work_order_the_kernels_would_sort(globals_, density):
+def test_builders_attach_the_work_order_the_kernels_would_sort(monkeypatch, globals_, density):
     """topk_plan and dense_plan carry `order` from their row budgets: equal to the kernels' `work_order` of
-    kv_count (so the kernels skip that sort), cached across calls."""
+    kv_count for the device's persistent grid (none on CPU; 5 programs stand in for a GPU's SMs), so the kernels
+    skip computing it; cached across calls."""
+    from videosparse import plan as plan_mod
     from videosparse.plan import work_order
 
-    plan = topk_plan(torch.randn(2, 3, 25, 25), density, num_global_tiles=globals_)
-    assert plan.order.dtype == torch.int32 and torch.equal(plan.order, work_order(plan.kv_count))
-    assert topk_plan(torch.randn(2, 3, 25, 25), density, num_global_tiles=globals_).order is plan.order
-    dense = dense_plan(2, 3, 1000)
-    assert torch.equal(dense.order, work_order(dense.kv_count))
-    q = torch.zeros(2, 3, 1000, 16)
-    dense.validate(q, q)
+    for programs in (None, 5):
+        monkeypatch.setattr(plan_mod, "device_programs", lambda device, p=programs: p)
+        monkeypatch.setattr(plan_mod, "_ORDERS", {})
+        plan = topk_plan(torch.randn(2, 3, 25, 25), density, num_global_tiles=globals_)
+        assert plan.order.dtype == torch.int32 and torch.equal(plan.order, work_order(plan.kv_count, programs))
+        assert topk_plan(torch.randn(2, 3, 25, 25), density, num_global_tiles=globals_).order is plan.order
+        dense = dense_plan(2, 3, 1000)
+        assert torch.equal(dense.order, work_order(dense.kv_count, programs))
+        q = torch.zeros(2, 3, 1000, 16)
+        dense.validate(q, q)
 
 
 def test_validate_rejects_an_order_that_is_not_a_permutation():
@@ -219,24 +286,15 @@ def test_nan_scores_never_displace_the_forced_diagonal():
     assert torch.equal(nan_plan.to_dense_mask(6), torch.eye(6, dtype=torch.bool).expand(1, 2, 6, 6))
 
 
-def test_row_order_under_compile_is_an_arange_exactly_where_work_order_is_the_identity(monkeypatch):
-    """In a compiled graph the builders give the identity order as an arange (no per-call sort in the kernel op)
-    and nothing (the op sorts) where `work_order` is not the identity; the shortcut's rule never claims an
-    identity that `work_order` does not give."""
-    import random
-
+def test_row_order_under_compile_is_an_arange_for_rows_of_one_or_two_lengths(monkeypatch):
+    """In a compiled graph the builders give rows of one or two adjacent lengths (top-k plans) an arange (no
+    per-call order in the kernel op) and nothing (the op computes the order) otherwise."""
     from videosparse import plan as plan_mod
 
-    rng = random.Random(0)
-    for _ in range(500):
-        lengths = [rng.choice([0, 1, 2, 5, 13, 40, rng.randint(1, 6)]) for _ in range(rng.randint(1, 9))]
-        groups = rng.randint(1, 3)
-        order = plan_mod.work_order(torch.tensor(lengths, dtype=torch.int32).repeat(groups, 1))
-        if plan_mod._order_is_identity(lengths):
-            assert torch.equal(order, torch.arange(groups * len(lengths), dtype=torch.int32)), lengths
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     budgets = plan_mod.row_budget_list(0.1, 256, 256)
     assert torch.equal(plan_mod.row_order(budgets, 6, "cpu"), torch.arange(6 * 256, dtype=torch.int32))
-    assert plan_mod.row_order(budgets + [258, 258], 6, "cpu") is None            # global-tile rows: the op sorts
+    assert plan_mod.row_order(budgets + [258, 258], 6, "cpu") is None            # global-tile rows: the op orders
+    assert plan_mod.row_order([3, 5], 2, "cpu") is None and plan_mod.row_order([0, 1], 2, "cpu") is None
     assert topk_plan(torch.randn(2, 3, 25, 25), 0.2).order.tolist() == list(range(2 * 3 * 25))
     assert topk_plan(torch.randn(2, 3, 25, 25), 0.2, num_global_tiles=2).order is None

@@ -1,6 +1,7 @@
 """The small Triton kernels of the eager plan path against their torch versions, under the Triton interpreter
 (CPU, in a child process: see helpers): the fused top-k selection (`videosparse.kernels.triton_topk`) against
-the torch path of `topk_plan` and a plain reference, and the layer counters (`kernels.triton_counters`)."""
+the torch path of `topk_plan` and a plain reference, the layer counters (`kernels.triton_counters`) and the
+balanced work order (`kernels.triton_work_order`)."""
 
 from __future__ import annotations
 
@@ -72,9 +73,32 @@ def _run_counters_case() -> dict:
     return {"counts_equal": bool(torch.equal(torch_stats.counts, triton_counts)), "counts": triton_counts.tolist()}
 
 
+def _run_work_order_case() -> dict:
+    """The balanced work order's Triton kernel against plan.work_order's torch path (which test_plan checks
+    against the written-out rule): partial last waves, fewer rows than programs, ties, long and empty rows."""
+    from videosparse.kernels.triton_work_order import balanced_order
+    from videosparse.plan import ROW_FIXED_COST, work_order
+
+    g = torch.Generator().manual_seed(3)
+    equal = []
+    for shape, programs in (((1, 1, 5), 8), ((2, 3, 37), 5), ((1, 4, 12), 6), ((1, 2, 60), 7), ((1, 1, 0), 3)):
+        counts = torch.randint(0, 30, shape, generator=g, dtype=torch.int32)
+        counts.view(-1)[::9] = 90                                   # long rows: the base order puts them first
+        counts.view(-1)[1::11] = 0
+        base = work_order(counts).contiguous()
+        got = balanced_order(base, counts.reshape(-1).long() + ROW_FIXED_COST, programs)
+        equal.append(got.dtype == torch.int32 and torch.equal(got, work_order(counts, programs)))
+    ties = torch.full((1, 3, 10), 4, dtype=torch.int32)
+    equal.append(torch.equal(balanced_order(work_order(ties), ties.reshape(-1) + ROW_FIXED_COST, 4),
+                             work_order(ties, 4)))
+    return {"equal": equal}
+
+
 def _run_case(name: str) -> dict:
     if name == "counters":
         return _run_counters_case()
+    if name == "work-order":
+        return _run_work_order_case()
     import videosparse.plan as plan_mod
     from videosparse.kernels.triton_topk import topk_rows_triton
     from videosparse.plan import row_budget_list, topk_plan
@@ -104,7 +128,7 @@ def _run_case(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_interpreter_cases(Path(__file__).resolve(), [*CASES, "counters"])
+    return run_interpreter_cases(Path(__file__).resolve(), [*CASES, "counters", "work-order"])
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -120,6 +144,12 @@ def test_counters_kernel_matches_layer_stats(results):
     res = results["counters"]
     assert "error" not in res, res.get("error")
     assert res["counts_equal"] and res["counts"][0] == 3 and res["counts"][1] == 0
+
+
+def test_work_order_kernel_matches_the_torch_path(results):
+    res = results["work-order"]
+    assert "error" not in res, res.get("error")
+    assert res["equal"] == [True] * 6
 
 
 def test_reference_rows_is_the_torch_path_rule():
@@ -148,6 +178,17 @@ def test_fused_topk_on_cuda_matches_the_torch_path(monkeypatch, B, H, M, G, dens
     want = plan_mod.topk_plan(s, density, num_global_tiles=G)
     assert torch.equal(got.kv_index, want.kv_index) and torch.equal(got.kv_count, want.kv_count)
     assert torch.equal(got.order, want.order)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, programs", [((1, 40, 591), 132), ((2, 12, 256), 132), ((1, 48, 139), 78),
+                                             ((1, 1, 100), 132)])
+def test_work_order_on_cuda_matches_cpu(shape, programs):
+    from videosparse.plan import work_order
+
+    counts = torch.exp(torch.randn(shape) * 0.7 + 3).round().clamp(0, 400).int()
+    counts.view(-1)[::13] = 0
+    assert torch.equal(work_order(counts.cuda(), programs).cpu(), work_order(counts, programs))
 
 
 @pytest.mark.gpu

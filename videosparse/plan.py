@@ -11,7 +11,8 @@ every backend, so it can be checked against the reference and executed by the fa
     v_sum     [B, H, Nk, D]           optional: sum of values of every key tile   correction of
     tile_len  [Nk]                    optional: real tokens of every key tile     skipped tiles)
     order     int32 [B*H*Mq]          optional: the order the kernels take the (b*H + h)*Mq + m rows in
-                                      (a permutation; `work_order`: long rows first, then (b, h, m));
+                                      (a permutation; `work_order`: (b, h, m) waves balanced over the
+                                      persistent grid's programs);
                                       builders that know their row lengths on the host attach it,
                                       otherwise the kernels sort kv_count
     valid_keys int32 [B]              optional: keys at positions >= valid_keys[b] are masked for every
@@ -199,52 +200,86 @@ def _cached(cache: dict, key: tuple, build):
 _ORDERS: dict[tuple, torch.Tensor] = {}
 
 
-def work_order(kv_count: torch.Tensor) -> torch.Tensor:
-    """int32 [B*H*Mq]: the order the kernels take the plan rows (b*H + h)*Mq + m in, from kv_count (int32, any
-    shape, rows in that order): rows with more than twice the mean kv_count of the non-empty rows first (global-tile
-    rows, a dense head among sparse ones), longest first; then the other non-empty rows in (b, h, m) order; empty
-    rows last.
+ROW_FIXED_COST = 2   # a work item's cost beyond its key tiles, in key tiles (item sweep: ~2.9 vs ~1.7 us per tile)
 
-    Why not longest first by exact length: the persistent grid's programs take consecutive entries, so in
-    head-major order they work on one or two heads at a time and L2 holds those heads' K/V (16 MB per head at
-    32,768 tokens x 128); sorted by length, every wave reads from every head. A top-k plan's floor/ceil budgets
-    (25 / 26 tiles at density 0.1 of 256) then make two passes over all heads, and rows of spread lengths many.
-    Against that order on the H200 (12 x 32,768, `scripts/ab_work_order.py`, `benchmarks/order_ab_4_h200.json`,
-    `..._hopper_h200.json`, where the rows after the long ones had their heads sorted by total: the same
-    permutation on top-k plans): +1 to +3% on top-k plans, +0 to +2% on rows of log-normal length, where longest
-    first by power-of-two class (the order before) lost 3-7%. Long rows still go first, so that the last wave
-    does not hold them ((b, h, m) order with 2 global-tile rows per head: -8% in the Gluon kernel). Ten small
-    launches, no host sync (the kernels sort per call only plans that carry no `order`)."""
+
+def work_order(kv_count: torch.Tensor, programs: int | None = None) -> torch.Tensor:
+    """int32 [B*H*Mq]: the order the kernels take the plan rows (b*H + h)*Mq + m in, from kv_count (int32, any
+    shape, rows in that order).
+
+    Base order (programs None: launches of one program per row, which the hardware schedules as they come):
+    rows with more than twice the mean kv_count of the non-empty rows first (global-tile rows, a dense head
+    among sparse ones), longest first; then the other non-empty rows in (b, h, m) order; empty rows last. In
+    head-major order a wave of items reads one or two heads' K/V, which L2 then holds (16 MB per head at 32,768
+    tokens x 128); sorted by length, every wave reads every head.
+
+    programs given (the persistent kernels: program p takes entries p, p + programs, ...): the base order
+    with each wave of `programs` consecutive entries permuted so that its costliest row (kv_count +
+    ROW_FIXED_COST) goes to the program with the least work so far; the last, partial wave, which goes to
+    programs 0..r-1 as it is, counted first. Waves keep their rows (and so their heads), and the programs end
+    together even when rows differ in length. On the H200 (12 x 32,768, `scripts/ab_work_order.py`,
+    `benchmarks/order_ab_6_h200.json`, `..._hopper_h200.json`), against rows sorted longest first: rows of
+    log-normal length +27% (Gluon) / +19% (Triton Hopper), where the base order alone gives -1 / -9%; top-k
+    plans +3 / +1-3% (the base order: the same); 2 global-tile rows per head +4 / +2%; per-head densities
+    -0 / +2%. On CUDA one Triton launch (`kernels.triton_work_order`), elsewhere a torch loop over the waves."""
     c = kv_count.reshape(-1).long()
     long_rows = c * torch.count_nonzero(c) > 2 * c.sum()              # c > 2 x the mean of the non-empty rows
     key = torch.where(long_rows, c + 2, c.clamp(max=1))                 # long rows by length > other rows > empty
-    return torch.sort(key, descending=True, stable=True).indices.to(torch.int32)
+    base = torch.sort(key, descending=True, stable=True).indices
+    if programs is None:
+        return base.to(torch.int32)
+    if programs < 1:
+        raise ValueError(f"programs must be >= 1; got {programs}.")
+    if c.is_cuda:
+        from .kernels.triton_work_order import balanced_order
+
+        return balanced_order(base.to(torch.int32), c + ROW_FIXED_COST, programs)
+    return base[_balanced_positions(c[base] + ROW_FIXED_COST, programs)].to(torch.int32)
+
+
+def _balanced_positions(cost: torch.Tensor, programs: int) -> torch.Tensor:
+    """int64 [N]: the balancing permutation of `work_order` (entry j takes entry result[j] of the base order),
+    from the costs (int64 [N]) in base order; the torch path."""
+    n = cost.numel()
+    full = n // programs
+    order = torch.arange(n, device=cost.device)
+    loads = torch.zeros(programs, dtype=torch.long, device=cost.device)
+    loads[:n - full * programs] = cost[full * programs:]               # the partial wave: programs 0..r-1
+    waves = cost[:full * programs].view(full, programs)
+    items = waves.sort(dim=1, descending=True, stable=True).indices     # per wave, costliest first
+    for w in range(full):
+        cols = loads.sort(stable=True).indices                          # least loaded first
+        order[w * programs + cols] = w * programs + items[w]
+        loads[cols] += waves[w, items[w]]
+    return order
+
+
+def device_programs(device: torch.device | str) -> int | None:
+    """The persistent kernels' grid size on `device` (its SM count) for `work_order`; None off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def row_order(row_lengths: list[int], groups: int, device: torch.device | str) -> torch.Tensor | None:
-    """int32 [groups * len(row_lengths)]: `work_order` of the plan rows g * len + m when every group g of B*H
-    has these planned row lengths, computed on the host once per (lengths, groups, device) and cached. The
-    kernels then skip their sort (one ~20 us launch per call at 3,072 rows on the H200). Under torch.compile
-    (where a host sort and copy per call in the graph would cost more) only the common case is given: when the
-    order is the identity (no long rows, no empty ones: every head alike, e.g. Wan's top-k plans) an arange in
-    the graph; otherwise None and the kernel custom op sorts."""
+    """int32 [groups * len(row_lengths)]: `work_order` (for `device_programs(device)`) of the plan rows
+    g * len + m when every group g of B*H has these planned row lengths, computed on the host once per
+    (lengths, groups, device) and cached. The kernels then skip computing it (one launch per call). Under
+    torch.compile (where a host computation and copy per call in the graph would cost more) only rows of one
+    or two lengths in a row, none empty (e.g. Wan's top-k plans: 25 or 26 tiles), are given, as an arange: the
+    balanced order gains 0-1% over (b, h, m) on them (`benchmarks/order_ab_6_h200.json`, "identity");
+    otherwise None and the kernel custom op computes it."""
     if torch.compiler.is_compiling():
-        if _order_is_identity(row_lengths):
+        if row_lengths and min(row_lengths) >= 1 and max(row_lengths) - min(row_lengths) <= 1:
             return torch.arange(groups * len(row_lengths), dtype=torch.int32, device=device)
         return None
 
     def build():
-        return work_order(torch.tensor(row_lengths, dtype=torch.int32).repeat(groups)).to(device)
+        return work_order(torch.tensor(row_lengths, dtype=torch.int32).repeat(groups),
+                          device_programs(device)).to(device)
 
     return _cached(_ORDERS, (tuple(row_lengths), groups, str(device)), build)
-
-
-def _order_is_identity(row_lengths: list[int]) -> bool:
-    """Whether `work_order` of any number of groups with these row lengths is the identity: every row
-    non-empty and none over twice the mean."""
-    if not row_lengths or min(row_lengths) < 1:
-        return False
-    return 2 * sum(row_lengths) >= max(row_lengths) * len(row_lengths)
 
 
 def plan_from_mask(mask: torch.Tensor, block_m: int = 128, block_n: int = 128) -> Plan:

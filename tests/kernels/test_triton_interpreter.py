@@ -96,7 +96,7 @@ def _run_split_case(name: str) -> dict:
         count[:, :, ::2] = 0
         plan = Plan(plan.kv_index, count, 128, 128)
     Mq = plan.kv_count.shape[-1]
-    order = work_order(plan.kv_count)
+    order = work_order(plan.kv_count, programs)
     n_full, parts = tail_split(order.numel(), programs, plan.kv_index.shape[-1])
     item, lo, n, last, slot = work_units(order, plan.kv_count, n_full, parts)
     n_slots = int((slot >= 0).sum())

@@ -3,9 +3,8 @@
 Imported only through the backend registry (it imports triton). Host helpers turn a `Plan` into the
 flat tensors both kernels read:
 
-    order     int32 [B*H*Mq]          work items (b*H + h)*Mq + m: long rows first, then head-major
-                                      (`plan.work_order`; the plan's own `order` when it carries one: no sort
-                                      per call)
+    order     int32 [B*H*Mq]          work items (b*H + h)*Mq + m in `plan.work_order` for the kernel's
+                                      grid (the plan's own `order` when it carries one: nothing per call)
     kv_index  int32 [B*H*Mq, Kmax]    the plan's key tiles, contiguous
     kv_count  int32 [B*H*Mq]
     k_mean    [B*H*Nk, D]  (q.dtype)  correction: mean key per key tile
@@ -173,14 +172,14 @@ def launch_signature(arg_names, pointers: dict, values: dict, constants: dict) -
     return signature, constants, attrs
 
 
-def launch_dims(q: torch.Tensor, k: torch.Tensor, plan: Plan):
+def launch_dims(q: torch.Tensor, k: torch.Tensor, plan: Plan, programs: int | None = None):
     """(B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order): the shapes and flat plan tensors the kernels launch
-    with."""
+    with; `programs`: the persistent grid the order is balanced for (None: one program per row)."""
     B, H, S, D = q.shape
     Sk = k.shape[2]
     Mq, Nk = math.ceil(S / plan.block_m), math.ceil(Sk / plan.block_n)
     kv_index, kv_count = flat_plan(plan)
-    order = plan.order if plan.order is not None else work_order(plan.kv_count)
+    order = plan.order if plan.order is not None else work_order(plan.kv_count, programs)
     return B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order
 
 

@@ -44,7 +44,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ..plan import Plan
+from ..plan import Plan, device_programs
 from ._triton_utils import LOG2E, aot_seq_len, correction_inputs, key_limit, launch_dims, launch_signature
 from .tail_split import AUTO_MIN_SAVED, combine_parts, tail_split
 from .triton_hopper import HopperBackend
@@ -681,7 +681,8 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
     Returns:
         out [B, H, S, D] in q's dtype (and lse).
     """
-    B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = launch_dims(q, k, plan)
+    programs = num_programs or device_programs(q.device)
+    B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = launch_dims(q, k, plan, programs)
     stages = num_stages or default_stages(D)
     corr = plan.has_correction
     smem = (2 * q_buffers * HALF_M + 2 * stages * plan.block_n) * D * q.element_size()
@@ -697,7 +698,6 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
     else:
         k_mean, v_mean, bias = k, v, lse
     n_items = order.numel()
-    programs = num_programs or torch.cuda.get_device_properties(q.device).multi_processor_count
     if split_tail is False:
         n_full, parts = n_items, 1
     else:

@@ -3,7 +3,7 @@
 A persistent grid of P programs takes work items u = pid, pid + P, ... With N items of about equal length
 (top-k plans give every query tile the same count) the last wave holds only r = N mod P items, so P - r SMs
 idle for a whole item: at 12 x 32,768 (3,072 items on 132 SMs) 24 item-times for 23.3 items of work, 3% of
-the kernel. Here the last r items of the order (`plan.work_order` puts long rows first) are cut into
+the kernel. Here the last r items of the order (`plan.work_order`: the base order's last rows) are cut into
 `parts` consecutive runs of their key-tile list; each run is a work unit of its own that writes a normalised
 partial output and its LSE to a slot of a workspace, and `combine_parts` merges the parts of each item
 (LSE-weighted, exact: softmax over disjoint key sets). Work unit u, for N_full = N - r:

@@ -3,11 +3,11 @@
 Layout of this file (as Triton's fused-attention tutorial): hardware checks, the kernel, the host
 wrapper, the backend object that the dispatch registry imports.
 
-The kernel runs a persistent grid (one program per SM). Work items are (batch, head, query tile),
-taken in `plan.work_order` (long rows first, then head by head) and dealt round-robin to
-the programs. Per item one warp-specialized loop (TMA loads of K and V at the listed tile, wgmma,
-online softmax in the exp2 domain), then the epilogue (out = acc / l, lse = m + log l, masked stores:
-rows past S dropped).
+The kernel runs a persistent grid (one program per SM). Work items are (batch, head, query tile), taken in
+`plan.work_order` for this grid (waves of head-major rows, each wave dealt so that the programs' work stays
+even) and dealt round-robin to the programs. Per item one warp-specialized loop (TMA loads of K and V at the
+listed tile, wgmma, online softmax in the exp2 domain), then the epilogue (out = acc / l, lse = m + log l,
+masked stores: rows past S dropped).
 
 * Partial last key tile: kv_index is sorted, so it can only be the last entry; when S is not a
   multiple of BLOCK_N the loop adds a column bias (0 / -inf) to every tile (a tail step after the
@@ -202,7 +202,8 @@ def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False
     Returns:
         out [B, H, S, D] in q's dtype (and lse).
     """
-    dims = launch_dims(q, k, plan)
+    programs = num_programs or _num_programs(q.device, plan.kv_count.numel())
+    dims = launch_dims(q, k, plan, programs)
     B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = dims
     bm, bn = plan.block_m, plan.block_n
     n_items = order.numel()
@@ -228,7 +229,7 @@ def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False
                          "TMA lowering); use flatten=None or False with a correction plan.")
     if not INTERPRETED:
         triton.set_allocator(_alloc)
-    grid = (num_programs or _num_programs(q.device, n_items),)
+    grid = (programs,)
     common = dict(HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, UPCAST=INTERPRETED and q.dtype != torch.float32,
                   NUM_STAGES=num_stages, WARP_SPECIALIZE=warp_specialize, FLATTEN=flatten,
                   num_warps=num_warps, num_stages=num_stages)
