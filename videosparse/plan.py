@@ -11,10 +11,10 @@ every backend, so it can be checked against the reference and executed by the fa
     v_sum     [B, H, Nk, D]           optional: sum of values of every key tile   correction of
     tile_len  [Nk]                    optional: real tokens of every key tile     skipped tiles)
     order     int32 [B*H*Mq]          optional: the order the kernels take the (b*H + h)*Mq + m rows in
-                                      (a permutation; `work_order`: (b, h, m) waves balanced over the
-                                      persistent grid's programs);
-                                      builders that know their row lengths on the host attach it,
-                                      otherwise the kernels sort kv_count
+                                      (a permutation; `work_order`: long rows first, then (b, h, m), each
+                                      wave dealt evenly over the persistent grid's programs); builders
+                                      that know their row lengths on the host attach it, otherwise the
+                                      kernels compute it from kv_count
     valid_keys int32 [B]              optional: keys at positions >= valid_keys[b] are masked for every
                                       query of item b (a key-padding mask given as a device tensor, so
                                       that prompt lengths change no shape); listed tiles start below it
@@ -220,8 +220,8 @@ def work_order(kv_count: torch.Tensor, programs: int | None = None) -> torch.Ten
     together even when rows differ in length. On the H200 (12 x 32,768, `scripts/ab_work_order.py`,
     `benchmarks/order_ab_6_h200.json`, `..._hopper_h200.json`), against rows sorted longest first: rows of
     log-normal length +27% (Gluon) / +19% (Triton Hopper), where the base order alone gives -1 / -9%; top-k
-    plans +3 / +1-3% (the base order: the same); 2 global-tile rows per head +4 / +2%; per-head densities
-    -0 / +2%. On CUDA one Triton launch (`kernels.triton_work_order`), elsewhere a torch loop over the waves."""
+    plans +3-5 / +1-3% (the base order: the same); 2 global-tile rows per head +4 / +2%; per-head densities
+    -0.4 / +1.6%. On CUDA one Triton launch (`kernels.triton_work_order`), elsewhere a torch loop over the waves."""
     c = kv_count.reshape(-1).long()
     long_rows = c * torch.count_nonzero(c) > 2 * c.sum()              # c > 2 x the mean of the non-empty rows
     key = torch.where(long_rows, c + 2, c.clamp(max=1))                 # long rows by length > other rows > empty
@@ -267,9 +267,9 @@ def row_order(row_lengths: list[int], groups: int, device: torch.device | str) -
     g * len + m when every group g of B*H has these planned row lengths, computed on the host once per
     (lengths, groups, device) and cached. The kernels then skip computing it (one launch per call). Under
     torch.compile (where a host computation and copy per call in the graph would cost more) only rows of one
-    or two lengths in a row, none empty (e.g. Wan's top-k plans: 25 or 26 tiles), are given, as an arange: the
-    balanced order gains 0-1% over (b, h, m) on them (`benchmarks/order_ab_6_h200.json`, "identity");
-    otherwise None and the kernel custom op computes it."""
+    or two adjacent lengths, none empty (e.g. Wan's top-k plans: 25 or 26 tiles), are given, as an arange: (b, h,
+    m) order, within 2% of the balanced order on them (`benchmarks/order_ab_6_h200.json`, "identity");
+    otherwise None and the kernel custom op computes the order."""
     if torch.compiler.is_compiling():
         if row_lengths and min(row_lengths) >= 1 and max(row_lengths) - min(row_lengths) <= 1:
             return torch.arange(groups * len(row_lengths), dtype=torch.int32, device=device)
