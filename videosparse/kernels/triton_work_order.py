@@ -46,10 +46,10 @@ def _balanced_order_kernel(BASE, COST, ORDER, N, FULL, PROGRAMS, BLOCK: tl.const
         load_key = tl.where(live, (((col_key >> 16) + (item_key >> 16)) << 16) | col, big)
 
 
-def balanced_order(base: torch.Tensor, cost: torch.Tensor, programs: int) -> torch.Tensor:
+def balanced_order(base: torch.Tensor, cost: torch.Tensor, programs: int, *, num_warps: int = 4) -> torch.Tensor:
     """int32 [N]: the rows of `base` (int32 [N], a permutation) with each wave of `programs` entries permuted
     to balance the programs, from the rows' costs (int32 or int64 [N] by row, non-negative, < 2^40); see the
-    module docstring and `plan.work_order`."""
+    module docstring and `plan.work_order`. num_warps: a tuning knob (benchmarks)."""
     if not 1 <= programs <= MAX_PROGRAMS:
         raise ValueError(f"programs must be in [1, {MAX_PROGRAMS}]; got {programs}.")
     base, cost = base.reshape(-1).contiguous(), cost.reshape(-1).contiguous()
@@ -57,5 +57,5 @@ def balanced_order(base: torch.Tensor, cost: torch.Tensor, programs: int) -> tor
     order = torch.empty(n, dtype=torch.int32, device=base.device)
     if n:
         _balanced_order_kernel[(1,)](base, cost, order, n, n // programs, programs,
-                                     BLOCK=triton.next_power_of_2(programs), num_warps=4)
+                                     BLOCK=triton.next_power_of_2(programs), num_warps=num_warps)
     return order
