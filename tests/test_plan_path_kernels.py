@@ -152,6 +152,22 @@ def test_work_order_kernel_matches_the_torch_path(results):
     assert res["equal"] == [True] * 6
 
 
+@pytest.mark.parametrize("capability", [90, 80])
+def test_work_order_kernel_compiles_for_the_gpu(capability):
+    """AOT on CPU: the balanced-order kernel (int64 sorts in registers) lowers to a cubin for sm_90 and sm_80 at
+    the launch's settings, within the static shared memory of a block."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from videosparse.kernels.triton_work_order import _balanced_order_kernel
+
+    sig = dict(BASE="*i32", COST="*i64", ORDER="*i32", N="i32", FULL="i32", PROGRAMS="i32", BLOCK="constexpr")
+    k = triton.compile(ASTSource(_balanced_order_kernel, sig, dict(BLOCK=256)),
+                       target=GPUTarget("cuda", capability, 32), options=dict(num_warps=4))
+    assert k.asm["cubin"] and k.metadata.shared <= 48 * 1024
+
+
 def test_reference_rows_is_the_torch_path_rule():
     """The written-out rule equals topk_plan's torch path where it has no ties (so the kernel test means it)."""
     from videosparse.plan import row_budget_list, topk_plan
