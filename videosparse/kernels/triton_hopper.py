@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..plan import Plan
+from ..plan import Plan, device_programs
 from ._triton_utils import (LOG2E, NEG_BIG, aot_seq_len, correction_inputs, finish_rows, key_limit, launch_dims,
                             launch_signature, partial_state, softmax_step)
 
@@ -167,10 +167,7 @@ def _alloc(size: int, alignment: int, stream):
 
 
 def _num_programs(device: torch.device, n_items: int) -> int:
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:  # interpreter: a few programs are enough to exercise the persistent loop
-        sms = 3
+    sms = device_programs(device) or 3   # interpreter: a few programs are enough to exercise the persistent loop
     return max(1, min(n_items, sms))
 
 
