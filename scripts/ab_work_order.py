@@ -18,7 +18,7 @@ whose rows have uneven counts (log-normal per row; per-head densities 0.03-0.4).
 outputs of every order are checked against the first::
 
     python scripts/ab_work_order.py [--rounds 7] [--backend hopper] [--orders work_order base] [--out ...json]
-    python scripts/ab_work_order.py --cost       # time per call of computing each order
+    python scripts/ab_work_order.py --cost       # time per call of computing each order, and of the balancing
 """
 
 from __future__ import annotations
@@ -141,16 +141,29 @@ def plans(H, S, D, device):
 
 
 def order_cost():
-    """{rows: {order: us}}: time per call of computing each order from kv_count on the GPU (launch-bound)."""
+    """{rows: {what: us}}: time per call on the GPU of computing each order from kv_count (launch-bound at the
+    smaller sizes), and of the balancing kernels alone (`kernels.triton_work_order.balanced_order`, given the base
+    order and the costs) at 1, 2, 4 and 8 warps for its sequential kernel."""
     import torch
     from triton.testing import do_bench
 
+    from videosparse.kernels.triton_work_order import balanced_order
+    from videosparse.plan import ROW_FIXED_COST, device_programs, work_order
+
+    programs = device_programs("cuda")
     out = {}
-    for shape in ((1, 12, 256), (1, 40, 591)):
+    for shape in ((1, 12, 256), (1, 40, 591), (2, 24, 929)):
         kv = torch.randint(20, 30, shape, device="cuda", dtype=torch.int32)
-        out["x".join(map(str, shape))] = {name: do_bench(lambda fn=fn: fn(kv), warmup=50, rep=200) * 1e3
-                                          for name, fn in ORDER_FUNCTIONS.items()}
-        print(shape, {k: f"{v:.1f} us" for k, v in out["x".join(map(str, shape))].items()})
+        row = {name: do_bench(lambda fn=fn: fn(kv), warmup=50, rep=200) * 1e3 for name, fn in ORDER_FUNCTIONS.items()}
+        base, cost = work_order(kv), kv.reshape(-1).long() + ROW_FIXED_COST
+        want = work_order(kv.cpu(), programs).cuda()
+        for warps in (1, 2, 4, 8):
+            if not torch.equal(balanced_order(base, cost, programs, num_warps=warps), want):
+                raise RuntimeError(f"{shape}: the balancing kernel at {warps} warps differs from the torch path")
+            row[f"balancing kernels, {warps} warps"] = do_bench(
+                lambda w=warps: balanced_order(base, cost, programs, num_warps=w), warmup=50, rep=200) * 1e3
+        out["x".join(map(str, shape))] = row
+        print(shape, {k: f"{v:.1f} us" for k, v in row.items()})
     return out
 
 
@@ -172,7 +185,9 @@ def main(argv=None):
 
     if args.cost:
         costs = order_cost()
-        Path(args.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), us_per_call=costs), indent=1))
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        Path(args.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), programs=sms, us_per_call=costs),
+                                             indent=1))
         return costs
     fns, work = {}, {}
     for H, S, D in ((12, 32768, 128), (12, 32768, 64)):

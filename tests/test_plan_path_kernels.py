@@ -74,10 +74,11 @@ def _run_counters_case() -> dict:
 
 
 def _run_work_order_case() -> dict:
-    """The balanced work order's Triton kernel against plan.work_order's torch path (which test_plan checks
-    against the written-out rule): partial last waves, fewer rows than programs, ties, long and empty rows."""
-    from videosparse.kernels.triton_work_order import balanced_order
-    from videosparse.plan import ROW_FIXED_COST, work_order
+    """The balanced work order's Triton kernels against plan.work_order's torch path (which test_plan checks
+    against the written-out rule): partial last waves, fewer rows than programs, ties, long and empty rows, and
+    costs up to the kernels' limit."""
+    from videosparse.kernels.triton_work_order import balanced_order, cost_limit
+    from videosparse.plan import ROW_FIXED_COST, _balanced_positions, work_order
 
     g = torch.Generator().manual_seed(3)
     equal = []
@@ -91,6 +92,12 @@ def _run_work_order_case() -> dict:
     ties = torch.full((1, 3, 10), 4, dtype=torch.int32)
     equal.append(torch.equal(balanced_order(work_order(ties), ties.reshape(-1) + ROW_FIXED_COST, 4),
                              work_order(ties, 4)))
+    # costs up to the kernels' limit over many waves: the loads they keep relative to their minimum stay exact
+    for programs, high in ((5, 200_000), (3, cost_limit(3))):
+        cost = torch.randint(0, high, (1200,), generator=g)
+        base = torch.randperm(1200, generator=g)
+        want = base[_balanced_positions(cost[base], programs)].to(torch.int32)
+        equal.append(torch.equal(balanced_order(base.to(torch.int32), cost, programs), want))
     return {"equal": equal}
 
 
@@ -149,23 +156,28 @@ def test_counters_kernel_matches_layer_stats(results):
 def test_work_order_kernel_matches_the_torch_path(results):
     res = results["work-order"]
     assert "error" not in res, res.get("error")
-    assert res["equal"] == [True] * 6
+    assert res["equal"] == [True] * 8
 
 
 @pytest.mark.parametrize("capability", [90, 80])
 def test_work_order_kernel_compiles_for_the_gpu(capability):
-    """AOT on CPU: the balanced-order kernel (int64 sorts in registers) lowers to a cubin for sm_90 and sm_80 at
+    """AOT on CPU: the balanced-order kernels (int32 sorts in registers) lower to cubins for sm_90 and sm_80 at
     the launch's settings, within the static shared memory of a block."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from videosparse.kernels.triton_work_order import _balanced_order_kernel
+    from videosparse.kernels.triton_work_order import _balanced_order_kernel, _wave_items_kernel
 
-    sig = dict(BASE="*i32", COST="*i64", ORDER="*i32", N="i32", FULL="i32", PROGRAMS="i32", BLOCK="constexpr")
-    k = triton.compile(ASTSource(_balanced_order_kernel, sig, dict(BLOCK=256)),
-                       target=GPUTarget("cuda", capability, 32), options=dict(num_warps=4))
-    assert k.asm["cubin"] and k.metadata.shared <= 48 * 1024
+    meta = dict(LANE_BITS=8, BLOCK=256)
+    sequential = dict(BASE="*i32", COST="*i64", ITEM_KEY="*i32", ORDER="*i32", N="i32", FULL="i32", PROGRAMS="i32",
+                      COST_MAX="i32", LANE_BITS="constexpr", BLOCK="constexpr")
+    waves = dict(BASE="*i32", COST="*i64", ITEM_KEY="*i32", PROGRAMS="i32", COST_MAX="i32", LANE_BITS="constexpr",
+                 BLOCK="constexpr")
+    for fn, sig in ((_balanced_order_kernel, sequential), (_wave_items_kernel, waves)):
+        k = triton.compile(ASTSource(fn, sig, meta), target=GPUTarget("cuda", capability, 32),
+                           options=dict(num_warps=8))
+        assert k.asm["cubin"] and k.metadata.shared <= 48 * 1024
 
 
 def test_reference_rows_is_the_torch_path_rule():
