@@ -93,7 +93,7 @@ def run_block(q, k, v, grid, block: int, density: float, tiling, dense_ms: float
     counts = plan.kv_count.float()
     res["load_balance"] = float(counts.max() / counts.mean())
     res["kmax"] = plan.kv_index.shape[-1]
-    tau = next(iter(method._tau.values()))
+    tau = next(iter(method.layer_state(0).values()))[0]
 
     q_mean, k_mean = got[0], got[1]
     z = routing_zscores(q_mean[:, :, :Mv], k_mean[:, :, :Mv], scale, 1)

@@ -87,7 +87,7 @@ def _run_work_order_case() -> dict:
         counts.view(-1)[::9] = 90                                   # long rows: the base order puts them first
         counts.view(-1)[1::11] = 0
         base = work_order(counts).contiguous()
-        got = balanced_order(base, counts.reshape(-1).long() + ROW_FIXED_COST, programs)
+        got = balanced_order(base, counts, programs, cost_offset=ROW_FIXED_COST)        # int32 base and counts
         equal.append(got.dtype == torch.int32 and torch.equal(got, work_order(counts, programs)))
     ties = torch.full((1, 3, 10), 4, dtype=torch.int32)
     equal.append(torch.equal(balanced_order(work_order(ties), ties.reshape(-1) + ROW_FIXED_COST, 4),
@@ -97,7 +97,7 @@ def _run_work_order_case() -> dict:
         cost = torch.randint(0, high, (1200,), generator=g)
         base = torch.randperm(1200, generator=g)
         want = base[_balanced_positions(cost[base], programs)].to(torch.int32)
-        equal.append(torch.equal(balanced_order(base.to(torch.int32), cost, programs), want))
+        equal.append(torch.equal(balanced_order(base, cost, programs), want))           # int64 base and costs
     return {"equal": equal}
 
 
@@ -170,10 +170,10 @@ def test_work_order_kernel_compiles_for_the_gpu(capability):
     from videosparse.kernels.triton_work_order import _balanced_order_kernel, _wave_items_kernel
 
     meta = dict(LANE_BITS=8, BLOCK=256)
-    sequential = dict(BASE="*i32", COST="*i64", ITEM_KEY="*i32", ORDER="*i32", N="i32", FULL="i32", PROGRAMS="i32",
-                      COST_MAX="i32", LANE_BITS="constexpr", BLOCK="constexpr")
-    waves = dict(BASE="*i32", COST="*i64", ITEM_KEY="*i32", PROGRAMS="i32", COST_MAX="i32", LANE_BITS="constexpr",
-                 BLOCK="constexpr")
+    sequential = dict(BASE="*i64", COST="*i32", ITEM_KEY="*i32", ORDER="*i32", N="i32", FULL="i32", PROGRAMS="i32",
+                      COST_OFFSET="i32", COST_MAX="i32", LANE_BITS="constexpr", BLOCK="constexpr")
+    waves = dict(BASE="*i64", COST="*i32", ITEM_KEY="*i32", PROGRAMS="i32", COST_OFFSET="i32", COST_MAX="i32",
+                 LANE_BITS="constexpr", BLOCK="constexpr")
     for fn, sig in ((_balanced_order_kernel, sequential), (_wave_items_kernel, waves)):
         k = triton.compile(ASTSource(fn, sig, meta), target=GPUTarget("cuda", capability, 32),
                            options=dict(num_warps=8))

@@ -233,7 +233,7 @@ def work_order(kv_count: torch.Tensor, programs: int | None = None) -> torch.Ten
     if c.is_cuda:
         from .kernels.triton_work_order import balanced_order
 
-        return balanced_order(base.to(torch.int32), c + ROW_FIXED_COST, programs)
+        return balanced_order(base, kv_count, programs, cost_offset=ROW_FIXED_COST)
     return base[_balanced_positions(c[base] + ROW_FIXED_COST, programs)].to(torch.int32)
 
 

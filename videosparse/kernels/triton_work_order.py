@@ -44,20 +44,21 @@ def cost_limit(programs: int) -> int:
 
 
 @triton.jit
-def _wave_items_kernel(BASE, COST, ITEM_KEY, PROGRAMS, COST_MAX, LANE_BITS: tl.constexpr, BLOCK: tl.constexpr):
+def _wave_items_kernel(BASE, COST, ITEM_KEY, PROGRAMS, COST_OFFSET, COST_MAX, LANE_BITS: tl.constexpr,
+                       BLOCK: tl.constexpr):
     # wave w = program id: ITEM_KEY[w * PROGRAMS + i] = the wave's i-th costliest entry as cost << LANE_BITS | ~lane
     lane = tl.arange(0, BLOCK)
     live = lane < PROGRAMS
     base = tl.program_id(0) * PROGRAMS
     row = tl.load(BASE + base + lane, mask=live, other=0)
-    cost = tl.minimum(tl.load(COST + row, mask=live, other=0), COST_MAX).to(tl.int32)
+    cost = tl.minimum(tl.load(COST + row, mask=live, other=0) + COST_OFFSET, COST_MAX).to(tl.int32)
     key = tl.where(live, (cost << LANE_BITS) | (BLOCK - 1 - lane), -1)
     key = tl.sort(key, descending=True)                  # costliest first, the earlier entry among equals
     tl.store(ITEM_KEY + base + lane, key, mask=live)
 
 
 @triton.jit
-def _balanced_order_kernel(BASE, COST, ITEM_KEY, ORDER, N, FULL, PROGRAMS, COST_MAX,
+def _balanced_order_kernel(BASE, COST, ITEM_KEY, ORDER, N, FULL, PROGRAMS, COST_OFFSET, COST_MAX,
                            LANE_BITS: tl.constexpr, BLOCK: tl.constexpr):
     # entries j of the base order BASE (rows); COST indexed by row; ITEM_KEY from _wave_items_kernel
     lane = tl.arange(0, BLOCK)
@@ -68,7 +69,8 @@ def _balanced_order_kernel(BASE, COST, ITEM_KEY, ORDER, N, FULL, PROGRAMS, COST_
     in_tail = lane < N - tail                            # the last, partial wave: programs 0..r-1, rows as they are
     row = tl.load(BASE + tail + lane, mask=in_tail, other=0)
     tl.store(ORDER + tail + lane, row, mask=in_tail)
-    load = tl.minimum(tl.load(COST + row, mask=in_tail, other=0), COST_MAX).to(tl.int32)
+    load = tl.where(in_tail, tl.minimum(tl.load(COST + row, mask=in_tail, other=0) + COST_OFFSET, COST_MAX), 0)
+    load = load.to(tl.int32)
     load_key = tl.where(live, (load << LANE_BITS) | lane, dead)
     for w in range(FULL):
         base = w * PROGRAMS
@@ -82,11 +84,13 @@ def _balanced_order_kernel(BASE, COST, ITEM_KEY, ORDER, N, FULL, PROGRAMS, COST_
         load_key = tl.where(live, (load << LANE_BITS) | col, dead)
 
 
-def balanced_order(base: torch.Tensor, cost: torch.Tensor, programs: int, *, num_warps: int = 8) -> torch.Tensor:
-    """int32 [N]: the rows of `base` (int32 [N], a permutation) with each wave of `programs` entries permuted
-    to balance the programs, from the rows' costs (int32 or int64 [N] by row, non-negative); see the module
-    docstring and `plan.work_order`. num_warps: of the sequential kernel (8 measured fastest of 1/2/4/8 for the
-    two-sort kernel before this one on the H200; `scripts/ab_work_order.py --cost` times both)."""
+def balanced_order(base: torch.Tensor, cost: torch.Tensor, programs: int, *, cost_offset: int = 0,
+                   num_warps: int = 4) -> torch.Tensor:
+    """int32 [N]: the rows of `base` (int32 or int64 [N], a permutation) with each wave of `programs` entries
+    permuted to balance the programs, from the rows' costs (int32 or int64 [N] by row, non-negative; each
+    plus `cost_offset`); see the module docstring and `plan.work_order`. num_warps: of the sequential kernel;
+    on the H200 4 and 8 tie at 256 / 476 us for 23,640 / 44,592 rows, 4 is faster at 3,072 (47 vs 81 us, host
+    launches included; `scripts/ab_work_order.py --cost`)."""
     if not 1 <= programs <= MAX_PROGRAMS:
         raise ValueError(f"programs must be in [1, {MAX_PROGRAMS}]; got {programs}.")
     base, cost = base.reshape(-1).contiguous(), cost.reshape(-1).contiguous()
@@ -97,9 +101,10 @@ def balanced_order(base: torch.Tensor, cost: torch.Tensor, programs: int, *, num
     full = n // programs
     item_key = torch.empty(max(full * programs, 1), dtype=torch.int32, device=base.device)
     meta = dict(LANE_BITS=_lane_bits(programs), BLOCK=_block(programs))
+    limit = cost_limit(programs)
     if full:
-        _wave_items_kernel[(full,)](base, cost, item_key, programs, cost_limit(programs), **meta,
+        _wave_items_kernel[(full,)](base, cost, item_key, programs, cost_offset, limit, **meta,
                                     num_warps=min(8, max(1, meta["BLOCK"] // 32)))
-    _balanced_order_kernel[(1,)](base, cost, item_key, order, n, full, programs, cost_limit(programs), **meta,
+    _balanced_order_kernel[(1,)](base, cost, item_key, order, n, full, programs, cost_offset, limit, **meta,
                                  num_warps=num_warps)
     return order
