@@ -221,7 +221,7 @@ def work_order(kv_count: torch.Tensor, programs: int | None = None) -> torch.Ten
     `benchmarks/order_ab_6_h200.json`, `..._hopper_h200.json`), against rows sorted longest first: rows of
     log-normal length +27% (Gluon) / +19% (Triton Hopper), where the base order alone gives -1 / -9%; top-k
     plans +3-5 / +1-3% (the base order: the same); 2 global-tile rows per head +4 / +2%; per-head densities
-    -0.4 / +1.6%. On CUDA one Triton launch (`kernels.triton_work_order`), elsewhere a torch loop over the waves."""
+    -0.4 / +1.6%. On CUDA two Triton launches (`kernels.triton_work_order`), elsewhere a torch loop over the waves."""
     c = kv_count.reshape(-1).long()
     long_rows = c * torch.count_nonzero(c) > 2 * c.sum()              # c > 2 x the mean of the non-empty rows
     key = torch.where(long_rows, c + 2, c.clamp(max=1))                 # long rows by length > other rows > empty
