@@ -26,6 +26,14 @@ from .rope import apply_rope, rope_gather
 TEXT_POSITIONS = ("before", "after")
 
 
+def tile_lengths(seq_len: int, block: int, device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """[ceil(seq_len / block)] real tokens per tile: block, the last tile what is left. Built on `device` by
+    tensor ops (writing one element from a Python number would copy it from the host and sync a CUDA stream)."""
+    n = math.ceil(seq_len / block)
+    return (seq_len - block * torch.arange(n, device=device)).clamp_(max=block).to(dtype)
+
+
 def _tile_permutation(grid: tuple[int, int, int], tile: tuple[int, int, int]) -> torch.Tensor:
     """Video-token permutation: position in tile order -> time-major index. int64 [T*H*W]."""
     T, H, W = grid
@@ -130,9 +138,7 @@ class TileLayout:
     @cached_property
     def tile_len(self) -> torch.Tensor:
         """int32 [num_tiles]: real tokens per tile (block, except the last tile)."""
-        lens = torch.full((self.num_tiles,), self.block, dtype=torch.int32)
-        lens[-1] = self.seq_len - (self.num_tiles - 1) * self.block
-        return lens
+        return tile_lengths(self.seq_len, self.block)
 
     def indices(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """(perm, inv) on `device`, cached."""

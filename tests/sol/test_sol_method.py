@@ -10,7 +10,7 @@ from videosparse.kernels import block_sparse_attention
 from videosparse.layout import head_tiling
 from videosparse.method import ModelInfo
 from videosparse.sol.centroids import tile_centroids, tile_means_torch
-from videosparse.sol.method import SolMethod
+from videosparse.sol.method import SolMethod, packs_full_width
 from videosparse.sol.threshold import routing_zscores, sol_mask
 
 INFO = ModelInfo("WanTransformer3DModel", 2, 2, 64, (1, 2, 2))
@@ -91,6 +91,54 @@ def test_static_width_plans_equal_tight_plans():
     assert wide.kv_index.shape[-1] == layout.num_tiles
     assert torch.equal(wide.kv_count, tight.kv_count)
     assert torch.equal(wide.kv_index[..., : tight.kv_index.shape[-1]], tight.kv_index)
+
+
+def test_plans_pack_to_full_width_only_where_fast_kernels_run_them():
+    """No host sync on CUDA at fp16/bf16 (the fast kernels read kv_count; the width only pads); tight plans
+    elsewhere, where the reference backend's cost grows with the width; the attribute overrides both."""
+    half, single = torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1)
+    assert not packs_full_width(None, half) and not packs_full_width(None, single)
+    assert packs_full_width(True, single) and not packs_full_width(False, half)
+    layout = head_tiling((8, 8, 16), (4, 4, 4), 2, block=64)
+    q, k, v = _inputs(layout)
+    assert SolMethod(SolConfig(block=64, tau=1.0), INFO).plan(q, k, v, layout, 0).kv_index.shape[-1] < layout.num_tiles
+
+
+@pytest.mark.gpu
+def test_plans_on_cuda_are_full_width_and_equal_tight_ones():
+    layout = head_tiling((8, 8, 16), (4, 4, 4), 2, block=64)
+    q, k, v = (t.cuda().bfloat16() for t in _inputs(layout))
+    wide = SolMethod(SolConfig(block=64, tau=1.0), INFO).plan(q, k, v, layout, 0)
+    tight_method = SolMethod(SolConfig(block=64, tau=1.0), INFO)
+    tight_method.static_width = False
+    tight = tight_method.plan(q, k, v, layout, 0)
+    assert wide.kv_index.shape[-1] == layout.num_tiles > tight.kv_index.shape[-1]
+    assert torch.equal(wide.kv_count, tight.kv_count)
+    assert torch.equal(wide.kv_index[..., : tight.kv_index.shape[-1]], tight.kv_index)
+    from helpers import rel_err
+
+    # the width can change how the kernel cuts its last wave (tail_split reads it), so up to bf16 rounding
+    out_wide, out_tight = (block_sparse_attention(q, k, v, p).float() for p in (wide, tight))
+    assert rel_err(out_wide, out_tight) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("correction", [False, True])
+def test_sol_hot_path_on_cuda_never_syncs_the_host(correction):
+    """After the calibrating first call, a Sol plan and its kernel call queue GPU work only: a host sync per
+    layer left the H200 idle for a fifth of an eager Wan 1.3B forward (README, "Sol without host syncs")."""
+    layout = head_tiling((8, 16, 16), (4, 4, 8), 2, block=128)
+    q, k, v = (t.cuda().bfloat16() for t in _inputs(layout, D=128))
+    method = SolMethod(SolConfig(block=128, density=0.3, correction=correction), ModelInfo(
+        "WanTransformer3DModel", 2, 2, 128, (1, 2, 2)))
+    block_sparse_attention(q, k, v, method.plan(q, k, v, layout, 0), validate=False)     # calibrates, compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        block_sparse_attention(q, k, v, method.plan(q, k, v, layout, 0), validate=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
 
 
 def test_unreachable_density_warns_once(caplog):

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from ..layout import tile_lengths
+
 
 def tile_centroids_torch(k: torch.Tensor, v: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Centroids of key tiles in tile order.
@@ -23,8 +25,7 @@ def tile_centroids_torch(k: torch.Tensor, v: torch.Tensor, block_n: int) -> tupl
     pad = Nk * block_n - S
     kp = torch.nn.functional.pad(k, (0, 0, 0, pad)).view(B, H, Nk, block_n, D)
     vp = torch.nn.functional.pad(v, (0, 0, 0, pad)).view(B, H, Nk, block_n, D)
-    tile_len = torch.full((Nk,), block_n, dtype=torch.int32, device=k.device)
-    tile_len[-1] = S - (Nk - 1) * block_n
+    tile_len = tile_lengths(S, block_n, k.device)
     k_mean = kp.sum(3, dtype=torch.float32) / tile_len[:, None].float()
     v_sum = vp.sum(3, dtype=torch.float32)
     return k_mean, v_sum, tile_len
@@ -44,8 +45,7 @@ def tile_means_torch(x: torch.Tensor, block: int) -> torch.Tensor:
     N = math.ceil(S / block)
     pad = N * block - S
     xp = torch.nn.functional.pad(x, (0, 0, 0, pad)).view(B, H, N, block, D)
-    lens = torch.full((N,), float(block), dtype=torch.float32, device=x.device)
-    lens[-1] = S - (N - 1) * block
+    lens = tile_lengths(S, block, x.device, torch.float32)
     return xp.sum(3, dtype=torch.float32) / lens[:, None]
 
 

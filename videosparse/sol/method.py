@@ -38,9 +38,11 @@ class SolMethod(SparseMethod):
         info: the transformer's `ModelInfo`.
 
     Attributes:
-        static_width: when True, plans are packed to the full width (number of tiles) instead of
-            the largest row count, which removes the one host sync per call (for torch.compile /
-            CUDA graphs; only fast kernels that read kv_count should run such plans).
+        static_width: True: plans are packed to the full width (number of tiles) instead of the
+            largest row count, which removes the one host sync per call (only fast kernels, which read
+            kv_count, should run such plans: the reference's cost grows with the width); False: tight;
+            None (default): full width on CUDA with fp16/bf16 inputs, which the fast kernels serve,
+            and under torch.compile; tight elsewhere (`packs_full_width`).
 
     Example:
         >>> import torch
@@ -54,7 +56,7 @@ class SolMethod(SparseMethod):
         >>> plan = method.plan(q, k, v, layout, layer=0)
     """
 
-    static_width: bool = False
+    static_width: bool | None = None
 
     def __init__(self, config: SolConfig, info: ModelInfo) -> None:
         if not isinstance(config, SolConfig):
@@ -135,8 +137,18 @@ class SolMethod(SparseMethod):
         z = routing_zscores(q_mean[:, :, :Mv], k_mean[:, :, :Mv], 1.0 / math.sqrt(D), cfg.band)
         key = (H, S, D, Mv, G, layout.grid)
         tau = self.tau(z, layout, layer, key, state)
-        plan = sol_plan_from_zscores(z, tau, G, block,
-                                     width=N if self.static_width or torch.compiler.is_compiling() else None)
+        plan = sol_plan_from_zscores(z, tau, G, block, width=N if packs_full_width(self.static_width, q) else None)
         if cfg.correction:
             plan = plan.with_correction(k_mean, v_sum, tile_len)
         return plan
+
+
+def packs_full_width(static_width: bool | None, q: torch.Tensor) -> bool:
+    """Whether `SolMethod.plan` packs the plan for q to the full width (see `SolMethod.static_width`). On the
+    H200, eager Sol at Wan 1.3B spent ~24% of its forward with the GPU idle behind the tight width's host sync
+    (`python scripts/profile_forward.py --methods sol@0.1 --layers 10`)."""
+    if torch.compiler.is_compiling():
+        return True
+    if static_width is not None:
+        return static_width
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)

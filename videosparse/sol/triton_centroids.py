@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..layout import tile_lengths
+
 
 @triton.jit
 def _tile_stats_kernel(
@@ -111,7 +113,4 @@ def tile_stats_triton(
             BLOCK_N=block, BLOCK_D=block_d, CHUNK=chunk, HAS_Q=q is not None,
             num_warps=num_warps,
         )
-    tile_len = torch.full((N,), block, dtype=torch.int32, device=k.device)
-    if N:
-        tile_len[-1] = S - (N - 1) * block
-    return q_mean, k_mean, v_sum, tile_len
+    return q_mean, k_mean, v_sum, tile_lengths(S, block, k.device)

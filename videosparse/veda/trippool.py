@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from ..layout import tile_lengths
+
 KERNEL_BACKENDS = ("auto", "triton", "torch")
 
 
@@ -33,11 +35,8 @@ def trippool_torch(x: torch.Tensor, block: int, num_tiles: int | None = None) ->
     pad = N * block - S
     xp = torch.nn.functional.pad(x.float(), (0, 0, 0, pad)).view(B, H, N, block, D)
     xp = xp[:, :, :n]
-    lens = torch.full((n,), block, dtype=torch.float32, device=x.device)
-    real = torch.ones(n, block, dtype=torch.bool, device=x.device)
-    if n == N and pad:
-        lens[-1] = block - pad
-        real[-1, block - pad :] = False
+    lens = tile_lengths(S, block, x.device, torch.float32)[:n]
+    real = torch.arange(block, device=x.device) < lens[:, None]
     mask = real[None, None, :, :, None]
     mean = xp.sum(3) / lens[:, None]
     mx = xp.masked_fill(~mask, float("-inf")).amax(3)
