@@ -144,9 +144,9 @@ class SolMethod(SparseMethod):
 
 
 def packs_full_width(static_width: bool | None, q: torch.Tensor) -> bool:
-    """Whether `SolMethod.plan` packs the plan for q to the full width (see `SolMethod.static_width`). On the
-    H200, eager Sol at Wan 1.3B spent ~24% of its forward with the GPU idle behind the tight width's host sync
-    (`python scripts/profile_forward.py --methods sol@0.1 --layers 10`)."""
+    """Whether `SolMethod.plan` packs the plan for q to the full width (see `SolMethod.static_width`). The tight
+    width's host sync, with one more that is gone too, left the H200 idle for 24% of an eager Wan 1.3B forward
+    (README, "Sol without host syncs")."""
     if torch.compiler.is_compiling():
         return True
     if static_width is not None:
