@@ -89,8 +89,8 @@ def balanced_order(base: torch.Tensor, cost: torch.Tensor, programs: int, *, cos
     """int32 [N]: the rows of `base` (int32 or int64 [N], a permutation) with each wave of `programs` entries
     permuted to balance the programs, from the rows' costs (int32 or int64 [N] by row, non-negative; each
     plus `cost_offset`); see the module docstring and `plan.work_order`. num_warps: of the sequential kernel;
-    on the H200 4 and 8 tie at 256 / 476 us for 23,640 / 44,592 rows, 4 is faster at 3,072 (47 vs 81 us, host
-    launches included; `scripts/ab_work_order.py --cost`)."""
+    on the H200 4 warps took 41 / 260 / 483 us at 3,072 / 23,640 / 44,592 rows, 8 warps 46 / 264 / 489, 2 warps
+    59 / 404 / 753 (`scripts/ab_work_order.py --cost` -> benchmarks/work_order_cost_h200.json)."""
     if not 1 <= programs <= MAX_PROGRAMS:
         raise ValueError(f"programs must be in [1, {MAX_PROGRAMS}]; got {programs}.")
     base, cost = base.reshape(-1).contiguous(), cost.reshape(-1).contiguous()
