@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import types
 
 import pytest
@@ -219,11 +220,55 @@ class ProcessorTesterMixin:
         assert torch.isfinite(self.run(tr, inputs)).all()
         videosparse.remove(tr)
 
+    @pytest.mark.gpu
+    @pytest.mark.parametrize("method", ["veda", "sol"])
+    def test_gpu_sparse_forward_never_syncs_the_host_in_videosparse(self, method):
+        """After a warm-up forward (kernels compiled, Sol calibrated, per-shape tensors cached) a sparse forward
+        only queues GPU work in videosparse's code: a host sync there lets the GPU idle while the host catches
+        up (24% of an eager Wan 1.3B Sol forward before, README "Sol without host syncs"). Syncs in diffusers'
+        own code are not ours and are not counted."""
+        config_class = videosparse.VedaConfig if method == "veda" else videosparse.SolConfig
+        tr = self.to_cuda_bf16(self.make_transformer())
+        inputs = _to_cuda_bf16(self.make_inputs(tr))
+        videosparse.apply(tr, config_class(density=0.3, tiling=self.tiling, block=self.block, dense_steps=0))
+        self.run(tr, inputs)
+        torch.cuda.synchronize()
+        sites = host_sync_sites(lambda: self.run(tr, inputs))
+        assert sessions(tr)["transformer"].stats()["sparse_calls"] > 0
+        videosparse.remove(tr)
+        package = os.path.dirname(videosparse.__file__) + os.sep
+        ours = [site for site in sites if package in site]
+        assert not ours, ours
+
     def test_bad_config_type(self):
         tr = self.make_transformer()
         with pytest.raises(TypeError, match="not a videosparse config"):
             videosparse.apply(tr, {"density": 0.1})
         assert sessions(tr) == {}
+
+
+def host_sync_sites(fn) -> list[str]:
+    """Run fn with CUDA's sync debug mode on: for every synchronizing CUDA call, the Python stack that made it
+    (innermost frame first, as "file:line:function" joined by " <- ")."""
+    import traceback
+    import warnings
+
+    sites = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" in str(message):
+            frames = traceback.extract_stack()[:-1]
+            sites.append(" <- ".join(f"{f.filename}:{f.lineno}:{f.name}" for f in reversed(frames)))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sites
 
 
 def apply_and_list_served(transformer, config) -> tuple[dict, list[str]]:
