@@ -325,3 +325,20 @@ def test_gpu_rope_gather_head_pairs_at_mochi_size():
 
 if __name__ == "__main__":
     interpreter_child(sys.argv[1:], _run_case)
+
+
+def test_tables_on_copies_host_tables_once_while_they_come_back_unchanged():
+    """EasyAnimate builds its RoPE tables on the CPU and passes the same tensors to every layer: one copy per
+    forward (each copy to a GPU would sync the host), a new one for new or modified tables."""
+    from videosparse.rope import tables_on
+
+    cos, sin = torch.randn(6, 4), torch.randn(6, 4)
+    assert tables_on((cos, sin), "cpu") == (cos, sin)                   # already there: as given
+    first = tables_on((cos, sin), "meta")
+    assert all(t.device.type == "meta" for t in first)
+    assert all(a is b for a, b in zip(tables_on((cos, sin), "meta"), first))      # the next layers: the same copy
+    cos.add_(1)                                                                     # modified in place: copied again
+    again = tables_on((cos, sin), "meta")
+    assert not any(a is b for a, b in zip(again, first))
+    fresh = tables_on((cos.clone(), sin.clone()), "meta")                           # the next forward's new tables
+    assert not any(a is b for a, b in zip(fresh, again))

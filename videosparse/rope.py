@@ -21,6 +21,7 @@ form itself, so the fused kernel is not used there.
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -63,6 +64,28 @@ def apply_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, secti
         return torch.cat([apply_half_rope(*part) for part in parts], dim=-1)
     half = x.shape[-1] // 2
     return (x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin).type_as(x)
+
+
+_MOVED_TABLES: list = [None]   # (weak refs and versions of the host tables, device, their device copies): the last
+
+
+def tables_on(tables: tuple[torch.Tensor, ...], device: torch.device | str) -> tuple[torch.Tensor, ...]:
+    """`tables` on `device`. A model that builds its RoPE tables on the CPU (EasyAnimate) passes the same tensors to
+    every layer of a forward, and copying them to the GPU syncs the host each time; here the copy is made once
+    and reused while the same, unmodified tensors come back (the next forward's new tables are copied again)."""
+    device = torch.device(device)
+    if all(t.device == device for t in tables):
+        return tables
+    if torch.compiler.is_compiling():
+        return tuple(t.to(device) for t in tables)
+    key = tuple((t._version, t.dtype, tuple(t.shape)) for t in tables)
+    cached = _MOVED_TABLES[0]
+    if (cached is not None and cached[1] == device and len(cached[0]) == len(tables)
+            and all(ref() is t for ref, t in zip(cached[0], tables)) and cached[2] == key):
+        return cached[3]
+    moved = tuple(t.to(device) for t in tables)
+    _MOVED_TABLES[0] = (tuple(weakref.ref(t) for t in tables), device, key, moved)
+    return moved
 
 
 class PairRope(NamedTuple):

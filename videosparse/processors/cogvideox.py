@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
 
-from ..rope import PairRope, apply_rope
+from ..rope import PairRope, apply_rope, tables_on
 from .base import SparseAttentionMixin, project_heads
 from .context import forward_arg
 
@@ -49,7 +49,7 @@ def rope_after_text(attn, query: torch.Tensor, text_len: int, image_rotary_emb) 
     rope)."""
     if image_rotary_emb is None:
         return query, None
-    rope = PairRope(*image_rotary_emb, start=text_len)
+    rope = PairRope(*tables_on(image_rotary_emb, query.device), start=text_len)
     return (apply_rope(query, rope), None) if attn.is_cross_attention else (query, rope)
 
 
