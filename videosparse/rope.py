@@ -71,8 +71,9 @@ _MOVED_TABLES: list = [None]   # (weak refs and versions of the host tables, dev
 
 def tables_on(tables: tuple[torch.Tensor, ...], device: torch.device | str) -> tuple[torch.Tensor, ...]:
     """`tables` on `device`. A model that builds its RoPE tables on the CPU (EasyAnimate) passes the same tensors to
-    every layer of a forward, and copying them to the GPU syncs the host each time; here the copy is made once
-    and reused while the same, unmodified tensors come back (the next forward's new tables are copied again)."""
+    every layer of a forward, and diffusers copies them to the GPU in every layer, a host sync each; here one
+    asynchronous copy serves while the same, unmodified tensors come back (the next forward's tables are copied
+    again)."""
     device = torch.device(device)
     if all(t.device == device for t in tables):
         return tables
@@ -83,7 +84,7 @@ def tables_on(tables: tuple[torch.Tensor, ...], device: torch.device | str) -> t
     if (cached is not None and cached[1] == device and len(cached[0]) == len(tables)
             and all(ref() is t for ref, t in zip(cached[0], tables)) and cached[2] == key):
         return cached[3]
-    moved = tuple(t.to(device) for t in tables)
+    moved = tuple(t.to(device, non_blocking=True) for t in tables)    # from pageable memory: staged, no stream sync
     _MOVED_TABLES[0] = (tuple(weakref.ref(t) for t in tables), device, key, moved)
     return moved
 
