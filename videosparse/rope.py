@@ -66,7 +66,7 @@ def apply_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, secti
     return (x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin).type_as(x)
 
 
-_MOVED_TABLES: list = [None]   # (weak refs and versions of the host tables, device, their device copies): the last
+_MOVED_TABLES: list = [None]   # the last tables moved: (weak refs to them, device, versions and shapes, the copies)
 
 
 def tables_on(tables: tuple[torch.Tensor, ...], device: torch.device | str) -> tuple[torch.Tensor, ...]:
