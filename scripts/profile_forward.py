@@ -5,8 +5,10 @@ For each method (dense first, as in `videosparse evaluate --synthetic`): apply i
 transformer, warm up, time `--repeats` forwards, then profile one more. Device kernels are summed by
 category (GEMMs, dense attention, the sparse kernel, plan building, Inductor's fused kernels, ...), the
 largest kernels are listed, and the host side is summarised by the launch latency (first kernel after
-the forward starts) and the idle gaps between kernels. On a CPU-only machine the same runs with CPU
-operators in place of kernels (a smoke test; the figures mean nothing there).
+the forward starts), the idle gaps between kernels, the time the host takes to queue a forward (until it
+returns, before the GPU finishes) and, on CUDA, the synchronizing CUDA calls of one more forward, by the
+innermost videosparse frame that made them (CUDA's sync debug mode). On a CPU-only machine the same runs with
+CPU operators in place of kernels (a smoke test; the figures mean nothing there).
 
     python scripts/profile_forward.py --model wan-1.3b --methods dense veda@0.1 --compile default \\
         --out benchmarks/profile_compiled_wan1.3b_h200.json
@@ -30,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from videosparse.eval.spec import parse_method_specs  # noqa: E402
 from videosparse.eval.synthetic import (  # noqa: E402
     COMPILE_MODES, build_transformer, every_step_sparse, make_inputs, method_applied, synthetic_setup)
+from videosparse.eval.timing import host_sync_sites  # noqa: E402
 
 # (category, substrings of a lower-cased kernel name); the first match wins. Inductor's kernels
 # ("triton_poi_...", "triton_red_...") are named after the ops they fuse, so they are taken first.
@@ -87,6 +90,19 @@ def summarize_profile(prof, device_type: str) -> dict:
     return row
 
 
+def sync_sites_by_frame(sites: list[list[str]]) -> dict[str, int]:
+    """{innermost videosparse frame ("path inside the package:line:function"), or "outside videosparse": count} of
+    the stacks `host_sync_sites` returned."""
+    import videosparse
+
+    package = os.path.dirname(os.path.abspath(videosparse.__file__)) + os.sep
+    counts = collections.Counter()
+    for frames in sites:
+        ours = next((f for f in frames if f.startswith(package)), None)
+        counts["outside videosparse" if ours is None else ours[len(package):]] += 1
+    return dict(counts.most_common())
+
+
 def profile_method(transformer, inputs: dict, spec, compile_mode: str | None, warmup: int, repeats: int) -> dict:
     """Forward times and the profile summary of one method (applied here, removed before returning)."""
     from torch.profiler import ProfilerActivity, profile
@@ -100,10 +116,12 @@ def profile_method(transformer, inputs: dict, spec, compile_mode: str | None, wa
             model(**inputs)
         sync()
         warm_s = time.perf_counter() - t0
+        host = []
         for _ in range(repeats):
             sync()
             t = time.perf_counter()
             model(**inputs)
+            host.append(time.perf_counter() - t)
             sync()
             times.append(time.perf_counter() - t)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -111,8 +129,10 @@ def profile_method(transformer, inputs: dict, spec, compile_mode: str | None, wa
             sync()
             model(**inputs)
             sync()
+        syncs = sync_sites_by_frame(host_sync_sites(lambda: model(**inputs))) if device.type == "cuda" else None
+        sync()
     row = {"forward_ms": statistics.median(times) * 1e3, "forward_ms_all": [t * 1e3 for t in times],
-           "warmup_s": warm_s}
+           "host_issue_ms": statistics.median(host) * 1e3, "warmup_s": warm_s, "host_syncs": syncs}
     row.update(summarize_profile(prof, "CUDA" if device.type == "cuda" else "CPU"))
     return row
 
@@ -151,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
         report["methods"][spec.label] = row
         cats = ", ".join(f"{k} {v:.1f}" for k, v in row["by_category_ms"].items())
         host = ("" if row["idle_gaps_ms"] is None else f"; first kernel after {row['first_kernel_after_ms']:.2f} ms, "
-                f"idle gaps {row['idle_gaps_ms']:.2f} ms")
+                f"idle gaps {row['idle_gaps_ms']:.2f} ms, host syncs {sum(row['host_syncs'].values())}")
         print(f"{spec.label}: forward {row['forward_ms']:.1f} ms, busy {row['busy_ms']:.1f} ms ({cats}){host}",
               flush=True)
         if args.out:

@@ -41,6 +41,7 @@ def test_cpu_smoke_run_writes_a_report(profile_forward, tmp_path, caplog):
         assert row["forward_ms"] > 0 and row["busy_ms"] > 0
         assert sum(row["by_category_ms"].values()) == pytest.approx(row["busy_ms"])
         assert row["top_kernels"] and row["idle_gaps"] is None     # no device timeline on CPU
+        assert row["host_syncs"] is None and 0 < row["host_issue_ms"] <= row["forward_ms"] * 1.5
     assert "gemm" in report["methods"]["dense"]["by_category_ms"]
     # every profiled forward is a sparse step: no warning about fractional dense steps
     assert not [r for r in caplog.records if "dense_steps" in r.getMessage()]
@@ -49,3 +50,31 @@ def test_cpu_smoke_run_writes_a_report(profile_forward, tmp_path, caplog):
 def test_bad_repeats_are_refused(profile_forward):
     with pytest.raises(SystemExit):
         profile_forward.main(["--repeats", "0", "--device", "cpu"])
+
+
+def test_sync_sites_are_recorded_and_counted_by_the_innermost_videosparse_frame(profile_forward, monkeypatch):
+    """host_sync_sites keeps only the sync warnings, with their stacks; the script counts them by the innermost
+    frame inside the package (CUDA's debug mode itself is stubbed here: no GPU on CPU)."""
+    import os
+    import warnings
+
+    import torch
+
+    import videosparse
+    from videosparse.eval.timing import host_sync_sites
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def forward():
+        warnings.warn("called a synchronizing CUDA operation")
+        warnings.warn("an unrelated warning")
+
+    sites = host_sync_sites(forward)
+    assert modes == ["warn", 0] and len(sites) == 1 and any(f.endswith(":forward") for f in sites[0])
+    package = os.path.dirname(os.path.abspath(videosparse.__file__)) + os.sep
+    stacks = [[f"{package}sol/threshold.py:192:pack_mask", f"{package}sol/method.py:140:plan", "/x/y.py:1:run"],
+              [f"{package}sol/threshold.py:192:pack_mask", "/x/y.py:1:run"], ["/site-packages/diffusers/z.py:3:f"]]
+    assert profile_forward.sync_sites_by_frame(stacks) == {"sol/threshold.py:192:pack_mask": 2,
+                                                          "outside videosparse": 1}
+

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import videosparse
+from videosparse.eval.timing import host_sync_sites
 from videosparse.processors import attention_processors, observe, sessions
 
 
@@ -235,7 +236,7 @@ class ProcessorTesterMixin:
         videosparse.apply(tr, config_class(density=0.3, tiling=self.tiling, block=self.block, dense_steps=0))
         self.run(tr, inputs)
         torch.cuda.synchronize()
-        sites = host_sync_sites(lambda: self.run(tr, inputs))
+        sites = [" <- ".join(frames) for frames in host_sync_sites(lambda: self.run(tr, inputs))]
         assert sessions(tr)["transformer"].stats()["sparse_calls"] > 0
         videosparse.remove(tr)
         package = os.path.dirname(videosparse.__file__) + os.sep
@@ -248,30 +249,6 @@ class ProcessorTesterMixin:
         with pytest.raises(TypeError, match="not a videosparse config"):
             videosparse.apply(tr, {"density": 0.1})
         assert sessions(tr) == {}
-
-
-def host_sync_sites(fn) -> list[str]:
-    """Run fn with CUDA's sync debug mode on: for every synchronizing CUDA call, the Python stack that made it
-    (innermost frame first, as "file:line:function" joined by " <- ")."""
-    import traceback
-    import warnings
-
-    sites = []
-
-    def record(message, category, filename, lineno, file=None, line=None):
-        if "synchronizing" in str(message):
-            frames = traceback.extract_stack()[:-1]
-            sites.append(" <- ".join(f"{f.filename}:{f.lineno}:{f.name}" for f in reversed(frames)))
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return sites
 
 
 def apply_and_list_served(transformer, config) -> tuple[dict, list[str]]:

@@ -184,3 +184,29 @@ class AttentionTimer:
     @property
     def plan_total(self) -> float:
         return float(sum(self.plan_s))
+
+
+def host_sync_sites(fn) -> list[list[str]]:
+    """Run fn() with CUDA's sync debug mode set to warn: for every synchronizing CUDA call it makes (a host wait
+    on the GPU, e.g. `.item()`, `.tolist()` or a copy from pageable host memory), the Python stack that made it,
+    innermost frame first, each frame as "file:line:function". Needs CUDA."""
+    import traceback
+    import warnings
+
+    sites = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" in str(message):
+            frames = traceback.extract_stack()[:-1]
+            sites.append([f"{f.filename}:{f.lineno}:{f.name}" for f in reversed(frames)])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sites
+
