@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from videosparse.eval.spec import parse_method_specs  # noqa: E402
 from videosparse.eval.synthetic import (  # noqa: E402
     COMPILE_MODES, build_transformer, every_step_sparse, make_inputs, method_applied, synthetic_setup)
-from videosparse.eval.timing import host_sync_sites  # noqa: E402
+from videosparse.eval.timing import host_sync_sites, package_frames  # noqa: E402
 
 # (category, substrings of a lower-cased kernel name); the first match wins. Inductor's kernels
 # ("triton_poi_...", "triton_red_...") are named after the ops they fuse, so they are taken first.
@@ -93,13 +93,7 @@ def summarize_profile(prof, device_type: str) -> dict:
 def sync_sites_by_frame(sites: list[list[str]]) -> dict[str, int]:
     """{innermost videosparse frame ("path inside the package:line:function"), or "outside videosparse": count} of
     the stacks `host_sync_sites` returned."""
-    import videosparse
-
-    package = os.path.dirname(os.path.abspath(videosparse.__file__)) + os.sep
-    counts = collections.Counter()
-    for frames in sites:
-        ours = next((f for f in frames if f.startswith(package)), None)
-        counts["outside videosparse" if ours is None else ours[len(package):]] += 1
+    counts = collections.Counter((package_frames(frames) or ["outside videosparse"])[0] for frames in sites)
     return dict(counts.most_common())
 
 

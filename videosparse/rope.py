@@ -66,7 +66,7 @@ def apply_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, secti
     return (x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin).type_as(x)
 
 
-_MOVED_TABLES: list = [None]   # the last tables moved: (weak refs to them, device, versions and shapes, the copies)
+_MOVED_TABLES: list = [None]   # the last tables moved: (weak refs to them, device, their versions, the copies)
 
 
 def tables_on(tables: tuple[torch.Tensor, ...], device: torch.device | str) -> tuple[torch.Tensor, ...]:
@@ -79,7 +79,7 @@ def tables_on(tables: tuple[torch.Tensor, ...], device: torch.device | str) -> t
         return tables
     if torch.compiler.is_compiling():
         return tuple(t.to(device) for t in tables)
-    key = tuple((t._version, t.dtype, tuple(t.shape)) for t in tables)
+    key = tuple(t._version for t in tables)
     cached = _MOVED_TABLES[0]
     if (cached is not None and cached[1] == device and len(cached[0]) == len(tables)
             and all(ref() is t for ref, t in zip(cached[0], tables)) and cached[2] == key):

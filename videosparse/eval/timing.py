@@ -3,6 +3,7 @@ self-attention calls and plan building of videosparse processors (CUDA events)."
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -209,4 +210,11 @@ def host_sync_sites(fn) -> list[list[str]]:
         finally:
             torch.cuda.set_sync_debug_mode(0)
     return sites
+
+
+def package_frames(frames: list[str]) -> list[str]:
+    """The frames of a `host_sync_sites` stack that lie in the videosparse package, innermost first, each as
+    "path inside the package:line:function" (e.g. "sol/threshold.py:192:pack_mask")."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    return [f[len(package):] for f in frames if f.startswith(package)]
 
