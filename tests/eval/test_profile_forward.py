@@ -61,7 +61,7 @@ def test_sync_sites_are_recorded_and_counted_by_the_innermost_videosparse_frame(
     import torch
 
     import videosparse
-    from videosparse.eval.timing import host_sync_sites
+    from videosparse.eval.timing import host_sync_sites, package_frames
 
     modes = []
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
@@ -71,7 +71,8 @@ def test_sync_sites_are_recorded_and_counted_by_the_innermost_videosparse_frame(
         warnings.warn("an unrelated warning")
 
     sites = host_sync_sites(forward)
-    assert modes == ["warn", 0] and len(sites) == 1 and any(f.endswith(":forward") for f in sites[0])
+    assert modes == ["warn", 0] and len(sites) == 1 and sites[0][-1].endswith(":forward")
+    assert not package_frames(sites[0])  # the helper's own frame (in the package) is not part of a site
     package = os.path.dirname(os.path.abspath(videosparse.__file__)) + os.sep
     stacks = [[f"{package}sol/threshold.py:192:pack_mask", f"{package}sol/method.py:140:plan", "/x/y.py:1:run"],
               [f"{package}sol/threshold.py:192:pack_mask", "/x/y.py:1:run"], ["/site-packages/diffusers/z.py:3:f"]]

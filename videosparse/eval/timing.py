@@ -190,16 +190,21 @@ class AttentionTimer:
 def host_sync_sites(fn) -> list[list[str]]:
     """Run fn() with CUDA's sync debug mode set to warn: for every synchronizing CUDA call it makes (a host wait
     on the GPU, e.g. `.item()`, `.tolist()` or a copy from pageable host memory), the Python stack that made it,
-    innermost frame first, each frame as "file:line:function". Needs CUDA."""
-    import traceback
+    innermost frame first, each frame as "file:line:function", down to fn's own frame (this helper and its callers
+    are left out: they are where every site is called from, not where it syncs). Needs CUDA."""
+    import sys
     import warnings
 
     sites = []
+    outer = sys._getframe()
 
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchronizing" in str(message):
-            frames = traceback.extract_stack()[:-1]
-            sites.append([f"{f.filename}:{f.lineno}:{f.name}" for f in reversed(frames)])
+            frames, frame = [], sys._getframe(1)
+            while frame is not None and frame is not outer:
+                frames.append(f"{frame.f_code.co_filename}:{frame.f_lineno}:{frame.f_code.co_name}")
+                frame = frame.f_back
+            sites.append(frames)
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
