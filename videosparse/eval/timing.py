@@ -187,6 +187,41 @@ class AttentionTimer:
         return float(sum(self.plan_s))
 
 
+_SDPA_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
+
+
+def sdpa_seconds(fn, key_tokens: int) -> float | None:
+    """Run fn() once under torch.profiler: the time its scaled-dot-product attention calls with `key_tokens` keys
+    (key (B, H, key_tokens, D)) take, in seconds: their GPU kernels' time when it ran on CUDA, their CPU time
+    otherwise. None when the profile holds no such call (CUDA graphs replay kernels without their ops).
+
+    Unlike timing one such call outside the model, this measures them inside the forward, at the clock the GPU
+    holds under the forward's load; calls with other key counts (cross-attention to the text) are left out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+    def is_sdpa(event) -> bool:
+        return event is not None and any(op in event.name for op in _SDPA_OPS)
+
+    found, device_us, cpu_us = False, 0.0, 0.0
+    for event in prof.events():
+        shapes = event.input_shapes or []
+        if (not is_sdpa(event) or is_sdpa(event.cpu_parent) or len(shapes) < 2 or len(shapes[1]) != 4
+                or shapes[1][-2] != key_tokens):
+            continue
+        found = True
+        device_us += event.device_time_total
+        cpu_us += event.cpu_time_total
+    if not found:
+        return None
+    return (device_us if device_us > 0 else cpu_us) * 1e-6
+
+
 def host_sync_sites(fn) -> list[list[str]]:
     """Run fn() with CUDA's sync debug mode set to warn: for every synchronizing CUDA call it makes (a host wait
     on the GPU, e.g. `.item()`, `.tolist()` or a copy from pageable host memory), the Python stack that made it,

@@ -1,0 +1,36 @@
+"""videosparse.eval.timing.sdpa_seconds: the self-attention SDPA calls of a forward, from a profile."""
+
+import time
+
+import torch
+
+from videosparse.eval.timing import sdpa_seconds
+
+
+def test_sdpa_seconds_counts_the_calls_with_that_many_keys_once():
+    """Only the calls whose keys number key_tokens count (not the cross-attention to 20 text keys), each once
+    although the profile nests the op that dispatches SDPA and the one that runs it; None without such a call."""
+    F = torch.nn.functional.scaled_dot_product_attention
+    q, k = torch.randn(1, 4, 1024, 64), torch.randn(1, 4, 1024, 64)
+    text = torch.randn(1, 4, 20, 64)
+    wall = []
+
+    def forward():
+        t0 = time.perf_counter()
+        out = [F(q, k, k) + F(q, text, text) for _ in range(3)]
+        wall.append(time.perf_counter() - t0)
+        return out
+
+    forward()
+    self_attention = sdpa_seconds(forward, 1024)
+    cross_attention = sdpa_seconds(forward, 20)
+    assert 0 < cross_attention < self_attention <= wall[1]   # counted twice it would read ~2x the wall time
+    assert sdpa_seconds(forward, 7) is None
+
+
+def test_sdpa_seconds_sees_the_calls_inside_a_compiled_graph():
+    F = torch.nn.functional.scaled_dot_product_attention
+    q = torch.randn(1, 2, 256, 32)
+    compiled = torch.compile(lambda: F(q, q, q) * 2, backend="aot_eager")
+    compiled()
+    assert sdpa_seconds(compiled, 256) > 0
