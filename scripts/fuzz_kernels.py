@@ -126,6 +126,17 @@ def check_case(case: dict, backends: list[str], device: str) -> dict:
     return results
 
 
+def summarize(cases: list[dict], backends: list[str]) -> dict:
+    """Per backend: how many cases were ok, failed, raised or were not supported, and the largest error of the ok."""
+    summary = {}
+    for name in backends:
+        rows = [c["results"][name] for c in cases]
+        counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "fail", "error", "not supported")}
+        summary[name] = {**counts, "max_rel_err_ok": max((r["rel_err"] for r in rows if r["status"] == "ok"),
+                                                         default=None)}
+    return summary
+
+
 def _write(report: dict, path: str) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(report, f, indent=1)
@@ -159,16 +170,11 @@ def main(argv: list[str] | None = None) -> dict:
         bad = {n: r for n, r in results.items() if r["status"] in ("fail", "error")}
         if bad:
             print(f"case {i} {cases[i]}: {bad}", flush=True)
+        report["summary"], report["seconds"] = summarize(report["cases"], args.backends), time.time() - t0
         if args.out and len(report["cases"]) % 10 == 0:    # a run cut short keeps what it checked
             _write(report, args.out)
-    summary = {}
-    for name in args.backends:
-        rows = [c["results"][name] for c in report["cases"]]
-        counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "fail", "error", "not supported")}
-        errs = [r["rel_err"] for r in rows if "rel_err" in r]
-        summary[name] = {**counts, "max_rel_err_ok": max((r["rel_err"] for r in rows if r["status"] == "ok"),
-                                                         default=None), "ran": len(errs)}
-    report["summary"], report["seconds"] = summary, time.time() - t0
+    summary = report["summary"] = summarize(report["cases"], args.backends)
+    report["seconds"] = time.time() - t0
     print(f"{'backend':<16} {'ok':>5} {'fail':>5} {'error':>6} {'unsupported':>12}   ({len(report['cases'])} cases, "
           f"{report['seconds']:.0f} s)")
     for name, s in summary.items():
