@@ -236,6 +236,7 @@ def test_cli_prints_compiled_rows(tmp_path, capsys):
         torch.set_num_threads(n)
     out = capsys.readouterr().out
     assert rc == 0 and "veda@0.5:block=64:tiling=1x8x8" in out and "attention   – s" in out
+    assert "(timed in a profiled forward)" in out
 
 
 def test_shrunken_ltx2_runs_sparse():

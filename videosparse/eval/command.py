@@ -152,9 +152,10 @@ def _run_synthetic(args: argparse.Namespace) -> int:
                            compile_mode=args.compile)
     for name in args.synthetic:
         section = report["synthetic"][name]
+        timed = next(iter(section["methods"].values())).get("attention_timed")
         print(f"{name}: grid {section['shape']['grid']} ({section['shape']['tokens']} tokens), dense attention share "
-              f"{100 * section['dense_attention_share']:.1f}%, bound with attention free "
-              f"{section['amdahl_bound_free_attention']:.2f}x")
+              f"{100 * section['dense_attention_share']:.1f}%{f' (timed {timed})' if timed else ''}, bound with "
+              f"attention free {section['amdahl_bound_free_attention']:.2f}x")
         for label, r in section["methods"].items():
             # compiled sparse rows have no attention/plan time (the graph hides the processors): "-"
             print(f"  {label:<28} density {_f(r['realised_density'], 6)}  forward {r['forward_s']:.3f} s  "
