@@ -138,6 +138,39 @@ def test_dense_layers_beyond_the_model_are_rejected():
     assert sessions(tr) == {} and all(tr.attn_processors[k] is v for k, v in procs.items())
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_random_grids_and_tilings(seed):
+    """Any frame count and resolution: a grid drawn per seed (1-6 frames, 1-13 x 1-13 patches, so tiles larger than
+    the grid and partial last tiles), a 64-token tile shape and a method drawn with it. At density 1 the sparse
+    forward equals the stock one; sparse, it runs finite and reports a density inside (0, 1]."""
+    import random
+
+    rng = random.Random(seed)
+    frames, height, width = rng.randint(1, 6), 2 * rng.randint(1, 13), 2 * rng.randint(1, 13)
+    tiling = rng.choice([(1, 4, 16), (1, 8, 8), (2, 4, 8), (4, 4, 4), (4, 2, 8)])
+    t = TestWanProcessors()
+    tr = t.make_transformer()
+    g = torch.Generator().manual_seed(seed)
+    inputs = dict(hidden_states=torch.randn(1, 4, frames, height, width, generator=g), timestep=torch.tensor([500]),
+                  encoder_hidden_states=torch.randn(1, 8, 16, generator=g))
+    ref = t.run(tr, inputs)
+    videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=tiling, block=64, dense_steps=0))
+    out = t.run(tr, inputs)
+    videosparse.remove(tr)
+    assert (out - ref).abs().max() <= 1e-4 * ref.abs().max(), (frames, height, width, tiling)
+    config = rng.choice([videosparse.VedaConfig(density=0.3, tiling=tiling, block=64, dense_steps=0,
+                                                correction=rng.random() < 0.5),
+                         videosparse.SolConfig(density=0.3, tiling=tiling, block=64, dense_steps=0)])
+    videosparse.apply(tr, config)
+    out = t.run(tr, inputs)
+    stats = sessions(tr)["transformer"].stats()
+    videosparse.remove(tr)
+    assert torch.isfinite(out).all() and out.shape == ref.shape
+    assert stats["sparse_calls"] + stats["dense_calls"] == t.num_layers
+    if stats["sparse_calls"]:
+        assert 0 < stats["density"] <= 1
+
+
 def _cuda_wan():
     """A 2-layer bf16 Wan transformer with head dim 128 on CUDA and its inputs (grid 5 x 15 x 17, partial tiles)."""
     torch.manual_seed(0)
