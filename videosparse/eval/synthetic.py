@@ -947,6 +947,7 @@ def time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeat
                 _sync(device)
                 forward.append(time.perf_counter() - t0)
             plan = [None]
+            stats = session.stats()         # before the profiled forward: every row counts the same forwards
             attention = [None if sdpa_keys is None else sdpa_seconds(lambda: model(**inputs), sdpa_keys)]
         else:
             for _ in range(warmup):
@@ -958,7 +959,7 @@ def time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeat
                 forward.append(ttimer.times[-1])
                 attention.append(atimer.attention_total)
                 plan.append(atimer.plan_total)
-        stats = session.stats()
+            stats = session.stats()
     layers = stats["layers"].values()
     kept = sum((l["density"] or 0.0) * l["sparse_calls"] for l in layers)
     calls = stats["sparse_calls"] + stats["dense_calls"]
