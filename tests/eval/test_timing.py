@@ -23,7 +23,7 @@ def test_sdpa_seconds_counts_the_calls_with_that_many_keys_once():
 
     forward()
     self_attention = sdpa_seconds(forward, 1024)
-    cross_attention = sdpa_seconds(forward, 20)
+    cross_attention = sdpa_seconds(forward, 20, "cpu")
     assert 0 < cross_attention < self_attention <= wall[1]   # counted twice it would read ~2x the wall time
     assert sdpa_seconds(forward, 7) is None
 
@@ -34,3 +34,15 @@ def test_sdpa_seconds_sees_the_calls_inside_a_compiled_graph():
     compiled = torch.compile(lambda: F(q, q, q) * 2, backend="aot_eager")
     compiled()
     assert sdpa_seconds(compiled, 256) > 0
+
+
+def test_sdpa_seconds_on_cuda_without_kernel_times_is_none(monkeypatch):
+    """On a CUDA device only the kernels' time counts: a profile without it (no CUPTI access; here no GPU at all)
+    gives None, so the caller falls back, never the op's CPU launch time read as attention time."""
+    import warnings
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    q = torch.randn(1, 2, 256, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert sdpa_seconds(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q), 256, "cuda") is None

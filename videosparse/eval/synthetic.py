@@ -948,7 +948,7 @@ def time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeat
                 forward.append(time.perf_counter() - t0)
             plan = [None]
             stats = session.stats()         # before the profiled forward: every row counts the same forwards
-            attention = [None if sdpa_keys is None else sdpa_seconds(lambda: model(**inputs), sdpa_keys)]
+            attention = [None if sdpa_keys is None else sdpa_seconds(lambda: model(**inputs), sdpa_keys, device)]
         else:
             for _ in range(warmup):
                 transformer(**inputs)

@@ -190,20 +190,22 @@ class AttentionTimer:
 _SDPA_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 
 
-def sdpa_seconds(fn, key_tokens: int) -> float | None:
+def sdpa_seconds(fn, key_tokens: int, device: torch.device | str = "cpu") -> float | None:
     """Run fn() once under torch.profiler: the time its scaled-dot-product attention calls with `key_tokens` keys
-    (key (B, H, key_tokens, D)) take, in seconds: their GPU kernels' time when it ran on CUDA, their CPU time
-    otherwise. None when the profile holds no such call (CUDA graphs replay kernels without their ops).
+    (key (B, H, key_tokens, D)) take, in seconds: on a CUDA `device` their GPU kernels' time, elsewhere their CPU
+    time. None when the profile holds no such call (CUDA graphs replay kernels without their ops) or, on CUDA, no
+    kernel time for them (a profiler without CUPTI access).
 
     Unlike timing one such call outside the model, this measures them inside the forward, at the clock the GPU
     holds under the forward's load; calls with other key counts (cross-attention to the text) are left out."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities, record_shapes=True) as prof:
         fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize(device)
 
     def is_sdpa(event) -> bool:
         return event is not None and any(op in event.name for op in _SDPA_OPS)
@@ -217,9 +219,9 @@ def sdpa_seconds(fn, key_tokens: int) -> float | None:
         found = True
         device_us += event.device_time_total
         cpu_us += event.cpu_time_total
-    if not found:
+    if not found or (cuda and device_us <= 0):
         return None
-    return (device_us if device_us > 0 else cpu_us) * 1e-6
+    return (device_us if cuda else cpu_us) * 1e-6
 
 
 def host_sync_sites(fn) -> list[list[str]]:
