@@ -9,7 +9,7 @@ Each case runs on every requested backend that takes it (the others are counted 
 reason) and is compared with `reference_attention` on the same inputs upcast to fp32: relative L2 error of the
 output within the dtype's tolerance, the LSE within 2e-2 where finite and infinite exactly where the reference's is.
 
-    python scripts/fuzz_kernels.py --cases 300 --out benchmarks/kernel_fuzz_h200.json        # GPU
+    python scripts/fuzz_kernels.py --cases 400 --time-limit 500 --out benchmarks/kernel_fuzz_h200.json   # GPU
     TRITON_INTERPRET=1 python scripts/fuzz_kernels.py --device cpu --backends triton --max-seq 400 --cases 5
 
 Exits 1 when any case fails; the JSON lists every case with its draw, so a failure reruns with `--only N`.
@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--only", type=int, nargs="+", help="rerun these case numbers of the same seed")
     ap.add_argument("--out", help="JSON report path")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="seconds: start no case after this (the run ends with its summary; most of a first run's "
+                         "time is compiling kernel variants, ~4 s per case on the H200)")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     cases = [draw_case(rng, args.max_seq) for _ in range(args.cases)]
@@ -165,6 +168,9 @@ def main(argv: list[str] | None = None) -> dict:
               "cases": []}
     t0 = time.time()
     for i in tqdm(picked, desc="cases", disable=not sys.stderr.isatty()):
+        if args.time_limit is not None and time.time() - t0 > args.time_limit:
+            report["stopped_at_time_limit"] = True
+            break
         results = check_case(cases[i], args.backends, args.device)
         report["cases"].append({"index": i, "case": cases[i], "results": results})
         bad = {n: r for n, r in results.items() if r["status"] in ("fail", "error")}

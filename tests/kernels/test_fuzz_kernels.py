@@ -61,3 +61,11 @@ def test_triton_kernels_pass_a_short_run_under_the_interpreter(tmp_path):
     report = json.loads(out.read_text())
     assert report["summary"]["triton"]["ok"] == 6 and len(report["cases"]) == 6
     assert torch.isfinite(torch.tensor([c["results"]["triton"]["rel_err"] for c in report["cases"]])).all()
+
+
+def test_time_limit_ends_the_run_with_its_summary(tmp_path):
+    fuzz = load_script("fuzz_kernels")
+    report = fuzz.main(["--device", "cpu", "--backends", "reference", "--cases", "50", "--max-seq", "200",
+                        "--time-limit", "0", "--out", str(tmp_path / "f.json")])
+    assert report["stopped_at_time_limit"] and len(report["cases"]) <= 1 and not report["failed"]
+    assert json.loads((tmp_path / "f.json").read_text())["summary"]["reference"]["fail"] == 0
