@@ -2,6 +2,7 @@
 
 import time
 
+import pytest
 import torch
 
 from videosparse.eval.timing import sdpa_seconds
@@ -46,3 +47,24 @@ def test_sdpa_seconds_on_cuda_without_kernel_times_is_none(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert sdpa_seconds(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q), 256, "cuda") is None
+
+
+@pytest.mark.gpu
+def test_gpu_sdpa_seconds_is_the_kernels_time():
+    """On CUDA the self-attention calls' kernel time, within the forward's wall time and near CUDA events' time."""
+    F = torch.nn.functional.scaled_dot_product_attention
+    q, k = (torch.randn(1, 8, 8192, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    text = torch.randn(1, 8, 512, 128, device="cuda", dtype=torch.bfloat16)
+
+    def forward():
+        return [F(q, k, k) + F(q, text, text) for _ in range(4)]
+
+    forward()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    forward()
+    end.record()
+    end.synchronize()
+    seconds = sdpa_seconds(forward, 8192, "cuda")
+    assert seconds is not None and 0.5 * start.elapsed_time(end) * 1e-3 < seconds < start.elapsed_time(end) * 1e-3
