@@ -531,7 +531,8 @@ VARIANT_LABELS = {  # bench_variants name: README label
 
 
 def render_variants(results) -> str:
-    """README table of the "variants" part: TFLOP/s on kept tiles per variant and (S, D, density)."""
+    """The table of the "variants" part (docs/kernel_notes.md): TFLOP/s on kept tiles per variant and (S, D,
+    density)."""
     recs = [r for r in results.get("variants", []) if "tflops" in r]
     if not recs:
         return ""

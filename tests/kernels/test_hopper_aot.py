@@ -227,7 +227,7 @@ def test_ptxas_overlap_probe_compiles_its_loops_for_sm90():
 
 def test_loop_carry_probe_reads_the_outer_loops_iter_args():
     """scripts/probe_triton_loop_carry.py: its two control kernels carry the reassigned value (the bound-only one
-    does not in Triton 3.6, a frontend bug the README describes; not asserted, so a fixed Triton passes)."""
+    does not in Triton 3.6, a frontend bug docs/kernel_notes.md describes; not asserted, so a fixed Triton passes)."""
     pytest.importorskip("triton.experimental.gluon")
     result = load_script("probe_triton_loop_carry").main()
     assert result["also_in_body"] and result["no_inner_loop"], result

@@ -22,11 +22,11 @@ does not overlap its own GEMMs. This kernel writes the schedule out:
   the last, partly filled wave are cut into parts for the idle SMs (`SPLIT`, `tail_split`), whose
   partial outputs a small Triton kernel merges.
 
-Measured and removed (the README gives the numbers; the code is in git at 8525f03): a pipeline per work item
+Measured and removed (docs/kernel_notes.md gives the numbers; the code is in git at 8525f03): a pipeline per work item
 without the cross-item carry, FA3's enforced ping-pong of the two warpgroups' GEMMs, and P read by the P.V GEMM
 from shared memory instead of registers; none was faster on the H200. Nor, on this pipeline (code in git at
 e300669), the ping-pong on hardware named barriers (even) or the softmax's row max and sum as shallow trees (slower);
-nor the correction's centroid GEMMs in fp8 or its exact tiles and chunks in two loops (slower; README).
+nor the correction's centroid GEMMs in fp8 or its exact tiles and chunks in two loops (slower; docs/kernel_notes.md).
 
 Semantics are those of `reference.reference_attention`. With the zero-order correction each item's
 centroid chunks (k_mean, v_sum/len, bias log2 len; -inf for its exact tiles) follow its exact tiles in
