@@ -7,7 +7,7 @@ from diffusers.models.embeddings import get_3d_rotary_pos_embed
 import videosparse
 from videosparse.processors import sessions
 
-from tester import ProcessorTesterMixin, check_blocks_attn1_served
+from tester import RANDOM_GRID_TILINGS, ProcessorTesterMixin, check_any_grid, check_blocks_attn1_served
 
 TEXT = 8
 
@@ -27,16 +27,18 @@ class TestCogVideoXProcessors(ProcessorTesterMixin):
             use_rotary_positional_embeddings=True,
         ).eval()
 
-    def make_inputs(self, transformer):
-        g = torch.Generator().manual_seed(1)
-        pt = self.patch_size_t or 1
-        grid = (self.frames // pt, 7, 18)      # 3 x 7 x 18 = 378 video tokens after 8 text tokens
+    def make_inputs(self, transformer, frames=None, height=14, width=36, seed=1):
+        """Latents of `frames` (default the class's) x height x width; the default grid after patching is
+        3 x 7 x 18 = 378 video tokens after 8 text tokens."""
+        g = torch.Generator().manual_seed(seed)
+        frames = frames or self.frames
+        grid = (frames // (self.patch_size_t or 1), height // 2, width // 2)
         if self.patch_size_t is None:
             rope = get_3d_rotary_pos_embed(self.head_dim, ((0, 0), grid[1:]), grid[1:], grid[0])
         else:   # as CogVideoXPipeline builds it for CogVideoX 1.5
             rope = get_3d_rotary_pos_embed(self.head_dim, None, grid[1:], grid[0], grid_type="slice", max_size=grid[1:])
         return dict(
-            hidden_states=torch.randn(1, self.frames, 4, 14, 36, generator=g),    # (B, F, C, H, W)
+            hidden_states=torch.randn(1, frames, 4, height, width, generator=g),    # (B, F, C, H, W)
             encoder_hidden_states=torch.randn(1, TEXT, 16, generator=g),
             timestep=torch.tensor([500]),
             image_rotary_emb=rope,
@@ -96,26 +98,7 @@ def test_random_grids_text_first(seed):
 
     rng = random.Random(seed)
     t = rng.choice([TestCogVideoXProcessors(), TestCogVideoX15Processors()])
-    pt = t.patch_size_t or 1
-    frames, height, width = pt * rng.randint(1, 4), 2 * rng.randint(1, 12), 2 * rng.randint(1, 12)
-    grid = (frames // pt, height // 2, width // 2)
-    if t.patch_size_t is None:
-        rope = get_3d_rotary_pos_embed(t.head_dim, ((0, 0), grid[1:]), grid[1:], grid[0])
-    else:
-        rope = get_3d_rotary_pos_embed(t.head_dim, None, grid[1:], grid[0], grid_type="slice", max_size=grid[1:])
-    g = torch.Generator().manual_seed(seed)
-    inputs = dict(hidden_states=torch.randn(1, frames, 4, height, width, generator=g),
-                  encoder_hidden_states=torch.randn(1, TEXT, 16, generator=g), timestep=torch.tensor([500]),
-                  image_rotary_emb=rope)
-    tiling = rng.choice([(1, 4, 16), (1, 8, 8), (2, 4, 8), (4, 4, 4)])
+    frames, height, width = (t.patch_size_t or 1) * rng.randint(1, 4), 2 * rng.randint(1, 12), 2 * rng.randint(1, 12)
     tr = t.make_transformer()
-    ref = t.run(tr, inputs)
-    videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=tiling, block=64, dense_steps=0))
-    out = t.run(tr, inputs)
-    videosparse.remove(tr)
-    assert (out - ref).abs().max() <= 1e-4 * ref.abs().max(), (frames, height, width, tiling)
-    videosparse.apply(tr, videosparse.SolConfig(density=0.3, tiling=tiling, block=64, dense_steps=0))
-    out = t.run(tr, inputs)
-    stats = sessions(tr)["transformer"].stats()
-    videosparse.remove(tr)
-    assert torch.isfinite(out).all() and stats["sparse_calls"] + stats["dense_calls"] == t.num_layers
+    inputs = t.make_inputs(tr, frames, height, width, seed=seed)
+    check_any_grid(t, tr, inputs, rng.choice(RANDOM_GRID_TILINGS), label=(frames, height, width))

@@ -406,3 +406,24 @@ def assert_tiny_pipeline_sparse(pipe, run, record_key, expected: set, calls: int
     assert np.isfinite(sparse).all() and not np.array_equal(sparse, ref)
     videosparse.remove(pipe)
     assert np.array_equal(run(), ref)
+
+
+RANDOM_GRID_TILINGS = [(1, 4, 16), (1, 8, 8), (2, 4, 8), (4, 4, 4), (4, 2, 8)]   # 64-token tiles of every aspect
+
+
+def check_any_grid(tester, transformer, inputs: dict, tiling, sparse_config=None, label=None) -> None:
+    """On inputs of a drawn grid: Veda at density 1 with `tiling` (64-token tiles) equals the stock forward, and
+    `sparse_config` (default Sol at 0.3) runs finite, every layer counted, with a realised density inside (0, 1]."""
+    ref = tester.run(transformer, inputs)
+    videosparse.apply(transformer, videosparse.VedaConfig(density=1.0, tiling=tiling, block=64, dense_steps=0))
+    out = tester.run(transformer, inputs)
+    videosparse.remove(transformer)
+    assert (out - ref).abs().max() <= 1e-4 * ref.abs().max(), label
+    config = sparse_config or videosparse.SolConfig(density=0.3, tiling=tiling, block=64, dense_steps=0)
+    videosparse.apply(transformer, config)
+    out = tester.run(transformer, inputs)
+    stats = sessions(transformer)["transformer"].stats()
+    videosparse.remove(transformer)
+    assert torch.isfinite(out).all() and out.shape == ref.shape, label
+    assert stats["sparse_calls"] + stats["dense_calls"] == tester.num_layers
+    assert stats["sparse_calls"] == 0 or 0 < stats["density"] <= 1
