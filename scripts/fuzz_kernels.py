@@ -3,7 +3,8 @@
 The GPU tests check a fixed grid of cases; this draws the combinations that grid does not name: sequence lengths
 from 16 to --max-seq tokens (partial last tiles, key counts other than the query count), 1-3 batch items and 1-6
 heads, head dims 64 / 128 and the padded 80 / 96, bf16 and fp16, 64- or 128-token tiles, row lengths uniform,
-log-normal, with dense (global-tile) rows or with empty rows, the zero-order correction, key-padding limits
+log-normal, with dense (global-tile) rows or with empty rows, plans packed to the full width with arbitrary entries
+past each row's count (as Sol packs them on CUDA), the zero-order correction, key-padding limits
 (`Plan.valid_keys`), a plan's own row order (the shipped work order or a random permutation) and softmax scales.
 Each case runs on every requested backend that takes it (the others are counted as not supported, with the
 reason) and is compared with `reference_attention` on the same inputs upcast to fp32: relative L2 error of the
@@ -47,7 +48,7 @@ def draw_case(rng: random.Random, max_seq: int) -> dict:
         return int(math.exp(rng.uniform(math.log(16), math.log(max_seq))))
 
     seq = length()
-    return {
+    case = {
         "batch": rng.choice([1, 1, 2, 3]), "heads": rng.randint(1, 6), "seq": seq,
         "keys": seq if rng.random() < 0.8 else length(),
         "head_dim": rng.choice([64, 128, 128, 80, 96]), "dtype": rng.choice(["bfloat16", "float16"]),
@@ -58,6 +59,8 @@ def draw_case(rng: random.Random, max_seq: int) -> dict:
         "scale": None if rng.random() < 0.7 else round(rng.uniform(0.03, 0.2), 4),
         "seed": rng.randrange(2**31),
     }
+    case["full_width"] = case["seed"] % 10 < 3      # from the case's seed: the draws of earlier reports stay the same
+    return case
 
 
 def build_inputs(case: dict, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Plan]:
@@ -84,6 +87,12 @@ def build_inputs(case: dict, device: str) -> tuple[torch.Tensor, torch.Tensor, t
             mask[:, :, torch.randperm(Mq, generator=g)[: Mq // 3]] = False
         plan = plan_from_mask(mask, block, block)
         plan = Plan(plan.kv_index.to(device), plan.kv_count.to(device), block, block)
+    if case.get("full_width"):   # as Sol packs on CUDA: Nk columns, entries past kv_count arbitrary (never read)
+        junk = torch.randint(0, Nk, (B, H, Mq, Nk), generator=g, dtype=torch.int32).to(device)
+        listed = torch.arange(Nk, device=device) < plan.kv_count[..., None]
+        junk[..., : plan.kv_index.shape[-1]] = torch.where(listed[..., : plan.kv_index.shape[-1]], plan.kv_index,
+                                                            junk[..., : plan.kv_index.shape[-1]])
+        plan = replace(plan, kv_index=junk)
     if case["correction"]:
         plan = plan.with_correction(*tile_centroids_torch(k, v, block))
     if case["valid_keys"]:

@@ -22,7 +22,7 @@ def test_draws_cover_every_feature():
     assert {c["rows"] for c in cases} == set(fuzz.ROWS)
     assert {c["order"] for c in cases} == {None, "work_order", "random"}
     assert {c["head_dim"] for c in cases} == {64, 80, 96, 128} and {c["block"] for c in cases} == {64, 128}
-    for key in ("correction", "valid_keys"):
+    for key in ("correction", "valid_keys", "full_width"):
         assert {c[key] for c in cases} == {True, False}
     assert any(c["keys"] != c["seq"] for c in cases) and all(16 <= c["seq"] <= 5000 for c in cases)
     assert any(c["density"] == 1.0 for c in cases) and any(c["scale"] for c in cases)
