@@ -195,6 +195,7 @@ def test_shrunken_synthetic_run_compiled(tmp_path):
     dense, sparse = section["methods"]["dense"], section["methods"]["veda@0.5:block=64:tiling=1x8x8"]
     # the dense forward's self-attention SDPA calls (keys = the video tokens, not the text's) in a profiled forward
     assert dense["attention_timed"] == "in a profiled forward"
+    assert dense["attention_profile"]["calls"] == 1 and dense["attention_profile"]["problem"] is None   # 1 layer
     assert dense["dense_calls"] == sparse["sparse_calls"]      # the profiled forward is not counted
     assert dense["attention_s"] > 0 and 0 < section["dense_attention_share"] < 1
     assert sparse["attention_s"] is None and sparse["sparse_calls"] == 3 and sparse["forward_s"] > 0

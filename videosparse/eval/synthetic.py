@@ -4,7 +4,7 @@ The speed half of the story for models whose weights cannot be loaded here: the 
 from the published architecture (no download), in bf16 on the GPU, and one forward at the model's
 default resolution is timed dense vs each method (the same `videosparse.apply` path a user takes,
 mask building included). Attention and plan time come from `timing.AttentionTimer` (compiled: the dense
-forward's SDPA calls in a profiled forward, `timing.sdpa_seconds`), so the Amdahl bound of the measured dense
+forward's SDPA calls in a profiled forward, `timing.profile_sdpa`), so the Amdahl bound of the measured dense
 attention share is printed beside the achieved speedup.
 
 Random weights give near-uniform attention, so which tiles are chosen says nothing about quality;
@@ -71,7 +71,7 @@ from typing import Any, Callable
 import torch
 
 from .spec import MethodSpec
-from .timing import AttentionTimer, TransformerTimer, sdpa_seconds
+from .timing import AttentionTimer, TransformerTimer, profile_sdpa
 
 logger = logging.getLogger("videosparse")
 
@@ -928,10 +928,12 @@ def time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeat
     the report (median forward, attention and plan seconds, realised density, fallbacks...) and the last output.
 
     Compiled, the graph hides the processors: attention is then timed only with `sdpa_keys` (for the dense
-    method), as the scaled-dot-product attention calls with that many keys in one more, profiled forward."""
+    method), as the scaled-dot-product attention calls with that many keys in one more, profiled forward
+    (`row["attention_profile"]`); a reading that cannot be the forward's (another number of calls than the timed
+    forwards made per forward, more time than the profiled forward took) leaves `attention_s` None."""
     config = every_step_sparse(spec.config)
     device = next(transformer.parameters()).device
-    forward, attention, plan = [], [], []
+    forward, attention, plan, profiled = [], [], [], None
     with method_applied(transformer, config, compile_mode) as (model, session), torch.no_grad():
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -948,7 +950,14 @@ def time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeat
                 forward.append(time.perf_counter() - t0)
             plan = [None]
             stats = session.stats()         # before the profiled forward: every row counts the same forwards
-            attention = [None if sdpa_keys is None else sdpa_seconds(lambda: model(**inputs), sdpa_keys, device)]
+            attention = [None]
+            if sdpa_keys is not None:
+                prof = profile_sdpa(lambda: model(**inputs), sdpa_keys, device)
+                forwards = max(warmup, 2) + repeats
+                expected = stats["dense_calls"] // forwards if stats["dense_calls"] % forwards == 0 else None
+                problem = prof.problem(expected)
+                attention = [None if problem else prof.seconds]
+                profiled = {"seconds": prof.seconds, "calls": prof.calls, "wall_s": prof.wall_s, "problem": problem}
         else:
             for _ in range(warmup):
                 transformer(**inputs)
@@ -975,6 +984,8 @@ def time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeat
         "fallbacks": sorted({r for l in layers for r in l["fallbacks"]}),
         "kernel_backend": stats.get("kernel_backend"),
     }
+    if profiled is not None:
+        row["attention_profile"] = profiled
     if device.type == "cuda":
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     return row, out
@@ -997,8 +1008,9 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
         repeats: timed forwards per method (medians are reported).
         compile_mode: None (eager) or a key of `COMPILE_MODES`: the transformer runs under
             `torch.compile` with the method applied, compiled dense vs compiled sparse; attention
-            and plan times are then not separable, and the dense attention share comes from SDPA
-            timed outside the model (`_dense_attention_seconds`).
+            and plan times are then not separable, and the dense attention share comes from the SDPA
+            calls of a profiled dense forward (`timing.profile_sdpa`), or, when the profile has no usable
+            reading, from SDPA timed outside the model (`_dense_attention_seconds`).
         done: rows of methods measured by an earlier run (label -> row): kept, not run again.
         dense_output_path: safetensors file holding the dense output, so that a resumed run can still
             report each method's error vs dense; written after the dense forward.
@@ -1041,9 +1053,10 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
                                sdpa_keys=setup.attention_tokens if dense else None)
         if compile_mode is not None and dense:
             row["attention_timed"] = "in a profiled forward"
-            if row["attention_s"] is None:   # no SDPA op in the profile (CUDA graphs): one call outside the model
+            if row["attention_s"] is None:   # no usable SDPA time in the profile (CUDA graphs): outside the model
                 row["attention_s"] = _dense_attention_seconds(setup, device, dtype, repeats)
-                row["attention_timed"] = "outside the model"
+                problem = row.get("attention_profile", {}).get("problem")
+                row["attention_timed"] = "outside the model" + (f" ({problem})" if problem else "")
         if reference is None and spec.method == "dense":
             reference = out.float()
             if dense_output_path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -190,11 +191,44 @@ class AttentionTimer:
 _SDPA_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 
 
-def sdpa_seconds(fn, key_tokens: int, device: torch.device | str = "cpu") -> float | None:
-    """Run fn() once under torch.profiler: the time its scaled-dot-product attention calls with `key_tokens` keys
-    (key (B, H, key_tokens, D)) take, in seconds: on a CUDA `device` their GPU kernels' time, elsewhere their CPU
-    time. None when the profile holds no such call (CUDA graphs replay kernels without their ops) or, on CUDA, no
-    kernel time for them (a profiler without CUPTI access).
+def is_sdpa_op(name: str) -> bool:
+    """An ATen scaled-dot-product attention op (the dispatching one or a backend's). Only `aten::` names count:
+    Inductor names its fused Triton kernels after the ops they fuse ("triton_poi_fused__scaled_dot_product_cudnn_
+    attention_add_..."), and those launches are elementwise work around the attention, not attention."""
+    return name.startswith("aten::") and any(op in name for op in _SDPA_OPS)
+
+
+@dataclass
+class SdpaProfile:
+    """What one profiled fn() spent in scaled-dot-product attention calls with a given number of keys.
+
+    Attributes:
+        seconds: their GPU kernels' time on a CUDA device, their CPU time elsewhere; None when there is no such
+            call or, on CUDA, no kernel time for them (CUDA graphs replay kernels without their ops; a profiler
+            without CUPTI access records no kernels).
+        calls: how many such calls (each counted once, although the dispatching op nests the backend's).
+        wall_s: wall time of the profiled fn() (device-synchronised), profiler overhead included.
+    """
+
+    seconds: float | None
+    calls: int
+    wall_s: float
+
+    def problem(self, expected_calls: int | None = None) -> str | None:
+        """Why `seconds` cannot be the attention time of the forward (None when it can): no time, another number
+        of calls than the forward makes, or more attention time than the profiled forward took."""
+        if self.seconds is None:
+            return "the profile holds no kernel time for them" if self.calls else "the profile holds no such call"
+        if expected_calls is not None and self.calls != expected_calls:
+            return f"the profile holds {self.calls} such calls where the forward makes {expected_calls}"
+        if self.seconds > self.wall_s:
+            return f"their {self.seconds:.3f} s exceed the profiled forward's {self.wall_s:.3f} s"
+        return None
+
+
+def profile_sdpa(fn, key_tokens: int, device: torch.device | str = "cpu") -> SdpaProfile:
+    """Run fn() once under torch.profiler and sum its scaled-dot-product attention calls with `key_tokens` keys
+    (key (B, H, key_tokens, D)); see `SdpaProfile`.
 
     Unlike timing one such call outside the model, this measures them inside the forward, at the clock the GPU
     holds under the forward's load; calls with other key counts (cross-attention to the text) are left out."""
@@ -203,25 +237,34 @@ def sdpa_seconds(fn, key_tokens: int, device: torch.device | str = "cpu") -> flo
     cuda = torch.device(device).type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities, record_shapes=True) as prof:
+        t0 = time.perf_counter()
         fn()
         if cuda:
             torch.cuda.synchronize(device)
+        wall = time.perf_counter() - t0
 
     def is_sdpa(event) -> bool:
-        return event is not None and any(op in event.name for op in _SDPA_OPS)
+        return event is not None and is_sdpa_op(event.name)
 
-    found, device_us, cpu_us = False, 0.0, 0.0
+    calls, device_us, cpu_us = 0, 0.0, 0.0
     for event in prof.events():
         shapes = event.input_shapes or []
         if (not is_sdpa(event) or is_sdpa(event.cpu_parent) or len(shapes) < 2 or len(shapes[1]) != 4
                 or shapes[1][-2] != key_tokens):
             continue
-        found = True
+        calls += 1
         device_us += event.device_time_total
         cpu_us += event.cpu_time_total
-    if not found or (cuda and device_us <= 0):
-        return None
-    return (device_us if cuda else cpu_us) * 1e-6
+    if not calls or (cuda and device_us <= 0):
+        return SdpaProfile(None, calls, wall)
+    return SdpaProfile((device_us if cuda else cpu_us) * 1e-6, calls, wall)
+
+
+def sdpa_seconds(fn, key_tokens: int, device: torch.device | str = "cpu", expected_calls: int | None = None
+                 ) -> float | None:
+    """`profile_sdpa(...).seconds`, or None when `SdpaProfile.problem(expected_calls)` finds the reading unusable."""
+    prof = profile_sdpa(fn, key_tokens, device)
+    return None if prof.problem(expected_calls) else prof.seconds
 
 
 def host_sync_sites(fn) -> list[list[str]]:
