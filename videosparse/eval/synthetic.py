@@ -930,7 +930,7 @@ def time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeat
     Compiled, the graph hides the processors: attention is then timed only with `sdpa_keys` (for the dense
     method), as the scaled-dot-product attention calls with that many keys in one more, profiled forward
     (`row["attention_profile"]`); a reading that cannot be the forward's (another number of calls than the timed
-    forwards made per forward, more time than the profiled forward took) leaves `attention_s` None."""
+    forwards made per forward, more time than the profiled or the timed forward took) leaves `attention_s` None."""
     config = every_step_sparse(spec.config)
     device = next(transformer.parameters()).device
     forward, attention, plan, profiled = [], [], [], None
@@ -955,7 +955,7 @@ def time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeat
                 prof = profile_sdpa(lambda: model(**inputs), sdpa_keys, device)
                 forwards = max(warmup, 2) + repeats
                 expected = stats["dense_calls"] // forwards if stats["dense_calls"] % forwards == 0 else None
-                problem = prof.problem(expected)
+                problem = prof.problem(expected, statistics.median(forward))
                 attention = [None if problem else prof.seconds]
                 profiled = {"seconds": prof.seconds, "calls": prof.calls, "wall_s": prof.wall_s, "problem": problem}
         else:

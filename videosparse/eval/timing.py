@@ -214,15 +214,18 @@ class SdpaProfile:
     calls: int
     wall_s: float
 
-    def problem(self, expected_calls: int | None = None) -> str | None:
+    def problem(self, expected_calls: int | None = None, forward_s: float | None = None) -> str | None:
         """Why `seconds` cannot be the attention time of the forward (None when it can): no time, another number
-        of calls than the forward makes, or more attention time than the profiled forward took."""
+        of calls than the forward makes (`expected_calls`), or more attention time than the profiled forward took
+        or than `forward_s`, the forward's time measured without the profiler."""
         if self.seconds is None:
             return "the profile holds no kernel time for them" if self.calls else "the profile holds no such call"
         if expected_calls is not None and self.calls != expected_calls:
             return f"the profile holds {self.calls} such calls where the forward makes {expected_calls}"
         if self.seconds > self.wall_s:
             return f"their {self.seconds:.3f} s exceed the profiled forward's {self.wall_s:.3f} s"
+        if forward_s is not None and self.seconds >= forward_s:
+            return f"their {self.seconds:.3f} s exceed the timed forward's {forward_s:.3f} s"
         return None
 
 
@@ -260,11 +263,12 @@ def profile_sdpa(fn, key_tokens: int, device: torch.device | str = "cpu") -> Sdp
     return SdpaProfile((device_us if cuda else cpu_us) * 1e-6, calls, wall)
 
 
-def sdpa_seconds(fn, key_tokens: int, device: torch.device | str = "cpu", expected_calls: int | None = None
-                 ) -> float | None:
-    """`profile_sdpa(...).seconds`, or None when `SdpaProfile.problem(expected_calls)` finds the reading unusable."""
+def sdpa_seconds(fn, key_tokens: int, device: torch.device | str = "cpu", expected_calls: int | None = None,
+                 forward_s: float | None = None) -> float | None:
+    """`profile_sdpa(...).seconds`, or None when `SdpaProfile.problem(expected_calls, forward_s)` finds the reading
+    unusable."""
     prof = profile_sdpa(fn, key_tokens, device)
-    return None if prof.problem(expected_calls) else prof.seconds
+    return None if prof.problem(expected_calls, forward_s) else prof.seconds
 
 
 def host_sync_sites(fn) -> list[list[str]]:
