@@ -1,0 +1,146 @@
+#!/usr/bin/env python
+"""Does more estimator capacity raise held-out tile recall? Veda's per-head residual projection vs a per-head MLP.
+
+Reads the captures `scripts/veda_report.py` leaves in its work dir (training prompts under
+`estimator/cache/`, held-out prompts under `eval_cache/`: TripPool features and teacher heat per layer) and
+trains, for every layer, the shipped form (`VedaEstimator`: q_hat = mean + f @ P, P (3D, D) per head) and
+residual MLPs q_hat = mean + gelu(f @ W1 + b1) @ W2 (W1 (3D, hidden), W2 (hidden, D) per head, W2 initialised
+like P so that the untrained MLP is the mean-pooled baseline too), each with the row-wise KL loss, minibatches of
+`--batch` samples, AdamW and a cosine schedule. Reports KL, recall and off-diagonal recall at `--density` on the
+training samples and on the held-out ones (as `veda_report.py` measures them), per form.
+
+The MLPs are a probe, not a shipped estimator form.
+
+    python scripts/veda_report.py --work-dir outputs/veda_report    # once, for the captures
+    python scripts/veda_capacity_probe.py --work-dir outputs/veda_report --out benchmarks/veda_capacity_probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from videosparse.distill.train import TileSampleDataset  # noqa: E402
+from videosparse.veda.estimator import DEFAULT_INIT_STD, VedaEstimator, scaled_logits  # noqa: E402
+from videosparse.veda.losses import tile_kl_loss, tile_recall  # noqa: E402
+from videosparse.veda.method import mean_pooled_logits  # noqa: E402
+
+
+def load_layers(files: list[Path], num_layers: int) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """{layer: (q features, k features, heat)} with the samples concatenated along the batch dim (fp32)."""
+    data = TileSampleDataset(files, num_layers)
+    samples = [data[i] for i in range(len(data))]
+    return {l: tuple(torch.cat([s[l][i].float() for s in samples]) for i in range(3)) for l in range(num_layers)}
+
+
+class ResidualMLP(nn.Module):
+    """Per-head q_hat = mean + gelu(f @ W1 + b1) @ W2, for features fp32 [B, H, N, 3D] -> [B, H, N, D]."""
+
+    def __init__(self, heads: int, head_dim: int, hidden: int, init_std: float) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(heads, 3 * head_dim, hidden) / math.sqrt(3 * head_dim))
+        self.b1 = nn.Parameter(torch.zeros(heads, 1, hidden))
+        self.w2 = nn.Parameter(torch.randn(heads, hidden, head_dim) * init_std)
+
+    def forward(self, feat: torch.Tensor) -> torch.Tensor:
+        return feat[..., :self.w2.shape[-1]] + nn.functional.gelu(feat @ self.w1 + self.b1) @ self.w2
+
+
+def layer_logits_fn(hidden: int, heads: int, head_dim: int):
+    """(parameters, logits(qf, kf)) of one layer's estimator: the shipped projection when hidden == 0."""
+    if hidden == 0:
+        est = VedaEstimator("probe", num_layers=1, num_heads=heads, head_dim=head_dim, tile_shapes=(4, 4, 8))
+        return list(est.parameters()), lambda qf, kf: est(qf, kf, 0)
+    mq, mk = (ResidualMLP(heads, head_dim, hidden, DEFAULT_INIT_STD) for _ in range(2))
+    return [*mq.parameters(), *mk.parameters()], lambda qf, kf: scaled_logits(mq(qf), mk(kf), 1 / math.sqrt(head_dim))
+
+
+def scores(logits: torch.Tensor, heat: torch.Tensor, density: float) -> dict[str, float]:
+    return {"kl": float(tile_kl_loss(logits, heat)), **tile_recall(logits, heat, density)}
+
+
+def mean_over_layers(per_layer: list[dict[str, float]]) -> dict[str, float]:
+    return {k: sum(d[k] for d in per_layer) / len(per_layer) for k in per_layer[0]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--work-dir", default="outputs/veda_report", help="a veda_report.py work dir (its captures)")
+    ap.add_argument("--hidden", type=int, nargs="+", default=[0, 256, 1024], help="0 = the shipped projection")
+    ap.add_argument("--steps", type=int, default=600, help="optimizer steps per layer")
+    ap.add_argument("--batch", type=int, default=32, help="samples per step")
+    ap.add_argument("--learning-rate", type=float, default=1e-3)
+    ap.add_argument("--density", type=float, default=0.1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="benchmarks/veda_capacity_probe.json")
+    args = ap.parse_args()
+    work = Path(args.work_dir)
+    train_files = sorted((work / "estimator" / "cache").glob("p*.safetensors"))
+    held_files = sorted((work / "eval_cache").glob("p*.safetensors"))
+    if not train_files or not held_files:
+        raise SystemExit(f"{work} holds no captures (estimator/cache/, eval_cache/); run scripts/veda_report.py "
+                         f"--work-dir {work} first.")
+    info = json.loads((work / "eval_cache" / "model_info.json").read_text())
+    layers, heads, head_dim = info["num_layers"], info["num_heads"], info["head_dim"]
+    train, held = load_layers(train_files, layers), load_layers(held_files, layers)
+    splits = {"train": train, "held_out": held}
+
+    forms = {"untrained_mean_pool": {s: mean_over_layers(
+        [scores(mean_pooled_logits(d[l][0], d[l][1]), d[l][2], args.density) for l in range(layers)])
+        for s, d in splits.items()}}
+    print("untrained", forms["untrained_mean_pool"], flush=True)
+    for hidden in args.hidden:
+        torch.manual_seed(args.seed)
+        t0, per_split = time.time(), {s: [] for s in splits}
+        for l in range(layers):
+            qf, kf, heat = train[l]
+            params, logits = layer_logits_fn(hidden, heads, head_dim)
+            opt = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=0.0)
+            sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps)
+            for _ in range(args.steps):
+                idx = torch.randint(0, qf.shape[0], (args.batch,))
+                loss = tile_kl_loss(logits(qf[idx], kf[idx]), heat[idx])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sched.step()
+            with torch.no_grad():
+                for s, d in splits.items():
+                    per_split[s].append(scores(logits(d[l][0], d[l][1]), d[l][2], args.density))
+        name = "projection (shipped)" if hidden == 0 else f"mlp hidden {hidden}"
+        forms[name] = {s: mean_over_layers(v) for s, v in per_split.items()}
+        forms[name]["parameters_per_layer"] = sum(p.numel() for p in params)
+        forms[name]["train_s"] = time.time() - t0
+        print(name, forms[name], flush=True)
+
+    base = forms["untrained_mean_pool"]["held_out"]
+    report = {
+        "what": "held-out tile recall of Veda's per-head residual projection vs per-head residual MLPs, trained on the "
+                "same captures of the reference model",
+        "work_dir": str(work), "samples": {"train": len(train_files), "held_out": len(held_files)},
+        "model": info, "settings": vars(args), "forms": forms,
+        "held_out_ratio_vs_untrained": {n: {"recall": f["held_out"]["recall"] / base["recall"],
+                                            "recall_offdiag": f["held_out"]["recall_offdiag"] / base["recall_offdiag"]}
+                                        for n, f in forms.items() if n != "untrained_mean_pool"},
+        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        "device": "cpu",
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
