@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from videosparse.eval.timing import SdpaProfile, is_sdpa_op, profile_sdpa, sdpa_seconds
+from videosparse.eval.timing import SdpaProfile, is_sdpa_op, kernel_us, profile_sdpa, sdpa_seconds
 
 
 def test_sdpa_seconds_counts_the_calls_with_that_many_keys_once():
@@ -53,6 +53,22 @@ def test_only_aten_attention_ops_count_not_inductor_kernels_named_after_them():
     assert not is_sdpa_op("triton_poi_fused__scaled_dot_product_cudnn_attention_add_copy_0")
     assert not is_sdpa_op("triton_red_fused__fused_rms_norm__scaled_dot_product_cudnn_attention_1")
     assert not is_sdpa_op("aten::addmm")
+
+
+def test_kernel_time_counts_each_kernel_once_though_profiler_overhead_records_repeat_them():
+    """The profiler can nest its own overhead records in an op and credit them with the op's kernels again
+    (device_time_total then counts them twice); only the ATen ops' own kernels are summed."""
+    from types import SimpleNamespace as Event
+
+    from torch.autograd.profiler_util import Kernel
+
+    attention = Kernel("cudnn_sdpa_fprop", 0, 300.0)
+    overhead = Event(name="Activity Buffer Request", kernels=[attention], cpu_children=[])
+    backend = Event(name="aten::_cudnn_attention_forward", kernels=[attention], cpu_children=[overhead])
+    fill = Event(name="aten::fill_", kernels=[Kernel("fill", 0, 2.0)], cpu_children=[])
+    launch = Event(name="cudaLaunchKernel", kernels=[], cpu_children=[])
+    top = Event(name="aten::_scaled_dot_product_cudnn_attention", kernels=[], cpu_children=[backend, fill, launch])
+    assert kernel_us(top) == 302.0
 
 
 def test_sdpa_seconds_sees_the_calls_inside_a_compiled_graph():

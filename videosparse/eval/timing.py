@@ -203,7 +203,8 @@ class SdpaProfile:
     """What one profiled fn() spent in scaled-dot-product attention calls with a given number of keys.
 
     Attributes:
-        seconds: their GPU kernels' time on a CUDA device, their CPU time elsewhere; None when there is no such
+        seconds: their GPU kernels' time on a CUDA device (each kernel once, `kernel_us`), their CPU time
+            elsewhere; None when there is no such
             call or, on CUDA, no kernel time for them (CUDA graphs replay kernels without their ops; a profiler
             without CUPTI access records no kernels).
         calls: how many such calls (each counted once, although the dispatching op nests the backend's).
@@ -227,6 +228,16 @@ class SdpaProfile:
         if forward_s is not None and self.seconds >= forward_s:
             return f"their {self.seconds:.3f} s exceed the timed forward's {forward_s:.3f} s"
         return None
+
+
+def kernel_us(event) -> float:
+    """Device time (us) of the kernels that `event` and the ATen ops nested in it launched, each kernel once.
+
+    Only ATen ops' own kernels count, not `event.device_time_total`: the profiler can nest records of its own
+    overhead (CUPTI's activity-buffer requests) in an op and credit each with that op's kernels again (fixed in
+    PyTorch by PR 193924, 2026-08), so a long profile's totals can count an attention kernel twice."""
+    own = sum(k.duration for k in event.kernels) if event.name.startswith("aten::") else 0.0
+    return own + sum(kernel_us(child) for child in event.cpu_children)
 
 
 def profile_sdpa(fn, key_tokens: int, device: torch.device | str = "cpu") -> SdpaProfile:
@@ -256,7 +267,7 @@ def profile_sdpa(fn, key_tokens: int, device: torch.device | str = "cpu") -> Sdp
                 or shapes[1][-2] != key_tokens):
             continue
         calls += 1
-        device_us += event.device_time_total
+        device_us += kernel_us(event) if cuda else 0.0
         cpu_us += event.cpu_time_total
     if not calls or (cuda and device_us <= 0):
         return SdpaProfile(None, calls, wall)
