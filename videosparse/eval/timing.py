@@ -204,9 +204,8 @@ class SdpaProfile:
 
     Attributes:
         seconds: their GPU kernels' time on a CUDA device (each kernel once, `kernel_us`), their CPU time
-            elsewhere; None when there is no such
-            call or, on CUDA, no kernel time for them (CUDA graphs replay kernels without their ops; a profiler
-            without CUPTI access records no kernels).
+            elsewhere; None when there is no such call or, on CUDA, no kernel time for them (CUDA graphs replay
+            kernels without their ops; a profiler without CUPTI access records no kernels).
         calls: how many such calls (each counted once, although the dispatching op nests the backend's).
         wall_s: wall time of the profiled fn() (device-synchronised), profiler overhead included.
     """
