@@ -205,6 +205,21 @@ def test_shrunken_synthetic_run_compiled(tmp_path):
                       layers=1, warmup=0, repeats=1, progress=False, compile_mode="fast")
 
 
+def test_compiled_run_sets_an_impossible_profile_aside(tmp_path, monkeypatch):
+    """A profile whose SDPA time exceeds the forward (Wan 14B compiled on the H200 read 12.7 s in an 11.5 s forward)
+    is not used: the dense row falls back to SDPA timed outside the model, says why, and keeps the reading."""
+    from videosparse.eval import synthetic
+    from videosparse.eval.timing import SdpaProfile
+
+    monkeypatch.setattr(synthetic, "profile_sdpa", lambda fn, keys, device: (fn(), SdpaProfile(5.0, 1, 6.0))[1])
+    report = run_synthetic(["wan-1.3b"], parse_method_specs([]), str(tmp_path), device="cpu", frames=9, height=128,
+                           width=256, layers=1, warmup=0, repeats=1, progress=False, compile_mode="aot_eager")
+    dense = report["synthetic"]["wan-1.3b"]["methods"]["dense"]
+    assert dense["attention_timed"].startswith("outside the model, the profile set aside: the profiled SDPA calls' "
+                                               "5.000 s exceed the timed forward's")
+    assert dense["attention_profile"]["seconds"] == 5.0 and 0 < dense["attention_s"] < dense["forward_s"]
+
+
 def test_synthetic_run_resumes_per_method(tmp_path):
     """A run cut short keeps the methods it measured; the rerun runs only the rest and still compares with dense."""
     kw = dict(device="cpu", frames=5, height=64, width=128, layers=1, warmup=0, repeats=1, progress=False)

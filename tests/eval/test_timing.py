@@ -40,11 +40,11 @@ def test_a_profile_that_cannot_be_the_forwards_attention_is_set_aside():
     """Another number of calls than the forward makes, or more attention time than the profiled or the timed
     forward took (Wan 14B compiled on the H200 read 12.7 s of SDPA against an 11.5 s forward): a problem."""
     assert SdpaProfile(0.5, 40, 1.0).problem(40) is None
-    assert "60 such calls where the forward makes 40" in SdpaProfile(0.5, 60, 1.0).problem(40)
+    assert "60 SDPA calls with these keys where the forward makes 40" in SdpaProfile(0.5, 60, 1.0).problem(40)
     assert "exceed the profiled forward's" in SdpaProfile(1.2, 40, 1.0).problem(40)
     assert "exceed the timed forward's 0.900 s" in SdpaProfile(0.95, 40, 1.1).problem(40, forward_s=0.9)
-    assert SdpaProfile(None, 0, 1.0).problem() == "the profile holds no such call"
-    assert SdpaProfile(None, 4, 1.0).problem() == "the profile holds no kernel time for them"
+    assert SdpaProfile(None, 0, 1.0).problem() == "the profile holds no SDPA call with these keys"
+    assert SdpaProfile(None, 4, 1.0).problem() == "the profile holds no kernel time for its 4 SDPA calls"
 
 
 def test_only_aten_attention_ops_count_not_inductor_kernels_named_after_them():

@@ -871,7 +871,8 @@ def _sync(device: torch.device) -> None:
 def _dense_attention_seconds(setup: SyntheticSetup, device: torch.device, dtype: torch.dtype, repeats: int) -> float:
     """Self-attention time of one dense forward, timed outside the model: layers x one SDPA call.
 
-    The fallback for a compiled forward whose profile holds no SDPA op (CUDA graphs): SDPA is the same kernel
+    The fallback for a compiled forward whose profile has no usable SDPA reading (CUDA graphs replay kernels without
+    their ops; `timing.SdpaProfile.problem` sets impossible readings aside): SDPA is the same kernel
     compiled or not, but one call after an idle gap runs at a higher clock than the same call inside a forward
     under load (10.5 vs 11.4 ms at the Wan 1.3B shape on the H200), so this reads the share ~10% low.
     """
@@ -1056,7 +1057,8 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
             if row["attention_s"] is None:   # no usable SDPA time in the profile (CUDA graphs): outside the model
                 row["attention_s"] = _dense_attention_seconds(setup, device, dtype, repeats)
                 problem = row.get("attention_profile", {}).get("problem")
-                row["attention_timed"] = "outside the model" + (f" ({problem})" if problem else "")
+                row["attention_timed"] = "outside the model" + (f", the profile set aside: {problem}"
+                                                                if problem else "")
         if reference is None and spec.method == "dense":
             reference = out.float()
             if dense_output_path:

@@ -219,13 +219,14 @@ class SdpaProfile:
         of calls than the forward makes (`expected_calls`), or more attention time than the profiled forward took
         or than `forward_s`, the forward's time measured without the profiler."""
         if self.seconds is None:
-            return "the profile holds no kernel time for them" if self.calls else "the profile holds no such call"
+            return (f"the profile holds no kernel time for its {self.calls} SDPA calls" if self.calls
+                    else "the profile holds no SDPA call with these keys")
         if expected_calls is not None and self.calls != expected_calls:
-            return f"the profile holds {self.calls} such calls where the forward makes {expected_calls}"
+            return f"the profile holds {self.calls} SDPA calls with these keys where the forward makes {expected_calls}"
         if self.seconds > self.wall_s:
-            return f"their {self.seconds:.3f} s exceed the profiled forward's {self.wall_s:.3f} s"
+            return f"the profiled SDPA calls' {self.seconds:.3f} s exceed the profiled forward's {self.wall_s:.3f} s"
         if forward_s is not None and self.seconds >= forward_s:
-            return f"their {self.seconds:.3f} s exceed the timed forward's {forward_s:.3f} s"
+            return f"the profiled SDPA calls' {self.seconds:.3f} s exceed the timed forward's {forward_s:.3f} s"
         return None
 
 
