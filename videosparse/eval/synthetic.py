@@ -65,7 +65,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -958,7 +958,7 @@ def time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeat
                 expected = stats["dense_calls"] // forwards if stats["dense_calls"] % forwards == 0 else None
                 problem = prof.problem(expected, statistics.median(forward))
                 attention = [None if problem else prof.seconds]
-                profiled = {"seconds": prof.seconds, "calls": prof.calls, "wall_s": prof.wall_s, "problem": problem}
+                profiled = {**asdict(prof), "problem": problem}
         else:
             for _ in range(warmup):
                 transformer(**inputs)

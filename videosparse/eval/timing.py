@@ -274,12 +274,10 @@ def profile_sdpa(fn, key_tokens: int, device: torch.device | str = "cpu") -> Sdp
     return SdpaProfile((device_us if cuda else cpu_us) * 1e-6, calls, wall)
 
 
-def sdpa_seconds(fn, key_tokens: int, device: torch.device | str = "cpu", expected_calls: int | None = None,
-                 forward_s: float | None = None) -> float | None:
-    """`profile_sdpa(...).seconds`, or None when `SdpaProfile.problem(expected_calls, forward_s)` finds the reading
-    unusable."""
+def sdpa_seconds(fn, key_tokens: int, device: torch.device | str = "cpu") -> float | None:
+    """`profile_sdpa(...).seconds`, or None when `SdpaProfile.problem()` finds the reading unusable."""
     prof = profile_sdpa(fn, key_tokens, device)
-    return None if prof.problem(expected_calls, forward_s) else prof.seconds
+    return None if prof.problem() else prof.seconds
 
 
 def host_sync_sites(fn) -> list[list[str]]:
