@@ -57,13 +57,14 @@ def test_only_aten_attention_ops_count_not_inductor_kernels_named_after_them():
 
 def test_kernel_time_counts_each_kernel_once_though_profiler_overhead_records_repeat_them():
     """The profiler can nest its own overhead records in an op and credit them with the op's kernels again
-    (device_time_total then counts them twice); only the ATen ops' own kernels are summed."""
+    (device_time_total then counts them twice; on the H200, 'Command Buffer Full' records in a compiled Wan 14B
+    forward's attention calls: 12.34 s against 8.37 s of kernels); only the ATen ops' own kernels are summed."""
     from types import SimpleNamespace as Event
 
     from torch.autograd.profiler_util import Kernel
 
     attention = Kernel("cudnn_sdpa_fprop", 0, 300.0)
-    overhead = Event(name="Activity Buffer Request", kernels=[attention], cpu_children=[])
+    overhead = Event(name="Command Buffer Full", kernels=[attention], cpu_children=[])
     backend = Event(name="aten::_cudnn_attention_forward", kernels=[attention], cpu_children=[overhead])
     fill = Event(name="aten::fill_", kernels=[Kernel("fill", 0, 2.0)], cpu_children=[])
     launch = Event(name="cudaLaunchKernel", kernels=[], cpu_children=[])
