@@ -1054,7 +1054,7 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
                                sdpa_keys=setup.attention_tokens if dense else None)
         if compile_mode is not None and dense:
             row["attention_timed"] = "in a profiled forward"
-            if row["attention_s"] is None:   # no usable SDPA time in the profile (CUDA graphs): outside the model
+            if row["attention_s"] is None:   # no usable SDPA time in the profile (CUDA graphs, or set aside)
                 row["attention_s"] = _dense_attention_seconds(setup, device, dtype, repeats)
                 problem = row.get("attention_profile", {}).get("problem")
                 row["attention_timed"] = "outside the model" + (f", the profile set aside: {problem}"
