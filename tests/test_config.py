@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from videosparse.config import DenseConfig, SolConfig, VedaConfig, config_from_dict
 
@@ -19,6 +20,8 @@ def test_round_trip(cfg):
         (lambda: VedaConfig(density=1.5), r"\(0, 1\]"),
         (lambda: VedaConfig(tiling=(4, 4, 4)), "block size is 128"),
         (lambda: VedaConfig(block=96), "block=96"),
+        (lambda: VedaConfig(block=128.0), r"block=128.0 .* ints \(64, 128\)"),
+        (lambda: SolConfig(density=0.3, block=64.0), "block=64.0"),
         (lambda: VedaConfig(dense_steps=-1), "dense_steps=-1"),
         (lambda: VedaConfig(dense_steps=1.5), "dense_steps=1.5"),
         (lambda: VedaConfig(dense_layers=(-2,)), "dense_layers"),
@@ -65,6 +68,16 @@ def test_numpy_scalars_become_plain_numbers():
     assert type(d["block"]) is int and type(d["dense_steps"]) is int and type(d["density"]) is float
     assert config_from_dict(d) == cfg
     assert SolConfig(tau=np.float64(1.5), band=np.int32(2)).to_dict()["band"] == 2
+
+
+def test_zero_dim_tensors_become_plain_numbers():
+    """A 0-dim torch tensor (a density read off a tensor, layer indices from torch.arange) is the number it holds."""
+    cfg = VedaConfig(density=torch.tensor(0.25), dense_steps=torch.tensor(2), dense_layers=torch.tensor([3, 1]))
+    assert (cfg.density, cfg.dense_steps, cfg.dense_layers) == (0.25, 2, (1, 3))
+    assert type(cfg.dense_steps) is int and all(type(v) is int for v in cfg.dense_layers)
+    assert SolConfig(tau=torch.tensor(1.5), band=torch.tensor(2), block=torch.tensor(64)).block == 64
+    with pytest.raises(ValueError, match="block=128.0"):
+        VedaConfig(block=torch.tensor(128.0))
 
 
 def test_dense_layers_have_one_spelling():

@@ -35,11 +35,17 @@ def _plain_numbers(config, names: tuple[str, ...]) -> None:
     """numpy / torch scalars in the fields `names` become Python int / float (so that checks, `to_dict` and
     JSON see plain numbers); bools and non-numbers are left for the field checks to reject."""
     for name in names:
-        value = getattr(config, name)
+        value = _scalar(getattr(config, name))
+        object.__setattr__(config, name, value)
         if isinstance(value, bool) or type(value) in (int, float) or not isinstance(value, numbers.Real):
             continue
         plain = int(value) if isinstance(value, numbers.Integral) else float(value)
         object.__setattr__(config, name, plain)
+
+
+def _scalar(value: Any) -> Any:
+    """A 0-dim torch tensor or numpy array as the Python number it holds; anything else as it is."""
+    return value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value
 
 
 def _layers(value: Any) -> tuple[int, ...]:
@@ -47,7 +53,12 @@ def _layers(value: Any) -> tuple[int, ...]:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise TypeError(f"dense_layers={value!r} must be a tuple or list of self-attention layer indices, "
                         "e.g. (0,) or [0, 29].")
-    return tuple(int(v) if _is_int(v) else v for v in value)
+    return tuple(int(v) if _is_int(v) else v for v in map(_scalar, value))
+
+
+def _check_block(block: Any) -> None:
+    if not _is_int(block) or block not in BLOCK_SIZES:
+        raise ValueError(f"block={block!r} is not supported; choose one of the ints {BLOCK_SIZES}.")
 
 
 def _check_backend(value: str) -> None:
@@ -235,8 +246,7 @@ class VedaConfig(_BaseConfig):
                 "cannot be rebuilt from it; save the estimator with est.save_pretrained(dir) and pass estimator=dir "
                 "(or the object loaded with VedaEstimator.from_pretrained(dir), which to_dict writes as dir)."
             )
-        if self.block not in BLOCK_SIZES:
-            raise ValueError(f"block={self.block!r} is not supported; choose one of {BLOCK_SIZES}.")
+        _check_block(self.block)
         object.__setattr__(self, "tiling", parse_tile(self.tiling))
         if isinstance(self.tiling, (tuple, list)):
             object.__setattr__(self, "tiling", _check_tile(self.tiling, self.block))
@@ -295,8 +305,7 @@ class SolConfig(_BaseConfig):
             raise TypeError(f"tau={self.tau!r} must be a number (standard deviations above the mean score).")
         if self.tau is not None and not math.isfinite(self.tau):
             raise ValueError(f"tau={self.tau!r} must be a finite number (standard deviations above the mean score).")
-        if self.block not in BLOCK_SIZES:
-            raise ValueError(f"block={self.block!r} is not supported; choose one of {BLOCK_SIZES}.")
+        _check_block(self.block)
         if self.tiling is None:
             object.__setattr__(self, "tiling", (4, 4, 4) if self.block == 64 else (4, 4, 8))
         object.__setattr__(self, "tiling", _check_tile(parse_tile(self.tiling), self.block))

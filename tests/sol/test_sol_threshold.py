@@ -155,6 +155,31 @@ def test_calibration_below_forced_density_keeps_only_forced_tiles():
     assert abs(realized.item() - forced_pairs(6, 1, 1) / 49) < 1e-12
 
 
+@pytest.mark.parametrize("density", [0.2, 0.5, 1.0, 0.01])
+def test_calibrated_tau_sits_in_the_middle_of_its_gap(density):
+    """The bisection ends on the marginal score itself; τ is moved to the middle of the gap between the
+    finite scores around it, so that the same scores recomputed with other rounding give the same tiles
+    (a batch of two used to flip tiles of its first item against that item alone). With no score below
+    (density 1) or above (below the forced density) τ is -/+ the largest float, for any later input too."""
+    torch.manual_seed(3)
+    z = routing_zscores(torch.randn(2, 3, 40, 32), torch.randn(2, 3, 40, 32), 0.2, band=1)
+    tau, realized = calibrate_tau(z, density, 1, band=1)
+    finite = z[torch.isfinite(z)]
+    kept, left = finite[finite > tau], finite[finite <= tau]
+    assert abs(_plan_density(z, tau, 1) - realized.item()) < 1e-12
+    big = torch.finfo(torch.float32).max
+    if not left.numel():
+        assert tau.item() == -big and density == 1.0
+    elif not kept.numel():
+        assert tau.item() == big and density < forced_pairs(40, 1, 1) / 41**2
+    else:
+        a, b = left.max(), kept.min()
+        assert torch.allclose(tau, 0.5 * (a + b)), (a, tau, b)
+    for rel in (1e-6, -1e-6):                            # the same scores with other rounding: same mask
+        z2 = z * (1 + rel)
+        assert torch.equal(sol_mask(z2, tau, 1), sol_mask(z, tau, 1))
+
+
 def test_calibration_density_one_and_bad_density():
     z = torch.randn(1, 2, 10, 10)
     tau, realized = calibrate_tau(z, 1.0, 0, band=0)

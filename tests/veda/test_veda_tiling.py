@@ -123,6 +123,8 @@ def test_tiling_json_round_trip_and_veda_method_uses_it(tmp_path):
         VedaMethod(VedaConfig(density=0.1, tiling=str(path)), ModelInfo("WanTransformer3DModel", 4, 2, 32, (1, 2, 2)))
     with pytest.raises(ValueError, match=r"another model: 2 layers \(the model's: 1\)"):      # more layers too
         VedaMethod(VedaConfig(density=0.1, tiling=str(path)), ModelInfo("WanTransformer3DModel", 1, 2, 32, (1, 2, 2)))
+    with pytest.raises(ValueError, match=r"2 head shapes in layer 0 \(the model's heads: 3\)"):    # at apply, not
+        VedaMethod(VedaConfig(density=0.1, tiling=str(path)), ModelInfo("WanTransformer3DModel", 2, 3, 32, (1, 2, 2)))
     with pytest.raises(ValueError, match="model_class='WanTransformer3DModel'"):
         VedaMethod(VedaConfig(density=0.1, tiling=str(path)), ModelInfo("CogVideoXTransformer3DModel", 2, 2, 32,
                                                                          (1, 2, 2)))
@@ -143,6 +145,18 @@ def test_bad_tiling_files_raise(tmp_path):
     no_layers.write_text(json.dumps({"format": "videosparse-tiling", "version": 1, "block": 128}))
     with pytest.raises(ValueError, match="has no 'layers' field"):
         load_tiling(no_layers)
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_tiling(tmp_path)                                                # a directory
+    head = {"format": "videosparse-tiling", "version": 1, "block": 64}
+    for layers, match in [([[[-1, -4, 16]]], r"\[-1, -4, 16\] must be 3 positive ints"),   # product 64, negative
+                          ([[[1.9, 4, 16]]], r"\[1.9, 4, 16\]"),                          # was truncated to 1
+                          ([[[True, 4, 16]]], "True"), ("abc", "'layers' must be a list"), ([[]], "non-empty")]:
+        bad.write_text(json.dumps({**head, "layers": layers}))
+        with pytest.raises(ValueError, match=match):
+            load_tiling(bad)
+    bad.write_text(json.dumps({**head, "block": 96, "layers": [[[4, 4, 6]]]}))
+    with pytest.raises(ValueError, match="block=96 must be 64 or 128"):
+        load_tiling(bad)
 
 
 def test_candidates():

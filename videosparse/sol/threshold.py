@@ -126,9 +126,10 @@ def calibrate_tau(
         iters: bisection steps (48 halve any fp32 bracket down to adjacent floats).
 
     Returns:
-        tau: fp32 0-dim tensor on z's device; realized: fp64 0-dim tensor, the plan density at tau.
-        If the target is below the forced density, tau is the largest finite z (only forced tiles
-        and ties with it are kept).
+        tau: fp32 0-dim tensor on z's device, in the middle of the gap between the two finite scores
+        around the threshold (so that recomputing a score with other rounding does not flip its tile);
+        realized: fp64 0-dim tensor, the plan density at tau. If the target is below the forced density,
+        tau is the largest fp32 value: only the forced (+inf) pairs are kept, on this input and any other.
     """
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density={density} must lie in (0, 1].")
@@ -163,7 +164,28 @@ def _calibrate_tau_op(z: torch.Tensor, density: float, num_global_tiles: int, ba
     take_lo = (c_lo - target).abs() < (c_hi - target).abs()
     tau = torch.where(take_lo, lo, hi).float()
     realized = (torch.where(take_lo, c_lo, c_hi) + forced) / total
-    return tau.clone(), realized.double()
+    return _centre_in_gap(z, tau, finite).clone(), realized.double()
+
+
+def _centre_in_gap(z: torch.Tensor, tau: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """Move τ to the middle of the gap between the finite scores around it, keeping #{z > τ}.
+
+    The bisection ends within float rounding of the marginal score itself, so that tile would sit on the
+    threshold and flip whenever the same input is recomputed with other rounding (another batch
+    composition, another kernel). With no finite score above τ it becomes the largest float (only the
+    +inf pairs, band and degenerate rows, pass on any later input too), with none below the lowest (every
+    finite score passes). Device-side, no host sync.
+    """
+    if not z.numel():
+        return tau
+    big = torch.finfo(torch.float32).max
+    below, above = finite & (z <= tau), finite & (z > tau)
+    a = torch.where(below, z, -big).amax()                               # highest score left out
+    b = torch.where(above, z, big).amin()                                # lowest score kept
+    mid = 0.5 * a + 0.5 * b
+    tau = torch.where((mid >= a) & (mid < b), mid, tau)                  # (adjacent floats: stays)
+    tau = torch.where(below.any(), tau, torch.full_like(tau, -big))
+    return torch.where(above.any(), tau, torch.full_like(tau, big))
 
 
 @_calibrate_tau_op.register_fake

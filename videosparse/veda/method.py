@@ -59,6 +59,8 @@ class VedaMethod(SparseMethod):
                      if name in meta and meta[name] != mine]
             if len(self.tiling.layers) != info.num_layers:
                 wrong.append(f"{len(self.tiling.layers)} layers (the model's: {info.num_layers})")
+            wrong += [f"{len(heads)} head shapes in layer {l} (the model's heads: {info.num_heads})"
+                      for l, heads in enumerate(self.tiling.layers) if len(heads) != info.num_heads][:1]
             if wrong:
                 raise ValueError(f"tiling file {os.fspath(config.tiling)!r} was searched for another model: "
                                  + ", ".join(wrong) + ".")

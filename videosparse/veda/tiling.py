@@ -88,34 +88,52 @@ class Tiling:
         os.replace(tmp, path)
 
 
+def _json_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def load_tiling(path: str | os.PathLike, block: int | None = None) -> Tiling:
-    """Read a tiling JSON written by `search_tiling(...).save(path)` / `videosparse search-tiling`."""
+    """Read a tiling JSON written by `search_tiling(...).save(path)` / `videosparse search-tiling`.
+
+    ValueError naming the file and the field for anything else: a missing or unreadable file, another
+    format or a newer version, a block other than 64 / 128 (or than `block`), shapes that are not three
+    positive ints (JSON integers) whose product is the block.
+    """
+    name = repr(os.fspath(path))
     try:
         with open(path) as f:
             data = json.load(f)
     except FileNotFoundError:
-        raise ValueError(f"tiling file {os.fspath(path)!r} does not exist.") from None
+        raise ValueError(f"tiling file {name} does not exist.") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"tiling file {name} cannot be read ({e}).") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"tiling file {os.fspath(path)!r} is not valid JSON ({e}).") from None
+        raise ValueError(f"tiling file {name} is not valid JSON ({e}).") from None
     if not isinstance(data, dict) or data.get("format") != TILING_FORMAT:
-        raise ValueError(f"{os.fspath(path)!r} is not a videosparse tiling file (format must be {TILING_FORMAT!r}).")
-    if data.get("version", 0) > TILING_VERSION:
-        raise ValueError(f"tiling file version {data['version']} is newer than this videosparse reads ({TILING_VERSION}).")
+        raise ValueError(f"{name} is not a videosparse tiling file (format must be {TILING_FORMAT!r}).")
+    version = data.get("version", 0)
+    if not _json_int(version) or version > TILING_VERSION:
+        raise ValueError(f"tiling file {name}: version {version!r} is not one this videosparse reads "
+                         f"(an int <= {TILING_VERSION}).")
     missing = [key for key in ("block", "layers") if key not in data]
     if missing:
-        raise ValueError(f"tiling file {os.fspath(path)!r} has no {' or '.join(repr(m) for m in missing)} field.")
-    file_block = int(data["block"])
+        raise ValueError(f"tiling file {name} has no {' or '.join(repr(m) for m in missing)} field.")
+    file_block = data["block"]
+    if not _json_int(file_block) or file_block not in (64, 128):
+        raise ValueError(f"tiling file {name}: block={file_block!r} must be 64 or 128.")
     if block is not None and file_block != block:
-        raise ValueError(f"tiling file {os.fspath(path)!r} has block={file_block}; the config has block={block}.")
+        raise ValueError(f"tiling file {name} has block={file_block}; the config has block={block}.")
+    if not isinstance(data["layers"], list) or not all(isinstance(heads, list) and heads for heads in data["layers"]):
+        raise ValueError(f"tiling file {name}: 'layers' must be a list (one per layer) of non-empty lists of "
+                         "head tile shapes [pt, ph, pw].")
     layers = []
     for l, heads in enumerate(data["layers"]):
-        shapes = []
         for h, s in enumerate(heads):
-            s = tuple(int(v) for v in s)
-            if len(s) != 3 or math.prod(s) != file_block:
-                raise ValueError(f"tiling file layer {l} head {h}: shape {s} must be 3 ints with product {file_block}.")
-            shapes.append(s)
-        layers.append(tuple(shapes))
+            if not (isinstance(s, list) and len(s) == 3 and all(_json_int(v) and v > 0 for v in s)
+                    and math.prod(s) == file_block):
+                raise ValueError(f"tiling file {name} layer {l} head {h}: shape {s!r} must be 3 positive ints "
+                                 f"with product {file_block}.")
+        layers.append(tuple(tuple(s) for s in heads))
     meta = {k: v for k, v in data.items() if k not in ("format", "version", "block", "layers")}
     return Tiling(tuple(layers), file_block, meta)
 
