@@ -6,8 +6,11 @@
 """
 
 import sys
+from pathlib import Path
 
-from videosparse.cli import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from videosparse.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["evaluate", *sys.argv[1:]]))

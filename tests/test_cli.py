@@ -47,7 +47,8 @@ def test_bad_arguments_exit_with_clear_error(capsys):
                       (["--out", "/no/such/folder/v.mp4"], "does not exist"),
                       (["--json", "/no/such/folder/s.json"], "does not exist"),
                       (["--device", "foo"], "device='foo' is not a torch device"),
-                      (["--tiling", "/no/such/tiling.json"], "neither a tile shape like 4x4x8 nor an existing")):
+                      (["--tiling", "/no/such/tiling.json"], "neither a tile shape like 4x4x8 nor an existing"),
+                      (["--guidance-scale", "nan"], "--guidance-scale=nan must be a finite number")):
         assert main(["generate", *argv]) == 2, argv
         assert msg in capsys.readouterr().err, argv
 
@@ -212,3 +213,17 @@ def test_prompt_words_outside_the_tokenizer_are_named():
     assert _unknown_words(pipe, "a red circle moving right, on a dark background") == []
     assert _unknown_words(pipe, "a Red elephant dancing") == ["elephant", "dancing"]
     assert _unknown_words(SimpleNamespace(), "anything") == []
+
+
+def test_evaluate_checks_the_files_its_specs_name_before_any_cell_runs(tmp_path, capsys):
+    """A missing tiling JSON or estimator used to surface after the dense arm had run (and left a report behind)."""
+    out = tmp_path / "ev"
+    for spec, msg in (("veda@0.1:tiling=" + str(tmp_path / "nofile.json"), "does not exist"),
+                      ("veda@0.1:estimator=/no/such/estimator", "neither an existing directory nor a hub id"),
+                      ("sol@0.1:tiling=tiling.json", "sol takes one tile shape like 4x4x8")):
+        assert main(["evaluate", "--methods", spec, "--out", str(out)]) == 2, spec
+        err = capsys.readouterr().err
+        assert f"method spec {spec!r}" in err and msg in err, err
+    assert not out.exists()
+    assert main(["evaluate", "--prompts", str(tmp_path / "none.txt"), "--out", str(out)]) == 2
+    assert "prompts file" in capsys.readouterr().err and not out.exists()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -147,6 +148,8 @@ def _run_generate(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} {path!r}: the folder {str(Path(path).parent)!r} does not exist.")
     if args.fps < 1:
         raise ValueError(f"--fps={args.fps} must be a positive integer (frames per second of the video).")
+    if args.guidance_scale is not None and not math.isfinite(args.guidance_scale):
+        raise ValueError(f"--guidance-scale={args.guidance_scale} must be a finite number.")
     check_device(args.device)
     config = method_config(args)
     check_model(args.model)

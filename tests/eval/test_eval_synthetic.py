@@ -238,6 +238,10 @@ def test_synthetic_run_resumes_per_method(tmp_path):
     (tmp_path / "report.json").write_text(json.dumps(report))
     third = run_synthetic(["wan-1.3b"], specs, str(tmp_path), **kw)["synthetic"]["wan-1.3b"]["methods"]
     assert all(third[label]["forward_s_all"] == again[label]["forward_s_all"] for label in again)
+    # overwrite=True (--overwrite) measures every method again
+    fresh = run_synthetic(["wan-1.3b"], specs[:2], str(tmp_path), **kw, overwrite=True)["synthetic"]["wan-1.3b"]
+    assert list(fresh["methods"]) == list(kept)
+    assert all(fresh["methods"][label]["forward_s_all"] != kept[label]["forward_s_all"] for label in kept)
 
 
 def test_cli_prints_compiled_rows(tmp_path, capsys):

@@ -203,3 +203,36 @@ def test_veda_warns_once_when_the_kept_tiles_exceed_the_target(caplog):
         _run(pipe)
     assert handle["transformer"].stats()["density"] == 1.0
     assert sum("target density 0.100 gives 1.000" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_deepcopy_of_an_applied_transformer_refuses_to_run():
+    """diffusers' hook registry wraps `forward` in closures that `copy.deepcopy` shares with the original: the copy's
+    forward used to run the original's weights and session, silently. It raises instead; the original keeps working,
+    and removing the copy's processors gives it its own forward back."""
+    import copy
+
+    import pytest
+
+    tr = build_tiny_wan_pipeline().transformer
+    x, text, t = torch.randn(1, 4, 3, 16, 16), torch.randn(1, 8, 32), torch.tensor([500])
+
+    def forward(m):
+        with torch.no_grad():
+            return m(hidden_states=x, timestep=t, encoder_hidden_states=text)[0]
+
+    halved = copy.deepcopy(tr)
+    with torch.no_grad():
+        for p in halved.parameters():
+            p.mul_(0.5)
+    want = forward(halved)                              # the copy's own weights, stock processors
+    videosparse.apply(tr, videosparse.DenseConfig())
+    original = forward(tr)
+    dup = copy.deepcopy(tr)
+    with torch.no_grad():
+        for p in dup.parameters():
+            p.mul_(0.5)
+    with pytest.raises(RuntimeError, match=r"copy \(copy.deepcopy\).*videosparse.remove"):
+        forward(dup)
+    assert torch.equal(forward(tr), original) and videosparse.sessions(tr)["transformer"].calls == 2
+    videosparse.remove(dup)
+    assert torch.allclose(forward(dup), want, atol=1e-6)

@@ -179,6 +179,22 @@ def test_killed_then_resumed_run_equals_uninterrupted(tmp_path, cache):
                                   prompts=("a green triangle moving right", "a blue square moving up")))
 
 
+def test_a_damaged_checkpoint_is_a_clear_error(tmp_path, cache):
+    """Checkpoints are written atomically, but a folder damaged afterwards (a truncated file, a hand edit) must not
+    end in a library traceback: the error names the folder and the ways out, and resume=False still starts over."""
+    out = with_cache(tmp_path / "run", cache)
+    run_distillation(make_cfg(out, max_steps=4))
+    ckpt = out / "checkpoints" / "step_00000004"
+    weights = next(p for p in ckpt.iterdir() if p.suffix == ".safetensors")
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"checkpoint .*step_00000004 cannot be resumed: its saved model.*resume=False"):
+        run_distillation(make_cfg(out, max_steps=4))
+    (ckpt / "trainer_state.json").write_text('{"global_step": 4')
+    with pytest.raises(ValueError, match=r"step_00000004 cannot be resumed: trainer_state.json cannot be read"):
+        run_distillation(make_cfg(out, max_steps=4))
+    assert run_distillation(make_cfg(out, max_steps=4, resume=False)).global_step == 4
+
+
 def test_distill_config_validation(tmp_path):
     with pytest.raises(ValueError, match="mixed_precision='fp8'"):
         make_cfg(tmp_path, mixed_precision="fp8")
@@ -188,9 +204,19 @@ def test_distill_config_validation(tmp_path):
         make_cfg(tmp_path, prompts=())
     with pytest.raises(ValueError, match="unknown fields \\['lr'\\]"):
         DistillConfig.from_dict({"lr": 1.0})
+    with pytest.raises(ValueError, match="lr_scheduler='bogus' must be one of diffusers' schedules .*'cosine'"):
+        make_cfg(tmp_path, lr_scheduler="bogus")                 # at construction, not after the capture
     assert make_cfg(tmp_path, tiling="8x4x4").tiling == (8, 4, 4)
     cfg = make_cfg(tmp_path, tiling=(8, 4, 4))
     assert DistillConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+def test_triton_teacher_on_cpu_is_refused_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="teacher_backend='triton' .*need a CUDA GPU, or TRITON_INTERPRET=1"):
+        run_distillation(make_cfg(out, teacher_backend="triton", device="cpu"))
+    assert not (out / "distill_config.json").exists() and not (out / "cache").exists()
 
 
 def test_distill_config_bool_fields_must_be_bools(tmp_path):

@@ -113,7 +113,13 @@ def test_loading_is_safetensors_only_and_strict(tmp_path):
     from safetensors.torch import save_file
 
     save_file({"proj_q": est.proj_q.detach()}, str(tmp_path / "est" / "model.safetensors"))
-    with pytest.raises(RuntimeError, match="proj_k"):
+    with pytest.raises(ValueError, match="model.safetensors.*cannot be loaded.*proj_k"):
+        VedaEstimator.from_pretrained(tmp_path / "est")
+    (tmp_path / "est" / "model.safetensors").write_bytes(b"x" * 100)                # a damaged file
+    with pytest.raises(ValueError, match="cannot be loaded .*header"):
+        VedaEstimator.from_pretrained(tmp_path / "est")
+    (tmp_path / "est" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="config.json of estimator .* does not describe a VedaEstimator"):
         VedaEstimator.from_pretrained(tmp_path / "est")
 
 

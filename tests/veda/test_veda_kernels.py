@@ -145,6 +145,18 @@ def test_torch_trippool_equals_definition(S, block):
     torch.testing.assert_close(kf.double(), naive_trippool(k, block))
 
 
+def test_forced_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
+    """backend="triton" on CPU tensors needs TRITON_INTERPRET=1; without it Triton failed deep in its driver."""
+    from videosparse.veda.teacher import teacher_heat
+    from videosparse.veda.trippool import trippool_qk
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q = torch.randn(1, 2, 128, 32, dtype=torch.bfloat16)
+    for call in (lambda: trippool_qk(q, q, 64, backend="triton"), lambda: teacher_heat(q, q, 64, backend="triton")):
+        with pytest.raises(ValueError, match="backend='triton': the Triton kernels need a CUDA GPU.*on cpu"):
+            call()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_kernels_equal_torch_at_wan_like_size(dtype):

@@ -282,6 +282,11 @@ class DistillConfig(CaptureConfig):
             raise ValueError(f"val_fraction={self.val_fraction!r} must lie in [0, 1).")
         if self.teacher_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"teacher_backend={self.teacher_backend!r} must be one of 'auto', 'triton', 'torch'.")
+        from diffusers.optimization import SchedulerType
+
+        schedulers = [s.value for s in SchedulerType if s.value != "piecewise_constant"]   # that one needs a rule
+        if self.lr_scheduler not in schedulers:
+            raise ValueError(f"lr_scheduler={self.lr_scheduler!r} must be one of diffusers' schedules {schedulers}.")
 
     def capture_config(self) -> CaptureConfig:
         names = {f.name for f in dataclasses.fields(CaptureConfig)}

@@ -29,11 +29,13 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from ..eval.report import from_jsonable, to_jsonable
 from ..method import ModelInfo
 from ..veda.estimator import VedaEstimator
 from ..veda.losses import tile_kl_loss, tile_recall
 from ..veda.method import mean_pooled_logits
 from ..veda.tiling import load_tiling
+from ..veda.trippool import triton_unavailable
 from .capture import capture_to_cache, per_head_shapes, split_by_prompt
 from .config import DistillConfig, read_prompts
 
@@ -179,10 +181,18 @@ def _read_log(path: Path) -> list[dict[str, Any]]:
             if not line.strip():
                 continue
             try:
-                history.append(json.loads(line))
+                history.append(from_jsonable(json.loads(line)))
             except ValueError:
                 logger.warning("%s line %d is not valid JSON (cut by a kill?); dropped", path, n)
     return history
+
+
+def _damaged(checkpoint: Path, what: str, error: BaseException) -> ValueError:
+    """The error for a checkpoint folder that cannot be resumed (damaged after it was written: its writes are atomic)."""
+    detail = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+    return ValueError(f"checkpoint {checkpoint} cannot be resumed: {what} cannot be read ({detail}). Delete that folder "
+                      "to resume from the checkpoint before it (if any is kept), or start over with resume=False "
+                      "(`--resume false`).")
 
 
 def _save_checkpoint(accelerator, root: Path, state: dict[str, Any], keep: int) -> Path:
@@ -299,8 +309,13 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
         found = []
     if found:
         resumed_from = found[-1][1]
-        with open(resumed_from / TRAINER_STATE) as f:
-            st = json.load(f)
+        try:
+            with open(resumed_from / TRAINER_STATE) as f:
+                st = json.load(f)
+            if not isinstance(st, dict) or not all(k in st for k in ("global_step", "epoch", "batches_done")):
+                raise ValueError("no global_step, epoch and batches_done")
+        except (OSError, ValueError) as e:
+            raise _damaged(resumed_from, TRAINER_STATE, e) from None
         expected = run_key
         if "captures" not in st.get("run", {}):     # written before the capture check: compare what it recorded
             logger.warning("checkpoint %s predates the capture check; resuming it assumes its samples are these",
@@ -315,7 +330,10 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
                 f"checkpoint {resumed_from} was written by a different run (differs in {diff}{what}); resume it with "
                 "the same configuration, samples and process count, or use another output_dir (or resume=False)."
             )
-        accelerator.load_state(str(resumed_from))
+        try:
+            accelerator.load_state(str(resumed_from))
+        except Exception as e:          # safetensors, torch.load and missing-file errors of the saved states
+            raise _damaged(resumed_from, "its saved model, optimizer or RNG states", e) from None
         global_step, epoch, batches_done = st["global_step"], st["epoch"], st["batches_done"]
         running_resumed = (st.get("running_loss", 0.0), st.get("running_n", 0))   # the log window in progress
         logger.info("resumed from %s (step %d)", resumed_from, global_step)
@@ -324,7 +342,7 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
         out.mkdir(parents=True, exist_ok=True)
         tmp = log_path.with_name(f".{log_path.name}.tmp")
         with open(tmp, "w") as f:
-            f.writelines(json.dumps(h) + "\n" for h in history)
+            f.writelines(json.dumps(to_jsonable(h), allow_nan=False) + "\n" for h in history)
         os.replace(tmp, log_path)
 
     progress = tqdm(total=total_steps, initial=global_step, desc="distill",
@@ -359,7 +377,7 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
                 progress.set_postfix(loss=f"{metrics['loss']:.4f}", recall=f"{rec['recall']:.3f}")
                 if accelerator.is_main_process:
                     with open(log_path, "a") as f:
-                        f.write(json.dumps(metrics) + "\n")
+                        f.write(json.dumps(to_jsonable(metrics), allow_nan=False) + "\n")
                 running, running_n = 0.0, 0
             epoch_done = batches_done >= loader_len
             if global_step % cfg.checkpoint_every == 0 or global_step == total_steps:
@@ -495,7 +513,7 @@ def _save_final(estimator: VedaEstimator, out: Path, cfg: DistillConfig, metrics
         shutil.copyfile(cfg.tiling, out / ".tiling.json.tmp")
         os.replace(out / ".tiling.json.tmp", out / "tiling.json")
     with open(out / ".metrics.json.tmp", "w") as f:
-        json.dump(metrics, f, indent=1)
+        json.dump(to_jsonable(metrics), f, indent=1, allow_nan=False)       # strict JSON: nan as "nan"
     os.replace(out / ".metrics.json.tmp", out / "metrics.json")
 
 
@@ -524,6 +542,10 @@ def run_distillation(cfg: DistillConfig, *, step_callback: Callable[[int, dict[s
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision,
                               gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                               project_config=ProjectConfiguration(project_dir=str(out)))
+    device = torch.device(cfg.capture_config().device or accelerator.device)
+    why = triton_unavailable(device) if cfg.teacher_backend == "triton" else None
+    if why:                                                 # before the config or any sample is written
+        raise ValueError(f"teacher_backend='triton' (--teacher-backend triton): {why}; use 'auto' or 'torch'.")
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / "distill_config.json")

@@ -15,7 +15,7 @@ import math
 import torch
 
 from ..config import BACKENDS
-from .spec import parse_method_specs
+from .spec import check_spec_files, parse_method_specs
 from .synthetic import SYNTHETIC_MODELS, default_synthetic_specs
 
 DEFAULT_METHODS = ["dense", "veda@0.25", "veda@0.1", "sol@0.25", "sol@0.1"]
@@ -38,7 +38,8 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None, choices=list(BACKENDS),
                    help="kernel backend for specs that do not name one")
     p.add_argument("--out", default="eval_out", help="output directory (a rerun skips the cells already in it)")
-    p.add_argument("--overwrite", action="store_true", help="start afresh when report.json has other settings")
+    p.add_argument("--overwrite", action="store_true", help="start afresh: discard report.json in --out and run every cell again (without it a rerun keeps "
+                        "the cells already measured and refuses a report made with other settings)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     q = p.add_argument_group("quality run")
     q.add_argument("--prompts", default=None, help="prompts file (one per line, or a JSON list); default built-in")
@@ -91,6 +92,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     from .evaluate import EvalSettings, load_prompts, run_evaluation
 
     specs = parse_method_specs(args.methods or DEFAULT_METHODS, backend=args.backend)
+    check_spec_files(specs)
     if args.prompt:
         prompts = list(args.prompt)[: args.num_prompts] if args.num_prompts else list(args.prompt)
     else:
@@ -149,7 +151,7 @@ def _run_synthetic(args: argparse.Namespace) -> int:
     report = run_synthetic(args.synthetic, specs, args.out, device=args.device, dtype=dtype, frames=args.frames,
                            height=args.height, width=args.width, layers=args.synthetic_layers,
                            warmup=args.warmup_forwards, repeats=args.repeats, progress=not args.no_progress,
-                           compile_mode=args.compile)
+                           compile_mode=args.compile, overwrite=args.overwrite)
     for name in args.synthetic:
         section = report["synthetic"][name]
         timed = next(iter(section["methods"].values())).get("attention_timed")

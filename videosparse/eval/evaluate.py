@@ -77,10 +77,17 @@ def load_prompts(path: str | None, limit: int | None = None) -> list[str]:
     if path is None:
         prompts = list(BUILTIN_PROMPTS)
     else:
-        with open(path) as f:
-            text = f.read()
+        forms = "a text file with one prompt per line, or a .json file holding a list of strings"
+        try:
+            with open(path) as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"prompts file {path!r} cannot be read ({e}); give {forms}.") from None
         if path.endswith(".json"):
-            prompts = json.loads(text)
+            try:
+                prompts = json.loads(text)
+            except ValueError as e:
+                raise ValueError(f"prompts file {path!r} is not valid JSON ({e}); give {forms}.") from None
             if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
                 raise ValueError(f"{path}: a prompts JSON must be a list of strings.")
         else:
@@ -235,17 +242,20 @@ class Evaluation:
         self.progress = progress
         self.device = str(self.pipe.device)
         self.dtype = str(getattr(self.pipe.transformer, "dtype", ""))
-        for sub in ("frames", "plots", "videos"):
-            os.makedirs(os.path.join(out_dir, sub), exist_ok=True)
         self.path = os.path.join(out_dir, "report.json")
         self._check_attention_sampling()
         key = {"model": loaded.name, "call": _comparable(settings.call), "dtype": self.dtype, "device": self.device}
         old = None if overwrite else load_report(self.path)
+        if old is not None and old.get("mode", "quality") != "quality":
+            raise ValueError(f"{self.path} holds a {old.get('mode')} report; write this quality run to another "
+                             "directory, or overwrite=True (--overwrite) to replace it.")
         if old is not None and old.get("run_key") != json.loads(json.dumps(key, default=str)):
             raise ValueError(
                 f"{self.path} was made with other settings ({old.get('run_key')}); this run has {key}. Use another "
                 "output directory, or overwrite=True (--overwrite) to start afresh."
             )
+        for sub in ("frames", "plots", "videos"):            # after the checks: a refused run leaves nothing behind
+            os.makedirs(os.path.join(out_dir, sub), exist_ok=True)
         self.report: dict[str, Any] = old or {"format": REPORT_FORMAT, "mode": "quality", "cells": {}, "attention": {}}
         self.report["run_key"] = json.loads(json.dumps(key, default=str))
         self._lpips = None

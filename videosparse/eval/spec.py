@@ -31,7 +31,7 @@ Examples::
     veda@0.1:tiling=8x4x4:estimator=runs/veda-est
 
 `veda` without a density uses 0.1 and `sol` without density or tau uses 0.15 (as the CLI does).
-Config validation errors (a density of 2, a tile of the wrong size) surface unchanged.
+Config validation errors (a density of 2, a tile of the wrong size) surface with the spec named.
 """
 
 from __future__ import annotations
@@ -163,7 +163,30 @@ def parse_method_spec(text: str, *, backend: str | None = None) -> MethodSpec:
         kwargs.setdefault("density", DEFAULT_DENSITY["veda"])
     elif cls is SolConfig and "density" not in kwargs and "tau" not in kwargs:
         kwargs["density"] = DEFAULT_DENSITY["sol"]
-    return MethodSpec(spec, cls(**kwargs))
+    if cls is SolConfig and isinstance(kwargs.get("tiling"), str):
+        raise ValueError(f"method spec {text!r}: tiling={kwargs['tiling']!r}: sol takes one tile shape like 4x4x8 "
+                         "(pt*ph*pw = block), not a tiling file; only veda reads a tiling JSON from search-tiling.")
+    try:
+        return MethodSpec(spec, cls(**kwargs))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"method spec {text!r}: {e}") from None
+
+
+def check_spec_files(specs: list[MethodSpec]) -> None:
+    """Read every tiling JSON and estimator the specs name, so that a missing or damaged one is an error before any
+    cell runs (not after the dense arm); ValueError naming the spec."""
+    from ..veda.estimator import load_estimator
+    from ..veda.tiling import load_tiling
+
+    for spec in specs:
+        cfg = spec.config
+        try:
+            if isinstance(getattr(cfg, "tiling", None), str):
+                load_tiling(cfg.tiling, cfg.block)
+            if isinstance(getattr(cfg, "estimator", None), str):
+                load_estimator(cfg.estimator)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"method spec {spec.label!r}: {e}") from None
 
 
 def parse_method_specs(texts: list[str], *, backend: str | None = None) -> list[MethodSpec]:

@@ -1108,11 +1108,12 @@ def summarize_synthetic(result: SyntheticResult, dtype: torch.dtype, warmup: int
 def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, device: str | None = None,
                   dtype: torch.dtype | None = None, frames: int | None = None, height: int | None = None,
                   width: int | None = None, layers: int | None = None, warmup: int = 1, repeats: int = 3,
-                  progress: bool = True, compile_mode: str | None = None) -> dict:
+                  progress: bool = True, compile_mode: str | None = None, overwrite: bool = False) -> dict:
     """Synthetic speed mode for several models; writes report.json, report.md and one speedup plot per model.
 
     The report is saved after every method; a rerun with the same sizes, dtype and compile mode keeps
-    the methods already measured (and the dense output saved beside the report) and runs the rest.
+    the methods already measured (and the dense output saved beside the report) and runs the rest;
+    `overwrite=True` discards the report in `out_dir` and measures everything again.
 
     Returns:
         The report dict ("synthetic": model name -> section from `summarize_synthetic`).
@@ -1130,9 +1131,10 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
         check_feasible(setup, device, dtype, count_parameters(setup))
     os.makedirs(os.path.join(out_dir, "plots"), exist_ok=True)
     path = os.path.join(out_dir, "report.json")
-    report = load_report(path) or {"format": REPORT_FORMAT, "mode": "synthetic", "synthetic": {}}
+    report = (None if overwrite else load_report(path)) or {"format": REPORT_FORMAT, "mode": "synthetic", "synthetic": {}}
     if report.get("mode") != "synthetic":
-        raise ValueError(f"{path} holds a quality report; write the synthetic run to another directory.")
+        raise ValueError(f"{path} holds a quality report; write the synthetic run to another directory "
+                         "(or pass overwrite=True, --overwrite, to replace it).")
     report["synthetic"] = report.get("synthetic", {})
     labels = [s.label for s in specs]
     for name in names:

@@ -380,6 +380,7 @@ class SparseContextHook(ModelHook):
 
     def initialize_hook(self, module):
         self._timestep_position = parameter_position(type(module).forward, "timestep", default=1)
+        self._module = weakref.ref(module)
         return module
 
     def pre_forward(self, module, *args, **kwargs):
@@ -393,6 +394,14 @@ class SparseContextHook(ModelHook):
         Runs eagerly: under `torch.compile(transformer)` this is the one graph break (at the top of
         the forward); the processors then read only plain flags, so steps do not recompile.
         """
+        if module is not self._module():
+            # diffusers' hook registry wraps `forward` in closures that `copy.deepcopy` shares with the original, so
+            # a copy's forward would run the original's weights and session: refuse it rather than answer wrongly
+            raise RuntimeError(
+                f"this {type(module).__name__} is a copy (copy.deepcopy) of a transformer with videosparse applied; "
+                "diffusers' hooks do not survive deepcopy, so its forward would run the original's weights. Call "
+                "videosparse.remove(...) on the original before copying it, then videosparse.apply(...) to each."
+            )
         session, ctx = self.session, self.session.context
         found = self.grid_fn(module, args, kwargs)
         ctx.grid, ctx.text_len, ctx.text_valid = found[0], found[1], None

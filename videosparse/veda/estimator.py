@@ -225,7 +225,11 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
         if not model_kwargs and os.path.isdir(model_id) and not os.path.isfile(os.path.join(model_id, "config.json")):
             raise ValueError(f"{model_id!r} holds no config.json; a VedaEstimator directory is what save_pretrained "
                              "or `videosparse distill` writes.")
-        model = cls(**model_kwargs)
+        try:
+            model = cls(**model_kwargs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"the config.json of estimator {model_id!r} does not describe a VedaEstimator ({e}); "
+                             "expected what save_pretrained or `videosparse distill` writes.") from None
         if os.path.isdir(model_id):
             model_file = os.path.join(model_id, SAFETENSORS_NAME)
             if not os.path.isfile(model_file):
@@ -235,7 +239,11 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
             model_file = hf_hub_download(repo_id=model_id, filename=SAFETENSORS_NAME, revision=revision,
                                          cache_dir=cache_dir, force_download=force_download, token=token,
                                          local_files_only=local_files_only)
-        safetensors.torch.load_model(model, model_file, strict=True, device=map_location)
+        try:
+            safetensors.torch.load_model(model, model_file, strict=True, device=map_location)
+        except (safetensors.SafetensorError, RuntimeError, OSError) as e:
+            raise ValueError(f"the weights {model_file!r} of estimator {model_id!r} cannot be loaded into the "
+                             f"estimator its config.json describes ({' '.join(str(e).split())[:300]}).") from None
         model.source = model_id
         model.eval()
         return model

@@ -8,6 +8,7 @@ last tile over its real tokens only.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -44,12 +45,25 @@ def trippool_torch(x: torch.Tensor, block: int, num_tiles: int | None = None) ->
     return torch.cat([mean, mx, mn], -1)
 
 
+def triton_unavailable(device: torch.device | str) -> str | None:
+    """Why the Veda Triton kernels (TripPool, teacher) cannot run on `device`, or None when they can."""
+    if torch.device(device).type == "cuda":
+        return None
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return None
+    return (f"the Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 set before videosparse is imported "
+            f"(fp16 / bf16 on CPU); the tensors are on {device}")
+
+
 def _use_triton(x: torch.Tensor, block: int, backend: str) -> bool:
     if backend not in KERNEL_BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; choose one of {KERNEL_BACKENDS}.")
     if backend == "torch":
         return False
     if backend == "triton":
+        why = triton_unavailable(x.device)
+        if why:
+            raise ValueError(f"backend='triton': {why}; use 'auto' or 'torch' there.")
         return True
     if not x.is_cuda or block < 16 or block & (block - 1):
         return False
