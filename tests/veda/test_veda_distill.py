@@ -187,7 +187,8 @@ def test_a_damaged_checkpoint_is_a_clear_error(tmp_path, cache):
     ckpt = out / "checkpoints" / "step_00000004"
     weights = next(p for p in ckpt.iterdir() if p.suffix == ".safetensors")
     weights.write_bytes(weights.read_bytes()[:100])
-    with pytest.raises(ValueError, match=r"checkpoint .*step_00000004 cannot be resumed: its saved model.*resume=False"):
+    with pytest.raises(ValueError,
+                       match=r"checkpoint .*step_00000004 cannot be resumed: its saved model.*resume=False"):
         run_distillation(make_cfg(out, max_steps=4))
     (ckpt / "trainer_state.json").write_text('{"global_step": 4')
     with pytest.raises(ValueError, match=r"step_00000004 cannot be resumed: trainer_state.json cannot be read"):

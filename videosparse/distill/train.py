@@ -188,10 +188,10 @@ def _read_log(path: Path) -> list[dict[str, Any]]:
 
 
 def _damaged(checkpoint: Path, what: str, error: BaseException) -> ValueError:
-    """The error for a checkpoint folder that cannot be resumed (damaged after it was written: its writes are atomic)."""
+    """The error for a checkpoint folder that cannot be resumed (damaged after it was written: writes are atomic)."""
     detail = " ".join(f"{type(error).__name__}: {error}".split())[:300]
-    return ValueError(f"checkpoint {checkpoint} cannot be resumed: {what} cannot be read ({detail}). Delete that folder "
-                      "to resume from the checkpoint before it (if any is kept), or start over with resume=False "
+    return ValueError(f"checkpoint {checkpoint} cannot be resumed: {what} cannot be read ({detail}). Delete that "
+                      "folder to resume from the checkpoint before it (if any is kept), or start over with resume=False "
                       "(`--resume false`).")
 
 

@@ -38,7 +38,8 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None, choices=list(BACKENDS),
                    help="kernel backend for specs that do not name one")
     p.add_argument("--out", default="eval_out", help="output directory (a rerun skips the cells already in it)")
-    p.add_argument("--overwrite", action="store_true", help="start afresh: discard report.json in --out and run every cell again (without it a rerun keeps "
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh: discard report.json in --out and run every cell again (without it a rerun keeps "
                         "the cells already measured and refuses a report made with other settings)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     q = p.add_argument_group("quality run")

@@ -1131,7 +1131,8 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
         check_feasible(setup, device, dtype, count_parameters(setup))
     os.makedirs(os.path.join(out_dir, "plots"), exist_ok=True)
     path = os.path.join(out_dir, "report.json")
-    report = (None if overwrite else load_report(path)) or {"format": REPORT_FORMAT, "mode": "synthetic", "synthetic": {}}
+    report = None if overwrite else load_report(path)
+    report = report or {"format": REPORT_FORMAT, "mode": "synthetic", "synthetic": {}}
     if report.get("mode") != "synthetic":
         raise ValueError(f"{path} holds a quality report; write the synthetic run to another directory "
                          "(or pass overwrite=True, --overwrite, to replace it).")
