@@ -53,7 +53,8 @@ class Plan:
 
     @property
     def has_correction(self) -> bool:
-        return self.k_mean is not None
+        """Whether the plan carries correction inputs (`validate` requires all three once any is given)."""
+        return self.k_mean is not None or self.v_sum is not None or self.tile_len is not None
 
     @property
     def num_key_tiles(self) -> int:
@@ -114,6 +115,8 @@ class Plan:
         check_block("block_n", self.block_n)
         B, H, S, D = q.shape
         Sk = k.shape[2]
+        if D < 1 or k.shape[-1] != D:
+            raise ValueError(f"q and k need the same head dim >= 1; got q {tuple(q.shape)}, k {tuple(k.shape)}{at}.")
         Mq, Nk = math.ceil(S / self.block_m), math.ceil(Sk / self.block_n)
         if self.kv_index.dtype != torch.int32 or self.kv_count.dtype != torch.int32:
             raise ValueError(
@@ -127,8 +130,9 @@ class Plan:
         if tuple(self.kv_count.shape) != (B, H, Mq):
             raise ValueError(f"kv_count has shape {tuple(self.kv_count.shape)}; expected ({B}, {H}, {Mq}){at}.")
         kmax = self.kv_index.shape[3]
-        if self.kv_index.device != q.device or self.kv_count.device != q.device:
-            raise ValueError(f"plan tensors are on {self.kv_index.device}, q is on {q.device}{at}.")
+        for name, t in (("kv_index", self.kv_index), ("kv_count", self.kv_count)):
+            if t.device != q.device:
+                raise ValueError(f"{name} is on {t.device}, q is on {q.device}{at}.")
         if kmax > Nk:
             raise ValueError(f"kv_index has Kmax={kmax} > number of key tiles {Nk}{at}.")
         if bool((self.kv_count < 0).any()) or bool((self.kv_count > kmax).any()):
@@ -142,8 +146,9 @@ class Plan:
         if kmax > 1 and bool(((idx[..., 1:] <= idx[..., :-1]) & valid[..., 1:]).any()):
             raise ValueError(f"kv_index rows must be strictly increasing in their valid entries{at}.")
         if self.has_correction:
-            if self.v_sum is None or self.tile_len is None:
-                raise ValueError(f"correction needs k_mean, v_sum and tile_len together{at}.")
+            if self.k_mean is None or self.v_sum is None or self.tile_len is None:
+                missing = [n for n in ("k_mean", "v_sum", "tile_len") if getattr(self, n) is None]
+                raise ValueError(f"correction needs k_mean, v_sum and tile_len together; {missing} missing{at}.")
             for name, t in (("k_mean", self.k_mean), ("v_sum", self.v_sum)):
                 if tuple(t.shape) != (B, H, Nk, D):
                     raise ValueError(f"{name} has shape {tuple(t.shape)}; expected ({B}, {H}, {Nk}, {D}){at}.")

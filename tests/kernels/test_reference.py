@@ -65,6 +65,10 @@ def test_a_plan_without_index_columns_gives_empty_rows():
     plan = Plan(torch.zeros(1, 2, 3, 0, dtype=torch.int32), torch.zeros(1, 2, 3, dtype=torch.int32))
     out, lse = block_sparse_attention(q, q, q, plan, return_lse=True)
     assert bool((out == 0).all()) and bool(torch.isneginf(lse).all())
+    # no keys at all (Sk = 0): the same, where the reference used to fail in torch.gather
+    empty = torch.zeros(1, 2, 0, 64)
+    out, lse = block_sparse_attention(q, empty, empty, plan, return_lse=True, backend="reference")
+    assert out.shape == q.shape and bool((out == 0).all()) and bool(torch.isneginf(lse).all())
 
 
 @pytest.mark.parametrize("S,block", [(300, 64), (333, 128)])

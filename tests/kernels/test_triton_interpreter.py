@@ -52,6 +52,11 @@ CASES = {
     "generic-bf16-d128-b128-valid-keys": (2, 2, 333, 333, 128, 128, 128, 0.5, "bfloat16", False, "generic", "valid"),
     "hopper-fp32-d64-b64-valid-keys-corr": (2, 2, 300, 300, 64, 64, 64, 0.4, "float32", True, "hopper", "valid"),
     "hopper-bf16-d128-b128-valid-keys": (2, 1, 384, 384, 128, 128, 128, 0.6, "bfloat16", False, "hopper", "valid"),
+    # the plan's order and valid_keys as strided views (the kernels read both flat: they used to read other rows)
+    "generic-fp32-strided-order-valid-keys-corr": (2, 2, 300, 300, 64, 64, 64, 0.4, "float32", True, "generic",
+                                                   "strided-plan"),
+    "hopper-fp32-strided-order-valid-keys-corr": (2, 2, 300, 300, 64, 64, 64, 0.4, "float32", True, "hopper",
+                                                  "strided-plan"),
 }
 
 
@@ -204,6 +209,15 @@ def _run_case(name: str) -> dict:
         plan = Plan(plan.kv_index[..., :0].contiguous(), torch.zeros_like(plan.kv_count), bm, bn)
     if extra == "valid":
         plan = plan.with_valid_keys(valid_keys_for(B, Sk))
+    if extra == "strided-plan":
+        def strided(t):    # the same values, every other element of a buffer twice the size
+            return torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
+
+        plan = plan.with_valid_keys(strided(valid_keys_for(B, Sk)))
+        n = plan.kv_count.numel()
+        plan = Plan(plan.kv_index, plan.kv_count, bm, bn, valid_keys=plan.valid_keys,
+                    order=strided(torch.randperm(n, generator=g).to(torch.int32)))
+        assert not plan.order.is_contiguous() and not plan.valid_keys.is_contiguous()
     if corr:
         plan = plan.with_correction(*tile_centroids_torch(k, v, bn))
     scale = 1.0 / math.sqrt(D)
@@ -327,6 +341,13 @@ def test_bad_plans_are_rejected_before_any_kernel():
     for plan in cases:
         with pytest.raises(ValueError):
             block_sparse_attention(q, q, q, plan, backend="triton")
+    # correction inputs given only in part (k_mean missing used to run silently without the correction)
+    k_mean, v_sum, tile_len = (torch.zeros(1, 2, 3, 64), torch.zeros(1, 2, 3, 64), torch.full((3,), 100))
+    for partial, missing in ((dict(v_sum=v_sum, tile_len=tile_len), "'k_mean'"), (dict(k_mean=k_mean), "'v_sum'")):
+        with pytest.raises(ValueError, match=f"k_mean, v_sum and tile_len together; .*{missing}"):
+            block_sparse_attention(q, q, q, Plan(good.kv_index, good.kv_count, 128, 128, **partial))
+    with pytest.raises(ValueError, match="kv_count is on meta, q is on cpu"):   # names the tensor that is elsewhere
+        block_sparse_attention(q, q, q, Plan(good.kv_index, good.kv_count.to("meta"), 128, 128))
 
 
 if __name__ == "__main__":

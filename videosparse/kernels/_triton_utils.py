@@ -125,7 +125,7 @@ def correction_inputs(plan: Plan, num_key_tiles: int, chunk: int, dtype: torch.d
     bias = torch.empty(n_items, ncp, dtype=torch.float32, device=dev)
     rows = 16
     grid = (n_items + triton.cdiv(n_rows, rows),)
-    valid = plan.valid_keys
+    valid = plan.valid_keys.contiguous() if plan.valid_keys is not None else None    # the kernel reads it flat
     _correction_inputs_kernel[grid](kv_index, kv_count, tile_len, plan.k_mean.contiguous(), plan.v_sum.contiguous(),
                                     k_mean, v_mean, bias, kv_count if valid is None else valid, n_items, Nk, ncp,
                                     kmax, n_rows, D, H * Mq, plan.block_n, D_P2=triton.next_power_of_2(D),
@@ -179,7 +179,7 @@ def launch_dims(q: torch.Tensor, k: torch.Tensor, plan: Plan, programs: int | No
     Sk = k.shape[2]
     Mq, Nk = math.ceil(S / plan.block_m), math.ceil(Sk / plan.block_n)
     kv_index, kv_count = flat_plan(plan)
-    order = plan.order if plan.order is not None else work_order(plan.kv_count, programs)
+    order = plan.order.contiguous() if plan.order is not None else work_order(plan.kv_count, programs)   # read flat
     return B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order
 
 

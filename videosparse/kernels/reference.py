@@ -49,6 +49,10 @@ def reference_attention(
     plan = plan.with_index_slot()
     bm, bn = plan.block_m, plan.block_n
     Mq, Nk = math.ceil(S / bm), math.ceil(Sk / bn)
+    if Nk == 0:                                  # no keys: every row is empty (0, lse -inf), as in the kernels
+        out = q.new_zeros(q.shape)
+        lse = torch.full((B, H, S), float("-inf"), dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
     pad = Nk * bn - Sk
     kp = torch.nn.functional.pad(k, (0, 0, 0, pad)).to(cd).view(B, H, Nk, bn * D)

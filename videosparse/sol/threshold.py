@@ -215,7 +215,9 @@ def pack_mask(mask: torch.Tensor, block_m: int, block_n: int, *, width: int | No
     elif width < 1 or width > N:
         raise ValueError(f"width={width} must lie in [1, N={N}] (N = number of key tiles).")
     pos = mask.cumsum(-1, dtype=torch.int32) - 1
-    pos = torch.where(mask, pos, width).long()                           # unused tiles go to a spill slot
+    pos = torch.where(mask & (pos < width), pos, width).long()          # unused tiles (and any past a too-small
+    #                                                                       width, which `Plan.validate` reports
+    #                                                                       through kv_count > Kmax) to a spill slot
     cols = torch.arange(N, dtype=torch.int32, device=mask.device).expand(B, H, M, N)
     index = torch.zeros(B, H, M, width + 1, dtype=torch.int32, device=mask.device)
     index.scatter_(-1, pos, cols)
