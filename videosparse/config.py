@@ -184,8 +184,9 @@ class DenseConfig(_BaseConfig):
     """Dense attention through videosparse's processors (for baselines and statistics).
 
     Every self-attention call goes through diffusers' own `dispatch_attention_fn`, so outputs equal
-    the stock processors; the processors still count calls, which makes this the reference arm of
-    an evaluation.
+    the stock processors' (bitwise for most families; within float rounding, ~1e-7 relative, where a
+    processor merges parts of the attention itself: HunyuanVideo 1.5, Motif-Video, Wan-Animate-2); the
+    processors still count calls, which makes this the reference arm of an evaluation.
 
     Example:
         >>> import videosparse
