@@ -36,11 +36,9 @@ def _plain_numbers(config, names: tuple[str, ...]) -> None:
     JSON see plain numbers); bools and non-numbers are left for the field checks to reject."""
     for name in names:
         value = _scalar(getattr(config, name))
+        if not isinstance(value, bool) and type(value) not in (int, float) and isinstance(value, numbers.Real):
+            value = int(value) if isinstance(value, numbers.Integral) else float(value)
         object.__setattr__(config, name, value)
-        if isinstance(value, bool) or type(value) in (int, float) or not isinstance(value, numbers.Real):
-            continue
-        plain = int(value) if isinstance(value, numbers.Integral) else float(value)
-        object.__setattr__(config, name, plain)
 
 
 def _scalar(value: Any) -> Any:
@@ -309,7 +307,12 @@ class SolConfig(_BaseConfig):
         _check_block(self.block)
         if self.tiling is None:
             object.__setattr__(self, "tiling", (4, 4, 4) if self.block == 64 else (4, 4, 8))
-        object.__setattr__(self, "tiling", _check_tile(parse_tile(self.tiling), self.block))
+        tiling = parse_tile(self.tiling)
+        if isinstance(tiling, (str, os.PathLike)):
+            raise ValueError(f"tiling={tiling!r}: sol takes one tile shape like 4x4x8, three positive ints "
+                             "(pt, ph, pw) with pt*ph*pw = block, not a tiling file; only veda reads a tiling JSON "
+                             "from search-tiling.")
+        object.__setattr__(self, "tiling", _check_tile(tiling, self.block))
         if isinstance(self.band, bool) or not isinstance(self.band, int) or self.band < 0:
             raise ValueError(f"band={self.band!r} must be an int >= 0.")
         object.__setattr__(self, "dense_layers", _dense_schedule(self.dense_steps, _layers(self.dense_layers)))

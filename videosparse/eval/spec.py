@@ -163,9 +163,6 @@ def parse_method_spec(text: str, *, backend: str | None = None) -> MethodSpec:
         kwargs.setdefault("density", DEFAULT_DENSITY["veda"])
     elif cls is SolConfig and "density" not in kwargs and "tau" not in kwargs:
         kwargs["density"] = DEFAULT_DENSITY["sol"]
-    if cls is SolConfig and isinstance(kwargs.get("tiling"), str):
-        raise ValueError(f"method spec {text!r}: tiling={kwargs['tiling']!r}: sol takes one tile shape like 4x4x8 "
-                         "(pt*ph*pw = block), not a tiling file; only veda reads a tiling JSON from search-tiling.")
     try:
         return MethodSpec(spec, cls(**kwargs))
     except (TypeError, ValueError) as e:

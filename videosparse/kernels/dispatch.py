@@ -168,6 +168,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; "
             "expected q (B, H, S, D) and k, v (B, H, Sk, D)."
         )
+    if q.shape[3] < 1:
+        raise ValueError(f"q, k, v have head dim {q.shape[3]}; it must be >= 1.")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}.")
     if not q.dtype.is_floating_point:

@@ -25,6 +25,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from ..config import BLOCK_SIZES, _is_int
 from ..kernels import block_sparse_attention
 from ..layout import TileLayout
 from ..plan import topk_plan
@@ -88,10 +89,6 @@ class Tiling:
         os.replace(tmp, path)
 
 
-def _json_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def load_tiling(path: str | os.PathLike, block: int | None = None) -> Tiling:
     """Read a tiling JSON written by `search_tiling(...).save(path)` / `videosparse search-tiling`.
 
@@ -112,14 +109,14 @@ def load_tiling(path: str | os.PathLike, block: int | None = None) -> Tiling:
     if not isinstance(data, dict) or data.get("format") != TILING_FORMAT:
         raise ValueError(f"{name} is not a videosparse tiling file (format must be {TILING_FORMAT!r}).")
     version = data.get("version", 0)
-    if not _json_int(version) or version > TILING_VERSION:
+    if not _is_int(version) or version > TILING_VERSION:
         raise ValueError(f"tiling file {name}: version {version!r} is not one this videosparse reads "
                          f"(an int <= {TILING_VERSION}).")
     missing = [key for key in ("block", "layers") if key not in data]
     if missing:
         raise ValueError(f"tiling file {name} has no {' or '.join(repr(m) for m in missing)} field.")
     file_block = data["block"]
-    if not _json_int(file_block) or file_block not in (64, 128):
+    if not _is_int(file_block) or file_block not in BLOCK_SIZES:
         raise ValueError(f"tiling file {name}: block={file_block!r} must be 64 or 128.")
     if block is not None and file_block != block:
         raise ValueError(f"tiling file {name} has block={file_block}; the config has block={block}.")
@@ -129,7 +126,7 @@ def load_tiling(path: str | os.PathLike, block: int | None = None) -> Tiling:
     layers = []
     for l, heads in enumerate(data["layers"]):
         for h, s in enumerate(heads):
-            if not (isinstance(s, list) and len(s) == 3 and all(_json_int(v) and v > 0 for v in s)
+            if not (isinstance(s, list) and len(s) == 3 and all(_is_int(v) and v > 0 for v in s)
                     and math.prod(s) == file_block):
                 raise ValueError(f"tiling file {name} layer {l} head {h}: shape {s!r} must be 3 positive ints "
                                  f"with product {file_block}.")

@@ -45,11 +45,14 @@ def trippool_torch(x: torch.Tensor, block: int, num_tiles: int | None = None) ->
     return torch.cat([mean, mx, mn], -1)
 
 
+def interpreting() -> bool:
+    """TRITON_INTERPRET is set (Triton then runs kernels on CPU tensors in its interpreter)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def triton_unavailable(device: torch.device | str) -> str | None:
     """Why the Veda Triton kernels (TripPool, teacher) cannot run on `device`, or None when they can."""
-    if torch.device(device).type == "cuda":
-        return None
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if torch.device(device).type == "cuda" or interpreting():
         return None
     return (f"the Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 set before videosparse is imported "
             f"(fp16 / bf16 on CPU); the tensors are on {device}")

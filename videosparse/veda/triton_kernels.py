@@ -12,19 +12,15 @@ loaded tile is upcast to fp32 when `UPCAST` is set (the wrappers set it under th
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from .teacher import teacher_num_tiles
+from .trippool import interpreting as _interpreting
 
 LOG2E = 1.4426950408889634
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 # ---------------------------------------------------------------------------------------------------
