@@ -43,6 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from inspect_gluon_sass import overlap_per_loop, sass_ops  # noqa: E402
 
+_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier     # renamed after Triton 3.6
+
 
 @gluon.jit
 def _release(j, n, bars, COND_RELEASE: gl.constexpr):
@@ -106,7 +108,7 @@ def _step_smem(j, n, q_smem, k, v, acc, p_in, p_out, m, l, zero, scale, bars,
         acc = warpgroup_mma_wait(0, deps=(acc_tok,))
         p_out.store(p.to(p_out.dtype))
     fence_async_shared()
-    gl.thread_barrier()
+    _cta_barrier()
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
     return acc, m_new, l
 

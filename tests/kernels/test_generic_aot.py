@@ -59,6 +59,22 @@ def test_compile_generic_specializes_like_a_launch():
     assert sizes == {"0x10"}, sizes
 
 
+# opt-in shared memory per block: Ada (RTX 40xx, L40) and consumer Blackwell (RTX 50xx) have 99 KB, datacenter
+# Blackwell 227 KB
+SHARED_PER_BLOCK = {89: 101376, 100: 232448, 120: 101376}
+
+
+@pytest.mark.parametrize("capability,head_dim", [(89, 128), (100, 128), (120, 128), (120, 64)])
+def test_generic_compiles_for_ada_and_blackwell_within_their_shared_memory(capability, head_dim):
+    """The kernel `backend="auto"` takes on every CUDA GPU but Hopper compiles there with the correction and 128x128
+    tiles (the largest buffers), fits the shared memory of one block, and runs its GEMMs on tensor cores (tcgen05
+    on sm_100, mma.sync elsewhere)."""
+    k = _compiled().compile_generic(capability=capability, head_dim=head_dim, block_m=128, block_n=128,
+                                    correction=True)
+    assert k.metadata.shared <= SHARED_PER_BLOCK[capability], (k.metadata.shared, SHARED_PER_BLOCK[capability])
+    assert ("tcgen05.mma" if capability == 100 else "mma.sync") in k.asm["ptx"]
+
+
 @pytest.mark.parametrize("head_dim,block_m,block_n", [(128, 128, 128), (64, 128, 128)])
 def test_generic_defaults_spill_little_on_ampere(head_dim, block_m, block_n):
     """The defaults spill at most 64 bytes per thread at sm_80; whole 128-key tiles at 4 warps (head dim 128: 7

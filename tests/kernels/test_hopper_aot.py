@@ -12,12 +12,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import load_script
+from helpers import load_script, pinned_ptxas
 
 triton = pytest.importorskip("triton")
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"   # ptxas, cuobjdump (ship with triton)
 
 SHARED_LIMIT = 232448  # bytes of shared memory per block on sm_90
+PINNED_PTXAS = pinned_ptxas()     # the SASS schedule checks hold for the pinned Triton's ptxas (see helpers)
+schedule_check = pytest.mark.skipif(not PINNED_PTXAS, reason=f"SASS schedule of Triton 3.6's ptxas; this is "
+                                                              f"Triton {triton.__version__}")
 
 # (head_dim, dtype, block_m, block_n, centroids, mask_last, merge[, has_limit: a plan with valid_keys])
 VARIANTS = {
@@ -59,10 +62,13 @@ def test_hopper_kernel_compiles_with_tma_wgmma_and_warp_specialization(hopper_mo
 
 def _check_spills(cubin: bytes, where: Path, allowed: int) -> int:
     """Asserts that the kernel's tile loops (`inspect_gluon_sass.tile_loops`; at least one) hold no spill
-    instruction and that it spills at most `allowed` bytes in all; returns the number of tile loops."""
+    instruction and that it spills at most `allowed` bytes in all (with the pinned Triton's ptxas only); returns
+    the number of tile loops."""
     inspect = load_script("inspect_gluon_sass")
     loops = inspect.tile_loops(inspect.sass_listing(cubin, Path(triton.__file__).parent / "backends" / "nvidia"
                                                     / "bin"))
+    if not PINNED_PTXAS:
+        return len(loops)
     assert loops and all(inspect.local_memory_ops(body) == 0 for body in loops), "spills in a tile loop"
     spills = _spill_bytes(cubin, where)
     assert spills is None or spills <= allowed, f"registers spill to {spills} bytes of local memory / stack"
@@ -234,6 +240,7 @@ def test_loop_carry_probe_reads_the_outer_loops_iter_args():
     assert isinstance(result["bound_only"], bool)
 
 
+@schedule_check
 @pytest.mark.parametrize("head_dim,late_k,late_q,correction", [
     (128, None, None, False), (128, None, None, True), (64, None, None, False), (64, True, None, False),
     (128, False, True, False), (64, False, True, False), (128, True, False, False)])
@@ -262,6 +269,7 @@ def test_gluon_late_release_keeps_the_tile_loop_softmax_under_the_pv_gemm(head_d
         assert max(loops) == 0, counts
 
 
+@schedule_check
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_gluon_first_step_overlap_keeps_every_softmax_under_a_pv_gemm(head_dim):
     """`first_step_overlap=True` (with only the Q release late in the tile loop): the item's first softmax stays
@@ -287,6 +295,7 @@ def test_gluon_first_step_overlap_keeps_every_softmax_under_a_pv_gemm(head_dim):
     assert default[0] >= 64 and default[len(default) // 2] >= 64, default
 
 
+@schedule_check
 @pytest.mark.parametrize("head_dim,correction", [(128, False), (64, True)])
 def test_gluon_unit_handoff_takes_the_unit_decode_off_the_consumers(head_dim, correction):
     """`unit_handoff=True`: the consumers read each unit's item and kv_count from shared memory after the Q
@@ -316,6 +325,7 @@ def test_gluon_unit_handoff_takes_the_unit_decode_off_the_consumers(head_dim, co
     assert ordered, "the loader's store of the unit must precede a warp barrier and the Q barrier's arrive"
 
 
+@schedule_check
 @pytest.mark.parametrize("head_dim,q_buffers", [(128, 2), (64, 2), (128, 1)])
 def test_gluon_correction_bias_loads_hide_under_the_score_gemm(head_dim, q_buffers):
     """With the zero-order correction, each centroid step's bias row (32 values per thread) is read from shared

@@ -34,6 +34,12 @@ LN2 = 0.6931471805599453
 NEG_BIG = tl.constexpr(-1.0e30)
 
 
+# compile options every launch (and every ahead-of-time compile) passes: FP fusion (a*b+c -> one FMA, e.g. the softmax's
+# scale-and-subtract) is what the kernels were tuned and tested with; Triton 3.9 warns that its default turns it off
+# from 3.10, so it is asked for by name, not left to the default
+COMPILE_OPTIONS = dict(enable_fp_fusion=True)
+
+
 def interpreter_active() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     return bool(triton.knobs.runtime.interpret)
@@ -129,7 +135,7 @@ def correction_inputs(plan: Plan, num_key_tiles: int, chunk: int, dtype: torch.d
     _correction_inputs_kernel[grid](kv_index, kv_count, tile_len, plan.k_mean.contiguous(), plan.v_sum.contiguous(),
                                     k_mean, v_mean, bias, kv_count if valid is None else valid, n_items, Nk, ncp,
                                     kmax, n_rows, D, H * Mq, plan.block_n, D_P2=triton.next_power_of_2(D),
-                                    CHUNK=chunk, KB=32, ROWS=rows, HAS_VALID=valid is not None)
+                                    CHUNK=chunk, KB=32, ROWS=rows, HAS_VALID=valid is not None, **COMPILE_OPTIONS)
     return k_mean, v_mean, bias
 
 

@@ -45,7 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ..plan import Plan, device_programs
-from ._triton_utils import LOG2E, aot_seq_len, correction_inputs, key_limit, launch_dims, launch_signature
+from ._triton_utils import (COMPILE_OPTIONS, LOG2E, aot_seq_len, correction_inputs, key_limit, launch_dims,
+                            launch_signature)
 from .tail_split import AUTO_MIN_SAVED, combine_parts, tail_split
 from .triton_hopper import HopperBackend
 
@@ -53,6 +54,11 @@ HALF_M = 64            # query rows per consumer warpgroup
 BLOCK_M = 2 * HALF_M   # query rows per work item (two consumer warpgroups)
 NEG_BIG = gl.constexpr(-1.0e30)
 SHARED_LIMIT = 227 * 1024 - 1024   # sm_90 shared memory per block, less room for the barriers
+# Gluon builtins renamed after Triton 3.6 (the old names are gone by 3.9): the block-wide barrier (bar.sync) and the
+# TMA copies between global and shared memory
+_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
 @gluon.constexpr_function
@@ -124,7 +130,7 @@ def _unit_send(buf, item, total):
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     pick = gl.arange(0, 2, layout=layout)
     buf.store(gl.where(pick == 0, item, total))
-    gl.thread_barrier()
+    _cta_barrier()
 
 
 @gluon.jit
@@ -180,8 +186,8 @@ def _loader(desc_q, desc_k, desc_v, desc_km, desc_vm, desc_b, KV_INDEX, KV_COUNT
             _unit_send(unit_smem.index(qb), item, total)
         mbarrier.expect(q_ready.index(qb), 2 * desc_q.block_type.nbytes)
         row0 = bh * S + mt * 128
-        tma.async_copy_global_to_shared(desc_q, [row0, 0], q_ready.index(qb), q_smem.index(2 * qb))
-        tma.async_copy_global_to_shared(desc_q, [row0 + 64, 0], q_ready.index(qb), q_smem.index(2 * qb + 1))
+        _tma_load(desc_q, [row0, 0], q_ready.index(qb), q_smem.index(2 * qb))
+        _tma_load(desc_q, [row0 + 64, 0], q_ready.index(qb), q_smem.index(2 * qb + 1))
         for j in range(n_all):
             s = c % NUM_STAGES
             ph = (c // NUM_STAGES) & 1
@@ -193,21 +199,20 @@ def _loader(desc_q, desc_k, desc_v, desc_km, desc_vm, desc_b, KV_INDEX, KV_COUNT
             if CORR:
                 if j < n:
                     mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
-                    tma.async_copy_global_to_shared(desc_k, [key_row, 0], k_ready.index(s), k_smem.index(s))
+                    _tma_load(desc_k, [key_row, 0], k_ready.index(s), k_smem.index(s))
                 else:
                     mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes + desc_b.block_type.nbytes)
-                    tma.async_copy_global_to_shared(desc_km, [key_row, 0], k_ready.index(s), k_smem.index(s))
-                    tma.async_copy_global_to_shared(desc_b, [item * NCP + (j - n) * BLOCK_N], k_ready.index(s),
-                                                    b_smem.index(s))
+                    _tma_load(desc_km, [key_row, 0], k_ready.index(s), k_smem.index(s))
+                    _tma_load(desc_b, [item * NCP + (j - n) * BLOCK_N], k_ready.index(s), b_smem.index(s))
             else:
                 mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
-                tma.async_copy_global_to_shared(desc_k, [key_row, 0], k_ready.index(s), k_smem.index(s))
+                _tma_load(desc_k, [key_row, 0], k_ready.index(s), k_smem.index(s))
             mbarrier.wait(v_empty.index(s), ph ^ 1)
             mbarrier.expect(v_ready.index(s), desc_v.block_type.nbytes)
             if j < n:
-                tma.async_copy_global_to_shared(desc_v, [key_row, 0], v_ready.index(s), v_smem.index(s))
+                _tma_load(desc_v, [key_row, 0], v_ready.index(s), v_smem.index(s))
             else:
-                tma.async_copy_global_to_shared(desc_vm, [key_row, 0], v_ready.index(s), v_smem.index(s))
+                _tma_load(desc_vm, [key_row, 0], v_ready.index(s), v_smem.index(s))
             c += 1
         t += 1
 
@@ -293,8 +298,8 @@ def _epilogue(acc, m_i, l_i, bh, mt, O, LSE, S, desc_o, o_smem, WG: gl.constexpr
         out, m_o, l_o, seen, rows = _normalized_rows(acc, m_i, l_i, mt, WG)
         o_smem.store(out.to(o_smem.dtype))
         fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(desc_o, [bh * S + mt * 128 + WG * 64, 0], o_smem)
+        _cta_barrier()
+        _tma_store(desc_o, [bh * S + mt * 128 + WG * 64, 0], o_smem)
         _store_lse(m_o, l_o, seen, rows, bh, LSE, S, STORE_LSE)
     else:
         _store_rows(acc, m_i, l_i, bh, mt, O, LSE, S, WG, HEAD_DIM, STORE_LSE)
@@ -305,7 +310,7 @@ def _release_q(q_empty, qb):
     """EPI_TMA: hand Q buffer qb back to the loader once the TMA store of the output staged in it has read
     shared memory (every thread passes the wait before the single arrive)."""
     tma.store_wait(0)
-    gl.thread_barrier()
+    _cta_barrier()
     mbarrier.arrive(q_empty.index(qb), count=1)
 
 
@@ -720,7 +725,7 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
                      Q_BUFS=q_buffers, EPI_TMA=tma_store and q_buffers == 2, SPLIT=parts > 1,
                      LATE_K=late_k, LATE_Q=late_k if late_q_release is None else late_q_release,
                      FIRST_OVERLAP=first_step_overlap, HANDOFF=unit_handoff, HAS_LIMIT=limit is not None, num_warps=4,
-                     maxnreg=maxnreg)
+                     maxnreg=maxnreg, **COMPILE_OPTIONS)
     if parts > 1:
         combine_parts(o_part, lse_part, out, lse if return_lse else None, order, n_full, parts, Mq)
     return (out, lse) if return_lse else out
@@ -760,7 +765,8 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", num_stages: in
                      HANDOFF=unit_handoff, HAS_LIMIT=has_limit)
     signature, constants, attrs = launch_signature(_gluon_fwd.arg_names, pointers, values, constants)
     src = GluonASTSource(_gluon_fwd, signature, constants, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=maxnreg, **COMPILE_OPTIONS))
 
 
 class GluonHopperBackend(HopperBackend):

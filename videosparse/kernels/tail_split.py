@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton_utils import COMPILE_OPTIONS
+
 MIN_PART_TILES = 2   # a part should average at least this many of the plan's Kmax tiles (fixed cost per unit)
 # What a split must take off the last wave, in key tiles x head dim: the merge costs a launch (~10-15 us on the
 # H200 with the partial stores), so the gate asks ~30 us of saved tiles (16 key tiles at head dim 128, 32 at
@@ -112,7 +114,7 @@ def combine_parts(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tenso
     block_r = 32 if D > 64 else 64
     _combine_kernel[(n_split, 128 // block_r)](o_part, lse_part, out, lse if lse is not None else lse_part, order,
                                                n_full, parts, num_query_tiles, S, HEAD_DIM=D, BLOCK_R=block_r,
-                                               STORE_LSE=lse is not None)
+                                               STORE_LSE=lse is not None, **COMPILE_OPTIONS)
 
 
 def combine_parts_torch(o_part, lse_part, out, lse, order, n_full: int, parts: int, num_query_tiles: int):

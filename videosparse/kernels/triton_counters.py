@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton_utils import COMPILE_OPTIONS
+
 BLOCK = 1024
 
 
@@ -30,4 +32,5 @@ def _record_kernel(KV_COUNT, COUNTS, n, pairs, BLOCK: tl.constexpr):
 def record_sparse_triton(counts: torch.Tensor, kv_count: torch.Tensor, num_key_tiles: int) -> None:
     """counts int64 [5] (see `LayerStats`) += one call of this int32 kv_count (any shape), in place."""
     n = kv_count.numel()
-    _record_kernel[(1,)](kv_count.contiguous(), counts, n, n * num_key_tiles, BLOCK=BLOCK, num_warps=4)
+    _record_kernel[(1,)](kv_count.contiguous(), counts, n, n * num_key_tiles, BLOCK=BLOCK, num_warps=4,
+                         **COMPILE_OPTIONS)

@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from ..plan import Plan
-from ._triton_utils import (LOG2E, NEG_BIG, correction_inputs, finish_rows, interpreter_active, key_limit,
-                            launch_dims, launch_signature, softmax_step, stride_arg_names)
+from ._triton_utils import (COMPILE_OPTIONS, LOG2E, NEG_BIG, correction_inputs, finish_rows, interpreter_active,
+                            key_limit, launch_dims, launch_signature, softmax_step, stride_arg_names)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BLOCKS = (16, 32, 64, 128)
@@ -180,7 +180,7 @@ def compile_generic(*, capability: int = 80, head_dim: int = 128, dtype: str = "
     signature, constants, attrs = launch_signature(_generic_fwd.arg_names, pointers, values, constants)
     options = dict(num_warps=num_warps, num_stages=num_stages or default_num_stages(head_dim))
     return triton.compile(ASTSource(_generic_fwd, signature, constants, attrs),
-                          target=GPUTarget("cuda", capability, 32), options=options)
+                          target=GPUTarget("cuda", capability, 32), options=dict(options, **COMPILE_OPTIONS))
 
 
 def generic_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False, *, num_warps: int | None = None,
@@ -226,7 +226,7 @@ def generic_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = Fals
         HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn,
         CORRECTION=plan.has_correction, PARTIAL_K=(Sk % bn) != 0 or limit is not None, STORE_LSE=return_lse,
         UPCAST=INTERPRETED and q.dtype != torch.float32, KEY_CHUNK=key_chunk,
-        HAS_LIMIT=limit is not None, num_warps=num_warps, num_stages=num_stages,
+        HAS_LIMIT=limit is not None, num_warps=num_warps, num_stages=num_stages, **COMPILE_OPTIONS,
     )
     return (out, lse) if return_lse else out
 

@@ -30,14 +30,13 @@ sm_90 compiler in Triton 3.6. num_warps must stay 4 (8 silently disables warp sp
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 
 from ..plan import Plan, device_programs
-from ._triton_utils import (LOG2E, NEG_BIG, aot_seq_len, correction_inputs, finish_rows, key_limit, launch_dims,
-                            launch_signature, partial_state, softmax_step)
+from ._triton_utils import (COMPILE_OPTIONS, LOG2E, NEG_BIG, aot_seq_len, correction_inputs, finish_rows, key_limit,
+                            launch_dims, launch_signature, partial_state, softmax_step)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BLOCKS = (64, 128)
@@ -239,7 +238,7 @@ def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False
         scale * LOG2E,
         S, Sk, B * H, Mq, kv_index.shape[1], 0, n_items,
         CENTROIDS=False, MASK_LAST=(Sk % bn) != 0 or limit is not None, MERGE=corr, STORE_LSE=return_lse,
-        SKIP_LOG2=float(online_skip or 0.0) * LOG2E, HAS_LIMIT=limit is not None, **common)
+        SKIP_LOG2=float(online_skip or 0.0) * LOG2E, HAS_LIMIT=limit is not None, **common, **COMPILE_OPTIONS)
     return (out, lse) if return_lse else out
 
 
@@ -264,7 +263,7 @@ def centroid_pass(q, plan: Plan, scale: float, out, lse, dims, *, num_programs: 
         kv_index, kv_count, order, bias, kv_count,
         scale * LOG2E,
         S, Nk, B * H, Mq, kv_index.shape[1], bias.shape[1], n_items,
-        CENTROIDS=True, MASK_LAST=False, MERGE=False, STORE_LSE=True, **options)
+        CENTROIDS=True, MASK_LAST=False, MERGE=False, STORE_LSE=True, **options, **COMPILE_OPTIONS)
 
 
 def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", block_m: int = 128, block_n: int = 128,
@@ -297,7 +296,8 @@ def compile_for_sm90(*, head_dim: int = 128, dtype: str = "bf16", block_m: int =
                      WARP_SPECIALIZE=warp_specialize, FLATTEN=flatten, SKIP_LOG2=skip_log2, HAS_LIMIT=has_limit)
     signature, constants, attrs = launch_signature(_hopper_fwd.arg_names, pointers, values, constants)
     src = ASTSource(_hopper_fwd, signature, constants, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=num_stages))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, num_stages=num_stages, **COMPILE_OPTIONS))
 
 
 # Triton 3.6 on the H200 (2026-11-30, scratch probe over stages x WS x flatten x tiles): with warp

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton_utils import COMPILE_OPTIONS
+
 BLOCK_T = 32   # tokens per program; each program walks every head of its tokens
 
 
@@ -170,6 +172,6 @@ def rope_gather_triton(x: torch.Tensor, perm: torch.Tensor, freqs_cos: torch.Ten
         S, H, perm_stride_h, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), sin.stride(0),
         cos.stride(1) if head_tables and cos.shape[1] > 1 else 0, groups, start, cos.shape[0],
         D=D, BLOCK=BLOCK_T, PER_HEAD=per_head, STYLE=STYLES[style], SECTIONS=sections,
-        num_warps=launch_warps(D, sections),
+        num_warps=launch_warps(D, sections), **COMPILE_OPTIONS,
     )
     return out

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton_utils import COMPILE_OPTIONS
+
 MAX_TILES = 8192        # video tiles per row this kernel takes (one row in registers); the torch path beyond
 
 
@@ -94,5 +96,6 @@ def topk_rows_triton(scores: torch.Tensor, budget: torch.Tensor, width: int, num
     count = torch.empty(B, H, N, dtype=torch.int32, device=scores.device)
     nv_p2 = triton.next_power_of_2(Mv)
     _topk_rows_kernel[(B * H * N,)](scores, budget, idx, count, Mv, num_global_tiles, width, NV_P2=nv_p2,
-                                    W_P2=triton.next_power_of_2(width), num_warps=num_warps or default_num_warps(Mv))
+                                    W_P2=triton.next_power_of_2(width), num_warps=num_warps or default_num_warps(Mv),
+                                    **COMPILE_OPTIONS)
     return idx, count

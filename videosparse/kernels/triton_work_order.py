@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton_utils import COMPILE_OPTIONS
+
 MAX_PROGRAMS = 1 << 12   # far beyond any GPU's SM count
 
 
@@ -104,7 +106,7 @@ def balanced_order(base: torch.Tensor, cost: torch.Tensor, programs: int, *, cos
     limit = cost_limit(programs)
     if full:
         _wave_items_kernel[(full,)](base, cost, item_key, programs, cost_offset, limit, **meta,
-                                    num_warps=min(8, max(1, meta["BLOCK"] // 32)))
+                                    num_warps=min(8, max(1, meta["BLOCK"] // 32)), **COMPILE_OPTIONS)
     _balanced_order_kernel[(1,)](base, cost, item_key, order, n, full, programs, cost_offset, limit, **meta,
-                                 num_warps=num_warps)
+                                 num_warps=num_warps, **COMPILE_OPTIONS)
     return order

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kernels._triton_utils import COMPILE_OPTIONS
 from ..layout import tile_lengths
 
 
@@ -111,6 +112,6 @@ def tile_stats_triton(
             *qq.stride(), *k.stride(), *v.stride(), *k_mean.stride(),
             H, S, D,
             BLOCK_N=block, BLOCK_D=block_d, CHUNK=chunk, HAS_Q=q is not None,
-            num_warps=num_warps,
+            num_warps=num_warps, **COMPILE_OPTIONS,
         )
     return q_mean, k_mean, v_sum, tile_lengths(S, block, k.device)

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kernels._triton_utils import COMPILE_OPTIONS
 from .teacher import teacher_num_tiles
 from .trippool import interpreting as _interpreting
 
@@ -116,7 +117,7 @@ def trippool_triton(q: torch.Tensor, k: torch.Tensor | None, block: int, num_til
         *q.stride(), *kk.stride(), *qf.stride(),
         H, S,
         BLOCK=block, D=D, BLOCK_D=block_d, CHUNK=chunk,
-        num_warps=num_warps,
+        num_warps=num_warps, **COMPILE_OPTIONS,
     )
     return qf, (kf if k is not None else None)
 
@@ -225,7 +226,7 @@ def teacher_heat_triton(q: torch.Tensor, k: torch.Tensor, block: int, *, lse: to
         *q.stride(), *k.stride(), *lse_strides, *heat.stride(),
         H, S, Sk, Nk, n, scale * LOG2E,
         BLOCK_M=block, BLOCK_N=block, D=D, HAS_LSE=lse is not None, UPCAST=upcast,
-        num_warps=8 if block * D >= 128 * 128 else 4, num_stages=2,
+        num_warps=8 if block * D >= 128 * 128 else 4, num_stages=2, **COMPILE_OPTIONS,
     )
     return heat
 
@@ -271,4 +272,4 @@ def compile_for_sm90(kernel: str, *, head_dim: int = 128, block: int = 128, dtyp
         raise ValueError(f"kernel={kernel!r} must be 'trippool' or 'teacher'.")
     signature, constants, attrs = launch_signature(fn.arg_names, pointers, values, constants)
     return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=options)
+                          options=dict(options, **COMPILE_OPTIONS))
