@@ -275,6 +275,26 @@ def test_correction_tensors_are_checked():
         Plan(plan.kv_index, plan.kv_count, k_mean=k_mean, v_sum=v_sum, tile_len=tile_len).validate(q, q)
 
 
+def test_plan_to_moves_every_tensor_and_keeps_dtypes_and_fields():
+    """`Plan.to(device)` moves the indices, counts, correction inputs, order and key limits, keeps their dtypes and
+    the tile sizes; on the device they are already on, the tensors are the same objects."""
+    from videosparse.sol.centroids import tile_centroids_torch
+
+    q = torch.randn(2, 2, 300, 16, dtype=torch.float64)
+    plan = topk_plan(torch.randn(2, 2, 5, 5), 0.5, block=64).with_correction(*tile_centroids_torch(q, q, 64))
+    plan = plan.with_valid_keys(torch.tensor([300, 200], dtype=torch.int32))
+    same = plan.to("cpu")
+    tensors = ("kv_index", "kv_count", "k_mean", "v_sum", "tile_len", "order", "valid_keys")
+    assert all(getattr(same, n) is getattr(plan, n) for n in tensors if getattr(plan, n) is not None)
+    moved = plan.to(torch.device("meta"))
+    for n in tensors:
+        before, after = getattr(plan, n), getattr(moved, n)
+        assert (before is None) == (after is None), n
+        if before is not None:
+            assert after.device.type == "meta" and after.dtype == before.dtype and after.shape == before.shape, n
+    assert (moved.block_m, moved.block_n) == (64, 64) and plan.kv_index.device.type == "cpu"
+
+
 def test_nan_scores_never_displace_the_forced_diagonal():
     scores = torch.randn(1, 2, 6, 6)
     scores[0, 0, 1] = float("nan")       # topk ranks NaN above the +inf of the diagonal

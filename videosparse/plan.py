@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -67,6 +67,12 @@ class Plan:
         if nk <= 0:
             raise ValueError("density() needs num_key_tiles when the plan carries no tile_len.")
         return float(self.kv_count.sum()) / (self.kv_count.numel() * nk)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Plan":
+        """This plan with every tensor it holds on `device`, dtypes kept (as `Tensor.to(device)`: tensors already
+        there are reused), e.g. a plan built on the CPU for q, k, v on the GPU."""
+        return replace(self, **{f.name: t.to(device, non_blocking=non_blocking) for f in fields(self)
+                                if isinstance(t := getattr(self, f.name), torch.Tensor)})
 
     def with_correction(self, k_mean: torch.Tensor, v_sum: torch.Tensor, tile_len: torch.Tensor) -> "Plan":
         return replace(self, k_mean=k_mean, v_sum=v_sum, tile_len=tile_len)

@@ -236,3 +236,20 @@ def test_a_deepcopy_of_an_applied_transformer_refuses_to_run():
     assert torch.equal(forward(tr), original) and videosparse.sessions(tr)["transformer"].calls == 2
     videosparse.remove(dup)
     assert torch.allclose(forward(dup), want, atol=1e-6)
+
+
+def test_observe_leaves_a_config_applied_inside_its_block():
+    """observe's own dense processors go at the end of the block; a config the block applied in their place (after
+    a remove) stays, with its session, and no observer left behind."""
+    pipe = build_tiny_wan_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    seen = []
+    with videosparse.processors.observe(pipe, seen.append):
+        assert videosparse.sessions(pipe)["transformer"].config == videosparse.DenseConfig()
+        videosparse.remove(pipe)
+        mine = videosparse.apply(pipe, videosparse.SolConfig(density=0.5, block=64))["transformer"]
+    assert videosparse.sessions(pipe) == {"transformer": mine} and mine.observers == []
+    videosparse.remove(pipe)
+    with videosparse.processors.observe(pipe, seen.append):
+        pass
+    assert videosparse.sessions(pipe) == {}

@@ -258,7 +258,8 @@ def observe(pipe_or_transformer, callback: Callable[[AttentionRecord], None]) ->
     """Call `callback(record)` with the post-RoPE q, k, v of every self-attention call inside the block.
 
     Works on top of an applied config; without one, dense processors (`DenseConfig`) are applied for
-    the duration of the block and removed afterwards.
+    the duration of the block and removed afterwards (a config the block itself applied in their place, after a
+    `remove`, stays applied).
     """
     applied_here = not sessions(pipe_or_transformer)
     if applied_here:
@@ -272,7 +273,9 @@ def observe(pipe_or_transformer, callback: Callable[[AttentionRecord], None]) ->
         for session in active:
             session.observers.remove(callback)
         if applied_here:
-            remove(pipe_or_transformer)
+            for transformer in _transformers(pipe_or_transformer).values():
+                if any(getattr(transformer, SESSION_ATTR, None) is session for session in active):
+                    _restore(transformer)
 
 
 class _CallableModule(types.ModuleType):
