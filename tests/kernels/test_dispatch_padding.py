@@ -30,3 +30,12 @@ def test_padded_run_equals_the_unpadded_one(D, target, correction):
 def test_auto_on_cpu_keeps_the_reference_for_any_head_dim():
     q = torch.randn(1, 2, 100, 96)
     assert select_backend(q, q, q, random_plan(1, 2, 100, 64, 64, 0.5)).name == "reference"
+
+
+def test_a_backend_module_without_the_named_object_counts_as_unavailable(monkeypatch):
+    """A registered "module:attr" whose import raises AttributeError (e.g. a Triton whose Gluon lacks a name the
+    kernel module reads at import) is a backend that cannot run, not a crash of every dispatch."""
+    from videosparse.kernels import dispatch
+
+    monkeypatch.setitem(dispatch._REGISTRY, "gone", "videosparse.kernels.dispatch:NO_SUCH_BACKEND")
+    assert get_backend("gone") is None

@@ -167,6 +167,39 @@ def test_gluon_backend_declines_cpu_and_unsupported_inputs_with_reasons():
         assert part in why
 
 
+def test_gluon_backend_falls_back_when_a_newer_triton_cannot_compile_it(monkeypatch):
+    """Gluon's API has changed with every Triton release: on a Triton newer than the newest the kernel was checked
+    on, a compile error warns once and runs the Triton Hopper kernel, and the backend declines from then on; on a
+    checked Triton it is a bug of the kernel and raises."""
+    import warnings
+
+    import torch
+
+    pytest.importorskip("triton.experimental.gluon")
+    from videosparse.kernels import gluon_hopper
+    from videosparse.plan import dense_plan
+
+    def broken(*args, **kwargs):
+        raise triton.CompilationError(None, None, "AttributeError(\"module 'gl' has no attribute 'barrier'\")")
+
+    assert gluon_hopper.triton_version() == tuple(int(p) for p in triton.__version__.split(".")[:2])
+    monkeypatch.setattr(gluon_hopper, "gluon_attention", broken)
+    monkeypatch.setattr(gluon_hopper, "hopper_attention", lambda *args, **kwargs: "hopper ran")
+    backend, q, plan = gluon_hopper.GluonHopperBackend(), torch.zeros(1, 1, 128, 128), dense_plan(1, 1, 128)
+    monkeypatch.setattr(gluon_hopper, "triton_version", lambda: gluon_hopper.NEWEST_CHECKED_TRITON)
+    with pytest.raises(triton.CompilationError):
+        backend(q, q, q, plan, 0.1, False)
+    monkeypatch.setattr(gluon_hopper, "triton_version", lambda: (3, 10))
+    with pytest.warns(RuntimeWarning, match=r"does not compile on Triton .* newer than the 3\.9 .*has no attribute "
+                                            r"'barrier'.*the Triton Hopper kernel runs instead"):
+        assert backend(q, q, q, plan, 0.1, False) == "hopper ran"
+    assert any("does not compile on Triton" in why for why in backend.not_supported_reasons(q, q, q, plan))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert backend(q, q, q, plan, 0.1, False) == "hopper ran"
+    assert gluon_hopper.BACKEND.compile_failure is None       # the registry's instance is untouched
+
+
 def test_gluon_backend_declines_correction_bias_rows_past_tma_coordinates():
     """The loader stages the correction's bias rows by 1D TMA boxes, whose int32 coordinates reach 2^31 elements:
     a larger plan (here 2^17 items x 16,384 chunk columns, as meta tensors) goes to another backend, with a reason;

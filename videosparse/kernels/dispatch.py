@@ -105,7 +105,7 @@ def get_backend(name: str) -> Backend | None:
         module, attr = target.split(":")
         try:
             target = getattr(importlib.import_module(module), attr)
-        except ImportError:
+        except (ImportError, AttributeError):      # e.g. a Triton whose Gluon lacks a name the kernel module uses
             return None
         _REGISTRY[name] = target
     return target  # type: ignore[return-value]

@@ -37,6 +37,8 @@ it ahead of time on any machine with `compile_for_sm90`.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -48,7 +50,7 @@ from ..plan import Plan, device_programs
 from ._triton_utils import (COMPILE_OPTIONS, LOG2E, aot_seq_len, correction_inputs, key_limit, launch_dims,
                             launch_signature)
 from .tail_split import AUTO_MIN_SAVED, combine_parts, tail_split
-from .triton_hopper import HopperBackend
+from .triton_hopper import HopperBackend, hopper_attention
 
 HALF_M = 64            # query rows per consumer warpgroup
 BLOCK_M = 2 * HALF_M   # query rows per work item (two consumer warpgroups)
@@ -59,6 +61,8 @@ SHARED_LIMIT = 227 * 1024 - 1024   # sm_90 shared memory per block, less room fo
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+# the newest Triton this kernel was compiled and run on (GPU tests, timings); Gluon's API has changed every release
+NEWEST_CHECKED_TRITON = (3, 9)
 
 
 @gluon.constexpr_function
@@ -776,9 +780,14 @@ class GluonHopperBackend(HopperBackend):
     Gluon has no interpreter)."""
 
     name = "gluon_hopper"
+    # set when the kernel failed to compile on a Triton newer than NEWEST_CHECKED_TRITON: the backend then declines,
+    # and the call that found it ran the Triton Hopper kernel
+    compile_failure: str | None = None
 
     def not_supported_reasons(self, q, k, v, plan: Plan) -> list[str]:
         why = super().not_supported_reasons(q, k, v, plan)
+        if self.compile_failure is not None:
+            why.append(self.compile_failure)
         if (plan.block_m, plan.block_n) != (BLOCK_M, 128):
             why.append(f"tiles {plan.block_m}x{plan.block_n} are not 128x128")
         elif plan.has_correction:      # the loader stages the bias rows by 1D TMA boxes (int32 coordinates)
@@ -789,7 +798,23 @@ class GluonHopperBackend(HopperBackend):
         return why
 
     def __call__(self, q, k, v, plan: Plan, scale: float, return_lse: bool):
-        return gluon_attention(q, k, v, plan, scale, return_lse)
+        if self.compile_failure is None:
+            try:
+                return gluon_attention(q, k, v, plan, scale, return_lse)
+            except triton.CompilationError as err:
+                if triton_version() <= NEWEST_CHECKED_TRITON:
+                    raise
+                self.compile_failure = (f"does not compile on Triton {triton.__version__}, newer than the "
+                                        f"{'.'.join(map(str, NEWEST_CHECKED_TRITON))} it was checked on "
+                                        f"({str(err).strip().splitlines()[-1]})")
+                warnings.warn(f"videosparse: the Gluon Hopper kernel {self.compile_failure}; the Triton Hopper kernel "
+                              "runs instead (a few percent slower).", RuntimeWarning, stacklevel=2)
+        return hopper_attention(q, k, v, plan, scale, return_lse)
+
+
+def triton_version() -> tuple[int, int]:
+    """(major, minor) of the installed Triton."""
+    return tuple(int(part) for part in triton.__version__.split(".")[:2])
 
 
 BACKEND = GluonHopperBackend()
