@@ -48,6 +48,11 @@ def test_dense_step_count():
     assert VedaConfig(dense_steps=3).dense_step_count(50) == 3
     assert VedaConfig(dense_steps=0.2).dense_step_count(50) == 10
     assert VedaConfig(dense_steps=0.2).dense_step_count(None) == 0
+    # the product's float error does not cost a step (0.29 * 100 = 28.999999999999996)
+    assert VedaConfig(dense_steps=0.29).dense_step_count(100) == 29
+    assert VedaConfig(dense_steps=0.58).dense_step_count(50) == 29
+    assert VedaConfig(dense_steps=0.57).dense_step_count(100) == 57
+    assert VedaConfig(dense_steps=0.25).dense_step_count(10) == 2
 
 
 def test_config_backends_are_the_dispatch_names():

@@ -133,7 +133,7 @@ def _unknown_words(pipe, prompt) -> list[str]:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from .eval.generate import generate, write_video
+    from .eval.generate import generate, warm_up, write_video
     from .models.loading import load_pipeline
 
     for name in ("steps", "frames", "height", "width"):
@@ -174,6 +174,11 @@ def _run_generate(args: argparse.Namespace) -> int:
     size = f"{call.get('height', 'default')}x{call.get('width', 'default')}"
     print(f"model: {loaded.name} | method: {config.to_dict()} | {call.get('num_frames', 'default')} frames "
           f"{size}, {steps} steps, seed {args.seed}")
+    # on CUDA the first sparse forward compiles the kernels: an untimed short run of each arm first (on CPU nothing
+    # compiles, and `videosparse evaluate` skips its warm-up there too)
+    warm = device.startswith("cuda")
+    if warm:
+        warm_up(pipe, config, call, seed=args.seed, device=device)
     result = generate(pipe, config, call, seed=args.seed, device=device)
     path = write_video(result.frames, args.out, fps=args.fps)
     per_step = result.transformer_total_s / steps
@@ -186,13 +191,16 @@ def _run_generate(args: argparse.Namespace) -> int:
                "wall_s": result.wall_s, "transformer_s_per_step": per_step, "stats": result.stats}
     from .eval.evaluate import work_fraction
 
-    density, _ = work_fraction(result.stats)                 # pooled over every transformer (Wan 2.2: both)
+    density, work = work_fraction(result.stats)              # pooled over every transformer (Wan 2.2: both)
     kernels = sorted({c.get("kernel_backend") for c in (result.stats or {}).values()
                       if c.get("kernel_backend") and c.get("sparse_calls")})
     print(f"{config.method}: {per_step * 1000:.1f} ms transformer time per step, {result.wall_s:.1f} s in all"
-          + (f", realised density {density:.3f}" if density is not None else "")
+          + (f", realised density {density:.3f} (attention work {work:.2f} of dense, dense steps included)"
+             if density is not None else "")
           + (f", kernel {', '.join(kernels)}" if kernels else ""))
     if args.compare_dense:
+        if warm:
+            warm_up(pipe, None, call, seed=args.seed, device=device)
         dense = generate(pipe, None, call, seed=args.seed, device=device)
         dense_step = dense.transformer_total_s / steps
         from .eval.metrics import psnr_video
@@ -200,7 +208,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         summary["dense"] = {"wall_s": dense.wall_s, "transformer_s_per_step": dense_step,
                             "psnr_db": psnr_video(result.frames, dense.frames)}   # as `videosparse evaluate`
         print(f"dense: {dense_step * 1000:.1f} ms per step -> speedup {dense_step / per_step:.2f}x; "
-              f"PSNR vs dense {summary['dense']['psnr_db']:.2f} dB")
+              f"PSNR vs dense {summary['dense']['psnr_db']:.2f} dB"
+              + (" (each arm after an untimed warm-up run)" if warm else ""))
     print(f"video written to {path}")
     if args.json:
         from .eval.report import to_jsonable

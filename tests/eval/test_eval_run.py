@@ -193,3 +193,37 @@ def test_summary_psnr_counts_identical_cells_apart_and_keeps_nan():
     psnr, equal = summary_psnr([math.nan, 30.0])                          # a broken output is never "equal"
     assert math.isnan(psnr) and equal == 0
     assert summary_psnr([]) == (None, 0)
+
+
+def test_warm_up_runs_the_fewest_steps_that_reach_the_sparse_path(loaded, monkeypatch):
+    """`generate --compare-dense` warms each arm up on CUDA with as few steps as reach its sparse path: 1, or k + 1
+    with k dense steps; sparse kernels run in it, and the pipeline comes back stock."""
+    import videosparse
+    from videosparse.eval.generate import warm_up
+    from videosparse.processors import base, sessions
+
+    pipe, call = loaded.pipe, {**CALL, "prompt": BUILTIN_PROMPTS[0]}
+    calls, original = [], base.block_sparse_attention
+    monkeypatch.setattr(base, "block_sparse_attention", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    veda = videosparse.VedaConfig(density=0.5, tiling=(1, 8, 8), block=64, dense_steps=2)
+    assert warm_up(pipe, veda, call) == 3 and calls and sessions(pipe) == {}
+    assert warm_up(pipe, videosparse.SolConfig(density=0.5, block=64), call) == 1      # 0.2 of 1 step: none dense
+    assert warm_up(pipe, None, call) == 1
+
+
+def test_attention_columns_compare_methods_at_the_steps_all_ran_sparse(loaded, tmp_path):
+    """A method with dense steps runs sparse at fewer of the sampled steps (the early ones, where the error is
+    largest, drop out): the compared attention columns are means over the steps every method ran sparse; all-step
+    means and per-step values stay in the summary, and report.md names the steps."""
+    specs = parse_method_specs(["dense", "veda@0.5:block=64:tiling=1x8x8:dense_steps=0",
+                                "veda@0.5:block=64:tiling=1x8x8:dense_steps=1"])
+    settings = EvalSettings(specs, BUILTIN_PROMPTS[:1], [0], dict(CALL), attn_steps=[0, 1])
+    summary = run_evaluation(loaded, settings, str(tmp_path), progress=False)["summary"]
+    every, later = summary[specs[1].label], summary[specs[2].label]
+    assert every["attn_steps"] == [0, 1] and later["attn_steps"] == [1]
+    assert every["attn_common_steps"] == later["attn_common_steps"] == [1]
+    assert every["attn_rel_l2_common"] == pytest.approx(every["attn_rel_l2_by_step"]["1"])
+    assert every["attn_rel_l2"] == pytest.approx(np.mean(list(every["attn_rel_l2_by_step"].values())))
+    assert later["tile_recall_common"] == pytest.approx(later["tile_recall"])
+    assert summary["dense"]["attn_rel_l2_common"] is None
+    assert "at the steps where every method runs sparse (steps 1;" in open(tmp_path / "report.md").read()

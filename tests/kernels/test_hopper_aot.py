@@ -190,10 +190,12 @@ def test_gluon_backend_falls_back_when_a_newer_triton_cannot_compile_it(monkeypa
     with pytest.raises(triton.CompilationError):
         backend(q, q, q, plan, 0.1, False)
     monkeypatch.setattr(gluon_hopper, "triton_version", lambda: (3, 10))
+    gluon_hopper.probe_kernel("auto", "cpu", torch.float32, 1, 64, 64, False)
     with pytest.warns(RuntimeWarning, match=r"does not compile on Triton .* newer than the 3\.9 .*has no attribute "
                                             r"'barrier'.*the Triton Hopper kernel runs instead"):
         assert backend(q, q, q, plan, 0.1, False) == "hopper ran"
     assert any("does not compile on Triton" in why for why in backend.not_supported_reasons(q, q, q, plan))
+    assert gluon_hopper.probe_kernel.cache_info().currsize == 0      # sessions re-ask which backend serves them
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert backend(q, q, q, plan, 0.1, False) == "hopper ran"

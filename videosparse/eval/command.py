@@ -125,7 +125,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
           f"{'speedup':>8} {'bound':>7}")
     for label, s in report["summary"].items():
         print(f"{label:<36} {_f(s['realised_density'])} {_f(s['psnr_db'], 8, 2)} {_f(s['ssim'], 7, 4)} "
-              f"{_f(s['attn_rel_l2'], 9, 4)} {_f(s['tile_recall'], 7)} {_f(s['speedup_transformer'], 7, 2)}x "
+              f"{_f(s['attn_rel_l2_common'], 9, 4)} {_f(s['tile_recall_common'], 7)} "
+              f"{_f(s['speedup_transformer'], 7, 2)}x "
               f"{_f(s['amdahl_bound'], 6, 2)}x")
     return _print_notes(report, args.out)
 

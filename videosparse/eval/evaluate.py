@@ -195,6 +195,17 @@ def summary_psnr(psnrs: list[float], is_dense: bool = False) -> tuple[float | No
     return (float(np.mean(finite)) if finite else (math.inf if psnrs else None)), equal
 
 
+def _mean_of(entries: list[dict], key: str) -> float | None:
+    vals = [e[key] for e in entries if e.get(key) is not None]
+    return float(np.mean(vals)) if vals else None
+
+
+def _by_step(entries: list[dict], key: str) -> dict[str, float | None]:
+    """{step: mean of key over the entries of that step} (string keys, as JSON keeps them)."""
+    return {str(step): _mean_of([e for e in entries if e["step"] == step], key)
+            for step in sorted({e["step"] for e in entries})}
+
+
 def work_fraction(stats: dict | None) -> tuple[float | None, float]:
     """(realised density of the sparse calls, attention work vs dense incl. dense calls) over all components."""
     if not stats:
@@ -417,14 +428,15 @@ class Evaluation:
         cells, attention = self.report["cells"], self.report["attention"]
         keys = [(p, seed) for p in range(len(s.prompts)) for seed in s.seeds]
         summary: dict[str, dict] = {}
+        probes_of: dict[str, list[dict]] = {}
         for spec in s.methods:
             mine = [cells[c] for c in (cell_id(spec, s.prompts[p], seed) for p, seed in keys) if c in cells]
             probes = [e for c in (cell_id(spec, s.prompts[p], seed) for p, seed in keys) if c in attention
                       for entries in attention[c]["entries"].values() for e in entries if e.get("sparse")]
+            probes_of[spec.label] = probes
 
             def mean(key, rows=mine):
-                vals = [r[key] for r in rows if r.get(key) is not None]
-                return float(np.mean(vals)) if vals else None
+                return _mean_of(rows, key)
 
             psnr_db, equal = summary_psnr([r["psnr_db"] for r in mine if r.get("psnr_db") is not None],
                                           spec.is_dense)
@@ -448,9 +460,20 @@ class Evaluation:
                 "attn_rel_l2": mean("rel_l2", probes), "tile_recall": mean("recall", probes),
                 "mass_kept": mean("mass_kept", probes), "oracle_mass_kept": mean("oracle_mass_kept", probes),
                 "attention_samples": len(probes),
+                "attn_steps": sorted({e["step"] for e in probes}),
+                "attn_rel_l2_by_step": _by_step(probes, "rel_l2"), "tile_recall_by_step": _by_step(probes, "recall"),
                 "wall_s": median("wall_s"), "transformer_s": median("transformer_total_s"),
                 "attention_s": median("attention_s"), "plan_s": median("plan_s"),
             }
+        # methods with dense steps run sparse at fewer of the sampled steps, where the error differs most (the early
+        # ones): they are compared at the steps every method ran sparse
+        sampled = [set(row["attn_steps"]) for row in summary.values() if row["attn_steps"]]
+        common = sorted(set.intersection(*sampled)) if sampled else []
+        for label, row in summary.items():
+            at = [e for e in probes_of[label] if e["step"] in common]
+            row["attn_common_steps"] = common
+            row["attn_rel_l2_common"] = _mean_of(at, "rel_l2")
+            row["tile_recall_common"] = _mean_of(at, "recall")
         dense = summary[s.methods[0].label]
         f = None
         if dense["attention_s"] is not None and dense["transformer_s"]:

@@ -68,6 +68,18 @@ def generate(pipe, config, call_kwargs: dict, seed: int = 0, device: str | None 
     return GenerationResult(frames, list(timer.times), wall, stats)
 
 
+def warm_up(pipe, config, call_kwargs: dict, seed: int = 0, device: str | None = None) -> int:
+    """An untimed generation of as few steps as reach `config`'s sparse path (1; with `dense_steps=k` steps, k + 1),
+    latents only: the kernels a timed generation would compile on its first sparse forward compile here. Returns
+    the steps run."""
+    steps = 1
+    while config is not None and config.dense_step_count(steps) >= steps:
+        steps += 1
+    generate(pipe, config, {**call_kwargs, "num_inference_steps": steps}, seed=seed, device=device,
+             output_type="latent")
+    return steps
+
+
 def output_video(out):
     """The first video of a pipeline output: `.frames[0]` (one video per prompt, the diffusers convention), or
     `.video` where the pipeline returns a single unbatched video (Cosmos 3's `Cosmos3OmniPipelineOutput`)."""

@@ -76,6 +76,11 @@ def psnr_video(video: np.ndarray, reference: np.ndarray) -> float:
 def ssim_per_frame(video: np.ndarray, reference: np.ndarray) -> list[float]:
     """SSIM of every frame (Gaussian window 11, sigma 1.5, data range 1); 1.0 for identical frames.
 
+    torchmetrics' form: the frame reflect-padded by the window's half width and the whole SSIM map averaged. The
+    form of Wang et al. / scikit-image averages only the map's valid region (no padding); on small frames the two
+    differ (a 5-pixel border is 29% of a 64x64 frame; ~0.007 apart on random smooth frames), so compare values
+    from the same form.
+
     Computed in fp32 (torchmetrics' Gaussian convolutions run ~10x slower in fp64 on CPU; the
     difference is below 1e-6).
     """

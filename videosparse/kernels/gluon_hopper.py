@@ -49,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ..plan import Plan, device_programs
 from ._triton_utils import (COMPILE_OPTIONS, LOG2E, aot_seq_len, correction_inputs, key_limit, launch_dims,
                             launch_signature)
+from .probe import probe_kernel
 from .tail_split import AUTO_MIN_SAVED, combine_parts, tail_split
 from .triton_hopper import HopperBackend, hopper_attention
 
@@ -809,6 +810,7 @@ class GluonHopperBackend(HopperBackend):
                                         f"({str(err).strip().splitlines()[-1]})")
                 warnings.warn(f"videosparse: the Gluon Hopper kernel {self.compile_failure}; the Triton Hopper kernel "
                               "runs instead (a few percent slower).", RuntimeWarning, stacklevel=2)
+                probe_kernel.cache_clear()      # sessions report the backend that serves their inputs from now on
         return hopper_attention(q, k, v, plan, scale, return_lse)
 
 

@@ -185,7 +185,7 @@ class SparseSession:
         self.calls = 0
         self.kernel_problem: str | None = None   # why the fast path cannot serve the current inputs
         self.kernel_problem_warned = False       # that problem is one of the session: warned once, for all layers
-        self.kernel_backend: str | None = None   # the kernel backend the sparse calls run on (None: not probed)
+        self._probe_args: tuple | None = None     # `probe_kernel`'s arguments for the current inputs (None: not probed)
         self._prepared_for: tuple | None = None
         # every layer's layouts by valid text length, kept for reuse while the grid and device stay (`prepare`)
         self._layout_cache: dict[int, list[HeadTiling]] = {}
@@ -242,15 +242,16 @@ class SparseSession:
             for layer in range(info.num_layers):
                 self.slot(layer).layouts = {length: cache[length][layer] for length in lengths}
             method.prepare(device)
-            probe = probe_kernel(self.config.backend, device, dtype, info.num_heads, info.head_dim, method.block,
-                                 getattr(self.config, "correction", False))
+            self._probe_args = (self.config.backend, device, dtype, info.num_heads, info.head_dim, method.block,
+                                getattr(self.config, "correction", False))
+            probe = probe_kernel(*self._probe_args)
             if probe.problem is not None and self.config.backend != "auto":
                 raise ValueError(
                     f"backend={self.config.backend!r} cannot run this transformer's attention ({dtype}, "
                     f"{info.num_heads} heads x {info.head_dim}, {method.block}-token tiles, on {device}): "
                     f"{probe.problem} Use backend='auto', which picks the fastest kernel that fits (the torch "
                     "reference on CPU) and runs dense with a warning where none does.")
-            self.kernel_backend, self.kernel_problem = probe.backend, probe.problem
+            self.kernel_problem = probe.problem
         self._prepared_for = key
 
     def _build_layout(self, layer: int, grid: tuple[int, int, int], text_len: int, device) -> HeadTiling:
@@ -261,6 +262,13 @@ class SparseSession:
         layout.warm(device)
         method.on_layout(layer, layout)
         return layout
+
+    @property
+    def kernel_backend(self) -> str | None:
+        """The kernel backend the sparse calls run on (None: not probed yet), asked of the dispatcher (cached) for
+        the current inputs each time: a backend that stopped serving them (the Gluon kernel on a Triton it fails to
+        compile on) is not reported after that."""
+        return probe_kernel(*self._probe_args).backend if self._probe_args is not None else None
 
     def stats(self) -> dict[str, Any]:
         """Per-layer and overall statistics (realised density, load balance, sparse/dense calls)."""
