@@ -167,6 +167,7 @@ def test_work_order_kernel_compiles_for_the_gpu(capability):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from videosparse.kernels._triton_utils import COMPILE_OPTIONS
     from videosparse.kernels.triton_work_order import _balanced_order_kernel, _wave_items_kernel
 
     meta = dict(LANE_BITS=8, BLOCK=256)
@@ -176,7 +177,7 @@ def test_work_order_kernel_compiles_for_the_gpu(capability):
                  LANE_BITS="constexpr", BLOCK="constexpr")
     for fn, sig in ((_balanced_order_kernel, sequential), (_wave_items_kernel, waves)):
         k = triton.compile(ASTSource(fn, sig, meta), target=GPUTarget("cuda", capability, 32),
-                           options=dict(num_warps=8))
+                           options=dict(num_warps=8, **COMPILE_OPTIONS))
         assert k.asm["cubin"] and k.metadata.shared <= 48 * 1024
 
 
