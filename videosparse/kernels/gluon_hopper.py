@@ -57,8 +57,8 @@ HALF_M = 64            # query rows per consumer warpgroup
 BLOCK_M = 2 * HALF_M   # query rows per work item (two consumer warpgroups)
 NEG_BIG = gl.constexpr(-1.0e30)
 SHARED_LIMIT = 227 * 1024 - 1024   # sm_90 shared memory per block, less room for the barriers
-# Gluon builtins renamed after Triton 3.6 (the old names are gone by 3.9): the block-wide barrier (bar.sync) and the
-# TMA copies between global and shared memory
+# Gluon builtins renamed after Triton 3.6: the block-wide barrier (bar.sync; the old name is gone in 3.7) and the TMA
+# copies between global and shared memory (old names gone in 3.9)
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
