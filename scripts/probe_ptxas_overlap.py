@@ -43,7 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from inspect_gluon_sass import overlap_per_loop, sass_ops  # noqa: E402
 
-_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier     # renamed after Triton 3.6
+from videosparse.kernels._triton_utils import COMPILE_OPTIONS  # noqa: E402
+from videosparse.kernels.gluon_hopper import _cta_barrier  # noqa: E402  (the barrier under this Triton's name)
 
 
 @gluon.jit
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[int]]:
     for name in args.variants or list(VARIANTS):
         flags = dict(zip(FLAGS, VARIANTS[name]), HEAD_DIM=args.head_dim)
         kernel = triton.compile(GluonASTSource(_probe, signature, flags), target=GPUTarget("cuda", 90, 32),
-                                options=dict(num_warps=4, enable_fp_fusion=True))   # as the kernels launch
+                                options=dict(num_warps=4, **COMPILE_OPTIONS))
         counts[name] = overlap_per_loop(sass_ops(kernel.asm["cubin"], tools))
         print(f"head dim {args.head_dim} {name:38s} exponentials under P.V per step: {counts[name]}", flush=True)
     if args.out:
