@@ -86,6 +86,14 @@ def test_generate_writes_playable_mp4(tmp_path):
     assert summary["stats"]["transformer"]["sparse_calls"] > 0
 
 
+def test_generate_explains_a_sparse_arm_slower_than_dense():
+    from videosparse.cli import slower_than_dense_note
+
+    assert slower_than_dense_note(1.3) is None and slower_than_dense_note(1.0) is None
+    note = slower_than_dense_note(0.53)                   # the H200 reading of the README command (tiny model)
+    assert note.startswith("note: sparse attention was slower than dense") and "--synthetic wan-1.3b" in note
+
+
 def test_generate_checks_sizes_images_and_uses_the_pipelines_own_defaults():
     import pytest
 

@@ -132,6 +132,17 @@ def _unknown_words(pipe, prompt) -> list[str]:
     return [w for w in prompt.split() if unk in tok(w, add_special_tokens=False)["input_ids"]]
 
 
+def slower_than_dense_note(speedup: float) -> str | None:
+    """What `generate --compare-dense` adds when the sparse arm was the slower one, else None."""
+    if speedup >= 1.0:
+        return None
+    return ("note: sparse attention was slower than dense here: at this size attention is too small a part of a step "
+            "for skipping tiles to pay (kernel launches, plan building and the rest of the model dominate; the "
+            "default model's default video is 4,096 tokens x 3 heads, the models this package is for run 30,000 to "
+            "120,000 tokens). Speed at real sizes: `videosparse evaluate --synthetic wan-1.3b` on a GPU (README, "
+            "Results).")
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     from .eval.generate import generate, warm_up, write_video
     from .models.loading import load_pipeline
@@ -210,6 +221,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         print(f"dense: {dense_step * 1000:.1f} ms per step -> speedup {dense_step / per_step:.2f}x; "
               f"PSNR vs dense {summary['dense']['psnr_db']:.2f} dB"
               + (" (each arm after an untimed warm-up run)" if warm else ""))
+        if note := slower_than_dense_note(dense_step / per_step):
+            print(note)
     print(f"video written to {path}")
     if args.json:
         from .eval.report import to_jsonable
