@@ -193,8 +193,10 @@ def _wide_view(x: torch.Tensor) -> torch.Tensor | None:
     The token gather/scatter moves whole D-vectors; with 16-byte elements torch's index kernels move
     8 bf16 values per element instead of one (~3x faster on the H200 at Wan sizes). Eager only:
     under torch.compile Inductor writes its own gather kernel and complex dtypes would get in its way.
+    Not while autograd records x: the dtype-changing view is not differentiable and would cut the graph.
     """
-    if torch.compiler.is_compiling() or x.stride(-1) != 1 or x.is_complex():
+    if (torch.compiler.is_compiling() or x.stride(-1) != 1 or x.is_complex()
+            or (x.requires_grad and torch.is_grad_enabled())):
         return None
     try:
         return x.view(torch.complex128)
