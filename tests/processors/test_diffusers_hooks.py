@@ -88,3 +88,29 @@ def test_sparse_attention_with_diffusers_hook(name):
     for pipe in (hook_first, ours_first):                       # remove() leaves the diffusers hook in place
         videosparse.remove(pipe)
         assert np.array_equal(_run(pipe), ref)
+
+
+def test_remove_keeps_model_cpu_offload_enabled_after_apply(monkeypatch):
+    """apply -> enable_model_cpu_offload -> remove: accelerate's hook, which wraps the forward videosparse's hook
+    registry installed, keeps running; the removed context hook never runs again, not even after diffusers'
+    `remove_all_hooks` puts accelerate's saved forward back, and apply / remove still work on top."""
+    pipe = _pipe()
+    tr = pipe.transformer
+    reference = _run(pipe)
+    session = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, dense_steps=1))["transformer"]
+    pipe.enable_model_cpu_offload(device="cpu")
+    offload_calls = []                 # each pipeline call sets up new hooks (maybe_free_model_hooks): count by class
+    hook_cls, pre = type(tr._hf_hook), type(tr._hf_hook).pre_forward
+    monkeypatch.setattr(hook_cls, "pre_forward", lambda self, module, *a, **k: (
+        offload_calls.append(module is tr), pre(self, module, *a, **k))[1])
+    sparse = _run(pipe)
+    videosparse.remove(pipe)
+    seen, calls = len(offload_calls), session.calls
+    np.testing.assert_array_equal(_run(pipe), reference)       # dense again, through the offload hook
+    assert any(offload_calls[seen:]) and session.calls == calls and not videosparse.sessions(pipe)
+    again = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, dense_steps=1))["transformer"]
+    np.testing.assert_array_equal(_run(pipe), sparse)
+    videosparse.remove(pipe)
+    pipe.remove_all_hooks()
+    np.testing.assert_array_equal(_run(pipe), reference)
+    assert session.calls == calls and again.calls > 0 and "_old_forward" not in vars(tr)

@@ -158,12 +158,12 @@ def _attach(transformer: torch.nn.Module, session: SparseSession, spec) -> None:
 
 def _detach(transformer: torch.nn.Module) -> None:
     snapshot = transformer.__dict__.pop(_SNAPSHOT_ATTR, {})
-    remove_context_hook(transformer)
+    wrapped_since = remove_context_hook(transformer)               # forward wrapped after apply: it stays
     registry = getattr(transformer, "_diffusers_hook", None)
     others = registry is not None and bool(registry.hooks)      # hooks registered by others stay, forward too
     if not snapshot.get("had_registry", True) and registry is not None and not others:
         del transformer._diffusers_hook
-    if not snapshot.get("had_forward_attr", True) and not others:
+    if not snapshot.get("had_forward_attr", True) and not others and not wrapped_since:
         transformer.__dict__.pop("forward", None)
     transformer.__dict__.pop(SESSION_ATTR, None)
 

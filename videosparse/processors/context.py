@@ -501,10 +501,43 @@ class SparseContextHook(ModelHook):
 
 def register_context_hook(transformer: torch.nn.Module, session: SparseSession, grid_fn) -> None:
     registry = HookRegistry.check_if_exists_or_initialize(transformer)
-    registry.register_hook(SparseContextHook(session, grid_fn), CONTEXT_HOOK)
+    hook = SparseContextHook(session, grid_fn)
+    registry.register_hook(hook, CONTEXT_HOOK)
+    hook.installed_forward = transformer.__dict__.get("forward")      # the registry's wrapper around our hook
 
 
-def remove_context_hook(transformer: torch.nn.Module) -> None:
+def _pass_through_pre(module, *args, **kwargs):
+    return args, kwargs
+
+
+def _pass_through_post(module, output):
+    return output
+
+
+def remove_context_hook(transformer: torch.nn.Module) -> bool:
+    """Take the context hook out of the transformer's hook registry; returns whether `forward` was left as it is.
+
+    diffusers' `remove_hook` puts the forward from before the hook back on the module when the hook is the
+    registry's last, which would drop a wrapper set on `forward` since `apply` (accelerate's offload hook from
+    `enable_model_cpu_offload`, which calls the wrapper it found, ours, through `_old_forward`). Then the hook's
+    link in that chain becomes a pass-through and leaves the registry, and `forward` stays; accelerate's saved
+    forward is pointed past it, so removing accelerate's hook later restores the original forward.
+    """
     registry = getattr(transformer, "_diffusers_hook", None)
-    if registry is not None and registry.get_hook(CONTEXT_HOOK) is not None:
+    hook = registry.get_hook(CONTEXT_HOOK) if registry is not None else None
+    if hook is None:
+        return False
+    ours = getattr(hook, "installed_forward", None)
+    if registry._hook_order[-1] != CONTEXT_HOOK or ours is None or transformer.__dict__.get("forward") is ours:
         registry.remove_hook(CONTEXT_HOOK, recurse=False)
+        return False
+    index = registry._hook_order.index(CONTEXT_HOOK)
+    link = registry._fn_refs[index]
+    link.pre_forward, link.post_forward = _pass_through_pre, _pass_through_post
+    before = link.original_forward if link.original_forward is not None else link.forward
+    if getattr(transformer, "_old_forward", None) is ours:
+        transformer._old_forward = before
+    del registry.hooks[CONTEXT_HOOK]
+    registry._hook_order.pop(index)
+    registry._fn_refs.pop(index)
+    return True
