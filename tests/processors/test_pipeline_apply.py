@@ -282,3 +282,39 @@ def test_gradients_flow_through_the_sparse_processors_on_the_reference_backend()
         assert grad_of_q().isfinite().all()
     finally:
         videosparse.remove(tr)
+
+
+def test_remove_leaves_processors_set_since_apply_and_apply_warns_over_custom_ones(caplog):
+    """remove() restores the layers videosparse replaced and only those: a processor the user set afterwards (here on
+    the cross-attention, and on one self-attention layer) stays; a user's own self-attention processor in place of
+    diffusers' stock one is named in a warning at apply (its behaviour is not kept) and comes back at remove."""
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    class HalfAttention(WanAttnProcessor):
+        def __call__(self, attn, hidden_states, *args, **kwargs):
+            return 0.5 * super().__call__(attn, hidden_states, *args, **kwargs)
+
+    tr = build_tiny_wan_pipeline().transformer
+    before = dict(tr.attn_processors)
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.5, dense_steps=0))
+    cross, late = HalfAttention(), HalfAttention()
+    tr.blocks[0].attn2.set_processor(cross)
+    tr.blocks[1].attn1.set_processor(late)
+    videosparse.remove(tr)
+    assert tr.blocks[0].attn2.processor is cross and tr.blocks[1].attn1.processor is late
+    assert tr.blocks[0].attn1.processor is before["blocks.0.attn1.processor"]
+
+    tr = build_tiny_wan_pipeline().transformer
+    own = {n: (HalfAttention() if n.endswith("attn1.processor") else p) for n, p in tr.attn_processors.items()}
+    tr.set_attn_processor(dict(own))
+    with caplog.at_level("WARNING", logger="videosparse"):
+        videosparse.apply(tr, videosparse.DenseConfig())
+    assert "HalfAttention in place of diffusers' stock WanAttnProcessor" in caplog.text
+    videosparse.remove(tr)
+    assert all(tr.attn_processors[n] is p for n, p in own.items())
+    caplog.clear()
+    stock = build_tiny_wan_pipeline().transformer
+    with caplog.at_level("WARNING", logger="videosparse"):
+        videosparse.apply(stock, videosparse.DenseConfig())
+    assert "in place of diffusers' stock" not in caplog.text
+    videosparse.remove(stock)

@@ -104,8 +104,17 @@ def make_processors(transformer: torch.nn.Module, config, *, scheduler=None, pip
     method = make_method(config, info)
     session = SparseSession(config, method, info, originals, scheduler, pipeline)
     procs = dict(originals)
-    for layer, name in enumerate(self_attn):
-        procs[name] = spec.processor_cls(session, layer, originals[name])
+    custom = {}                                  # processors the user set in place of the stock ones -> stock
+    for layer, proc_name in enumerate(self_attn):
+        procs[proc_name] = spec.processor_cls(session, layer, originals[proc_name])
+        stock = type(procs[proc_name])._stock
+        if type(originals[proc_name]) is not stock:
+            custom[type(originals[proc_name]).__name__] = stock.__name__
+    if custom:
+        logger.warning("%s%s: self-attention layers hold %s in place of diffusers' stock %s that videosparse builds "
+                       "on; videosparse's processors take their place (their own behaviour is not kept) until "
+                       "videosparse.remove(), which puts them back.", type(transformer).__name__,
+                       f" ({name})" if name else "", ", ".join(sorted(custom)), ", ".join(sorted(set(custom.values()))))
     _attach(transformer, session, spec)
     return procs
 
@@ -218,21 +227,26 @@ def _restore(transformer: torch.nn.Module) -> SparseSession | None:
     if session is None:
         return None
     current = attention_processors(transformer)
+    restored = dict(current)
     for name, original in session.original_processors.items():
         mine = current.get(name)
-        if mine is original or mine is None:
-            continue
+        if getattr(mine, "session", None) is not session:
+            continue        # not a layer we serve, or a processor set since apply by someone else: it stays
         # a backend or context-parallel config set while applied (set_attention_backend) stays set
         for attr in ("_attention_backend", "_parallel_config"):
             if hasattr(original, attr) and getattr(mine, attr, None) is not getattr(original, attr):
                 setattr(original, attr, getattr(mine, attr, None))
-    _set_attention_processors(transformer, dict(session.original_processors))
+        restored[name] = original
+    _set_attention_processors(transformer, restored)
     _detach(transformer)
     return session
 
 
 def remove(pipe_or_transformer) -> dict[str, SparseSession]:
     """Restore the original processors and hooks of every transformer `apply` touched.
+
+    Only what `apply` put there is taken out: a processor set on a layer since `apply`, a diffusers hook registered
+    since (a cache) and a wrapper put on `forward` since (accelerate's offload hook) stay.
 
     Returns the removed sessions (their statistics stay readable); transformers without videosparse
     are left alone.
