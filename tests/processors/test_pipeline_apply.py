@@ -191,6 +191,17 @@ def test_dense_layers_beyond_one_expert_names_it():
     assert videosparse.sessions(pipe) == {} and dict(pipe.transformer.attn_processors) == before
 
 
+def test_one_transformer_in_both_expert_slots_is_served_once():
+    """transformer and transformer_2 the same module (one expert for both noise levels): apply serves it once instead
+    of refusing it as already applied, and remove restores it."""
+    pipe = build_tiny_wan_pipeline()
+    pipe.register_modules(transformer_2=pipe.transformer)
+    before = dict(pipe.transformer.attn_processors)
+    assert list(videosparse.apply(pipe, videosparse.VedaConfig(density=0.5))) == ["transformer"]
+    videosparse.remove(pipe)
+    assert videosparse.sessions(pipe) == {} and dict(pipe.transformer.attn_processors) == before
+
+
 def test_veda_warns_once_when_the_kept_tiles_exceed_the_target(caplog):
     """A video of one 64-token tile (5 x 64 x 96 pixels: 2 x 4 x 6 tokens) at density 0.1: every query tile keeps its
     own, so the realised density is 1; Veda says so once (not per layer or step), as Sol does for its exact tiles."""

@@ -57,10 +57,12 @@ def _transformers(obj) -> dict[str, torch.nn.Module]:
         raise TypeError(
             f"expected a diffusers pipeline or a transformer module, got {type(obj).__name__}."
         )
-    found = {
-        name: _unwrap(comp) for name, comp in components.items()
-        if name.startswith("transformer") and isinstance(comp, torch.nn.Module)
-    }
+    found: dict[str, torch.nn.Module] = {}
+    for name, comp in components.items():
+        if name.startswith("transformer") and isinstance(comp, torch.nn.Module):
+            module = _unwrap(comp)
+            if all(module is not seen for seen in found.values()):   # one module in two slots: served once
+                found[name] = module
     if not found:
         raise ValueError(f"pipeline {type(obj).__name__} has no transformer component "
                          f"(components: {sorted(components)}).")
