@@ -34,6 +34,8 @@ def test_round_trip(cfg):
         (lambda: config_from_dict({"method": "veda", "version": "1"}), "version='1'"),
         (lambda: VedaConfig(dense_layers=3), "dense_layers=3"),
         (lambda: VedaConfig(dense_layers=None), "dense_layers=None"),
+        (lambda: VedaConfig(dense_layers={0: 1}), r"dense_layers=\{0: 1\}"),
+        (lambda: SolConfig(density=0.1, correction=1), "correction=1 must be a bool"),
         (lambda: VedaConfig(tiling=(True, 4, 32)), r"tile shape \(True, 4, 32\)"),
         (lambda: SolConfig(tau=float("nan")), "tau=nan"),
         (lambda: SolConfig(tau=float("inf")), "tau=inf"),
@@ -73,6 +75,8 @@ def test_numpy_scalars_become_plain_numbers():
     assert type(d["block"]) is int and type(d["dense_steps"]) is int and type(d["density"]) is float
     assert config_from_dict(d) == cfg
     assert SolConfig(tau=np.float64(1.5), band=np.int32(2)).to_dict()["band"] == 2
+    flags = VedaConfig(correction=np.True_), SolConfig(density=0.1, correction=torch.tensor(False))
+    assert [type(c.correction) for c in flags] == [bool, bool] and [c.correction for c in flags] == [True, False]
 
 
 def test_zero_dim_tensors_become_plain_numbers():

@@ -15,6 +15,7 @@ import math
 import numbers
 import os
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, ClassVar, Union
 
 CONFIG_VERSION = 1
@@ -48,10 +49,20 @@ def _scalar(value: Any) -> Any:
 
 def _layers(value: Any) -> tuple[int, ...]:
     """dense_layers as a tuple (TypeError naming the field when it is not a collection of layer indices)."""
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+    if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
         raise TypeError(f"dense_layers={value!r} must be a tuple or list of self-attention layer indices, "
                         "e.g. (0,) or [0, 29].")
     return tuple(int(v) if _is_int(v) else v for v in map(_scalar, value))
+
+
+def _flag(config, name: str) -> None:
+    """A bool field: numpy's bool and a 0-dim bool tensor become the Python bool; anything else is a TypeError."""
+    value = _scalar(getattr(config, name))
+    if type(value).__name__ == "bool_" and type(value).__module__ == "numpy":
+        value = bool(value)
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be a bool.")
+    object.__setattr__(config, name, value)
 
 
 def _check_block(block: Any) -> None:
@@ -253,8 +264,7 @@ class VedaConfig(_BaseConfig):
         elif self.tiling is not None and not isinstance(self.tiling, (str, os.PathLike)):
             raise TypeError(f"tiling={self.tiling!r} must be a tile shape (pt, ph, pw) or a path to a tiling JSON.")
         object.__setattr__(self, "dense_layers", _dense_schedule(self.dense_steps, _layers(self.dense_layers)))
-        if not isinstance(self.correction, bool):
-            raise TypeError(f"correction={self.correction!r} must be a bool.")
+        _flag(self, "correction")
         _check_backend(self.backend)
 
 
@@ -317,8 +327,7 @@ class SolConfig(_BaseConfig):
         if isinstance(self.band, bool) or not isinstance(self.band, int) or self.band < 0:
             raise ValueError(f"band={self.band!r} must be an int >= 0.")
         object.__setattr__(self, "dense_layers", _dense_schedule(self.dense_steps, _layers(self.dense_layers)))
-        if not isinstance(self.correction, bool):
-            raise TypeError(f"correction={self.correction!r} must be a bool.")
+        _flag(self, "correction")
         _check_backend(self.backend)
 
 
