@@ -272,8 +272,9 @@ class VedaConfig(_BaseConfig):
 class SolConfig(_BaseConfig):
     """Sol-Attn: training-free tiles from a Gaussian-calibrated threshold (arXiv 2607.24027).
 
-    Give exactly one of `density` (τ is calibrated by bisection per shape and layer to reach it)
-    or `tau` (used as given).
+    Give exactly one of `density` (τ is calibrated by bisection per shape and layer to reach it, on the first call's
+    whole batch, then kept for the session) or `tau` (used as given: the output of an input then depends neither on
+    what ran before nor on what it is batched with).
 
     Args:
         density (`float` or `None`): target fraction of key tiles computed exactly, in (0, 1].
