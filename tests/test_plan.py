@@ -306,6 +306,17 @@ def test_nan_scores_never_displace_the_forced_diagonal():
     assert torch.equal(nan_plan.to_dense_mask(6), torch.eye(6, dtype=torch.bool).expand(1, 2, 6, 6))
 
 
+@pytest.mark.parametrize("big, select_dtype", [(float("inf"), torch.float32), (1e5, torch.float16)])
+def test_infinite_scores_never_displace_the_forced_diagonal(big, select_dtype):
+    """+inf scores, or finite ones that fp16 selection saturates to +inf, tie with the +inf that forces the diagonal
+    unless they are clamped below it (the fused CUDA kernel leaves the diagonal out of its ranking instead)."""
+    scores = torch.randn(1, 2, 8, 8, generator=torch.Generator().manual_seed(0))
+    scores[..., 5:] = big
+    plan = topk_plan(scores, 0.25, select_dtype=select_dtype)
+    assert bool(plan.to_dense_mask(8).diagonal(dim1=-2, dim2=-1).all())
+    assert plan.kv_count.tolist() == [[[2] * 8] * 2]
+
+
 def test_row_order_under_compile_is_an_arange_for_rows_of_one_or_two_lengths(monkeypatch):
     """In a compiled graph the builders give rows of one or two adjacent lengths (top-k plans) an arange (no
     per-call order in the kernel op) and nothing (the op computes the order) otherwise."""

@@ -435,8 +435,10 @@ def topk_plan(
             idx, count = topk_rows_triton(scores, budget, width, G)
         lengths = budget_list if G == 0 else [b + G for b in budget_list] + [Mv + G] * G
         return Plan(idx, count, block, block, order=row_order(lengths, B * H, device))
-    # NaN -> -inf (topk ranks NaN above the diagonal's +inf); one elementwise pass
-    s = scores.to(select_dtype).nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    # NaN -> -inf (topk ranks NaN above the diagonal's +inf), +inf (or a score saturated to it in fp16) -> the largest
+    # finite value, so that only the diagonal is +inf and no tie can displace it; one elementwise pass
+    s = scores.to(select_dtype).nan_to_num(nan=float("-inf"), posinf=torch.finfo(select_dtype).max,
+                                           neginf=float("-inf"))
     s = s.masked_fill(eye, float("inf"))
     # budgets are kmax or kmax - 1 (`row_budget_list`): an unsorted top-kmax, and the rows with
     # kmax - 1 drop their weakest pick (any other spread of budgets takes the ranked top-k)
