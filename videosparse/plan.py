@@ -161,6 +161,10 @@ class Plan:
             for name, t in (("k_mean", self.k_mean), ("v_sum", self.v_sum), ("tile_len", self.tile_len)):
                 if t.device != q.device:
                     raise ValueError(f"{name} is on {t.device}, q is on {q.device}{at}.")
+            for name, t in (("k_mean", self.k_mean), ("v_sum", self.v_sum), ("tile_len", self.tile_len)):
+                if t.numel() and not bool(torch.isfinite(t).all()):
+                    raise ValueError(f"{name} holds non-finite values (inf or NaN){at}; the correction needs finite "
+                                     "centroids and tile lengths.")
             if Nk and bool((self.tile_len < 1).any()):
                 raise ValueError(f"tile_len values must be >= 1 (tokens per key tile); got minimum "
                                  f"{int(self.tile_len.min())}{at}.")

@@ -54,6 +54,25 @@ def test_bad_inputs_are_rejected():
         block_sparse_attention(q, q, q, plan, backend="cuda-magic")
     with pytest.raises(ValueError, match="floating point"):
         block_sparse_attention(q.long(), q.long(), q.long(), plan)
+    # validate=False skips only the plan's checks (host reads): q, k, v and scale are still checked
+    with pytest.raises(ValueError, match="shapes do not match"):
+        block_sparse_attention(q, q[:, :1], q[:, :1], plan, validate=False)
+    with pytest.raises(ValueError, match="dtypes differ"):
+        block_sparse_attention(q, q.half(), q.half(), plan, validate=False)
+    for bad in ("0.1", float("nan"), float("inf"), torch.ones(2)):
+        with pytest.raises(ValueError, match="scale=.* must be a finite number"):
+            block_sparse_attention(q, q, q, plan, scale=bad)
+    ref = block_sparse_attention(q, q, q, plan, scale=0.2)
+    for same in (torch.tensor(0.2), torch.tensor(0.2, dtype=torch.float64).numpy()[()]):
+        assert torch.equal(block_sparse_attention(q, q, q, plan, scale=same), ref)
+    k_mean, v_sum, tile_len = tile_centroids_torch(q, q, 128)
+    for name in ("k_mean", "v_sum", "tile_len"):
+        parts = dict(k_mean=k_mean, v_sum=v_sum, tile_len=tile_len.float())
+        parts[name] = parts[name].clone()
+        parts[name].view(-1)[0] = float("nan")
+        bad_plan = dense_plan(1, 2, 100).with_correction(**parts)
+        with pytest.raises(ValueError, match=f"{name} holds non-finite values"):
+            block_sparse_attention(q, q, q, bad_plan)
 
 
 def test_a_plan_without_index_columns_gives_empty_rows():

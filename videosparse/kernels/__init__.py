@@ -46,8 +46,9 @@ def block_sparse_attention(
         scale: softmax scale, default 1/sqrt(D).
         return_lse: also return the fp32 row log-sum-exp [B, H, S].
         backend: "auto", "triton" or "reference" (or a registered backend name).
-        validate: check the plan against the inputs first (ValueError on any mismatch). Turn off in
-            hot loops once a plan is known to be good.
+        validate: check the plan against the inputs first (ValueError on any mismatch; this reads the plan's
+            tensors on the host). Turn off in hot loops once a plan is known to be good; the checks of q, k, v
+            themselves and of `scale` (metadata only) run either way.
 
     Returns:
         out [B, H, S, D] in q's dtype, and lse when `return_lse`.
@@ -59,11 +60,10 @@ def block_sparse_attention(
         >>> q = k = v = torch.randn(1, 2, 300, 64)
         >>> out = block_sparse_attention(q, k, v, dense_plan(1, 2, 300))
     """
+    check_inputs(q, k, v)
     if validate:
-        check_inputs(q, k, v)
         plan.validate(q, k, v)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _softmax_scale(scale)
     plan = plan.with_index_slot()       # Kmax = 0: one unused column keeps every kernel's index reads in bounds
     if torch.compiler.is_compiling():
         # one opaque node for torch.compile (see ops.py); the backend is chosen when it runs
@@ -78,6 +78,17 @@ def block_sparse_attention(
         out = _ForwardOnly.apply(out, q, k, v)
         return (out, lse) if return_lse else out
     return result
+
+
+def _softmax_scale(scale) -> float:
+    """`scale` as a finite Python float (a 0-dim tensor or numpy scalar too: the kernels take a number)."""
+    try:
+        value = None if isinstance(scale, (str, bytes, bool)) else float(scale)
+    except (TypeError, ValueError, RuntimeError):
+        value = None
+    if value is None or not math.isfinite(value):
+        raise ValueError(f"scale={scale!r} must be a finite number (the softmax scale; None for 1/sqrt(D)).")
+    return value
 
 
 class _ForwardOnly(torch.autograd.Function):
