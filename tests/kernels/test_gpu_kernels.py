@@ -95,6 +95,39 @@ def _check(run, S, D, dtype, plan_kind, correction, block=128):
     assert float((lse[finite] - ref_lse[finite]).abs().max()) < 2e-2
 
 
+@pytest.mark.parametrize("backend", ["gluon_hopper", "hopper", "triton_generic"])
+@pytest.mark.parametrize("S,D,correction", [(200, 128, True), (200, 64, False), (32760, 128, False),
+                                            (32760, 64, True)])
+def test_non_finite_values_stay_in_their_head(backend, S, D, correction):
+    """inf / NaN in the first keys, values and centroids of a head never reach the head before it, whose partial last
+    key tile and centroid chunk end where they begin (the Hopper kernels read K / V as [heads, keys, D] boxes: zeros
+    past a head's end); a NaN query row gives NaN out and lse, as the reference."""
+    if backend not in _backends():
+        pytest.skip(f"{backend} needs another GPU generation")
+    from videosparse.kernels import block_sparse_attention, reference_attention
+    from videosparse.plan import Plan, dense_plan
+    from videosparse.sol.centroids import tile_centroids_torch
+
+    B, H, dev = 2, 3, "cuda"
+    q, k, v = (torch.randn(B, H, S, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    plan = dense_plan(B, H, S, 128, 128, device=dev)
+    if correction:             # each row lists its own tile: every other tile goes through its centroid
+        mq = plan.kv_count.shape[-1]
+        own = torch.arange(mq, device=dev, dtype=torch.int32).view(1, 1, mq, 1).expand(B, H, mq, 1).contiguous()
+        plan = Plan(own, torch.ones(B, H, mq, dtype=torch.int32, device=dev)).with_correction(
+            *tile_centroids_torch(k, v, 128))
+        plan.k_mean[0, 1, 0], plan.v_sum[0, 1, 0] = float("inf"), float("nan")
+    k[0, 1, :3], v[0, 1, :3], v[0, 1, 3] = float("inf"), float("-inf"), float("nan")
+    k[1, 0, :2] = float("nan")                  # item 1's first head follows item 0's last in memory
+    q[0, 0, 5, 0] = float("nan")
+    out, lse = block_sparse_attention(q, k, v, plan, return_lse=True, backend=backend, validate=False)
+    ref, ref_lse = reference_attention(q, k, v, plan, D ** -0.5, return_lse=True)
+    for b, h in ((0, 0), (0, 2)):               # the heads right before a poisoned one
+        rows = torch.arange(S, device=dev) != 5 if (b, h) == (0, 0) else slice(None)
+        assert torch.isfinite(out[b, h, rows]).all() and rel_err(out[b, h, rows], ref[b, h, rows]) < TOL[torch.bfloat16]
+    assert lse[0, 0, 5].isnan() and ref_lse[0, 0, 5].isnan() and out[0, 0, 5].isnan().all()
+
+
 @pytest.mark.parametrize("backend", ["hopper", "triton_generic"])
 @pytest.mark.parametrize("S,D,dtype,plan_kind,correction", [
     (9000, 128, torch.bfloat16, "random", True),     # the Triton Hopper MERGE pass at 64 x 64 tiles

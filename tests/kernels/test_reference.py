@@ -90,6 +90,28 @@ def test_a_plan_without_index_columns_gives_empty_rows():
     assert out.shape == q.shape and bool((out == 0).all()) and bool(torch.isneginf(lse).all())
 
 
+@pytest.mark.parametrize("correction", [False, True])
+def test_keys_that_do_not_count_carry_no_values(correction):
+    """Values of keys the reference drops (past `valid_keys`, in tiles a row does not list) never reach the output,
+    even as inf or NaN (0 * inf would); with the correction too (its centroids from the clean keys)."""
+    from videosparse.plan import Plan
+
+    B, H, S, D = 2, 1, 200, 64
+    q, k, v = (torch.randn(B, H, S, D, dtype=torch.float64) for _ in range(3))
+    index = torch.tensor([[1], [0]], dtype=torch.int32).expand(B, H, 2, 1)  # row 0 lists tile 1 only, row 1 tile 0
+    plan = Plan(index.contiguous(), torch.ones(B, H, 2, dtype=torch.int32), 128, 128)
+    plan = plan.with_valid_keys(torch.tensor([150, 200], dtype=torch.int32))
+    if correction:
+        plan = plan.with_correction(*(t.double() if t.is_floating_point() else t
+                                      for t in tile_centroids_torch(k, v, 128)))
+    clean = block_sparse_attention(q, k, v, plan, backend="reference")
+    v_bad, k_bad = v.clone(), k.clone()
+    v_bad[0, :, 150:], k_bad[0, :, 150:] = float("nan"), float("inf")   # item 0's padding
+    v_bad[1, :, 3] = float("inf")                                        # tile 0 of item 1: unlisted by its row 0
+    out = block_sparse_attention(q, k_bad, v_bad, plan, backend="reference", validate=False)
+    assert torch.equal(out[0], clean[0]) and torch.equal(out[1, :, :128], clean[1, :, :128])
+
+
 @pytest.mark.parametrize("S,block", [(300, 64), (333, 128)])
 @pytest.mark.parametrize("correction", [False, True])
 def test_valid_keys_equal_attention_over_each_items_key_prefix(S, block, correction):

@@ -57,6 +57,14 @@ CASES = {
                                                    "strided-plan"),
     "hopper-fp32-strided-order-valid-keys-corr": (2, 2, 300, 300, 64, 64, 64, 0.4, "float32", True, "hopper",
                                                   "strided-plan"),
+    # inf / NaN in the first keys, values and centroids of the second head: the first, whose partial last key tile
+    # and centroid chunk end where that head's begin, must not see them (only head (0, 0) is compared)
+    "generic-fp32-d64-b64-poisoned-neighbour-corr": (1, 2, 300, 300, 64, 64, 64, 1.0, "float32", True, "generic",
+                                                     "poisoned"),
+    "hopper-fp32-d64-b64-poisoned-neighbour-corr": (1, 2, 300, 300, 64, 64, 64, 0.5, "float32", True, "hopper",
+                                                    "poisoned"),
+    "hopper-bf16-d128-b128-poisoned-neighbour": (1, 2, 333, 333, 128, 128, 128, 1.0, "bfloat16", False, "hopper",
+                                                 "poisoned"),
 }
 
 
@@ -221,15 +229,30 @@ def _run_case(name: str) -> dict:
     if corr:
         plan = plan.with_correction(*tile_centroids_torch(k, v, bn))
     scale = 1.0 / math.sqrt(D)
+    poisoned = extra == "poisoned"
+    if poisoned:
+        plan.validate(q, k, v)
+        k[0, 1, :3], v[0, 1, :3], v[0, 1, 3] = float("inf"), float("-inf"), float("nan")
+        q[0, 0, 5, 0] = float("nan")        # and one NaN query row of head (0, 0): NaN out and lse, as the reference
+        if corr:
+            plan.k_mean[0, 1, 0], plan.v_sum[0, 1, 0] = float("inf"), float("nan")
     if kernel == "generic":
-        out, lse = block_sparse_attention(q, k, v, plan, scale=scale, return_lse=True, backend="triton")
+        out, lse = block_sparse_attention(q, k, v, plan, scale=scale, return_lse=True, backend="triton",
+                                          validate=not poisoned)
         used = select_backend(q, k, v, plan, "triton").name
     else:   # the Hopper kernel's code path (TMA descriptors, persistent loop, centroid pass + merge)
-        plan.validate(q, k, v)
+        if not poisoned:
+            plan.validate(q, k, v)
         out, lse = get_backend("hopper")(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale, True)
         used = "hopper"
     ref, ref_lse = reference_attention(q.double(), k.double(), v.double(), plan, scale, return_lse=True)
     same_prec = reference_attention(q, k, v, plan, scale)         # fp32 math, output rounded to dtype
+    nan_row_kept = None
+    if poisoned:
+        out, lse, ref, ref_lse, same_prec = (t[:1, :1] for t in (out, lse, ref, ref_lse, same_prec))
+        nan_row_kept = bool(lse[0, 0, 5].isnan() and ref_lse[0, 0, 5].isnan() and out[0, 0, 5].isnan().all())
+        rows = torch.arange(S) != 5
+        out, lse, ref, ref_lse, same_prec = (t[:, :, rows] for t in (out, lse, ref, ref_lse, same_prec))
     lse_err = (lse - ref_lse).abs()
     finite = torch.isfinite(ref_lse)
     return {
@@ -239,7 +262,8 @@ def _run_case(name: str) -> dict:
         "lse_err": float(lse_err[finite].max()) if finite.any() else 0.0,
         "lse_inf_match": bool(torch.equal(torch.isinf(lse), ~finite)),
         "empty_rows_zero": bool((out.float()[~finite.unsqueeze(-1).expand_as(out)] == 0).all()),
-        "shape_ok": tuple(out.shape) == (B, H, S, D) and out.dtype == dtype,
+        "shape_ok": tuple(out.shape) == ((1, 1, S - 1) if poisoned else (B, H, S)) + (D,) and out.dtype == dtype,
+        "nan_row_kept": nan_row_kept,
     }
 
 
@@ -274,6 +298,7 @@ def test_triton_kernel_matches_reference(interpreter_results, name):
     assert res["rel_err"] <= _tolerance(dtype, res["ref_rel_err"]), res
     assert res["lse_err"] <= (1e-4 if dtype == "float32" else 2e-2), res
     assert res["lse_inf_match"] and res["empty_rows_zero"], res
+    assert res["nan_row_kept"] in ((None,) if CASES[name][11] != "poisoned" else (True,)), res
 
 
 @pytest.mark.parametrize("name", list(PREP_CASES))

@@ -219,8 +219,8 @@ def softmax_step(acc, l_i, m_i, qk, v, qk_scale, bias, HAS_BIAS: tl.constexpr):
 
 @triton.jit
 def finish_rows(acc, l_i, m_i):
-    """(out fp32 [M, D], lse fp32 [M], natural log); rows that saw no key give 0 and -inf."""
-    seen = l_i > 0.0
+    """(out fp32 [M, D], lse fp32 [M], natural log); rows that saw no key give 0 and -inf (a NaN row keeps NaN)."""
+    seen = l_i != 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     return out, lse
@@ -235,6 +235,6 @@ def partial_state(o_ptr, lse_ptr, row_ok):
     compiled without a launch's argument specialization, that merge spilled 408 bytes of stack and this 296; as
     launched, this spills none)."""
     t = tl.load(lse_ptr, mask=row_ok, other=float("-inf")) * 1.4426950408889634
-    seen = t > float("-inf")
+    seen = t != float("-inf")              # a NaN lse continues as NaN
     acc = tl.load(o_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
     return acc, tl.where(seen, 1.0, 0.0), tl.where(seen, t, NEG_BIG)

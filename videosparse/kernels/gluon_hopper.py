@@ -171,6 +171,12 @@ def _item_start(ORDER, KV_COUNT, KV_INDEX, it, t, MQ, KMAX, NCH, N_FULL, PARTS, 
 
 
 @gluon.jit
+def _box(buf):
+    """A [BLOCK_N, D] stage buffer seen as the [1, BLOCK_N, D] box of the 3D K / V descriptors (same bytes)."""
+    return buf.reshape([1, buf.shape[0], buf.shape[1]])
+
+
+@gluon.jit
 def _loader(desc_q, desc_k, desc_v, desc_km, desc_vm, desc_b, KV_INDEX, KV_COUNT, ORDER, S, SK, NK, NCP, MQ, KMAX,
             N_UNITS, NCH, N_FULL, PARTS, q_smem, k_smem, v_smem, bars, unit_smem, BLOCK_N: gl.constexpr,
             NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr, HANDOFF: gl.constexpr, CORR: gl.constexpr):
@@ -197,27 +203,29 @@ def _loader(desc_q, desc_k, desc_v, desc_km, desc_vm, desc_b, KV_INDEX, KV_COUNT
             s = c % NUM_STAGES
             ph = (c // NUM_STAGES) & 1
             if j < n:
-                key_row = bh * SK + gl.load(row + j) * BLOCK_N
+                key_row = gl.load(row + j) * BLOCK_N
             else:
-                key_row = bh * NK + (j - n) * BLOCK_N
+                key_row = (j - n) * BLOCK_N
+            k_box = _box(k_smem.index(s))
+            v_box = _box(v_smem.index(s))
             mbarrier.wait(k_empty.index(s), ph ^ 1)
             if CORR:
                 if j < n:
                     mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
-                    _tma_load(desc_k, [key_row, 0], k_ready.index(s), k_smem.index(s))
+                    _tma_load(desc_k, [bh, key_row, 0], k_ready.index(s), k_box)
                 else:
                     mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes + desc_b.block_type.nbytes)
-                    _tma_load(desc_km, [key_row, 0], k_ready.index(s), k_smem.index(s))
+                    _tma_load(desc_km, [bh, key_row, 0], k_ready.index(s), k_box)
                     _tma_load(desc_b, [item * NCP + (j - n) * BLOCK_N], k_ready.index(s), b_smem.index(s))
             else:
                 mbarrier.expect(k_ready.index(s), desc_k.block_type.nbytes)
-                _tma_load(desc_k, [key_row, 0], k_ready.index(s), k_smem.index(s))
+                _tma_load(desc_k, [bh, key_row, 0], k_ready.index(s), k_box)
             mbarrier.wait(v_empty.index(s), ph ^ 1)
             mbarrier.expect(v_ready.index(s), desc_v.block_type.nbytes)
             if j < n:
-                _tma_load(desc_v, [key_row, 0], v_ready.index(s), v_smem.index(s))
+                _tma_load(desc_v, [bh, key_row, 0], v_ready.index(s), v_box)
             else:
-                _tma_load(desc_vm, [key_row, 0], v_ready.index(s), v_smem.index(s))
+                _tma_load(desc_vm, [bh, key_row, 0], v_ready.index(s), v_box)
             c += 1
         t += 1
 
@@ -265,11 +273,12 @@ def _first_softmax(qk, qk_scale):
 @gluon.jit
 def _normalized_rows(acc, m_i, l_i, mt, WG: gl.constexpr):
     """One warpgroup's 64 finished rows: (out = acc * (1 / l), one reciprocal per row rather than a division per
-    element; m, l and `seen` = l > 0 in the rows' layout; the row indices). Rows that saw no key give 0."""
+    element; m, l and `seen` = l != 0 in the rows' layout; the row indices). Rows that saw no key give 0 (and lse
+    -inf); a NaN row keeps NaN in both."""
     row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     m_o = gl.convert_layout(m_i, row_o)
     l_o = gl.convert_layout(l_i, row_o)
-    seen = l_o > 0.0
+    seen = l_o != 0.0
     out = acc * (1.0 / gl.where(seen, l_o, 1.0))[:, None]
     return out, m_o, l_o, seen, mt * 128 + WG * 64 + gl.arange(0, 64, layout=row_o)
 
@@ -553,22 +562,25 @@ def _gluon_fwd(Q, K, V, KM, VM, BIAS, O, LSE, O_PART, LSE_PART, KV_INDEX, KV_COU
     dtype: gl.constexpr = Q.dtype.element_ty
     q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
     kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    # K, V and the centroids as [heads, keys, D]: a box past a head's last key reads zeros, not the next head's keys
+    # (which the masked scores would drop, but an inf or NaN there would still reach P.V as 0 * inf)
+    kv_box: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, HEAD_DIM], dtype)
     desc_q = tma.make_tensor_descriptor(Q, shape=[N_BH * S, HEAD_DIM], strides=[HEAD_DIM, 1],
                                         block_shape=[64, HEAD_DIM], layout=q_sl)
-    desc_k = tma.make_tensor_descriptor(K, shape=[N_BH * SK, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                        block_shape=[BLOCK_N, HEAD_DIM], layout=kv_sl)
-    desc_v = tma.make_tensor_descriptor(V, shape=[N_BH * SK, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                        block_shape=[BLOCK_N, HEAD_DIM], layout=kv_sl)
+    desc_k = tma.make_tensor_descriptor(K, shape=[N_BH, SK, HEAD_DIM], strides=[SK * HEAD_DIM, HEAD_DIM, 1],
+                                        block_shape=[1, BLOCK_N, HEAD_DIM], layout=kv_box)
+    desc_v = tma.make_tensor_descriptor(V, shape=[N_BH, SK, HEAD_DIM], strides=[SK * HEAD_DIM, HEAD_DIM, 1],
+                                        block_shape=[1, BLOCK_N, HEAD_DIM], layout=kv_box)
     if EPI_TMA:
         desc_o = tma.make_tensor_descriptor(O, shape=[N_BH * S, HEAD_DIM], strides=[HEAD_DIM, 1],
                                             block_shape=[64, HEAD_DIM], layout=q_sl)
     else:
         desc_o = desc_q
     if CORR:
-        desc_km = tma.make_tensor_descriptor(KM, shape=[N_BH * NK, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                             block_shape=[BLOCK_N, HEAD_DIM], layout=kv_sl)
-        desc_vm = tma.make_tensor_descriptor(VM, shape=[N_BH * NK, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                             block_shape=[BLOCK_N, HEAD_DIM], layout=kv_sl)
+        desc_km = tma.make_tensor_descriptor(KM, shape=[N_BH, NK, HEAD_DIM], strides=[NK * HEAD_DIM, HEAD_DIM, 1],
+                                             block_shape=[1, BLOCK_N, HEAD_DIM], layout=kv_box)
+        desc_vm = tma.make_tensor_descriptor(VM, shape=[N_BH, NK, HEAD_DIM], strides=[NK * HEAD_DIM, HEAD_DIM, 1],
+                                             block_shape=[1, BLOCK_N, HEAD_DIM], layout=kv_box)
         b_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
         desc_b = tma.make_tensor_descriptor(BIAS, shape=[N_BH * MQ * NCP], strides=[1], block_shape=[BLOCK_N],
                                             layout=b_sl)

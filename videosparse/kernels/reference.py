@@ -82,7 +82,9 @@ def reference_attention(
         keep = (slot_valid[..., None] & real).view(B, H, 1, kmax * bn)
         logits = (qi @ kt.transpose(-1, -2)) * scale
         logits = logits.masked_fill(~keep, float("-inf"))
-        values = vt
+        # keys that do not count (unlisted slots, padding, past valid_keys) carry no values: 0 * inf or NaN there
+        # must not reach the row
+        values = vt.masked_fill(~keep.transpose(-1, -2), 0.0)
         if plan.has_correction:
             chosen = torch.zeros(B, H, Nk + 1, dtype=torch.bool, device=q.device)
             chosen.scatter_(-1, torch.where(slot_valid, idx, Nk), True)
@@ -90,7 +92,7 @@ def reference_attention(
             proxy = (qi @ k_mean.transpose(-1, -2)) * scale + log_len      # [B, H, r, Nk]
             proxy = proxy.masked_fill(chosen[:, :, None, :Nk], float("-inf"))
             logits = torch.cat([logits, proxy], -1)
-            values = torch.cat([vt, v_mean], -2)
+            values = torch.cat([values, v_mean.masked_fill(chosen[:, :, :Nk, None], 0.0)], -2)
         m = logits.amax(-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         p = torch.exp(logits - m)

@@ -90,7 +90,7 @@ def _combine_kernel(O_PART, LSE_PART, O, LSE, ORDER, N_FULL, PARTS, MQ, S, HEAD_
         w = tl.exp(tl.load(LSE_PART + base + p * 128 + r) - m_safe)
         acc += w[:, None] * tl.load(O_PART + (base + p * 128 + r)[:, None] * HEAD_DIM + d[None, :])
         den += w
-    seen = den > 0.0
+    seen = den != 0.0                      # NaN rows stay NaN
     out = acc / tl.where(seen, den, 1.0)[:, None]
     rows = mt * 128 + r
     keep = rows < S

@@ -85,10 +85,12 @@ def _hopper_fwd(
     dtype = Q.dtype.element_ty
     desc_q = tl.make_tensor_descriptor(Q, shape=[N_BH * S, HEAD_DIM], strides=[HEAD_DIM, 1],
                                        block_shape=[BLOCK_M, HEAD_DIM])
-    desc_k = tl.make_tensor_descriptor(K, shape=[N_BH * SK, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                       block_shape=[BLOCK_N, HEAD_DIM])
-    desc_v = tl.make_tensor_descriptor(V, shape=[N_BH * SK, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                       block_shape=[BLOCK_N, HEAD_DIM])
+    # K, V as [heads, keys, D]: a box past a head's last key reads zeros, not the next head's keys (which the masked
+    # scores would drop, but an inf or NaN there would still reach P.V as 0 * inf)
+    desc_k = tl.make_tensor_descriptor(K, shape=[N_BH, SK, HEAD_DIM], strides=[SK * HEAD_DIM, HEAD_DIM, 1],
+                                       block_shape=[1, BLOCK_N, HEAD_DIM])
+    desc_v = tl.make_tensor_descriptor(V, shape=[N_BH, SK, HEAD_DIM], strides=[SK * HEAD_DIM, HEAD_DIM, 1],
+                                       block_shape=[1, BLOCK_N, HEAD_DIM])
     if CENTROIDS:
         desc_b = tl.make_tensor_descriptor(BIAS, shape=[N_ITEMS, NCP], strides=[NCP, 1], block_shape=[1, BLOCK_N])
     offs_m = tl.arange(0, BLOCK_M)
@@ -127,8 +129,8 @@ def _hopper_fwd(
                 start = j * BLOCK_N
             else:
                 start = tl.load(row + j) * BLOCK_N
-            k = desc_k.load([bh * SK + start, 0])
-            v = desc_v.load([bh * SK + start, 0])
+            k = desc_k.load([bh, start, 0]).reshape([BLOCK_N, HEAD_DIM])
+            v = desc_v.load([bh, start, 0]).reshape([BLOCK_N, HEAD_DIM])
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
