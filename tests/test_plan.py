@@ -80,6 +80,11 @@ def test_dense_plan_over_another_key_length():
     assert torch.equal(longer.kv_index[0, 0, 0], torch.arange(3, dtype=torch.int32))
     with pytest.raises(ValueError, match="key_len=0"):
         dense_plan(1, 2, 300, key_len=0)
+    for bad, match in ((dict(batch=-1), "batch=-1 must be an int >= 0"), (dict(seq_len=2.5), "seq_len=2.5"),
+                       (dict(seq_len=0), r"key_len=0 .*defaults to seq_len"), (dict(heads=True), "heads=True")):
+        with pytest.raises(ValueError, match=match):
+            dense_plan(**{**dict(batch=1, heads=2, seq_len=300), **bad})
+    assert dense_plan(1, 2, 0, key_len=5).kv_count.shape == (1, 2, 0)        # no queries: a valid, empty plan
 
 
 def test_validate_rejects_bad_plans():

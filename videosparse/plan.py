@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import numbers
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -317,9 +318,13 @@ def dense_plan(batch: int, heads: int, seq_len: int, block_m: int = 128, block_n
     `seq_len`)."""
     check_block("block_m", block_m)
     check_block("block_n", block_n)
-    key_len = seq_len if key_len is None else key_len
-    if key_len < 1:
-        raise ValueError(f"key_len={key_len} must be >= 1.")
+    for name, value in (("batch", batch), ("heads", heads), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)) or value < 0:
+            raise ValueError(f"{name}={value!r} must be an int >= 0.")
+    given = key_len is not None
+    key_len = key_len if given else seq_len
+    if isinstance(key_len, bool) or not isinstance(key_len, (numbers.Integral, torch.SymInt)) or key_len < 1:
+        raise ValueError(f"key_len={key_len!r} must be an int >= 1" + ("." if given else " (it defaults to seq_len)."))
     Mq, Nk = math.ceil(seq_len / block_m), math.ceil(key_len / block_n)
     index = torch.arange(Nk, dtype=torch.int32, device=device).expand(batch, heads, Mq, Nk).contiguous()
     count = torch.full((batch, heads, Mq), Nk, dtype=torch.int32, device=device)
