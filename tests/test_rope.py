@@ -201,6 +201,9 @@ def test_rope_gather_dispatch_and_errors():
     for groups in (0, 1.5, True):
         with pytest.raises(ValueError, match=f"groups={groups!r} must be an int >= 1"):
             rope_gather(x, perm, (cos, sin), groups=groups)
+    # while autograd records x the fused kernel (no backward) stands aside: auto gives the torch path on CUDA too
+    with pytest.raises(ValueError, match="autograd records x"):
+        rope_gather(x.clone().requires_grad_(), perm, (cos, sin), backend="triton")
 
 
 @pytest.mark.parametrize("per_head,style,groups", [(False, "interleaved", 1), (True, "interleaved", 1),

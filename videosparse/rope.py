@@ -166,6 +166,8 @@ def _fused_reason(x: torch.Tensor, style: str, freqs_cos: torch.Tensor, freqs_si
     [R, D] with start + R <= S (`PairRope`) or [R, H or 1, D/2] with R <= S (`HeadPairRope`)."""
     B, S, H, D = x.shape
     half = D // 2
+    if x.requires_grad and torch.is_grad_enabled():
+        return "autograd records x and the fused kernel has no backward pass (the torch path has one)"
     if isinstance(sections, bool) or not isinstance(sections, int) or sections < 1 or D % (2 * sections):
         return f"sections={sections!r} does not split head dim {D} into equal parts of even width"
     part = D // sections // 2

@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 import torch
 
 import videosparse
@@ -80,8 +81,6 @@ def test_dense_steps_covering_every_step_warn_once(caplog):
 def test_forced_backend_that_cannot_run_is_an_error():
     """An explicit kernel backend that cannot serve the inputs (the Triton kernels take fp16 / bf16, not fp32) is a
     clear error at the first forward, naming the backend and why, instead of every layer silently dense."""
-    import pytest
-
     pipe = build_tiny_wan_pipeline()
     pipe.set_progress_bar_config(disable=True)
     videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64, backend="triton"))
@@ -181,8 +180,6 @@ def test_timestep_position_follows_the_forward_signature():
 def test_dense_layers_beyond_one_expert_names_it():
     """A two-expert pipeline (Wan 2.2: transformer and transformer_2) whose second expert has fewer layers than
     `dense_layers` names: the error says which component, and nothing is applied."""
-    import pytest
-
     pipe = build_tiny_wan_pipeline(num_layers=3)
     pipe.register_modules(transformer_2=build_tiny_wan_pipeline(num_layers=2).transformer)
     before = dict(pipe.transformer.attn_processors)
@@ -221,8 +218,6 @@ def test_a_deepcopy_of_an_applied_transformer_refuses_to_run():
     forward used to run the original's weights and session, silently. It raises instead; the original keeps working,
     and removing the copy's processors gives it its own forward back."""
     import copy
-
-    import pytest
 
     tr = build_tiny_wan_pipeline().transformer
     x, text, t = torch.randn(1, 4, 3, 16, 16), torch.randn(1, 8, 32), torch.tensor([500])
@@ -266,16 +261,19 @@ def test_observe_leaves_a_config_applied_inside_its_block():
     assert videosparse.sessions(pipe) == {}
 
 
-def test_gradients_flow_through_the_sparse_processors_on_the_reference_backend():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_gradients_flow_through_the_sparse_processors_on_the_reference_backend(device):
     """Backward through Veda / Sol on the torch reference equals dense at density 1 (the 16-byte view the
-    token gather uses in eager mode is not differentiable, so it must stand aside while autograd records)."""
-    tr = build_tiny_wan_pipeline().transformer
-    x = torch.randn(1, 4, 3, 16, 24, generator=torch.Generator().manual_seed(0))
-    text = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(1))
+    token gather uses in eager mode and, on CUDA, the fused RoPE gather have no backward, so they must stand aside
+    while autograd records)."""
+    tr = build_tiny_wan_pipeline().transformer.to(device)
+    x = torch.randn(1, 4, 3, 16, 24, generator=torch.Generator().manual_seed(0)).to(device)
+    text = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(1)).to(device)
 
     def grad_of_q():
         tr.zero_grad()
-        tr(hidden_states=x, timestep=torch.tensor([500]), encoder_hidden_states=text).sample.square().mean().backward()
+        tr(hidden_states=x, timestep=torch.tensor([500], device=device),
+           encoder_hidden_states=text).sample.square().mean().backward()
         grad = tr.blocks[0].attn1.to_q.weight.grad
         assert grad is not None, "no gradient reached attn1.to_q"
         return grad.clone()
