@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import imageio.v3 as iio
+import pytest
 
 from videosparse.cli import build_parser, main, method_config
 from videosparse.config import SolConfig, VedaConfig
@@ -67,6 +68,20 @@ def test_capture_config_list_fields_from_strings():
         except ValueError:
             continue
         raise AssertionError(f"accepted {bad}")
+    # refused at once, not after the dense runs: non-finite numbers (a NaN estimator was saved with exit code 0),
+    # unknown branch names (they matched no record), a tiling file that is not there, a folder as the search output
+    for bad, match in ((dict(learning_rate=float("inf")), "learning_rate=inf must be a finite number > 0"),
+                       (dict(init_std=float("nan")), "init_std=nan"), (dict(weight_decay=-1.0), "weight_decay=-1.0"),
+                       (dict(guidance_scale="high"), "guidance_scale='high'"),
+                       (dict(guidance_scale=float("nan")), "guidance_scale=nan"),
+                       (dict(branches="conditional"), r"\['conditional'\] are not branch names"),
+                       (dict(tiling="tilng.json"), "tiling file 'tilng.json' does not exist")):
+        with pytest.raises(ValueError, match=match):
+            DistillConfig(**bad)
+    assert DistillConfig(branches="cond,uncond_stg", guidance_scale=5).guidance_scale == 5
+    for out in ("newdir/", str(Path(__file__).parent)):
+        with pytest.raises(ValueError, match="not a directory"):
+            TilingSearchConfig(output=out)
     files = [Path(f"p{i:05d}_s0000_cond.safetensors") for i in range(3)]
     train, val = split_by_prompt(files, 0.34, seed=0)
     assert len(val) == 1 and len(train) == 2                 # the nearest count, not rounded up
@@ -235,3 +250,16 @@ def test_evaluate_checks_the_files_its_specs_name_before_any_cell_runs(tmp_path,
     assert not out.exists()
     assert main(["evaluate", "--prompts", str(tmp_path / "none.txt"), "--out", str(out)]) == 2
     assert "prompts file" in capsys.readouterr().err and not out.exists()
+
+
+def test_prompt_files_hold_lines_or_a_json_list(tmp_path):
+    from videosparse.distill.config import read_prompts
+
+    lines, listed, broken = tmp_path / "p.txt", tmp_path / "p.json", tmp_path / "bad.json"
+    lines.write_text("a cat\n\n  a dog  \n")
+    listed.write_text('[\n  "a red circle moving left",\n  "a blue square moving up"\n]\n')
+    broken.write_text('["a cat",\n')
+    assert read_prompts(str(lines)) == ["a cat", "a dog"]
+    assert read_prompts(str(listed)) == ["a red circle moving left", "a blue square moving up"]
+    with pytest.raises(ValueError, match="starts like a JSON list but does not parse"):
+        read_prompts(str(broken))

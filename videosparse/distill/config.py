@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Union
@@ -48,6 +49,22 @@ def _tiling(value: Any, block: int) -> Any:
             raise ValueError(f"tiling={tuple(value)} has pt*ph*pw != block={block}.")
         return tuple(value)
     raise ValueError(f"tiling={value!r} must be (pt, ph, pw) with product block={block}, or a tiling JSON path.")
+
+
+# the names diffusers' pipelines give their guidance branches (`cache_context(...)`), and "default" for a forward
+# outside any
+BRANCHES = ("cond", "uncond", "cond_uncond", "uncond_modality", "uncond_stg", "default")
+
+
+def _finite(name: str, value: Any, minimum: float, *, strict: bool = False, optional: bool = False) -> None:
+    """ValueError unless value is a finite real >= minimum (> minimum when strict; None allowed when optional)."""
+    if optional and value is None:
+        return
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+          and (value > minimum if strict else value >= minimum))
+    if not ok:
+        raise ValueError(f"{name}={value!r} must be a finite number {'>' if strict else '>='} {minimum:g}"
+                         + (" or None." if optional else "."))
 
 
 def _names(name: str, value: Any) -> tuple[str, ...]:
@@ -95,7 +112,8 @@ def check_device(device: Any) -> None:
         raise ValueError(f"device={device!r} is not usable here ({reason}); use 'cpu'.") from None
 
 
-_PROMPT_FORMS = ("a text file with one prompt per line (blank lines skipped), or a list of prompts (on the "
+_PROMPT_FORMS = ("a text file with one prompt per line (blank lines skipped) or holding a JSON list of them, or a "
+                 "list of prompts (on the "
                  """command line a JSON list: --prompts '["a cat", "a dog"]'; one prompt: --prompts '["a cat"]')""")
 
 
@@ -119,7 +137,17 @@ def read_prompts(prompts: Union[str, tuple[str, ...]]) -> list[str]:
             raise ValueError(f"prompts={prompts!r} is not a file; prompts must be {_PROMPT_FORMS}. "
                              "A plain string is read as a file path, never as a prompt.")
         with open(prompts) as f:
-            lines = [line.strip() for line in f if line.strip()]
+            text = f.read()
+        if text.lstrip().startswith("["):              # a JSON list of prompts in a file
+            try:
+                listed = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"prompts file {prompts!r} starts like a JSON list but does not parse "
+                                 f"({err}).") from None
+            if not isinstance(listed, list) or not listed or not all(isinstance(p, str) and p.strip() for p in listed):
+                raise ValueError(f"prompts file {prompts!r} holds JSON that is not a non-empty list of prompts.")
+            return [p.strip() for p in listed]
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
         if not lines:
             raise ValueError(f"prompts file {prompts!r} holds no prompt.")
         return lines
@@ -197,6 +225,11 @@ class CaptureConfig(_JsonConfig):
             _optional_positive_int(name, getattr(self, name))
         if self.branches is not None:
             object.__setattr__(self, "branches", _names("branches", self.branches))
+            unknown = [b for b in self.branches if b not in BRANCHES]
+            if unknown:
+                raise ValueError(f"branches={list(self.branches)!r}: {unknown} are not branch names the pipelines use; "
+                                 f"choose from {BRANCHES} (diffusers' guidance branches, 'default' outside any).")
+        _finite("guidance_scale", self.guidance_scale, 0.0, optional=True)
         _positive_int("seed", self.seed, minimum=0)
         check_device(self.device)
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
@@ -262,20 +295,21 @@ class DistillConfig(CaptureConfig):
         if self.block not in BLOCK_SIZES:
             raise ValueError(f"block={self.block!r} must be one of {BLOCK_SIZES}.")
         object.__setattr__(self, "tiling", _tiling(self.tiling, self.block))
+        if isinstance(self.tiling, str):                # a missing or malformed file: now, not after the capture
+            from ..veda.tiling import load_tiling
+
+            load_tiling(self.tiling, self.block)
         _positive_int("epochs", self.epochs)
         _optional_positive_int("max_steps", self.max_steps)
-        if not isinstance(self.learning_rate, (int, float)) or self.learning_rate <= 0:
-            raise ValueError(f"learning_rate={self.learning_rate!r} must be a number > 0.")
-        if not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
-            raise ValueError(f"weight_decay={self.weight_decay!r} must be a number >= 0.")
+        _finite("learning_rate", self.learning_rate, 0.0, strict=True)
+        _finite("weight_decay", self.weight_decay, 0.0)
         _positive_int("warmup_steps", self.warmup_steps, minimum=0)
         _positive_int("gradient_accumulation_steps", self.gradient_accumulation_steps)
         if self.mixed_precision not in MIXED_PRECISION:
             raise ValueError(f"mixed_precision={self.mixed_precision!r} must be one of {MIXED_PRECISION}.")
         for name in ("checkpoint_every", "keep_checkpoints", "log_every"):
             _positive_int(name, getattr(self, name))
-        if not isinstance(self.init_std, (int, float)) or self.init_std < 0:
-            raise ValueError(f"init_std={self.init_std!r} must be a number >= 0.")
+        _finite("init_std", self.init_std, 0.0)
         if self.cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"cache_dtype={self.cache_dtype!r} must be one of {CACHE_DTYPES}.")
         if not isinstance(self.val_fraction, (int, float)) or not 0 <= self.val_fraction < 1:
@@ -321,8 +355,9 @@ class TilingSearchConfig(CaptureConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "output", os.fspath(self.output))
-        if not self.output:
-            raise ValueError("output='' must be a path for the tiling JSON.")
+        if not self.output or self.output.endswith(("/", os.sep)) or os.path.isdir(self.output):
+            raise ValueError(f"output={self.output!r} must be the path of the tiling JSON file to write, not a "
+                             "directory.")
         _density("density", self.density)
         if self.block not in BLOCK_SIZES:
             raise ValueError(f"block={self.block!r} must be one of {BLOCK_SIZES}.")
