@@ -160,23 +160,36 @@ def test_killed_then_resumed_run_equals_uninterrupted(tmp_path, cache):
     again = run_distillation(cfg)
     assert again.global_step == 12 and again.resumed_from == out / "checkpoints" / "step_00000012"
     assert [h["step"] for h in again.history] == [h["step"] for h in ref.history]
+    # a checkpoint of another configuration is not silently continued, and refusing it writes nothing: the run's
+    # config (which a resume reads) and its samples stay as they were
+    written = {p: p.read_bytes() for p in [out / "distill_config.json", *sorted((out / "cache").iterdir())]}
+    with pytest.raises(ValueError, match="different run \\(differs in \\['learning_rate'\\]\\)"):
+        run_distillation(make_cfg(out, learning_rate=2e-3))
+    with pytest.raises(ValueError, match="differs in \\['prompts'\\]"):
+        run_distillation(make_cfg(out, prompts=("a green triangle moving right", "a blue square moving up")))
+    assert {p: p.read_bytes() for p in written} == written
     # a checkpoint written before the capture check (no "captures" in its run key) still resumes
     state_file = out / "checkpoints" / "step_00000012" / "trainer_state.json"
     state = json.loads(state_file.read_text())
     del state["run"]["captures"]
     state_file.write_text(json.dumps(state))
     assert run_distillation(cfg).resumed_from == out / "checkpoints" / "step_00000012"
-    # a checkpoint of another configuration is not silently continued
-    with pytest.raises(ValueError, match="different run \\(differs in \\['learning_rate'\\]\\)"):
-        run_distillation(make_cfg(out, learning_rate=2e-3))
     # resume=False starts afresh: the earlier run's checkpoints go (else they would outrank this run's)
     fresh = run_distillation(make_cfg(out, resume=False, max_steps=4))
     assert fresh.resumed_from is None and fresh.global_step == 4
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000004"]
-    # nor is one trained on other prompts (the samples are recaptured under the same file names)
-    with pytest.raises(ValueError, match="differs in \\['captures'\\]"):
-        run_distillation(make_cfg(out, max_steps=4,
-                                  prompts=("a green triangle moving right", "a blue square moving up")))
+    # nor is one trained on other samples (here: another heat dtype, recaptured under the same file names)
+    with pytest.raises(ValueError, match="differs in \\['cache_dtype'\\]"):
+        run_distillation(make_cfg(out, max_steps=4, cache_dtype="bfloat16"))
+    # a folder of other files is not written into; a run's tiling.json goes when the next run pools with a shape
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("my notes")
+    with pytest.raises(ValueError, match="holds files that are not a distillation run's \\(notes.txt\\)"):
+        run_distillation(make_cfg(tmp_path / "mine", max_steps=4))
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
+    (out / "tiling.json").write_text("{}")
+    run_distillation(make_cfg(out, resume=False, max_steps=4))
+    assert not (out / "tiling.json").exists()
 
 
 def test_a_damaged_checkpoint_is_a_clear_error(tmp_path, cache):
@@ -236,6 +249,9 @@ def test_model_card_describes_the_estimator_without_placeholders(tmp_path):
 
     est = VedaEstimator("WanTransformer3DModel", 2, 2, 64, block=64,
                         tile_shapes=[[[4, 4, 4], [1, 8, 8]], [[4, 4, 4], [4, 4, 4]]])
+    from videosparse.veda.tiling import Tiling
+
+    Tiling(((((4, 4, 4), (1, 8, 8))), ((4, 4, 4), (4, 4, 4))), block=64).save(tmp_path / "tiling.json")
     cfg = make_cfg(tmp_path, block=64, tiling=str(tmp_path / "tiling.json"), val_fraction=0.5)
     files = [Path(f"p00000_s000{i}_cond.safetensors") for i in range(2)]
     metrics = {"split": "val", "density": 0.3, "trained": {"kl": 0.1, "recall": 0.8},

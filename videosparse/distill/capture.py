@@ -166,12 +166,17 @@ def _atomic_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+def capture_settings(cfg: CaptureConfig) -> dict:
+    """The capture settings a done-marker records (every field but the prompts and the device), JSON-comparable."""
+    return json.loads(json.dumps({k: v for k, v in asdict(cfg).items() if k not in ("prompts", "device")}))
+
+
 def _capture_key(cfg: CaptureConfig, prompt: str, block: int, tiles_for_layer: TilesFn, num_layers: int,
-                 num_heads: int) -> dict:
+                 num_heads: int, heat_dtype: torch.dtype) -> dict:
     """Everything a prompt's captured samples depend on; stored in its done-marker (JSON-comparable)."""
-    settings = {k: v for k, v in asdict(cfg).items() if k not in ("prompts", "device")}
     tiles = [tiles_for_layer(layer, num_heads) for layer in range(num_layers)]
-    return json.loads(json.dumps({"prompt": prompt, "settings": settings, "block": block, "tiles": tiles}))
+    return json.loads(json.dumps({"prompt": prompt, "settings": capture_settings(cfg), "block": block,
+                                  "tiles": tiles, "heat_dtype": str(heat_dtype).removeprefix("torch.")}))
 
 
 def _marker_matches(cache: Path, index: int, key: dict) -> bool:
@@ -188,7 +193,7 @@ def capture_to_cache(cfg: CaptureConfig, cache_dir: str | os.PathLike, tiles_for
                      ) -> tuple[list[Path], ModelInfo]:
     """Run the dense pipeline on every prompt and write the samples into `cache_dir`.
 
-    Prompts already marked done with the same prompt text, settings, block and tile shapes are skipped
+    Prompts already marked done with the same prompt text, settings, block, tile shapes and heat dtype are skipped
     (resume); a marker from other settings is recaptured. With an `accelerate.Accelerator` the prompts
     are split between processes.
 
@@ -204,7 +209,7 @@ def capture_to_cache(cfg: CaptureConfig, cache_dir: str | os.PathLike, tiles_for
     known = json.loads(info_path.read_text()) if info_path.exists() else None
     todo = [i for i in range(len(prompts))
             if known is None or not _marker_matches(cache, i, _capture_key(
-                cfg, prompts[i], block, tiles_for_layer, known["num_layers"], known["num_heads"]))]
+                cfg, prompts[i], block, tiles_for_layer, known["num_layers"], known["num_heads"], heat_dtype))]
     mine = todo
     if accelerator is not None and accelerator.num_processes > 1:
         with accelerator.split_between_processes(todo) as part:
@@ -240,7 +245,7 @@ def capture_to_cache(cfg: CaptureConfig, cache_dir: str | os.PathLike, tiles_for
                 meta = {"prompt_index": i, "prompt": prompts[i], "step": step, "branch": branch,
                         "grid": list(cap.grids[(step, branch)]), "block": block}
                 write_sample(cache / f"p{i:05d}_s{step:04d}_{branch}.safetensors", layers, meta)
-            key = _capture_key(cfg, prompts[i], block, tiles_for_layer, info.num_layers, info.num_heads)
+            key = _capture_key(cfg, prompts[i], block, tiles_for_layer, info.num_layers, info.num_heads, heat_dtype)
             _atomic_json(cache / f"p{i:05d}.done", key)
             logger.info("captured prompt %d/%d (%d samples)", i + 1, len(prompts), len(cap.samples))
         del pipe, transformer

@@ -36,7 +36,7 @@ from ..veda.losses import tile_kl_loss, tile_recall
 from ..veda.method import mean_pooled_logits
 from ..veda.tiling import load_tiling
 from ..veda.trippool import triton_unavailable
-from .capture import capture_to_cache, per_head_shapes, split_by_prompt
+from .capture import capture_settings, capture_to_cache, per_head_shapes, split_by_prompt
 from .config import DistillConfig, read_prompts
 
 logger = logging.getLogger(__name__)
@@ -158,7 +158,44 @@ def _checkpoints(root: Path) -> list[tuple[int, Path]]:
 
 
 _RUN_FIELDS = ("seed", "epochs", "max_steps", "learning_rate", "weight_decay", "warmup_steps", "lr_scheduler",
-               "gradient_accumulation_steps", "mixed_precision", "init_std", "tiling", "block", "density")
+               "gradient_accumulation_steps", "mixed_precision", "init_std", "tiling", "block", "density",
+               "cache_dtype")
+# what `run_distillation` writes into output_dir: a folder holding other files is not taken as a run's
+_RUN_FILES = ("distill_config.json", "log.jsonl", CHECKPOINT_DIR, "cache", "model.safetensors", "config.json",
+              "README.md", "metrics.json", "tiling.json")
+
+
+def _refuse_other_run(cfg: DistillConfig, out: Path) -> None:
+    """Before anything is written or captured into `out`: a folder that holds files of its own, or (resume on) a
+    checkpoint another run wrote, is refused; train_estimator's own check comes only after the capture, which would
+    already have replaced that run's config and samples. Checks what the config alone decides (training fields,
+    capture settings, prompts); train_estimator compares the samples themselves."""
+    if out.is_dir():
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in _RUN_FILES and not p.name.startswith("."))
+        if foreign and not (out / "distill_config.json").is_file():
+            raise ValueError(f"output_dir={str(out)!r} holds files that are not a distillation run's "
+                             f"({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); use an empty or new "
+                             "folder.")
+    found = _checkpoints(out / CHECKPOINT_DIR)
+    if not cfg.resume or not found:
+        return
+    try:
+        with open(found[-1][1] / TRAINER_STATE) as f:
+            run = json.load(f).get("run", {})
+    except (OSError, ValueError, AttributeError):
+        return                                   # train_estimator reports the damaged checkpoint
+    new = json.loads(json.dumps(to_jsonable({name: cfg.to_dict()[name] for name in _RUN_FIELDS})))
+    diff = sorted(k for k in new if k in run and run[k] != new[k])
+    captured = [c for c in run.get("captures") or [] if isinstance(c, dict)]
+    settings = capture_settings(cfg.capture_config())
+    if any(c.get("settings") != settings for c in captured):
+        diff.append("capture settings")
+    if not {c.get("prompt") for c in captured} <= set(read_prompts(cfg.prompts)):
+        diff.append("prompts")
+    if diff:
+        raise ValueError(f"checkpoint {found[-1][1]} was written by a different run (differs in {diff}); resume it "
+                         "with the same configuration, or use another output_dir (or resume=False). Nothing was "
+                         "written.")
 
 
 def _run_key(cfg: DistillConfig, files: Sequence[Path], num_processes: int) -> dict[str, Any]:
@@ -510,8 +547,11 @@ def _save_final(estimator: VedaEstimator, out: Path, cfg: DistillConfig, metrics
         os.replace(tmp / name, out / name)
     shutil.rmtree(tmp, ignore_errors=True)
     if isinstance(cfg.tiling, str):
-        shutil.copyfile(cfg.tiling, out / ".tiling.json.tmp")
-        os.replace(out / ".tiling.json.tmp", out / "tiling.json")
+        if Path(cfg.tiling).resolve() != (out / "tiling.json").resolve():
+            shutil.copyfile(cfg.tiling, out / ".tiling.json.tmp")
+            os.replace(out / ".tiling.json.tmp", out / "tiling.json")
+    else:                                   # an earlier run's tiling would be taken for this estimator's
+        (out / "tiling.json").unlink(missing_ok=True)
     with open(out / ".metrics.json.tmp", "w") as f:
         json.dump(to_jsonable(metrics), f, indent=1, allow_nan=False)       # strict JSON: nan as "nan"
     os.replace(out / ".metrics.json.tmp", out / "metrics.json")
@@ -546,6 +586,7 @@ def run_distillation(cfg: DistillConfig, *, step_callback: Callable[[int, dict[s
     why = triton_unavailable(device) if cfg.teacher_backend == "triton" else None
     if why:                                                 # before the config or any sample is written
         raise ValueError(f"teacher_backend='triton' (--teacher-backend triton): {why}; use 'auto' or 'torch'.")
+    _refuse_other_run(cfg, out)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / "distill_config.json")
