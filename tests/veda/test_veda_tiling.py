@@ -100,6 +100,25 @@ def test_shapes_needing_too_much_padding_are_excluded():
     assert res.tiling.layers[0] == ((4, 4, 8), (2, 8, 8))
 
 
+def test_unsearched_layers_take_an_allowed_shape_and_the_json_is_strict(tmp_path):
+    """A layer left out of the search takes the shape the searched layers chose most often, which the padding rule
+    allows (it used to take the first candidate, 8x4x4, which pads this grid's time axis by 50%); the JSON holds no
+    Infinity for excluded shapes (strict parsers refuse it)."""
+    grid = (4, 16, 16)
+    res = search_tiling([record(0, grid, *planted(grid, [(4, 4, 8), (4, 4, 8)]))], density=1 / 8, num_layers=2,
+                        num_heads=2)
+    assert res.tiling.layers == (((4, 4, 8), (4, 4, 8)), ((4, 4, 8), (4, 4, 8)))
+    path = tmp_path / "tiling.json"
+    res.save(path)
+
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    data = json.loads(path.read_text(), parse_constant=refuse)
+    assert data["summary"]["mean_rel_err_single"]["8x4x4"] == "inf"
+    assert load_tiling(path, 128).layers == res.tiling.layers
+
+
 def test_tiling_json_round_trip_and_veda_method_uses_it(tmp_path):
     plants = [(8, 4, 4), (4, 4, 8)]
     res = search_tiling([record(0, GRID, *planted(GRID, plants))], density=DENSITY, num_layers=2, num_heads=2,
@@ -114,7 +133,7 @@ def test_tiling_json_round_trip_and_veda_method_uses_it(tmp_path):
     info = ModelInfo("WanTransformer3DModel", 2, 2, 32, (1, 2, 2))
     method = VedaMethod(VedaConfig(density=0.1, tiling=str(path)), info)
     assert list(method.tile_shapes(0, 2)) == plants
-    assert list(method.tile_shapes(1, 2)) == [(8, 4, 4), (8, 4, 4)]     # unseen layer: first candidate
+    assert list(method.tile_shapes(1, 2)) == [(8, 4, 4), (8, 4, 4)]     # unseen layer: most chosen (ties: first)
     with pytest.raises(ValueError, match="3 heads"):
         method.tile_shapes(0, 3)
     with pytest.raises(ValueError, match="block=64"):

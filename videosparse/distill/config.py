@@ -339,8 +339,8 @@ class TilingSearchConfig(CaptureConfig):
         block (`int`, defaults to 128): tokens per tile (64 uses the 64-token candidates).
         max_padding (`float`, defaults to 0.2): shapes padding the grid by more are excluded.
         max_shapes_per_layer (`int`, defaults to 2).
-        layers (`tuple[int, ...]` or None): restrict the search to these layers (others keep the
-            first candidate); None searches all.
+        layers (`tuple[int, ...]` or None): restrict the search to these layers (the others take the shape
+            the searched layers chose most often); None searches all.
         backend (`str`): kernel backend for the sparse outputs ("auto", "triton", "reference").
     """
 

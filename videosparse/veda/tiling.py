@@ -26,6 +26,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ..config import BLOCK_SIZES, _is_int
+from ..eval.report import to_jsonable
 from ..kernels import block_sparse_attention
 from ..layout import TileLayout
 from ..plan import topk_plan
@@ -85,7 +86,7 @@ class Tiling:
         """Write the JSON atomically (temp file + rename)."""
         tmp = f"{os.fspath(path)}.tmp"
         with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
+            json.dump(to_jsonable(self.to_dict()), f, indent=1, allow_nan=False)   # strict JSON: inf as "inf"
         os.replace(tmp, path)
 
 
@@ -238,7 +239,7 @@ def search_tiling(
         density (`float`): target fraction of video key tiles per query tile.
         block (`int`, defaults to 128): tokens per tile.
         num_layers, num_heads: the model's; default the largest layer index seen + 1 and the heads of
-            the samples. Layers never seen keep the first candidate for every head.
+            the samples. Layers never seen take, for every head, the shape the seen layers chose most often.
         candidates: default `candidate_shapes(block)`.
         max_padding (`float`, defaults to 0.2): exclude shapes that pad the grid by more than this.
         max_shapes_per_layer (`int`, defaults to 2): distinct shapes allowed per layer.
@@ -299,7 +300,7 @@ def search_tiling(
     chosen_err, single_err = [], {s: [] for s in shapes_all}
     for l in range(L):
         if l not in err_sum:
-            layers_out.append(tuple([shapes_all[0]] * Hn))
+            layers_out.append(None)         # filled below with the searched layers' most chosen shape
             continue
         m = (err_sum[l] / err_cnt[l]).tolist()
         allowed = allowed_per_layer[l]
@@ -310,6 +311,11 @@ def search_tiling(
             chosen_err.append(mean_err[l][h][s])
             for t in shapes_all:
                 single_err[t].append(mean_err[l][h][t] if t in allowed else math.inf)
+    # a layer left out of the search (`layers=`) takes the shape chosen most often in those searched (the same
+    # video grid, so it fits the padding rule as they do); the first such shape on ties
+    picked = Counter(s for heads in layers_out if heads is not None for s in heads)
+    fill = max(picked, key=lambda s: (picked[s], -list(picked).index(s)))
+    layers_out = [heads if heads is not None else tuple([fill] * Hn) for heads in layers_out]
     singles = {f"{s[0]}x{s[1]}x{s[2]}": sum(v) / len(v) for s, v in single_err.items() if v}
     best_single = min(singles, key=singles.get)
     summary = {
