@@ -218,6 +218,12 @@ def test_estimator_paths_that_hold_no_estimator_are_clear_errors(tmp_path):
     config = json.loads((tmp_path / "with_config" / "config.json").read_text())
     loaded = VedaEstimator.from_pretrained(tmp_path / "weights_only", **config)
     assert torch.equal(loaded.proj_q, est.proj_q)
+    # a damaged config.json is named, not a JSONDecodeError / AttributeError from inside huggingface_hub
+    for text, match in (("garbage", "cannot be read as JSON"), ("[1, 2]", "holds a list, not the JSON object")):
+        (tmp_path / "with_config" / "model.safetensors").write_bytes(b"")
+        (tmp_path / "with_config" / "config.json").write_text(text)
+        with pytest.raises(ValueError, match=f"estimator config .*config.json.* {match}"):
+            load_estimator(tmp_path / "with_config")
 
 
 def test_config_with_a_loaded_estimator_round_trips_through_its_dict(tmp_path):

@@ -21,6 +21,7 @@ together with a config.json recording the model it was distilled for; `check_com
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import os
@@ -264,6 +265,15 @@ def load_estimator(source: Any) -> VedaEstimator:
                 raise ValueError(f"estimator directory {path!r} has no {' or '.join(missing)}; expected what "
                                  "VedaEstimator.save_pretrained or `videosparse distill` writes (config.json and "
                                  f"{SAFETENSORS_NAME}).")
+            config = os.path.join(path, "config.json")
+            try:
+                with open(config) as f:
+                    fields = json.load(f)
+            except (OSError, ValueError) as err:
+                raise ValueError(f"estimator config {config!r} cannot be read as JSON ({err}).") from None
+            if not isinstance(fields, dict):
+                raise ValueError(f"estimator config {config!r} holds a {type(fields).__name__}, not the JSON object "
+                                 "of fields VedaEstimator.save_pretrained writes.")
         elif not _HUB_ID.fullmatch(path):
             raise ValueError(f"estimator={path!r} is neither an existing directory nor a hub id (owner/name).")
         return VedaEstimator.from_pretrained(path)
