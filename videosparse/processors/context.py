@@ -537,6 +537,7 @@ def remove_context_hook(transformer: torch.nn.Module) -> bool:
     before = link.original_forward if link.original_forward is not None else link.forward
     if getattr(transformer, "_old_forward", None) is ours:
         transformer._old_forward = before
+    hook.deinitalize_hook(transformer)                           # as diffusers' remove_hook does (sic)
     del registry.hooks[CONTEXT_HOOK]
     registry._hook_order.pop(index)
     registry._fn_refs.pop(index)
