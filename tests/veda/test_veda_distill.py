@@ -181,15 +181,21 @@ def test_killed_then_resumed_run_equals_uninterrupted(tmp_path, cache):
     # nor is one trained on other samples (here: another heat dtype, recaptured under the same file names)
     with pytest.raises(ValueError, match="differs in \\['cache_dtype'\\]"):
         run_distillation(make_cfg(out, max_steps=4, cache_dtype="bfloat16"))
-    # a folder of other files is not written into; a run's tiling.json goes when the next run pools with a shape
+    # a folder that is not a run's is not written over
     (tmp_path / "mine").mkdir()
-    (tmp_path / "mine" / "notes.txt").write_text("my notes")
-    with pytest.raises(ValueError, match="holds files that are not a distillation run's \\(notes.txt\\)"):
+    (tmp_path / "mine" / "README.md").write_text("# my project notes")
+    (tmp_path / "mine" / "prompts.txt").write_text("a cat")
+    with pytest.raises(ValueError, match="not a distillation run's folder but holds README.md, which the run"):
         run_distillation(make_cfg(tmp_path / "mine", max_steps=4))
-    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
-    (out / "tiling.json").write_text("{}")
-    run_distillation(make_cfg(out, resume=False, max_steps=4))
-    assert not (out / "tiling.json").exists()
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["README.md", "prompts.txt"]
+    # a tiling.json in the folder that is not the estimator's (an earlier run's) is not offered as its tiling
+    from videosparse.veda.estimator import VedaEstimator as Estimator
+
+    (out / "tiling.json").write_text(json.dumps({"layers": [[[2, 8, 8]] * 2] * 2}))
+    est = Estimator.from_pretrained(out)
+    assert "tiling.json" not in est._tiling_hint()
+    (out / "tiling.json").write_text(json.dumps({"layers": est.tile_shapes}))
+    assert "tiling.json" in est._tiling_hint()
 
 
 def test_a_damaged_checkpoint_is_a_clear_error(tmp_path, cache):

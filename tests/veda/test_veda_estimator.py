@@ -299,7 +299,7 @@ def test_tile_mismatch_hint_names_tiling_json_only_when_there_is_one(tmp_path):
     with pytest.raises(ValueError, match=r"tiling=None.*VedaConfig\(tiling=\(8, 4, 4\)\)\)") as err:
         VedaMethod(VedaConfig(density=0.1, estimator=est, tiling=(4, 4, 8)), INFO)
     assert "tiling.json" not in str(err.value)
-    (tmp_path / "est" / "tiling.json").write_text("{}")
+    (tmp_path / "est" / "tiling.json").write_text(json.dumps({"layers": est.tile_shapes}))   # the estimator's own
     with pytest.raises(ValueError, match=f"tiling={str(tmp_path / 'est' / 'tiling.json')!r}"):
         VedaMethod(VedaConfig(density=0.1, estimator=est, tiling=(4, 4, 8)), INFO)
     per_head = make_est(tile_shapes=[[(8, 4, 4), (2, 8, 8), (4, 4, 8)], (8, 4, 4)])

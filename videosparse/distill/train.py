@@ -160,22 +160,21 @@ def _checkpoints(root: Path) -> list[tuple[int, Path]]:
 _RUN_FIELDS = ("seed", "epochs", "max_steps", "learning_rate", "weight_decay", "warmup_steps", "lr_scheduler",
                "gradient_accumulation_steps", "mixed_precision", "init_std", "tiling", "block", "density",
                "cache_dtype")
-# what `run_distillation` writes into output_dir: a folder holding other files is not taken as a run's
-_RUN_FILES = ("distill_config.json", "log.jsonl", CHECKPOINT_DIR, "cache", "model.safetensors", "config.json",
-              "README.md", "metrics.json", "tiling.json")
+# what `run_distillation` writes into output_dir (besides distill_config.json, checkpoints/ and cache/)
+_RUN_FILES = ("log.jsonl", "model.safetensors", "config.json", "README.md", "metrics.json", "tiling.json")
 
 
 def _refuse_other_run(cfg: DistillConfig, out: Path) -> None:
-    """Before anything is written or captured into `out`: a folder that holds files of its own, or (resume on) a
-    checkpoint another run wrote, is refused; train_estimator's own check comes only after the capture, which would
-    already have replaced that run's config and samples. Checks what the config alone decides (training fields,
-    capture settings, prompts); train_estimator compares the samples themselves."""
-    if out.is_dir():
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in _RUN_FILES and not p.name.startswith("."))
-        if foreign and not (out / "distill_config.json").is_file():
-            raise ValueError(f"output_dir={str(out)!r} holds files that are not a distillation run's "
-                             f"({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); use an empty or new "
-                             "folder.")
+    """Before anything is written or captured into `out`: a folder that is not a run's (no distill_config.json) but
+    holds files a run would overwrite, or (resume on) a checkpoint another run wrote, is refused; train_estimator's
+    own check comes only after the capture, which would already have replaced that run's config and samples. Checks
+    what the config alone decides (training fields, capture settings, prompts); train_estimator compares the samples
+    themselves. Other files (a prompts file, a tiling JSON) may share the folder."""
+    if out.is_dir() and not (out / "distill_config.json").is_file():
+        clash = [name for name in _RUN_FILES if (out / name).exists() and name != "tiling.json"]
+        if clash:
+            raise ValueError(f"output_dir={str(out)!r} is not a distillation run's folder but holds "
+                             f"{', '.join(clash)}, which the run would overwrite; use an empty or new folder.")
     found = _checkpoints(out / CHECKPOINT_DIR)
     if not cfg.resume or not found:
         return
@@ -546,12 +545,9 @@ def _save_final(estimator: VedaEstimator, out: Path, cfg: DistillConfig, metrics
     for name in os.listdir(tmp):
         os.replace(tmp / name, out / name)
     shutil.rmtree(tmp, ignore_errors=True)
-    if isinstance(cfg.tiling, str):
-        if Path(cfg.tiling).resolve() != (out / "tiling.json").resolve():
-            shutil.copyfile(cfg.tiling, out / ".tiling.json.tmp")
-            os.replace(out / ".tiling.json.tmp", out / "tiling.json")
-    else:                                   # an earlier run's tiling would be taken for this estimator's
-        (out / "tiling.json").unlink(missing_ok=True)
+    if isinstance(cfg.tiling, str) and Path(cfg.tiling).resolve() != (out / "tiling.json").resolve():
+        shutil.copyfile(cfg.tiling, out / ".tiling.json.tmp")
+        os.replace(out / ".tiling.json.tmp", out / "tiling.json")
     with open(out / ".metrics.json.tmp", "w") as f:
         json.dump(to_jsonable(metrics), f, indent=1, allow_nan=False)       # strict JSON: nan as "nan"
     os.replace(out / ".metrics.json.tmp", out / "metrics.json")

@@ -212,7 +212,13 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
             hint += f", or pass VedaConfig(tiling={shapes.pop()})"
         tiling_file = os.path.join(self.source, "tiling.json") if self.source is not None else None
         if tiling_file is not None and os.path.isfile(tiling_file):
-            hint += f", or VedaConfig(tiling={tiling_file!r}) (the tiling it was distilled with)"
+            try:                                    # named only when it holds the estimator's shapes (a tiling.json
+                with open(tiling_file) as f:        # left by an earlier run into the same folder would not)
+                    same = json.load(f).get("layers") == self.tile_shapes
+            except (OSError, ValueError, AttributeError):
+                same = False
+            if same:
+                hint += f", or VedaConfig(tiling={tiling_file!r}) (the tiling it was distilled with)"
         return hint
 
     # ------------------------------------------------------------------ hub mixin: safetensors only
