@@ -79,6 +79,7 @@ def test_capture_config_list_fields_from_strings():
         with pytest.raises(ValueError, match=match):
             DistillConfig(**bad)
     assert DistillConfig(branches="cond,uncond_stg", guidance_scale=5).guidance_scale == 5
+    assert TilingSearchConfig(branches="pred_cond,pred_uncond").branches == ("pred_cond", "pred_uncond")  # guiders'
     for out in ("newdir/", str(Path(__file__).parent)):
         with pytest.raises(ValueError, match="not a directory"):
             TilingSearchConfig(output=out)
@@ -258,8 +259,7 @@ def test_prompt_files_hold_lines_or_a_json_list(tmp_path):
     lines, listed, broken = tmp_path / "p.txt", tmp_path / "p.json", tmp_path / "bad.json"
     lines.write_text("a cat\n\n  a dog  \n")
     listed.write_text('[\n  "a red circle moving left",\n  "a blue square moving up"\n]\n')
-    broken.write_text('["a cat",\n')
+    broken.write_text('[cinematic] a cat surfing\n[anime] a dog running\n')    # lines that start with "["
     assert read_prompts(str(lines)) == ["a cat", "a dog"]
     assert read_prompts(str(listed)) == ["a red circle moving left", "a blue square moving up"]
-    with pytest.raises(ValueError, match="starts like a JSON list but does not parse"):
-        read_prompts(str(broken))
+    assert read_prompts(str(broken)) == ["[cinematic] a cat surfing", "[anime] a dog running"]

@@ -81,3 +81,19 @@ def test_kernels_without_backward_raise_instead_of_dropping_gradients(forward_on
     assert q.grad is not None and rel_err(out.detach(), ref.detach()) < 1e-6
     with torch.no_grad():
         assert not block_sparse_attention(q, k, v, p, backend=forward_only_backend).requires_grad
+
+
+def test_a_float_scale_traces_under_compile_with_dynamic_floats():
+    """torch 2.13 traces Python floats as SymFloat (specialize_float=False): `scale` passes through unchecked there
+    (the eager check of a finite number would break a fullgraph compile)."""
+    from videosparse.plan import dense_plan
+
+    def attend(q, k, v, scale):
+        return block_sparse_attention(q, k, v, dense_plan(1, 2, 70, key_len=75), scale=scale, backend="reference",
+                                      validate=False)
+
+    q, k, v = torch.randn(1, 2, 70, 32), torch.randn(1, 2, 75, 32), torch.randn(1, 2, 75, 32)
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, dynamic=True, fullgraph=True, backend="aot_eager")
+    for scale in (0.2, 0.3):
+        assert torch.allclose(compiled(q, k, v, scale), attend(q, k, v, scale), atol=1e-6)

@@ -51,9 +51,10 @@ def _tiling(value: Any, block: int) -> Any:
     raise ValueError(f"tiling={value!r} must be (pt, ph, pw) with product block={block}, or a tiling JSON path.")
 
 
-# the names diffusers' pipelines give their guidance branches (`cache_context(...)`), and "default" for a forward
-# outside any
-BRANCHES = ("cond", "uncond", "cond_uncond", "uncond_modality", "uncond_stg", "default")
+# the names diffusers' pipelines give their guidance branches (`cache_context(...)`: the pipelines' own and the
+# guiders' identifiers), and "default" for a forward outside any
+BRANCHES = ("cond", "uncond", "cond_uncond", "uncond_modality", "uncond_stg", "pred_cond", "pred_uncond",
+            "pred_cond_skip", "pred_cond_seg", "pred_cond_stg", "pred_cond_modality", "default")
 
 
 def _finite(name: str, value: Any, minimum: float, *, strict: bool = False, optional: bool = False) -> None:
@@ -138,14 +139,11 @@ def read_prompts(prompts: Union[str, tuple[str, ...]]) -> list[str]:
                              "A plain string is read as a file path, never as a prompt.")
         with open(prompts) as f:
             text = f.read()
-        if text.lstrip().startswith("["):              # a JSON list of prompts in a file
-            try:
-                listed = json.loads(text)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"prompts file {prompts!r} starts like a JSON list but does not parse "
-                                 f"({err}).") from None
-            if not isinstance(listed, list) or not listed or not all(isinstance(p, str) and p.strip() for p in listed):
-                raise ValueError(f"prompts file {prompts!r} holds JSON that is not a non-empty list of prompts.")
+        try:                                            # a JSON list of prompts in a file
+            listed = json.loads(text) if text.lstrip().startswith("[") else None
+        except json.JSONDecodeError:
+            listed = None                               # lines that start with "[" ("[anime] a dog running")
+        if isinstance(listed, list) and listed and all(isinstance(p, str) and p.strip() for p in listed):
             return [p.strip() for p in listed]
         lines = [line.strip() for line in text.splitlines() if line.strip()]
         if not lines:

@@ -81,7 +81,10 @@ def block_sparse_attention(
 
 
 def _softmax_scale(scale) -> float:
-    """`scale` as a finite Python float (a 0-dim tensor or numpy scalar too: the kernels take a number)."""
+    """`scale` as a finite Python float (a 0-dim tensor or numpy scalar too: the kernels take a number). Under
+    torch.compile a float or SymFloat passes as it is (a check there would break the graph)."""
+    if torch.compiler.is_compiling() and isinstance(scale, (float, torch.SymFloat)):
+        return scale
     try:
         value = None if isinstance(scale, (str, bytes, bool)) else float(scale)
     except (TypeError, ValueError, RuntimeError):
