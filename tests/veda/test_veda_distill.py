@@ -198,6 +198,26 @@ def test_killed_then_resumed_run_equals_uninterrupted(tmp_path, cache):
     assert "tiling.json" in est._tiling_hint()
 
 
+def test_a_run_of_the_version_before_the_heat_dtype_was_recorded_resumes_without_recapture(tmp_path, cache):
+    """Done-markers and checkpoints written before the heat dtype joined the capture and run keys: the markers match
+    when their samples hold heat of the configured dtype, so nothing is captured again, and the run resumes."""
+    out = with_cache(tmp_path / "run", cache)
+    run_distillation(make_cfg(out, max_steps=4))
+    for marker in (out / "cache").glob("*.done"):
+        old = json.loads(marker.read_text())
+        del old["heat_dtype"]
+        marker.write_text(json.dumps(old))
+    state_file = out / "checkpoints" / "step_00000004" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    del state["run"]["cache_dtype"]
+    for capture in state["run"]["captures"]:
+        del capture["heat_dtype"]
+    state_file.write_text(json.dumps(state))
+    samples = {p: p.read_bytes() for p in (out / "cache").glob("*.safetensors")}
+    assert run_distillation(make_cfg(out, max_steps=4)).resumed_from == out / "checkpoints" / "step_00000004"
+    assert {p: p.read_bytes() for p in samples} == samples
+
+
 def test_a_damaged_checkpoint_is_a_clear_error(tmp_path, cache):
     """Checkpoints are written atomically, but a folder damaged afterwards (a truncated file, a hand edit) must not
     end in a library traceback: the error names the folder and the ways out, and resume=False still starts over."""

@@ -179,12 +179,25 @@ def _capture_key(cfg: CaptureConfig, prompt: str, block: int, tiles_for_layer: T
                                   "tiles": tiles, "heat_dtype": str(heat_dtype).removeprefix("torch.")}))
 
 
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
 def _marker_matches(cache: Path, index: int, key: dict) -> bool:
-    """True when prompt `index` was captured with exactly `key` (an empty or older marker does not match)."""
+    """True when prompt `index` was captured with exactly `key` (an empty or other marker does not match). A marker
+    written before the heat dtype was recorded matches when the rest does and its samples hold heat of that dtype."""
     marker = cache / f"p{index:05d}.done"
     try:
-        return json.loads(marker.read_text()) == key
-    except (OSError, ValueError):
+        stored = json.loads(marker.read_text())
+        if isinstance(stored, dict) and "heat_dtype" not in stored and "heat_dtype" in key:
+            sample = next(iter(sorted(cache.glob(f"p{index:05d}_s*.safetensors"))), None)
+            if sample is None or stored != {k: v for k, v in key.items() if k != "heat_dtype"}:
+                return False
+            from safetensors import safe_open
+
+            with safe_open(str(sample), framework="pt") as f:
+                return f.get_slice("heat.0").get_dtype() == _SAFETENSORS_DTYPES.get(key["heat_dtype"])
+        return stored == key
+    except (OSError, ValueError, KeyError, StopIteration):
         return False
 
 

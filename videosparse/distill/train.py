@@ -353,10 +353,12 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
         except (OSError, ValueError) as e:
             raise _damaged(resumed_from, TRAINER_STATE, e) from None
         expected = run_key
+        if isinstance(st.get("run"), dict) and "cache_dtype" not in st["run"]:   # written before it was recorded:
+            expected = {k: v for k, v in expected.items() if k != "cache_dtype"}  # the markers hold the heat dtype
         if "captures" not in st.get("run", {}):     # written before the capture check: compare what it recorded
             logger.warning("checkpoint %s predates the capture check; resuming it assumes its samples are these",
                            resumed_from)
-            expected = {k: v for k, v in run_key.items() if k != "captures"}
+            expected = {k: v for k, v in expected.items() if k != "captures"}
         if st.get("run") != expected:
             written = st.get("run", {})
             diff = sorted(k for k in set(expected) | set(written) if expected.get(k) != written.get(k))
