@@ -114,3 +114,43 @@ def test_remove_keeps_model_cpu_offload_enabled_after_apply(monkeypatch):
     pipe.remove_all_hooks()
     np.testing.assert_array_equal(_run(pipe), reference)
     assert session.calls == calls and again.calls > 0 and "_old_forward" not in vars(tr)
+
+
+def test_model_cpu_offload_before_apply_keeps_the_context_hook_across_calls():
+    """enable_model_cpu_offload() before apply (the usual order): diffusers removes and re-adds the offload hooks after
+    every pipeline call, which put back the forward accelerate saved before apply and dropped the context hook from
+    the second call on (no dense first step, the previous call's grid). The hook sits inside the offload hook now:
+    every call counts its steps and grid, and gives what the same config gives without offloading."""
+    plain = _pipe()
+    videosparse.apply(plain, videosparse.VedaConfig(density=0.5, dense_steps=1))
+    sizes = [dict(height=64, width=96), dict(height=96, width=64)]
+    want = [plain(**{**KW, **size}, generator=torch.Generator().manual_seed(0)).frames for size in sizes]
+    pipe = _pipe()
+    pipe.enable_model_cpu_offload(device="cpu")
+    session = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, dense_steps=1))["transformer"]
+    for size, frames in zip(sizes, want):
+        calls, dense = session.calls, session.stats()["dense_calls"]
+        np.testing.assert_array_equal(pipe(**{**KW, **size}, generator=torch.Generator().manual_seed(0)).frames, frames)
+        assert session.calls - calls == BRANCHES * STEPS and session.stats()["dense_calls"] - dense == DENSE_CALLS
+    videosparse.remove(pipe)
+    calls = session.calls
+    np.testing.assert_array_equal(_run(pipe), _run(_pipe()))
+    assert session.calls == calls
+
+
+def test_remove_under_a_hook_registered_after_the_offload_hook():
+    """apply -> offload -> a root hook of diffusers' registry (as SeaCache / TaylorSeer register) -> remove: the
+    removed context hook does not run again, the offload hook still does, the output is dense again."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    pipe = _pipe()
+    reference = _run(pipe)
+    session = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, dense_steps=1))["transformer"]
+    pipe.enable_model_cpu_offload(device="cpu")
+    HookRegistry.check_if_exists_or_initialize(pipe.transformer).register_hook(ModelHook(), "user_root_hook")
+    _run(pipe)
+    videosparse.remove(pipe)
+    calls = session.calls
+    np.testing.assert_array_equal(_run(pipe), reference)
+    np.testing.assert_array_equal(_run(pipe), reference)
+    assert session.calls == calls and getattr(pipe.transformer, "_hf_hook", None) is not None

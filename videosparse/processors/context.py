@@ -500,10 +500,26 @@ class SparseContextHook(ModelHook):
 
 
 def register_context_hook(transformer: torch.nn.Module, session: SparseSession, grid_fn) -> None:
+    """Register the context hook in the transformer's diffusers hook registry.
+
+    With accelerate's offload hook already on the transformer (`enable_model_cpu_offload` before `apply`), the context
+    hook goes inside it, around the forward accelerate saved in `_old_forward`: after every pipeline call diffusers
+    (`maybe_free_model_hooks`) removes and re-adds the offload hooks, which puts that saved forward back as `forward`
+    and would drop a hook wrapped around the outside.
+    """
     registry = HookRegistry.check_if_exists_or_initialize(transformer)
     hook = SparseContextHook(session, grid_fn)
-    registry.register_hook(hook, CONTEXT_HOOK)
-    hook.installed_forward = transformer.__dict__.get("forward")      # the registry's wrapper around our hook
+    offload = getattr(transformer, "_hf_hook", None) is not None and "_old_forward" in transformer.__dict__
+    outer = transformer.__dict__.get("forward")
+    if offload:
+        transformer.forward = transformer._old_forward
+    try:
+        registry.register_hook(hook, CONTEXT_HOOK)
+    finally:
+        hook.installed_forward = transformer.__dict__.get("forward")     # the registry's wrapper around our hook
+        if offload:
+            transformer._old_forward = hook.installed_forward
+            transformer.forward = outer
 
 
 def _pass_through_pre(module, *args, **kwargs):
@@ -517,28 +533,35 @@ def _pass_through_post(module, output):
 def remove_context_hook(transformer: torch.nn.Module) -> bool:
     """Take the context hook out of the transformer's hook registry; returns whether `forward` was left as it is.
 
-    diffusers' `remove_hook` puts the forward from before the hook back on the module when the hook is the
-    registry's last, which would drop a wrapper set on `forward` since `apply` (accelerate's offload hook from
-    `enable_model_cpu_offload`, which calls the wrapper it found, ours, through `_old_forward`). Then the hook's
-    link in that chain becomes a pass-through and leaves the registry, and `forward` stays; accelerate's saved
-    forward is pointed past it, so removing accelerate's hook later restores the original forward.
+    When nothing wrapped the hook since it was registered, diffusers' `remove_hook` does it (and puts the forward from
+    before the hook back). Otherwise something holds the registry's wrapper around it (accelerate's `_old_forward`,
+    the offload hook's saved forward; a wrapper set on `forward`): the hook's link in that chain becomes a
+    pass-through and leaves the registry, the references we know of (`_old_forward`, the next hook's link) are
+    pointed past it, and `forward` stays.
     """
     registry = getattr(transformer, "_diffusers_hook", None)
     hook = registry.get_hook(CONTEXT_HOOK) if registry is not None else None
     if hook is None:
         return False
     ours = getattr(hook, "installed_forward", None)
-    if registry._hook_order[-1] != CONTEXT_HOOK or ours is None or transformer.__dict__.get("forward") is ours:
-        registry.remove_hook(CONTEXT_HOOK, recurse=False)
-        return False
     index = registry._hook_order.index(CONTEXT_HOOK)
+    last = index == len(registry._hook_order) - 1
+    holder = transformer.__dict__.get("forward") if last else registry._fn_refs[index + 1].forward
+    if ours is None or (holder is ours and getattr(transformer, "_old_forward", None) is not ours):
+        registry.remove_hook(CONTEXT_HOOK, recurse=False)        # the one reference diffusers repoints is the only one
+        return False
     link = registry._fn_refs[index]
     link.pre_forward, link.post_forward = _pass_through_pre, _pass_through_post
     before = link.original_forward if link.original_forward is not None else link.forward
+    if not last and registry._fn_refs[index + 1].forward is ours:
+        registry._fn_refs[index + 1].forward = before
     if getattr(transformer, "_old_forward", None) is ours:
         transformer._old_forward = before
+    restored = transformer.__dict__.get("forward") is ours
+    if restored:
+        transformer.forward = before
     hook.deinitalize_hook(transformer)                           # as diffusers' remove_hook does (sic)
     del registry.hooks[CONTEXT_HOOK]
     registry._hook_order.pop(index)
     registry._fn_refs.pop(index)
-    return True
+    return not restored
