@@ -124,7 +124,9 @@ def test_non_finite_values_stay_in_their_head(backend, S, D, correction):
     ref, ref_lse = reference_attention(q, k, v, plan, D ** -0.5, return_lse=True)
     for b, h in ((0, 0), (0, 2)):               # the heads right before a poisoned one
         rows = torch.arange(S, device=dev) != 5 if (b, h) == (0, 0) else slice(None)
-        assert torch.isfinite(out[b, h, rows]).all() and rel_err(out[b, h, rows], ref[b, h, rows]) < TOL[torch.bfloat16]
+        bad = (~torch.isfinite(out[b, h, rows])).any(-1).nonzero().flatten()
+        assert bad.numel() == 0, f"head {(b, h)}: {bad.numel()} non-finite rows, first {bad[:8].tolist()}"
+        assert rel_err(out[b, h, rows], ref[b, h, rows]) < TOL[torch.bfloat16]
     assert lse[0, 0, 5].isnan() and ref_lse[0, 0, 5].isnan() and out[0, 0, 5].isnan().all()
 
 
