@@ -39,3 +39,37 @@ def test_a_backend_module_without_the_named_object_counts_as_unavailable(monkeyp
 
     monkeypatch.setitem(dispatch._REGISTRY, "gone", "videosparse.kernels.dispatch:NO_SUCH_BACKEND")
     assert get_backend("gone") is None
+
+
+def test_the_triton_hopper_kernel_runs_by_name_only(monkeypatch):
+    """Preempted (another process on the GPU), the Triton Hopper kernel's automatic warp specialization gave NaN rows
+    on the H200 (scripts/probe_preemption.py): auto never takes it, "triton" takes it after the generic kernel (which
+    accepts all it does), and its name still reaches it, with one warning per process."""
+    import warnings
+
+    from videosparse.kernels import dispatch, triton_hopper
+
+    assert "hopper" not in dispatch.AUTO_ORDER
+    assert dispatch.AUTO_ORDER.index("gluon_hopper") < dispatch.AUTO_ORDER.index("triton_generic")
+    assert dispatch.TRITON_BACKENDS.index("triton_generic") < dispatch.TRITON_BACKENDS.index("hopper")
+    monkeypatch.setattr(triton_hopper, "INTERPRETED", False)
+    monkeypatch.setattr(triton_hopper.HopperBackend, "warned", False)
+    monkeypatch.setattr(triton_hopper, "hopper_attention", lambda *args: "hopper ran")
+    with pytest.warns(RuntimeWarning, match="returns NaN rows when the GPU preempts it"):
+        assert get_backend("hopper")(None, None, None, None, 0.1, False) == "hopper ran"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert get_backend("hopper")(None, None, None, None, 0.1, False) == "hopper ran"
+
+
+def test_register_backend_by_name_only(monkeypatch):
+    from videosparse.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "AUTO_ORDER", list(dispatch.AUTO_ORDER))
+    monkeypatch.setattr(dispatch, "_REGISTRY", dict(dispatch._REGISTRY))
+    dispatch.register_backend("named_only", get_backend("reference"), auto=False)
+    assert "named_only" not in dispatch.AUTO_ORDER
+    q = torch.randn(1, 1, 10, 8)
+    assert select_backend(q, q, q, random_plan(1, 1, 10, 64, 64, 1.0), "named_only").name == "reference"
+    dispatch.register_backend("named_only", get_backend("reference"))      # registered again for auto: it joins
+    assert dispatch.AUTO_ORDER.index("named_only") == dispatch.AUTO_ORDER.index("reference") - 1

@@ -169,8 +169,8 @@ def test_gluon_backend_declines_cpu_and_unsupported_inputs_with_reasons():
 
 def test_gluon_backend_falls_back_when_a_newer_triton_cannot_compile_it(monkeypatch):
     """Gluon's API has changed with every Triton release: on a Triton newer than the newest the kernel was checked
-    on, a compile error warns once and runs the Triton Hopper kernel, and the backend declines from then on; on a
-    checked Triton it is a bug of the kernel and raises."""
+    on, a compile error warns once and runs the generic Triton kernel (not the Triton Hopper one, unsafe when
+    preempted), and the backend declines from then on; on a checked Triton it is a bug of the kernel and raises."""
     import warnings
 
     import torch
@@ -184,7 +184,7 @@ def test_gluon_backend_falls_back_when_a_newer_triton_cannot_compile_it(monkeypa
 
     assert gluon_hopper.triton_version() == tuple(int(p) for p in triton.__version__.split(".")[:2])
     monkeypatch.setattr(gluon_hopper, "gluon_attention", broken)
-    monkeypatch.setattr(gluon_hopper, "hopper_attention", lambda *args, **kwargs: "hopper ran")
+    monkeypatch.setattr(gluon_hopper, "generic_attention", lambda *args, **kwargs: "generic ran")
     backend, q, plan = gluon_hopper.GluonHopperBackend(), torch.zeros(1, 1, 128, 128), dense_plan(1, 1, 128)
     monkeypatch.setattr(gluon_hopper, "triton_version", lambda: gluon_hopper.NEWEST_CHECKED_TRITON)
     with pytest.raises(triton.CompilationError):
@@ -192,13 +192,13 @@ def test_gluon_backend_falls_back_when_a_newer_triton_cannot_compile_it(monkeypa
     monkeypatch.setattr(gluon_hopper, "triton_version", lambda: (3, 10))
     gluon_hopper.probe_kernel("auto", "cpu", torch.float32, 1, 64, 64, False)
     with pytest.warns(RuntimeWarning, match=r"does not compile on Triton .* newer than the 3\.9 .*has no attribute "
-                                            r"'barrier'.*the Triton Hopper kernel runs instead"):
-        assert backend(q, q, q, plan, 0.1, False) == "hopper ran"
+                                            r"'barrier'.*the generic Triton kernel runs instead"):
+        assert backend(q, q, q, plan, 0.1, False) == "generic ran"
     assert any("does not compile on Triton" in why for why in backend.not_supported_reasons(q, q, q, plan))
     assert gluon_hopper.probe_kernel.cache_info().currsize == 0      # sessions re-ask which backend serves them
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert backend(q, q, q, plan, 0.1, False) == "hopper ran"
+        assert backend(q, q, q, plan, 0.1, False) == "generic ran"
     assert gluon_hopper.BACKEND.compile_failure is None       # the registry's instance is untouched
 
 

@@ -1,8 +1,9 @@
 """Block-sparse attention kernels and their dispatch.
 
 `block_sparse_attention(q, k, v, plan)` runs a `Plan` on the best backend for the inputs:
-Hopper Gluon kernel (explicit warp-specialized schedule, 128x128 tiles) -> Hopper Triton kernel (TMA +
-automatic warp specialization) -> generic Triton kernel -> torch reference.
+Hopper Gluon kernel (explicit warp-specialized schedule, 128x128 tiles) -> generic Triton kernel -> torch reference.
+The Hopper Triton kernel (TMA + Triton's automatic warp specialization) runs only when asked for by name: on Triton
+3.6 it returns NaN rows for the items in flight when the GPU preempts it (another process sharing the GPU).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from .reference import reference_attention
 __all__ = ["block_sparse_attention", "reference_attention", "register_backend", "select_backend"]
 
 # Triton backends, imported on first use (the package imports without triton). Auto order:
-# gluon_hopper -> hopper -> triton_generic -> reference; backend="triton" tries them in that order
-# (on CPU, under TRITON_INTERPRET=1, gluon_hopper declines: Gluon has no interpreter).
+# gluon_hopper -> triton_generic -> reference; backend="triton" tries gluon_hopper -> triton_generic -> hopper
+# (on CPU, under TRITON_INTERPRET=1, gluon_hopper declines: Gluon has no interpreter). "hopper" stays out of auto:
+# preempted, its automatic warp specialization gives NaN (triton_hopper.py; scripts/probe_preemption.py).
 register_backend("gluon_hopper", "videosparse.kernels.gluon_hopper:BACKEND", before="reference", triton=True)
-register_backend("hopper", "videosparse.kernels.triton_hopper:BACKEND", before="reference", triton=True)
 register_backend("triton_generic", "videosparse.kernels.triton_generic:BACKEND", before="reference", triton=True)
+register_backend("hopper", "videosparse.kernels.triton_hopper:BACKEND", triton=True, auto=False)
 
 
 def block_sparse_attention(

@@ -85,15 +85,18 @@ AUTO_ORDER: list[str] = ["reference"]
 TRITON_BACKENDS: list[str] = []
 
 
-def register_backend(name: str, target: str | Backend, *, before: str | None = "reference", triton: bool = False) -> None:
+def register_backend(name: str, target: str | Backend, *, before: str | None = "reference", triton: bool = False,
+                     auto: bool = True) -> None:
     """Register a backend under `name` (an instance, or "module:attr" imported lazily).
 
-    It is inserted in the auto order before `before` (None appends).
+    It is inserted in the auto order before `before` (None appends); with auto=False only its name (and, with
+    triton=True, `backend="triton"` after the Triton backends registered before it) reaches it.
     """
     _REGISTRY[name] = target
     if name in AUTO_ORDER:
         AUTO_ORDER.remove(name)
-    AUTO_ORDER.insert(AUTO_ORDER.index(before) if before in AUTO_ORDER else len(AUTO_ORDER), name)
+    if auto:
+        AUTO_ORDER.insert(AUTO_ORDER.index(before) if before in AUTO_ORDER else len(AUTO_ORDER), name)
     if triton and name not in TRITON_BACKENDS:
         TRITON_BACKENDS.append(name)
 

@@ -51,7 +51,8 @@ from ._triton_utils import (COMPILE_OPTIONS, LOG2E, aot_seq_len, correction_inpu
                             launch_signature)
 from .probe import probe_kernel
 from .tail_split import AUTO_MIN_SAVED, combine_parts, tail_split
-from .triton_hopper import HopperBackend, hopper_attention
+from .triton_generic import generic_attention
+from .triton_hopper import HopperBackend
 
 HALF_M = 64            # query rows per consumer warpgroup
 BLOCK_M = 2 * HALF_M   # query rows per work item (two consumer warpgroups)
@@ -794,7 +795,8 @@ class GluonHopperBackend(HopperBackend):
 
     name = "gluon_hopper"
     # set when the kernel failed to compile on a Triton newer than NEWEST_CHECKED_TRITON: the backend then declines,
-    # and the call that found it ran the Triton Hopper kernel
+    # and the call that found it ran the generic Triton kernel (not the Triton Hopper one: see triton_hopper.py on
+    # preemption)
     compile_failure: str | None = None
 
     def not_supported_reasons(self, q, k, v, plan: Plan) -> list[str]:
@@ -820,10 +822,10 @@ class GluonHopperBackend(HopperBackend):
                 self.compile_failure = (f"does not compile on Triton {triton.__version__}, newer than the "
                                         f"{'.'.join(map(str, NEWEST_CHECKED_TRITON))} it was checked on "
                                         f"({str(err).strip().splitlines()[-1]})")
-                warnings.warn(f"videosparse: the Gluon Hopper kernel {self.compile_failure}; the Triton Hopper kernel "
-                              "runs instead (a few percent slower).", RuntimeWarning, stacklevel=2)
+                warnings.warn(f"videosparse: the Gluon Hopper kernel {self.compile_failure}; the generic Triton kernel "
+                              "runs instead (about 1.4x the time on the H200).", RuntimeWarning, stacklevel=2)
                 probe_kernel.cache_clear()      # sessions report the backend that serves their inputs from now on
-        return hopper_attention(q, k, v, plan, scale, return_lse)
+        return generic_attention(q, k, v, plan, scale, return_lse)
 
 
 def triton_version() -> tuple[int, int]:

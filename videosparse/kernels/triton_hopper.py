@@ -26,9 +26,19 @@ kernel and the correction as its own launch.
 Descriptors are created on the device (`tl.make_tensor_descriptor`, workspace from
 `triton.set_allocator`): host-side TensorDescriptors together with warp specialization crash the
 sm_90 compiler in Triton 3.6. num_warps must stay 4 (8 silently disables warp specialization).
+
+Preemption (measured on the H200 with Triton 3.6, `scripts/probe_preemption.py`): while another process uses the GPU
+(one process running matmuls is enough), this kernel with warp specialization returns NaN rows on finite inputs:
+every program goes wrong at the same place of its persistent loop (its 5th item at 2 stages, its 3rd at 1), and
+kernels shorter than a couple of milliseconds escape, which points to the driver's time slicing preempting it.
+Without warp specialization it stays exact, as do the Gluon kernel (its own warp-specialized schedule) and the
+generic kernel. So `backend="auto"` never picks this kernel and `backend="hopper"` warns once. Cause not found: the
+compiler's partitions and barriers read correct in the TTGIR.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import triton
@@ -309,9 +319,10 @@ MAX_WS_STAGES = 2
 
 
 class HopperBackend:
-    """Backend object for the dispatch registry ("hopper")."""
+    """Backend object for the dispatch registry ("hopper"): by name only (see the module docstring, Preemption)."""
 
     name = "hopper"
+    warned = False
 
     def not_supported_reasons(self, q, k, v, plan: Plan) -> list[str]:
         why = []
@@ -329,6 +340,11 @@ class HopperBackend:
         return why
 
     def __call__(self, q, k, v, plan: Plan, scale: float, return_lse: bool):
+        if not (INTERPRETED or HopperBackend.warned):
+            HopperBackend.warned = True
+            warnings.warn("videosparse: backend 'hopper' (the Triton Hopper kernel, automatic warp specialization) "
+                          "returns NaN rows when the GPU preempts it, e.g. while another process uses the GPU; "
+                          "backend='auto' runs the Gluon or the generic kernel instead.", RuntimeWarning, stacklevel=2)
         return hopper_attention(q, k, v, plan, scale, return_lse)
 
 
