@@ -29,7 +29,7 @@ sm_90 compiler in Triton 3.6. num_warps must stay 4 (8 silently disables warp sp
 
 Preemption (measured on the H200 with Triton 3.6, `scripts/probe_preemption.py`): while another process uses the GPU
 (one process running matmuls is enough), this kernel with warp specialization returns NaN rows on finite inputs:
-every program goes wrong at the same place of its persistent loop (its 5th item at 2 stages, its 3rd at 1), and
+every program goes wrong at the same one or two items of its persistent loop (4th-5th at 2 stages, 3rd-4th at 1);
 kernels shorter than a couple of milliseconds escape, which points to the driver's time slicing preempting it.
 Without warp specialization it stays exact, as do the Gluon kernel (its own warp-specialized schedule) and the
 generic kernel. So `backend="auto"` never picks this kernel and `backend="hopper"` warns once. Cause not found: the
