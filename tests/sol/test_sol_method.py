@@ -69,6 +69,33 @@ def test_tau_config_is_used_as_given_and_correction_flag():
     assert not plan.has_correction and plain.calibrations() == {}
 
 
+@pytest.mark.parametrize("tau", [1e39, 1e300, -1e300])
+def test_a_finite_tau_past_float32_keeps_the_band(tau):
+    """A Python float past fp32's range rounded to +inf against the fp32 z-scores, and +inf > +inf dropped the forced
+    band: empty rows, all-zero output without the correction (review find). τ is clamped to z's range."""
+    layout = head_tiling((8, 8, 16), (4, 4, 4), 2, block=64)
+    q, k, v = _inputs(layout)
+    N = layout.num_tiles
+    i = torch.arange(N)
+    band = (i[:, None] - i[None]).abs() <= 1
+    plan = SolMethod(SolConfig(block=64, tau=tau, correction=False), INFO).plan(q, k, v, layout, 0)
+    mask = plan.to_dense_mask(N)
+    assert mask[..., band].all() and bool((plan.kv_count > 0).all())
+    assert torch.equal(mask, band.expand_as(mask)) if tau > 0 else bool(mask.all())
+
+
+@pytest.mark.parametrize("backend", ["gluon_hopper", "hopper", "triton_generic"])
+def test_a_kernel_named_alone_plans_as_auto(backend):
+    """SolConfig(backend=<one kernel>) indexed a table of auto / triton / reference and raised KeyError on its first
+    plan (review find); the centroids follow "auto" for a kernel named alone, as Veda's preparation does."""
+    layout = head_tiling((4, 8, 16), (4, 4, 4), 2, block=64)
+    q, k, v = _inputs(layout)
+    ref = SolMethod(SolConfig(block=64, tau=0.5), INFO).plan(q, k, v, layout, 0)
+    plan = SolMethod(SolConfig(block=64, tau=0.5, backend=backend), INFO).plan(q, k, v, layout, 0)
+    assert torch.equal(plan.to_dense_mask(layout.num_tiles), ref.to_dense_mask(layout.num_tiles))
+    assert torch.equal(plan.k_mean, ref.k_mean)
+
+
 def test_plan_runs_on_reference_and_correction_matches_naive():
     from helpers import naive_attention, rel_err
 

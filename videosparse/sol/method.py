@@ -16,8 +16,9 @@ from .threshold import calibrate_tau, forced_pairs, routing_zscores, sol_plan_fr
 
 logger = logging.getLogger(__name__)
 
-# SolConfig.backend names the attention kernel; the centroid kernel follows it ("reference" = torch).
-_CENTROID_BACKEND = {"auto": "auto", "triton": "triton", "reference": "torch"}
+# SolConfig.backend names the attention kernel; the centroid kernel follows it ("reference" = torch; a kernel named
+# alone, e.g. "triton_generic", leaves the centroids to "auto" as Veda's preparation does).
+_CENTROID_BACKEND = {"triton": "triton", "reference": "torch"}
 
 
 class SolMethod(SparseMethod):
@@ -133,7 +134,8 @@ class SolMethod(SparseMethod):
                 f"layout has {Mv} video + {G} global tiles but q has {S} tokens = {N} tiles of {block} "
                 f"(layer {layer}); the layout's block must equal SolConfig.block={block}."
             )
-        q_mean, k_mean, v_sum, tile_len = tile_stats(q, k, v, block, backend=_CENTROID_BACKEND[cfg.backend])
+        centroid_backend = _CENTROID_BACKEND.get(cfg.backend, "auto")
+        q_mean, k_mean, v_sum, tile_len = tile_stats(q, k, v, block, backend=centroid_backend)
         z = routing_zscores(q_mean[:, :, :Mv], k_mean[:, :, :Mv], 1.0 / math.sqrt(D), cfg.band)
         key = (H, S, D, Mv, G, layout.grid)
         tau = self.tau(z, layout, layer, key, state)

@@ -231,9 +231,12 @@ def sol_mask(z: torch.Tensor, tau: float | torch.Tensor, num_global_tiles: int) 
 
     Args:
         z: fp32 [B, H, Mv, Mv] from `routing_zscores`.
-        tau: the threshold in standard deviations (float or 0-dim tensor).
+        tau: the threshold in standard deviations (float or 0-dim tensor); any finite τ keeps the forced pairs
+            (z = +inf): τ is clamped to z's finite range, where a Python float past it would round to +inf.
         num_global_tiles: G; N = Mv + G.
     """
+    top = torch.finfo(z.dtype).max
+    tau = tau.clamp(-top, top) if isinstance(tau, torch.Tensor) else min(max(float(tau), -top), top)
     video = z > tau
     G = num_global_tiles
     if G == 0:
