@@ -246,6 +246,8 @@ class ProcessorTesterMixin:
         tr = self.make_transformer()
         with pytest.raises(TypeError, match="not a videosparse config"):
             videosparse.apply(tr, {"density": 0.1})
+        with pytest.raises(TypeError, match=r"the class VedaConfig; pass an instance, e.g. VedaConfig\(\)"):
+            videosparse.apply(tr, videosparse.VedaConfig)
         assert sessions(tr) == {}
 
 

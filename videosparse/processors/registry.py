@@ -351,6 +351,8 @@ def check_config(config) -> str | None:
     for cls in type(config).__mro__:
         if cls in METHODS:
             return METHODS[cls]
+    if isinstance(config, type) and any(issubclass(config, c) for c in METHODS):
+        raise TypeError(f"config is the class {config.__name__}; pass an instance, e.g. {config.__name__}().")
     raise TypeError(
         f"config of type {type(config).__name__} is not a videosparse config; use one of "
         f"{', '.join(c.__name__ for c in METHODS)}."
