@@ -32,6 +32,11 @@ from .registry import check_config, make_method, model_info, model_spec, registe
 logger = logging.getLogger("videosparse")
 
 SESSION_ATTR = "_videosparse_session"
+# Under torch.compile each new video grid (resolution, frame count) or batch shape adds up to four variants of the
+# compiled forward or repeated block (dense and sparse steps, Sol's calibration call, dense layers) where stock adds at
+# most one; at Dynamo's default recompile limit of 8 the third or fourth shape ran eagerly from then on (with a
+# warning), or raised under fullgraph=True. `apply` raises the limit to this (never lowers it; a global setting).
+MIN_RECOMPILE_LIMIT = 64
 _SNAPSHOT_ATTR = "_videosparse_snapshot"
 
 __all__ = ["apply", "remove", "make_processors", "observe", "sessions", "register_model", "AttentionRecord",
@@ -221,7 +226,19 @@ def apply(pipe_or_transformer, config) -> dict[str, SparseSession]:
         for transformer in applied:
             _restore(transformer)
         raise
+    _raise_recompile_limit()
     return {name: getattr(t, SESSION_ATTR) for name, t in transformers.items()}
+
+
+def _raise_recompile_limit() -> None:
+    """Dynamo's per-code-object recompile limit to at least `MIN_RECOMPILE_LIMIT` (see there)."""
+    dynamo_config = torch._dynamo.config
+    if dynamo_config.recompile_limit < MIN_RECOMPILE_LIMIT:
+        logger.info("videosparse: torch._dynamo.config.recompile_limit %d -> %d (each new video shape compiles up to 4 "
+                    "variants)", dynamo_config.recompile_limit, MIN_RECOMPILE_LIMIT)
+        dynamo_config.recompile_limit = MIN_RECOMPILE_LIMIT
+        dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit,
+                                                        4 * MIN_RECOMPILE_LIMIT)
 
 
 def _restore(transformer: torch.nn.Module) -> SparseSession | None:
