@@ -67,11 +67,24 @@ def test_head_tiling_round_trip_mixed_shapes():
         (dict(grid=(2, 2, 2), tile=(4, 4, 4), block=128), "product equals block"),
         (dict(grid=(0, 2, 2), tile=(4, 4, 8)), "positive"),
         (dict(grid=(2, 2, 2), text_len=3, text_position="middle"), "text_position"),
+        (dict(grid=(2, 2, 2), text_len=2.5), "text_len=2.5 must be an int"),
     ],
 )
 def test_bad_layouts(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TileLayout(**kwargs)
+
+
+def test_head_tilings_refuse_what_they_cannot_serve():
+    """Review finds: a strided head selection returned every head's shape; a per-head tiling's scatter raised torch's
+    "expanded size" error for a wrong token or head count."""
+    ht = head_tiling((4, 4, 4), [(1, 4, 4), (4, 4, 1), (1, 4, 4), (4, 4, 1)], 4, 16)
+    assert ht.select_heads(slice(1, 3)).tiles == ((4, 4, 1), (1, 4, 4))
+    with pytest.raises(ValueError, match="contiguous run of heads"):
+        ht.select_heads(slice(0, 4, 2))
+    for shape in ((1, 4, ht.seq_len - 1, 8), (1, 3, ht.seq_len, 8)):
+        with pytest.raises(ValueError, match=r"expected \(B, 4, 64, D\)"):
+            ht.scatter(torch.zeros(shape))
 
 
 @pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 128), (torch.float16, 64), (torch.float32, 12), (torch.bfloat16, 6)])

@@ -278,6 +278,11 @@ def test_correction_tensors_are_checked():
     tile_len[1] = 0                      # a zero-length tile would still count once (lengths are clamped to 1)
     with pytest.raises(ValueError, match="tile_len values must be >= 1"):
         Plan(plan.kv_index, plan.kv_count, k_mean=k_mean, v_sum=v_sum, tile_len=tile_len).validate(q, q)
+    for tile, tokens in ((0, 400), (2, 128)):     # more than a tile has; the last of 300 keys holds 44 (review find)
+        tile_len = plan.tile_len.clone()
+        tile_len[tile] = tokens
+        with pytest.raises(ValueError, match="more tokens than a key tile has"):
+            Plan(plan.kv_index, plan.kv_count, k_mean=k_mean, v_sum=v_sum, tile_len=tile_len).validate(q, q)
 
 
 def test_plan_to_moves_every_tensor_and_keeps_dtypes_and_fields():

@@ -85,8 +85,8 @@ class TileLayout:
             raise ValueError(
                 f"tile={self.tile!r} must be three positive ints whose product equals block={self.block}."
             )
-        if self.text_len < 0:
-            raise ValueError(f"text_len={self.text_len} must be >= 0.")
+        if isinstance(self.text_len, (bool, float)) or self.text_len < 0:
+            raise ValueError(f"text_len={self.text_len!r} must be an int >= 0.")
         if self.text_position not in TEXT_POSITIONS:
             raise ValueError(f"text_position={self.text_position!r} must be one of {TEXT_POSITIONS}.")
         object.__setattr__(self, "grid", grid)
@@ -264,6 +264,8 @@ class HeadTiling:
 
     def select_heads(self, heads: slice) -> "HeadTiling":
         """The tiling of heads `heads` only (one rank's heads under Ulysses context parallelism), cached."""
+        if heads.step not in (None, 1):
+            raise ValueError(f"heads={heads!r}: select a contiguous run of heads (step 1).")
         key = ("heads", heads.start, heads.stop)
         if key not in self._device_cache:
             self._device_cache[key] = HeadTiling(self.grid, self.tiles[heads], self.block, self.text_len,
@@ -306,6 +308,9 @@ class HeadTiling:
         """(B, H, S, D) per-head tile order -> (B, S, H, D) original order."""
         if self.uniform:
             return self.first.scatter(y)
+        if y.dim() != 4 or y.shape[1] != len(self.tiles) or y.shape[2] != self.seq_len:
+            raise ValueError(f"y has shape {tuple(y.shape)}; expected (B, {len(self.tiles)}, {self.seq_len}, D) (heads "
+                             "and tokens of this tiling).")
         B, H, S, D = y.shape
         perm, inv = self.head_indices(y.device)
         out = y.new_empty(B, S, H, D)

@@ -169,6 +169,12 @@ class Plan:
             if Nk and bool((self.tile_len < 1).any()):
                 raise ValueError(f"tile_len values must be >= 1 (tokens per key tile); got minimum "
                                  f"{int(self.tile_len.min())}{at}.")
+            if Nk:
+                most = torch.full((Nk,), self.block_n, dtype=torch.float64, device=self.tile_len.device)
+                most[-1] = Sk - (Nk - 1) * self.block_n
+                if bool((self.tile_len.double() > most).any()):
+                    raise ValueError(f"tile_len holds more tokens than a key tile has (at most {self.block_n}, the "
+                                     f"last of {Sk} keys {Sk - (Nk - 1) * self.block_n}){at}.")
         if self.valid_keys is not None:
             vk = self.valid_keys
             if vk.dtype != torch.int32 or tuple(vk.shape) != (B,) or vk.device != q.device:

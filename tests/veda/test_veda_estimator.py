@@ -205,6 +205,9 @@ def test_estimator_paths_that_hold_no_estimator_are_clear_errors(tmp_path):
         load_estimator(tmp_path / "no_such_dir")
     with pytest.raises(ValueError, match="neither an existing directory nor a hub id"):
         load_estimator("./estimators/wan13b")
+    # a hub id in form that is meant as a local folder: named, not the hub client's LocalEntryNotFoundError (offline)
+    with pytest.raises(ValueError, match="'my_runs/est': no such local directory .* as a hub id it cannot be loaded"):
+        load_estimator("my_runs/est")
     with pytest.raises(ValueError, match="has no config.json or model.safetensors"):
         load_estimator(tmp_path)
     with pytest.raises(ValueError, match="holds no config.json"):

@@ -176,3 +176,22 @@ def test_gpu_kernels_equal_torch_at_wan_like_size(dtype):
 
 if __name__ == "__main__":
     _child_main(sys.argv[1:])
+
+
+def test_teacher_and_trippool_refuse_bad_lse_shapes_and_blocks():
+    """Review finds: the torch teacher broadcast an lse of the wrong shape (heat up to 130, promised in [0, 1]) or cut
+    a longer one, where the Triton path refuses it; block 0 / negative gave ZeroDivisionError or a num_tiles message."""
+    from videosparse.veda.teacher import teacher_heat
+    from videosparse.veda.trippool import trippool_qk, trippool_torch
+
+    q = torch.randn(2, 2, 100, 16)
+    for lse in (torch.zeros(2, 2, 1), torch.zeros(1, 2, 100), torch.zeros(2, 2, 128)):
+        with pytest.raises(ValueError, match=r"lse has shape .*; expected \(2, 2, 100\)"):
+            teacher_heat(q, q, 32, lse=lse, backend="torch")
+    for block in (0, -16, 2.5):
+        with pytest.raises(ValueError, match=f"block={block} must be a positive int"):
+            teacher_heat(q, q, block, backend="torch")
+        with pytest.raises(ValueError, match=f"block={block} must be a positive int"):
+            trippool_qk(q, q, block, backend="torch")
+        with pytest.raises(ValueError, match=f"block={block} must be a positive int"):
+            trippool_torch(q, block)

@@ -20,7 +20,10 @@ from .trippool import _use_triton
 
 
 def teacher_num_tiles(S: int, Sk: int, block: int, num_tiles: int | None) -> int:
-    """Tiles scored per side: `num_tiles`, or all tiles both sides have; ValueError outside [1, that]."""
+    """Tiles scored per side: `num_tiles`, or all tiles both sides have; ValueError outside [1, that] (or for a
+    block that is not a positive int)."""
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block={block!r} must be a positive int (tokens per tile).")
     limit = min(math.ceil(S / block), math.ceil(Sk / block))
     n = limit if num_tiles is None else int(num_tiles)
     if not 0 < n <= limit:
@@ -50,6 +53,8 @@ def teacher_heat_torch(q: torch.Tensor, k: torch.Tensor, block: int, *, lse: tor
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     n = teacher_num_tiles(S, Sk, block, num_tiles)
+    if lse is not None and tuple(lse.shape) != (B, H, S):
+        raise ValueError(f"lse has shape {tuple(lse.shape)}; expected ({B}, {H}, {S}).")
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
     kc = k.detach().to(cd)
     ncols = min(n * block, Sk)
