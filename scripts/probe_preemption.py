@@ -89,13 +89,14 @@ def _loop_places(bad_rows, plan, block, S):
     return sorted(set((position[items] // programs).tolist()))
 
 
-def worker(seed: int, reps: int, path: str) -> None:
+def worker(seed: int, reps: int, path: str, labels: list[str]) -> None:
     from videosparse.kernels import reference_attention
 
     junk = torch.full((1 << 28,), float("nan"), device="cuda", dtype=torch.bfloat16)   # memory as a busy process
     del junk
     results = {}
-    for label, (kernel, D, block, kind, corr, kwargs) in CASES.items():
+    for label in labels:
+        kernel, D, block, kind, corr, kwargs = CASES[label]
         q, k, v, plan = _inputs(seed, D, block, kind, corr)
         ref = reference_attention(q, k, v, plan, D ** -0.5).float()
         r = results[label] = dict(bad_runs=0, unwritten=0, non_finite=0, wrong=0, loop_places=[])
@@ -151,14 +152,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/preemption_h200.json")
     parser.add_argument("--reps", type=int, default=8)
+    parser.add_argument("--cases", default="", help="comma-separated parts of case labels to run (default all)")
+    parser.add_argument("--modes", default="alone,shared,eight", help="of alone, shared, eight")
+    parser.add_argument("--no-timings", action="store_true")
     args = parser.parse_args()
+    wanted = [part.strip() for part in args.cases.split(",") if part.strip()]
+    labels = [label for label in CASES if not wanted or any(part in label for part in wanted)]
+    if not labels:
+        raise SystemExit(f"--cases {args.cases!r} matches none of {list(CASES)}")
     me = [sys.executable, os.path.abspath(__file__)]
     tmp = tempfile.mkdtemp()
     modes = {}
     for mode, workers, loads in (("alone", 1, 0), ("shared", 1, 1), ("eight", 8, 0)):
+        if mode not in args.modes.split(","):
+            continue
         load = [subprocess.Popen(me + ["--load", "300"]) for _ in range(loads)]
         time.sleep(5 if loads else 0)
-        procs = [subprocess.Popen(me + ["--worker", str(s), str(args.reps), f"{tmp}/{mode}{s}.json"])
+        procs = [subprocess.Popen(me + ["--worker", str(s), str(args.reps), f"{tmp}/{mode}{s}.json", ",".join(labels)])
                  for s in range(workers)]
         codes = [p.wait() for p in procs]
         for p in load:
@@ -178,9 +188,9 @@ def main() -> None:
         for acc in per_case.values():
             acc["loop_places"] = sorted(acc["loop_places"])
         modes[mode] = per_case
-    table = timings()
+    table = [] if args.no_timings else timings()
     print(f"{'case':38s} " + " ".join(f"{m:>22s}" for m in modes))
-    for label in CASES:
+    for label in labels:
         cells = []
         for mode in modes:
             r = modes[mode][label]
@@ -202,7 +212,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+        worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5].split(","))
     elif len(sys.argv) > 1 and sys.argv[1] == "--load":
         gpu_load(float(sys.argv[2]))
     else:
