@@ -168,7 +168,7 @@ def main() -> None:
             continue
         load = [subprocess.Popen(me + ["--load", "300"]) for _ in range(loads)]
         time.sleep(5 if loads else 0)
-        procs = [subprocess.Popen(me + ["--worker", str(s), str(args.reps), f"{tmp}/{mode}{s}.json", ",".join(labels)])
+        procs = [subprocess.Popen(me + ["--worker", str(s), str(args.reps), f"{tmp}/{mode}{s}.json", "|".join(labels)])
                  for s in range(workers)]
         codes = [p.wait() for p in procs]
         for p in load:
@@ -212,7 +212,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5].split(","))
+        worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5].split("|"))
     elif len(sys.argv) > 1 and sys.argv[1] == "--load":
         gpu_load(float(sys.argv[2]))
     else:
