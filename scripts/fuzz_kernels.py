@@ -167,6 +167,17 @@ def main(argv: list[str] | None = None) -> dict:
                     help="seconds: start no case after this (the run ends with its summary; most of a first run's "
                          "time is compiling kernel variants, ~4 s per case on the H200)")
     args = ap.parse_args(argv)
+    from videosparse.kernels.dispatch import _REGISTRY
+
+    known = ["auto", "triton", *_REGISTRY]
+    if unknown := [name for name in args.backends if name not in known]:
+        ap.error(f"--backends {unknown} not known; choose from {known}")
+    if args.cases < 1 or args.max_seq < 16 or (args.time_limit is not None and args.time_limit < 0):
+        ap.error(f"--cases {args.cases} must be >= 1, --max-seq {args.max_seq} >= 16 and --time-limit >= 0")
+    if args.out and os.path.isdir(args.out):
+        ap.error(f"--out {args.out!r} is a directory; give the JSON file path")
+    if args.only and not all(0 <= i < args.cases for i in args.only):
+        ap.error(f"--only {args.only}: case numbers lie in [0, {args.cases - 1}] (--cases {args.cases})")
     rng = random.Random(args.seed)
     cases = [draw_case(rng, args.max_seq) for _ in range(args.cases)]
     picked = args.only if args.only is not None else range(len(cases))
@@ -197,6 +208,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out:
         _write(report, args.out)
     report["failed"] = any(s["fail"] or s["error"] for s in summary.values())
+    if report["cases"] and not any(s["ok"] or s["fail"] or s["error"] for s in summary.values()):
+        # every case was "not supported" by every backend: nothing was checked, which is no pass
+        print("nothing was checked: no backend ran a case here (on CPU set TRITON_INTERPRET=1 and pass "
+              "--device cpu --backends triton)")
+        report["failed"] = True
     return report
 
 

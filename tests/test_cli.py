@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import imageio.v3 as iio
+import numpy as np
 import pytest
 
 from videosparse.cli import build_parser, main, method_config
@@ -263,3 +264,71 @@ def test_prompt_files_hold_lines_or_a_json_list(tmp_path):
     assert read_prompts(str(lines)) == ["a cat", "a dog"]
     assert read_prompts(str(listed)) == ["a red circle moving left", "a blue square moving up"]
     assert read_prompts(str(broken)) == ["[cinematic] a cat surfing", "[anime] a dog running"]
+
+
+def test_output_paths_seeds_and_method_files_are_checked_before_the_pipeline_loads(tmp_path, capsys, monkeypatch):
+    """Review finds: an --out that is a directory was reported written (ffmpeg's error aside, exit 0); a --json
+    directory failed after the whole run; a bad --estimator / --tiling file after the model loaded; a seed past torch's
+    range gave 'Overflow when unpacking long long'; an existing file as evaluate's --out / distill's output dir, and a
+    search output under a file, failed late with an errno message."""
+    from videosparse.models import loading
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the pipeline was loaded before the bad argument was named")
+
+    monkeypatch.setattr(loading, "load_pipeline", no_load)
+    (tmp_path / "d.mp4").mkdir()
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{")
+    for argv, msg in ((["--out", str(tmp_path / "d.mp4")], "is a directory; give a file path"),
+                      (["--json", str(tmp_path)], "is a directory; give a file path"),
+                      (["--seed", str(2 ** 70)], "--seed 1180591620717411303424 is out of the range"),
+                      (["--estimator", str(tmp_path / "none")], "--estimator"),
+                      (["--tiling", str(bad_json)], f"--tiling {str(bad_json)!r}")):
+        assert main(["generate", *argv]) == 2, argv
+        assert msg in capsys.readouterr().err, argv
+    assert main(["evaluate", "--out", str(afile)]) == 2
+    assert "is a file; give a directory" in capsys.readouterr().err
+    assert main(["evaluate", "--seeds", "-1", str(2 ** 64), "--out", str(tmp_path / "ev")]) == 2
+    assert "--seeds 18446744073709551616 is out of the range" in capsys.readouterr().err
+    assert main(["distill", "--model", "tiny", "--output-dir", str(afile)]) == 2
+    assert "output_dir=" in capsys.readouterr().err
+    assert main(["search-tiling", "--model", "tiny", "--output", str(afile / "t.json")]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+
+
+def test_config_files_must_hold_an_object_and_a_tiling_json_gives_its_search_settings(tmp_path, capsys):
+    listed = tmp_path / "list.json"
+    listed.write_text("[]")
+    for command in ("distill", "search-tiling"):
+        assert main([command, "--config", str(listed)]) == 2
+        assert "holds a list; expected a JSON object" in capsys.readouterr().err
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    assert main(["distill", "--config", str(broken)]) == 2
+    assert f"--config {str(broken)!r} cannot be read as JSON" in capsys.readouterr().err
+    from videosparse.distill.config import TilingSearchConfig, add_config_arguments, config_from_namespace
+
+    tiling = tmp_path / "tiling.json"
+    tiling.write_text(json.dumps({"format": "videosparse-tiling", "layers": [],
+                                  "search_config": TilingSearchConfig(density=0.2, output=str(tiling)).to_dict()}))
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, TilingSearchConfig)
+    cfg = config_from_namespace(parser.parse_args(["--config", str(tiling), "--output", str(tmp_path / "t2.json")]),
+                                TilingSearchConfig)
+    assert cfg.density == 0.2 and cfg.output == str(tmp_path / "t2.json")
+
+
+def test_write_video_fails_when_ffmpeg_wrote_nothing(tmp_path, monkeypatch):
+    """imageio returns after ffmpeg refuses a path (its error on stderr only): the video must exist to be reported."""
+    import diffusers.utils
+
+    from videosparse.eval.generate import write_video
+
+    monkeypatch.setattr(diffusers.utils, "export_to_video", lambda frames, path, **kw: path)
+    with pytest.raises(OSError, match="was not written"):
+        write_video(np.zeros((2, 16, 16, 3), dtype=np.float32), str(tmp_path / "v.mp4"))

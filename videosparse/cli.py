@@ -84,6 +84,31 @@ def method_config(args: argparse.Namespace):
     return SolConfig(density=args.density if args.density is not None else 0.15, **optional)
 
 
+def check_method_files(config) -> None:
+    """Read the tiling JSON and the estimator a config names before any pipeline loads (ValueError naming the flag)."""
+    from .veda.estimator import load_estimator
+    from .veda.tiling import load_tiling
+
+    for flag, value, load in (("--tiling", getattr(config, "tiling", None), lambda v: load_tiling(v, config.block)),
+                              ("--estimator", getattr(config, "estimator", None), load_estimator)):
+        if isinstance(value, (str, os.PathLike)):
+            try:
+                load(value)
+            except (OSError, ValueError) as err:
+                raise ValueError(f"{flag} {os.fspath(value)!r}: {err}") from None
+
+
+# the seeds torch's generators take
+SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
+
+
+def check_seed(flag: str, seed: int) -> None:
+    """ValueError for a seed torch.Generator.manual_seed cannot take."""
+    if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise ValueError(f"{flag} {seed} is out of the range torch's generators take [{SEED_RANGE[0]}, "
+                         f"{SEED_RANGE[1]}].")
+
+
 def check_model(model: str | None) -> None:
     """ValueError when `model` reads as a local path that is not a directory: it starts with / . or ~, or has
     more slashes than a hub id's 'org/name' (or a backslash on Windows). diffusers would call it a bad repo id."""
@@ -157,12 +182,16 @@ def _run_generate(args: argparse.Namespace) -> int:
     for flag, path in (("--out", args.out), ("--json", args.json)):
         if path is not None and not Path(path).resolve().parent.is_dir():
             raise ValueError(f"{flag} {path!r}: the folder {str(Path(path).parent)!r} does not exist.")
+        if path is not None and Path(path).is_dir():
+            raise ValueError(f"{flag} {path!r} is a directory; give a file path.")
+    check_seed("--seed", args.seed)
     if args.fps < 1:
         raise ValueError(f"--fps={args.fps} must be a positive integer (frames per second of the video).")
     if args.guidance_scale is not None and not math.isfinite(args.guidance_scale):
         raise ValueError(f"--guidance-scale={args.guidance_scale} must be a finite number.")
     check_device(args.device)
     config = method_config(args)
+    check_method_files(config)
     check_model(args.model)
     loaded = load_pipeline(args.model, args.device, DTYPES.get(args.dtype))
     pipe = loaded.pipe

@@ -242,6 +242,12 @@ def test_synthetic_run_resumes_per_method(tmp_path):
     fresh = run_synthetic(["wan-1.3b"], specs[:2], str(tmp_path), **kw, overwrite=True)["synthetic"]["wan-1.3b"]
     assert list(fresh["methods"]) == list(kept)
     assert all(fresh["methods"][label]["forward_s_all"] != kept[label]["forward_s_all"] for label in kept)
+    # other settings (here the video size) are refused without --overwrite, as the help says, and change nothing
+    # (review find: the section and the dense output were replaced silently)
+    before = (tmp_path / "report.json").read_text()
+    with pytest.raises(ValueError, match=r"measured with other settings \(shape .*--overwrite"):
+        run_synthetic(["wan-1.3b"], specs[:2], str(tmp_path), **dict(kw, height=32))
+    assert (tmp_path / "report.json").read_text() == before
 
 
 def test_cli_prints_compiled_rows(tmp_path, capsys):

@@ -4,10 +4,12 @@ a short run under the interpreter (a child process: TRITON_INTERPRET=1 must be s
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from helpers import load_script
@@ -69,3 +71,17 @@ def test_time_limit_ends_the_run_with_its_summary(tmp_path):
                         "--time-limit", "0", "--out", str(tmp_path / "f.json")])
     assert report["stopped_at_time_limit"] and len(report["cases"]) <= 1 and not report["failed"]
     assert json.loads((tmp_path / "f.json").read_text())["summary"]["reference"]["fail"] == 0
+
+
+def test_a_run_that_checks_nothing_fails_and_bad_arguments_are_named(tmp_path, capsys):
+    """Review finds: a mistyped backend or one that cannot run here counted as "not supported" and exited 0 having
+    checked nothing; a directory as --out failed after every case, --only past the cases with an IndexError."""
+    fuzz = load_script("fuzz_kernels")
+    if os.environ.get("TRITON_INTERPRET") != "1":   # without it the generic kernel cannot run CPU tensors at all
+        report = fuzz.main(["--device", "cpu", "--backends", "triton_generic", "--cases", "2", "--max-seq", "100"])
+        assert report["failed"] and "nothing was checked" in capsys.readouterr().out
+    for argv, match in ((["--backends", "tritn"], "not known"), (["--out", str(tmp_path)], "is a directory"),
+                        (["--only", "99", "--cases", "5"], r"lie in \[0, 4\]"), (["--max-seq", "0"], ">= 16")):
+        with pytest.raises(SystemExit):
+            fuzz.main(["--device", "cpu", *argv])
+        assert re.search(match, capsys.readouterr().err)

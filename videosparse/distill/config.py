@@ -2,7 +2,7 @@
 
 Frozen dataclasses validated in `__post_init__` (a bad value raises a `ValueError` naming the field,
 the value and what is allowed); they round-trip through JSON-safe dicts and are written beside every
-output (`distill_config.json`, `search_config.json`).
+output (`distill_config.json` beside a distill run; the tiling JSON holds the search's under "search_config").
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Union
 
 from ..config import BLOCK_SIZES, parse_tile
@@ -229,6 +230,8 @@ class CaptureConfig(_JsonConfig):
                                  f"choose from {BRANCHES} (diffusers' guidance branches, 'default' outside any).")
         _finite("guidance_scale", self.guidance_scale, 0.0, optional=True)
         _positive_int("seed", self.seed, minimum=0)
+        if self.seed > 2 ** 64 - 1:
+            raise ValueError(f"seed={self.seed} is past the largest seed torch's generators take (2**64 - 1).")
         check_device(self.device)
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r} must be one of 'float32', 'bfloat16', 'float16' or None.")
@@ -289,6 +292,8 @@ class DistillConfig(CaptureConfig):
         if not isinstance(self.output_dir, (str, os.PathLike)) or not os.fspath(self.output_dir):
             raise ValueError(f"output_dir={self.output_dir!r} must be a directory path.")
         object.__setattr__(self, "output_dir", os.fspath(self.output_dir))
+        if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
+            raise ValueError(f"output_dir={self.output_dir!r} is a file; give a directory (made when missing).")
         _density("density", self.density)
         if self.block not in BLOCK_SIZES:
             raise ValueError(f"block={self.block!r} must be one of {BLOCK_SIZES}.")
@@ -356,6 +361,9 @@ class TilingSearchConfig(CaptureConfig):
         if not self.output or self.output.endswith(("/", os.sep)) or os.path.isdir(self.output):
             raise ValueError(f"output={self.output!r} must be the path of the tiling JSON file to write, not a "
                              "directory.")
+        blocker = next((p for p in Path(os.path.abspath(self.output)).parents if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise ValueError(f"output={self.output!r} cannot be written: {str(blocker)!r} is a file, not a folder.")
         _density("density", self.density)
         if self.block not in BLOCK_SIZES:
             raise ValueError(f"block={self.block!r} must be one of {BLOCK_SIZES}.")
@@ -404,7 +412,8 @@ def add_config_arguments(parser, cls) -> None:
     '["a cat", "a dog"]'`), else taken as strings (`--prompts prompts.txt`, `--model reference`); bool
     fields take true/false, yes/no or 1/0 (any case) and nothing else.
     """
-    parser.add_argument("--config", help=f"JSON {cls.__name__} to start from (e.g. the one written beside a run)")
+    parser.add_argument("--config", help=f"JSON {cls.__name__} to start from (a distill run's distill_config.json; "
+                                          "for search-tiling also a tiling JSON it wrote, which records its settings)")
     bools = _bool_fields(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
@@ -423,8 +432,16 @@ def config_from_namespace(ns, cls):
     """The config of class `cls` from `--config` (if any) overridden by the flags that were given."""
     data: dict[str, Any] = {}
     if getattr(ns, "config", None):
-        with open(ns.config) as f:
-            data = json.load(f)
+        try:
+            with open(ns.config) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"--config {ns.config!r} cannot be read as JSON ({err}).") from None
+        if isinstance(data, dict) and isinstance(data.get("search_config"), dict):
+            data = dict(data["search_config"])          # a tiling JSON from search-tiling: the settings it recorded
+        if not isinstance(data, dict):
+            raise ValueError(f"--config {ns.config!r} holds a {type(data).__name__}; expected a JSON object of "
+                             f"{cls.__name__} fields.")
     for f in dataclasses.fields(cls):
         value = getattr(ns, f.name, None)
         if value is not None:

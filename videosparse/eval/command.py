@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 import torch
 
@@ -87,6 +88,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
         raise ValueError(f"--warmup-forwards={args.warmup_forwards} must be >= 0.")
     if args.guidance_scale is not None and not math.isfinite(args.guidance_scale):
         raise ValueError(f"--guidance-scale={args.guidance_scale} must be a finite number.")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out!r} is a file; give a directory for the report (made when missing).")
     if args.synthetic:
         return _run_synthetic(args)
     from ..models.loading import load_pipeline
@@ -94,6 +97,10 @@ def run_evaluate(args: argparse.Namespace) -> int:
 
     specs = parse_method_specs(args.methods or DEFAULT_METHODS, backend=args.backend)
     check_spec_files(specs)
+    from ..cli import check_seed
+
+    for seed in args.seeds:
+        check_seed("--seeds", seed)
     if args.prompt:
         prompts = list(args.prompt)[: args.num_prompts] if args.num_prompts else list(args.prompt)
     else:

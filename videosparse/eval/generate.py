@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Sequence
 
@@ -101,4 +102,8 @@ def write_video(frames: np.ndarray, path: str, fps: int = 8) -> str:
     from diffusers.utils import export_to_video
 
     # macro_block_size=2: yuv420p needs even sizes; imageio's default 16 would resize e.g. 36x44 to 48x48
-    return export_to_video(list(frames), path, fps=fps, macro_block_size=2)
+    written = export_to_video(list(frames), path, fps=fps, macro_block_size=2)
+    # ffmpeg reports a file it cannot open on stderr and imageio returns as if it wrote it (a directory, /proc/...)
+    if not os.path.isfile(written) or os.path.getsize(written) == 0:
+        raise OSError(f"the video {path!r} was not written (ffmpeg could not write it: see its message above).")
+    return written

@@ -1138,16 +1138,28 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
                          "(or pass overwrite=True, --overwrite, to replace it).")
     report["synthetic"] = report.get("synthetic", {})
     labels = [s.label for s in specs]
+
+    def other_settings(name: str, old: dict) -> list[str]:
+        """What of `old` (a model's section of the report) differs from this run's settings."""
+        shape = synthetic_setup(name, frames, height, width, layers).describe()
+        # a report written before a derived key (e.g. attention_tokens) existed still matches on the keys it has
+        differ = [f"shape {old.get('shape')} vs {shape}"] if not old.get("shape") or any(
+            shape.get(k) != v for k, v in old["shape"].items()) else []
+        for what, was, now in (("dtype", old.get("dtype"), str(dtype)), ("compile", old.get("compile"), compile_mode),
+                               ("warm-up forwards", old.get("warmup"), warmup),
+                               ("repeats", old.get("repeats"), repeats)):
+            if was != now:
+                differ.append(f"{what} {was} vs {now}")
+        return differ
+
+    for name in names:           # as the help says: a report of other settings is refused, before anything runs
+        if report["synthetic"].get(name) and (differ := other_settings(name, report["synthetic"][name])):
+            raise ValueError(f"{path} holds {name} measured with other settings ({'; '.join(differ)}); pass "
+                             "--overwrite (overwrite=True) to replace the report, or write to another --out.")
     for name in names:
-        setup = synthetic_setup(name, frames, height, width, layers)
         old = report["synthetic"].get(name)
         done = {}
-        shape = setup.describe()
-        # a report written before a derived key (e.g. attention_tokens) existed still matches on the keys it has
-        same_shape = bool(old) and bool(old.get("shape")) and all(shape.get(k) == v for k, v in old["shape"].items())
-        if (same_shape and old.get("dtype") == str(dtype) and old.get("compile") == compile_mode
-                and (old.get("warmup"), old.get("repeats")) == (warmup, repeats)
-                and next(iter(old.get("methods", {})), None) == labels[0]):
+        if old and next(iter(old.get("methods", {})), None) == labels[0]:
             done = {label: row for label, row in old["methods"].items() if label in labels}
         if list(done) == labels:
             logger.info("synthetic %s: already in %s, skipped", name, path)
