@@ -570,6 +570,8 @@ def main():
         print(render_markdown(results) + "\n\n" + render_variants(results))
         return
     import torch
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernel.py needs a CUDA GPU.")
     import triton
 
     t0 = time.time()

@@ -70,6 +70,8 @@ def main(argv=None):
     ap.add_argument("--out", default="benchmarks/rope_gather_h200.json")
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_rope_gather.py needs a CUDA GPU.")
     rows = []
     for name in args.shapes:
         style, grid, H, H_kv, D, text, position, layers = SHAPES[name]
