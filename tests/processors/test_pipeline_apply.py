@@ -327,3 +327,54 @@ def test_remove_leaves_processors_set_since_apply_and_apply_warns_over_custom_on
         videosparse.apply(stock, videosparse.DenseConfig())
     assert "in place of diffusers' stock" not in caplog.text
     videosparse.remove(stock)
+
+
+def test_a_pipeline_sharing_the_transformer_counts_its_own_steps(monkeypatch):
+    """A pipeline made with `from_pipe` and its own scheduler shares the transformer and its session: its steps were
+    read on the scheduler of the pipeline given to apply (a finished 10-step schedule: steps 0, 3, 6, 9, so step 1 ran
+    sparse), and once that pipeline was gone dense_steps were dropped (review find). Such a call counts its own
+    distinct timesteps."""
+    import gc
+    import types
+
+    import diffusers.pipelines.wan.pipeline_wan_video2video as v2v
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanVideoToVideoPipeline
+    from PIL import Image
+
+    monkeypatch.setattr(v2v, "ftfy", types.SimpleNamespace(fix_text=lambda text: text), raising=False)
+    call = dict(prompt="a red circle", negative_prompt="blue", height=64, width=96, output_type="latent",
+                max_sequence_length=16)
+    video = [Image.fromarray((np.random.RandomState(i).rand(64, 96, 3) * 255).astype("uint8")) for i in range(5)]
+    pipe1 = build_tiny_wan_pipeline()
+    pipe1.set_progress_bar_config(disable=True)
+    session = videosparse.apply(pipe1, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64,
+                                                              dense_steps=2))["transformer"]
+    pipe1(**call, num_frames=5, num_inference_steps=10)
+    for drop_pipe1 in (False, True):
+        pipe2 = WanVideoToVideoPipeline.from_pipe(pipe1, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+        pipe2.set_progress_bar_config(disable=True)
+        if drop_pipe1:
+            del pipe1
+            gc.collect()
+        session.reset_stats()
+        pipe2(video=video, strength=1.0, num_inference_steps=4, **call, generator=torch.Generator().manual_seed(0))
+        layer = session.stats()["layers"][0]
+        assert (layer["dense_calls"], layer["sparse_calls"]) == (4, 4), (drop_pipe1, layer)   # 2 dense steps x 2
+    videosparse.remove(pipe2)
+
+
+def test_a_forward_under_inference_mode_leaves_later_backward_working():
+    """The layouts' index tensors made under inference_mode were cached as inference tensors, and a later forward on
+    the same grid that records autograd failed ("Inference tensors cannot be saved for backward"; review find)."""
+    tr = build_tiny_wan_pipeline().transformer
+    x = torch.randn(1, 4, 3, 16, 24, generator=torch.Generator().manual_seed(0))
+    text = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(1))
+    kw = dict(hidden_states=x, timestep=torch.tensor([500]), encoder_hidden_states=text)
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.5, dense_steps=0, backend="reference"))
+    try:
+        with torch.inference_mode():
+            tr(**kw)
+        tr(**kw).sample.square().mean().backward()
+        assert tr.blocks[0].attn1.to_q.weight.grad.isfinite().all()
+    finally:
+        videosparse.remove(tr)

@@ -385,6 +385,8 @@ class SparseContextHook(ModelHook):
         self._timestep_position = 1          # set from the model's forward signature on the first call
         self._warned_unknown_steps = False
         self._warned_all_dense = False
+        self._last_timestep: float | None = None    # `_count_steps`: this pipeline call's latest timestep
+        self._counted_steps = 0
 
     def initialize_hook(self, module):
         self._timestep_position = parameter_position(type(module).forward, "timestep", default=1)
@@ -451,7 +453,10 @@ class SparseContextHook(ModelHook):
             device, dtype = hidden.device, hidden.dtype
         else:                                       # no hidden_states (Cosmos 3 embeds token ids): the model's own
             device, dtype = module.device, module.dtype
-        session.prepare(ctx.grid, ctx.text_len, device, dtype)
+        # the layouts' index tensors are cached for later calls: made as normal tensors even under inference_mode
+        # (an inference tensor saved for backward breaks a later forward that records autograd)
+        with torch.inference_mode(False):
+            session.prepare(ctx.grid, ctx.text_len, device, dtype)
         session.calls += 1
 
     def _step(self, cache_ctx, args, kwargs) -> tuple[int | None, int | None]:
@@ -461,13 +466,17 @@ class SparseContextHook(ModelHook):
         scheduler = self.session.scheduler
         timesteps = getattr(scheduler, "timesteps", None) if scheduler is not None else None
         num_steps = getattr(cache_ctx, "num_inference_steps", None)
-        if num_steps is None and timesteps is not None and len(timesteps):
-            num_steps = len(timesteps)
         if cache_ctx is not None and cache_ctx.step_index is not None:
+            if num_steps is None and timesteps is not None and len(timesteps):
+                num_steps = len(timesteps)
             return cache_ctx.step_index, num_steps
         t = forward_arg(args, kwargs, "timestep", self._timestep_position)
+        counted = getattr(scheduler, "step_index", None)          # advanced by each scheduler.step() of this call
+        if t is not None and self._other_driver(scheduler, timesteps, counted):
+            return self._count_steps(t), num_steps
+        if num_steps is None and timesteps is not None and len(timesteps):
+            num_steps = len(timesteps)
         if t is not None and timesteps is not None and len(timesteps):
-            counted = getattr(scheduler, "step_index", None)      # advanced by each scheduler.step() of this call
             if isinstance(counted, int) and 0 <= counted < len(timesteps):
                 return counted, num_steps
             # per-token or per-frame timesteps (Wan 2.2 TI2V, SkyReels V2 diffusion forcing) hold 0 for clean
@@ -491,11 +500,31 @@ class SparseContextHook(ModelHook):
             return state.calls - 1, num_steps
         return None, num_steps
 
+    def _other_driver(self, scheduler, timesteps, counted) -> bool:
+        """Whether another pipeline than the one given to `apply` drives this call (one made with `from_pipe`, sharing
+        the transformer with its own scheduler): the given pipeline is gone, or its scheduler has no schedule or has
+        finished its own call (a driving scheduler is reset by `set_timesteps` before the first forward)."""
+        if getattr(self.session, "_pipeline", None) is None:
+            return False                     # `processors(...)` on a bare transformer: the scheduler given, or none
+        if scheduler is None or timesteps is None or not len(timesteps):
+            return True
+        return isinstance(counted, int) and counted >= len(timesteps)
+
+    def _count_steps(self, t) -> int:
+        """Step index by counting the distinct timesteps of this pipeline call (two forwards of a step, the guidance
+        branches, share one); reset at the end of the call (`reset_state`)."""
+        value = float(torch.as_tensor(t).detach().flatten().max())
+        if value != self._last_timestep:
+            self._last_timestep = value
+            self._counted_steps += 1
+        return self._counted_steps - 1
+
     def reset_state(self, module):
         # called by diffusers at the end of every pipeline call (maybe_free_model_hooks)
         if self.session.calls:
             logger.info(self.session.summary())
         self.state_manager.reset()
+        self._last_timestep, self._counted_steps = None, 0
         return module
 
 
