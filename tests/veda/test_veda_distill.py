@@ -292,3 +292,24 @@ def test_model_card_describes_the_estimator_without_placeholders(tmp_path):
                  "KL 0.1000 (untrained, mean-pooled q·k: 0.2000), tile recall 0.800",
                  f'VedaConfig(density=0.3, estimator="{tmp_path}", block=64)', "--block 64"):
         assert text in card, text
+
+
+def test_processes_that_did_not_join_one_group_are_refused(monkeypatch, tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2` on a machine without GPUs (and without ACCELERATE_USE_CPU=1)
+    starts two processes that each set up a single-process accelerator and distill alone into the same folder (a
+    log of interleaved steps; review find): refused before anything is written."""
+    from accelerate import Accelerator
+
+    from videosparse.distill.train import check_process_group
+
+    accelerator = Accelerator(cpu=True)
+    check_process_group(accelerator)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"started 2 processes \(WORLD_SIZE=2\) but accelerate set up 1"):
+        check_process_group(accelerator)
+    from videosparse.distill.config import DistillConfig
+    from videosparse.distill.train import run_distillation
+
+    with pytest.raises(ValueError, match="WORLD_SIZE=2"):
+        run_distillation(DistillConfig(model="tiny", prompts=["a red circle"], output_dir=str(tmp_path / "run")))
+    assert not (tmp_path / "run").exists()

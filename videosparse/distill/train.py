@@ -197,6 +197,19 @@ def _refuse_other_run(cfg: DistillConfig, out: Path) -> None:
                          "written.")
 
 
+def check_process_group(accelerator) -> None:
+    """ValueError when the launcher started several processes (WORLD_SIZE > 1) that did not join one group: each
+    would run the whole distillation alone into the same output folder (e.g. `accelerate launch --multi_gpu` on a
+    machine without GPUs and without ACCELERATE_USE_CPU=1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1 and accelerator.num_processes != world:
+        raise ValueError(
+            f"the launcher started {world} processes (WORLD_SIZE={world}) but accelerate set up "
+            f"{accelerator.num_processes} ({accelerator.distributed_type}): each would distill alone into the same "
+            "output folder. On CPU launch with ACCELERATE_USE_CPU=1 (e.g. `ACCELERATE_USE_CPU=1 accelerate launch "
+            "--multi_gpu --num_processes 2 ...`), or run one process.")
+
+
 def _run_key(cfg: DistillConfig, files: Sequence[Path], num_processes: int) -> dict[str, Any]:
     """What a checkpoint must match to be resumed: training fields, the sample files and what they were
     captured from (each prompt's done-marker: prompt text, model and capture settings, tile shapes), the
@@ -580,6 +593,7 @@ def run_distillation(cfg: DistillConfig, *, step_callback: Callable[[int, dict[s
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision,
                               gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                               project_config=ProjectConfiguration(project_dir=str(out)))
+    check_process_group(accelerator)
     device = torch.device(cfg.capture_config().device or accelerator.device)
     why = triton_unavailable(device) if cfg.teacher_backend == "triton" else None
     if why:                                                 # before the config or any sample is written
