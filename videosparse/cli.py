@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .config import BACKENDS, DenseConfig, SolConfig, VedaConfig, parse_dense_steps, parse_layers, parse_tile
-from .distill.config import check_device
+from .distill.config import check_device, check_seed
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # containers diffusers' export_to_video (imageio + ffmpeg) writes
@@ -84,31 +84,6 @@ def method_config(args: argparse.Namespace):
     return SolConfig(density=args.density if args.density is not None else 0.15, **optional)
 
 
-def check_method_files(config) -> None:
-    """Read the tiling JSON and the estimator a config names before any pipeline loads (ValueError naming the flag)."""
-    from .veda.estimator import load_estimator
-    from .veda.tiling import load_tiling
-
-    for flag, value, load in (("--tiling", getattr(config, "tiling", None), lambda v: load_tiling(v, config.block)),
-                              ("--estimator", getattr(config, "estimator", None), load_estimator)):
-        if isinstance(value, (str, os.PathLike)):
-            try:
-                load(value)
-            except (OSError, ValueError) as err:
-                raise ValueError(f"{flag} {os.fspath(value)!r}: {err}") from None
-
-
-# the seeds torch's generators take
-SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
-
-
-def check_seed(flag: str, seed: int) -> None:
-    """ValueError for a seed torch.Generator.manual_seed cannot take."""
-    if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
-        raise ValueError(f"{flag} {seed} is out of the range torch's generators take [{SEED_RANGE[0]}, "
-                         f"{SEED_RANGE[1]}].")
-
-
 def check_model(model: str | None) -> None:
     """ValueError when `model` reads as a local path that is not a directory: it starts with / . or ~, or has
     more slashes than a hub id's 'org/name' (or a backslash on Windows). diffusers would call it a bad repo id."""
@@ -170,6 +145,7 @@ def slower_than_dense_note(speedup: float) -> str | None:
 
 def _run_generate(args: argparse.Namespace) -> int:
     from .eval.generate import generate, warm_up, write_video
+    from .eval.spec import check_config_files
     from .models.loading import load_pipeline
 
     for name in ("steps", "frames", "height", "width"):
@@ -191,7 +167,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--guidance-scale={args.guidance_scale} must be a finite number.")
     check_device(args.device)
     config = method_config(args)
-    check_method_files(config)
+    check_config_files(config, lambda field: f"--{field}")     # before the pipeline loads
     check_model(args.model)
     loaded = load_pipeline(args.model, args.device, DTYPES.get(args.dtype))
     pipe = loaded.pipe

@@ -93,6 +93,17 @@ def _indices(name: str, value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
+# the seeds torch's generators take
+SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
+
+
+def check_seed(flag: str, seed: int) -> None:
+    """ValueError for a seed torch.Generator.manual_seed cannot take."""
+    if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise ValueError(f"{flag} {seed} is out of the range torch's generators take [{SEED_RANGE[0]}, "
+                         f"{SEED_RANGE[1]}].")
+
+
 def check_device(device: Any) -> None:
     """ValueError unless `device` is None or a torch device this machine has (cuda needs a GPU)."""
     if device is None:
@@ -230,7 +241,7 @@ class CaptureConfig(_JsonConfig):
                                  f"choose from {BRANCHES} (diffusers' guidance branches, 'default' outside any).")
         _finite("guidance_scale", self.guidance_scale, 0.0, optional=True)
         _positive_int("seed", self.seed, minimum=0)
-        if self.seed > 2 ** 64 - 1:
+        if self.seed > SEED_RANGE[1]:
             raise ValueError(f"seed={self.seed} is past the largest seed torch's generators take (2**64 - 1).")
         check_device(self.device)
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):

@@ -97,7 +97,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
 
     specs = parse_method_specs(args.methods or DEFAULT_METHODS, backend=args.backend)
     check_spec_files(specs)
-    from ..cli import check_seed
+    from ..distill.config import check_seed
 
     for seed in args.seeds:
         check_seed("--seeds", seed)

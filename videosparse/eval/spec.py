@@ -37,9 +37,10 @@ Config validation errors (a density of 2, a tile of the wrong size) surface with
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ..config import CONFIG_CLASSES, DenseConfig, SolConfig, VedaConfig, parse_dense_steps, parse_layers, parse_tile
 
@@ -169,20 +170,28 @@ def parse_method_spec(text: str, *, backend: str | None = None) -> MethodSpec:
         raise type(e)(f"method spec {text!r}: {e}") from None
 
 
-def check_spec_files(specs: list[MethodSpec]) -> None:
-    """Read every tiling JSON and estimator the specs name, so that a missing or damaged one is an error before any
-    cell runs (not after the dense arm); ValueError naming the spec."""
+def check_config_files(config, name: Callable[[str], str] = str) -> None:
+    """Read the tiling JSON and the estimator `config` names, so that a missing or damaged one is an error before any
+    pipeline runs; ValueError "<name(field)> '<path>': <why>"."""
     from ..veda.estimator import load_estimator
     from ..veda.tiling import load_tiling
 
+    for field, load in (("tiling", lambda path: load_tiling(path, config.block)), ("estimator", load_estimator)):
+        value = getattr(config, field, None)
+        if isinstance(value, (str, os.PathLike)):
+            try:
+                load(value)
+            except (OSError, ValueError) as err:
+                raise ValueError(f"{name(field)} {os.fspath(value)!r}: {err}") from None
+
+
+def check_spec_files(specs: list[MethodSpec]) -> None:
+    """`check_config_files` of every spec before any cell runs (not after the dense arm); ValueError naming the
+    spec."""
     for spec in specs:
-        cfg = spec.config
         try:
-            if isinstance(getattr(cfg, "tiling", None), str):
-                load_tiling(cfg.tiling, cfg.block)
-            if isinstance(getattr(cfg, "estimator", None), str):
-                load_estimator(cfg.estimator)
-        except (OSError, ValueError) as e:
+            check_config_files(spec.config)
+        except ValueError as e:
             raise ValueError(f"method spec {spec.label!r}: {e}") from None
 
 
