@@ -167,9 +167,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="seconds: start no case after this (the run ends with its summary; most of a first run's "
                          "time is compiling kernel variants, ~4 s per case on the H200)")
     args = ap.parse_args(argv)
-    from videosparse.kernels.dispatch import _REGISTRY
+    from videosparse.kernels.dispatch import backend_names
 
-    known = ["auto", "triton", *_REGISTRY]
+    known = backend_names()
     if unknown := [name for name in args.backends if name not in known]:
         ap.error(f"--backends {unknown} not known; choose from {known}")
     if args.cases < 1 or args.max_seq < 16 or (args.time_limit is not None and args.time_limit < 0):

@@ -85,6 +85,12 @@ def test_head_tilings_refuse_what_they_cannot_serve():
     for shape in ((1, 4, ht.seq_len - 1, 8), (1, 3, ht.seq_len, 8)):
         with pytest.raises(ValueError, match=r"expected \(B, 4, 64, D\)"):
             ht.scatter(torch.zeros(shape))
+    uniform = head_tiling((4, 4, 4), (1, 4, 4), 4, 16)      # one shape for every head: the head count still holds
+    with pytest.raises(ValueError, match="x has 3 heads \\(x 1 groups\\) but the tiling names 4 tile shapes"):
+        uniform.gather(torch.zeros(1, uniform.seq_len, 3, 8))
+    with pytest.raises(ValueError, match=r"expected \(B, 4, 64, D\)"):
+        uniform.scatter(torch.zeros(1, 3, uniform.seq_len, 8))
+    assert uniform.gather(torch.zeros(1, uniform.seq_len, 2, 8), groups=2).shape == (1, 4, 64, 8)
 
 
 @pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 128), (torch.float16, 64), (torch.float32, 12), (torch.bfloat16, 6)])

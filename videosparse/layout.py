@@ -285,12 +285,12 @@ class HeadTiling:
     def gather(self, x: torch.Tensor, rope=None, groups: int = 1) -> torch.Tensor:
         """(B, S, H / groups, D) original order -> (B, H, S, D) contiguous, each head in its own tile order
         (`rope` and `groups` as in `TileLayout.gather`)."""
+        if x.dim() == 4 and x.shape[2] * groups != len(self.tiles):
+            raise ValueError(f"x has {x.shape[2]} heads (x {groups} groups) but the tiling names {len(self.tiles)} "
+                             "tile shapes.")
         if self.uniform:
             return self.first.gather(x, rope, groups)
         _check_seq(x, self.seq_len, "x")
-        if x.shape[2] * groups != len(self.tiles):
-            raise ValueError(f"x has {x.shape[2]} heads (x {groups} groups) but the tiling names {len(self.tiles)} "
-                             "tile shapes.")
         perm, _ = self.head_indices(x.device)
         fused, x = _rope_first(x, perm, rope, groups)
         if fused is not None:
@@ -306,11 +306,11 @@ class HeadTiling:
 
     def scatter(self, y: torch.Tensor) -> torch.Tensor:
         """(B, H, S, D) per-head tile order -> (B, S, H, D) original order."""
-        if self.uniform:
-            return self.first.scatter(y)
         if y.dim() != 4 or y.shape[1] != len(self.tiles) or y.shape[2] != self.seq_len:
             raise ValueError(f"y has shape {tuple(y.shape)}; expected (B, {len(self.tiles)}, {self.seq_len}, D) (heads "
                              "and tokens of this tiling).")
+        if self.uniform:
+            return self.first.scatter(y)
         B, H, S, D = y.shape
         perm, inv = self.head_indices(y.device)
         out = y.new_empty(B, S, H, D)

@@ -123,7 +123,7 @@ def test_step_from_the_schedulers_counter_with_bf16_timesteps():
     scheduler = FlowMatchEulerDiscreteScheduler(shift=17.0)
     for _ in range(2):                                     # a second pipeline call starts again at step 0
         scheduler.set_timesteps(50)
-        hook = SparseContextHook(SimpleNamespace(scheduler=scheduler), grid_fn=None)
+        hook = SparseContextHook(SimpleNamespace(scheduler=scheduler, made_by_apply=False), grid_fn=None)
         x = torch.zeros(1, 4)
         seen = []
         for t in scheduler.timesteps:
@@ -146,7 +146,7 @@ def test_first_step_when_the_timestep_is_not_on_the_schedule():
     from videosparse.processors.context import SparseContextHook
 
     scheduler = FlowMatchEulerDiscreteScheduler()
-    hook = SparseContextHook(SimpleNamespace(scheduler=scheduler), grid_fn=None)
+    hook = SparseContextHook(SimpleNamespace(scheduler=scheduler, made_by_apply=False), grid_fn=None)
 
     def step_of(t):
         return hook._step(CacheContext("cond"), (), {"timestep": torch.tensor([t])})[0]

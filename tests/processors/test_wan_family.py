@@ -122,7 +122,7 @@ def test_step_from_the_noisiest_timestep(per):
 
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
     scheduler.set_timesteps(10)
-    hook = SparseContextHook(SimpleNamespace(scheduler=scheduler), grid_fn=None)
+    hook = SparseContextHook(SimpleNamespace(scheduler=scheduler, made_by_apply=False), grid_fn=None)
     t = float(scheduler.timesteps[4])
     timestep = torch.tensor([[0, 0, t, t]]) if per == "token" else torch.tensor([0.0, t])
     assert hook._step(CacheContext("cond"), (), {"timestep": timestep}) == (4, 10)

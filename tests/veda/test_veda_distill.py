@@ -259,6 +259,19 @@ def test_triton_teacher_on_cpu_is_refused_before_any_work(tmp_path, monkeypatch)
     assert not (out / "distill_config.json").exists() and not (out / "cache").exists()
 
 
+def test_a_capture_that_cannot_start_leaves_nothing_behind(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="component='nope' is not a transformer"):
+        run_distillation(make_cfg(out, component="nope"))
+    assert not out.exists()
+    mine = tmp_path / "mine"                    # a folder of the user's: its files stay, the run's go
+    mine.mkdir()
+    (mine / "prompts.txt").write_text("a red ball\n")
+    with pytest.raises(ValueError, match="transformer class AutoencoderKLWan is not supported"):
+        run_distillation(make_cfg(mine, component="vae"))
+    assert sorted(p.name for p in mine.iterdir()) == ["prompts.txt"]
+
+
 def test_distill_config_bool_fields_must_be_bools(tmp_path):
     for bad in ("False", "no", 0, 1, None):
         with pytest.raises(ValueError, match=f"resume={bad!r} must be a bool"):

@@ -197,6 +197,21 @@ def _refuse_other_run(cfg: DistillConfig, out: Path) -> None:
                          "written.")
 
 
+def _undo_empty_start(out: Path, new_folder: bool, new_config: bool) -> None:
+    """After a capture that failed before it captured anything (a pipeline that does not load, a `component` that is
+    not a transformer): take back the config, the empty cache and the folder this run made, so that nothing
+    half-done is left. A cache with anything in it is a run to resume and stays."""
+    cache = out / "cache"
+    if cache.is_dir() and any(cache.iterdir()):
+        return
+    if cache.is_dir():
+        cache.rmdir()
+    if new_config:
+        (out / "distill_config.json").unlink(missing_ok=True)
+    if new_folder and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+
+
 def check_process_group(accelerator) -> None:
     """ValueError when the launcher started several processes (WORLD_SIZE > 1) that did not join one group: each
     would run the whole distillation alone into the same output folder (e.g. `accelerate launch --multi_gpu` on a
@@ -599,6 +614,7 @@ def run_distillation(cfg: DistillConfig, *, step_callback: Callable[[int, dict[s
     if why:                                                 # before the config or any sample is written
         raise ValueError(f"teacher_backend='triton' (--teacher-backend triton): {why}; use 'auto' or 'torch'.")
     _refuse_other_run(cfg, out)
+    new_folder, new_config = not out.exists(), not (out / "distill_config.json").exists()
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / "distill_config.json")
@@ -610,8 +626,14 @@ def run_distillation(cfg: DistillConfig, *, step_callback: Callable[[int, dict[s
         return cfg.tiling
 
     heat_dtype = getattr(torch, cfg.cache_dtype)
-    files, info = capture_to_cache(cfg.capture_config(), out / "cache", tiles_for_layer, block=cfg.block,
-                                   accelerator=accelerator, teacher_backend=cfg.teacher_backend, heat_dtype=heat_dtype)
+    try:
+        files, info = capture_to_cache(cfg.capture_config(), out / "cache", tiles_for_layer, block=cfg.block,
+                                       accelerator=accelerator, teacher_backend=cfg.teacher_backend,
+                                       heat_dtype=heat_dtype)
+    except Exception:
+        if accelerator.is_main_process:
+            _undo_empty_start(out, new_folder, new_config)
+        raise
     train_files, val_files = split_by_prompt(files, cfg.val_fraction, cfg.seed)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

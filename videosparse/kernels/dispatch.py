@@ -101,6 +101,11 @@ def register_backend(name: str, target: str | Backend, *, before: str | None = "
         TRITON_BACKENDS.append(name)
 
 
+def backend_names() -> list[str]:
+    """Every name `block_sparse_attention(backend=...)` takes: 'auto', 'triton' and the registered backends."""
+    return ["auto", "triton", *_REGISTRY]
+
+
 def get_backend(name: str) -> Backend | None:
     """The backend instance, or None when its module cannot be imported (e.g. no Triton)."""
     target = _REGISTRY[name]

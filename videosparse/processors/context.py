@@ -192,6 +192,12 @@ class SparseSession:
         self._layout_cache_for: tuple | None = None
 
     @property
+    def made_by_apply(self) -> bool:
+        """Whether `videosparse.apply(pipe, ...)` made this session (it then counts steps on that pipeline's
+        scheduler), rather than `processors(...)` on a bare transformer."""
+        return self._pipeline is not None
+
+    @property
     def scheduler(self):
         """The scheduler the steps are counted with: the pipeline's current `scheduler` when the session was made by
         `videosparse.apply(pipe, ...)` (a scheduler swapped in after apply is the one read), else the one given."""
@@ -504,7 +510,7 @@ class SparseContextHook(ModelHook):
         """Whether another pipeline than the one given to `apply` drives this call (one made with `from_pipe`, sharing
         the transformer with its own scheduler): the given pipeline is gone, or its scheduler has no schedule or has
         finished its own call (a driving scheduler is reset by `set_timesteps` before the first forward)."""
-        if getattr(self.session, "_pipeline", None) is None:
+        if not self.session.made_by_apply:
             return False                     # `processors(...)` on a bare transformer: the scheduler given, or none
         if scheduler is None or timesteps is None or not len(timesteps):
             return True
