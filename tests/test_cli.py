@@ -6,6 +6,7 @@ from pathlib import Path
 import imageio.v3 as iio
 import numpy as np
 import pytest
+import torch
 
 from videosparse.cli import build_parser, main, method_config
 from videosparse.config import SolConfig, VedaConfig
@@ -52,6 +53,14 @@ def test_bad_arguments_exit_with_clear_error(capsys):
                       (["--tiling", "/no/such/tiling.json"], "neither a tile shape like 4x4x8 nor an existing"),
                       (["--guidance-scale", "nan"], "--guidance-scale=nan must be a finite number")):
         assert main(["generate", *argv]) == 2, argv
+        assert msg in capsys.readouterr().err, argv
+    # evaluate: an option only the other mode reads is refused, not ignored (review find: `--compile` on a quality
+    # run printed eager speedups with nothing said)
+    for argv, msg in ((["--compile", "default", "--repeats", "5"],
+                       "--repeats, --compile are only read by --synthetic speed runs"),
+                      (["--synthetic", "wan-1.3b", "--seeds", "1"], "--seeds is only read by quality runs"),
+                      (["--synthetic", "wan-1.3b", "--model", "tiny"], "--model is only read by quality runs")):
+        assert main(["evaluate", "--out", "/no/such/eval", *argv]) == 2, argv
         assert msg in capsys.readouterr().err, argv
 
 
@@ -101,6 +110,10 @@ def test_generate_writes_playable_mp4(tmp_path):
     assert frames.shape == (5, 64, 96, 3)
     summary = json.loads(js.read_text())
     assert summary["stats"]["transformer"]["sparse_calls"] > 0
+    # what reproduces the run (review find: no seed, dtype, versions or speedup in the JSON)
+    assert summary["seed"] == 0 and summary["dtype"] == "torch.float32" and summary["warmed_up"] is False
+    assert summary["environment"]["torch"] == torch.__version__
+    assert summary["dense"]["arm"] == "stock processors" and summary["dense"]["speedup"] > 0
 
 
 def test_generate_explains_a_sparse_arm_slower_than_dense():

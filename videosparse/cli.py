@@ -201,10 +201,14 @@ def _run_generate(args: argparse.Namespace) -> int:
     frames, height, width = result.frames.shape[:3]
     if call.get("num_frames") not in (None, frames):
         print(f"note: the pipeline made {frames} frames ({call['num_frames']} asked; its frame counts are stepped)")
+    from .eval.report import environment
+
     summary = {"model": loaded.name, "config": config.to_dict(),
-               "call": {k: v for k, v in call.items() if k != "image"},
+               "call": {k: v for k, v in call.items() if k != "image"}, "seed": args.seed,
+               "dtype": str(getattr(pipe.transformer, "dtype", "")), "warmed_up": warm,
                "image": args.image, "video": path, "frames": frames, "height": height, "width": width,
-               "wall_s": result.wall_s, "transformer_s_per_step": per_step, "stats": result.stats}
+               "wall_s": result.wall_s, "transformer_s_per_step": per_step, "stats": result.stats,
+               "environment": environment(device)}
     from .eval.evaluate import work_fraction
 
     density, work = work_fraction(result.stats)              # pooled over every transformer (Wan 2.2: both)
@@ -221,12 +225,14 @@ def _run_generate(args: argparse.Namespace) -> int:
         dense_step = dense.transformer_total_s / steps
         from .eval.metrics import psnr_video
 
-        summary["dense"] = {"wall_s": dense.wall_s, "transformer_s_per_step": dense_step,
+        # the dense arm is the pipeline's own processors (videosparse not applied), same seed and call
+        summary["dense"] = {"arm": "stock processors", "wall_s": dense.wall_s, "transformer_s_per_step": dense_step,
+                            "speedup": dense_step / per_step,
                             "psnr_db": psnr_video(result.frames, dense.frames)}   # as `videosparse evaluate`
         print(f"dense: {dense_step * 1000:.1f} ms per step -> speedup {dense_step / per_step:.2f}x; "
               f"PSNR vs dense {summary['dense']['psnr_db']:.2f} dB"
               + (" (each arm after an untimed warm-up run)" if warm else ""))
-        if note := slower_than_dense_note(dense_step / per_step):
+        if note := slower_than_dense_note(round(dense_step / per_step, 2)):    # as printed: 0.996 reads 1.00x
             print(note)
     print(f"video written to {path}")
     if args.json:

@@ -122,6 +122,18 @@ def test_other_settings_refuse_the_directory(evaluated, loaded):
     other = EvalSettings(settings.methods, settings.prompts, [0], dict(CALL, num_inference_steps=3))
     with pytest.raises(ValueError, match="other settings"):
         run_evaluation(loaded, other, out, progress=False)
+    # review find: cells timed with a warm-up or another thread count joined the report, which then named only the
+    # last run's settings; both are part of the run's key now
+    warm = EvalSettings(settings.methods, settings.prompts, [0], dict(CALL), warmup=True)
+    with pytest.raises(ValueError, match=r"other settings \(warmup: False -> True\)"):
+        run_evaluation(loaded, warm, out, progress=False)
+    n = torch.get_num_threads()
+    torch.set_num_threads(n + 1)
+    try:
+        with pytest.raises(ValueError, match=f"timed_on.cpu_threads: {n} -> {n + 1}"):
+            run_evaluation(loaded, settings, out, progress=False)
+    finally:
+        torch.set_num_threads(n)
 
 
 def test_missing_video_writer_still_completes_the_report(loaded, tmp_path, monkeypatch):

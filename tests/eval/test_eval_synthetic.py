@@ -148,6 +148,9 @@ def test_shrunken_synthetic_run_writes_report(tmp_path):
         specs = parse_method_specs(["veda@0.5:block=64:tiling=1x8x8", "sol@0.5"])
         report = run_synthetic(["wan-1.3b"], specs, str(tmp_path), device="cpu", frames=9, height=128, width=256,
                                layers=1, warmup=0, repeats=1, progress=False)
+        # a rerun with the same settings (thread count included) skips the model
+        again = run_synthetic(["wan-1.3b"], specs, str(tmp_path), device="cpu", frames=9, height=128, width=256,
+                              layers=1, warmup=0, repeats=1, progress=False)
     finally:
         torch.set_num_threads(n)
     section = report["synthetic"]["wan-1.3b"]
@@ -162,9 +165,6 @@ def test_shrunken_synthetic_run_writes_report(tmp_path):
         assert 0 < r["attention_s"] < r["forward_s"]
     for name in ("report.json", "report.md", "plots/speedup_vs_density_wan-1.3b.png"):
         assert os.path.getsize(tmp_path / name) > 0
-    # a rerun with the same settings skips the model
-    again = run_synthetic(["wan-1.3b"], specs, str(tmp_path), device="cpu", frames=9, height=128, width=256, layers=1,
-                          warmup=0, repeats=1, progress=False)
     assert again["synthetic"]["wan-1.3b"]["estimates"]["build_s"] == section["estimates"]["build_s"]
 
 
@@ -248,6 +248,22 @@ def test_synthetic_run_resumes_per_method(tmp_path):
     with pytest.raises(ValueError, match=r"measured with other settings \(shape .*--overwrite"):
         run_synthetic(["wan-1.3b"], specs[:2], str(tmp_path), **dict(kw, height=32))
     assert (tmp_path / "report.json").read_text() == before
+    # review finds: a row was kept by its label alone (--backend is not in it), and rows timed on another device or
+    # thread count were kept under the new run's environment
+    n = torch.get_num_threads()
+    torch.set_num_threads(n + 1)
+    try:
+        with pytest.raises(ValueError, match=rf"environment \(cpu_threads: {n} -> {n + 1}\)"):
+            run_synthetic(["wan-1.3b"], specs[:2], str(tmp_path), **kw)
+    finally:
+        torch.set_num_threads(n)
+    assert (tmp_path / "report.json").read_text() == before
+    other = parse_method_specs(["veda@0.5:block=64:tiling=1x8x8"], backend="reference")
+    rerun = run_synthetic(["wan-1.3b"], other, str(tmp_path), **kw)["synthetic"]["wan-1.3b"]["methods"]
+    label = "veda@0.5:block=64:tiling=1x8x8"
+    assert rerun[label]["config"]["backend"] == "reference"
+    assert rerun[label]["forward_s_all"] != fresh["methods"][label]["forward_s_all"]      # measured again
+    assert rerun["dense"]["forward_s_all"] == fresh["methods"]["dense"]["forward_s_all"]  # dense kept
 
 
 def test_cli_prints_compiled_rows(tmp_path, capsys):

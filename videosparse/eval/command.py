@@ -74,6 +74,27 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--warmup-forwards", type=int, default=1, help="untimed forwards per method")
 
 
+# options that only one of the two runs reads (dest names); given to the other, they are refused, not ignored
+QUALITY_ONLY = ("model", "prompts", "prompt", "num_prompts", "seeds", "steps", "guidance_scale", "negative_prompt",
+                "attn_steps", "attn_layers", "attn_cells", "warmup", "no_lpips", "fps")
+SYNTHETIC_ONLY = ("synthetic_layers", "repeats", "compile", "warmup_forwards")
+
+
+def _check_mode_options(args: argparse.Namespace) -> None:
+    """ValueError naming the options given that the chosen run (quality, or --synthetic) would not read."""
+    from ..cli import build_parser
+
+    defaults = build_parser().parse_args(["evaluate"])
+    other, mode = (QUALITY_ONLY, "quality runs (without --synthetic)") if args.synthetic else (
+        SYNTHETIC_ONLY, "--synthetic speed runs")
+    given = [name for name in other if getattr(args, name, None) != getattr(defaults, name, None)]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        one = len(given) == 1
+        raise ValueError(f"{flags} {'is' if one else 'are'} only read by {mode}; this run would ignore "
+                         f"{'it' if one else 'them'}. Drop {'it' if one else 'them'}, or run the other mode.")
+
+
 def _check_positive(args: argparse.Namespace, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(args, name)
@@ -90,6 +111,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
         raise ValueError(f"--guidance-scale={args.guidance_scale} must be a finite number.")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(f"--out {args.out!r} is a file; give a directory for the report (made when missing).")
+    _check_mode_options(args)
     if args.synthetic:
         return _run_synthetic(args)
     from ..models.loading import load_pipeline
@@ -119,9 +141,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
                        ("negative_prompt", args.negative_prompt)):
         if value is not None:
             call[key] = value
-    warmup = args.warmup if args.warmup is not None else str(loaded.pipe.device).startswith("cuda")
     settings = EvalSettings(specs, prompts, list(args.seeds), call, attn_steps=args.attn_steps,
-                            attn_layers=args.attn_layers, attn_cells=args.attn_cells, warmup=warmup, fps=args.fps,
+                            attn_layers=args.attn_layers, attn_cells=args.attn_cells, warmup=args.warmup, fps=args.fps,
                             lpips=not args.no_lpips)
     print(f"model: {loaded.name} | {len(specs)} methods x {len(prompts)} prompts x {len(args.seeds)} seeds | "
           f"{call.get('num_frames')} frames {call.get('height')}x{call.get('width')}, "
@@ -129,12 +150,12 @@ def run_evaluate(args: argparse.Namespace) -> int:
     report = run_evaluation(loaded, settings, args.out, overwrite=args.overwrite, progress=not args.no_progress)
     print(f"cells computed {report['run_stats']['computed']}, skipped {report['run_stats']['skipped']}")
     print(f"{'method':<36} {'density':>8} {'PSNR dB':>8} {'SSIM':>7} {'attn err':>9} {'recall':>7} "
-          f"{'speedup':>8} {'bound':>7}")
+          f"{'speedup':>8} {'bound':>7}  kernel")
     for label, s in report["summary"].items():
         print(f"{label:<36} {_f(s['realised_density'])} {_f(s['psnr_db'], 8, 2)} {_f(s['ssim'], 7, 4)} "
               f"{_f(s['attn_rel_l2_common'], 9, 4)} {_f(s['tile_recall_common'], 7)} "
               f"{_f(s['speedup_transformer'], 7, 2)}x "
-              f"{_f(s['amdahl_bound'], 6, 2)}x")
+              f"{_f(s['amdahl_bound'], 6, 2)}x  {', '.join(s.get('kernels') or []) or '-'}")
     return _print_notes(report, args.out)
 
 
@@ -171,5 +192,6 @@ def _run_synthetic(args: argparse.Namespace) -> int:
             # compiled sparse rows have no attention/plan time (the graph hides the processors): "-"
             print(f"  {label:<28} density {_f(r['realised_density'], 6)}  forward {r['forward_s']:.3f} s  "
                   f"attention {_f(r['attention_s'], 3)} s (plan {_f(r['plan_s'], 3)})  speedup {r['speedup']:.2f}x  "
-                  f"Amdahl bound {r['amdahl_bound']:.2f}x  sparse/dense calls {r['sparse_calls']}/{r['dense_calls']}")
+                  f"Amdahl bound {r['amdahl_bound']:.2f}x  sparse/dense calls {r['sparse_calls']}/{r['dense_calls']}"
+                  + (f"  kernel {r['kernel_backend']}" if r.get("kernel_backend") else ""))
     return _print_notes(report, args.out)

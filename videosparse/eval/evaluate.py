@@ -42,7 +42,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
 import numpy as np
@@ -52,7 +52,8 @@ from ..processors import sessions as active_sessions
 from .attention import AttentionProbe, sample_steps
 from .generate import generate, write_video
 from .metrics import load_lpips, lpips_distance, psnr_per_frame, psnr_video, ssim_per_frame
-from .report import REPORT_FORMAT, environment, load_report, render_markdown, save_report
+from .report import (REPORT_FORMAT, changed_keys, environment, load_report, render_markdown, save_report,
+                     timing_environment)
 from .spec import MethodSpec
 from .timing import AttentionTimer, pipeline_transformers
 
@@ -112,7 +113,9 @@ class EvalSettings:
         attn_steps: denoising steps sampled at attention level (None: 3 spread over the run).
         attn_layers: self-attention layers sampled (None: all).
         attn_cells: how many (prompt, seed) pairs get the attention-level pass (0 = none).
-        warmup: one untimed generation per method before its first timed cell (kernel compilation).
+        warmup: one untimed generation per method before its first timed cell (kernel compilation, CUDA start-up);
+            None (the default): on when the pipeline runs on CUDA, where a cold first call would count compile and
+            start-up time into one method's times only.
         fps: frame rate of the side-by-side videos.
         lpips: compute LPIPS when the package and its weights are on this machine.
     """
@@ -124,7 +127,7 @@ class EvalSettings:
     attn_steps: list[int] | None = None
     attn_layers: list[int] | None = None
     attn_cells: int = 1
-    warmup: bool = False
+    warmup: bool | None = None
     fps: int = 8
     lpips: bool = True
 
@@ -248,27 +251,32 @@ class Evaluation:
                  progress: bool = True) -> None:
         self.loaded = loaded
         self.pipe = loaded.pipe
-        self.settings = settings
         self.out_dir = out_dir
         self.progress = progress
         self.device = str(self.pipe.device)
+        if settings.warmup is None:
+            settings = replace(settings, warmup=self.device.startswith("cuda"))
+        self.settings = settings
         self.dtype = str(getattr(self.pipe.transformer, "dtype", ""))
         self.path = os.path.join(out_dir, "report.json")
         self._check_attention_sampling()
-        key = {"model": loaded.name, "call": _comparable(settings.call), "dtype": self.dtype, "device": self.device}
+        # the cells of a rerun join those already in the report: same pipeline call, warm-up and environment
+        key = {"model": loaded.name, "call": _comparable(settings.call), "dtype": self.dtype, "device": self.device,
+               "warmup": settings.warmup, "timed_on": timing_environment(self.device)}
         old = None if overwrite else load_report(self.path)
         if old is not None and old.get("mode", "quality") != "quality":
             raise ValueError(f"{self.path} holds a {old.get('mode')} report; write this quality run to another "
                              "directory, or overwrite=True (--overwrite) to replace it.")
-        if old is not None and old.get("run_key") != json.loads(json.dumps(key, default=str)):
+        key = json.loads(json.dumps(key, default=str))
+        if old is not None and old.get("run_key") != key:
             raise ValueError(
-                f"{self.path} was made with other settings ({old.get('run_key')}); this run has {key}. Use another "
-                "output directory, or overwrite=True (--overwrite) to start afresh."
+                f"{self.path} was made with other settings ({'; '.join(changed_keys(old.get('run_key'), key))}). "
+                "Use another output directory, or overwrite=True (--overwrite) to start afresh."
             )
         for sub in ("frames", "plots", "videos"):            # after the checks: a refused run leaves nothing behind
             os.makedirs(os.path.join(out_dir, sub), exist_ok=True)
         self.report: dict[str, Any] = old or {"format": REPORT_FORMAT, "mode": "quality", "cells": {}, "attention": {}}
-        self.report["run_key"] = json.loads(json.dumps(key, default=str))
+        self.report["run_key"] = key
         self._lpips = None
         self._lpips_note: str | None = None
         self._contexts: dict = {}
@@ -464,6 +472,8 @@ class Evaluation:
                 "attn_rel_l2_by_step": _by_step(probes, "rel_l2"), "tile_recall_by_step": _by_step(probes, "recall"),
                 "wall_s": median("wall_s"), "transformer_s": median("transformer_total_s"),
                 "attention_s": median("attention_s"), "plan_s": median("plan_s"),
+                "kernels": sorted({comp["kernel_backend"] for r in mine for comp in (r.get("stats") or {}).values()
+                                   if comp.get("kernel_backend") and comp.get("sparse_calls")}),
             }
         # methods with dense steps run sparse at fewer of the sampled steps, where the error differs most (the early
         # ones): they are compared at the steps every method ran sparse

@@ -118,6 +118,28 @@ def environment(device: str | torch.device) -> dict[str, Any]:
     return env
 
 
+# what of `environment` a measured time depends on: a rerun that keeps earlier measurements must match it
+TIMING_KEYS = ("videosparse", "torch", "triton", "diffusers", "device", "gpu", "cuda", "cpu_threads")
+
+
+def timing_environment(device: str | torch.device) -> dict[str, Any]:
+    """The part of `environment(device)` that times depend on (versions, device, GPU, CPU threads)."""
+    env = environment(device)
+    return {key: env[key] for key in TIMING_KEYS if key in env}
+
+
+def changed_keys(old: dict | None, new: dict, prefix: str = "") -> list[str]:
+    """"key: old -> new" for every key of `new` whose value `old` does not have (nested dicts as "a.b: ...")."""
+    old = old if isinstance(old, dict) else {}
+    changed = []
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(old.get(key), dict):
+            changed += changed_keys(old[key], value, f"{prefix}{key}.")
+        elif old.get(key) != value:
+            changed.append(f"{prefix}{key}: {old.get(key)} -> {value}")
+    return changed
+
+
 # ------------------------------------------------------------------------------------------ markdown
 def _steps(summary: dict) -> str:
     """"steps 4, 9": the sampled steps every method ran sparse at (from any summary row)."""
@@ -212,9 +234,10 @@ def _quality_markdown(report: dict) -> list[str]:
                      _fmt(s.get("attention_s"), 3), _fmt(s.get("plan_s"), 3),
                      _fmt(100 * s["attention_share"] if s.get("attention_share") is not None else None, 1, "%"),
                      _fmt(s.get("speedup_transformer"), 2, "x"), _fmt(s.get("amdahl_bound"), 2, "x"),
-                     _fmt(s.get("speedup_e2e"), 2, "x"), _fmt(s.get("speedup_attention"), 2, "x")])
+                     _fmt(s.get("speedup_e2e"), 2, "x"), _fmt(s.get("speedup_attention"), 2, "x"),
+                     ", ".join(s.get("kernels") or []) or "–"])
     lines += _table(["method", "e2e s", "transformer s", "attention s", "plan s", "attn share",
-                     "transformer speedup", "Amdahl bound", "e2e speedup", "attention speedup"], rows)
+                     "transformer speedup", "Amdahl bound", "e2e speedup", "attention speedup", "kernel"], rows)
     dense = summary.get(next(iter(summary), ""), {})
     if dense.get("amdahl_bound_free_attention") is not None:
         lines += ["", f"Dense attention is {_fmt(100 * dense['attention_share'], 1)}% of transformer time: with "
@@ -249,10 +272,10 @@ def _synthetic_markdown(report: dict) -> list[str]:
                          _fmt(100 * r["attention_share"] if r.get("attention_share") is not None else None, 1, "%"),
                          _fmt(r.get("speedup"), 2, "x"), _fmt(r.get("amdahl_bound"), 2, "x"),
                          _fmt(r.get("speedup_attention"), 2, "x"), f"{r.get('sparse_calls')}/{r.get('dense_calls')}",
-                         _fmt(r.get("output_rel_l2_vs_dense"), 4)])
+                         _fmt(r.get("output_rel_l2_vs_dense"), 4), r.get("kernel_backend") or "–"])
         lines += _table(["method", "realised density", "forward s", "attention s", "plan s", "attn share",
                          "speedup", "Amdahl bound", "attention speedup", "sparse/dense calls",
-                         "output rel L2"], rows)
+                         "output rel L2", "kernel"], rows)
         bound = model.get("amdahl_bound_free_attention")
         timed = next(iter(model.get("methods", {}).values()), {}).get("attention_timed")
         how = f" (compiled: its SDPA calls timed {timed})" if timed else ""

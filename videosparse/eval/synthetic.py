@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import logging
 import math
 import os
@@ -1119,7 +1120,8 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
         The report dict ("synthetic": model name -> section from `summarize_synthetic`).
     """
     from .plots import plot_speedup_vs_density
-    from .report import REPORT_FORMAT, environment, load_report, render_markdown, save_report
+    from .report import (REPORT_FORMAT, changed_keys, environment, load_report, render_markdown, save_report,
+                         timing_environment, to_jsonable)
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -1138,6 +1140,8 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
                          "(or pass overwrite=True, --overwrite, to replace it).")
     report["synthetic"] = report.get("synthetic", {})
     labels = [s.label for s in specs]
+    configs = {s.label: json.loads(json.dumps(to_jsonable(every_step_sparse(s.config).to_dict()))) for s in specs}
+    timed_on = json.loads(json.dumps(to_jsonable(timing_environment(device))))
 
     def other_settings(name: str, old: dict) -> list[str]:
         """What of `old` (a model's section of the report) differs from this run's settings."""
@@ -1150,6 +1154,8 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
                                ("repeats", old.get("repeats"), repeats)):
             if was != now:
                 differ.append(f"{what} {was} vs {now}")
+        if old.get("timed_on") != timed_on:           # another device, GPU, thread count or version
+            differ.append("environment (" + ", ".join(changed_keys(old.get("timed_on"), timed_on)) + ")")
         return differ
 
     for name in names:           # as the help says: a report of other settings is refused, before anything runs
@@ -1160,13 +1166,17 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
         old = report["synthetic"].get(name)
         done = {}
         if old and next(iter(old.get("methods", {})), None) == labels[0]:
-            done = {label: row for label, row in old["methods"].items() if label in labels}
+            # a row is kept only for the same configuration (a spec label does not name e.g. --backend)
+            done = {label: row for label, row in old["methods"].items()
+                    if label in labels and row.get("config") == configs[label]}
+            if labels[0] not in done:       # a dense row of other settings: every speedup would be against it
+                done = {}
         if list(done) == labels:
             logger.info("synthetic %s: already in %s, skipped", name, path)
             continue
 
         def save(result, name=name):
-            report["synthetic"][name] = summarize_synthetic(result, dtype, warmup, repeats)
+            report["synthetic"][name] = dict(summarize_synthetic(result, dtype, warmup, repeats), timed_on=timed_on)
             report["environment"] = environment(device)
             save_report(report, path)
 
@@ -1184,6 +1194,11 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
         plots.append(os.path.relpath(plot, out_dir))
     notes = ["Random weights: attention is near-uniform, so the chosen tiles say nothing about quality; "
              "`output rel L2` only checks that the sparse path ran."]
+    if device.type == "cpu":
+        notes.append("Run on CPU: the sparse path uses the torch reference kernel, so times say nothing about GPU "
+                     "speed.")
+    if compile_mode == "aot_eager":
+        notes.append("compile mode aot_eager checks that the model traces; its times are not a compiled speed.")
     fallbacks = sorted({f for s in report["synthetic"].values() for r in s["methods"].values() for f in r["fallbacks"]})
     if fallbacks:
         notes.append("Some attention calls fell back to dense: " + "; ".join(fallbacks))
