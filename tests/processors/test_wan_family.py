@@ -378,6 +378,14 @@ def test_steps_after_calls_that_ended_early(monkeypatch, caplog):
     with pytest.raises(KeyboardInterrupt):                  # the from_pipe pipeline itself stopped early
         other(**kw, callback_on_step_end=stop_at_step_1)
     assert steps_of(other) == [0, 1, 2, 3] and steps_of(pipe) == [0, 1, 2, 3]
+    # the applied pipeline's own calls read no timestep from the device after the first step (its forwards' timestep
+    # is a view of its scheduler's schedule): the check costs no host sync there
+    from videosparse.processors import context
+
+    reads = []
+    real = context._schedule_gaps
+    monkeypatch.setattr(context, "_schedule_gaps", lambda t, ts: reads.append(1) or real(t, ts))
+    assert steps_of(pipe) == [0, 1, 2, 3] and len(reads) == 2          # step 0 of each guidance branch
     videosparse.remove(pipe)
 
     # a bare transformer without a scheduler: the steps are counted per guidance branch

@@ -333,6 +333,14 @@ def _rises(last: float | None, value: float) -> bool:
     return last is not None and value > last + 1e-2 * max(1.0, abs(last))
 
 
+def _view_of(t, timesteps: torch.Tensor) -> bool:
+    """Whether the forward's timestep is a view of the schedule tensor itself (most pipelines pass
+    `t.expand(batch)` of `for t in scheduler.timesteps`): then that scheduler drives the call, known without reading
+    a value from the device."""
+    return (torch.is_tensor(t) and torch.is_tensor(timesteps) and t.device == timesteps.device and timesteps.numel() > 0
+            and t.untyped_storage().data_ptr() == timesteps.untyped_storage().data_ptr())
+
+
 def _schedule_gaps(t, timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(|schedule - t| per entry as float64, whether each entry is within 1% of t): t's noisiest entry, compared in
     t's own precision, so a bf16 timestep matches its rounding of the schedule (ties: argmin takes the first)."""
@@ -549,7 +557,9 @@ class SparseContextHook(ModelHook):
             return False
         if counted >= len(timesteps):
             return True
-        _, on_schedule = _schedule_gaps(t, timesteps)
+        if _view_of(t, timesteps):
+            return False                     # the forward's timestep is an entry of the given scheduler's schedule
+        _, on_schedule = _schedule_gaps(t, timesteps)        # (reads t: one device sync)
         # timesteps on another scale (Cosmos passes sigmas) match no entry: the counter stays trusted there
         return bool(on_schedule.any()) and not bool(on_schedule[counted])
 
