@@ -239,3 +239,14 @@ def test_attention_columns_compare_methods_at_the_steps_all_ran_sparse(loaded, t
     assert later["tile_recall_common"] == pytest.approx(later["tile_recall"])
     assert summary["dense"]["attn_rel_l2_common"] is None
     assert "at the steps where every method runs sparse (steps 1;" in open(tmp_path / "report.md").read()
+
+
+def test_changed_keys_names_keys_of_either_side():
+    """Review find: a key only the old run had (e.g. a negative prompt dropped) gave "other settings ()"."""
+    from videosparse.eval.report import changed_keys
+
+    old = {"a": 1, "call": {"steps": 2, "negative_prompt": "blurry"}, "gone": 2}
+    new = {"a": 1, "call": {"steps": 3}, "new": 3}
+    assert changed_keys(old, new) == ["call.steps: 2 -> 3", "call.negative_prompt: blurry -> None", "new: None -> 3",
+                                      "gone: 2 -> None"]
+    assert changed_keys(None, {"a": 1}) == ["a: None -> 1"] and changed_keys(new, new) == []

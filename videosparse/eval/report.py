@@ -129,14 +129,16 @@ def timing_environment(device: str | torch.device) -> dict[str, Any]:
 
 
 def changed_keys(old: dict | None, new: dict, prefix: str = "") -> list[str]:
-    """"key: old -> new" for every key of `new` whose value `old` does not have (nested dicts as "a.b: ...")."""
+    """"key: old -> new" for every key whose value differs between the two (either side may lack it; nested dicts
+    as "a.b: ...")."""
     old = old if isinstance(old, dict) else {}
     changed = []
-    for key, value in new.items():
-        if isinstance(value, dict) and isinstance(old.get(key), dict):
-            changed += changed_keys(old[key], value, f"{prefix}{key}.")
-        elif old.get(key) != value:
-            changed.append(f"{prefix}{key}: {old.get(key)} -> {value}")
+    for key in [*new, *(k for k in old if k not in new)]:
+        was, now = old.get(key), new.get(key)
+        if isinstance(was, dict) and isinstance(now, dict):
+            changed += changed_keys(was, now, f"{prefix}{key}.")
+        elif was != now:
+            changed.append(f"{prefix}{key}: {was} -> {now}")
     return changed
 
 

@@ -315,35 +315,16 @@ class _BranchState(BaseState):
 
     def __init__(self) -> None:
         self.calls = 0
-        self.last_timestep: float | None = None
 
     def reset(self) -> None:
         self.calls = 0
-        self.last_timestep = None
-
-
-def _noisiest(t) -> float:
-    """The largest entry of a forward's timestep: per-token or per-frame timesteps (Wan 2.2 TI2V, SkyReels V2 diffusion
-    forcing) hold 0 for clean conditioning frames, and the noisiest entry says how far the denoising is."""
-    return float(torch.as_tensor(t).detach().flatten().max())
-
-
-def _rises(last: float | None, value: float) -> bool:
-    """Whether `value` lies above the previous forward's timestep `last` (beyond bf16 rounding)."""
-    return last is not None and value > last + 1e-2 * max(1.0, abs(last))
-
-
-def _view_of(t, timesteps: torch.Tensor) -> bool:
-    """Whether the forward's timestep is a view of the schedule tensor itself (most pipelines pass
-    `t.expand(batch)` of `for t in scheduler.timesteps`): then that scheduler drives the call, known without reading
-    a value from the device."""
-    return (torch.is_tensor(t) and torch.is_tensor(timesteps) and t.device == timesteps.device and timesteps.numel() > 0
-            and t.untyped_storage().data_ptr() == timesteps.untyped_storage().data_ptr())
 
 
 def _schedule_gaps(t, timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(|schedule - t| per entry as float64, whether each entry is within 1% of t): t's noisiest entry, compared in
-    t's own precision, so a bf16 timestep matches its rounding of the schedule (ties: argmin takes the first)."""
+    """(|schedule - t| per entry as float64, whether each entry is within 1% of t). Per-token or per-frame timesteps
+    (Wan 2.2 TI2V, SkyReels V2 diffusion forcing) hold 0 for clean conditioning frames, so t's noisiest entry is
+    compared, in t's own precision: a bf16 timestep matches its rounding of the schedule (ties: argmin takes the
+    first)."""
     t0 = torch.as_tensor(t).detach().flatten().max().cpu()
     table = timesteps.detach().cpu().to(t0.dtype) if t0.is_floating_point() else timesteps.detach().cpu()
     gap = (table.double() - float(t0)).abs()
@@ -423,7 +404,6 @@ class SparseContextHook(ModelHook):
         self._warned_all_dense = False
         self._last_timestep: float | None = None    # `_count_steps`: this pipeline call's latest timestep
         self._counted_steps = 0
-        self._counting_call = False                 # another pipeline drives this call: its steps are counted
 
     def initialize_hook(self, module):
         self._timestep_position = parameter_position(type(module).forward, "timestep", default=1)
@@ -480,12 +460,12 @@ class SparseContextHook(ModelHook):
         if (unknown_count or unknown_step) and not self._warned_unknown_steps:
             self._warned_unknown_steps = True
             what = ("the denoising step is unknown here (no scheduler, no cache context and no step index)"
-                    if unknown_step else "it is a fraction of the denoising steps, but their number is unknown here "
-                    "(no scheduler and no cache context)")
+                    if unknown_step else "the number of denoising steps, which a fraction needs, is unknown here "
+                    "(no cache context gives it, and the steps are counted, not read from the pipeline's scheduler)")
             logger.warning(
                 "videosparse: dense_steps=%s, but %s, so every step runs sparse. Use videosparse.apply(pipe, config) "
-                "on the pipeline, or pass scheduler=pipe.scheduler to videosparse.processors(...)%s.", dense_steps,
-                what, "" if unknown_step else ", or give dense_steps as a step count (an int)")
+                "on the pipeline that runs, or pass scheduler=pipe.scheduler to videosparse.processors(...)%s.",
+                dense_steps, what, "" if unknown_step else ", or give dense_steps as a step count (an int)")
         hidden = forward_arg(args, kwargs, "hidden_states", 0)
         if isinstance(hidden, (list, tuple)):       # per-item latents (Wan-Animate-2): device and dtype of the first
             hidden = hidden[0]
@@ -512,8 +492,7 @@ class SparseContextHook(ModelHook):
             return cache_ctx.step_index, num_steps
         t = forward_arg(args, kwargs, "timestep", self._timestep_position)
         counted = getattr(scheduler, "step_index", None)          # advanced by each scheduler.step() of this call
-        if t is not None and (self._counting_call or self._other_driver(scheduler, timesteps, counted, t)):
-            self._counting_call = True       # for the rest of this call: the applied scheduler's counter is not its
+        if t is not None and self._other_driver(scheduler, timesteps, counted):
             return self._count_steps(t), num_steps
         if num_steps is None and timesteps is not None and len(timesteps):
             num_steps = len(timesteps)
@@ -531,46 +510,32 @@ class SparseContextHook(ModelHook):
             return best, num_steps
         if cache_ctx is not None:
             state = self.state_manager.get_state()
-            if t is not None:
-                value = _noisiest(t)
-                if _rises(state.last_timestep, value):   # a new call after one that ended early (see `_count_steps`)
-                    state.calls = 0
-                state.last_timestep = value
             state.calls += 1
             return state.calls - 1, num_steps
         return None, num_steps
 
-    def _other_driver(self, scheduler, timesteps, counted, t) -> bool:
+    def _other_driver(self, scheduler, timesteps, counted) -> bool:
         """Whether another pipeline than the one given to `apply` drives this call (one made with `from_pipe`, sharing
-        the transformer with its own scheduler): the given pipeline is gone, its scheduler has no schedule, was never
-        set for a call (its table is then the training schedule) or has finished its own call, or its step counter
-        was left behind by a call that ended early (raised, or interrupted): this forward's timestep lies on the
-        schedule, but not at that step. (A driving scheduler is reset by `set_timesteps` before the first forward.)"""
+        the transformer with its own scheduler): the given pipeline is gone, or its scheduler has no schedule, was
+        never set for a call (its table is then the training schedule) or has finished its own call (a driving
+        scheduler is reset by `set_timesteps` before the first forward). Its counter left behind by a call that ended
+        early (an exception, or `_interrupt`) cannot be told from a live one without reading the timestep from the
+        device on every forward: such a counter is read until the given pipeline runs again."""
         if not self.session.made_by_apply:
             return False                     # `processors(...)` on a bare transformer: the scheduler given, or none
         if scheduler is None or timesteps is None or not len(timesteps):
             return True
         if counted is None:
-            # diffusers' schedulers set `num_inference_steps` in `set_timesteps` (FlowMatchEuler has none before)
+            # the video schedulers set `num_inference_steps` in `set_timesteps` (FlowMatchEuler, UniPC, DPM-Solver:
+            # None or absent before; Heun-like ones that preset it are taken as set, as before)
             return getattr(scheduler, "num_inference_steps", None) is None
-        if not isinstance(counted, int):
-            return False
-        if counted >= len(timesteps):
-            return True
-        if _view_of(t, timesteps):
-            return False                     # the forward's timestep is an entry of the given scheduler's schedule
-        _, on_schedule = _schedule_gaps(t, timesteps)        # (reads t: one device sync)
-        # timesteps on another scale (Cosmos passes sigmas) match no entry: the counter stays trusted there
-        return bool(on_schedule.any()) and not bool(on_schedule[counted])
+        return isinstance(counted, int) and counted >= len(timesteps)
 
     def _count_steps(self, t) -> int:
         """Step index by counting the distinct timesteps of this pipeline call (two forwards of a step, the guidance
-        branches, share one); reset at the end of the call (`reset_state`), and when the timestep rises: denoising
-        lowers it step by step, so a higher one starts a new call after one that ended early (an exception or an
-        interrupt skips `reset_state`)."""
-        value = _noisiest(t)
-        if _rises(self._last_timestep, value):
-            self._counted_steps = 0
+        branches, share one); reset at the end of the call (`reset_state`; a call that ends early by an exception
+        skips it, and the next call goes on counting)."""
+        value = float(torch.as_tensor(t).detach().flatten().max())
         if value != self._last_timestep:
             self._last_timestep = value
             self._counted_steps += 1
@@ -581,7 +546,7 @@ class SparseContextHook(ModelHook):
         if self.session.calls:
             logger.info(self.session.summary())
         self.state_manager.reset()
-        self._last_timestep, self._counted_steps, self._counting_call = None, 0, False
+        self._last_timestep, self._counted_steps = None, 0
         return module
 
 
