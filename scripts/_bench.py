@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import platform
 import time
+from pathlib import Path
 
 import torch
+
+
+def require_cuda(script: str) -> None:
+    """Exit with "<script> needs a CUDA GPU." where there is none (instead of a traceback from the first launch)."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{Path(script).name} needs a CUDA GPU.")
 
 
 def bench(fn, *, warmup: int = 20, rep: int = 100) -> float:

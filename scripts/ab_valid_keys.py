@@ -34,8 +34,9 @@ def main() -> None:
     ap.add_argument("--global-tiles", type=int, default=0, help="last key tiles kept by every row, their rows dense")
     ap.add_argument("--out", default="benchmarks/ab_valid_keys_h200.json")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("ab_valid_keys.py needs a CUDA GPU.")
+    from _bench import require_cuda
+
+    require_cuda(__file__)
     B, H, S, D = 1, args.heads, args.seq, 128
     rows = []
     for density in (1.0, 0.1, 0.05):

@@ -570,8 +570,9 @@ def main():
         print(render_markdown(results) + "\n\n" + render_variants(results))
         return
     import torch
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_kernel.py needs a CUDA GPU.")
+    from _bench import require_cuda
+
+    require_cuda(__file__)
     import triton
 
     t0 = time.time()

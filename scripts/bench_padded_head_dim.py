@@ -20,8 +20,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 def main(out="benchmarks/padded_head_dim_allegro_h200.json", B=1, H=24, S=79200, D=96):
     import torch
 
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_padded_head_dim.py needs a CUDA GPU.")
+    from _bench import require_cuda
+
+    require_cuda(__file__)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
 

@@ -62,7 +62,7 @@ def _inputs(style, S, video, text, text_position, H_kv, D, device):
 def main(argv=None):
     import torch
 
-    from _bench import bench, rel, versions
+    from _bench import bench, rel, require_cuda, versions
     from videosparse.layout import TileLayout
     from videosparse.rope import apply_rope
 
@@ -70,8 +70,7 @@ def main(argv=None):
     ap.add_argument("--out", default="benchmarks/rope_gather_h200.json")
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_rope_gather.py needs a CUDA GPU.")
+    require_cuda(__file__)
     rows = []
     for name in args.shapes:
         style, grid, H, H_kv, D, text, position, layers = SHAPES[name]

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from _bench import bench, rel, versions  # noqa: E402
+from _bench import bench, rel, require_cuda, versions  # noqa: E402
 from videosparse import SolConfig  # noqa: E402
 from videosparse.kernels import block_sparse_attention, select_backend  # noqa: E402
 from videosparse.layout import head_tiling  # noqa: E402
@@ -144,8 +144,7 @@ def main() -> None:
     ap.add_argument("--skip-kernel", action="store_true")
     ap.add_argument("--out", default="benchmarks/sol_plan_h200.json")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_sol_plan.py needs a CUDA GPU.")
+    require_cuda(__file__)
 
     torch.manual_seed(0)
     H, D = args.heads, args.dim

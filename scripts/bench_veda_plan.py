@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from _bench import bench as _bench, host_us, rel, versions  # noqa: E402
+from _bench import bench as _bench, host_us, rel, require_cuda, versions  # noqa: E402
 from videosparse import VedaConfig  # noqa: E402
 from videosparse.kernels import block_sparse_attention, select_backend  # noqa: E402
 from videosparse.layout import head_tiling  # noqa: E402
@@ -71,8 +71,7 @@ def main() -> None:
     ap.add_argument("--skip-dense", action="store_true")
     ap.add_argument("--out", default="benchmarks/veda_plan_h200.json")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_veda_plan.py needs a CUDA GPU.")
+    require_cuda(__file__)
 
     torch.manual_seed(0)
     H, D, block = args.heads, args.dim, 128

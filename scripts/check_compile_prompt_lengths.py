@@ -27,8 +27,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/compile_prompt_lengths_h200.json")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("check_compile_prompt_lengths.py needs a CUDA GPU.")
+    from _bench import require_cuda
+
+    require_cuda(__file__)
     torch.manual_seed(0)
     tr = HunyuanVideoTransformer3DModel(num_layers=2, num_single_layers=2, num_refiner_layers=1)
     tr = tr.to("cuda", torch.bfloat16).eval()

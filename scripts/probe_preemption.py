@@ -156,8 +156,9 @@ def main() -> None:
     parser.add_argument("--modes", default="alone,shared,eight", help="of alone, shared, eight")
     parser.add_argument("--no-timings", action="store_true")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("probe_preemption.py needs a CUDA GPU.")
+    from _bench import require_cuda
+
+    require_cuda(__file__)
     wanted = [part.strip() for part in args.cases.split(",") if part.strip()]
     labels = [label for label in CASES if not wanted or any(part in label for part in wanted)]
     if not labels:

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from _bench import versions  # noqa: E402
+from _bench import require_cuda, versions  # noqa: E402
 from videosparse.sol.triton_centroids import tile_stats_triton  # noqa: E402
 from videosparse.veda.triton_kernels import trippool_triton  # noqa: E402
 
@@ -45,8 +45,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--out", default="benchmarks/sweep_trippool_h200.json")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("sweep_trippool.py needs a CUDA GPU.")
+    require_cuda(__file__)
     rows = []
     for name, (B, H, S, D) in SHAPES.items():
         q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))

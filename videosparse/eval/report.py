@@ -90,6 +90,12 @@ def _version(module: str) -> str | None:
         return None
 
 
+def as_saved(obj: Any) -> Any:
+    """`obj` as it reads back from a saved report (`save_report` then `load_report`: tuples become lists): the form
+    in which a value of this run is compared with an earlier report's."""
+    return from_jsonable(json.loads(json.dumps(to_jsonable(obj))))
+
+
 def environment(device: str | torch.device) -> dict[str, Any]:
     """Versions, device and kernel backends: what every report carries beside its numbers."""
     from .. import __version__

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import logging
 import math
 import os
@@ -1120,8 +1119,8 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
         The report dict ("synthetic": model name -> section from `summarize_synthetic`).
     """
     from .plots import plot_speedup_vs_density
-    from .report import (REPORT_FORMAT, changed_keys, environment, load_report, render_markdown, save_report,
-                         timing_environment, to_jsonable)
+    from .report import (REPORT_FORMAT, as_saved, changed_keys, environment, load_report, render_markdown,
+                         save_report, timing_environment)
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -1140,8 +1139,8 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
                          "(or pass overwrite=True, --overwrite, to replace it).")
     report["synthetic"] = report.get("synthetic", {})
     labels = [s.label for s in specs]
-    configs = {s.label: json.loads(json.dumps(to_jsonable(every_step_sparse(s.config).to_dict()))) for s in specs}
-    timed_on = json.loads(json.dumps(to_jsonable(timing_environment(device))))
+    configs = {s.label: as_saved(every_step_sparse(s.config).to_dict()) for s in specs}
+    timed_on = as_saved(timing_environment(device))
 
     def other_settings(name: str, old: dict) -> list[str]:
         """What of `old` (a model's section of the report) differs from this run's settings."""

@@ -320,17 +320,6 @@ class _BranchState(BaseState):
         self.calls = 0
 
 
-def _schedule_gaps(t, timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(|schedule - t| per entry as float64, whether each entry is within 1% of t). Per-token or per-frame timesteps
-    (Wan 2.2 TI2V, SkyReels V2 diffusion forcing) hold 0 for clean conditioning frames, so t's noisiest entry is
-    compared, in t's own precision: a bf16 timestep matches its rounding of the schedule (ties: argmin takes the
-    first)."""
-    t0 = torch.as_tensor(t).detach().flatten().max().cpu()
-    table = timesteps.detach().cpu().to(t0.dtype) if t0.is_floating_point() else timesteps.detach().cpu()
-    gap = (table.double() - float(t0)).abs()
-    return gap, gap <= 1e-2 * table.double().abs().clamp_min(1.0)
-
-
 @functools.lru_cache(maxsize=None)
 def parameter_position(forward, name: str, default: int) -> int:
     """Position of parameter `name` among a module forward's positional arguments (after self); `default` when it
@@ -499,9 +488,15 @@ class SparseContextHook(ModelHook):
         if t is not None and timesteps is not None and len(timesteps):
             if isinstance(counted, int) and 0 <= counted < len(timesteps):
                 return counted, num_steps
-            gap, on_schedule = _schedule_gaps(t, timesteps)
+            # per-token or per-frame timesteps (Wan 2.2 TI2V, SkyReels V2 diffusion forcing) hold 0 for clean
+            # conditioning frames: the noisiest entry says how far the denoising is
+            t0 = torch.as_tensor(t).detach().flatten().max().cpu()
+            # in t's own precision: a bf16 timestep matches its rounding of the schedule (ties: the first)
+            table = timesteps.detach().cpu().to(t0.dtype) if t0.is_floating_point() else timesteps.detach().cpu()
+            gap = (table.double() - float(t0)).abs()
             best = int(gap.argmin())
-            if not on_schedule[best] and hasattr(scheduler, "_step_index") and counted is None:
+            if float(gap[best]) > 1e-2 * max(1.0, abs(float(table[best]))) and \
+                    hasattr(scheduler, "_step_index") and counted is None:
                 # the forward's timestep is not on the schedule (the Cosmos pipelines pass sigma or sigma / (sigma + 1))
                 # and the scheduler has not stepped yet in this call: its first step (its begin index, if it has one;
                 # an on-schedule timestep keeps its place, for pipelines that start later in the schedule)
