@@ -345,3 +345,40 @@ def test_write_video_fails_when_ffmpeg_wrote_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(diffusers.utils, "export_to_video", lambda frames, path, **kw: path)
     with pytest.raises(OSError, match="was not written"):
         write_video(np.zeros((2, 16, 16, 3), dtype=np.float32), str(tmp_path / "v.mp4"))
+
+
+def test_generate_without_ffmpeg_stops_before_the_pipeline_loads(capsys, monkeypatch):
+    import imageio
+
+    from videosparse.models import loading
+
+    def no_exe():
+        raise RuntimeError("No ffmpeg exe could be found.")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the pipeline was loaded although no video could be written")
+
+    monkeypatch.setattr(imageio.plugins.ffmpeg, "get_exe", no_exe)
+    monkeypatch.setattr(loading, "load_pipeline", no_load)
+    assert main(["generate"]) == 2
+    err = capsys.readouterr().err
+    assert "no ffmpeg to write the video with" in err and "imageio-ffmpeg" in err
+
+
+def test_generate_whose_video_fails_still_writes_its_summary(tmp_path, capsys, monkeypatch):
+    """A video that cannot be written at the end of a run (disk full, a folder gone) still leaves the run's numbers."""
+    from videosparse.eval import generate as generate_module
+
+    def disk_full(frames, path, fps=8):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(generate_module, "write_video", disk_full)
+    js = tmp_path / "s.json"
+    assert main(["generate", "--frames", "5", "--height", "64", "--width", "64", "--steps", "2",
+                 "--out", str(tmp_path / "v.mp4"), "--json", str(js)]) == 2
+    out = capsys.readouterr()
+    assert "realised density" in out.out and "video written" not in out.out
+    assert "could not be written" in out.err and "No space left on device" in out.err and str(js) in out.err
+    summary = json.loads(js.read_text())
+    assert summary["video"] is None and "No space left on device" in summary["video_error"]
+    assert summary["stats"]["transformer"]["sparse_calls"] > 0

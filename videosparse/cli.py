@@ -115,7 +115,8 @@ def _add_generate_parser(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--guidance-scale", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fps", type=int, default=8)
-    p.add_argument("--out", default="video.mp4", help="output video path (.mp4, .mkv, .mov or .avi)")
+    p.add_argument("--out", default="video.mp4",
+                   help="output video path (.mp4, .mkv, .mov or .avi; an existing file is replaced)")
     p.add_argument("--image", default=None, help="first-frame image (path or URL) for image-to-video pipelines")
     p.add_argument("--compare-dense", action="store_true", help="also run dense with the same seed and compare")
     p.add_argument("--json", default=None, help="also write the summary as JSON here")
@@ -144,7 +145,7 @@ def slower_than_dense_note(speedup: float) -> str | None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from .eval.generate import generate, warm_up, write_video
+    from .eval.generate import check_video_writer, generate, warm_up, write_video
     from .eval.spec import check_config_files
     from .models.loading import load_pipeline
 
@@ -169,6 +170,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     config = method_config(args)
     check_config_files(config, lambda field: f"--{field}")     # before the pipeline loads
     check_model(args.model)
+    check_video_writer()
     loaded = load_pipeline(args.model, args.device, DTYPES.get(args.dtype))
     pipe = loaded.pipe
     pipe.set_progress_bar_config(disable=True)
@@ -196,7 +198,10 @@ def _run_generate(args: argparse.Namespace) -> int:
     if warm:
         warm_up(pipe, config, call, seed=args.seed, device=device)
     result = generate(pipe, config, call, seed=args.seed, device=device)
-    path = write_video(result.frames, args.out, fps=args.fps)
+    try:
+        path, video_error = write_video(result.frames, args.out, fps=args.fps), None
+    except (OSError, AttributeError, RuntimeError) as err:    # the run's numbers are still printed and saved
+        path, video_error = None, err
     per_step = result.transformer_total_s / steps
     frames, height, width = result.frames.shape[:3]
     if call.get("num_frames") not in (None, frames):
@@ -234,12 +239,18 @@ def _run_generate(args: argparse.Namespace) -> int:
               + (" (each arm after an untimed warm-up run)" if warm else ""))
         if note := slower_than_dense_note(round(dense_step / per_step, 2)):    # as printed: 0.996 reads 1.00x
             print(note)
-    print(f"video written to {path}")
+    if video_error is not None:
+        summary["video_error"] = f"{type(video_error).__name__}: {video_error}"
+    else:
+        print(f"video written to {path}")
     if args.json:
         from .eval.report import to_jsonable
 
         with open(args.json, "w") as f:
             json.dump(to_jsonable(summary), f, indent=2, default=str)    # inf PSNR as "inf": strict JSON
+    if video_error is not None:
+        raise OSError(f"the video {args.out!r} could not be written: {video_error}"
+                      + (f" (the summary is in {args.json!r})" if args.json else ""))
     return 0
 
 

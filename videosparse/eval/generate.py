@@ -97,6 +97,18 @@ def _sync_outputs(out) -> None:
         torch.cuda.synchronize(frames.device)
 
 
+def check_video_writer() -> None:
+    """OSError when imageio finds no ffmpeg to write a video with (checked before a generation, which would
+    otherwise run to its end and then fail)."""
+    try:
+        import imageio
+
+        imageio.plugins.ffmpeg.get_exe()
+    except (ImportError, AttributeError, RuntimeError) as err:
+        raise OSError(f"no ffmpeg to write the video with ({type(err).__name__}: {err}); `pip install imageio-ffmpeg` "
+                      "(a dependency of videosparse) ships one, or set IMAGEIO_FFMPEG_EXE to an ffmpeg binary.") from err
+
+
 def write_video(frames: np.ndarray, path: str, fps: int = 8) -> str:
     """Write float frames [F, H, W, 3] in [0, 1] to an mp4 (imageio + ffmpeg)."""
     from diffusers.utils import export_to_video
