@@ -378,3 +378,115 @@ def test_a_forward_under_inference_mode_leaves_later_backward_working():
         assert tr.blocks[0].attn1.to_q.weight.grad.isfinite().all()
     finally:
         videosparse.remove(tr)
+
+
+def _tiny_forward_kwargs(device="cpu"):
+    x = torch.randn(1, 4, 3, 16, 24, generator=torch.Generator().manual_seed(0)).to(device)
+    text = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(1)).to(device)
+    return dict(hidden_states=x, timestep=torch.tensor([500], device=device), encoder_hidden_states=text)
+
+
+def test_apply_under_inference_mode_then_calls_outside_it():
+    """Review find: `apply` inside inference_mode (a loader decorated with it) made the layers' counters inference
+    tensors, and the first call outside it failed on their in-place update."""
+    tr = build_tiny_wan_pipeline().transformer
+    kw = _tiny_forward_kwargs()
+    for config in (videosparse.DenseConfig(), videosparse.VedaConfig(density=0.5, dense_steps=0)):
+        with torch.inference_mode():
+            session = videosparse.apply(tr, config)["transformer"]
+        with torch.no_grad():
+            tr(**kw)
+        session.reset_stats()
+        with torch.no_grad():
+            tr(**kw)
+        stats = session.stats()
+        assert stats["sparse_calls"] + stats["dense_calls"] == 2, stats
+        videosparse.remove(tr)
+
+
+def test_an_fp32_model_under_bf16_autocast_runs_sparse_in_bf16(monkeypatch):
+    """Review find: the context hook probed the kernels with hidden_states' dtype, fp32 for an fp32 model run under
+    `torch.autocast(..., torch.bfloat16)` (Mochi's recipe), while attention runs in bf16 there as SDPA casts; on a GPU,
+    whose kernels take fp16 / bf16 only, every layer then ran dense. The probe (here with the GPU's dtype rule) and
+    the kernel now see the autocast dtype."""
+    from videosparse.kernels.probe import KernelProbe
+    from videosparse.processors import base, context
+
+    real_probe, seen = context.probe_kernel, []
+
+    def half_only(backend, device, dtype, *rest):
+        if dtype not in (torch.float16, torch.bfloat16):
+            return KernelProbe("reference", f"no fast kernel serves dtype {dtype}")
+        return real_probe(backend, device, dtype, *rest)
+
+    def recording(q, k, v, plan, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return real_attention(q, k, v, plan, **kwargs)
+
+    real_attention = base.block_sparse_attention
+    monkeypatch.setattr(context, "probe_kernel", half_only)
+    monkeypatch.setattr(base, "block_sparse_attention", recording)
+    tr = build_tiny_wan_pipeline().transformer
+    for block in tr.blocks:     # q and k leave their norms in fp32 (as where autocast runs norms in fp32), v in bf16
+        for norm in (block.attn1.norm_q, block.attn1.norm_k):
+            norm.register_forward_hook(lambda module, args, out: out.float())
+    kw = _tiny_forward_kwargs()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        stock = tr(**kw).sample.float()
+        session = videosparse.apply(tr, videosparse.VedaConfig(density=1.0, dense_steps=0))["transformer"]
+        out = tr(**kw).sample.float()
+    stats = session.stats()
+    videosparse.remove(tr)
+    assert stats["sparse_calls"] == 2 and stats["dense_calls"] == 0, stats
+    assert seen and all(dtypes == (torch.bfloat16,) * 3 for dtypes in seen), seen
+    assert (out - stock).norm() / stock.norm() < 2e-2           # bf16 attention on both sides
+
+
+def test_veda_correction_on_the_reference_backend_keeps_its_centroids_gradients(monkeypatch):
+    """Review find: with the correction, Veda computed the tile centroids with the default backend, the Triton
+    kernel on CUDA, whose outputs carry no gradient, also under backend='reference' (the backend the forward-only
+    error points to for gradients): the gradients lost the centroids' terms silently. Here the centroid dispatch
+    is made to pick a gradient-free kernel wherever it is free to choose, as on CUDA."""
+    from videosparse.sol import centroids, triton_centroids
+
+    def grads():
+        tr = build_tiny_wan_pipeline().transformer
+        videosparse.apply(tr, videosparse.VedaConfig(density=0.3, dense_steps=0, correction=True,
+                                                     backend="reference"))
+        tr(**_tiny_forward_kwargs()).sample.square().mean().backward()
+        videosparse.remove(tr)
+        return [tr.blocks[0].attn1.to_v.weight.grad.clone(), tr.blocks[0].attn1.to_k.weight.grad.clone()]
+
+    expected = grads()
+
+    def no_grad_stats(q, k, v, block):
+        with torch.no_grad():
+            q_mean = None if q is None else centroids.tile_means_torch(q, block)
+            return (q_mean, *centroids.tile_centroids_torch(k, v, block))
+
+    monkeypatch.setattr(centroids, "_use_triton", lambda x, backend: backend in ("auto", "triton"))
+    monkeypatch.setattr(triton_centroids, "tile_stats_triton", no_grad_stats)
+    for got, want in zip(grads(), expected):
+        assert torch.equal(got, want)
+
+
+def test_sol_keeps_no_autograd_graph_in_its_calibrated_threshold():
+    """Review find: the threshold calibrated on a forward that records autograd was cached with its graph, which
+    kept that forward's activations alive until `remove`."""
+    import gc
+    import weakref
+
+    tr = build_tiny_wan_pipeline().transformer
+    config = videosparse.SolConfig(density=0.5, dense_steps=0, backend="reference")
+    session = videosparse.apply(tr, config)["transformer"]
+    kw = _tiny_forward_kwargs()
+    kw["hidden_states"].requires_grad_(True)
+    out = tr(**kw).sample
+    alive = weakref.ref(out)
+    cached = [t for slot in session.slots for value in slot.method_state.values() if isinstance(value, tuple)
+              for t in value if torch.is_tensor(t)]
+    assert cached and all(t.grad_fn is None and not t.requires_grad for t in cached)
+    del out
+    gc.collect()
+    assert alive() is None
+    videosparse.remove(tr)

@@ -56,6 +56,27 @@ def _interpreter_checks() -> dict:
         except ValueError as err:
             bad.append(str(err))
     out["bad"] = bad
+    # backend="triton" runs the kernel on CPU tensors under the interpreter ("auto" stays torch there), through
+    # `tile_stats` and through SolConfig(backend="triton") on a tiny Wan (review find: it refused CPU tensors)
+    q2, k2, v2 = (torch.randn(1, 2, 130, 64) for _ in range(3))
+    forced = tile_stats(q2, k2, v2, 64, backend="triton")
+    ref = (tile_means_torch(q2, 64), *tile_centroids_torch(k2, v2, 64))
+    out["forced"] = {"errors": [rel_err(a, b) for a, b in zip(forced[:3], ref[:3])]}
+    import videosparse
+    from videosparse.models.tiny_wan import build_tiny_wan_pipeline
+
+    tr = build_tiny_wan_pipeline().transformer
+    kw = dict(hidden_states=torch.randn(1, 4, 3, 16, 24), timestep=torch.tensor([500]),
+              encoder_hidden_states=torch.randn(1, 8, 32))
+    sol = {}
+    for backend in ("reference", "triton"):
+        session = videosparse.apply(tr, videosparse.SolConfig(density=0.6, dense_steps=0, block=64,
+                                                              backend=backend))["transformer"]
+        with torch.no_grad():
+            sol[backend] = tr(**kw).sample
+        sol[backend + "_kernel"] = session.stats()["kernel_backend"]
+        videosparse.remove(tr)
+    out["sol"] = {"rel": rel_err(sol["triton"], sol["reference"]), "kernel": sol["triton_kernel"]}
     return out
 
 
@@ -81,6 +102,12 @@ def test_triton_strided_inputs_without_q(interpreter_results):
     r = interpreter_results["strided"]
     assert r["q_none"] and not r["contiguous_input"]
     assert max(r["errors"]) < 1e-6, r["errors"]
+
+
+def test_forced_triton_runs_on_cpu_under_the_interpreter(interpreter_results):
+    assert max(interpreter_results["forced"]["errors"]) < 1e-6
+    sol = interpreter_results["sol"]
+    assert sol["kernel"] == "triton_generic" and sol["rel"] < 1e-5, sol
 
 
 def test_triton_rejects_bad_shapes(interpreter_results):

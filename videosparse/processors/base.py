@@ -21,7 +21,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from ..kernels import block_sparse_attention
 from ..plan import dense_plan
 from ..rope import apply_rope
-from .context import AttentionRecord, LayerStats, SparseSession
+from .context import AttentionRecord, LayerStats, SparseSession, attention_dtype
 from .parallel import heads_to_seq, seq_to_heads, ulysses_shard
 
 logger = logging.getLogger("videosparse")
@@ -267,6 +267,9 @@ class SparseAttentionMixin:
             layout = layout.select_heads(heads)
             state = session.method.head_state(self.layer, state, heads)
         qt, kt, vt = layout.gather(q, rope), layout.gather(k, rope, groups), layout.gather(v, groups=groups)
+        dtype = attention_dtype(qt.dtype, qt.device)
+        if dtype != qt.dtype or dtype != kt.dtype or dtype != vt.dtype:     # under autocast, as SDPA casts
+            qt, kt, vt = qt.to(dtype), kt.to(dtype), vt.to(dtype)
         plan = session.method.plan(qt, kt, vt, layout, self.layer, state)
         pairs = None
         if valid_keys is not None:      # the density counts pairs of valid tiles (padded tiles are not computed)

@@ -32,6 +32,15 @@ logger = logging.getLogger("videosparse")
 CONTEXT_HOOK = "videosparse_context"
 
 
+def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype attention on `device` runs in for inputs of `dtype`: under `torch.autocast` SDPA casts floating
+    inputs other than fp64 to the autocast dtype (an fp32 model under bf16 autocast attends in bf16), and the
+    sparse path does the same."""
+    if dtype.is_floating_point and dtype != torch.float64 and torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return dtype
+
+
 class LayerStats:
     """Counters of one self-attention layer, accumulated over calls.
 
@@ -41,8 +50,10 @@ class LayerStats:
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         # sparse calls, dense calls, kept (query tile, key tile) pairs, all pairs of the sparse calls,
-        # sum over sparse calls of max(kv_count) x rows (what the calls would cost if every row were the longest)
-        self.counts = torch.zeros(5, dtype=torch.int64, device=device)
+        # sum over sparse calls of max(kv_count) x rows (what the calls would cost if every row were the longest);
+        # a normal tensor even when `apply` runs under inference_mode (calls outside it add to it in place)
+        with torch.inference_mode(False):
+            self.counts = torch.zeros(5, dtype=torch.int64, device=device)
         self.fallbacks: set[str] = set()
 
     def record_sparse(self, kv_count: torch.Tensor, num_key_tiles: int, pairs: torch.Tensor | None = None) -> None:
@@ -462,6 +473,7 @@ class SparseContextHook(ModelHook):
             device, dtype = hidden.device, hidden.dtype
         else:                                       # no hidden_states (Cosmos 3 embeds token ids): the model's own
             device, dtype = module.device, module.dtype
+        dtype = attention_dtype(dtype, torch.device(device))    # the kernel is probed for what attention sees
         # the layouts' index tensors are cached for later calls: made as normal tensors even under inference_mode
         # (an inference tensor saved for backward breaks a later forward that records autograd)
         with torch.inference_mode(False):

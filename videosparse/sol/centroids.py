@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -59,8 +60,10 @@ def _use_triton(x: torch.Tensor, backend: str) -> bool:
     if backend in ("torch", "reference"):
         return False
     reasons = []
-    if not x.is_cuda:
-        reasons.append(f"tensors are on {x.device}, the Triton kernel needs a CUDA device")
+    interpreted = backend == "triton" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if not x.is_cuda and not (interpreted and x.device.type == "cpu"):
+        reasons.append(f"tensors are on {x.device}, the Triton kernel needs a CUDA device (or CPU tensors under "
+                       "TRITON_INTERPRET=1)")
     if x.shape[-1] > 256:
         reasons.append(f"head dim {x.shape[-1]} > 256")
     if not reasons:

@@ -91,6 +91,7 @@ class SolMethod(SparseMethod):
             tau = cached[0]
             return tau if tau.device == z.device else tau.to(z.device)
         tau, realized = calibrate_tau(z, float(cfg.density), layout.num_global_tiles, cfg.band)
+        tau, realized = tau.detach(), realized.detach()     # kept for the session: no hold on this call's graph
         state[key] = (tau, realized)
         return tau
 

@@ -151,5 +151,5 @@ class VedaMethod(SparseMethod):
         plan = topk_plan(scores, self.config.density, num_global_tiles=layout.num_global_tiles, block=self.block,
                          select_dtype=torch.float16 if scores.is_cuda else torch.float32)
         if self.config.correction:
-            plan = plan.with_correction(*tile_centroids(k, v, self.block))
+            plan = plan.with_correction(*tile_centroids(k, v, self.block, backend=self._kernel_backend))
         return plan
