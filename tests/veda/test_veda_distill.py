@@ -326,3 +326,101 @@ def test_processes_that_did_not_join_one_group_are_refused(monkeypatch, tmp_path
     with pytest.raises(ValueError, match="WORLD_SIZE=2"):
         run_distillation(DistillConfig(model="tiny", prompts=["a red circle"], output_dir=str(tmp_path / "run")))
     assert not (tmp_path / "run").exists()
+
+
+def _snapshot(out: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in [out / "distill_config.json", *sorted((out / "cache").iterdir())]}
+
+
+def test_a_resume_of_other_samples_is_refused_before_the_capture_rewrites_any(tmp_path, cache):
+    """Review find: resuming with the prompts reordered or extended, another validation split or a tiling file whose
+    shapes changed was refused only after the capture had replaced the run's samples (hours on a real model)."""
+    from videosparse.veda.tiling import Tiling
+
+    out = with_cache(tmp_path / "run", cache)
+    run_distillation(make_cfg(out, max_steps=4))
+    written = _snapshot(out)
+    for changed, reason in (({"prompts": PROMPTS[::-1]}, "prompts \\(the list, its order"),
+                            ({"prompts": (*PROMPTS, "a green triangle")}, "prompts \\(the list, its order"),
+                            ({"val_fraction": 0.5}, "validation split")):
+        with pytest.raises(ValueError, match=reason):
+            run_distillation(make_cfg(out, max_steps=4, **changed))
+        assert _snapshot(out) == written, changed
+    tiling = tmp_path / "tiling.json"
+    meta = {"model_class": "WanTransformer3DModel", "num_layers": 2, "num_heads": 2}
+    Tiling((((4, 4, 8),) * 2,) * 2, 128, meta).save(tiling)
+    run_distillation(make_cfg(out, max_steps=4, tiling=str(tiling), resume=False))
+    written = _snapshot(out)
+    Tiling((((2, 8, 8), (4, 4, 8)), ((4, 4, 8),) * 2), 128, meta).save(tiling)    # searched again: other shapes
+    with pytest.raises(ValueError, match="tile shapes \\(the tiling file's contents\\)"):
+        run_distillation(make_cfg(out, max_steps=4, tiling=str(tiling)))
+    assert _snapshot(out) == written
+
+
+def test_a_tiling_file_of_another_model_is_refused_before_the_capture(tmp_path):
+    from videosparse.veda.tiling import Tiling
+
+    tiling = tmp_path / "tiling.json"
+    Tiling((((4, 4, 8),) * 2,) * 3, 128, {"model_class": "CogVideoXTransformer3DModel", "num_layers": 3,
+                                         "num_heads": 2}).save(tiling)
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=f"tiling file {str(tiling)!r} was searched for another model: "
+                                         "model_class='CogVideoXTransformer3DModel'"):
+        run_distillation(make_cfg(out, tiling=str(tiling)))
+    assert not out.exists()
+
+
+def test_a_branch_filter_that_matches_nothing_is_named_and_leaves_nothing(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="branches=\\['uncond'\\]: prompt 0's forwards name the branches \\['cond'\\]"):
+        run_distillation(make_cfg(out, branches=("uncond",), guidance_scale=1.0))
+    assert not out.exists()
+
+
+def test_capture_writes_each_sample_when_its_forward_ends(tmp_path, monkeypatch):
+    """Review find: a prompt's samples (every layer's features and teacher scores: ~380 MB each on Wan 1.3B at 480P)
+    were all held in memory until its pipeline call ended."""
+    from videosparse.distill import capture
+    from videosparse.models.tiny_wan import build_tiny_wan_pipeline
+
+    events = []
+    real_write = capture.write_sample
+    monkeypatch.setattr(capture, "write_sample", lambda *a: (events.append("write"), real_write(*a)))
+    pipe = build_tiny_wan_pipeline()
+    pipe.transformer.register_forward_pre_hook(lambda *a: events.append("forward"))
+    real_load = capture.load_capture_pipeline
+    monkeypatch.setattr(capture, "load_capture_pipeline", lambda cfg, device=None: (pipe, real_load(cfg)[1]))
+    cfg = make_cfg(tmp_path / "unused", prompts=PROMPTS[:1])
+    files, _ = capture.capture_to_cache(cfg.capture_config(), tmp_path / "cache", lambda layer, heads: cfg.tiling,
+                                        block=cfg.block)
+    assert len(files) == 4 and events == ["forward", "write"] * 4       # 2 steps x 2 branches
+
+
+def test_prompt_files_holding_a_bad_json_list_and_empty_prompts_are_refused(tmp_path):
+    from videosparse.distill.config import read_prompts
+
+    for text, what in (("[]", "is empty"), ('["a", 3]', "has 3 at position 1"),
+                       ('[\n  "a red circle",\n  ""\n]\n', "has '' at position 1")):
+        path = tmp_path / "p.txt"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"holds a JSON list that {what}"):
+            read_prompts(str(path))
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        make_cfg(tmp_path, prompts=("a cat", " "))
+    with pytest.raises(ValueError, match="seed=4294967296 must lie in \\[0, 2\\*\\*32 - 1\\]"):
+        make_cfg(tmp_path, seed=2 ** 32)
+
+
+def test_a_fresh_run_takes_away_the_estimator_of_the_run_before(tmp_path, cache):
+    """resume=False into a finished run's folder: until the new run ends, no estimator of the old one may sit beside
+    the new config (a kill mid-run left them mixed, and from_pretrained loaded the old weights)."""
+    out = with_cache(tmp_path / "run", cache)
+    run_distillation(make_cfg(out, max_steps=4))
+    assert (out / "model.safetensors").exists()
+
+    def stop(step, metrics):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_distillation(make_cfg(out, max_steps=4, resume=False, learning_rate=2e-3), step_callback=stop)
+    assert not any((out / name).exists() for name in ("model.safetensors", "config.json", "README.md", "metrics.json"))

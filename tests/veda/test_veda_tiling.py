@@ -206,3 +206,46 @@ def test_a_grid_every_candidate_pads_is_warned_once(caplog):
         res = search_tiling(samples, density=0.5, block=64)
     assert sum("every candidate pads" in r.getMessage() for r in caplog.records) == 1
     assert len({shape for layer in res.tiling.layers for shape in layer}) == 1
+
+
+def test_search_tiling_scores_each_record_as_the_pipeline_makes_it(tmp_path, monkeypatch):
+    """Review find: `videosparse search-tiling` kept every q, k, v of a pipeline call until the call ended (every
+    step and layer: ~900 GB on Wan 1.3B at its defaults); now each record is scored and dropped as it comes. The
+    output is the tiling `VedaConfig(tiling=...)` takes on that model."""
+    import weakref
+
+    import videosparse
+    from videosparse.distill import TilingSearchConfig, run_tiling_search
+    from videosparse.models.tiny_wan import build_tiny_wan_pipeline
+    from videosparse.veda.tiling import TilingSearch
+
+    alive_at_add = []
+    seen = []
+    real_add = TilingSearch.add
+
+    def add(self, record):
+        alive_at_add.append(sum(ref() is not None for ref in seen))   # records handed over before this one
+        seen.append(weakref.ref(record.q))
+        real_add(self, record)
+
+    monkeypatch.setattr(TilingSearch, "add", add)
+    out = tmp_path / "tiling.json"
+    res = run_tiling_search(TilingSearchConfig(model="tiny", prompts=("a red circle",), num_inference_steps=2,
+                                               num_frames=9, height=128, width=128, output=str(out)))
+    assert len(seen) == 8 and alive_at_add == [0] * 8          # 2 steps x 2 branches x 2 layers, none kept
+    assert res.summary["num_samples"] == 8
+    pipe = build_tiny_wan_pipeline()
+    videosparse.apply(pipe, VedaConfig(density=0.5, tiling=str(out)))     # checks the file against the model
+    videosparse.remove(pipe)
+
+
+def test_search_tiling_checks_its_output_can_be_written_before_the_search(monkeypatch):
+    from videosparse.distill import TilingSearchConfig, capture, run_tiling_search, search
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the pipeline was loaded although the output cannot be written")
+
+    monkeypatch.setattr(search, "load_capture_pipeline", no_load)
+    monkeypatch.setattr(capture, "load_capture_pipeline", no_load)
+    with pytest.raises(OSError, match="output='/proc/videosparse-test/t.json' cannot be written"):
+        run_tiling_search(TilingSearchConfig(model="tiny", prompts=("a cat",), output="/proc/videosparse-test/t.json"))

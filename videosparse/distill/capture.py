@@ -103,15 +103,21 @@ class TileFeatureCapture:
         branches: CFG branches to keep (None: all).
         teacher_backend: "auto", "triton" or "torch".
         heat_dtype: dtype the heat is stored in.
+        on_sample: with `num_layers`, called as `on_sample((step, branch), {layer: (qf, kf, heat)}, grid)` as soon
+            as a sample holds every layer, which then leaves `samples` (a pipeline call then holds one forward's
+            features at a time, not every step's).
 
     Attributes:
-        samples: {(step, branch): {layer: (qf, kf, heat)}} on the CPU; the records of a forward observed item by
-            item (`AttentionRecord.item`) go to the branch "<branch>-item<b>".
+        samples: {(step, branch): {layer: (qf, kf, heat)}} on the CPU (those not handed to `on_sample`); the
+            records of a forward observed item by item (`AttentionRecord.item`) go to the branch "<branch>-item<b>".
+        handed: the keys handed to `on_sample`.
+        branches_seen: the CFG branches of every record observed, kept or not.
     """
 
     def __init__(self, tiles_for_layer: TilesFn, block: int, *, steps: Sequence[int] | None = None,
                  branches: Sequence[str] | None = None, teacher_backend: str = "auto",
-                 heat_dtype: torch.dtype = torch.float32) -> None:
+                 heat_dtype: torch.dtype = torch.float32, num_layers: int | None = None,
+                 on_sample: Callable[[tuple[int, str], dict, tuple[int, int, int]], None] | None = None) -> None:
         self.tiles_for_layer = tiles_for_layer
         self.block = block
         self.steps = None if steps is None else set(steps)
@@ -121,6 +127,9 @@ class TileFeatureCapture:
         self.samples: dict[tuple[int, str], dict[int, tuple[torch.Tensor, ...]]] = defaultdict(dict)
         self.grids: dict[tuple[int, str], tuple[int, int, int]] = {}
         self._calls: dict[tuple[str, int, int | None], int] = defaultdict(int)
+        self.num_layers, self.on_sample = num_layers, on_sample
+        self.handed: list[tuple[int, str]] = []
+        self.branches_seen: set[str] = set()
 
     @torch.no_grad()
     def __call__(self, record) -> None:
@@ -129,6 +138,7 @@ class TileFeatureCapture:
         if step is None:                                        # no step from the pipeline: count calls
             step = self._calls[(record.branch, record.layer, item)]
             self._calls[(record.branch, record.layer, item)] += 1
+        self.branches_seen.add(str(record.branch))
         if self.steps is not None and step not in self.steps:
             return
         if self.branches is not None and record.branch not in self.branches:
@@ -143,6 +153,9 @@ class TileFeatureCapture:
         key = (int(step), str(record.branch) if item is None else f"{record.branch}-item{item}")
         self.samples[key][int(record.layer)] = (qf.cpu(), kf.cpu(), heat.to(self.heat_dtype).cpu())
         self.grids[key] = tuple(int(g) for g in record.grid)
+        if self.on_sample is not None and len(self.samples[key]) == self.num_layers:
+            self.on_sample(key, self.samples.pop(key), self.grids[key])
+            self.handed.append(key)
 
 
 def write_sample(path: Path, layers: dict[int, tuple[torch.Tensor, ...]], meta: dict[str, Any]) -> None:
@@ -171,7 +184,7 @@ def capture_settings(cfg: CaptureConfig) -> dict:
     return json.loads(json.dumps({k: v for k, v in asdict(cfg).items() if k not in ("prompts", "device")}))
 
 
-def _capture_key(cfg: CaptureConfig, prompt: str, block: int, tiles_for_layer: TilesFn, num_layers: int,
+def capture_key(cfg: CaptureConfig, prompt: str, block: int, tiles_for_layer: TilesFn, num_layers: int,
                  num_heads: int, heat_dtype: torch.dtype) -> dict:
     """Everything a prompt's captured samples depend on; stored in its done-marker (JSON-comparable)."""
     tiles = [tiles_for_layer(layer, num_heads) for layer in range(num_layers)]
@@ -203,12 +216,13 @@ def _marker_matches(cache: Path, index: int, key: dict) -> bool:
 
 def capture_to_cache(cfg: CaptureConfig, cache_dir: str | os.PathLike, tiles_for_layer: TilesFn, *, block: int,
                      accelerator=None, teacher_backend: str = "auto", heat_dtype: torch.dtype = torch.float32,
-                     ) -> tuple[list[Path], ModelInfo]:
+                     check_model: Callable[[ModelInfo], None] | None = None) -> tuple[list[Path], ModelInfo]:
     """Run the dense pipeline on every prompt and write the samples into `cache_dir`.
 
     Prompts already marked done with the same prompt text, settings, block, tile shapes and heat dtype are skipped
     (resume); a marker from other settings is recaptured. With an `accelerate.Accelerator` the prompts
-    are split between processes.
+    are split between processes. `check_model(info)` may refuse the transformer (e.g. a tiling file searched for
+    another model) before anything is captured.
 
     Returns:
         (sorted sample files, the transformer's `ModelInfo`).
@@ -220,8 +234,10 @@ def capture_to_cache(cfg: CaptureConfig, cache_dir: str | os.PathLike, tiles_for
         accelerator.wait_for_everyone()             # every process sees the same done-markers
     info_path = cache / MODEL_INFO_FILE
     known = json.loads(info_path.read_text()) if info_path.exists() else None
+    if known is not None and check_model is not None:
+        check_model(model_info(known))
     todo = [i for i in range(len(prompts))
-            if known is None or not _marker_matches(cache, i, _capture_key(
+            if known is None or not _marker_matches(cache, i, capture_key(
                 cfg, prompts[i], block, tiles_for_layer, known["num_layers"], known["num_heads"], heat_dtype))]
     mine = todo
     if accelerator is not None and accelerator.num_processes > 1:
@@ -234,6 +250,8 @@ def capture_to_cache(cfg: CaptureConfig, cache_dir: str | os.PathLike, tiles_for
         if not isinstance(transformer, torch.nn.Module):
             raise ValueError(f"component={cfg.component!r} is not a transformer of {type(pipe).__name__}.")
         info = transformer_info(transformer)
+        if check_model is not None:
+            check_model(info)
         if accelerator is None or accelerator.is_main_process:
             _atomic_json(info_path, asdict(info))
         from ..processors import observe
@@ -242,36 +260,50 @@ def capture_to_cache(cfg: CaptureConfig, cache_dir: str | os.PathLike, tiles_for
         for i in mine:
             for stale in cache.glob(f"p{i:05d}_s*.safetensors"):   # an earlier capture with other settings
                 stale.unlink()
+            (cache / f"p{i:05d}.done").unlink(missing_ok=True)      # its samples are being replaced
+
+            def write(key: tuple[int, str], layers: dict, grid: tuple[int, int, int], i: int = i) -> None:
+                step, branch = key              # each sample as soon as its forward is done: one in memory at a time
+                meta = {"prompt_index": i, "prompt": prompts[i], "step": step, "branch": branch, "grid": list(grid),
+                        "block": block}
+                write_sample(cache / f"p{i:05d}_s{step:04d}_{branch}.safetensors", layers, meta)
+
             steps = sample_steps(num_steps, cfg.steps_per_prompt, cfg.seed, i)
             cap = TileFeatureCapture(tiles_for_layer, block, steps=steps, branches=cfg.branches,
-                                     teacher_backend=teacher_backend, heat_dtype=heat_dtype)
+                                     teacher_backend=teacher_backend, heat_dtype=heat_dtype,
+                                     num_layers=info.num_layers, on_sample=write)
             generator = torch.Generator("cpu").manual_seed(cfg.seed + i)
             with observe(transformer, cap):
                 pipe(prompts[i], generator=generator, output_type="latent", **call_kwargs)
-            if not cap.samples:
+            if cap.samples:                                     # left over: a forward that missed layers
+                (step, branch), layers = min(cap.samples.items())
+                raise ValueError(f"prompt {i} step {step} branch {branch!r}: captured layers {sorted(layers)}, "
+                                 f"expected {info.num_layers}.")
+            if not cap.handed:
+                if cfg.branches is not None and cap.branches_seen and not cap.branches_seen & set(cfg.branches):
+                    raise ValueError(f"branches={list(cfg.branches)}: prompt {i}'s forwards name the branches "
+                                     f"{sorted(cap.branches_seen)} (with guidance_scale <= 1 a pipeline runs only "
+                                     "'cond').")
                 raise ValueError(f"prompt {i} produced no self-attention records at steps {steps}; "
                                  "is the pipeline's transformer supported by videosparse.processors?")
-            for (step, branch), layers in sorted(cap.samples.items()):
-                if len(layers) != info.num_layers:
-                    raise ValueError(f"prompt {i} step {step} branch {branch!r}: captured layers {sorted(layers)}, "
-                                     f"expected {info.num_layers}.")
-                meta = {"prompt_index": i, "prompt": prompts[i], "step": step, "branch": branch,
-                        "grid": list(cap.grids[(step, branch)]), "block": block}
-                write_sample(cache / f"p{i:05d}_s{step:04d}_{branch}.safetensors", layers, meta)
-            key = _capture_key(cfg, prompts[i], block, tiles_for_layer, info.num_layers, info.num_heads, heat_dtype)
+            key = capture_key(cfg, prompts[i], block, tiles_for_layer, info.num_layers, info.num_heads, heat_dtype)
             _atomic_json(cache / f"p{i:05d}.done", key)
-            logger.info("captured prompt %d/%d (%d samples)", i + 1, len(prompts), len(cap.samples))
+            logger.info("captured prompt %d/%d (%d samples)", i + 1, len(prompts), len(cap.handed))
         del pipe, transformer
     if accelerator is not None:
         accelerator.wait_for_everyone()
     with open(info_path) as f:
-        d = json.load(f)
-    info = ModelInfo(d["model_class"], d["num_layers"], d["num_heads"], d["head_dim"], tuple(d["patch_size"]),
-                     d.get("text_position"))
+        info = model_info(json.load(f))
     files = sorted(p for p in cache.glob("p*_s*.safetensors"))
     keep = {f"p{i:05d}" for i in range(len(prompts))}
     files = [p for p in files if p.name.split("_")[0] in keep]
     return files, info
+
+
+def model_info(d: dict[str, Any]) -> ModelInfo:
+    """The `ModelInfo` a cache's model_info.json holds."""
+    return ModelInfo(d["model_class"], d["num_layers"], d["num_heads"], d["head_dim"], tuple(d["patch_size"]),
+                     d.get("text_position"))
 
 
 def split_by_prompt(files: Sequence[Path], val_fraction: float, seed: int) -> tuple[list[Path], list[Path]]:

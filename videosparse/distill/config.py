@@ -93,7 +93,8 @@ def _indices(name: str, value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
-# the seeds torch's generators take
+# the seeds torch's generators take; distill and search-tiling seeds (accelerate's set_seed: numpy's range)
+RUN_SEED_MAX = 2 ** 32 - 1
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
 
 
@@ -134,6 +135,9 @@ def _prompts(value: Any) -> Any:
     if isinstance(value, (str, os.PathLike)):
         return os.fspath(value)
     if isinstance(value, (list, tuple)) and value and all(isinstance(p, str) for p in value):
+        empty = [i for i, p in enumerate(value) if not p.strip()]
+        if empty:
+            raise ValueError(f"prompts={list(value)!r}: prompt {empty[0]} is empty; every prompt needs text.")
         return tuple(value)
     raise ValueError(f"prompts={value!r} must be {_PROMPT_FORMS}.")
 
@@ -155,7 +159,12 @@ def read_prompts(prompts: Union[str, tuple[str, ...]]) -> list[str]:
             listed = json.loads(text) if text.lstrip().startswith("[") else None
         except json.JSONDecodeError:
             listed = None                               # lines that start with "[" ("[anime] a dog running")
-        if isinstance(listed, list) and listed and all(isinstance(p, str) and p.strip() for p in listed):
+        if isinstance(listed, list):                    # JSON: a list of prompts, or an error (never read as lines)
+            bad = [i for i, p in enumerate(listed) if not isinstance(p, str) or not p.strip()]
+            if not listed or bad:
+                what = "is empty" if not listed else f"has {listed[bad[0]]!r} at position {bad[0]}"
+                raise ValueError(f"prompts file {prompts!r} holds a JSON list that {what}; it must list one or "
+                                 "more prompts as non-empty strings.")
             return [p.strip() for p in listed]
         lines = [line.strip() for line in text.splitlines() if line.strip()]
         if not lines:
@@ -241,8 +250,9 @@ class CaptureConfig(_JsonConfig):
                                  f"choose from {BRANCHES} (diffusers' guidance branches, 'default' outside any).")
         _finite("guidance_scale", self.guidance_scale, 0.0, optional=True)
         _positive_int("seed", self.seed, minimum=0)
-        if self.seed > SEED_RANGE[1]:
-            raise ValueError(f"seed={self.seed} is past the largest seed torch's generators take (2**64 - 1).")
+        if self.seed > RUN_SEED_MAX:
+            raise ValueError(f"seed={self.seed} must lie in [0, 2**32 - 1] (accelerate's set_seed takes no more; "
+                             "prompt i is generated with seed + i).")
         check_device(self.device)
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r} must be one of 'float32', 'bfloat16', 'float16' or None.")
@@ -423,8 +433,9 @@ def add_config_arguments(parser, cls) -> None:
     '["a cat", "a dog"]'`), else taken as strings (`--prompts prompts.txt`, `--model reference`); bool
     fields take true/false, yes/no or 1/0 (any case) and nothing else.
     """
-    parser.add_argument("--config", help=f"JSON {cls.__name__} to start from (a distill run's distill_config.json; "
-                                          "for search-tiling also a tiling JSON it wrote, which records its settings)")
+    source = ("a tiling JSON search-tiling wrote, which records its settings" if cls is TilingSearchConfig
+              else "a run's distill_config.json")
+    parser.add_argument("--config", help=f"JSON {cls.__name__} to start from ({source}); the flags given override it")
     bools = _bool_fields(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")

@@ -1,7 +1,7 @@
 """Head-aware tiling search on a model's dense attention (the `videosparse search-tiling` command).
 
 Runs the dense pipeline on the prompts under `videosparse.processors.observe`, and for the sampled
-steps feeds every self-attention call to `videosparse.veda.tiling.search_tiling`, which scores the
+steps feeds every self-attention call, as it happens, to `videosparse.veda.tiling.TilingSearch`, which scores the
 candidate tile shapes per (layer, head) and writes the JSON that `VedaConfig(tiling=path)` reads.
 """
 
@@ -9,34 +9,37 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from ..veda.tiling import TilingSearchResult, search_tiling
+from ..veda.tiling import TilingSearch, TilingSearchResult
 from .capture import load_capture_pipeline, sample_steps, transformer_info
 from .config import TilingSearchConfig, read_prompts
 
 logger = logging.getLogger(__name__)
 
 
-def iter_attention_records(cfg, pipe, call_kwargs: dict[str, Any], *, layers=None):
-    """Yield the self-attention records of the sampled steps, one pipeline call per prompt.
-
-    Records are collected during one pipeline call and yielded after it (q, k, v detached on the
-    pipeline's device). Steps follow `sample_steps(num_steps, cfg.steps_per_prompt, cfg.seed, i)`.
-    """
+def observe_sampled_records(cfg, pipe, call_kwargs: dict[str, Any], consume: Callable[[Any], None], *,
+                            layers=None) -> int:
+    """Run the dense pipeline once per prompt and hand each self-attention record of the sampled steps (q, k, v
+    detached, on the pipeline's device) to `consume` as the forward makes it; none is kept, so memory stays that of
+    one attention call. Steps follow `sample_steps(num_steps, cfg.steps_per_prompt, cfg.seed, i)`. Returns the
+    records consumed."""
     from ..processors import observe
 
     transformer = getattr(pipe, cfg.component)
     prompts = read_prompts(cfg.prompts)
     num_steps = int(call_kwargs["num_inference_steps"])
+    total = 0
     for i, prompt in enumerate(prompts):
         steps = set(sample_steps(num_steps, cfg.steps_per_prompt, cfg.seed, i))
-        records = []
+        count = 0
 
         def keep(record) -> None:
+            nonlocal count
             if record.step is not None and record.step not in steps:
                 return
             if cfg.branches is not None and record.branch not in cfg.branches:
@@ -44,13 +47,27 @@ def iter_attention_records(cfg, pipe, call_kwargs: dict[str, Any], *, layers=Non
             if layers is not None and record.layer not in layers:
                 return
             record.q, record.k, record.v = record.q.detach(), record.k.detach(), record.v.detach()
-            records.append(record)
+            consume(record)
+            count += 1
 
         with observe(transformer, keep), torch.no_grad():
             pipe(prompt, generator=torch.Generator("cpu").manual_seed(cfg.seed + i), output_type="latent",
                  **call_kwargs)
-        logger.info("prompt %d/%d: %d attention records", i + 1, len(prompts), len(records))
-        yield from records
+        logger.info("prompt %d/%d: %d attention records", i + 1, len(prompts), count)
+        total += count
+    return total
+
+
+def _check_writable(path: Path) -> None:
+    """OSError when no file can be made where `path` goes (the nearest folder of it that exists is read-only or not
+    ours); leaves nothing behind."""
+    folder = next(p for p in Path(os.path.abspath(path)).parents if p.exists())
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise OSError(f"output={os.fspath(path)!r} cannot be written: {err.strerror or err} in {str(folder)!r}.") \
+            from None
 
 
 def run_tiling_search(cfg: TilingSearchConfig) -> TilingSearchResult:
@@ -67,6 +84,7 @@ def run_tiling_search(cfg: TilingSearchConfig) -> TilingSearchResult:
         >>> res = run_tiling_search(TilingSearchConfig(model="reference", output="tiling.json"))   # doctest: +SKIP
     """
     read_prompts(cfg.prompts)                               # a bad prompts value fails before the model loads
+    _check_writable(Path(cfg.output))                       # and an output that cannot be written, not after the search
     pipe, call_kwargs = load_capture_pipeline(cfg)
     transformer = getattr(pipe, cfg.component, None)
     if not isinstance(transformer, torch.nn.Module):
@@ -76,10 +94,11 @@ def run_tiling_search(cfg: TilingSearchConfig) -> TilingSearchResult:
     if beyond:
         raise ValueError(f"layers={list(cfg.layers)} names {beyond}, but {info.model_class} has {info.num_layers} "
                          f"self-attention layers (0..{info.num_layers - 1}).")
-    records = iter_attention_records(cfg, pipe, call_kwargs, layers=None if cfg.layers is None else set(cfg.layers))
-    result = search_tiling(records, density=cfg.density, block=cfg.block, num_layers=info.num_layers,
-                           num_heads=info.num_heads, max_padding=cfg.max_padding,
-                           max_shapes_per_layer=cfg.max_shapes_per_layer, backend=cfg.backend,
+    search = TilingSearch(density=cfg.density, block=cfg.block, max_padding=cfg.max_padding,
+                          max_shapes_per_layer=cfg.max_shapes_per_layer, backend=cfg.backend)
+    observe_sampled_records(cfg, pipe, call_kwargs, search.add,
+                            layers=None if cfg.layers is None else set(cfg.layers))
+    result = search.result(num_layers=info.num_layers, num_heads=info.num_heads,
                            meta={"model_class": info.model_class, "num_layers": info.num_layers,
                                  "num_heads": info.num_heads, "search_config": cfg.to_dict()})
     out = Path(cfg.output)

@@ -36,7 +36,8 @@ from ..veda.losses import tile_kl_loss, tile_recall
 from ..veda.method import mean_pooled_logits
 from ..veda.tiling import load_tiling
 from ..veda.trippool import triton_unavailable
-from .capture import capture_settings, capture_to_cache, per_head_shapes, split_by_prompt
+from .capture import (MODEL_INFO_FILE, capture_key, capture_settings, capture_to_cache, model_info, per_head_shapes,
+                      split_by_prompt)
 from .config import DistillConfig, read_prompts
 
 logger = logging.getLogger(__name__)
@@ -162,13 +163,16 @@ _RUN_FIELDS = ("seed", "epochs", "max_steps", "learning_rate", "weight_decay", "
                "cache_dtype")
 # what `run_distillation` writes into output_dir (besides distill_config.json, checkpoints/ and cache/)
 _RUN_FILES = ("log.jsonl", "model.safetensors", "config.json", "README.md", "metrics.json", "tiling.json")
+# the finished estimator's files (written at the end of training)
+_FINAL_FILES = ("model.safetensors", "config.json", "README.md", "metrics.json")
 
 
-def _refuse_other_run(cfg: DistillConfig, out: Path) -> None:
+def _refuse_other_run(cfg: DistillConfig, out: Path, tiles_for_layer, check_model) -> None:
     """Before anything is written or captured into `out`: a folder that is not a run's (no distill_config.json) but
     holds files a run would overwrite, or (resume on) a checkpoint another run wrote, is refused; train_estimator's
     own check comes only after the capture, which would already have replaced that run's config and samples. Checks
-    what the config alone decides (training fields, capture settings, prompts); train_estimator compares the samples
+    what the config decides (training fields; with the cache's model info, each training prompt's capture key:
+    prompt, its place, the validation split, capture settings, tile shapes); train_estimator compares the samples
     themselves. Other files (a prompts file, a tiling JSON) may share the folder."""
     if out.is_dir() and not (out / "distill_config.json").is_file():
         clash = [name for name in _RUN_FILES if (out / name).exists() and name != "tiling.json"]
@@ -191,10 +195,35 @@ def _refuse_other_run(cfg: DistillConfig, out: Path) -> None:
         diff.append("capture settings")
     if not {c.get("prompt") for c in captured} <= set(read_prompts(cfg.prompts)):
         diff.append("prompts")
+    elif not diff and (out / "cache" / MODEL_INFO_FILE).is_file() and "captures" in run:
+        diff += _captures_differ(cfg, out, tiles_for_layer, check_model, captured)
     if diff:
         raise ValueError(f"checkpoint {found[-1][1]} was written by a different run (differs in {diff}); resume it "
                          "with the same configuration, or use another output_dir (or resume=False). Nothing was "
                          "written.")
+
+
+def _captures_differ(cfg: DistillConfig, out: Path, tiles_for_layer, check_model, captured: list[dict]) -> list[str]:
+    """What differs between a checkpoint's captures (the training prompts' done-markers, in prompt order) and the
+    capture keys this configuration gives its training prompts on the cached model ([] when nothing)."""
+    info = model_info(json.loads((out / "cache" / MODEL_INFO_FILE).read_text()))
+    check_model(info)
+    prompts = read_prompts(cfg.prompts)
+    train, _ = split_by_prompt([Path(f"p{i:05d}_s0000_cond.safetensors") for i in range(len(prompts))],
+                               cfg.val_fraction, cfg.seed)
+    heat_dtype = getattr(torch, cfg.cache_dtype)
+    expected = [capture_key(cfg.capture_config(), prompts[int(p.name[1:6])], cfg.block, tiles_for_layer,
+                            info.num_layers, info.num_heads, heat_dtype) for p in train]
+    for e, c in zip(expected, captured):
+        if "heat_dtype" not in c:                           # a marker of before the heat dtype was recorded
+            e.pop("heat_dtype", None)
+    if expected == captured:
+        return []
+    if [e["prompt"] for e in expected] != [c.get("prompt") for c in captured]:
+        return ["prompts (the list, its order or the validation split: val_fraction, seed)"]
+    if [e["tiles"] for e in expected] != [c.get("tiles") for c in captured]:
+        return ["tile shapes (the tiling file's contents)"]
+    return ["captured samples (block, heat dtype)"]
 
 
 def _undo_empty_start(out: Path, new_folder: bool, new_config: bool) -> None:
@@ -202,9 +231,10 @@ def _undo_empty_start(out: Path, new_folder: bool, new_config: bool) -> None:
     not a transformer): take back the config, the empty cache and the folder this run made, so that nothing
     half-done is left. A cache with anything in it is a run to resume and stays."""
     cache = out / "cache"
-    if cache.is_dir() and any(cache.iterdir()):
+    if cache.is_dir() and any(p.name != MODEL_INFO_FILE for p in cache.iterdir()):
         return
     if cache.is_dir():
+        (cache / MODEL_INFO_FILE).unlink(missing_ok=True)
         cache.rmdir()
     if new_config:
         (out / "distill_config.json").unlink(missing_ok=True)
@@ -405,6 +435,9 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
         logger.info("resumed from %s (step %d)", resumed_from, global_step)
     history = [h for h in _read_log(log_path) if h.get("step", global_step + 1) <= global_step]
     if accelerator.is_main_process:
+        if resumed_from is None:        # a run from step 0: an earlier run's estimator must not sit beside its config
+            for name in _FINAL_FILES:
+                (out / name).unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
         tmp = log_path.with_name(f".{log_path.name}.tmp")
         with open(tmp, "w") as f:
@@ -507,6 +540,8 @@ def model_card(estimator: VedaEstimator, cfg: DistillConfig, metrics: dict[str, 
     length = f"max_steps={cfg.max_steps}" if cfg.max_steps else f"{cfg.epochs} epochs"
     block_arg = "" if estimator.block == 128 else f", block={estimator.block}"     # VedaConfig's default: 128
     block_flag = "" if estimator.block == 128 else f" --block {estimator.block}"
+    if cfg.model not in (None, "reference"):                # generate's default model is the reference model
+        block_flag = f" --model {cfg.model}" + block_flag
     lines = [
         f"# Veda tile estimator for `{estimator.model_class}`",
         "",
@@ -613,23 +648,27 @@ def run_distillation(cfg: DistillConfig, *, step_callback: Callable[[int, dict[s
     why = triton_unavailable(device) if cfg.teacher_backend == "triton" else None
     if why:                                                 # before the config or any sample is written
         raise ValueError(f"teacher_backend='triton' (--teacher-backend triton): {why}; use 'auto' or 'torch'.")
-    _refuse_other_run(cfg, out)
+    tiling = load_tiling(cfg.tiling, cfg.block) if isinstance(cfg.tiling, str) else None
+
+    def tiles_for_layer(layer: int, num_heads: int):
+        return tiling.tiles_for(layer, num_heads) if tiling is not None else cfg.tiling
+
+    def check_model(info: ModelInfo) -> None:
+        if tiling is not None:                              # before any sample is captured with its shapes
+            tiling.check_model(info.model_class, info.num_layers, info.num_heads, cfg.tiling)
+
+    _refuse_other_run(cfg, out, tiles_for_layer, check_model)
     new_folder, new_config = not out.exists(), not (out / "distill_config.json").exists()
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / "distill_config.json")
     accelerator.wait_for_everyone()
 
-    def tiles_for_layer(layer: int, num_heads: int):
-        if isinstance(cfg.tiling, str):
-            return load_tiling(cfg.tiling, cfg.block).tiles_for(layer, num_heads)
-        return cfg.tiling
-
     heat_dtype = getattr(torch, cfg.cache_dtype)
     try:
         files, info = capture_to_cache(cfg.capture_config(), out / "cache", tiles_for_layer, block=cfg.block,
                                        accelerator=accelerator, teacher_backend=cfg.teacher_backend,
-                                       heat_dtype=heat_dtype)
+                                       heat_dtype=heat_dtype, check_model=check_model)
     except Exception:
         if accelerator.is_main_process:
             _undo_empty_start(out, new_folder, new_config)

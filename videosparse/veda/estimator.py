@@ -194,6 +194,7 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
         wanted = {"model_class": model_class, "num_layers": num_layers, "num_heads": num_heads,
                   "head_dim": head_dim, "block": block}
         bad = [f"{k}: estimator has {getattr(self, k)!r}, the model/config has {v!r}"
+               + (f" (pass VedaConfig(block={self.block}), or --block {self.block})" if k == "block" else "")
                for k, v in wanted.items() if v is not None and v != getattr(self, k)]
         if tile_shapes is not None and not bad:
             for layer, heads in enumerate(tile_shapes):

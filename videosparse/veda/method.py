@@ -53,17 +53,7 @@ class VedaMethod(SparseMethod):
         self._warned_floors: set[tuple[int, int]] = set()
         if isinstance(config.tiling, (str, os.PathLike)):
             self.tiling = load_tiling(config.tiling, config.block)
-            meta = self.tiling.meta
-            wrong = [f"{name}={meta[name]!r} (the model's: {mine!r})"
-                     for name, mine in (("model_class", info.model_class), ("num_heads", info.num_heads))
-                     if name in meta and meta[name] != mine]
-            if len(self.tiling.layers) != info.num_layers:
-                wrong.append(f"{len(self.tiling.layers)} layers (the model's: {info.num_layers})")
-            wrong += [f"{len(heads)} head shapes in layer {l} (the model's heads: {info.num_heads})"
-                      for l, heads in enumerate(self.tiling.layers) if len(heads) != info.num_heads][:1]
-            if wrong:
-                raise ValueError(f"tiling file {os.fspath(config.tiling)!r} was searched for another model: "
-                                 + ", ".join(wrong) + ".")
+            self.tiling.check_model(info.model_class, info.num_layers, info.num_heads, os.fspath(config.tiling))
         self.estimator: VedaEstimator | None = None
         self._estimator_tiles: list | None = None
         if config.estimator is not None:

@@ -75,8 +75,23 @@ class Tiling:
             raise ValueError(f"the tiling file covers layers 0..{len(self.layers) - 1}; layer {layer} was asked for.")
         heads = self.layers[layer]
         if len(heads) != num_heads:
-            raise ValueError(f"the tiling file gives layer {layer} {len(heads)} head shapes; the model has {num_heads} heads.")
+            raise ValueError(f"the tiling file gives layer {layer} {len(heads)} head shapes; the model has "
+                             f"{num_heads} heads.")
         return heads
+
+    def check_model(self, model_class: str, num_layers: int, num_heads: int, source: str) -> None:
+        """ValueError naming `source` (the file) when the tiling was searched for another model than this one
+        (its recorded class or head count, its layer count or a layer's head shapes differ)."""
+        meta = self.meta
+        wrong = [f"{name}={meta[name]!r} (the model's: {mine!r})"
+                 for name, mine in (("model_class", model_class), ("num_heads", num_heads))
+                 if name in meta and meta[name] != mine]
+        if len(self.layers) != num_layers:
+            wrong.append(f"{len(self.layers)} layers (the model's: {num_layers})")
+        wrong += [f"{len(heads)} head shapes in layer {l} (the model's heads: {num_heads})"
+                  for l, heads in enumerate(self.layers) if len(heads) != num_heads][:1]
+        if wrong:
+            raise ValueError(f"tiling file {source!r} was searched for another model: " + ", ".join(wrong) + ".")
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": TILING_FORMAT, "version": TILING_VERSION, "block": self.block,
@@ -249,88 +264,117 @@ def search_tiling(
     Returns:
         A `TilingSearchResult`; `.save(path)` writes the JSON `VedaConfig(tiling=path)` reads.
     """
-    shapes_all = tuple(candidates) if candidates is not None else candidate_shapes(block)
-    for s in shapes_all:
-        if len(s) != 3 or math.prod(s) != block:
-            raise ValueError(f"candidate shape {s} must be 3 ints with product block={block}.")
-    if not 0 < density <= 1:
-        raise ValueError(f"density={density} must lie in (0, 1].")
-    if max_shapes_per_layer < 1:
-        raise ValueError(f"max_shapes_per_layer={max_shapes_per_layer} must be >= 1.")
-    err_sum: dict[int, torch.Tensor] = {}          # layer -> [n_shapes, H] summed errors
-    err_cnt: dict[int, int] = {}
-    votes: dict[int, list[Counter]] = {}
-    allowed_per_layer: dict[int, list[TileShape]] = {}
-    heads_seen = None
-    warned_grids: set[tuple[int, ...]] = set()
+    search = TilingSearch(density=density, block=block, candidates=candidates, max_padding=max_padding,
+                          max_shapes_per_layer=max_shapes_per_layer, backend=backend)
     for rec in samples:
+        search.add(rec)
+    return search.result(num_layers=num_layers, num_heads=num_heads, meta=meta)
+
+
+class TilingSearch:
+    """`search_tiling` one record at a time: `add(record)` scores it and keeps only per-(layer, head) sums and
+    votes, so records can be scored as a pipeline produces them (none is held); `result()` chooses the shapes.
+    Arguments as in `search_tiling`."""
+
+    def __init__(self, *, density: float, block: int = 128, candidates: Sequence[TileShape] | None = None,
+                 max_padding: float = 0.2, max_shapes_per_layer: int = 2, backend: str = "auto") -> None:
+        self.shapes = tuple(candidates) if candidates is not None else candidate_shapes(block)
+        for s in self.shapes:
+            if len(s) != 3 or math.prod(s) != block:
+                raise ValueError(f"candidate shape {s} must be 3 ints with product block={block}.")
+        if not 0 < density <= 1:
+            raise ValueError(f"density={density} must lie in (0, 1].")
+        if max_shapes_per_layer < 1:
+            raise ValueError(f"max_shapes_per_layer={max_shapes_per_layer} must be >= 1.")
+        self.density, self.block, self.backend = density, block, backend
+        self.max_padding, self.max_shapes_per_layer = max_padding, max_shapes_per_layer
+        self.err_sum: dict[int, torch.Tensor] = {}          # layer -> [n_shapes, H] summed errors
+        self.err_cnt: dict[int, int] = {}
+        self.votes: dict[int, list[Counter]] = {}
+        self.allowed_per_layer: dict[int, list[TileShape]] = {}
+        self.heads_seen: int | None = None
+        self._warned_grids: set[tuple[int, ...]] = set()
+
+    @property
+    def num_samples(self) -> int:
+        return int(sum(self.err_cnt.values()))
+
+    def add(self, rec: Any) -> None:
+        """Score one record (fields as `search_tiling`'s samples) and add it to the layer's sums and votes."""
+        shapes_all = self.shapes
         layer = int(rec.layer)
         grid = tuple(int(g) for g in rec.grid)
         text_len = int(getattr(rec, "text_len", 0) or 0)
         text_position = getattr(rec, "text_position", None) or "after"
-        pads = {s: TileLayout(grid, s, block).padding_fraction for s in shapes_all}
-        allowed = [s for s in shapes_all if pads[s] <= max_padding + 1e-12]
+        pads = {s: TileLayout(grid, s, self.block).padding_fraction for s in shapes_all}
+        allowed = [s for s in shapes_all if pads[s] <= self.max_padding + 1e-12]
         if not allowed:
             least = min(shapes_all, key=lambda s: pads[s])
-            if grid not in warned_grids:                 # once per grid, not once per captured sample
-                warned_grids.add(grid)
+            if grid not in self._warned_grids:              # once per grid, not once per captured sample
+                self._warned_grids.add(grid)
                 logger.warning("grid %s: every candidate pads by more than %.0f%%; keeping %s (%.1f%%)",
-                               grid, 100 * max_padding, least, 100 * pads[least])
+                               grid, 100 * self.max_padding, least, 100 * pads[least])
             allowed = [least]
-        prev = allowed_per_layer.get(layer)
-        allowed_per_layer[layer] = allowed if prev is None else [s for s in prev if s in allowed] or prev
-        e = head_errors(rec.q, rec.k, rec.v, grid, shapes_all, density=density, block=block, text_len=text_len,
-                        text_position=text_position, backend=backend)                # [n_shapes, H]
+        prev = self.allowed_per_layer.get(layer)
+        self.allowed_per_layer[layer] = allowed if prev is None else [s for s in prev if s in allowed] or prev
+        e = head_errors(rec.q, rec.k, rec.v, grid, shapes_all, density=self.density, block=self.block,
+                        text_len=text_len, text_position=text_position, backend=self.backend)   # [n_shapes, H]
         H = e.shape[1]
-        heads_seen = H
+        self.heads_seen = H
         mask = torch.tensor([s in allowed for s in shapes_all], device=e.device)
-        e_masked = e.masked_fill(~mask[:, None], math.inf)
-        best = e_masked.argmin(0)
-        votes.setdefault(layer, [Counter() for _ in range(H)])
+        best = e.masked_fill(~mask[:, None], math.inf).argmin(0).tolist()
+        votes = self.votes.setdefault(layer, [Counter() for _ in range(H)])
         for h in range(H):
-            votes[layer][h][shapes_all[int(best[h])]] += 1
-        err_sum[layer] = err_sum.get(layer, torch.zeros_like(e)) + e
-        err_cnt[layer] = err_cnt.get(layer, 0) + 1
-    if not err_sum:
-        raise ValueError("search_tiling got no samples; capture at least one self-attention call.")
-    L = num_layers if num_layers is not None else max(err_sum) + 1
-    Hn = num_heads if num_heads is not None else heads_seen
-    layers_out: list[tuple[TileShape, ...]] = []
-    mean_err: dict[int, list[dict[TileShape, float]]] = {}
-    chosen_err, single_err = [], {s: [] for s in shapes_all}
-    for l in range(L):
-        if l not in err_sum:
-            layers_out.append(None)         # filled below with the searched layers' most chosen shape
-            continue
-        m = (err_sum[l] / err_cnt[l]).tolist()
-        allowed = allowed_per_layer[l]
-        mean_err[l] = [{s: m[i][h] for i, s in enumerate(shapes_all)} for h in range(Hn)]
-        picks = _choose_layer(votes[l], mean_err[l], allowed, max_shapes_per_layer)
-        layers_out.append(tuple(picks))
-        for h, s in enumerate(picks):
-            chosen_err.append(mean_err[l][h][s])
-            for t in shapes_all:
-                single_err[t].append(mean_err[l][h][t] if t in allowed else math.inf)
-    # a layer left out of the search (`layers=`) takes the shape chosen most often in those searched (the same
-    # video grid, so it fits the padding rule as they do); the first such shape on ties
-    picked = Counter(s for heads in layers_out if heads is not None for s in heads)
-    fill = max(picked, key=lambda s: (picked[s], -list(picked).index(s)))
-    layers_out = [heads if heads is not None else tuple([fill] * Hn) for heads in layers_out]
-    singles = {f"{s[0]}x{s[1]}x{s[2]}": sum(v) / len(v) for s, v in single_err.items() if v}
-    best_single = min(singles, key=singles.get)
-    summary = {
-        "mean_rel_err_searched": sum(chosen_err) / len(chosen_err),
-        "mean_rel_err_single": singles,
-        "best_single_shape": best_single,
-        "mean_rel_err_best_single": singles[best_single],
-        "num_samples": int(sum(err_cnt.values())),
-    }
-    summary["searched_vs_best_single"] = summary["mean_rel_err_searched"] / max(summary["mean_rel_err_best_single"], 1e-30)
-    info = dict(meta or {})
-    info.update({"density": density, "max_padding": max_padding, "max_shapes_per_layer": max_shapes_per_layer,
-                 "candidates": [list(s) for s in shapes_all], "summary": summary,
-                 "mean_rel_err": {str(l): [{"x".join(map(str, s)): v for s, v in hs.items()} for hs in per]
-                                  for l, per in mean_err.items()}})
-    tiling = Tiling(tuple(layers_out), block, info)
-    return TilingSearchResult(tiling, allowed_per_layer, mean_err,
-                              {l: [dict(c) for c in v] for l, v in votes.items()}, summary)
+            votes[h][shapes_all[best[h]]] += 1
+        self.err_sum[layer] = self.err_sum.get(layer, torch.zeros_like(e)) + e
+        self.err_cnt[layer] = self.err_cnt.get(layer, 0) + 1
+
+    def result(self, *, num_layers: int | None = None, num_heads: int | None = None,
+               meta: dict[str, Any] | None = None) -> TilingSearchResult:
+        """The chosen tiling of the records added so far (ValueError when there were none)."""
+        shapes_all, err_sum, err_cnt, votes = self.shapes, self.err_sum, self.err_cnt, self.votes
+        if not err_sum:
+            raise ValueError("search_tiling got no samples; capture at least one self-attention call.")
+        L = num_layers if num_layers is not None else max(err_sum) + 1
+        Hn = num_heads if num_heads is not None else self.heads_seen
+        layers_out: list[tuple[TileShape, ...]] = []
+        mean_err: dict[int, list[dict[TileShape, float]]] = {}
+        chosen_err, single_err = [], {s: [] for s in shapes_all}
+        for l in range(L):
+            if l not in err_sum:
+                layers_out.append(None)         # filled below with the searched layers' most chosen shape
+                continue
+            m = (err_sum[l] / err_cnt[l]).tolist()
+            allowed = self.allowed_per_layer[l]
+            mean_err[l] = [{s: m[i][h] for i, s in enumerate(shapes_all)} for h in range(Hn)]
+            picks = _choose_layer(votes[l], mean_err[l], allowed, self.max_shapes_per_layer)
+            layers_out.append(tuple(picks))
+            for h, s in enumerate(picks):
+                chosen_err.append(mean_err[l][h][s])
+                for t in shapes_all:
+                    single_err[t].append(mean_err[l][h][t] if t in allowed else math.inf)
+        # a layer left out of the search (`layers=`) takes the shape chosen most often in those searched (the same
+        # video grid, so it fits the padding rule as they do); the first such shape on ties
+        picked = Counter(s for heads in layers_out if heads is not None for s in heads)
+        fill = max(picked, key=lambda s: (picked[s], -list(picked).index(s)))
+        layers_out = [heads if heads is not None else tuple([fill] * Hn) for heads in layers_out]
+        singles = {f"{s[0]}x{s[1]}x{s[2]}": sum(v) / len(v) for s, v in single_err.items() if v}
+        best_single = min(singles, key=singles.get)
+        summary = {
+            "mean_rel_err_searched": sum(chosen_err) / len(chosen_err),
+            "mean_rel_err_single": singles,
+            "best_single_shape": best_single,
+            "mean_rel_err_best_single": singles[best_single],
+            "num_samples": self.num_samples,
+        }
+        summary["searched_vs_best_single"] = (summary["mean_rel_err_searched"]
+                                              / max(summary["mean_rel_err_best_single"], 1e-30))
+        info = dict(meta or {})
+        info.update({"density": self.density, "max_padding": self.max_padding,
+                     "max_shapes_per_layer": self.max_shapes_per_layer,
+                     "candidates": [list(s) for s in shapes_all], "summary": summary,
+                     "mean_rel_err": {str(l): [{"x".join(map(str, s)): v for s, v in hs.items()} for hs in per]
+                                      for l, per in mean_err.items()}})
+        tiling = Tiling(tuple(layers_out), self.block, info)
+        return TilingSearchResult(tiling, self.allowed_per_layer, mean_err,
+                                  {l: [dict(c) for c in v] for l, v in votes.items()}, summary)
