@@ -112,3 +112,17 @@ def test_gather_scatter_wide_path_equals_plain_indexing(dtype, D, tiles):
         assert torch.equal(back, x)
         if D * x.element_size() % 16 == 0:
             assert back.is_contiguous()                         # flatten(2, 3) after it needs no copy
+
+
+def test_grids_and_tiles_must_be_integers_and_numpy_integers_are_taken():
+    """Review find: a grid of (2.7, 4, 4) was truncated to (2, 4, 4) and a tile of (1.5, 4, 4) taken as (1, 4, 4),
+    while `head_tiling` failed on numpy integers."""
+    import numpy as np
+
+    assert TileLayout((np.int64(2), 4, torch.tensor(4)), (1, 4, 4), 16).grid == (2, 4, 4)
+    assert head_tiling((2, 4, 4), (np.int64(1), 4, 4), 2, 16).tiles == ((1, 4, 4), (1, 4, 4))
+    for grid in ((2.7, 4, 4), (True, 4, 4), (2, 4)):
+        with pytest.raises(ValueError, match="must be three positive ints"):
+            TileLayout(grid, (1, 4, 4), 16)
+    with pytest.raises(ValueError, match=r"tile=\(1.5, 4, 4\) must be three positive ints"):
+        TileLayout((2, 4, 4), (1.5, 4, 4), 16)

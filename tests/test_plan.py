@@ -339,3 +339,29 @@ def test_row_order_under_compile_is_an_arange_for_rows_of_one_or_two_lengths(mon
     assert plan_mod.row_order([3, 5], 2, "cpu") is None and plan_mod.row_order([0, 1], 2, "cpu") is None
     assert topk_plan(torch.randn(2, 3, 25, 25), 0.2).order.tolist() == list(range(2 * 3 * 25))
     assert topk_plan(torch.randn(2, 3, 25, 25), 0.2, num_global_tiles=2).order is None
+
+
+def test_validation_names_the_entry_and_helpers_refuse_a_short_key_count():
+    """Review finds: the errors named no entry; `to_dense_mask(n)` with n at or below the largest kept index dropped
+    those tiles silently (or failed in torch's scatter), `density(n)` returned more than 1."""
+    q = torch.randn(1, 2, 512, 64)
+    idx = torch.tensor([[[[0, 1, 2, 3]] * 4] * 2], dtype=torch.int32)
+    cnt = torch.full((1, 2, 4), 4, dtype=torch.int32)
+    bad = idx.clone()
+    bad[0, 1, 2, 3] = 9
+    with pytest.raises(ValueError, match=r"kv_index\[0, 1, 2, 3\] = 9 lies outside \[0, 4\)"):
+        Plan(bad, cnt).validate(q, q)
+    bad = idx.clone()
+    bad[0, 0, 3, 2] = 1
+    with pytest.raises(ValueError, match=r"row \[0, 0, 3\] has 1 then 1 at entries 1, 2"):
+        Plan(bad, cnt).validate(q, q)
+    plan = Plan(idx, cnt)
+    assert plan.to_dense_mask(4).all() and plan.density(4) == 1.0
+    for n in (3, 2):
+        with pytest.raises(ValueError, match=f"num_key_tiles={n}, but the plan keeps key tiles 0..3"):
+            plan.to_dense_mask(n)
+    with pytest.raises(ValueError, match="num_key_tiles=2, but a row of the plan keeps 4 tiles"):
+        plan.density(2)
+    empty = Plan(torch.zeros(1, 0, 4, 1, dtype=torch.int32), torch.zeros(1, 0, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="no query-tile rows"):
+        empty.density(4)

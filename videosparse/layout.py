@@ -15,6 +15,7 @@ heads, each head with its own permutation.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Sequence
@@ -77,11 +78,11 @@ class TileLayout:
     _device_cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
-        grid = tuple(int(g) for g in self.grid)
-        if len(grid) != 3 or min(grid) < 1:
+        grid = _int_triple(self.grid)
+        if grid is None or min(grid) < 1:
             raise ValueError(f"grid={self.grid!r} must be three positive ints (T, H, W).")
-        tile = tuple(int(t) for t in self.tile)
-        if len(tile) != 3 or min(tile) < 1 or math.prod(tile) != self.block:
+        tile = _int_triple(self.tile)
+        if tile is None or min(tile) < 1 or math.prod(tile) != self.block:
             raise ValueError(
                 f"tile={self.tile!r} must be three positive ints whose product equals block={self.block}."
             )
@@ -166,7 +167,8 @@ class TileLayout:
         return out if groups == 1 else out.repeat_interleave(groups, dim=1)
 
     def scatter(self, y: torch.Tensor) -> torch.Tensor:
-        """(B, H, S, D) in tile order -> (B, S, H, D) in the original order (contiguous in eager mode)."""
+        """(B, H, S, D) in tile order -> (B, S, H, D) in the original order (contiguous in eager mode when a row of D
+        elements is a whole number of 16-byte words, else a transposed view)."""
         _check_seq(y, self.seq_len, "y", dim=2)
         perm, inv = self.indices(y.device)
         B, H, S, D = y.shape
@@ -321,6 +323,17 @@ class HeadTiling:
         return torch.gather(y, 2, inv[None, :, :, None].expand(B, H, S, D)).transpose(1, 2)
 
 
+def _int_triple(values) -> tuple[int, int, int] | None:
+    """`values` as three Python ints (numpy and 0-dim tensor integers taken too), or None when it is not three
+    integers (a float such as 2.7 is refused, not truncated; so is a bool)."""
+    try:
+        if len(values) != 3 or any(isinstance(v, bool) for v in values):
+            return None
+        return tuple(operator.index(v) for v in values)
+    except TypeError:
+        return None
+
+
 def head_tiling(
     grid: Sequence[int],
     tiles: Sequence[int] | Sequence[Sequence[int]],
@@ -330,8 +343,8 @@ def head_tiling(
     text_position: str = "after",
 ) -> HeadTiling:
     """A `HeadTiling` from one shape for all heads or one shape per head."""
-    if len(tiles) == 3 and all(isinstance(t, int) for t in tiles):
-        per_head = (tuple(tiles),) * num_heads
+    if len(tiles) == 3 and _int_triple(tiles) is not None:
+        per_head = (_int_triple(tiles),) * num_heads
     else:
         per_head = tuple(tuple(t) for t in tiles)
         if len(per_head) != num_heads:

@@ -67,6 +67,11 @@ class Plan:
         nk = num_key_tiles or self.num_key_tiles
         if nk <= 0:
             raise ValueError("density() needs num_key_tiles when the plan carries no tile_len.")
+        if not self.kv_count.numel():
+            raise ValueError(f"the plan has no query-tile rows (kv_count {tuple(self.kv_count.shape)}): no density.")
+        most = int(self.kv_count.max())
+        if most > nk:
+            raise ValueError(f"num_key_tiles={nk}, but a row of the plan keeps {most} tiles.")
         return float(self.kv_count.sum()) / (self.kv_count.numel() * nk)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Plan":
@@ -92,8 +97,10 @@ class Plan:
         """This plan with the key-padding limit `valid_keys` (int32 [B]; None: the plan itself): every row keeps
         only its listed tiles that start below its item's limit (tensor ops, no host sync: rows are sorted, so the
         kept ones stay packed left), and the kernels mask the keys at or past it in the last one.
-        skip_padded_queries: the query tiles that start at or past the limit get no tiles (their rows come out zero,
-        at no cost), for models whose padded rows are zeros. The plan's `order` is dropped then (the kernels sort
+        skip_padded_queries: the query tiles that start at or past the limit get no tiles, for models whose padded
+        rows are zeros: without the correction their rows come out zero at no cost; with it they still take the
+        centroids of the valid key tiles (a caller that needs zeros sets them, as `attend_text_prefix` does). The
+        plan's `order` is dropped then (the kernels sort
         the new row lengths): kept, it would put the emptied rows, often the longest before, first, which cost the
         Gluon kernel 16% at HunyuanVideo 1.5's shape (4.24 vs 3.72 ms per call on the H200)."""
         if valid_keys is None:
@@ -146,10 +153,18 @@ class Plan:
         slot = torch.arange(kmax, device=q.device)
         valid = slot < self.kv_count[..., None]
         idx = self.kv_index
-        if bool(((idx < 0) | (idx >= Nk))[valid].any()):
-            raise ValueError(f"kv_index holds values outside [0, {Nk}) in valid entries{at}.")
-        if kmax > 1 and bool(((idx[..., 1:] <= idx[..., :-1]) & valid[..., 1:]).any()):
-            raise ValueError(f"kv_index rows must be strictly increasing in their valid entries{at}.")
+        outside = ((idx < 0) | (idx >= Nk)) & valid
+        if bool(outside.any()):
+            first = tuple(int(i) for i in outside.nonzero()[0])
+            raise ValueError(f"kv_index{list(first)} = {int(idx[first])} lies outside [0, {Nk}) (the key tiles; "
+                             f"a row's first kv_count entries are read){at}.")
+        if kmax > 1:
+            unsorted = (idx[..., 1:] <= idx[..., :-1]) & valid[..., 1:]
+            if bool(unsorted.any()):
+                b, h, m, j = (int(i) for i in unsorted.nonzero()[0])
+                raise ValueError(f"kv_index rows must be strictly increasing in their valid entries; row [{b}, {h}, "
+                                 f"{m}] has {int(idx[b, h, m, j])} then {int(idx[b, h, m, j + 1])} at entries {j}, "
+                                 f"{j + 1}{at}.")
         if self.has_correction:
             if self.k_mean is None or self.v_sum is None or self.tile_len is None:
                 missing = [n for n in ("k_mean", "v_sum", "tile_len") if getattr(self, n) is None]
@@ -159,6 +174,12 @@ class Plan:
                     raise ValueError(f"{name} has shape {tuple(t.shape)}; expected ({B}, {H}, {Nk}, {D}){at}.")
             if tuple(self.tile_len.shape) != (Nk,):
                 raise ValueError(f"tile_len has shape {tuple(self.tile_len.shape)}; expected ({Nk},){at}.")
+            if self.tile_len.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"tile_len must be int32 or int64 (tokens per key tile); got {self.tile_len.dtype}"
+                                 f"{at}.")
+            for name, t in (("k_mean", self.k_mean), ("v_sum", self.v_sum)):
+                if not t.is_floating_point():
+                    raise ValueError(f"{name} must be a floating-point tensor; got {t.dtype}{at}.")
             for name, t in (("k_mean", self.k_mean), ("v_sum", self.v_sum), ("tile_len", self.tile_len)):
                 if t.device != q.device:
                     raise ValueError(f"{name} is on {t.device}, q is on {q.device}{at}.")
@@ -197,9 +218,14 @@ class Plan:
                 raise ValueError(f"order is not a permutation of 0..{n - 1}{at}.")
 
     def to_dense_mask(self, num_key_tiles: int) -> torch.Tensor:
-        """bool [B, H, Mq, Nk]: True where the plan keeps the tile exactly."""
+        """bool [B, H, Mq, Nk]: True where the plan keeps the tile exactly (ValueError when a kept index is not
+        below `num_key_tiles`)."""
         B, H, Mq, kmax = self.kv_index.shape
         valid = torch.arange(kmax, device=self.kv_index.device) < self.kv_count[..., None]
+        listed = self.kv_index[valid]
+        if listed.numel() and not 0 <= int(listed.min()) <= int(listed.max()) < num_key_tiles:
+            raise ValueError(f"num_key_tiles={num_key_tiles}, but the plan keeps key tiles "
+                             f"{int(listed.min())}..{int(listed.max())}.")
         mask = torch.zeros(B, H, Mq, num_key_tiles + 1, dtype=torch.bool, device=self.kv_index.device)
         idx = torch.where(valid, self.kv_index.long(), num_key_tiles)
         mask.scatter_(-1, idx, True)

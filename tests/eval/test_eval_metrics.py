@@ -144,3 +144,43 @@ def test_frames_outside_the_unit_range_are_refused():
         psnr_video((a * 255).astype(np.uint8), (a * 255).astype(np.uint8))
     with pytest.raises(ValueError, match="must lie in \\[0, 1\\]"):
         ssim_per_frame(a * 255, a * 255)
+
+
+def test_attention_probe_records_the_calls_the_processor_ran_dense(monkeypatch):
+    """Review find: the probe measured every call outside the config's dense schedule as sparse, also those the
+    processor ran dense because no kernel served them (on a GPU: a dtype no fast kernel takes), so the attention
+    table reported sparse errors for a run that was dense."""
+    import videosparse
+    from videosparse.eval.attention import AttentionProbe
+    from videosparse.kernels.probe import KernelProbe
+    from videosparse.models.tiny_wan import build_tiny_wan_pipeline
+    from videosparse.processors import context, observe
+
+    tr = build_tiny_wan_pipeline().transformer
+    kw = dict(hidden_states=torch.randn(1, 4, 3, 16, 24, generator=torch.Generator().manual_seed(0)),
+              timestep=torch.tensor([500]), encoder_hidden_states=torch.randn(1, 8, 32))
+
+    def probe_run():
+        session = videosparse.apply(tr, videosparse.VedaConfig(density=0.5, dense_steps=0, dense_layers=(1,)))
+        probe = AttentionProbe(session["transformer"])
+        with observe(tr, probe), torch.no_grad():
+            tr(**kw)
+        stats = session["transformer"].stats()
+        videosparse.remove(tr)
+        return {e["layer"]: e for e in probe.entries}, stats
+
+    entries, stats = probe_run()
+    assert entries[0]["sparse"] and 0 < entries[0]["rel_l2"] < 1 and stats["sparse_calls"] == 1
+    assert not entries[1]["sparse"] and entries[1]["dense_reason"] == "dense layer"
+    monkeypatch.setattr(context, "probe_kernel", lambda *args: KernelProbe("reference", "no fast kernel serves x"))
+    entries, stats = probe_run()
+    assert stats["sparse_calls"] == 0
+    assert not entries[0]["sparse"] and entries[0]["dense_reason"] == "no fast kernel serves x"
+    assert entries[0]["rel_l2"] == 0.0 and entries[1]["dense_reason"] == "dense layer"
+
+
+def test_tile_recall_leaves_out_rows_that_keep_no_tile():
+    """Review find: a row with no kept tile (e.g. past a key limit) counted as recall 0."""
+    mass = torch.tensor([[[[0.6, 0.3, 0.1], [0.2, 0.7, 0.1]]]])
+    mask = torch.tensor([[[[True, False, False], [False, False, False]]]])
+    assert tile_recall(plan_from_mask(mask, 64, 64), mass)["recall"] == 1.0

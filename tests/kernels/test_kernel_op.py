@@ -81,6 +81,11 @@ def test_kernels_without_backward_raise_instead_of_dropping_gradients(forward_on
     assert q.grad is not None and rel_err(out.detach(), ref.detach()) < 1e-6
     with torch.no_grad():
         assert not block_sparse_attention(q, k, v, p, backend=forward_only_backend).requires_grad
+    # the lse too (review find: it came back without a grad_fn, so a loss through it got no gradient, silently)
+    out, lse = block_sparse_attention(q, k, v, p, backend=forward_only_backend, return_lse=True)
+    assert out.requires_grad and lse.requires_grad
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        lse.sum().backward()
 
 
 def test_a_float_scale_traces_under_compile_with_dynamic_floats():

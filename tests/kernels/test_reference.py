@@ -66,12 +66,20 @@ def test_bad_inputs_are_rejected():
     for same in (torch.tensor(0.2), torch.tensor(0.2, dtype=torch.float64).numpy()[()]):
         assert torch.equal(block_sparse_attention(q, q, q, plan, scale=same), ref)
     k_mean, v_sum, tile_len = tile_centroids_torch(q, q, 128)
-    for name in ("k_mean", "v_sum", "tile_len"):
-        parts = dict(k_mean=k_mean, v_sum=v_sum, tile_len=tile_len.float())
+    for name in ("k_mean", "v_sum"):
+        parts = dict(k_mean=k_mean, v_sum=v_sum, tile_len=tile_len)
         parts[name] = parts[name].clone()
         parts[name].view(-1)[0] = float("nan")
         bad_plan = dense_plan(1, 2, 100).with_correction(**parts)
         with pytest.raises(ValueError, match=f"{name} holds non-finite values"):
+            block_sparse_attention(q, q, q, bad_plan)
+    # token counts are integers, the centroids floats (review find: 0.5 or True tokens per tile passed)
+    for parts, msg in (({"tile_len": tile_len.float() - 0.5}, "tile_len must be int32 or int64"),
+                       ({"tile_len": tile_len.bool()}, "tile_len must be int32 or int64"),
+                       ({"k_mean": k_mean.long()}, "k_mean must be a floating-point tensor")):
+        bad_plan = dense_plan(1, 2, 100).with_correction(**{**dict(k_mean=k_mean, v_sum=v_sum, tile_len=tile_len),
+                                                            **parts})
+        with pytest.raises(ValueError, match=msg):
             block_sparse_attention(q, q, q, bad_plan)
 
 

@@ -11,8 +11,9 @@ compares with exact attention computed in fp32:
   the same number of tiles with the largest true attention mass (see `metrics.tile_recall`);
 * attention mass on the kept tiles, for the plan and for the oracle; the realised density.
 
-Calls the config's schedule runs dense (dense steps, dense layers) are recorded with `sparse:
-False` and zero error. Only the first call of every (step, layer) is measured (the first CFG branch).
+Calls the processor runs dense (dense steps and layers of the schedule, and inputs or devices no kernel serves:
+`AttentionRecord.dense_reason`) are recorded with `sparse: False`, their `dense_reason` and zero error. Only the
+first call of every (step, layer) is measured (the first CFG branch).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class AttentionProbe:
 
     Attributes:
         entries: one dict per measured call: step, layer, branch, sparse, rel_l2, rel_l2_per_head,
-            recall, mass_kept, oracle_mass_kept, density, tokens.
+            recall, mass_kept, oracle_mass_kept, density, tokens (and dense_reason for calls run dense).
     """
 
     def __init__(self, session, steps: Iterable[int] | None = None, layers: Iterable[int] | None = None,
@@ -62,12 +63,6 @@ class AttentionProbe:
         self.max_elements = max_elements
         self.entries: list[dict] = []
         self._seen: set[tuple] = set()
-
-    def _scheduled_dense(self, layer: int, step: int | None) -> bool:
-        cfg, ctx = self.session.config, self.session.context
-        if self.session.method is None or cfg.is_dense_layer(layer):
-            return True
-        return step is not None and step < cfg.dense_step_count(ctx.num_steps)
 
     @torch.no_grad()
     def __call__(self, record) -> None:
@@ -81,9 +76,9 @@ class AttentionProbe:
         self._seen.add((step, layer))
         B, S, H, D = record.q.shape
         entry = {"step": step, "layer": layer, "branch": record.branch, "tokens": S}
-        if self._scheduled_dense(layer, step):
-            entry.update(sparse=False, rel_l2=0.0, rel_l2_per_head=[0.0] * H, recall=1.0, mass_kept=1.0,
-                         oracle_mass_kept=1.0, density=1.0)
+        if record.dense_reason is not None:         # what the processor does with this call (stats() counts it)
+            entry.update(sparse=False, dense_reason=record.dense_reason, rel_l2=0.0, rel_l2_per_head=[0.0] * H,
+                         recall=1.0, mass_kept=1.0, oracle_mass_kept=1.0, density=1.0)
             self.entries.append(entry)
             return
         method = self.session.method

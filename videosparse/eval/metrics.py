@@ -22,7 +22,7 @@ def _frames(x: np.ndarray | torch.Tensor) -> torch.Tensor:
 
 
 def psnr(video: np.ndarray, reference: np.ndarray) -> float:
-    """Mean over frames of the PSNR in dB (data range 1); inf when the videos are identical."""
+    """Mean over frames of the PSNR in dB (data range 1); inf when any frame is identical to its reference."""
     from torchmetrics.functional.image import peak_signal_noise_ratio
 
     a, b = _frames(video), _frames(reference)
@@ -199,8 +199,8 @@ def tile_recall(plan, mass: torch.Tensor) -> dict[str, float]:
     """How well a plan's tiles match the oracle: the top tiles by true attention mass, same budget per row.
 
     For every (batch, head, query tile) row with `c = kv_count` tiles, the oracle keeps the `c`
-    tiles of largest `mass`; recall is |plan ∩ oracle| / c. Rows that keep every tile (no choice,
-    e.g. text rows) are left out of the recall average.
+    tiles of largest `mass`; recall is |plan ∩ oracle| / c. Rows that keep every tile or none (no choice,
+    e.g. text rows, or rows past a key limit) are left out of the recall average.
 
     Args:
         plan: a `videosparse.plan.Plan` over Mq query tiles and Nk key tiles.
@@ -219,7 +219,7 @@ def tile_recall(plan, mass: torch.Tensor) -> dict[str, float]:
     rank = mass.argsort(dim=-1, descending=True).argsort(dim=-1)          # 0 = largest mass
     oracle = rank < count[..., None]
     hits = (chosen & oracle).sum(-1).float()
-    choice = count < Nk
+    choice = (count > 0) & (count < Nk)
     recall = float((hits[choice] / count[choice].clamp_min(1).float()).mean()) if bool(choice.any()) else 1.0
     total = float(mass.sum(dtype=torch.float64))
     return {

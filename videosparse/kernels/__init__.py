@@ -76,9 +76,8 @@ def block_sparse_attention(
     impl = select_backend(q, k, v, plan, backend)
     result = impl(q, k, v, plan, scale, return_lse)
     if impl.name != "reference" and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = result if return_lse else (result, None)
-        out = _ForwardOnly.apply(out, q, k, v)
-        return (out, lse) if return_lse else out
+        marked = _ForwardOnly.apply(q, k, v, *(result if return_lse else (result,)))
+        return marked if return_lse else marked[0]
     return result
 
 
@@ -97,15 +96,15 @@ def _softmax_scale(scale) -> float:
 
 
 class _ForwardOnly(torch.autograd.Function):
-    """Marks a Triton/Gluon output as depending on q, k, v so that backward raises instead of silently
-    giving no gradient (the kernels have no backward pass)."""
+    """Marks a Triton/Gluon call's outputs (out, and lse when returned) as depending on q, k, v so that backward
+    through any of them raises instead of silently giving no gradient (the kernels have no backward pass)."""
 
     @staticmethod
-    def forward(ctx, out, q, k, v):
-        return out.view_as(out)
+    def forward(ctx, q, k, v, *outputs):
+        return tuple(o.view_as(o) for o in outputs)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, *grads):
         from .ops import FORWARD_ONLY
 
         raise NotImplementedError(FORWARD_ONLY)

@@ -153,6 +153,8 @@ class AttentionRecord:
     in q, k, v) and text_position describe those extra tokens, global tiles of the layout.
     item: None when q, k, v hold the forward's whole batch; the index of the batch item they hold (B = 1) when
     the items have different valid text lengths and are served, and observed, one by one.
+    dense_reason: why the processor runs this call dense (a scheduled dense step or layer, a dense config, or an
+        input or device no kernel serves, as `stats()` counts it); None when it runs sparse.
     """
 
     layer: int
@@ -165,6 +167,7 @@ class AttentionRecord:
     step: int | None
     branch: str
     item: int | None = None
+    dense_reason: str | None = None
 
 
 class SparseSession:
