@@ -424,3 +424,17 @@ def test_a_fresh_run_takes_away_the_estimator_of_the_run_before(tmp_path, cache)
     with pytest.raises(KeyboardInterrupt):
         run_distillation(make_cfg(out, max_steps=4, resume=False, learning_rate=2e-3), step_callback=stop)
     assert not any((out / name).exists() for name in ("model.safetensors", "config.json", "README.md", "metrics.json"))
+
+
+def test_dtype_takes_generates_spelling_and_a_split_that_holds_out_nothing_warns(tmp_path, caplog):
+    import logging
+
+    from videosparse.distill.capture import split_by_prompt
+
+    assert make_cfg(tmp_path, dtype="bf16").dtype == "bfloat16"
+    assert make_cfg(tmp_path, dtype="float16").dtype == "float16"
+    with pytest.raises(ValueError, match="dtype='half' must be one of"):
+        make_cfg(tmp_path, dtype="half")
+    with caplog.at_level(logging.WARNING):
+        train, val = split_by_prompt([Path("p00000_s0000_cond.safetensors")], 0.5, seed=0)
+    assert len(train) == 1 and not val and "holds out no prompt of 1" in caplog.text

@@ -311,6 +311,9 @@ def split_by_prompt(files: Sequence[Path], val_fraction: float, seed: int) -> tu
     prompts = sorted({p.name.split("_")[0] for p in files})
     n_val = max(1, round(val_fraction * len(prompts))) if val_fraction > 0 else 0     # nearest, at least one
     n_val = min(n_val, len(prompts) - 1)
+    if val_fraction > 0 and n_val == 0:
+        logger.warning("val_fraction=%s holds out no prompt of %d (training needs one): the evaluation uses the "
+                       "training samples", val_fraction, len(prompts))
     rng = random.Random(seed)
     val_prompts = set(rng.sample(prompts, n_val)) if n_val > 0 else set()
     train = [p for p in files if p.name.split("_")[0] not in val_prompts]

@@ -201,6 +201,9 @@ class _JsonConfig:
             return cls.from_dict(json.load(f))
 
 
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
 @dataclass(frozen=True)
 class CaptureConfig(_JsonConfig):
     """What the dense runs capture: model, prompts, call settings, steps.
@@ -254,8 +257,11 @@ class CaptureConfig(_JsonConfig):
             raise ValueError(f"seed={self.seed} must lie in [0, 2**32 - 1] (accelerate's set_seed takes no more; "
                              "prompt i is generated with seed + i).")
         check_device(self.device)
-        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype={self.dtype!r} must be one of 'float32', 'bfloat16', 'float16' or None.")
+        dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)      # generate's spelling (bf16, fp16, fp32) too
+        if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={self.dtype!r} must be one of 'float32', 'bfloat16', 'float16' (or 'fp32', "
+                             "'bf16', 'fp16') or None.")
+        object.__setattr__(self, "dtype", dtype)
 
 
 @dataclass(frozen=True)
