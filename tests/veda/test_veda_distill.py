@@ -303,8 +303,9 @@ def test_model_card_describes_the_estimator_without_placeholders(tmp_path):
                  "4x4x4 (3 heads), 1x8x8 (1 head)", "2 prompts, 3 samples", "1 of them held out",
                  "12 optimizer steps (max_steps=12", "loss 0.1250, tile recall 0.750",
                  "KL 0.1000 (untrained, mean-pooled q·k: 0.2000), tile recall 0.800",
-                 f'VedaConfig(density=0.3, estimator="{tmp_path}", block=64)', "--block 64"):
-        assert text in card, text
+                 f'VedaConfig(density=0.3, estimator="{tmp_path}", block=64)',
+                 f"videosparse generate --estimator {tmp_path} --model tiny --block 64"):   # generate's own default
+        assert text in card, text                                                       # model is another
 
 
 def test_processes_that_did_not_join_one_group_are_refused(monkeypatch, tmp_path):

@@ -539,9 +539,9 @@ def model_card(estimator: VedaEstimator, cfg: DistillConfig, metrics: dict[str, 
     held_out = f", {len(val_files)} of them held out for the evaluation" if val_files else ""
     length = f"max_steps={cfg.max_steps}" if cfg.max_steps else f"{cfg.epochs} epochs"
     block_arg = "" if estimator.block == 128 else f", block={estimator.block}"     # VedaConfig's default: 128
-    block_flag = "" if estimator.block == 128 else f" --block {estimator.block}"
+    cli_flags = "" if estimator.block == 128 else f" --block {estimator.block}"
     if cfg.model not in (None, "reference"):                # generate's default model is the reference model
-        block_flag = f" --model {cfg.model}" + block_flag
+        cli_flags = f" --model {cfg.model}" + cli_flags
     lines = [
         f"# Veda tile estimator for `{estimator.model_class}`",
         "",
@@ -590,7 +590,7 @@ def model_card(estimator: VedaEstimator, cfg: DistillConfig, metrics: dict[str, 
         f"{block_arg}))",
         "```",
         "",
-        f"or `videosparse generate --estimator {cfg.output_dir}{block_flag}` (a directory or, once uploaded, its hub "
+        f"or `videosparse generate --estimator {cfg.output_dir}{cli_flags}` (a directory or, once uploaded, its hub "
         f"id). The pipeline's transformer must be a `{estimator.model_class}` with the layers, heads and head dim "
         "above (videosparse checks and raises otherwise); its own tile shapes are used unless `tiling=` is given.",
     ]
