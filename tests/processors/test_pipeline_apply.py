@@ -490,3 +490,28 @@ def test_sol_keeps_no_autograd_graph_in_its_calibrated_threshold():
     gc.collect()
     assert alive() is None
     videosparse.remove(tr)
+
+
+def test_a_forward_on_meta_tensors_runs_for_shapes():
+    """Shape inference / FLOP counting on the meta device (review find: the autocast query raised there)."""
+    tr = build_tiny_wan_pipeline().transformer
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.5, dense_steps=0))
+    tr.to("meta")
+    kw = {k: v.to("meta") for k, v in _tiny_forward_kwargs().items()}
+    with torch.no_grad():
+        assert tr(**kw).sample.shape == (1, 4, 3, 16, 24)
+    videosparse.remove(tr)
+
+
+def test_dense_with_lse_attends_in_the_autocast_dtype():
+    """The dense calls that return an lse (Wan-Animate-2's reference part) take q, k, v as SDPA does under
+    autocast: mixed fp32 / bf16 inputs (norms in fp32) ran into "q, k, v dtypes differ"."""
+    from videosparse.processors.base import dense_with_lse
+
+    q, k = torch.randn(1, 70, 2, 64), torch.randn(1, 70, 2, 64)
+    v = torch.randn(1, 70, 2, 64).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, lse = dense_with_lse(q, k, v)
+        stock = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)))
+    assert out.dtype == stock.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert (out.float() - stock.transpose(1, 2).float()).norm() / stock.float().norm() < 1e-2

@@ -304,8 +304,8 @@ def test_model_card_describes_the_estimator_without_placeholders(tmp_path):
                  "12 optimizer steps (max_steps=12", "loss 0.1250, tile recall 0.750",
                  "KL 0.1000 (untrained, mean-pooled q·k: 0.2000), tile recall 0.800",
                  f'VedaConfig(density=0.3, estimator="{tmp_path}", block=64)',
-                 f"videosparse generate --estimator {tmp_path} --model tiny --block 64"):   # generate's own default
-        assert text in card, text                                                       # model is another
+                 f"videosparse generate --estimator {tmp_path} --model tiny --density 0.3 --block 64"):   # generate's
+        assert text in card, text                                            # defaults are another model, 0.1
 
 
 def test_processes_that_did_not_join_one_group_are_refused(monkeypatch, tmp_path):
@@ -439,3 +439,24 @@ def test_dtype_takes_generates_spelling_and_a_split_that_holds_out_nothing_warns
     with caplog.at_level(logging.WARNING):
         train, val = split_by_prompt([Path("p00000_s0000_cond.safetensors")], 0.5, seed=0)
     assert len(train) == 1 and not val and "holds out no prompt of 1" in caplog.text
+
+
+def test_a_cache_of_another_model_is_recaptured_not_checked_against_the_tiling(tmp_path, cache):
+    """Review find (of this check's first form): a fresh run whose folder held another model's cache (same layer
+    and head counts) was refused as if its tiling file were another model's, because the cached model was checked
+    before anything showed the cache would be reused."""
+    from videosparse.veda.tiling import Tiling
+
+    out = with_cache(tmp_path / "run", cache)
+    info_path = out / "cache" / "model_info.json"
+    info = json.loads(info_path.read_text())
+    info_path.write_text(json.dumps({**info, "model_class": "SkyReelsV2Transformer3DModel"}))
+    for marker in (out / "cache").glob("*.done"):
+        key = json.loads(marker.read_text())
+        key["settings"]["model"] = "Skywork/SkyReels-V2-DF-1.3B"
+        marker.write_text(json.dumps(key))
+    tiling = tmp_path / "tiling.json"
+    Tiling((((4, 4, 8),) * 2,) * 2, 128, {"model_class": "WanTransformer3DModel", "num_layers": 2,
+                                          "num_heads": 2}).save(tiling)
+    res = run_distillation(make_cfg(out, max_steps=2, tiling=str(tiling)))
+    assert res.global_step == 2 and json.loads(info_path.read_text())["model_class"] == "WanTransformer3DModel"

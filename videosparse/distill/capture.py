@@ -127,6 +127,8 @@ class TileFeatureCapture:
         self.samples: dict[tuple[int, str], dict[int, tuple[torch.Tensor, ...]]] = defaultdict(dict)
         self.grids: dict[tuple[int, str], tuple[int, int, int]] = {}
         self._calls: dict[tuple[str, int, int | None], int] = defaultdict(int)
+        if on_sample is not None and num_layers is None:
+            raise ValueError("TileFeatureCapture(on_sample=...) needs num_layers (a sample is complete with them).")
         self.num_layers, self.on_sample = num_layers, on_sample
         self.handed: list[tuple[int, str]] = []
         self.branches_seen: set[str] = set()
@@ -234,11 +236,18 @@ def capture_to_cache(cfg: CaptureConfig, cache_dir: str | os.PathLike, tiles_for
         accelerator.wait_for_everyone()             # every process sees the same done-markers
     info_path = cache / MODEL_INFO_FILE
     known = json.loads(info_path.read_text()) if info_path.exists() else None
-    if known is not None and check_model is not None:
+
+    def reusable(i: int) -> bool:
+        try:
+            key = capture_key(cfg, prompts[i], block, tiles_for_layer, known["num_layers"], known["num_heads"],
+                              heat_dtype)
+        except ValueError:              # tile shapes that do not fit the cached model: that cache is not this run's
+            return False
+        return _marker_matches(cache, i, key)
+
+    todo = [i for i in range(len(prompts)) if known is None or not reusable(i)]
+    if len(todo) < len(prompts) and check_model is not None:     # samples of the cached model are reused
         check_model(model_info(known))
-    todo = [i for i in range(len(prompts))
-            if known is None or not _marker_matches(cache, i, capture_key(
-                cfg, prompts[i], block, tiles_for_layer, known["num_layers"], known["num_heads"], heat_dtype))]
     mine = todo
     if accelerator is not None and accelerator.num_processes > 1:
         with accelerator.split_between_processes(todo) as part:
@@ -258,9 +267,9 @@ def capture_to_cache(cfg: CaptureConfig, cache_dir: str | os.PathLike, tiles_for
 
         num_steps = int(call_kwargs["num_inference_steps"])
         for i in mine:
+            (cache / f"p{i:05d}.done").unlink(missing_ok=True)      # its samples are about to be replaced
             for stale in cache.glob(f"p{i:05d}_s*.safetensors"):   # an earlier capture with other settings
                 stale.unlink()
-            (cache / f"p{i:05d}.done").unlink(missing_ok=True)      # its samples are being replaced
 
             def write(key: tuple[int, str], layers: dict, grid: tuple[int, int, int], i: int = i) -> None:
                 step, branch = key              # each sample as soon as its forward is done: one in memory at a time
@@ -306,12 +315,13 @@ def model_info(d: dict[str, Any]) -> ModelInfo:
                      d.get("text_position"))
 
 
-def split_by_prompt(files: Sequence[Path], val_fraction: float, seed: int) -> tuple[list[Path], list[Path]]:
+def split_by_prompt(files: Sequence[Path], val_fraction: float, seed: int, *, warn: bool = True
+                    ) -> tuple[list[Path], list[Path]]:
     """(train, val) split of sample files by prompt (no prompt in both); val empty when val_fraction is 0."""
     prompts = sorted({p.name.split("_")[0] for p in files})
     n_val = max(1, round(val_fraction * len(prompts))) if val_fraction > 0 else 0     # nearest, at least one
     n_val = min(n_val, len(prompts) - 1)
-    if val_fraction > 0 and n_val == 0:
+    if val_fraction > 0 and n_val == 0 and warn:
         logger.warning("val_fraction=%s holds out no prompt of %d (training needs one): the evaluation uses the "
                        "training samples", val_fraction, len(prompts))
     rng = random.Random(seed)

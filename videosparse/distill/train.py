@@ -210,7 +210,7 @@ def _captures_differ(cfg: DistillConfig, out: Path, tiles_for_layer, check_model
     check_model(info)
     prompts = read_prompts(cfg.prompts)
     train, _ = split_by_prompt([Path(f"p{i:05d}_s0000_cond.safetensors") for i in range(len(prompts))],
-                               cfg.val_fraction, cfg.seed)
+                               cfg.val_fraction, cfg.seed, warn=False)
     heat_dtype = getattr(torch, cfg.cache_dtype)
     expected = [capture_key(cfg.capture_config(), prompts[int(p.name[1:6])], cfg.block, tiles_for_layer,
                             info.num_layers, info.num_heads, heat_dtype) for p in train]
@@ -539,7 +539,7 @@ def model_card(estimator: VedaEstimator, cfg: DistillConfig, metrics: dict[str, 
     held_out = f", {len(val_files)} of them held out for the evaluation" if val_files else ""
     length = f"max_steps={cfg.max_steps}" if cfg.max_steps else f"{cfg.epochs} epochs"
     block_arg = "" if estimator.block == 128 else f", block={estimator.block}"     # VedaConfig's default: 128
-    cli_flags = "" if estimator.block == 128 else f" --block {estimator.block}"
+    cli_flags = f" --density {cfg.density:g}" + ("" if estimator.block == 128 else f" --block {estimator.block}")
     if cfg.model not in (None, "reference"):                # generate's default model is the reference model
         cli_flags = f" --model {cfg.model}" + cli_flags
     lines = [

@@ -26,6 +26,7 @@ import torch
 
 from ..kernels import block_sparse_attention
 from ..layout import head_tiling
+from ..processors.context import attention_dtype
 from .metrics import dense_attention_tile_mass, relative_l2, tile_recall
 
 logger = logging.getLogger("videosparse")
@@ -85,6 +86,8 @@ class AttentionProbe:
         layout = head_tiling(record.grid, method.tile_shapes(layer, H), H, method.block, record.text_len,
                              record.text_position or "after")
         qt, kt, vt = layout.gather(record.q), layout.gather(record.k), layout.gather(record.v)
+        dtype = attention_dtype(qt.dtype, qt.device)                # what the processor attends in (autocast)
+        qt, kt, vt = qt.to(dtype), kt.to(dtype), vt.to(dtype)
         plan = method.plan(qt, kt, vt, layout, layer)
         sparse = block_sparse_attention(qt, kt, vt, plan, backend=self.session.config.backend, validate=False)
         dense, mass = dense_attention_tile_mass(qt, kt, vt, plan.block_m, plan.block_n,

@@ -61,7 +61,8 @@ def dense_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: s
     """Full attention of q [B, S, H, D] over k, v [B, Sk, H, D] (diffusers' layout) on videosparse's kernel with a
     dense plan: (out [B, S, H, D] in q's dtype, lse fp32 [B, S, H], natural-log row log-sum-exp)."""
     B, S, H, _ = q.shape
-    qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    dtype = attention_dtype(q.dtype, q.device)                     # under autocast, as SDPA casts
+    qt, kt, vt = (x.transpose(1, 2).to(dtype).contiguous() for x in (q, k, v))
     plan = dense_plan(B, H, S, device=q.device, key_len=k.shape[1])
     out, lse = block_sparse_attention(qt, kt, vt, plan, return_lse=True, backend=backend, validate=False)
     return out.transpose(1, 2), lse.transpose(1, 2)

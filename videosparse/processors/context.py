@@ -36,7 +36,8 @@ def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype attention on `device` runs in for inputs of `dtype`: under `torch.autocast` SDPA casts floating
     inputs other than fp64 to the autocast dtype (an fp32 model under bf16 autocast attends in bf16), and the
     sparse path does the same."""
-    if dtype.is_floating_point and dtype != torch.float64 and torch.is_autocast_enabled(device.type):
+    if dtype.is_floating_point and dtype != torch.float64 and device.type != "meta" \
+            and torch.is_autocast_enabled(device.type):                 # (meta tensors have no autocast)
         return torch.get_autocast_dtype(device.type)
     return dtype
 
