@@ -126,3 +126,14 @@ def test_grids_and_tiles_must_be_integers_and_numpy_integers_are_taken():
             TileLayout(grid, (1, 4, 4), 16)
     with pytest.raises(ValueError, match=r"tile=\(1.5, 4, 4\) must be three positive ints"):
         TileLayout((2, 4, 4), (1.5, 4, 4), 16)
+
+
+def test_a_text_slot_makes_the_partial_last_video_tile_global_without_text():
+    plain = TileLayout((3, 5, 7), (1, 4, 16), 64)                  # 105 tokens: 1 full tile and a partial one
+    slot = TileLayout((3, 5, 7), (1, 4, 16), 64, text_slot=True)
+    beside_text = TileLayout((3, 5, 7), (1, 4, 16), 64, text_len=10)
+    assert (plain.num_video_tiles, plain.num_global_tiles) == (2, 0)
+    assert (slot.num_video_tiles, slot.num_global_tiles) == (1, 1) == (beside_text.num_video_tiles,
+                                                                       beside_text.num_global_tiles)
+    assert torch.equal(slot.perm, plain.perm)
+    assert head_tiling((3, 5, 7), (1, 4, 16), 2, 64, text_slot=True).num_global_tiles == 1

@@ -61,6 +61,9 @@ class TileLayout:
         block: tokens per tile (128 or 64).
         text_len: number of text tokens in the same sequence (joint attention), 0 if none.
         text_position: "before" (CogVideoX) or "after" (HunyuanVideo) the video tokens.
+        text_slot: the sequence has a text part even when `text_len` is 0 (an item whose prompt is all padding,
+            served by its valid prefix alone): the partial last video tile is then a global tile, as it is beside
+            text, so that the item gets the tiles it gets when its padded text is in the sequence.
 
     Attributes (derived):
         seq_len: S = T*H*W + text_len.
@@ -75,6 +78,7 @@ class TileLayout:
     block: int = 128
     text_len: int = 0
     text_position: str = "after"
+    text_slot: bool = False
     _device_cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -108,7 +112,7 @@ class TileLayout:
     @property
     def num_video_tiles(self) -> int:
         n = self.num_video_tokens
-        return math.ceil(n / self.block) if self.text_len == 0 else n // self.block
+        return math.ceil(n / self.block) if self.text_len == 0 and not self.text_slot else n // self.block
 
     @property
     def num_global_tiles(self) -> int:
@@ -219,7 +223,7 @@ class HeadTiling:
     """Per-head tile shapes for one layer: one gather/scatter with a permutation per head.
 
     Args:
-        grid, block, text_len, text_position: as in `TileLayout`.
+        grid, block, text_len, text_position, text_slot: as in `TileLayout`.
         tiles: one (pt, ph, pw) per head.
 
     Every head has the same number of tiles and the same global tiles, so one `Plan` covers all heads.
@@ -230,6 +234,7 @@ class HeadTiling:
     block: int = 128
     text_len: int = 0
     text_position: str = "after"
+    text_slot: bool = False
     _device_cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -240,7 +245,8 @@ class HeadTiling:
     @cached_property
     def layouts(self) -> dict[tuple[int, int, int], TileLayout]:
         return {
-            t: TileLayout(self.grid, t, self.block, self.text_len, self.text_position) for t in dict.fromkeys(self.tiles)
+            t: TileLayout(self.grid, t, self.block, self.text_len, self.text_position, self.text_slot)
+            for t in dict.fromkeys(self.tiles)
         }
 
     @property
@@ -271,7 +277,7 @@ class HeadTiling:
         key = ("heads", heads.start, heads.stop)
         if key not in self._device_cache:
             self._device_cache[key] = HeadTiling(self.grid, self.tiles[heads], self.block, self.text_len,
-                                                 self.text_position)
+                                                 self.text_position, self.text_slot)
         return self._device_cache[key]
 
     def head_indices(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,6 +347,7 @@ def head_tiling(
     block: int = 128,
     text_len: int = 0,
     text_position: str = "after",
+    text_slot: bool = False,
 ) -> HeadTiling:
     """A `HeadTiling` from one shape for all heads or one shape per head."""
     if len(tiles) == 3 and _int_triple(tiles) is not None:
@@ -349,4 +356,4 @@ def head_tiling(
         per_head = tuple(tuple(t) for t in tiles)
         if len(per_head) != num_heads:
             raise ValueError(f"tiling names {len(per_head)} tile shapes but the layer has {num_heads} heads.")
-    return HeadTiling(tuple(grid), per_head, block, text_len, text_position)
+    return HeadTiling(tuple(grid), per_head, block, text_len, text_position, text_slot)

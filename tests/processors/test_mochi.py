@@ -276,3 +276,25 @@ def test_distill_capture_keeps_every_item_of_a_guidance_batch():
             with torch.no_grad():
                 tr(**inputs, return_dict=False)
     assert sorted(counted.samples) == [(s, f"default-item{b}") for s in (0, 1) for b in (0, 1)]
+
+
+def test_an_item_without_valid_text_gets_the_same_tiles_observed_or_not():
+    """Review find: with an all-zero text mask (MochiPipeline's empty negative prompt) an observed forward (the
+    distillation capture, attention metrics) served the item with a layout without text, whose partial last video
+    tile was an ordinary sparse tile, while the unobserved forward keeps it global beside the padded text: outputs
+    7e-2 apart at density 0.5, and captures of tiles inference never used."""
+    from videosparse.processors import observe
+
+    t = TestMochiProcessors()
+    tr = t.make_transformer()
+    inputs = dict(t.make_inputs(tr, valid=(0, 6)), timestep=torch.tensor([500.0, 500.0]))
+    cfg = videosparse.VedaConfig(density=0.5, tiling=t.tiling, block=t.block, dense_steps=0)
+    videosparse.apply(tr, cfg)
+    plain = t.run(tr, inputs)
+    records = []
+    with observe(tr, records.append):
+        observed = t.run(tr, inputs)
+    videosparse.remove(tr)
+    assert (observed - plain).abs().max() <= 1e-6 * plain.abs().max()
+    empty = [r for r in records if r.item == 0]
+    assert empty and all(r.text_len == 0 and r.text_slot for r in empty)

@@ -147,7 +147,7 @@ class TileFeatureCapture:
             return
         H = record.q.shape[2]
         layout = head_tiling(record.grid, self.tiles_for_layer(record.layer, H), H, self.block,
-                             record.text_len, record.text_position or "after")
+                             record.text_len, record.text_position or "after", record.text_slot)
         qt, kt = layout.gather(record.q), layout.gather(record.k)
         Mv = layout.num_video_tiles
         qf, kf = trippool_qk(qt, kt, self.block, Mv)

@@ -84,7 +84,7 @@ class AttentionProbe:
             return
         method = self.session.method
         layout = head_tiling(record.grid, method.tile_shapes(layer, H), H, method.block, record.text_len,
-                             record.text_position or "after")
+                             record.text_position or "after", record.text_slot)
         qt, kt, vt = layout.gather(record.q), layout.gather(record.k), layout.gather(record.v)
         dtype = attention_dtype(qt.dtype, qt.device)                # what the processor attends in (autocast)
         qt, kt, vt = qt.to(dtype), kt.to(dtype), vt.to(dtype)

@@ -234,7 +234,7 @@ class SparseAttentionMixin:
         elif session.observers:
             ctx = session.context
             record = AttentionRecord(self.layer, q, k, v, ctx.grid, text_len, session.info.text_position,
-                                     ctx.step, ctx.branch, item, reason)
+                                     ctx.step, ctx.branch, item, reason, ctx.text_slot)
             for observer in session.observers:
                 observer(record)
         stats = self._stats()

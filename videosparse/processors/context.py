@@ -137,6 +137,7 @@ class CallContext:
     grid: tuple[int, int, int] | None = None
     text_len: int | tuple[int, ...] = 0   # text tokens the layouts cover (see `PaddedText`)
     text_valid: torch.Tensor | None = None   # int32 [B]: each item's valid text tokens, when the sparse path masks
+    text_slot: bool = False       # the model's text is padded per item (`PaddedText`): layouts' `text_slot`
     step: int | None = None
     num_steps: int | None = None
     branch: str = "default"
@@ -156,6 +157,8 @@ class AttentionRecord:
     the items have different valid text lengths and are served, and observed, one by one.
     dense_reason: why the processor runs this call dense (a scheduled dense step or layer, a dense config, or an
         input or device no kernel serves, as `stats()` counts it); None when it runs sparse.
+    text_slot: the model pads its text per item, so an item with no valid text still has a text part (the layouts'
+        `text_slot`: build this call's layout with it to get the tiles the processor uses).
     """
 
     layer: int
@@ -169,6 +172,7 @@ class AttentionRecord:
     branch: str
     item: int | None = None
     dense_reason: str | None = None
+    text_slot: bool = False
 
 
 class SparseSession:
@@ -240,7 +244,7 @@ class SparseSession:
         that alternate lengths (the guidance branches) reuse them instead of rebuilding them.
         Runs eagerly from the context hook, outside any compiled graph.
         """
-        key = (grid, text_len, str(device), dtype)
+        key = (grid, text_len, str(device), dtype, self.context.text_slot)
         if key == self._prepared_for:
             return
         info, method = self.info, self.method
@@ -251,9 +255,9 @@ class SparseSession:
         if method is not None:
             lengths = sorted(set(text_len)) if isinstance(text_len, tuple) else [text_len]
             cache = self._layout_cache
-            if self._layout_cache_for != (grid, str(device)):
+            if self._layout_cache_for != (grid, str(device), self.context.text_slot):
                 cache.clear()
-                self._layout_cache_for = (grid, str(device))
+                self._layout_cache_for = (grid, str(device), self.context.text_slot)
             for length in lengths:
                 layouts = cache.pop(length, None) or [self._build_layout(layer, grid, length, device)
                                                       for layer in range(info.num_layers)]
@@ -279,7 +283,7 @@ class SparseSession:
         """The `HeadTiling` of `layer` for `grid` and `text_len` valid text tokens, its index tensors on `device`."""
         info, method = self.info, self.method
         layout = head_tiling(grid, method.tile_shapes(layer, info.num_heads), info.num_heads, method.block, text_len,
-                             info.text_position or "after")
+                             info.text_position or "after", self.context.text_slot)
         layout.warm(device)
         method.on_layout(layer, layout)
         return layout
@@ -436,6 +440,7 @@ class SparseContextHook(ModelHook):
         session, ctx = self.session, self.session.context
         found = self.grid_fn(module, args, kwargs)
         ctx.grid, ctx.text_len, ctx.text_valid = found[0], found[1], None
+        ctx.text_slot = isinstance(ctx.text_len, PaddedText)
         if isinstance(ctx.text_len, PaddedText):
             # sparse and unobserved: every text token in the layout, the padded keys masked by the kernel (one shape
             # and one graph for any prompt); else each item's valid prefix (observers see what attention used)

@@ -154,7 +154,7 @@ def load_tiling(path: str | os.PathLike, block: int | None = None) -> Tiling:
 # ------------------------------------------------------------------------------------- search
 def head_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Sequence[int], shapes: Sequence[TileShape],
                 *, density: float, block: int = 128, text_len: int = 0, text_position: str = "after",
-                backend: str = "auto") -> torch.Tensor:
+                backend: str = "auto", text_slot: bool = False) -> torch.Tensor:
     """Relative output error per head of every shape under its oracle top-k plan.
 
     Args:
@@ -162,7 +162,7 @@ def head_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Sequenc
         grid: (T, H, W) of the video tokens.
         shapes: candidate tile shapes.
         density: target fraction of video key tiles per query tile.
-        block, text_len, text_position: as in `TileLayout`.
+        block, text_len, text_position, text_slot: as in `TileLayout`.
         backend: kernel backend for `block_sparse_attention` and the teacher.
 
     Returns:
@@ -175,7 +175,7 @@ def head_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Sequenc
     lse = dense_lse_torch(qh, kh) if not qh.is_cuda else None                   # shape-independent
     errs = []
     for shape in shapes:
-        layout = TileLayout(tuple(grid), shape, block, text_len, text_position)
+        layout = TileLayout(tuple(grid), shape, block, text_len, text_position, text_slot)
         qt, kt, vt = (layout.gather(x).float().contiguous() for x in (q, k, v))
         perm, _ = layout.indices(q.device)
         heat = teacher_heat(qt, kt, block, lse=None if lse is None else lse[:, :, perm],
@@ -318,7 +318,8 @@ class TilingSearch:
         prev = self.allowed_per_layer.get(layer)
         self.allowed_per_layer[layer] = allowed if prev is None else [s for s in prev if s in allowed] or prev
         e = head_errors(rec.q, rec.k, rec.v, grid, shapes_all, density=self.density, block=self.block,
-                        text_len=text_len, text_position=text_position, backend=self.backend)   # [n_shapes, H]
+                        text_len=text_len, text_position=text_position, backend=self.backend,
+                        text_slot=bool(getattr(rec, "text_slot", False)))                  # [n_shapes, H]
         H = e.shape[1]
         self.heads_seen = H
         mask = torch.tensor([s in allowed for s in shapes_all], device=e.device)
