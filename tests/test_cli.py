@@ -382,3 +382,18 @@ def test_generate_whose_video_fails_still_writes_its_summary(tmp_path, capsys, m
     summary = json.loads(js.read_text())
     assert summary["video"] is None and "No space left on device" in summary["video_error"]
     assert summary["stats"]["transformer"]["sparse_calls"] > 0
+
+
+def test_a_hub_model_that_cannot_be_fetched_names_the_way_out(monkeypatch):
+    import diffusers
+
+    from videosparse.models.loading import load_pipeline
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them in "
+                      "the cached files.")
+
+    monkeypatch.setattr(diffusers.DiffusionPipeline, "from_pretrained", offline)
+    with pytest.raises(OSError, match="download it first .* the models that need no download are 'reference' and "
+                                      "'tiny'"):
+        load_pipeline("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "cpu")

@@ -102,3 +102,15 @@ def test_a_float_scale_traces_under_compile_with_dynamic_floats():
     compiled = torch.compile(attend, dynamic=True, fullgraph=True, backend="aot_eager")
     for scale in (0.2, 0.3):
         assert torch.allclose(compiled(q, k, v, scale), attend(q, k, v, scale), atol=1e-6)
+
+
+def test_the_generic_kernel_on_cpu_without_the_interpreter_names_only_the_interpreter():
+    """Review find: besides the missing interpreter it also called fp32 unsupported, which it is not there."""
+    from videosparse.kernels import triton_generic
+    from videosparse.plan import dense_plan
+
+    if triton_generic.INTERPRETED:
+        pytest.skip("this process runs the Triton interpreter")
+    q = torch.randn(1, 1, 200, 64)
+    why = " ".join(triton_generic.GenericBackend().not_supported_reasons(q, q, q, dense_plan(1, 1, 200, 64, 64)))
+    assert "TRITON_INTERPRET=1" in why and "dtype" not in why, why

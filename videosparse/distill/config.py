@@ -425,6 +425,7 @@ def _cli_bool(text: str) -> bool:
 
 # flag help beyond "default: ..." for fields whose accepted values are not obvious
 _FIELD_HELP = {
+    "model": "hub id or local directory; 'reference' (the shipped model, offline; None means it) or 'tiny'",
     "prompts": """a text file with one prompt per line (blank lines skipped), or a JSON list of prompts: '["a cat", """
                """"a dog"]'; one prompt: '["a cat"]' (a plain string is read as a file path, never as a prompt)""",
     "tiling": "tile shape like 4x4x8 or [4,4,8] with pt*ph*pw = block, or a tiling JSON from `videosparse "

@@ -537,7 +537,7 @@ def model_card(estimator: VedaEstimator, cfg: DistillConfig, metrics: dict[str, 
     model = cfg.model or "reference"
     source = f"`{model}`" + (f" (its `{cfg.component}`)" if cfg.component != "transformer" else "")
     held_out = f", {len(val_files)} of them held out for the evaluation" if val_files else ""
-    length = f"max_steps={cfg.max_steps}" if cfg.max_steps else f"{cfg.epochs} epochs"
+    length = f"max_steps={cfg.max_steps}" if cfg.max_steps else f"{cfg.epochs} epoch{'s' if cfg.epochs != 1 else ''}"
     block_arg = "" if estimator.block == 128 else f", block={estimator.block}"     # VedaConfig's default: 128
     cli_flags = f" --density {cfg.density:g}" + ("" if estimator.block == 128 else f" --block {estimator.block}")
     if cfg.model not in (None, "reference"):                # generate's default model is the reference model

@@ -144,7 +144,11 @@ def run_evaluate(args: argparse.Namespace) -> int:
     settings = EvalSettings(specs, prompts, list(args.seeds), call, attn_steps=args.attn_steps,
                             attn_layers=args.attn_layers, attn_cells=args.attn_cells, warmup=args.warmup, fps=args.fps,
                             lpips=not args.no_lpips)
-    print(f"model: {loaded.name} | {len(specs)} methods x {len(prompts)} prompts x {len(args.seeds)} seeds | "
+    def count(n: int, noun: str) -> str:
+        return f"{n} {noun}" + ("s" if n != 1 else "")
+
+    print(f"model: {loaded.name} | {count(len(specs), 'method')} x {count(len(prompts), 'prompt')} x "
+          f"{count(len(args.seeds), 'seed')} | "
           f"{call.get('num_frames')} frames {call.get('height')}x{call.get('width')}, "
           f"{call['num_inference_steps']} steps | out: {args.out}")
     report = run_evaluation(loaded, settings, args.out, overwrite=args.overwrite, progress=not args.no_progress)

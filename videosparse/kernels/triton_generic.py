@@ -248,7 +248,8 @@ class GenericBackend:
                 why.append("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 set before import)")
         else:
             why.append(f"device {q.device} is not supported")
-        allowed = (torch.float16, torch.bfloat16) + ((torch.float32,) if INTERPRETED else ())
+        # fp32 under the interpreter (CPU tensors, whose missing interpreter is named above)
+        allowed = (torch.float16, torch.bfloat16) + ((torch.float32,) if INTERPRETED or q.device.type == "cpu" else ())
         if q.dtype not in allowed:
             why.append(f"dtype {q.dtype} not in {allowed}")
         if q.shape[-1] not in SUPPORTED_HEAD_DIMS:

@@ -79,7 +79,12 @@ def load_pipeline(model: str | None = None, device: str | None = None, dtype: to
     else:
         from diffusers import DiffusionPipeline
 
-        pipe = DiffusionPipeline.from_pretrained(model, dtype=dtype)
+        try:
+            pipe = DiffusionPipeline.from_pretrained(model, dtype=dtype)
+        except OSError as err:          # not on disk and no hub to fetch it from: diffusers' text, then ours
+            raise OSError(f"{err}\n{model!r} could not be loaded: download it first (`hf download {model}` where "
+                          "there is network, then run with HF_HUB_OFFLINE=1) or pass a local directory; the models "
+                          "that need no download are 'reference' and 'tiny'.") from err
         loaded = LoadedPipeline(pipe, model, pipeline_call_defaults(pipe))
     loaded.pipe.to(device)
     return loaded
