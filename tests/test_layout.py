@@ -126,6 +126,8 @@ def test_grids_and_tiles_must_be_integers_and_numpy_integers_are_taken():
             TileLayout(grid, (1, 4, 4), 16)
     with pytest.raises(ValueError, match=r"tile=\(1.5, 4, 4\) must be three positive ints"):
         TileLayout((2, 4, 4), (1.5, 4, 4), 16)
+    with pytest.raises(ValueError, match=r"tile shape \(1.5, 4, 4\) must be three positive ints"):
+        head_tiling((2, 4, 4), [(1, 4, 4), (1.5, 4, 4)], 2, 16)
 
 
 def test_a_text_slot_makes_the_partial_last_video_tile_global_without_text():

@@ -238,7 +238,11 @@ class HeadTiling:
     _device_cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "tiles", tuple(tuple(int(v) for v in t) for t in self.tiles))
+        tiles = tuple(_int_triple(t) for t in self.tiles)
+        if any(t is None for t in tiles):
+            bad = next(t for t, ok in zip(self.tiles, tiles) if ok is None)
+            raise ValueError(f"tile shape {bad!r} must be three positive ints (pt, ph, pw).")
+        object.__setattr__(self, "tiles", tiles)
         if not self.tiles:
             raise ValueError("tiles must name one tile shape per head; got none.")
 
