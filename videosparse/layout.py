@@ -354,8 +354,9 @@ def head_tiling(
     text_slot: bool = False,
 ) -> HeadTiling:
     """A `HeadTiling` from one shape for all heads or one shape per head."""
-    if len(tiles) == 3 and _int_triple(tiles) is not None:
-        per_head = (_int_triple(tiles),) * num_heads
+    one = _int_triple(tiles) if len(tiles) == 3 else None
+    if one is not None:
+        per_head = (one,) * num_heads
     else:
         per_head = tuple(tuple(t) for t in tiles)
         if len(per_head) != num_heads:

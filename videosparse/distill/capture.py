@@ -315,17 +315,22 @@ def model_info(d: dict[str, Any]) -> ModelInfo:
                      d.get("text_position"))
 
 
-def split_by_prompt(files: Sequence[Path], val_fraction: float, seed: int, *, warn: bool = True
-                    ) -> tuple[list[Path], list[Path]]:
-    """(train, val) split of sample files by prompt (no prompt in both); val empty when val_fraction is 0."""
-    prompts = sorted({p.name.split("_")[0] for p in files})
+def held_out_prompts(prompt_ids: Sequence[str], val_fraction: float, seed: int, *, warn: bool = True) -> set[str]:
+    """The prompt ids ("p00003") held out for validation: the nearest count to val_fraction, at least one when it
+    is above 0, never all of them (a fraction that holds out none warns when `warn`)."""
+    prompts = sorted(set(prompt_ids))
     n_val = max(1, round(val_fraction * len(prompts))) if val_fraction > 0 else 0     # nearest, at least one
     n_val = min(n_val, len(prompts) - 1)
     if val_fraction > 0 and n_val == 0 and warn:
         logger.warning("val_fraction=%s holds out no prompt of %d (training needs one): the evaluation uses the "
                        "training samples", val_fraction, len(prompts))
     rng = random.Random(seed)
-    val_prompts = set(rng.sample(prompts, n_val)) if n_val > 0 else set()
+    return set(rng.sample(prompts, n_val)) if n_val > 0 else set()
+
+
+def split_by_prompt(files: Sequence[Path], val_fraction: float, seed: int) -> tuple[list[Path], list[Path]]:
+    """(train, val) split of sample files by prompt (no prompt in both); val empty when val_fraction is 0."""
+    val_prompts = held_out_prompts([p.name.split("_")[0] for p in files], val_fraction, seed)
     train = [p for p in files if p.name.split("_")[0] not in val_prompts]
     val = [p for p in files if p.name.split("_")[0] in val_prompts]
     return train, val

@@ -36,8 +36,8 @@ from ..veda.losses import tile_kl_loss, tile_recall
 from ..veda.method import mean_pooled_logits
 from ..veda.tiling import load_tiling
 from ..veda.trippool import triton_unavailable
-from .capture import (MODEL_INFO_FILE, capture_key, capture_settings, capture_to_cache, model_info, per_head_shapes,
-                      split_by_prompt)
+from .capture import (MODEL_INFO_FILE, capture_key, capture_settings, capture_to_cache, held_out_prompts, model_info,
+                      per_head_shapes, split_by_prompt)
 from .config import DistillConfig, read_prompts
 
 logger = logging.getLogger(__name__)
@@ -209,11 +209,11 @@ def _captures_differ(cfg: DistillConfig, out: Path, tiles_for_layer, check_model
     info = model_info(json.loads((out / "cache" / MODEL_INFO_FILE).read_text()))
     check_model(info)
     prompts = read_prompts(cfg.prompts)
-    train, _ = split_by_prompt([Path(f"p{i:05d}_s0000_cond.safetensors") for i in range(len(prompts))],
-                               cfg.val_fraction, cfg.seed, warn=False)
+    held_out = held_out_prompts([f"p{i:05d}" for i in range(len(prompts))], cfg.val_fraction, cfg.seed, warn=False)
     heat_dtype = getattr(torch, cfg.cache_dtype)
-    expected = [capture_key(cfg.capture_config(), prompts[int(p.name[1:6])], cfg.block, tiles_for_layer,
-                            info.num_layers, info.num_heads, heat_dtype) for p in train]
+    expected = [capture_key(cfg.capture_config(), prompt, cfg.block, tiles_for_layer, info.num_layers,
+                            info.num_heads, heat_dtype)
+                for i, prompt in enumerate(prompts) if f"p{i:05d}" not in held_out]
     for e, c in zip(expected, captured):
         if "heat_dtype" not in c:                           # a marker of before the heat dtype was recorded
             e.pop("heat_dtype", None)

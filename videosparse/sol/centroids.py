@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from ..layout import tile_lengths
+from ..veda.trippool import interpreting
 
 
 def tile_centroids_torch(k: torch.Tensor, v: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -60,7 +60,7 @@ def _use_triton(x: torch.Tensor, backend: str) -> bool:
     if backend in ("torch", "reference"):
         return False
     reasons = []
-    interpreted = backend == "triton" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interpreted = backend == "triton" and interpreting()
     if not x.is_cuda and not (interpreted and x.device.type == "cpu"):
         reasons.append(f"tensors are on {x.device}, the Triton kernel needs a CUDA device (or CPU tensors under "
                        "TRITON_INTERPRET=1)")
