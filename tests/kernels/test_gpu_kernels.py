@@ -351,3 +351,21 @@ def test_ahead_of_time_compiles_are_the_launched_kernels(kernel):
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     launched = [sass(c.asm["cubin"], tools) for c in fn.device_caches[torch.cuda.current_device()][0].values()]
     assert sass(aot.asm["cubin"], tools) in launched, [len(ops) for ops in launched]
+
+
+@pytest.mark.parametrize("backend", ["gluon_hopper", "hopper", "triton_generic"])
+def test_gpu_kernels_refuse_a_backward_through_out_and_lse(backend):
+    """The GPU kernels have no backward: a loss through their output or their lse raises (naming the reference
+    backend) instead of leaving q, k, v without the gradient."""
+    if backend not in _backends():
+        pytest.skip(f"{backend} needs sm_90")
+    from videosparse.kernels import block_sparse_attention
+
+    q, k, v = (torch.randn(1, 2, 1000, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    plan = random_plan(1, 2, 1000, 128, 128, 0.5, seed=3, device="cuda")
+    out, lse = block_sparse_attention(q, k, v, plan, return_lse=True, backend=backend)
+    assert out.requires_grad and lse.requires_grad
+    for loss in (out.float().sum(), lse.sum()):
+        with pytest.raises(NotImplementedError, match="forward-only"):
+            loss.backward(retain_graph=True)

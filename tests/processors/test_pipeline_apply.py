@@ -442,6 +442,23 @@ def test_an_fp32_model_under_bf16_autocast_runs_sparse_in_bf16(monkeypatch):
     assert (out - stock).norm() / stock.norm() < 2e-2           # bf16 attention on both sides
 
 
+@pytest.mark.gpu
+def test_an_fp32_model_under_cuda_bf16_autocast_runs_the_gpu_kernel():
+    """The CPU test above with the real CUDA probe: an fp32 model under bf16 autocast reaches the fast kernel (not
+    dense with a warning naming fp32), and its output stays close to the stock processors' under the same autocast."""
+    tr = build_tiny_wan_pipeline().transformer.cuda()
+    kw = _tiny_forward_kwargs("cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        stock = tr(**kw).sample.float()
+        session = videosparse.apply(tr, videosparse.VedaConfig(density=1.0, dense_steps=0))["transformer"]
+        out = tr(**kw).sample.float()
+    stats = session.stats()
+    videosparse.remove(tr)
+    assert stats["sparse_calls"] == 2 and stats["dense_calls"] == 0, stats
+    assert stats["kernel_backend"] not in (None, "reference"), stats
+    assert (out - stock).norm() / stock.norm() < 2e-2
+
+
 def test_veda_correction_on_the_reference_backend_keeps_its_centroids_gradients(monkeypatch):
     """Review find: with the correction, Veda computed the tile centroids with the default backend, the Triton
     kernel on CUDA, whose outputs carry no gradient, also under backend='reference' (the backend the forward-only
