@@ -283,7 +283,8 @@ def test_output_paths_seeds_and_method_files_are_checked_before_the_pipeline_loa
     """Review finds: an --out that is a directory was reported written (ffmpeg's error aside, exit 0); a --json
     directory failed after the whole run; a bad --estimator / --tiling file after the model loaded; a seed past torch's
     range gave 'Overflow when unpacking long long'; an existing file as evaluate's --out / distill's output dir, and a
-    search output under a file, failed late with an errno message."""
+    search output under a file, failed late with an errno message; an --image path that is not there or not an
+    image failed only after the load."""
     from videosparse.models import loading
 
     def no_load(*args, **kwargs):
@@ -299,7 +300,9 @@ def test_output_paths_seeds_and_method_files_are_checked_before_the_pipeline_loa
                       (["--json", str(tmp_path)], "is a directory; give a file path"),
                       (["--seed", str(2 ** 70)], "--seed 1180591620717411303424 is out of the range"),
                       (["--estimator", str(tmp_path / "none")], "--estimator"),
-                      (["--tiling", str(bad_json)], f"--tiling {str(bad_json)!r}")):
+                      (["--tiling", str(bad_json)], f"--tiling {str(bad_json)!r}"),
+                      (["--image", str(tmp_path / "none.png")], "could not be read as an image"),
+                      (["--image", str(bad_json)], f"--image {str(bad_json)!r} could not be read")):
         assert main(["generate", *argv]) == 2, argv
         assert msg in capsys.readouterr().err, argv
     assert main(["evaluate", "--out", str(afile)]) == 2

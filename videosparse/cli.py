@@ -171,6 +171,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     check_config_files(config, lambda field: f"--{field}")     # before the pipeline loads
     check_model(args.model)
     check_video_writer()
+    first_frame = _read_image(args.image)                     # a bad path fails here, not after a long load
     loaded = load_pipeline(args.model, args.device, DTYPES.get(args.dtype))
     pipe = loaded.pipe
     pipe.set_progress_bar_config(disable=True)
@@ -184,7 +185,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     if unknown := _unknown_words(pipe, call.get("prompt")):
         logging.getLogger(__name__).warning("the model's tokenizer does not know %s: %s ignores them",
                                             ", ".join(repr(w) for w in unknown), loaded.name)
-    image = _image_input(pipe, args.image)
+    image = _image_input(pipe, first_frame)
     if image is not None:
         call["image"] = image
     steps = call["num_inference_steps"]
@@ -272,9 +273,23 @@ def _check_size(pipe, call: dict) -> None:
                              f"(VAE factor {vae} x patch); e.g. {max(multiple, value // multiple * multiple)}.")
 
 
-def _image_input(pipe, image: str | None):
-    """The first-frame image for an image-to-video pipeline (ValueError when one is needed and missing, or given
-    to a text-to-video pipeline)."""
+def _read_image(image: str | None):
+    """--image read as a PIL image (None when not given); ValueError naming the path when it is not a readable image
+    file or an http(s) URL that gives one."""
+    if image is None:
+        return None
+    from diffusers.utils import load_image
+
+    try:
+        return load_image(image)
+    except (OSError, ValueError) as err:                      # missing file, not an image, URL unreachable
+        raise ValueError(f"--image {image!r} could not be read as an image (a file path or an http(s) URL): "
+                         f"{err}") from None
+
+
+def _image_input(pipe, image):
+    """The first-frame image (PIL, or None) for an image-to-video pipeline (ValueError when one is needed and
+    missing, or given to a text-to-video pipeline)."""
     import inspect
 
     from .models.loading import image_parameter
@@ -284,13 +299,9 @@ def _image_input(pipe, image: str | None):
         if image is not None:
             raise ValueError(f"--image is for image-to-video pipelines; {type(pipe).__name__} takes none.")
         return None
-    if image is None:
-        if param.default is inspect.Parameter.empty:
-            raise ValueError(f"{type(pipe).__name__} is image-to-video: pass --image PATH (the first frame).")
-        return None
-    from diffusers.utils import load_image
-
-    return load_image(image)
+    if image is None and param.default is inspect.Parameter.empty:
+        raise ValueError(f"{type(pipe).__name__} is image-to-video: pass --image PATH (the first frame).")
+    return image
 
 
 def _add_evaluate_parser(sub, common: argparse.ArgumentParser) -> None:
