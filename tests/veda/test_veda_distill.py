@@ -272,6 +272,36 @@ def test_a_capture_that_cannot_start_leaves_nothing_behind(tmp_path):
     assert sorted(p.name for p in mine.iterdir()) == ["prompts.txt"]
 
 
+def test_a_component_the_pipeline_lacks_is_named_before_its_weights_load(tmp_path, monkeypatch):
+    """Review find: `--component transformer2` of a Wan 2.2 model failed only after both experts had loaded; the
+    model's model_index.json names its components without loading anything."""
+    from videosparse.distill import TilingSearchConfig, run_tiling_search
+    from videosparse.models import loading
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the pipeline was loaded before the component was checked")
+
+    monkeypatch.setattr(loading, "load_pipeline", no_load)
+    model = tmp_path / "wan22"
+    model.mkdir()
+    (model / "model_index.json").write_text(json.dumps({
+        "_class_name": "WanPipeline", "_diffusers_version": "0.42.1", "boundary_ratio": 0.875,
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"], "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "T5TokenizerFast"], "transformer": ["diffusers", "WanTransformer3DModel"],
+        "transformer_2": ["diffusers", "WanTransformer3DModel"], "vae": ["diffusers", "AutoencoderKLWan"]}))
+    out = tmp_path / "run"
+    expected = r"component='transformer2': .* no such component .* its transformers: transformer, transformer_2\."
+    with pytest.raises(ValueError, match=expected):
+        run_distillation(make_cfg(out, model=str(model), component="transformer2"))
+    assert not out.exists()
+    with pytest.raises(ValueError, match=expected):
+        run_tiling_search(TilingSearchConfig(model=str(model), component="transformer2",
+                                             output=str(tmp_path / "tiling.json")))
+    with pytest.raises(AssertionError, match="was loaded before"):    # a component it has goes on to the load
+        run_tiling_search(TilingSearchConfig(model=str(model), component="transformer_2",
+                                             output=str(tmp_path / "tiling.json")))
+
+
 def test_distill_config_bool_fields_must_be_bools(tmp_path):
     for bad in ("False", "no", 0, 1, None):
         with pytest.raises(ValueError, match=f"resume={bad!r} must be a bool"):

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..models.loading import check_component
 from ..veda.tiling import TilingSearch, TilingSearchResult
 from .capture import load_capture_pipeline, sample_steps, transformer_info
 from .config import TilingSearchConfig, read_prompts
@@ -85,6 +86,7 @@ def run_tiling_search(cfg: TilingSearchConfig) -> TilingSearchResult:
     """
     read_prompts(cfg.prompts)                               # a bad prompts value fails before the model loads
     _check_writable(Path(cfg.output))                       # and an output that cannot be written, not after the search
+    check_component(cfg.model, cfg.component)               # and a component the pipeline lacks (model_index.json)
     pipe, call_kwargs = load_capture_pipeline(cfg)
     transformer = getattr(pipe, cfg.component, None)
     if not isinstance(transformer, torch.nn.Module):

@@ -31,6 +31,7 @@ from torch import nn
 
 from ..eval.report import from_jsonable, to_jsonable
 from ..method import ModelInfo
+from ..models.loading import check_component
 from ..veda.estimator import VedaEstimator
 from ..veda.losses import tile_kl_loss, tile_recall
 from ..veda.method import mean_pooled_logits
@@ -639,6 +640,7 @@ def run_distillation(cfg: DistillConfig, *, step_callback: Callable[[int, dict[s
     from accelerate.utils import ProjectConfiguration
 
     read_prompts(cfg.prompts)                               # a bad prompts value fails before any work
+    check_component(cfg.model, cfg.component)               # a component the pipeline lacks, before its load
     out = Path(cfg.output_dir)
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision,
                               gradient_accumulation_steps=cfg.gradient_accumulation_steps,

@@ -46,6 +46,27 @@ def image_parameter(pipe):
     return inspect.signature(type(pipe).__call__).parameters.get("image")
 
 
+def check_component(model: str | None, component: str) -> None:
+    """ValueError when `model`'s pipeline has no `component` (e.g. "transformer_2" of a Wan 2.1 model), read from
+    its model_index.json before any weight loads; the embedded models, and a model whose index cannot be read here
+    (the load then says why), are checked after their load instead."""
+    if model in (None, "reference", "tiny"):
+        return
+    from diffusers import DiffusionPipeline
+
+    try:
+        index = DiffusionPipeline.load_config(model)
+    except (OSError, ValueError):
+        return
+    present = {name: spec for name, spec in index.items() if not name.startswith("_") and isinstance(spec, list)
+               and len(spec) == 2 and spec[1] is not None}
+    if component not in present:
+        transformers = sorted(name for name, spec in present.items() if "Transformer" in str(spec[1]))
+        raise ValueError(f"component={component!r}: {model!r} has no such component (its model_index.json lists "
+                         f"{', '.join(sorted(present)) or 'none'}); its transformers: "
+                         f"{', '.join(transformers) or 'none'}.")
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
