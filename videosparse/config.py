@@ -228,7 +228,9 @@ class VedaConfig(_BaseConfig):
             first 20% dense lifted PSNR vs dense from 21.4 to 24.7 dB on the reference model at
             density 0.1 (the usual schedule of Sol-Attn and Radial Attention). Pass 0 for all-sparse.
             Steps are the scheduler's: a second-order scheduler such as FlowMatchHeun counts each of its
-            model evaluations (its `timesteps`), so an int there counts evaluations.
+            model evaluations (its `timesteps`), so an int there counts evaluations; a call that starts
+            part-way into its schedule (video-to-video with `strength` < 1) runs dense only the dense steps
+            it reaches.
         dense_layers (`tuple[int, ...]`): self-attention layers always run dense.
         correction (`bool`, defaults to False): add Sol's zero-order correction for skipped tiles.
         backend (`str`, defaults to "auto"): kernel backend: "auto", "triton", "reference", or one kernel

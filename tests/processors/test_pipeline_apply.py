@@ -363,6 +363,58 @@ def test_a_pipeline_sharing_the_transformer_counts_its_own_steps(monkeypatch):
     videosparse.remove(pipe2)
 
 
+def test_a_sharing_pipelines_steps_after_calls_that_ended_early(monkeypatch):
+    """Review finds (a service: requests that die mid-way): the step counter of a `from_pipe` pipeline with its own
+    scheduler was reset only when a call ended normally, so the call after one that raised skipped its dense steps;
+    it restarts now when the timestep rises. A call of the applied pipeline that died left its scheduler's counter
+    mid-schedule, and every later call of the other pipeline read that stale step (all dense here): from the end of
+    the next call on, that counter is known stale (only that first call reads it, as the README says)."""
+    import types
+
+    import diffusers.pipelines.wan.pipeline_wan_video2video as v2v
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanVideoToVideoPipeline
+    from PIL import Image
+
+    monkeypatch.setattr(v2v, "ftfy", types.SimpleNamespace(fix_text=lambda text: text), raising=False)
+    call = dict(prompt="a red circle", height=64, width=96, output_type="latent", max_sequence_length=16,
+                guidance_scale=1.0, num_inference_steps=5, num_frames=5)
+    video = [Image.fromarray((np.random.RandomState(i).rand(64, 96, 3) * 255).astype("uint8")) for i in range(5)]
+    pipe = build_tiny_wan_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    session = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64,
+                                                             dense_steps=2))["transformer"]
+    other = WanVideoToVideoPipeline.from_pipe(pipe, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+    other.set_progress_bar_config(disable=True)
+    call2 = {k: v for k, v in call.items() if k != "num_frames"}
+
+    def dies_at(step):
+        def callback(pipeline, i, t, kwargs):
+            if i == step:
+                raise RuntimeError("client went away")
+            return kwargs
+        return callback
+
+    def dense_and_sparse_forwards(run):
+        session.reset_stats()
+        run()
+        layer = session.stats()["layers"][0]
+        return layer["dense_calls"], layer["sparse_calls"]
+
+    def run_other():
+        other(video=video, strength=1.0, **call2, generator=torch.Generator().manual_seed(0))
+
+    assert dense_and_sparse_forwards(run_other) == (2, 3)
+    with pytest.raises(RuntimeError, match="client went away"):
+        other(video=video, strength=1.0, **call2, callback_on_step_end=dies_at(2))
+    assert dense_and_sparse_forwards(run_other) == (2, 3)          # was (0, 5): the count went on from step 3
+    with pytest.raises(RuntimeError, match="client went away"):
+        pipe(**call, callback_on_step_end=dies_at(0))
+    assert dense_and_sparse_forwards(run_other) == (5, 0)          # the stale step 1 (documented)
+    assert dense_and_sparse_forwards(run_other) == (2, 3)          # was (5, 0) until the applied pipeline ran
+    assert dense_and_sparse_forwards(lambda: pipe(**call)) == (2, 3)
+    videosparse.remove(pipe)
+
+
 def test_a_forward_under_inference_mode_leaves_later_backward_working():
     """The layouts' index tensors made under inference_mode were cached as inference tensors, and a later forward on
     the same grid that records autograd failed ("Inference tensors cannot be saved for backward"; review find)."""

@@ -412,6 +412,9 @@ class SparseContextHook(ModelHook):
         self._warned_all_dense = False
         self._last_timestep: float | None = None    # `_count_steps`: this pipeline call's latest timestep
         self._counted_steps = 0
+        # (scheduler, its timesteps, step_index) as weak references and a value, recorded when a pipeline call ended
+        # while the applied pipeline's scheduler was mid-schedule: a counter its aborted call left (`_other_driver`)
+        self._stale_counter: tuple | None = None
 
     def initialize_hook(self, module):
         self._timestep_position = parameter_position(type(module).forward, "timestep", default=1)
@@ -533,14 +536,20 @@ class SparseContextHook(ModelHook):
     def _other_driver(self, scheduler, timesteps, counted) -> bool:
         """Whether another pipeline than the one given to `apply` drives this call (one made with `from_pipe`, sharing
         the transformer with its own scheduler): the given pipeline is gone, or its scheduler has no schedule, was
-        never set for a call (its table is then the training schedule) or has finished its own call (a driving
-        scheduler is reset by `set_timesteps` before the first forward). Its counter left behind by a call that ended
-        early (an exception, or `_interrupt`) cannot be told from a live one without reading the timestep from the
-        device on every forward: such a counter is read until the given pipeline runs again."""
+        never set for a call (its table is then the training schedule), has finished its own call (a driving
+        scheduler is reset by `set_timesteps` before the first forward) or holds the counter it held when a pipeline
+        call last ended (`reset_state`): no call of it was running then, so that counter was left by one that ended
+        early (an exception, or `_interrupt`). Such a counter cannot be told from a live one without reading the
+        timestep from the device on every forward before a call ends: the first call of another pipeline after it
+        reads it."""
         if not self.session.made_by_apply:
             return False                     # `processors(...)` on a bare transformer: the scheduler given, or none
         if scheduler is None or timesteps is None or not len(timesteps):
             return True
+        if self._stale_counter is not None:
+            scheduler_ref, timesteps_ref, stale = self._stale_counter
+            if scheduler_ref() is scheduler and timesteps_ref() is timesteps and stale == counted:
+                return True
         if counted is None:
             # the video schedulers set `num_inference_steps` in `set_timesteps` (FlowMatchEuler, UniPC, DPM-Solver:
             # None or absent before; Heun-like ones that preset it are taken as set, as before)
@@ -549,9 +558,12 @@ class SparseContextHook(ModelHook):
 
     def _count_steps(self, t) -> int:
         """Step index by counting the distinct timesteps of this pipeline call (two forwards of a step, the guidance
-        branches, share one); reset at the end of the call (`reset_state`; a call that ends early by an exception
-        skips it, and the next call goes on counting)."""
+        branches, share one); reset at the end of the call (`reset_state`), and when the timestep rises, which
+        within one denoising loop it never does: a new call after one that ended early by an exception, or after a
+        forward outside any call (a warm-up)."""
         value = float(torch.as_tensor(t).detach().flatten().max())
+        if self._last_timestep is not None and value > self._last_timestep:
+            self._counted_steps = 0
         if value != self._last_timestep:
             self._last_timestep = value
             self._counted_steps += 1
@@ -563,6 +575,12 @@ class SparseContextHook(ModelHook):
             logger.info(self.session.summary())
         self.state_manager.reset()
         self._last_timestep, self._counted_steps = None, 0
+        self._stale_counter = None
+        scheduler = self.session.scheduler if self.session.made_by_apply else None
+        timesteps = getattr(scheduler, "timesteps", None)
+        counted = getattr(scheduler, "step_index", None)
+        if isinstance(counted, int) and torch.is_tensor(timesteps) and 0 <= counted < len(timesteps):
+            self._stale_counter = (weakref.ref(scheduler), weakref.ref(timesteps), counted)
         return module
 
 
