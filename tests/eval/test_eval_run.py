@@ -55,7 +55,7 @@ def test_every_artifact_is_written(evaluated):
     md = open(os.path.join(out, "report.md")).read()
     for label in METHODS:
         assert f"`{label}`" in md
-    assert "Amdahl bound" in md and "LPIPS" in md
+    assert "Amdahl est." in md and "LPIPS" in md and "pooled PSNR" in md
 
 
 def test_report_json_holds_every_number(evaluated):
@@ -205,6 +205,28 @@ def test_summary_psnr_counts_identical_cells_apart_and_keeps_nan():
     psnr, equal = summary_psnr([math.nan, 30.0])                          # a broken output is never "equal"
     assert math.isnan(psnr) and equal == 0
     assert summary_psnr([]) == (None, 0)
+
+
+def test_pooled_psnr_and_the_notes_on_misleading_psnrs():
+    """Review finds: a cell differing from dense in a few pixels (97.6 dB on saturated frames) pulled a method's mean
+    PSNR to 56 dB where its other cells read 22-24 dB; a NaN video read "–", as a metric not measured."""
+    from videosparse.eval.command import _f
+    from videosparse.eval.evaluate import pooled_psnr, psnr_notes
+    from videosparse.eval.report import _fmt
+
+    assert pooled_psnr([20.0, 20.0]) == pytest.approx(20.0)
+    assert pooled_psnr([20.0, math.inf]) == pytest.approx(20.0 + 10 * math.log10(2))     # MSE halved
+    assert pooled_psnr([22.2, 23.7, 82.0, 97.6]) == pytest.approx(25.9, abs=0.05)
+    assert pooled_psnr([math.inf]) == math.inf and pooled_psnr([]) is None and math.isnan(pooled_psnr([math.nan, 3]))
+    cells = {f"c{i}": {"method": "veda@0.25", "psnr_db": v} for i, v in enumerate((22.2, 23.7, 82.0, 97.6))}
+    cells["d"] = {"method": "sol@0.25", "psnr_db": math.nan}
+    summary = {"veda@0.25": {"psnr_db": 56.4, "psnr_db_pooled": 25.9}, "sol@0.25": {"psnr_db": math.nan,
+                                                                                   "psnr_db_pooled": math.nan}}
+    notes = psnr_notes(summary, cells)
+    assert len(notes) == 2 and "NaN in the video of sol@0.25 (1 cells)" in notes[0]
+    assert "pulled up by cells nearly identical" in notes[1] and "97.6 dB" in notes[1] and "25.90 dB" in notes[1]
+    assert psnr_notes({"veda@0.25": {"psnr_db": 24.0, "psnr_db_pooled": 23.5}}, {}) == []
+    assert _fmt(math.nan) == "NaN" and _fmt(None) == "–" and _f(math.nan).strip() == "NaN"
 
 
 def test_warm_up_runs_the_fewest_steps_that_reach_the_sparse_path(loaded, monkeypatch):

@@ -153,19 +153,23 @@ def run_evaluate(args: argparse.Namespace) -> int:
           f"{call['num_inference_steps']} steps | out: {args.out}")
     report = run_evaluation(loaded, settings, args.out, overwrite=args.overwrite, progress=not args.no_progress)
     print(f"cells computed {report['run_stats']['computed']}, skipped {report['run_stats']['skipped']}")
-    print(f"{'method':<36} {'density':>8} {'PSNR dB':>8} {'SSIM':>7} {'attn err':>9} {'recall':>7} "
-          f"{'speedup':>8} {'bound':>7}  kernel")
+    print(f"{'method':<36} {'density':>8} {'PSNR dB':>8} {'pooled':>7} {'SSIM':>7} {'attn err':>9} {'recall':>7} "
+          f"{'speedup':>8} {'Amdahl':>7}  kernel")
     for label, s in report["summary"].items():
-        print(f"{label:<36} {_f(s['realised_density'])} {_f(s['psnr_db'], 8, 2)} {_f(s['ssim'], 7, 4)} "
+        equal = f" ({s['cells_equal_to_dense']} equal to dense)" if s.get("cells_equal_to_dense") else ""
+        print(f"{label:<36} {_f(s['realised_density'])} {_f(s['psnr_db'], 8, 2)} {_f(s.get('psnr_db_pooled'), 7, 2)} "
+              f"{_f(s['ssim'], 7, 4)} "
               f"{_f(s['attn_rel_l2_common'], 9, 4)} {_f(s['tile_recall_common'], 7)} "
               f"{_f(s['speedup_transformer'], 7, 2)}x "
-              f"{_f(s['amdahl_bound'], 6, 2)}x  {', '.join(s.get('kernels') or []) or '-'}")
+              f"{_f(s['amdahl_bound'], 6, 2)}x  {', '.join(s.get('kernels') or []) or '-'}{equal}")
     return _print_notes(report, args.out)
 
 
 def _f(value, width: int = 8, digits: int = 3) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    if value is None:
         return "–".rjust(width)
+    if isinstance(value, float) and math.isnan(value):
+        return "NaN".rjust(width)              # a broken output, not a value left out
     return f"{value:>{width}.{digits}f}"
 
 
@@ -196,6 +200,6 @@ def _run_synthetic(args: argparse.Namespace) -> int:
             # compiled sparse rows have no attention/plan time (the graph hides the processors): "-"
             print(f"  {label:<28} density {_f(r['realised_density'], 6)}  forward {r['forward_s']:.3f} s  "
                   f"attention {_f(r['attention_s'], 3)} s (plan {_f(r['plan_s'], 3)})  speedup {r['speedup']:.2f}x  "
-                  f"Amdahl bound {r['amdahl_bound']:.2f}x  sparse/dense calls {r['sparse_calls']}/{r['dense_calls']}"
+                  f"Amdahl est. {r['amdahl_bound']:.2f}x  sparse/dense calls {r['sparse_calls']}/{r['dense_calls']}"
                   + (f"  kernel {r['kernel_backend']}" if r.get("kernel_backend") else ""))
     return _print_notes(report, args.out)

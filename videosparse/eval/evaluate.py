@@ -26,7 +26,7 @@ What one run does, cell by cell (a cell is one method, one prompt, one seed):
    recall vs the oracle, attention mass kept.
 3. **Outputs.** `report.json` (every number, versions, device, shapes, configs; saved after every
    cell), `report.md`, `plots/` (quality vs density, per-layer error heatmap, speedup vs density
-   with the Amdahl bound), `videos/` (one side-by-side mp4 per prompt: dense | method | ...).
+   with the Amdahl estimate), `videos/` (one side-by-side mp4 per prompt: dense | method | ...).
 
 A rerun with the same model and call settings skips every cell already in report.json (new
 methods, prompts or seeds are added); other settings raise unless `overwrite=True`.
@@ -188,6 +188,18 @@ def _probing(pipe, probes: dict, steps, layers) -> Iterator[None]:
             session.observers.remove(probe)
 
 
+def pooled_psnr(psnrs: list[float]) -> float | None:
+    """PSNR of the MSE pooled over cells of equal size (each cell's MSE is 10^(-PSNR/10) for data range 1): cells
+    identical to dense enter with MSE 0, so unlike the mean of the cells' dB it moves continuously, and one cell
+    that differs from dense in a few pixels (80+ dB) cannot dominate it. NaN when a cell is NaN; None for none."""
+    if not psnrs:
+        return None
+    if any(math.isnan(v) for v in psnrs):
+        return math.nan
+    mse = float(np.mean([10.0 ** (-v / 10.0) for v in psnrs]))
+    return math.inf if mse == 0.0 else -10.0 * math.log10(mse)
+
+
 def summary_psnr(psnrs: list[float], is_dense: bool = False) -> tuple[float | None, int]:
     """(mean PSNR over a method's cells, cells identical to dense). Cells equal to dense (inf dB) are counted
     apart, not averaged in (one would make the mean inf); a NaN cell (a broken output) makes the mean NaN."""
@@ -196,6 +208,29 @@ def summary_psnr(psnrs: list[float], is_dense: bool = False) -> tuple[float | No
     finite = [v for v in psnrs if math.isfinite(v)]
     equal = 0 if is_dense else sum(v == math.inf for v in psnrs)
     return (float(np.mean(finite)) if finite else (math.inf if psnrs else None)), equal
+
+
+def psnr_notes(summary: dict[str, dict], cells: dict[str, dict]) -> list[str]:
+    """Report notes on PSNRs a reader could misread: cells whose video has NaN pixels (a broken output, not a
+    metric left out), and a mean over cells pulled more than 3 dB above the pooled PSNR by near-identical cells."""
+    psnrs: dict[str, list[float]] = {label: [] for label in summary}
+    for cell in cells.values():
+        if cell.get("method") in psnrs and isinstance(cell.get("psnr_db"), float):
+            psnrs[cell["method"]].append(cell["psnr_db"])
+    notes = []
+    broken = {label: sum(math.isnan(v) for v in values) for label, values in psnrs.items()}
+    if any(broken.values()):
+        notes.append("NaN in the video of " + ", ".join(f"{label} ({n} cells)" for label, n in broken.items() if n)
+                     + ": its PSNR and SSIM are NaN (a broken output, not a metric left out).")
+    for label, row in summary.items():
+        mean, pooled = row.get("psnr_db"), row.get("psnr_db_pooled")
+        if mean is None or pooled is None or not (math.isfinite(mean) and math.isfinite(pooled)) or mean - pooled <= 3:
+            continue
+        highest = max(v for v in psnrs[label] if math.isfinite(v))
+        notes.append(f"{label}: its mean PSNR over cells ({mean:.2f} dB) is pulled up by cells nearly identical to "
+                     f"dense (up to {highest:.1f} dB, e.g. saturated frames); the pooled PSNR, {pooled:.2f} dB, is "
+                     "the robust figure.")
+    return notes
 
 
 def _mean_of(entries: list[dict], key: str) -> float | None:
@@ -431,7 +466,7 @@ class Evaluation:
 
     # ---------------------------------------------------------------- summary and artifacts
     def summarize(self) -> dict[str, dict]:
-        """label -> per-method means (quality) and medians (time), speedups and Amdahl bounds."""
+        """label -> per-method means (quality) and medians (time), speedups and Amdahl estimates."""
         s = self.settings
         cells, attention = self.report["cells"], self.report["attention"]
         keys = [(p, seed) for p in range(len(s.prompts)) for seed in s.seeds]
@@ -446,8 +481,8 @@ class Evaluation:
             def mean(key, rows=mine):
                 return _mean_of(rows, key)
 
-            psnr_db, equal = summary_psnr([r["psnr_db"] for r in mine if r.get("psnr_db") is not None],
-                                          spec.is_dense)
+            psnrs = [r["psnr_db"] for r in mine if r.get("psnr_db") is not None]
+            psnr_db, equal = summary_psnr(psnrs, spec.is_dense)
 
             def median(key):
                 vals = [r[key] for r in mine if r.get(key) is not None]
@@ -459,11 +494,12 @@ class Evaluation:
                     layer_density.setdefault(comp, []).append(dens)
             summary[spec.label] = {
                 "method": spec.method, "family": spec.family, "config": spec.config.to_dict(), "cells": len(mine),
-                "nominal_density": spec.density, "realised_density": mean("realised_density") if not spec.is_dense else 1.0,
+                "nominal_density": None if math.isnan(spec.density) else spec.density,     # Sol by tau: none
+                "realised_density": mean("realised_density") if not spec.is_dense else 1.0,
                 "attention_work": mean("attention_work"),
                 "layer_density": {c: [None if any(v is None for v in col) else float(np.mean(col))
                                       for col in zip(*rows)] for c, rows in layer_density.items()},
-                "psnr_db": psnr_db, "cells_equal_to_dense": equal,
+                "psnr_db": psnr_db, "cells_equal_to_dense": equal, "psnr_db_pooled": pooled_psnr(psnrs),
                 "ssim": mean("ssim"), "lpips": mean("lpips"),
                 "attn_rel_l2": mean("rel_l2", probes), "tile_recall": mean("recall", probes),
                 "mass_kept": mean("mass_kept", probes), "oracle_mass_kept": mean("oracle_mass_kept", probes),
@@ -566,6 +602,7 @@ class Evaluation:
                             for layer in comp.get("layers", {}).values() for reason in layer.get("fallbacks", [])})
         if fallbacks:
             notes.append("Some calls fell back to dense attention: " + "; ".join(fallbacks))
+        notes += psnr_notes(summary, self.report["cells"])
         videos, video_error = self.write_videos()
         if video_error:
             notes.append(f"Side-by-side videos not written ({video_error}); the frames are in frames/*.npy.")
@@ -599,7 +636,7 @@ def run_evaluation(loaded, settings: EvalSettings, out_dir: str, *, overwrite: b
 
     Returns:
         The report (as written to report.json, with non-finite floats as floats); its `summary` maps
-        each method label to its means, medians, speedups and Amdahl bounds, and `run_stats` says how
+        each method label to its means, medians, speedups and Amdahl estimates, and `run_stats` says how
         many cells were computed and skipped.
     """
     loaded.pipe.set_progress_bar_config(disable=True)

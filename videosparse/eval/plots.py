@@ -3,7 +3,7 @@
 * `plot_quality_vs_density`: PSNR and SSIM vs realised density, one line per method family.
 * `plot_error_heatmap`: relative L2 error of the attention output vs dense, layer x sampled step,
   one panel per method.
-* `plot_speedup_vs_density`: speedup vs density per method family, with the Amdahl bound
+* `plot_speedup_vs_density`: speedup vs density per method family, with the Amdahl estimate
   1 / ((1 - f) + f * d) for the measured dense attention share f, and its limit 1 / (1 - f).
 """
 
@@ -124,7 +124,7 @@ def plot_error_heatmap(attention: dict, path: str) -> str:
 
 def plot_speedup_vs_density(points: dict, attention_share: float | None, path: str, title: str = "",
                             y_key: str = "speedup_transformer", x_key: str = "attention_work") -> str:
-    """Achieved speedup vs density per method family, with the Amdahl bound of the dense attention share.
+    """Achieved speedup vs density per method family, with the Amdahl estimate of the dense attention share.
 
     Args:
         points: label -> dict with family, method, `x_key` (density or attention work) and `y_key` (speedup).
@@ -140,7 +140,7 @@ def plot_speedup_vs_density(points: dict, attention_share: float | None, path: s
     if _finite(attention_share):
         f = min(max(float(attention_share), 0.0), 0.999)
         d = np.linspace(0.01, 1.0, 200)
-        ax.plot(d, 1.0 / ((1 - f) + f * d), "k--", lw=1, label=f"Amdahl bound, attention share {100 * f:.0f}%")
+        ax.plot(d, 1.0 / ((1 - f) + f * d), "k--", lw=1, label=f"Amdahl estimate, attention share {100 * f:.0f}%")
         ax.axhline(1.0 / (1 - f), color="gray", ls=":", lw=1, label=f"attention free: {1 / (1 - f):.2f}x")
     ax.axhline(1.0, color="gray", lw=0.5)
     ax.set_xlabel("attention work (fraction of dense, = realised density when no dense steps)")

@@ -4,7 +4,7 @@ The speed half of the story for models whose weights cannot be loaded here: the 
 from the published architecture (no download), in bf16 on the GPU, and one forward at the model's
 default resolution is timed dense vs each method (the same `videosparse.apply` path a user takes,
 mask building included). Attention and plan time come from `timing.AttentionTimer` (compiled: the dense
-forward's SDPA calls in a profiled forward, `timing.profile_sdpa`), so the Amdahl bound of the measured dense
+forward's SDPA calls in a profiled forward, `timing.profile_sdpa`), so the Amdahl estimate of the measured dense
 attention share is printed beside the achieved speedup.
 
 Random weights give near-uniform attention, so which tiles are chosen says nothing about quality;
@@ -1080,7 +1080,7 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
 
 
 def summarize_synthetic(result: SyntheticResult, dtype: torch.dtype, warmup: int, repeats: int) -> dict:
-    """The report section of one model: per-method rows with speedups and Amdahl bounds."""
+    """The report section of one model: per-method rows with speedups and Amdahl estimates."""
     methods = result.methods
     dense = next(iter(methods.values()))
     f = min(dense["attention_s"] / dense["forward_s"], 0.999999) if dense["forward_s"] else None

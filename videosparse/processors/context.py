@@ -11,6 +11,8 @@ calls per branch.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import inspect
 import logging
@@ -325,6 +327,32 @@ class SparseSession:
             slot.stats = LayerStats(slot.stats.counts.device)
         self.calls = 0
 
+    def snapshot(self) -> tuple:
+        """What the processors read of the current forward (its context, every layer's layouts, the kernel
+        problem), for `recomputing` it later."""
+        return copy.copy(self.context), [slot.layouts for slot in self.slots], self.kernel_problem
+
+    @contextlib.contextmanager
+    def recomputing(self, snapshot: tuple):
+        """Within: the processors see the forward of `snapshot` again (gradient checkpointing's recompute in
+        backward, after other forwards may have changed the session), without counting its calls twice or
+        showing them to observers; everything is put back on exit."""
+        live = self.context, [slot.layouts for slot in self.slots], self.kernel_problem
+        counters, observers = [slot.stats for slot in self.slots], self.observers
+        self.context, layouts, self.kernel_problem = snapshot
+        for slot, kept in zip(self.slots, layouts):
+            slot.layouts = kept
+            scratch = LayerStats(slot.stats.counts.device)
+            scratch.fallbacks = slot.stats.fallbacks        # a warning given once is not given again
+            slot.stats = scratch
+        self.observers = []
+        try:
+            yield
+        finally:
+            self.context, self.kernel_problem, self.observers = live[0], live[2], observers
+            for slot, kept, stats in zip(self.slots, live[1], counters):
+                slot.layouts, slot.stats = kept, stats
+
     def __repr__(self) -> str:
         return f"SparseSession({self.config!r})"
 
@@ -391,6 +419,39 @@ def valid_text_length(valid: torch.Tensor | None, total: int) -> int | PaddedTex
     return PaddedText(total, valid.to(torch.int32))
 
 
+class _RecomputeWithContext:
+    """Stands in for the block that diffusers' gradient checkpointing function runs (`func(block, *args)`): the first
+    run is the forward; every later one is the recompute in backward, which then sees the session as that forward
+    saw it (another forward in between, such as a no-grad teacher pass or a second micro-batch, would otherwise
+    give it its grid, text lengths and layouts: wrong gradients). Other attributes are the block's."""
+
+    def __init__(self, block, session: SparseSession) -> None:
+        self._block, self._session = block, session
+        self._snapshot = session.snapshot()
+        self._ran = False
+
+    def __call__(self, *args, **kwargs):
+        if not self._ran:
+            self._ran = True
+            return self._block(*args, **kwargs)
+        with self._session.recomputing(self._snapshot):
+            return self._block(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._block, name)
+
+
+class _CheckpointingWithContext:
+    """A module's `_gradient_checkpointing_func` wrapped so that its blocks recompute with their forward's session
+    state (`_RecomputeWithContext`); `inner` is the function it wraps, put back by `remove`."""
+
+    def __init__(self, inner, session: SparseSession) -> None:
+        self.inner, self.session = inner, session
+
+    def __call__(self, block, *args, **kwargs):
+        return self.inner(_RecomputeWithContext(block, self.session), *args, **kwargs)
+
+
 class SparseContextHook(ModelHook):
     """Records grid, step index and branch of every transformer forward into the session.
 
@@ -410,6 +471,7 @@ class SparseContextHook(ModelHook):
         self._timestep_position = 1          # set from the model's forward signature on the first call
         self._warned_unknown_steps = False
         self._warned_all_dense = False
+        self._checkpointing: list[torch.nn.Module] = []     # set in `initialize_hook`
         self._last_timestep: float | None = None    # `_count_steps`: this pipeline call's latest timestep
         self._counted_steps = 0
         # (scheduler, its timesteps, step_index) as weak references and a value, recorded when a pipeline call ended
@@ -419,7 +481,24 @@ class SparseContextHook(ModelHook):
     def initialize_hook(self, module):
         self._timestep_position = parameter_position(type(module).forward, "timestep", default=1)
         self._module = weakref.ref(module)
+        # the modules diffusers' `enable_gradient_checkpointing` gives a checkpointing function (the transformer)
+        self._checkpointing = [m for m in module.modules() if hasattr(m, "gradient_checkpointing")]
         return module
+
+    def deinitalize_hook(self, module):
+        for owner in self._checkpointing:                    # the checkpointing functions as they were
+            func = owner.__dict__.get("_gradient_checkpointing_func")
+            if isinstance(func, _CheckpointingWithContext):
+                owner._gradient_checkpointing_func = func.inner
+        return module
+
+    def _wrap_checkpointing(self) -> None:
+        """Wrap the checkpointing function of every module that checkpoints (enabled before or after `apply`)."""
+        for owner in self._checkpointing:
+            func = owner.__dict__.get("_gradient_checkpointing_func")
+            if getattr(owner, "gradient_checkpointing", False) and callable(func) and \
+                    not isinstance(func, _CheckpointingWithContext):
+                owner._gradient_checkpointing_func = _CheckpointingWithContext(func, self.session)
 
     def pre_forward(self, module, *args, **kwargs):
         self._update(module, args, kwargs)
@@ -440,6 +519,8 @@ class SparseContextHook(ModelHook):
                 "diffusers' hooks do not survive deepcopy, so its forward would run the original's weights. Call "
                 "videosparse.remove(...) on the original before copying it, then videosparse.apply(...) to each."
             )
+        if torch.is_grad_enabled() and self._checkpointing:
+            self._wrap_checkpointing()
         session, ctx = self.session, self.session.context
         found = self.grid_fn(module, args, kwargs)
         ctx.grid, ctx.text_len, ctx.text_valid = found[0], found[1], None
