@@ -127,7 +127,8 @@ def test_step_from_the_schedulers_counter_with_bf16_timesteps():
         x = torch.zeros(1, 4)
         seen = []
         for t in scheduler.timesteps:
-            seen.append(hook._step(CacheContext("cond"), (), {"timestep": t.expand(1).to(torch.bfloat16)}))
+            with torch.no_grad():                          # as pipelines sample
+                seen.append(hook._step(CacheContext("cond"), (), {"timestep": t.expand(1).to(torch.bfloat16)}))
             x = scheduler.step(torch.zeros_like(x), t, x).prev_sample
         assert seen == [(i, 50) for i in range(50)]
     assert len(set(scheduler.timesteps[:5].to(torch.bfloat16).tolist())) < 5       # what the counter is for
@@ -149,7 +150,8 @@ def test_first_step_when_the_timestep_is_not_on_the_schedule():
     hook = SparseContextHook(SimpleNamespace(scheduler=scheduler, made_by_apply=False), grid_fn=None)
 
     def step_of(t):
-        return hook._step(CacheContext("cond"), (), {"timestep": torch.tensor([t])})[0]
+        with torch.no_grad():                              # as pipelines sample
+            return hook._step(CacheContext("cond"), (), {"timestep": torch.tensor([t])})[0]
 
     scheduler.set_timesteps(10)
     x = torch.zeros(1, 4)
@@ -453,6 +455,35 @@ def test_gradient_checkpointing_recomputes_each_block_with_its_forwards_context(
         assert len(got) == len(expected)
         assert all(torch.equal(g, e) for g, e in zip(got, expected)), teacher_step
         assert stats["layers"][0]["sparse_calls"] == 1 + (teacher_step == 1), (teacher_step, stats["layers"][0])
+
+
+def test_training_forwards_run_sparse_and_leave_the_pipelines_step_count_alone(caplog):
+    """Review find (fine-tuning): forwards of the applied pipeline's transformer in a training loop were counted as
+    denoising steps: with dense_steps=2 the first two training steps ran dense, then all sparse, and two dense again
+    after each validation call of the pipeline; with the bare-transformer form the timestep was placed on the
+    scheduler's last schedule. A forward that records gradients has no step: sparse, with one warning."""
+    pipe = build_tiny_wan_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    tr = pipe.transformer.train()
+    session = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64,
+                                                             dense_steps=2, backend="reference"))["transformer"]
+    kw = _tiny_forward_kwargs()
+
+    def train_steps(timesteps):
+        session.reset_stats()
+        for t in timesteps:
+            tr(**dict(kw, timestep=torch.tensor([t]))).sample.square().mean().backward()
+        layer = session.stats()["layers"][0]
+        return layer["dense_calls"], layer["sparse_calls"]
+
+    with caplog.at_level("WARNING", logger="videosparse"):
+        assert train_steps([900, 300, 700, 100]) == (0, 4)
+        session.reset_stats()
+        pipe(**dict(KW, num_inference_steps=4), generator=torch.Generator().manual_seed(0))
+        assert session.stats()["layers"][0]["dense_calls"] == 2 * 2            # two steps x two branches
+        assert train_steps([950, 20]) == (0, 2)
+    assert caplog.text.count("applies to denoising loops") == 1
+    videosparse.remove(pipe)
 
 
 def test_a_forward_under_inference_mode_leaves_later_backward_working():

@@ -471,6 +471,7 @@ class SparseContextHook(ModelHook):
         self._timestep_position = 1          # set from the model's forward signature on the first call
         self._warned_unknown_steps = False
         self._warned_all_dense = False
+        self._warned_training = False
         self._checkpointing: list[torch.nn.Module] = []     # set in `initialize_hook`
         self._last_timestep: float | None = None    # `_count_steps`: this pipeline call's latest timestep
         self._counted_steps = 0
@@ -550,7 +551,15 @@ class SparseContextHook(ModelHook):
                 ctx.num_steps, ctx.num_steps)
         unknown_count = ctx.num_steps is None and isinstance(dense_steps, float) and dense_steps > 0
         unknown_step = ctx.step is None and dense_steps and session.method is not None
-        if (unknown_count or unknown_step) and not self._warned_unknown_steps:
+        if ctx.step is None and torch.is_grad_enabled() and (unknown_count or unknown_step):
+            if not self._warned_training:
+                self._warned_training = True
+                logger.warning(
+                    "videosparse: dense_steps=%s applies to denoising loops; a forward that records gradients "
+                    "outside one (a training step) runs sparse at any timestep (dense_layers still run dense). Pass "
+                    "dense_steps=0 to say so, or give the step by `transformer.cache_context(name, step_index=..., "
+                    "num_inference_steps=...)`.", dense_steps)
+        elif (unknown_count or unknown_step) and not self._warned_unknown_steps:
             self._warned_unknown_steps = True
             what = ("the denoising step is unknown here (no scheduler, no cache context and no step index)"
                     if unknown_step else "the number of denoising steps, which a fraction needs, is unknown here "
@@ -574,9 +583,10 @@ class SparseContextHook(ModelHook):
         session.calls += 1
 
     def _step(self, cache_ctx, args, kwargs) -> tuple[int | None, int | None]:
-        """Step index and step count: from the cache context, else the scheduler (its own step counter, else
-        the timestep's place in its schedule, or its begin index when the timestep is on no schedule entry and the
-        scheduler has not stepped yet), else by counting."""
+        """Step index and step count: from the cache context, else none for a forward that records gradients (a
+        training step), else the scheduler (its own step counter, else the timestep's place in its schedule, or its
+        begin index when the timestep is on no schedule entry and the scheduler has not stepped yet), else by
+        counting."""
         scheduler = self.session.scheduler
         timesteps = getattr(scheduler, "timesteps", None) if scheduler is not None else None
         num_steps = getattr(cache_ctx, "num_inference_steps", None)
@@ -584,6 +594,10 @@ class SparseContextHook(ModelHook):
             if num_steps is None and timesteps is not None and len(timesteps):
                 num_steps = len(timesteps)
             return cache_ctx.step_index, num_steps
+        if torch.is_grad_enabled():
+            # a forward that records gradients: a training step (pipelines sample under no_grad), whose timestep is
+            # no place in a denoising loop; it does not move the step count of a pipeline call either
+            return None, None
         t = forward_arg(args, kwargs, "timestep", self._timestep_position)
         counted = getattr(scheduler, "step_index", None)          # advanced by each scheduler.step() of this call
         if t is not None and self._other_driver(scheduler, timesteps, counted):
