@@ -229,6 +229,16 @@ def test_pooled_psnr_and_the_notes_on_misleading_psnrs():
     assert _fmt(math.nan) == "NaN" and _fmt(None) == "–" and _f(math.nan).strip() == "NaN"
 
 
+def test_a_note_when_a_methods_cell_times_spread():
+    """Review find: one stalled cell (7.9 s against 57.9 s for the same computation) moved a speedup with no sign."""
+    from videosparse.eval.evaluate import timing_spread_notes
+
+    cells = {"a": {"method": "veda@0.25", "transformer_s": 7.9}, "b": {"method": "veda@0.25", "transformer_s": 57.9},
+             "c": {"method": "dense", "transformer_s": 10.0}, "d": {"method": "dense", "transformer_s": 11.0}}
+    notes = timing_spread_notes({"dense": {}, "veda@0.25": {}}, cells)
+    assert len(notes) == 1 and notes[0].startswith("veda@0.25: its cells' transformer times spread from 7.9 to 57.9 s")
+
+
 def test_warm_up_runs_the_fewest_steps_that_reach_the_sparse_path(loaded, monkeypatch):
     """`generate --compare-dense` warms each arm up on CUDA with as few steps as reach its sparse path: 1, or k + 1
     with k dense steps; sparse kernels run in it, and the pipeline comes back stock."""

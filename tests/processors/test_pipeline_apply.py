@@ -553,30 +553,30 @@ def test_an_fp32_model_under_bf16_autocast_runs_sparse_in_bf16(monkeypatch):
     for block in tr.blocks:     # q and k leave their norms in fp32 (as where autocast runs norms in fp32), v in bf16
         for norm in (block.attn1.norm_q, block.attn1.norm_k):
             norm.register_forward_hook(lambda module, args, out: out.float())
-    kw = _tiny_forward_kwargs()
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    stock, out, stats = _stock_and_sparse_under_bf16_autocast(tr, "cpu")
+    assert stats["sparse_calls"] == 2 and stats["dense_calls"] == 0, stats
+    assert seen and all(dtypes == (torch.bfloat16,) * 3 for dtypes in seen), seen
+    assert (out - stock).norm() / stock.norm() < 2e-2           # bf16 attention on both sides
+
+
+def _stock_and_sparse_under_bf16_autocast(tr, device: str):
+    """The tiny forward's output under bf16 autocast with the stock processors and with Veda at density 1 (fp32),
+    and the session's stats."""
+    kw = _tiny_forward_kwargs(device)
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
         stock = tr(**kw).sample.float()
         session = videosparse.apply(tr, videosparse.VedaConfig(density=1.0, dense_steps=0))["transformer"]
         out = tr(**kw).sample.float()
     stats = session.stats()
     videosparse.remove(tr)
-    assert stats["sparse_calls"] == 2 and stats["dense_calls"] == 0, stats
-    assert seen and all(dtypes == (torch.bfloat16,) * 3 for dtypes in seen), seen
-    assert (out - stock).norm() / stock.norm() < 2e-2           # bf16 attention on both sides
+    return stock, out, stats
 
 
 @pytest.mark.gpu
 def test_an_fp32_model_under_cuda_bf16_autocast_runs_the_gpu_kernel():
     """The CPU test above with the real CUDA probe: an fp32 model under bf16 autocast reaches the fast kernel (not
     dense with a warning naming fp32), and its output stays close to the stock processors' under the same autocast."""
-    tr = build_tiny_wan_pipeline().transformer.cuda()
-    kw = _tiny_forward_kwargs("cuda")
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        stock = tr(**kw).sample.float()
-        session = videosparse.apply(tr, videosparse.VedaConfig(density=1.0, dense_steps=0))["transformer"]
-        out = tr(**kw).sample.float()
-    stats = session.stats()
-    videosparse.remove(tr)
+    stock, out, stats = _stock_and_sparse_under_bf16_autocast(build_tiny_wan_pipeline().transformer.cuda(), "cuda")
     assert stats["sparse_calls"] == 2 and stats["dense_calls"] == 0, stats
     assert stats["kernel_backend"] not in (None, "reference"), stats
     assert (out - stock).norm() / stock.norm() < 2e-2

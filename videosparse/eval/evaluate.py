@@ -210,6 +210,18 @@ def summary_psnr(psnrs: list[float], is_dense: bool = False) -> tuple[float | No
     return (float(np.mean(finite)) if finite else (math.inf if psnrs else None)), equal
 
 
+def timing_spread_notes(summary: dict[str, dict], cells: dict[str, dict], ratio: float = 1.5) -> list[str]:
+    """A note for each method whose cells' transformer times (same call, other prompt or seed) spread by more than
+    `ratio` (slowest / fastest): the medians in the speed table then rest on noisy runs."""
+    notes = []
+    for label in summary:
+        times = [c["transformer_s"] for c in cells.values() if c.get("method") == label and c.get("transformer_s")]
+        if len(times) > 1 and max(times) > ratio * min(times):
+            notes.append(f"{label}: its cells' transformer times spread from {min(times):.3g} to {max(times):.3g} s "
+                         "(other load on the machine?): its speedups are medians of noisy runs.")
+    return notes
+
+
 def psnr_notes(summary: dict[str, dict], cells: dict[str, dict]) -> list[str]:
     """Report notes on PSNRs a reader could misread: cells whose video has NaN pixels (a broken output, not a
     metric left out), and a mean over cells pulled more than 3 dB above the pooled PSNR by near-identical cells."""
@@ -602,7 +614,7 @@ class Evaluation:
                             for layer in comp.get("layers", {}).values() for reason in layer.get("fallbacks", [])})
         if fallbacks:
             notes.append("Some calls fell back to dense attention: " + "; ".join(fallbacks))
-        notes += psnr_notes(summary, self.report["cells"])
+        notes += psnr_notes(summary, self.report["cells"]) + timing_spread_notes(summary, self.report["cells"])
         videos, video_error = self.write_videos()
         if video_error:
             notes.append(f"Side-by-side videos not written ({video_error}); the frames are in frames/*.npy.")
