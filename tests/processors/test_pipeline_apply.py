@@ -414,6 +414,12 @@ def test_a_sharing_pipelines_steps_after_calls_that_ended_early(monkeypatch):
     assert dense_and_sparse_forwards(run_other) == (5, 0)          # the stale step 1 (documented)
     assert dense_and_sparse_forwards(run_other) == (2, 3)          # was (5, 0) until the applied pipeline ran
     assert dense_and_sparse_forwards(lambda: pipe(**call)) == (2, 3)
+    # a schedule that rises within a call (Mochi's, inverted sigmas) is one call, not a new call at every step
+    other.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, invert_sigmas=True)
+    assert dense_and_sparse_forwards(run_other) == (2, 3)
+    with pytest.raises(RuntimeError, match="client went away"):
+        other(video=video, strength=1.0, **call2, callback_on_step_end=dies_at(2))
+    assert dense_and_sparse_forwards(run_other) == (2, 3)          # falls from where the raised call stopped
     videosparse.remove(pipe)
 
 
@@ -483,7 +489,29 @@ def test_training_forwards_run_sparse_and_leave_the_pipelines_step_count_alone(c
         assert session.stats()["layers"][0]["dense_calls"] == 2 * 2            # two steps x two branches
         assert train_steps([950, 20]) == (0, 2)
     assert caplog.text.count("applies to denoising loops") == 1
+    # a sampling loop run with grad mode on over frozen weights records no gradients: its steps count (review find)
+    tr.requires_grad_(False)
+    pipe.scheduler.set_timesteps(4)
+    session.reset_stats()
+    for t in pipe.scheduler.timesteps:
+        tr(**dict(kw, timestep=t[None]))
+        pipe.scheduler.step(torch.zeros_like(kw["hidden_states"]), t, kw["hidden_states"])
+    assert session.stats()["layers"][0]["dense_calls"] == 2
     videosparse.remove(pipe)
+
+
+def test_gradient_checkpointing_with_an_observer_recomputes_the_observed_path():
+    """Review find: the recompute hid the observers, so it took the fused path the observed forward had not taken
+    and diffusers' (non-reentrant) checkpointing raised a CheckpointError; the observer sees each call once."""
+    tr = build_tiny_wan_pipeline().transformer.train()
+    tr.enable_gradient_checkpointing()
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.4, tiling=(2, 4, 8), block=64, dense_steps=0,
+                                                 backend="reference"))
+    seen = []
+    with videosparse.observe(tr, lambda record: seen.append(record.layer)):
+        tr(**_tiny_forward_kwargs()).sample.square().mean().backward()
+    assert seen == [0, 1] and tr.blocks[0].attn1.to_q.weight.grad.isfinite().all()
+    videosparse.remove(tr)
 
 
 def test_a_forward_under_inference_mode_leaves_later_backward_working():

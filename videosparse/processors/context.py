@@ -329,23 +329,24 @@ class SparseSession:
 
     def snapshot(self) -> tuple:
         """What the processors read of the current forward (its context, every layer's layouts, the kernel
-        problem), for `recomputing` it later."""
-        return copy.copy(self.context), [slot.layouts for slot in self.slots], self.kernel_problem
+        problem, how many observers it had), for `recomputing` it later."""
+        return copy.copy(self.context), [slot.layouts for slot in self.slots], self.kernel_problem, len(self.observers)
 
     @contextlib.contextmanager
     def recomputing(self, snapshot: tuple):
         """Within: the processors see the forward of `snapshot` again (gradient checkpointing's recompute in
         backward, after other forwards may have changed the session), without counting its calls twice or
-        showing them to observers; everything is put back on exit."""
+        showing them to observers (as many observers that ignore them stand in, so that the recompute takes the
+        path the forward took); everything is put back on exit."""
         live = self.context, [slot.layouts for slot in self.slots], self.kernel_problem
         counters, observers = [slot.stats for slot in self.slots], self.observers
-        self.context, layouts, self.kernel_problem = snapshot
+        self.context, layouts, self.kernel_problem, watched = snapshot
         for slot, kept in zip(self.slots, layouts):
             slot.layouts = kept
             scratch = LayerStats(slot.stats.counts.device)
             scratch.fallbacks = slot.stats.fallbacks        # a warning given once is not given again
             slot.stats = scratch
-        self.observers = []
+        self.observers = [_ignore_record] * watched
         try:
             yield
         finally:
@@ -355,6 +356,10 @@ class SparseSession:
 
     def __repr__(self) -> str:
         return f"SparseSession({self.config!r})"
+
+
+def _ignore_record(record: AttentionRecord) -> None:
+    """An observer that does nothing (`SparseSession.recomputing`)."""
 
 
 class _BranchState(BaseState):
@@ -475,6 +480,7 @@ class SparseContextHook(ModelHook):
         self._checkpointing: list[torch.nn.Module] = []     # set in `initialize_hook`
         self._last_timestep: float | None = None    # `_count_steps`: this pipeline call's latest timestep
         self._counted_steps = 0
+        self._direction = 0                          # and its schedule's direction: -1 falling, +1 rising (Mochi)
         # (scheduler, its timesteps, step_index) as weak references and a value, recorded when a pipeline call ended
         # while the applied pipeline's scheduler was mid-schedule: a counter its aborted call left (`_other_driver`)
         self._stale_counter: tuple | None = None
@@ -539,7 +545,8 @@ class SparseContextHook(ModelHook):
         ctx.unsupported = found[2] if len(found) > 2 else None
         cache_ctx = getattr(self.state_manager, "_context", None)
         ctx.branch = cache_ctx.name if cache_ctx is not None else "default"
-        ctx.step, ctx.num_steps = self._step(cache_ctx, args, kwargs)
+        training = self._records_gradients(module, args, kwargs)
+        ctx.step, ctx.num_steps = self._step(cache_ctx, args, kwargs, training)
         ctx.sparse_step = ctx.step is None or ctx.step >= session.config.dense_step_count(ctx.num_steps)
         dense_steps = getattr(session.config, "dense_steps", 0)
         if ctx.num_steps and session.method is not None and not self._warned_all_dense \
@@ -551,7 +558,7 @@ class SparseContextHook(ModelHook):
                 ctx.num_steps, ctx.num_steps)
         unknown_count = ctx.num_steps is None and isinstance(dense_steps, float) and dense_steps > 0
         unknown_step = ctx.step is None and dense_steps and session.method is not None
-        if ctx.step is None and torch.is_grad_enabled() and (unknown_count or unknown_step):
+        if ctx.step is None and training and (unknown_count or unknown_step):
             if not self._warned_training:
                 self._warned_training = True
                 logger.warning(
@@ -582,11 +589,22 @@ class SparseContextHook(ModelHook):
             session.prepare(ctx.grid, ctx.text_len, device, dtype)
         session.calls += 1
 
-    def _step(self, cache_ctx, args, kwargs) -> tuple[int | None, int | None]:
-        """Step index and step count: from the cache context, else none for a forward that records gradients (a
-        training step), else the scheduler (its own step counter, else the timestep's place in its schedule, or its
-        begin index when the timestep is on no schedule entry and the scheduler has not stepped yet), else by
-        counting."""
+    @staticmethod
+    def _records_gradients(module, args, kwargs) -> bool:
+        """Whether this forward records gradients: grad mode on and a parameter or the latents require grad (a
+        training step; a sampling loop run without `torch.no_grad` over frozen weights records none)."""
+        if not torch.is_grad_enabled():
+            return False
+        hidden = forward_arg(args, kwargs, "hidden_states", 0)
+        if torch.is_tensor(hidden) and hidden.requires_grad:
+            return True
+        return any(p.requires_grad for p in module.parameters())
+
+    def _step(self, cache_ctx, args, kwargs, training: bool = False) -> tuple[int | None, int | None]:
+        """Step index and step count: from the cache context, else none for a forward that records gradients
+        (`training`: a training step), else the scheduler (its own step counter, else the timestep's place in its
+        schedule, or its begin index when the timestep is on no schedule entry and the scheduler has not stepped
+        yet), else by counting."""
         scheduler = self.session.scheduler
         timesteps = getattr(scheduler, "timesteps", None) if scheduler is not None else None
         num_steps = getattr(cache_ctx, "num_inference_steps", None)
@@ -594,9 +612,9 @@ class SparseContextHook(ModelHook):
             if num_steps is None and timesteps is not None and len(timesteps):
                 num_steps = len(timesteps)
             return cache_ctx.step_index, num_steps
-        if torch.is_grad_enabled():
-            # a forward that records gradients: a training step (pipelines sample under no_grad), whose timestep is
-            # no place in a denoising loop; it does not move the step count of a pipeline call either
+        if training:
+            # a training step (pipelines sample under no_grad): its timestep is no place in a denoising loop, and it
+            # does not move the step count of a pipeline call either
             return None, None
         t = forward_arg(args, kwargs, "timestep", self._timestep_position)
         counted = getattr(scheduler, "step_index", None)          # advanced by each scheduler.step() of this call
@@ -653,13 +671,19 @@ class SparseContextHook(ModelHook):
 
     def _count_steps(self, t) -> int:
         """Step index by counting the distinct timesteps of this pipeline call (two forwards of a step, the guidance
-        branches, share one); reset at the end of the call (`reset_state`), and when the timestep rises, which
-        within one denoising loop it never does: a new call after one that ended early by an exception, or after a
-        forward outside any call (a warm-up)."""
+        branches, share one); reset at the end of the call (`reset_state`), and when the timestep moves against the
+        direction of the call's schedule so far (falling for most, rising for Mochi's), which within one denoising
+        loop it never does: a new call after one that ended early by an exception, when it starts on the other side
+        of where that one stopped."""
         value = float(torch.as_tensor(t).detach().flatten().max())
-        if self._last_timestep is not None and value > self._last_timestep:
-            self._counted_steps = 0
-        if value != self._last_timestep:
+        last = self._last_timestep
+        if last is not None and value != last:
+            move = 1 if value > last else -1
+            if self._direction and move != self._direction:
+                self._counted_steps, self._direction = 0, 0
+            else:
+                self._direction = move
+        if value != last:
             self._last_timestep = value
             self._counted_steps += 1
         return self._counted_steps - 1
@@ -669,7 +693,7 @@ class SparseContextHook(ModelHook):
         if self.session.calls:
             logger.info(self.session.summary())
         self.state_manager.reset()
-        self._last_timestep, self._counted_steps = None, 0
+        self._last_timestep, self._counted_steps, self._direction = None, 0, 0
         self._stale_counter = None
         scheduler = self.session.scheduler if self.session.made_by_apply else None
         timesteps = getattr(scheduler, "timesteps", None)
