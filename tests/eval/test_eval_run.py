@@ -218,14 +218,13 @@ def test_pooled_psnr_and_the_notes_on_misleading_psnrs():
     assert pooled_psnr([20.0, math.inf]) == pytest.approx(20.0 + 10 * math.log10(2))     # MSE halved
     assert pooled_psnr([22.2, 23.7, 82.0, 97.6]) == pytest.approx(25.9, abs=0.05)
     assert pooled_psnr([math.inf]) == math.inf and pooled_psnr([]) is None and math.isnan(pooled_psnr([math.nan, 3]))
-    cells = {f"c{i}": {"method": "veda@0.25", "psnr_db": v} for i, v in enumerate((22.2, 23.7, 82.0, 97.6))}
-    cells["d"] = {"method": "sol@0.25", "psnr_db": math.nan}
-    summary = {"veda@0.25": {"psnr_db": 56.4, "psnr_db_pooled": 25.9}, "sol@0.25": {"psnr_db": math.nan,
-                                                                                   "psnr_db_pooled": math.nan}}
-    notes = psnr_notes(summary, cells)
-    assert len(notes) == 2 and "NaN in the video of sol@0.25 (1 cells)" in notes[0]
+    summary = {"veda@0.25": {"psnr_db": 56.4, "psnr_db_pooled": 25.9, "psnr_db_cell_max": 97.6},
+               "sol@0.25": {"psnr_db": math.nan, "psnr_db_pooled": math.nan, "cells_nan": 1},
+               "veda@0.1": {"psnr_db": 23.4, "psnr_db_pooled": 19.5, "psnr_db_cell_max": 30.0}}   # spread alone
+    notes = psnr_notes(summary)
+    assert len(notes) == 2 and "NaN in the video of sol@0.25 (1 cell):" in notes[0]
     assert "pulled up by cells nearly identical" in notes[1] and "97.6 dB" in notes[1] and "25.90 dB" in notes[1]
-    assert psnr_notes({"veda@0.25": {"psnr_db": 24.0, "psnr_db_pooled": 23.5}}, {}) == []
+    assert psnr_notes({"veda@0.25": {"psnr_db": 24.0, "psnr_db_pooled": 23.5, "psnr_db_cell_max": 70.0}}) == []
     assert _fmt(math.nan) == "NaN" and _fmt(None) == "–" and _f(math.nan).strip() == "NaN"
 
 
@@ -233,9 +232,8 @@ def test_a_note_when_a_methods_cell_times_spread():
     """Review find: one stalled cell (7.9 s against 57.9 s for the same computation) moved a speedup with no sign."""
     from videosparse.eval.evaluate import timing_spread_notes
 
-    cells = {"a": {"method": "veda@0.25", "transformer_s": 7.9}, "b": {"method": "veda@0.25", "transformer_s": 57.9},
-             "c": {"method": "dense", "transformer_s": 10.0}, "d": {"method": "dense", "transformer_s": 11.0}}
-    notes = timing_spread_notes({"dense": {}, "veda@0.25": {}}, cells)
+    notes = timing_spread_notes({"dense": {"transformer_s_range": [10.0, 11.0]},
+                                 "veda@0.25": {"transformer_s_range": [7.9, 57.9]}, "sol@0.5": {}})
     assert len(notes) == 1 and notes[0].startswith("veda@0.25: its cells' transformer times spread from 7.9 to 57.9 s")
 
 
