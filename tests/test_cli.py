@@ -154,6 +154,29 @@ def test_generate_checks_sizes_images_and_uses_the_pipelines_own_defaults():
                                                                   "num_inference_steps": 4}   # lacks: not passed
 
 
+def test_a_size_the_model_cannot_tile_is_named_before_its_weights_load(tmp_path, capsys, monkeypatch):
+    """Known gap of the last sessions: --height / --width were checked after the pipeline loaded (minutes for a 14B
+    model); the VAE factor and the patch come from the model's config files now, the VAE made on the meta device."""
+    import pytest
+
+    from videosparse.models import loading
+    from videosparse.models.tiny_wan import build_tiny_wan_pipeline
+
+    build_tiny_wan_pipeline().save_pretrained(tmp_path / "wan")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the pipeline was loaded before the size was checked")
+
+    monkeypatch.setattr(loading, "load_pipeline", no_load)
+    assert main(["generate", "--model", str(tmp_path / "wan"), "--height", "72"]) == 2
+    assert "--height=72 must be a multiple of 16 for WanPipeline" in capsys.readouterr().err
+    with pytest.raises(AssertionError, match="loaded before"):           # a size it can tile goes on to the load
+        main(["generate", "--model", str(tmp_path / "wan"), "--height", "64", "--width", "96"])
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "model_index.json").write_text('{"_class_name": "NoSuchPipeline"}')
+    assert loading.size_stub(str(tmp_path / "broken")) is None and loading.size_stub("tiny") is None
+
+
 def test_video_keeps_sizes_that_are_not_multiples_of_16(tmp_path):
     import numpy as np
 

@@ -147,7 +147,7 @@ def slower_than_dense_note(speedup: float) -> str | None:
 def _run_generate(args: argparse.Namespace) -> int:
     from .eval.generate import check_video_writer, generate, warm_up, write_video
     from .eval.spec import check_config_files
-    from .models.loading import load_pipeline
+    from .models.loading import load_pipeline, size_stub
 
     for name in ("steps", "frames", "height", "width"):
         value = getattr(args, name)
@@ -172,6 +172,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     check_model(args.model)
     check_video_writer()
     first_frame = _read_image(args.image)                     # a bad path fails here, not after a long load
+    if (args.height or args.width) and (stub := size_stub(args.model)) is not None:     # so does a size
+        _check_size(stub, {"height": args.height, "width": args.width})
     loaded = load_pipeline(args.model, args.device, DTYPES.get(args.dtype))
     pipe = loaded.pipe
     pipe.set_progress_bar_config(disable=True)

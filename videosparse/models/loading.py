@@ -67,6 +67,40 @@ def check_component(model: str | None, component: str) -> None:
                          f"{', '.join(transformers) or 'none'}.")
 
 
+def size_stub(model: str | None):
+    """What a size check reads of `model`'s pipeline (`vae_scale_factor_spatial`, `video_processor`,
+    `transformer.config`) without loading a weight: its pipeline class built around a VAE made on the meta device from
+    the VAE's config and its scheduler, next to the transformer's config. None for the embedded models, or when the
+    files cannot be read or the class not built that way here (the check then runs after the load)."""
+    if model in (None, "reference", "tiny"):
+        return None
+    import types
+
+    import diffusers
+    from diffusers import DiffusionPipeline
+
+    try:
+        index = DiffusionPipeline.load_config(model)
+        parts = {name: spec for name, spec in index.items() if isinstance(spec, list) and len(spec) == 2}
+        transformer = parts.get("transformer", [None, None])[1]
+        config = getattr(diffusers, transformer).load_config(model, subfolder="transformer")
+        kwargs = {name: None for name in parts}
+        vae_class = getattr(diffusers, parts["vae"][1])
+        with torch.device("meta"):
+            kwargs["vae"] = vae_class.from_config(vae_class.load_config(model, subfolder="vae"))
+        if parts.get("scheduler", [None, None])[1]:
+            scheduler_class = getattr(diffusers, parts["scheduler"][1])
+            kwargs["scheduler"] = scheduler_class.from_config(scheduler_class.load_config(model, subfolder="scheduler"))
+        pipe = getattr(diffusers, index["_class_name"])(**kwargs)
+    except Exception:                      # any file, class or constructor this cannot handle: checked after the load
+        return None
+    stub = type(type(pipe).__name__, (), {})()          # named as the pipeline, for the messages
+    stub.vae_scale_factor_spatial = getattr(pipe, "vae_scale_factor_spatial", None)
+    stub.video_processor = getattr(pipe, "video_processor", None)
+    stub.transformer = types.SimpleNamespace(config=types.SimpleNamespace(**config))
+    return stub
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -75,7 +109,8 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
 
 
-def load_pipeline(model: str | None = None, device: str | None = None, dtype: torch.dtype | None = None) -> LoadedPipeline:
+def load_pipeline(model: str | None = None, device: str | None = None,
+                  dtype: torch.dtype | None = None) -> LoadedPipeline:
     """Load `model` with diffusers' own loading code, or build the embedded default offline.
 
     Args:
