@@ -11,6 +11,7 @@ import torch
 
 from ..plan import Plan
 from .dispatch import select_backend
+from .reference import reference_attention_backward
 
 
 @torch.library.custom_op("videosparse::block_sparse_attention", mutates_args=())
@@ -43,18 +44,68 @@ def _(q, k, v, kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, or
     return q.new_empty(q.shape), q.new_empty((B, H, S), dtype=torch.float32)
 
 
-def _no_backward(ctx, grad_out, grad_lse):
-    raise NotImplementedError(FORWARD_ONLY)
-
-
-def _keep_nothing(ctx, inputs, output):
-    pass
-
-
 FORWARD_ONLY = ("videosparse's block-sparse attention kernels are forward-only (no backward pass): run them "
-                "under torch.no_grad() / torch.inference_mode(), or, for gradients, call them eagerly (outside "
-                "torch.compile) with backend='reference'.")
-torch.library.register_autograd("videosparse::block_sparse_attention", _no_backward, setup_context=_keep_nothing)
+                "under torch.no_grad() / torch.inference_mode(), or, for gradients, use backend='reference' (its "
+                "torch path has a backward, also under torch.compile).")
+
+
+@torch.library.custom_op("videosparse::block_sparse_attention_backward", mutates_args=())
+def block_sparse_attention_backward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_index: torch.Tensor,
+    kv_count: torch.Tensor,
+    block_m: int,
+    block_n: int,
+    k_mean: torch.Tensor | None,
+    v_sum: torch.Tensor | None,
+    tile_len: torch.Tensor | None,
+    valid_keys: torch.Tensor | None,
+    scale: float,
+    d_out: torch.Tensor,
+    d_lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch reference's gradients (dq, dk, dv, dk_mean, dv_sum; the last two empty without correction), each
+    query tile row recomputed (`reference.reference_attention_backward`), as one opaque node for torch.compile."""
+    plan = Plan(kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, None, valid_keys)
+    dq, dk, dv, dk_mean, dv_sum = reference_attention_backward(q, k, v, plan, scale, d_out, d_lse)
+    empty = q.new_empty(0)
+    return (dq.contiguous(), dk.contiguous(), dv.contiguous(), empty if dk_mean is None else dk_mean.contiguous(),
+            empty if dv_sum is None else dv_sum.contiguous())
+
+
+@block_sparse_attention_backward_op.register_fake
+def _(q, k, v, kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, valid_keys, scale, d_out, d_lse):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            k_mean.new_empty(k_mean.shape) if k_mean is not None else q.new_empty(0),
+            v_sum.new_empty(v_sum.shape) if v_sum is not None else q.new_empty(0))
+
+
+def _keep_inputs(ctx, inputs, output):
+    q, k, v, kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, order, valid_keys, scale, backend = inputs
+    ctx.save_for_backward(q, k, v, kv_index, kv_count, k_mean, v_sum, tile_len, valid_keys)
+    ctx.block_m, ctx.block_n, ctx.scale, ctx.backend, ctx.device_type = block_m, block_n, scale, backend, q.device.type
+
+
+def _backward(ctx, grad_out, grad_lse):
+    """Gradients where the torch reference ran (backend='reference', or 'auto' on CPU): its row-recomputing
+    backward; the kernels have none."""
+    if not (ctx.backend == "reference" or (ctx.backend == "auto" and ctx.device_type == "cpu")):
+        raise NotImplementedError(FORWARD_ONLY)
+    q, k, v, kv_index, kv_count, k_mean, v_sum, tile_len, valid_keys = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(q)
+    if grad_lse is None:
+        grad_lse = q.new_zeros(q.shape[:3], dtype=torch.float32)
+    dq, dk, dv, dk_mean, dv_sum = block_sparse_attention_backward_op(
+        q, k, v, kv_index, kv_count, ctx.block_m, ctx.block_n, k_mean, v_sum, tile_len, valid_keys, ctx.scale,
+        grad_out, grad_lse)
+    return (dq, dk, dv, None, None, None, None, dk_mean if k_mean is not None else None,
+            dv_sum if v_sum is not None else None, None, None, None, None, None)
+
+
+torch.library.register_autograd("videosparse::block_sparse_attention", _backward, setup_context=_keep_inputs)
 
 
 def run_op(q, k, v, plan: Plan, scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:

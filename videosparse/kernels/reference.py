@@ -157,55 +157,62 @@ class ReferenceAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out, d_lse):
         q, k, v, k_mean, v_sum = ctx.saved_tensors
-        plan, scale = ctx.plan, ctx.scale
-        B, H, S, D = q.shape
-        if math.ceil(k.shape[2] / plan.block_n) == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None, None
-        rows = _Rows(q, k, v, plan, scale)
-        cd, Sk, Nk, bn = rows.cd, k.shape[2], rows.Nk, rows.bn
-        dq = torch.zeros(q.shape, dtype=cd, device=q.device)
-        dkp, dvp = torch.zeros_like(rows.kp), torch.zeros_like(rows.vp)      # [B, H, Nk, bn * D]
-        correction = plan.has_correction
+        dq, dk, dv, d_k_mean, d_v_sum = reference_attention_backward(q, k, v, ctx.plan, ctx.scale, d_out, d_lse)
+        return (dq, dk, dv, d_k_mean if ctx.needs_input_grad[3] else None,
+                d_v_sum if ctx.needs_input_grad[4] else None, None, None)
+
+
+def reference_attention_backward(q, k, v, plan: Plan, scale: float, d_out: torch.Tensor | None,
+                                 d_lse: torch.Tensor | None) -> tuple:
+    """Gradients of `reference_attention`'s (out, lse) for q, k, v and the plan's k_mean, v_sum (None without
+    correction), each query tile row recomputed; d_out [B, H, S, D], d_lse [B, H, S] (None: zero)."""
+    B, H, S, D = q.shape
+    plan = plan.with_index_slot()
+    if math.ceil(k.shape[2] / plan.block_n) == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None
+    rows = _Rows(q, k, v, plan, scale)
+    cd, Sk, Nk, bn = rows.cd, k.shape[2], rows.Nk, rows.bn
+    dq = torch.zeros(q.shape, dtype=cd, device=q.device)
+    dkp, dvp = torch.zeros_like(rows.kp), torch.zeros_like(rows.vp)      # [B, H, Nk, bn * D]
+    correction = plan.has_correction
+    if correction:
+        dk_mean = torch.zeros(B, H, Nk, D, dtype=cd, device=q.device)
+        dv_mean = torch.zeros(B, H, Nk, D, dtype=cd, device=q.device)
+    exact = rows.kmax * bn
+    for i in range(rows.Mq):
+        r0, r1 = rows.rows(i)
+        row = rows.row(i, q)
+        # the row's lse again in the compute dtype (the forward's is fp32); a row with no keys (lse -inf) has no
+        # probabilities: P = 0 there, not exp(-inf + inf)
+        row_lse = torch.logsumexp(row["logits"], -1, keepdim=True)
+        p = torch.exp(row["logits"] - torch.where(torch.isfinite(row_lse), row_lse, 0.0))
+        p = torch.where(torch.isfinite(row_lse), p, 0.0)                    # [B, H, r, K*bn (+ Nk)]
+        values = row["values"]
+        do = d_out[:, :, r0:r1].to(cd) if d_out is not None else torch.zeros_like(row["qi"])
+        o = p @ values
+        dp = do @ values.transpose(-1, -2)
+        ds = p * (dp - (do * o).sum(-1, keepdim=True))
+        if d_lse is not None:
+            ds = ds + p * d_lse[:, :, r0:r1, None].to(cd)
+        # keys that do not count may hold anything (NaN past valid_keys): zero them for dq, as P is zero there
+        keys = row["kt"].masked_fill(~row["keep"].transpose(-1, -2), 0.0)
+        ds_exact = ds[..., :exact]
+        dq[:, :, r0:r1] = (ds_exact @ keys) * scale
+        tiles = (B, H, rows.kmax, -1)
+        dkp.scatter_add_(2, row["g"], ((ds_exact.transpose(-1, -2) @ row["qi"]) * scale).reshape(tiles))
+        dvp.scatter_add_(2, row["g"], (p[..., :exact].transpose(-1, -2) @ do).reshape(tiles))
         if correction:
-            dk_mean = torch.zeros(B, H, Nk, D, dtype=cd, device=q.device)
-            dv_mean = torch.zeros(B, H, Nk, D, dtype=cd, device=q.device)
-        exact = rows.kmax * bn
-        for i in range(rows.Mq):
-            r0, r1 = rows.rows(i)
-            row = rows.row(i, q)
-            # the row's lse again in the compute dtype (the saved one is fp32); a row with no keys (lse -inf) has
-            # no probabilities: P = 0 there, not exp(-inf + inf)
-            row_lse = torch.logsumexp(row["logits"], -1, keepdim=True)
-            p = torch.exp(row["logits"] - torch.where(torch.isfinite(row_lse), row_lse, 0.0))
-            p = torch.where(torch.isfinite(row_lse), p, 0.0)                    # [B, H, r, K*bn (+ Nk)]
-            values = row["values"]
-            do = d_out[:, :, r0:r1].to(cd) if d_out is not None else torch.zeros_like(row["qi"])
-            o = p @ values
-            dp = do @ values.transpose(-1, -2)
-            ds = p * (dp - (do * o).sum(-1, keepdim=True))
-            if d_lse is not None:
-                ds = ds + p * d_lse[:, :, r0:r1, None].to(cd)
-            # keys that do not count may hold anything (NaN past valid_keys): zero them for dq, as P is zero there
-            keys = row["kt"].masked_fill(~row["keep"].transpose(-1, -2), 0.0)
-            ds_exact = ds[..., :exact]
-            dq[:, :, r0:r1] = (ds_exact @ keys) * scale
-            dkp.scatter_add_(2, row["g"], ((ds_exact.transpose(-1, -2) @ row["qi"]) * scale).view(dkp.shape[:2] + (
-                rows.kmax, -1)))
-            dvp.scatter_add_(2, row["g"], (p[..., :exact].transpose(-1, -2) @ do).view(dvp.shape[:2] + (
-                rows.kmax, -1)))
-            if correction:
-                ds_proxy, chosen = ds[..., exact:], row["chosen"][:, :, :, None]
-                dq[:, :, r0:r1] += (ds_proxy @ rows.k_mean.masked_fill(chosen, 0.0)) * scale
-                dk_mean += (ds_proxy.transpose(-1, -2) @ row["qi"]) * scale
-                dv_mean += p[..., exact:].transpose(-1, -2) @ do
-        dk = dkp.view(B, H, Nk * bn, D)[:, :, :Sk].to(k.dtype)
-        dv = dvp.view(B, H, Nk * bn, D)[:, :, :Sk].to(v.dtype)
-        d_k_mean = d_v_sum = None
-        if correction:
-            d_k_mean = dk_mean.to(k_mean.dtype) if ctx.needs_input_grad[3] else None
-            d_v_sum = (dv_mean / rows.tile_len[:, None].clamp_min(1)).to(v_sum.dtype) if ctx.needs_input_grad[4] \
-                else None
-        return dq.to(q.dtype), dk, dv, d_k_mean, d_v_sum, None, None
+            ds_proxy, chosen = ds[..., exact:], row["chosen"][:, :, :, None]
+            dq[:, :, r0:r1] += (ds_proxy @ rows.k_mean.masked_fill(chosen, 0.0)) * scale
+            dk_mean += (ds_proxy.transpose(-1, -2) @ row["qi"]) * scale
+            dv_mean += p[..., exact:].transpose(-1, -2) @ do
+    dk = dkp.view(B, H, Nk * bn, D)[:, :, :Sk].to(k.dtype)
+    dv = dvp.view(B, H, Nk * bn, D)[:, :, :Sk].to(v.dtype)
+    d_k_mean = d_v_sum = None
+    if correction:
+        d_k_mean = dk_mean.to(plan.k_mean.dtype)
+        d_v_sum = (dv_mean / rows.tile_len[:, None].clamp_min(1)).to(plan.v_sum.dtype)
+    return dq.to(q.dtype), dk, dv, d_k_mean, d_v_sum
 
 
 def reference_attention_trainable(q, k, v, plan: Plan, scale: float, return_lse: bool = False):
