@@ -102,7 +102,11 @@ class SparseAttentionMixin:
 
     # ---------------------------------------------------------------- decisions
     def _stats(self) -> LayerStats:
-        """This layer's counters (in its slot: read without the layer index, see `LayerSlot`)."""
+        """This layer's counters (in its slot: read without the layer index, see `LayerSlot`); during a backward,
+        a block recomputed by activation checkpointing other than diffusers' (`SparseSession.unmanaged_recompute`)
+        counts nowhere."""
+        if not torch.compiler.is_compiling() and self.session.unmanaged_recompute():
+            return LayerStats(self.slot.stats.counts.device)
         return self.slot.stats
 
     def _warn_once(self, reason: str, message: str = "runs dense attention: %s") -> None:

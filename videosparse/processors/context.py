@@ -211,6 +211,8 @@ class SparseSession:
         # every layer's layouts by valid text length, kept for reuse while the grid and device stay (`prepare`)
         self._layout_cache: dict[int, list[HeadTiling]] = {}
         self._layout_cache_for: tuple | None = None
+        self._recomputing = False                 # inside `recomputing`
+        self._warned_unmanaged_recompute = False
 
     @property
     def made_by_apply(self) -> bool:
@@ -327,6 +329,21 @@ class SparseSession:
             slot.stats = LayerStats(slot.stats.counts.device)
         self.calls = 0
 
+    def unmanaged_recompute(self) -> bool:
+        """Whether a processor runs in a backward pass outside `recomputing`: a block recomputed by activation
+        checkpointing that is not diffusers' `enable_gradient_checkpointing` (torch's `checkpoint_wrapper`, FSDP's),
+        which sees the session's latest forward; warned once."""
+        if self._recomputing or getattr(torch._C, "_current_graph_task_id", lambda: -1)() == -1:
+            return False
+        if not self._warned_unmanaged_recompute:
+            self._warned_unmanaged_recompute = True
+            logger.warning(
+                "videosparse: a block is recomputed in backward by activation checkpointing other than diffusers' "
+                "(transformer.enable_gradient_checkpointing()): it attends with the grid, text lengths and layouts "
+                "of the latest transformer forward, so run no other forward between a forward and its backward "
+                "there, or use enable_gradient_checkpointing, which keeps each block's own.")
+        return True
+
     def snapshot(self) -> tuple:
         """What the processors read of the current forward (its context, every layer's layouts, the kernel
         problem, how many observers it had), for `recomputing` it later."""
@@ -341,6 +358,7 @@ class SparseSession:
         live = self.context, [slot.layouts for slot in self.slots], self.kernel_problem
         counters, observers = [slot.stats for slot in self.slots], self.observers
         self.context, layouts, self.kernel_problem, watched = snapshot
+        self._recomputing = True
         for slot, kept in zip(self.slots, layouts):
             slot.layouts = kept
             scratch = LayerStats(slot.stats.counts.device)
@@ -351,6 +369,7 @@ class SparseSession:
             yield
         finally:
             self.context, self.kernel_problem, self.observers = live[0], live[2], observers
+            self._recomputing = False
             for slot, kept, stats in zip(self.slots, live[1], counters):
                 slot.layouts, slot.stats = kept, stats
 
@@ -428,19 +447,27 @@ class _RecomputeWithContext:
     """Stands in for the block that diffusers' gradient checkpointing function runs (`func(block, *args)`): the first
     run is the forward; every later one is the recompute in backward, which then sees the session as that forward
     saw it (another forward in between, such as a no-grad teacher pass or a second micro-batch, would otherwise
-    give it its grid, text lengths and layouts: wrong gradients). Other attributes are the block's."""
+    give it its grid, text lengths and layouts: wrong gradients). Other attributes are the block's; its `forward`
+    runs the same way (a function that checkpoints `module.forward`)."""
 
     def __init__(self, block, session: SparseSession) -> None:
         self._block, self._session = block, session
         self._snapshot = session.snapshot()
         self._ran = False
 
-    def __call__(self, *args, **kwargs):
+    def _run(self, fn, *args, **kwargs):
         if not self._ran:
             self._ran = True
-            return self._block(*args, **kwargs)
+            return fn(*args, **kwargs)
         with self._session.recomputing(self._snapshot):
-            return self._block(*args, **kwargs)
+            return fn(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return self._run(self._block, *args, **kwargs)
+
+    @property
+    def forward(self):
+        return functools.partial(self._run, self._block.forward)
 
     def __getattr__(self, name: str):
         return getattr(self._block, name)
