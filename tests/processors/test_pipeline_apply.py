@@ -539,7 +539,31 @@ def test_checkpointing_by_module_forward_and_by_torchs_wrapper(caplog):
     with caplog.at_level("WARNING", logger="videosparse"):
         got, calls = step(wrapped, False)
     assert calls == 1 and all(torch.equal(g, e) for g, e in zip(got, expected))
-    assert "recomputed in backward by activation checkpointing other than diffusers'" in caplog.text
+    assert caplog.text.count("recomputed in backward by activation checkpointing other than diffusers'") == 1
+
+
+def test_a_forward_run_inside_a_backward_counts_as_a_forward(caplog):
+    """Review find: a transformer forward run from a backward (an adjoint method, a backward hook) was taken for an
+    activation-checkpointing recompute: not counted, and warned about."""
+    tr = build_tiny_wan_pipeline().transformer
+    session = videosparse.apply(tr, videosparse.VedaConfig(density=0.4, tiling=(2, 4, 8), block=64,
+                                                           dense_steps=0))["transformer"]
+
+    class ForwardInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            with torch.no_grad():
+                tr(**_tiny_forward_kwargs())
+            return grad
+
+    with caplog.at_level("WARNING", logger="videosparse"):
+        ForwardInBackward.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    assert session.stats()["layers"][0]["sparse_calls"] == 1 and "recomputed in backward" not in caplog.text
+    videosparse.remove(tr)
 
 
 def test_gradient_checkpointing_with_an_observer_recomputes_the_observed_path():

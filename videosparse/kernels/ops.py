@@ -70,9 +70,14 @@ def block_sparse_attention_backward_op(
     query tile row recomputed (`reference.reference_attention_backward`), as one opaque node for torch.compile."""
     plan = Plan(kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, None, valid_keys)
     dq, dk, dv, dk_mean, dv_sum = reference_attention_backward(q, k, v, plan, scale, d_out, d_lse)
-    empty = q.new_empty(0)
-    return (dq.contiguous(), dk.contiguous(), dv.contiguous(), empty if dk_mean is None else dk_mean.contiguous(),
-            empty if dv_sum is None else dv_sum.contiguous())
+
+    def centroid_grad(grad, centroid):      # each output its own tensor (outputs of a custom op may not alias)
+        if grad is not None:
+            return grad.contiguous()
+        return torch.zeros_like(centroid) if centroid is not None else q.new_empty(0)
+
+    return (dq.contiguous(), dk.contiguous(), dv.contiguous(), centroid_grad(dk_mean, k_mean),
+            centroid_grad(dv_sum, v_sum))
 
 
 @block_sparse_attention_backward_op.register_fake
@@ -85,13 +90,19 @@ def _(q, k, v, kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, va
 def _keep_inputs(ctx, inputs, output):
     q, k, v, kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, order, valid_keys, scale, backend = inputs
     ctx.save_for_backward(q, k, v, kv_index, kv_count, k_mean, v_sum, tile_len, valid_keys)
-    ctx.block_m, ctx.block_n, ctx.scale, ctx.backend, ctx.device_type = block_m, block_n, scale, backend, q.device.type
+    ctx.block_m, ctx.block_n, ctx.scale = block_m, block_n, scale
+    # whether the torch reference ran the forward (asked as the op asks, from the inputs' metadata only)
+    plan = Plan(kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, order, valid_keys)
+    try:
+        ctx.reference = select_backend(q, k, v, plan, backend).name == "reference"
+    except Exception:                       # a backend check that needs real data: then only the name says
+        ctx.reference = backend == "reference"
 
 
 def _backward(ctx, grad_out, grad_lse):
-    """Gradients where the torch reference ran (backend='reference', or 'auto' on CPU): its row-recomputing
-    backward; the kernels have none."""
-    if not (ctx.backend == "reference" or (ctx.backend == "auto" and ctx.device_type == "cpu")):
+    """Gradients where the torch reference ran the forward (backend='reference', or 'auto' where it picks the
+    reference): its row-recomputing backward; the kernels have none."""
+    if not ctx.reference:
         raise NotImplementedError(FORWARD_ONLY)
     q, k, v, kv_index, kv_count, k_mean, v_sum, tile_len, valid_keys = ctx.saved_tensors
     if grad_out is None:

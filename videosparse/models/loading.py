@@ -70,8 +70,9 @@ def check_component(model: str | None, component: str) -> None:
 def size_stub(model: str | None):
     """What a size check reads of `model`'s pipeline (`vae_scale_factor_spatial`, `video_processor`,
     `transformer.config`) without loading a weight: its pipeline class built around a VAE made on the meta device from
-    the VAE's config and its scheduler, next to the transformer's config. None for the embedded models, or when the
-    files cannot be read or the class not built that way here (the check then runs after the load)."""
+    the VAE's config and its scheduler, next to the transformer's config. None for the embedded models, pipelines
+    with a safety checker (Cosmos's constructor loads its guardrail models when given none), or when the files
+    cannot be read or the class not built that way here (the check then runs after the load)."""
     if model in (None, "reference", "tiny"):
         return None
     import types
@@ -82,6 +83,8 @@ def size_stub(model: str | None):
     try:
         index = DiffusionPipeline.load_config(model)
         parts = {name: spec for name, spec in index.items() if isinstance(spec, list) and len(spec) == 2}
+        if "safety_checker" in parts:       # Cosmos builds its guardrail models in __init__ when given none
+            return None
         transformer = parts.get("transformer", [None, None])[1]
         config = getattr(diffusers, transformer).load_config(model, subfolder="transformer")
         kwargs = {name: None for name in parts}

@@ -106,7 +106,7 @@ class SparseAttentionMixin:
         a block recomputed by activation checkpointing other than diffusers' (`SparseSession.unmanaged_recompute`)
         counts nowhere."""
         if not torch.compiler.is_compiling() and self.session.unmanaged_recompute():
-            return LayerStats(self.slot.stats.counts.device)
+            return self.session.recompute_stats(self.slot)
         return self.slot.stats
 
     def _warn_once(self, reason: str, message: str = "runs dense attention: %s") -> None:

@@ -212,6 +212,7 @@ class SparseSession:
         self._layout_cache: dict[int, list[HeadTiling]] = {}
         self._layout_cache_for: tuple | None = None
         self._recomputing = False                 # inside `recomputing`
+        self.forward_graph_task = -1              # the autograd graph task the latest transformer forward ran in
         self._warned_unmanaged_recompute = False
 
     @property
@@ -329,12 +330,19 @@ class SparseSession:
             slot.stats = LayerStats(slot.stats.counts.device)
         self.calls = 0
 
+    def recompute_stats(self, slot: LayerSlot) -> LayerStats:
+        """Counters that count nowhere, sharing `slot`'s fallbacks (a warning given once is not given again)."""
+        scratch = LayerStats(slot.stats.counts.device)
+        scratch.fallbacks = slot.stats.fallbacks
+        return scratch
+
     def unmanaged_recompute(self) -> bool:
         """Whether a processor runs in a backward pass outside `recomputing`: a block recomputed by activation
         checkpointing that is not diffusers' `enable_gradient_checkpointing` (torch's `checkpoint_wrapper`, FSDP's),
         which sees the session's latest forward; warned once."""
-        if self._recomputing or getattr(torch._C, "_current_graph_task_id", lambda: -1)() == -1:
-            return False
+        task = _graph_task()
+        if self._recomputing or task == -1 or task == self.forward_graph_task:
+            return False                  # not in a backward, or the transformer itself runs in it (a real forward)
         if not self._warned_unmanaged_recompute:
             self._warned_unmanaged_recompute = True
             logger.warning(
@@ -358,23 +366,25 @@ class SparseSession:
         live = self.context, [slot.layouts for slot in self.slots], self.kernel_problem
         counters, observers = [slot.stats for slot in self.slots], self.observers
         self.context, layouts, self.kernel_problem, watched = snapshot
-        self._recomputing = True
+        outer, self._recomputing = self._recomputing, True
         for slot, kept in zip(self.slots, layouts):
-            slot.layouts = kept
-            scratch = LayerStats(slot.stats.counts.device)
-            scratch.fallbacks = slot.stats.fallbacks        # a warning given once is not given again
-            slot.stats = scratch
+            slot.layouts, slot.stats = kept, self.recompute_stats(slot)
         self.observers = [_ignore_record] * watched
         try:
             yield
         finally:
             self.context, self.kernel_problem, self.observers = live[0], live[2], observers
-            self._recomputing = False
+            self._recomputing = outer
             for slot, kept, stats in zip(self.slots, live[1], counters):
                 slot.layouts, slot.stats = kept, stats
 
     def __repr__(self) -> str:
         return f"SparseSession({self.config!r})"
+
+
+def _graph_task() -> int:
+    """The id of the autograd graph task running now (a backward pass), -1 outside one."""
+    return getattr(torch._C, "_current_graph_task_id", lambda: -1)()
 
 
 def _ignore_record(record: AttentionRecord) -> None:
@@ -556,6 +566,7 @@ class SparseContextHook(ModelHook):
         if torch.is_grad_enabled() and self._checkpointing:
             self._wrap_checkpointing()
         session, ctx = self.session, self.session.context
+        session.forward_graph_task = _graph_task()
         found = self.grid_fn(module, args, kwargs)
         ctx.grid, ctx.text_len, ctx.text_valid = found[0], found[1], None
         ctx.text_slot = isinstance(ctx.text_len, PaddedText)
