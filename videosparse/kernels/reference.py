@@ -17,8 +17,8 @@ row at a time, so memory stays O(S*D) per head plus one tile row.
 
 Gradients: autograd through `reference_attention` keeps every row's gathered tiles and probabilities (memory
 grows with density * S^2); `ReferenceAttention` (what the "reference" backend runs when gradients are needed)
-keeps only q, k, v and the correction inputs, and recomputes each row in its backward (as FlashAttention does):
-O(S*D) memory either way.
+keeps only q, k, v and the correction inputs, and recomputes each row in its backward (as FlashAttention does),
+so its backward too needs O(S*D) memory plus one tile row.
 """
 
 from __future__ import annotations
