@@ -704,6 +704,34 @@ def test_veda_correction_on_the_reference_backend_keeps_its_centroids_gradients(
         assert torch.equal(got, want)
 
 
+def test_sol_recalibrates_on_request_after_the_weights_move():
+    """Review find (fine-tuning): Sol's threshold, calibrated on a layer's first call, stayed while the weights moved
+    (target 0.30, realised 0.41 after four Adam steps); only remove + apply, which drops the statistics, gave it
+    back. `session.recalibrate()` forgets the thresholds; the statistics stay."""
+    tr = build_tiny_wan_pipeline().transformer
+    session = videosparse.apply(tr, videosparse.SolConfig(density=0.3, dense_steps=0, block=64,
+                                                          backend="reference"))["transformer"]
+    big = torch.randn(1, 4, 4, 48, 64, generator=torch.Generator().manual_seed(2))    # 48 tiles: tau is not the floor
+    kw = dict(_tiny_forward_kwargs(), hidden_states=big)
+    with torch.no_grad():
+        tr(**kw)
+        first = session.method.calibrations()
+        for p in tr.parameters():                                     # the weights move
+            p.add_(torch.randn_like(p) * 0.3 * p.abs().mean())
+        tr(**kw)
+        assert session.method.calibrations() == first                 # kept: the old threshold
+        session.recalibrate()
+        assert session.method.calibrations() == {}
+        tr(**kw)
+    again = session.method.calibrations()
+    assert again.keys() == first.keys() and again != first
+    assert session.stats()["transformer_calls"] == 3
+    videosparse.remove(tr)
+    veda = videosparse.apply(tr, videosparse.VedaConfig(density=0.3, dense_steps=0))["transformer"]
+    veda.recalibrate()                                                 # nothing calibrated: a no-op
+    videosparse.remove(tr)
+
+
 def test_sol_keeps_no_autograd_graph_in_its_calibrated_threshold():
     """Review find: the threshold calibrated on a forward that records autograd was cached with its graph, which
     kept that forward's activations alive until `remove`."""

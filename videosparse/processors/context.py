@@ -330,6 +330,14 @@ class SparseSession:
             slot.stats = LayerStats(slot.stats.counts.device)
         self.calls = 0
 
+    def recalibrate(self) -> None:
+        """Calibrate again: a method that calibrates on the first call of each layer and shape (Sol with `density`)
+        forgets what it calibrated, so the next calls calibrate on the current weights (after fine-tuning moved
+        them; statistics are kept). Other methods calibrate nothing: a no-op."""
+        recalibrate = getattr(self.method, "recalibrate", None)
+        if recalibrate is not None:
+            recalibrate()
+
     def recompute_stats(self, slot: LayerSlot) -> LayerStats:
         """Counters that count nowhere, sharing `slot`'s fallbacks (a warning given once is not given again)."""
         scratch = LayerStats(slot.stats.counts.device)

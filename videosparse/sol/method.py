@@ -70,6 +70,12 @@ class SolMethod(SparseMethod):
         return {"calibrations": {f"layer {k[0]}, {k[1]} heads, {k[2]} tokens, grid {k[6]}": v
                                  for k, v in self.calibrations().items()}}
 
+    def recalibrate(self) -> None:
+        """Forget every calibrated τ (each layer's state is cleared in place, so the processors' slots see it): the
+        next call of each layer and shape calibrates again, e.g. after fine-tuning moved the weights."""
+        for state in self.layer_states.values():
+            state.clear()
+
     def calibrations(self) -> dict[tuple, dict[str, float]]:
         """Calibrated τ and the density it gave on its calibration call, per (layer, H, S, D, Mv, G, grid).
 
