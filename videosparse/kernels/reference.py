@@ -145,18 +145,15 @@ class ReferenceAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, k_mean, v_sum, plan: Plan, scale: float):
-        plan = plan.with_index_slot()
-        if k_mean is not None:
-            plan = plan.with_correction(k_mean, v_sum, plan.tile_len)
         out, lse = reference_attention(q, k, v, plan, scale, return_lse=True)
-        ctx.save_for_backward(q, k, v, k_mean, v_sum)
-        ctx.plan, ctx.scale = plan, scale
+        ctx.save_for_backward(q, k, v)
+        ctx.plan, ctx.scale = plan, scale             # the plan holds k_mean, v_sum for the backward
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out, d_lse):
-        q, k, v, k_mean, v_sum = ctx.saved_tensors
+        q, k, v = ctx.saved_tensors
         dq, dk, dv, d_k_mean, d_v_sum = reference_attention_backward(q, k, v, ctx.plan, ctx.scale, d_out, d_lse)
         return (dq, dk, dv, d_k_mean if ctx.needs_input_grad[3] else None,
                 d_v_sum if ctx.needs_input_grad[4] else None, None, None)

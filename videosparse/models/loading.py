@@ -46,20 +46,27 @@ def image_parameter(pipe):
     return inspect.signature(type(pipe).__call__).parameters.get("image")
 
 
+def _pipeline_components(model: str) -> tuple[dict[str, list], str | None]:
+    """(`model`'s model_index.json entries that name a component, {name: [library, class]} with class None when
+    absent; its pipeline class name), read without loading a weight; OSError / ValueError when it cannot be read."""
+    from diffusers import DiffusionPipeline
+
+    index = DiffusionPipeline.load_config(model)
+    return {name: spec for name, spec in index.items() if not name.startswith("_") and isinstance(spec, list)
+            and len(spec) == 2}, index.get("_class_name")
+
+
 def check_component(model: str | None, component: str) -> None:
     """ValueError when `model`'s pipeline has no `component` (e.g. "transformer_2" of a Wan 2.1 model), read from
     its model_index.json before any weight loads; the embedded models, and a model whose index cannot be read here
     (the load then says why), are checked after their load instead."""
     if model in (None, "reference", "tiny"):
         return
-    from diffusers import DiffusionPipeline
-
     try:
-        index = DiffusionPipeline.load_config(model)
+        parts, _ = _pipeline_components(model)
     except (OSError, ValueError):
         return
-    present = {name: spec for name, spec in index.items() if not name.startswith("_") and isinstance(spec, list)
-               and len(spec) == 2 and spec[1] is not None}
+    present = {name: spec for name, spec in parts.items() if spec[1] is not None}
     if component not in present:
         transformers = sorted(name for name, spec in present.items() if "Transformer" in str(spec[1]))
         raise ValueError(f"component={component!r}: {model!r} has no such component (its model_index.json lists "
@@ -78,11 +85,9 @@ def size_stub(model: str | None):
     import types
 
     import diffusers
-    from diffusers import DiffusionPipeline
 
     try:
-        index = DiffusionPipeline.load_config(model)
-        parts = {name: spec for name, spec in index.items() if isinstance(spec, list) and len(spec) == 2}
+        parts, pipeline_class = _pipeline_components(model)
         if "safety_checker" in parts:       # Cosmos builds its guardrail models in __init__ when given none
             return None
         transformer = parts.get("transformer", [None, None])[1]
@@ -94,7 +99,7 @@ def size_stub(model: str | None):
         if parts.get("scheduler", [None, None])[1]:
             scheduler_class = getattr(diffusers, parts["scheduler"][1])
             kwargs["scheduler"] = scheduler_class.from_config(scheduler_class.load_config(model, subfolder="scheduler"))
-        pipe = getattr(diffusers, index["_class_name"])(**kwargs)
+        pipe = getattr(diffusers, pipeline_class)(**kwargs)
     except Exception:                      # any file, class or constructor this cannot handle: checked after the load
         return None
     stub = type(type(pipe).__name__, (), {})()          # named as the pipeline, for the messages
