@@ -353,22 +353,39 @@ def test_ahead_of_time_compiles_are_the_launched_kernels(kernel):
     assert sass(aot.asm["cubin"], tools) in launched, [len(ops) for ops in launched]
 
 
-@pytest.mark.parametrize("backend", ["gluon_hopper", "hopper", "triton_generic"])
-def test_gpu_kernels_refuse_a_backward_through_out_and_lse(backend):
-    """The GPU kernels have no backward: a loss through their output or their lse raises (naming the reference
-    backend) instead of leaving q, k, v without the gradient."""
+@pytest.mark.parametrize("backend,head_dim", [("gluon_hopper", 128), ("hopper", 64), ("triton_generic", 128),
+                                              ("triton_generic", 64)])
+def test_gpu_kernels_train_with_the_triton_backward(backend, head_dim, monkeypatch):
+    """The GPU kernels' forward takes the Triton backward kernels (counted): gradients for q, k, v through out and
+    lse, the correction's centroids and a key limit per item included, against the reference's backward in fp64
+    on the CPU."""
     if backend not in _backends():
         pytest.skip(f"{backend} needs sm_90")
-    from videosparse.kernels import block_sparse_attention
+    from videosparse.kernels import block_sparse_attention, triton_backward
+    from videosparse.kernels.reference import reference_attention_backward
+    from videosparse.sol.centroids import tile_centroids, tile_centroids_torch
 
-    q, k, v = (torch.randn(1, 2, 1000, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
-    plan = random_plan(1, 2, 1000, 128, 128, 0.5, seed=3, device="cuda")
-    out, lse = block_sparse_attention(q, k, v, plan, return_lse=True, backend=backend)
-    assert out.requires_grad and lse.requires_grad
-    for loss in (out.float().sum(), lse.sum()):
-        with pytest.raises(NotImplementedError, match="forward-only"):
-            loss.backward(retain_graph=True)
+    calls = []
+    original = triton_backward.triton_attention_backward
+    monkeypatch.setattr(triton_backward, "triton_attention_backward", lambda *a: calls.append(1) or original(*a))
+    B, H, S, D = 2, 4, 4100, head_dim
+    g = torch.Generator().manual_seed(3)
+    base = [torch.randn(B, H, S, D, generator=g) for _ in range(3)]
+    w, w_lse = torch.randn(B, H, S, D, generator=g), torch.randn(B, H, S, generator=g)
+    plan = random_plan(B, H, S, 128, 128, 0.3, seed=3).with_valid_keys(torch.tensor([S, S - 700], dtype=torch.int32))
+    q, k, v = (t.cuda().bfloat16().requires_grad_() for t in base)
+    p = plan.to("cuda").with_correction(*tile_centroids(k, v, 128))
+    out, lse = block_sparse_attention(q, k, v, p, return_lse=True, backend=backend)
+    ((out.float() * w.cuda()).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * w_lse.cuda()).sum()).backward()
+    assert len(calls) == 1
+    q64, k64, v64 = (t.double().requires_grad_() for t in base)
+    p64 = plan.with_correction(*tile_centroids_torch(k64, v64, 128))
+    # autograd through the centroids to k, v: the fp64 reference's backward as a Function of q, k, v
+    dq, dk, dv, dkm, dvs = reference_attention_backward(q64, k64, v64, p64, D ** -0.5, w.double(), w_lse.double())
+    torch.autograd.backward([p64.k_mean, p64.v_sum], [dkm, dvs])
+    want = [t.detach() for t in (dq, dk + k64.grad, dv + v64.grad)]
+    for got, ref in zip((q.grad, k.grad, v.grad), want):
+        assert torch.isfinite(got).all() and rel_err(got.double().cpu(), ref) < 3e-2
 
 
 @pytest.mark.parametrize("dtype,correction", [(torch.bfloat16, True), (torch.float16, False)])

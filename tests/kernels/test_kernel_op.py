@@ -69,31 +69,45 @@ def forward_only_backend():
     dispatch.AUTO_ORDER.remove("forward_only_probe")
 
 
-def test_kernels_without_backward_raise_instead_of_dropping_gradients(forward_only_backend):
-    q, k, v = (torch.randn(1, 2, 200, 64, requires_grad=True) for _ in range(3))
-    p = random_plan(1, 2, 200, 64, 64, 0.5, seed=7)
-    out = block_sparse_attention(q, k, v, p, backend=forward_only_backend)
-    assert out.requires_grad
-    with pytest.raises(NotImplementedError, match="forward-only"):
-        out.sum().backward()
-    ref = block_sparse_attention(q, k, v, p, backend="reference")      # the reference has gradients
-    ref.sum().backward()
-    assert q.grad is not None and rel_err(out.detach(), ref.detach()) < 1e-6
+@pytest.mark.parametrize("correction", [False, True])
+def test_a_kernel_without_a_backward_trains_with_the_reference_backward(forward_only_backend, correction):
+    """A backend with no autograd of its own (the Triton / Gluon kernels) takes the reference's row-recomputing
+    backward: a loss on out and lse gives the reference backend's gradients exactly (the backward reads q, k, v and
+    the plan only), the correction's through the centroids to k and v included. It raised before (forward-only)."""
+    g = torch.Generator().manual_seed(7)
+    base = [torch.randn(2, 2, 200, 64, generator=g) for _ in range(3)]
+    w = torch.randn(2, 2, 200, 64, generator=g)
+    p = random_plan(2, 2, 200, 64, 64, 0.5, seed=7).with_valid_keys(torch.tensor([200, 150], dtype=torch.int32))
+    grads = {}
+    for backend in (forward_only_backend, "reference"):
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        plan = p.with_correction(*tile_centroids_torch(k, v, 64)) if correction else p
+        out, lse = block_sparse_attention(q, k, v, plan, backend=backend, return_lse=True)
+        assert type(out.grad_fn).__name__ == "RecomputingAttentionBackward"
+        ((out * w).sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()).backward()
+        grads[backend] = [t.grad for t in (q, k, v)]
+    for got, want in zip(grads[forward_only_backend], grads["reference"]):
+        assert torch.equal(got, want)
+    if correction:                  # the centroid terms reached k and v: without them the gradients differ
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        plan = p.with_correction(*tile_centroids_torch(k.detach(), v.detach(), 64))
+        out, lse = block_sparse_attention(q, k, v, plan, backend=forward_only_backend, return_lse=True)
+        ((out * w).sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()).backward()
+        assert rel_err(v.grad, grads["reference"][2]) > 1e-3
+    q, k, v = (t.clone().requires_grad_() for t in base)
     with torch.no_grad():
         assert not block_sparse_attention(q, k, v, p, backend=forward_only_backend).requires_grad
-    # the lse too (review find: it came back without a grad_fn, so a loss through it got no gradient, silently)
-    out, lse = block_sparse_attention(q, k, v, p, backend=forward_only_backend, return_lse=True)
-    assert out.requires_grad and lse.requires_grad
-    with pytest.raises(NotImplementedError, match="forward-only"):
-        lse.sum().backward()
 
 
-@pytest.mark.parametrize("backend,correction", [("reference", True), ("auto", True), ("reference", False)])
-def test_gradients_through_the_op_under_compile(backend, correction):
+@pytest.mark.parametrize("backend,correction", [("reference", True), ("auto", True), ("reference", False),
+                                                ("forward_only_probe", True)])
+def test_gradients_through_the_op_under_compile(backend, correction, request):
     """The reference's row-recomputing backward is the op's backward under torch.compile (it raised before, so a
-    compiled training step could not run sparse); the op passes opcheck's autograd checks with gradients, with and
-    without correction (review find: without, its two empty centroid gradients were one tensor, which a custom
-    op may not return twice)."""
+    compiled training step could not run sparse), also where a backend without autograd (a kernel) ran the forward;
+    the op passes opcheck's autograd checks with gradients, with and without correction (review find: without, its
+    two empty centroid gradients were one tensor, which a custom op may not return twice)."""
+    if backend == "forward_only_probe":
+        request.getfixturevalue("forward_only_backend")
     g = torch.Generator().manual_seed(9)
     q, k, v = (torch.randn(2, 2, 333, 64, generator=g, requires_grad=True) for _ in range(3))
     p = random_plan(2, 2, 333, 128, 128, 0.5, seed=5).with_valid_keys(torch.tensor([333, 200], dtype=torch.int32))

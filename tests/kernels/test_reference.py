@@ -199,9 +199,11 @@ def _empty_rows(plan):
 ])
 def test_the_lean_backward_equals_autograd_through_the_reference(B, H, S, Sk, D, bm, bn, density, correction, valid,
                                                                  empty):
-    """ReferenceAttention's backward (each row recomputed) gives autograd's gradients through the reference loop,
+    """RecomputingAttention's backward (each row recomputed) gives autograd's gradients through the reference loop,
     for q, k, v and, with correction, through the centroids to k and v, from a loss on out and on lse."""
-    from videosparse.kernels.reference import ReferenceAttention, reference_attention
+    from videosparse.kernels.dispatch import get_backend
+    from videosparse.kernels.autograd import RecomputingAttention
+    from videosparse.kernels.reference import reference_attention
     from videosparse.sol.centroids import tile_centroids_torch
 
     g = torch.Generator().manual_seed(B * 1000 + S)
@@ -222,7 +224,7 @@ def test_the_lean_backward_equals_autograd_through_the_reference(B, H, S, Sk, D,
 
     expected = torch.autograd.grad(loss(*reference_attention(q, k, v, plan, 0.3, return_lse=True)), (q, k, v),
                                    retain_graph=True)
-    out, lse = ReferenceAttention.apply(q, k, v, plan.k_mean, plan.v_sum, plan, 0.3)
+    out, lse = RecomputingAttention.apply(q, k, v, plan.k_mean, plan.v_sum, plan, 0.3, get_backend("reference"))
     assert torch.equal(out, reference_attention(q, k, v, plan, 0.3))
     for got, want in zip(torch.autograd.grad(loss(out, lse), (q, k, v)), expected):
         assert rel_err(got, want) < 1e-12
@@ -241,7 +243,7 @@ def test_the_reference_backend_keeps_o_s_d_for_backward_and_ignores_keys_that_do
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = block_sparse_attention(q, k, v, dense_plan(1, 2, 2048, 128, 128), backend="reference")
-    assert type(out.grad_fn).__name__ == "ReferenceAttentionBackward"
+    assert type(out.grad_fn).__name__ == "RecomputingAttentionBackward"
     assert sum(saved.values()) <= 3 * q.numel() * 4 + 4096
     k2, v2 = k.detach().clone(), v.detach().clone()
     k2[:, :, 1500:], v2[:, :, 1500:] = float("nan"), float("inf")

@@ -704,6 +704,58 @@ def test_veda_correction_on_the_reference_backend_keeps_its_centroids_gradients(
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("method", ["veda", "sol"])
+def test_a_model_trains_through_a_kernel_without_a_backward(monkeypatch, method):
+    """Fine-tuning on the GPU kernels (backend="auto" on CUDA), simulated on the CPU: a backend with no autograd of
+    its own runs first in the auto order and the centroid kernel gives gradient-free outputs wherever it is free
+    to choose. The weights get exactly the gradients of backend="reference" (the kernels take its backward, the
+    correction's centroids come from torch while autograd records k, v); before, the backward raised."""
+    from videosparse.kernels import dispatch, reference_attention
+    from videosparse.kernels.probe import probe_kernel
+    from videosparse.sol import centroids, triton_centroids
+
+    def grads(backend):
+        tr = build_tiny_wan_pipeline().transformer
+        kw = dict(density=0.3, dense_steps=0, correction=True, backend=backend)
+        config = videosparse.VedaConfig(**kw) if method == "veda" else videosparse.SolConfig(block=64, **kw)
+        session = videosparse.apply(tr, config)["transformer"]
+        tr(**_tiny_forward_kwargs()).sample.square().mean().backward()
+        ran = session.stats()["kernel_backend"]
+        videosparse.remove(tr)
+        return ran, [p.grad.clone() for p in tr.blocks[0].attn1.parameters()]
+
+    ran, expected = grads("reference")
+    assert ran == "reference"
+
+    class NoAutograd:
+        name = "no_autograd_probe"
+
+        def not_supported_reasons(self, q, k, v, plan):
+            return []
+
+        def __call__(self, q, k, v, plan, scale, return_lse):
+            with torch.no_grad():
+                return reference_attention(q, k, v, plan, scale, return_lse)
+
+    def no_grad_stats(q, k, v, block):
+        with torch.no_grad():
+            q_mean = None if q is None else centroids.tile_means_torch(q, block)
+            return (q_mean, *centroids.tile_centroids_torch(k, v, block))
+
+    monkeypatch.setattr(centroids, "_use_triton", lambda x, backend: backend in ("auto", "triton"))
+    monkeypatch.setattr(triton_centroids, "tile_stats_triton", no_grad_stats)
+    monkeypatch.setattr(dispatch, "_REGISTRY", {**dispatch._REGISTRY, NoAutograd.name: NoAutograd()})
+    monkeypatch.setattr(dispatch, "AUTO_ORDER", [NoAutograd.name, *dispatch.AUTO_ORDER])
+    probe_kernel.cache_clear()          # the backend choice per shape is cached: an earlier test's stays otherwise
+    try:
+        ran, got = grads("auto")
+    finally:
+        probe_kernel.cache_clear()
+    assert ran == NoAutograd.name
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+
+
 def test_sol_recalibrates_on_request_after_the_weights_move():
     """Review find (fine-tuning): Sol's threshold, calibrated on a layer's first call, stayed while the weights moved
     (target 0.30, realised 0.41 after four Adam steps); only remove + apply, which drops the statistics, gave it

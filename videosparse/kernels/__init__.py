@@ -4,6 +4,9 @@
 Hopper Gluon kernel (explicit warp-specialized schedule, 128x128 tiles) -> generic Triton kernel -> torch reference.
 The Hopper Triton kernel (TMA + Triton's automatic warp specialization) runs only when asked for by name: on Triton
 3.6 it returns NaN rows for the items in flight when the GPU preempts it (another process sharing the GPU).
+Gradients: every backend's forward takes one backward that recomputes the probabilities (`autograd.py`; eagerly,
+and under torch.compile through the custom op's autograd in ops.py): the Triton backward kernels after a Triton
+forward, the torch reference's row loop otherwise.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import math
 import torch
 
 from ..plan import Plan
+from .autograd import RecomputingAttention, records_gradient
 from .dispatch import check_inputs, register_backend, select_backend
 from .reference import reference_attention
 
@@ -53,7 +57,9 @@ def block_sparse_attention(
             themselves and of `scale` (metadata only) run either way.
 
     Returns:
-        out [B, H, S, D] in q's dtype, and lse when `return_lse`.
+        out [B, H, S, D] in q's dtype, and lse when `return_lse`. Where autograd records q, k, v or the plan's
+        centroids, both carry a backward that recomputes the probabilities (O(S*D) memory): the Triton kernels'
+        after a Triton forward that they take, else the torch reference's.
 
     Example:
         >>> import torch
@@ -74,11 +80,11 @@ def block_sparse_attention(
         out, lse = run_op(q, k, v, plan, scale, backend)
         return (out, lse) if return_lse else out
     impl = select_backend(q, k, v, plan, backend)
-    result = impl(q, k, v, plan, scale, return_lse)
-    if impl.name != "reference" and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        marked = _ForwardOnly.apply(q, k, v, *(result if return_lse else (result,)))
-        return marked if return_lse else marked[0]
-    return result
+    if records_gradient(q, k, v, plan):
+        # the backend's forward, a backward that recomputes the probabilities (the kernels have none of their own)
+        out, lse = RecomputingAttention.apply(q, k, v, plan.k_mean, plan.v_sum, plan, scale, impl)
+        return (out, lse) if return_lse else out
+    return impl(q, k, v, plan, scale, return_lse)
 
 
 def _softmax_scale(scale) -> float:
@@ -93,18 +99,3 @@ def _softmax_scale(scale) -> float:
     if value is None or not math.isfinite(value):
         raise ValueError(f"scale={scale!r} must be a finite number (the softmax scale; None for 1/sqrt(D)).")
     return value
-
-
-class _ForwardOnly(torch.autograd.Function):
-    """Marks a Triton/Gluon call's outputs (out, and lse when returned) as depending on q, k, v so that backward
-    through any of them raises instead of silently giving no gradient (the kernels have no backward pass)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, *outputs):
-        return tuple(o.view_as(o) for o in outputs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        from .ops import FORWARD_ONLY
-
-        raise NotImplementedError(FORWARD_ONLY)

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from ..plan import Plan
-from .reference import reference_attention_trainable
+from .reference import reference_attention
 
 
 class Backend(Protocol):
@@ -37,7 +37,7 @@ class _ReferenceBackend:
         return []
 
     def __call__(self, q, k, v, plan, scale, return_lse):
-        return reference_attention_trainable(q, k, v, plan, scale, return_lse)
+        return reference_attention(q, k, v, plan, scale, return_lse)
 
 
 PADDED_HEAD_DIMS = (64, 128)    # head dims the Triton kernels take; others below 128 run zero-padded to the next

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..plan import Plan
+from .autograd import attention_backward, kernel_backward
 from .dispatch import select_backend
-from .reference import reference_attention_backward
 
 
 @torch.library.custom_op("videosparse::block_sparse_attention", mutates_args=())
@@ -44,16 +44,13 @@ def _(q, k, v, kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, or
     return q.new_empty(q.shape), q.new_empty((B, H, S), dtype=torch.float32)
 
 
-FORWARD_ONLY = ("videosparse's block-sparse attention kernels are forward-only (no backward pass): run them "
-                "under torch.no_grad() / torch.inference_mode(), or, for gradients, use backend='reference' (its "
-                "torch path has a backward, also under torch.compile).")
-
-
 @torch.library.custom_op("videosparse::block_sparse_attention_backward", mutates_args=())
 def block_sparse_attention_backward_op(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
     kv_index: torch.Tensor,
     kv_count: torch.Tensor,
     block_m: int,
@@ -65,11 +62,13 @@ def block_sparse_attention_backward_op(
     scale: float,
     d_out: torch.Tensor,
     d_lse: torch.Tensor,
+    kernel: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch reference's gradients (dq, dk, dv, dk_mean, dv_sum; the last two empty without correction), each
-    query tile row recomputed (`reference.reference_attention_backward`), as one opaque node for torch.compile."""
+    """The gradients (dq, dk, dv, dk_mean, dv_sum; the last two empty without correction) of `autograd.
+    attention_backward` (the Triton kernels when `kernel`, else the torch reference's row recompute, which reads
+    no out, lse), as one opaque node for torch.compile."""
     plan = Plan(kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, None, valid_keys)
-    dq, dk, dv, dk_mean, dv_sum = reference_attention_backward(q, k, v, plan, scale, d_out, d_lse)
+    dq, dk, dv, dk_mean, dv_sum = attention_backward(q, k, v, out, lse, plan, scale, d_out, d_lse, kernel)
 
     def centroid_grad(grad, centroid):      # each output its own tensor (outputs of a custom op may not alias)
         if grad is not None:
@@ -81,7 +80,8 @@ def block_sparse_attention_backward_op(
 
 
 @block_sparse_attention_backward_op.register_fake
-def _(q, k, v, kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, valid_keys, scale, d_out, d_lse):
+def _(q, k, v, out, lse, kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, valid_keys, scale, d_out,
+      d_lse, kernel):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             k_mean.new_empty(k_mean.shape) if k_mean is not None else q.new_empty(0),
             v_sum.new_empty(v_sum.shape) if v_sum is not None else q.new_empty(0))
@@ -89,29 +89,29 @@ def _(q, k, v, kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, va
 
 def _keep_inputs(ctx, inputs, output):
     q, k, v, kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, order, valid_keys, scale, backend = inputs
-    ctx.save_for_backward(q, k, v, kv_index, kv_count, k_mean, v_sum, tile_len, valid_keys)
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, kv_index, kv_count, k_mean, v_sum, tile_len, valid_keys)
     ctx.block_m, ctx.block_n, ctx.scale = block_m, block_n, scale
-    # whether the torch reference ran the forward (asked as the op asks, from the inputs' metadata only)
+    # whether the Triton backward serves the backend that ran the forward (asked as the op asks, from the inputs'
+    # metadata only)
     plan = Plan(kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, order, valid_keys)
     try:
-        ctx.reference = select_backend(q, k, v, plan, backend).name == "reference"
-    except Exception:                       # a backend check that needs real data: then only the name says
-        ctx.reference = backend == "reference"
+        ctx.kernel = kernel_backward(q, plan, select_backend(q, k, v, plan, backend).name)
+    except Exception:                       # a backend check that needs real data: the reference's backward
+        ctx.kernel = False
 
 
 def _backward(ctx, grad_out, grad_lse):
-    """Gradients where the torch reference ran the forward (backend='reference', or 'auto' where it picks the
-    reference): its row-recomputing backward; the kernels have none."""
-    if not ctx.reference:
-        raise NotImplementedError(FORWARD_ONLY)
-    q, k, v, kv_index, kv_count, k_mean, v_sum, tile_len, valid_keys = ctx.saved_tensors
+    """`autograd.attention_backward` as the op's own custom op, whichever backend ran the forward (all compute the
+    reference's function; the kernels have no backward of their own)."""
+    q, k, v, out, lse, kv_index, kv_count, k_mean, v_sum, tile_len, valid_keys = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(q)
     if grad_lse is None:
         grad_lse = q.new_zeros(q.shape[:3], dtype=torch.float32)
     dq, dk, dv, dk_mean, dv_sum = block_sparse_attention_backward_op(
-        q, k, v, kv_index, kv_count, ctx.block_m, ctx.block_n, k_mean, v_sum, tile_len, valid_keys, ctx.scale,
-        grad_out, grad_lse)
+        q, k, v, out, lse, kv_index, kv_count, ctx.block_m, ctx.block_n, k_mean, v_sum, tile_len, valid_keys,
+        ctx.scale, grad_out, grad_lse, ctx.kernel)
     return (dq, dk, dv, None, None, None, None, dk_mean if k_mean is not None else None,
             dv_sum if v_sum is not None else None, None, None, None, None, None)
 

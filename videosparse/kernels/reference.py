@@ -16,9 +16,8 @@ no keys at all returns 0 and lse = -inf. Computation runs in fp32 (fp64 for fp64
 row at a time, so memory stays O(S*D) per head plus one tile row.
 
 Gradients: autograd through `reference_attention` keeps every row's gathered tiles and probabilities (memory
-grows with density * S^2); `ReferenceAttention` (what the "reference" backend runs when gradients are needed)
-keeps only q, k, v and the correction inputs, and recomputes each row in its backward (as FlashAttention does),
-so its backward too needs O(S*D) memory plus one tile row.
+grows with density * S^2); `reference_attention_backward` recomputes each row from q, k, v instead (as
+FlashAttention does), so it too needs O(S*D) memory plus one tile row (`autograd.RecomputingAttention` runs it).
 """
 
 from __future__ import annotations
@@ -134,31 +133,6 @@ def reference_attention(
     return (out, lse) if return_lse else out
 
 
-class ReferenceAttention(torch.autograd.Function):
-    """`reference_attention` with a backward that recomputes each query tile row from q, k, v and the lse instead
-    of keeping every row's tiles and probabilities (autograd through the loop keeps O(density * S^2) per head).
-
-    apply(q, k, v, k_mean, v_sum, plan, scale) -> (out, lse); k_mean, v_sum: the plan's correction centroids
-    (None without correction), passed apart so that their gradients reach the tensors they were computed from.
-    Gradients for q, k, v, k_mean, v_sum, through out and lse; not twice differentiable.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, k_mean, v_sum, plan: Plan, scale: float):
-        out, lse = reference_attention(q, k, v, plan, scale, return_lse=True)
-        ctx.save_for_backward(q, k, v)
-        ctx.plan, ctx.scale = plan, scale             # the plan holds k_mean, v_sum for the backward
-        return out, lse
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, d_out, d_lse):
-        q, k, v = ctx.saved_tensors
-        dq, dk, dv, d_k_mean, d_v_sum = reference_attention_backward(q, k, v, ctx.plan, ctx.scale, d_out, d_lse)
-        return (dq, dk, dv, d_k_mean if ctx.needs_input_grad[3] else None,
-                d_v_sum if ctx.needs_input_grad[4] else None, None, None)
-
-
 def reference_attention_backward(q, k, v, plan: Plan, scale: float, d_out: torch.Tensor | None,
                                  d_lse: torch.Tensor | None) -> tuple:
     """Gradients of `reference_attention`'s (out, lse) for q, k, v and the plan's k_mean, v_sum (None without
@@ -210,13 +184,3 @@ def reference_attention_backward(q, k, v, plan: Plan, scale: float, d_out: torch
         d_k_mean = dk_mean.to(plan.k_mean.dtype)
         d_v_sum = (dv_mean / rows.tile_len[:, None].clamp_min(1)).to(plan.v_sum.dtype)
     return dq.to(q.dtype), dk, dv, d_k_mean, d_v_sum
-
-
-def reference_attention_trainable(q, k, v, plan: Plan, scale: float, return_lse: bool = False):
-    """`reference_attention` through `ReferenceAttention` when autograd records a gradient for any of q, k, v or
-    the plan's centroids (its memory-lean backward), else the plain forward."""
-    inputs = (q, k, v, plan.k_mean, plan.v_sum)
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)):
-        return reference_attention(q, k, v, plan, scale, return_lse)
-    out, lse = ReferenceAttention.apply(q, k, v, plan.k_mean, plan.v_sum, plan, scale)
-    return (out, lse) if return_lse else out

@@ -53,6 +53,12 @@ def tile_means_torch(x: torch.Tensor, block: int) -> torch.Tensor:
 CENTROID_BACKENDS = ("auto", "triton", "torch", "reference")
 
 
+def _records_gradient(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether autograd records k or v: then the centroids come from torch (differentiable, so the correction's
+    gradients reach k and v), whatever the backend (the Triton kernel has no backward)."""
+    return torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
+
+
 def _use_triton(x: torch.Tensor, backend: str) -> bool:
     """Whether the fused Triton kernel runs for `x` under `backend` ("reference" means torch)."""
     if backend not in CENTROID_BACKENDS:
@@ -79,7 +85,8 @@ def _use_triton(x: torch.Tensor, backend: str) -> bool:
 def tile_centroids(
     k: torch.Tensor, v: torch.Tensor, block_n: int, *, backend: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Centroids of key tiles in tile order: the fused Triton kernel on CUDA, torch elsewhere.
+    """Centroids of key tiles in tile order: the fused Triton kernel on CUDA, torch elsewhere and wherever autograd
+    records k or v.
 
     Args:
         k, v: [B, H, S, D] in tile order (any float dtype).
@@ -91,6 +98,8 @@ def tile_centroids(
         k_mean fp32 [B, H, Nk, D], v_sum fp32 [B, H, Nk, D], tile_len int32 [Nk], as
         `tile_centroids_torch`.
     """
+    if _records_gradient(k, v):
+        return tile_centroids_torch(k, v, block_n)
     if backend == "auto" and torch.compiler.is_compiling():
         return tile_centroids_op(k, v, block_n)     # one opaque node (eagerly the op's dispatch costs host time)
     if _use_triton(k, backend):
@@ -114,6 +123,8 @@ def tile_stats(
     Returns:
         q_mean fp32 [B, H, N, D], k_mean fp32 [B, H, N, D], v_sum fp32 [B, H, N, D], tile_len int32 [N].
     """
+    if _records_gradient(k, v):
+        return (tile_means_torch(q, block), *tile_centroids_torch(k, v, block))
     if backend == "auto" and torch.compiler.is_compiling():
         return tile_stats_op(q, k, v, block)        # one opaque node (eagerly the op's dispatch costs host time)
     if _use_triton(k, backend):
