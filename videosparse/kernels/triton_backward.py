@@ -233,14 +233,15 @@ def triton_attention_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out
     dq = torch.empty(B, H, S, D, dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     common = dict(HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, UPCAST=INTERPRETED and q.dtype != torch.float32,
-                  HAS_LIMIT=limit is not None, num_warps=default_num_warps(D), **COMPILE_OPTIONS)
+                  HAS_LIMIT=limit is not None, num_warps=default_num_warps(D))
     key_limits = kv_count if limit is None else limit
     _bwd_dq[(B * H * Mq,)](q, k, v, d_out, lse, delta, dq, kv_index, kv_count, key_limits, scale * LOG2E, scale,
-                           H, S, Sk, Mq, kv_index.shape[1], KEY_CHUNK=min(bn, default_key_chunk(bm)), **common)
+                           H, S, Sk, Mq, kv_index.shape[1], KEY_CHUNK=min(bn, default_key_chunk(bm)), **common,
+                           **COMPILE_OPTIONS)
     keys = min(bn, KEY_SPLIT)
     _bwd_dkdv[(B * H * Nk * (bn // keys),)](q, k, v, d_out, lse, delta, dk, dv, q_index, q_count, key_limits,
                                             scale * LOG2E, scale, H, S, Sk, Nk, q_index.shape[1], KEYS=keys,
-                                            ROWS=min(bm, ROW_CHUNK), **common)
+                                            ROWS=min(bm, ROW_CHUNK), **common, **COMPILE_OPTIONS)
     d_k_mean = d_v_sum = None
     if plan.has_correction:
         dq_proxy, d_k_mean, d_v_sum = correction_backward(q, d_out, lse, delta, plan, listed, scale)
