@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..plan import Plan
+from ..plan import Plan, work_order
 from ._triton_utils import COMPILE_OPTIONS, LOG2E, flat_plan, key_limit, launch_signature
 from .triton_generic import SUPPORTED_BLOCKS, SUPPORTED_HEAD_DIMS
 
@@ -34,15 +34,16 @@ KEY_SPLIT = 64      # keys per `_bwd_dkdv` program: a 128-key tile in two progra
 @triton.jit
 def _bwd_dq(
     Q, K, V, DO, LSE, DELTA, DQ,
-    KV_INDEX, KV_COUNT, KEY_LIMIT,
+    KV_INDEX, KV_COUNT, ORDER, KEY_LIMIT,
     qk_scale, scale,
     H, S, SK, MQ, KMAX,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_CHUNK: tl.constexpr,
     UPCAST: tl.constexpr, HAS_LIMIT: tl.constexpr,
 ):
     """One program per (b, h, query tile): dq of the tile's rows (fp32) over its listed key tiles, KEY_CHUNK keys per
-    step. Q, DO [B*H, S, D], K, V [B*H, SK, D] contiguous; LSE, DELTA fp32 [B*H, S]; qk_scale = scale * log2(e)."""
-    item = tl.program_id(0)
+    step, taken in ORDER (`plan.work_order`: long rows first). Q, DO [B*H, S, D], K, V [B*H, SK, D] contiguous; LSE,
+    DELTA fp32 [B*H, S]; qk_scale = scale * log2(e)."""
+    item = tl.load(ORDER + tl.program_id(0))
     bh = item // MQ
     mt = item % MQ
     offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -85,16 +86,17 @@ def _bwd_dq(
 @triton.jit
 def _bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV,
-    Q_INDEX, Q_COUNT, KEY_LIMIT,
+    Q_INDEX, Q_COUNT, ORDER, KEY_LIMIT,
     qk_scale, scale,
     H, S, SK, NK, MMAX,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEYS: tl.constexpr, ROWS: tl.constexpr,
     UPCAST: tl.constexpr, HAS_LIMIT: tl.constexpr,
 ):
     """One program per (b, h, key tile, KEYS of its keys): their dk, dv over the query tiles that list the tile, ROWS
-    query rows per step; Q_INDEX [B*H*NK, MMAX] / Q_COUNT [B*H*NK]: those query tiles (ascending)."""
+    query rows per step; Q_INDEX [B*H*NK, MMAX] / Q_COUNT [B*H*NK]: those query tiles (ascending); key tiles taken in
+    ORDER (a key tile that every query tile lists, a global tile, first)."""
     SPLIT: tl.constexpr = BLOCK_N // KEYS
-    item = tl.program_id(0) // SPLIT
+    item = tl.load(ORDER + tl.program_id(0) // SPLIT)
     bh = item // NK
     nt = item % NK
     keys = nt * BLOCK_N + (tl.program_id(0) % SPLIT) * KEYS + tl.arange(0, KEYS)
@@ -235,12 +237,13 @@ def triton_attention_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out
     common = dict(HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, UPCAST=INTERPRETED and q.dtype != torch.float32,
                   HAS_LIMIT=limit is not None, num_warps=default_num_warps(D))
     key_limits = kv_count if limit is None else limit
-    _bwd_dq[(B * H * Mq,)](q, k, v, d_out, lse, delta, dq, kv_index, kv_count, key_limits, scale * LOG2E, scale,
-                           H, S, Sk, Mq, kv_index.shape[1], KEY_CHUNK=min(bn, default_key_chunk(bm)), **common,
-                           **COMPILE_OPTIONS)
+    _bwd_dq[(B * H * Mq,)](q, k, v, d_out, lse, delta, dq, kv_index, kv_count, work_order(kv_count), key_limits,
+                           scale * LOG2E, scale, H, S, Sk, Mq, kv_index.shape[1],
+                           KEY_CHUNK=min(bn, default_key_chunk(bm)), **common, **COMPILE_OPTIONS)
     keys = min(bn, KEY_SPLIT)
-    _bwd_dkdv[(B * H * Nk * (bn // keys),)](q, k, v, d_out, lse, delta, dk, dv, q_index, q_count, key_limits,
-                                            scale * LOG2E, scale, H, S, Sk, Nk, q_index.shape[1], KEYS=keys,
+    _bwd_dkdv[(B * H * Nk * (bn // keys),)](q, k, v, d_out, lse, delta, dk, dv, q_index, q_count,
+                                            work_order(q_count), key_limits, scale * LOG2E, scale, H, S, Sk, Nk,
+                                            q_index.shape[1], KEYS=keys,
                                             ROWS=min(bm, ROW_CHUNK), **common, **COMPILE_OPTIONS)
     d_k_mean = d_v_sum = None
     if plan.has_correction:
@@ -279,7 +282,8 @@ def compile_backward(kernel: str = "dq", *, capability: int = 90, head_dim: int 
     fn = _bwd_dq if kernel == "dq" else _bwd_dkdv
     ptr = "*" + dtype
     pointers = dict(Q=ptr, K=ptr, V=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", DQ="*fp32", DK=ptr, DV=ptr,
-                    KV_INDEX="*i32", KV_COUNT="*i32", Q_INDEX="*i32", Q_COUNT="*i32", KEY_LIMIT="*i32")
+                    KV_INDEX="*i32", KV_COUNT="*i32", Q_INDEX="*i32", Q_COUNT="*i32", ORDER="*i32",
+                    KEY_LIMIT="*i32")
     Mq, Nk = -(-seq_len // block_m), -(-seq_len // block_n)
     values = dict(qk_scale=0.125 * 1.4427, scale=0.125, H=heads, S=seq_len, SK=seq_len, MQ=Mq, NK=Nk, KMAX=Nk,
                   MMAX=Mq)
