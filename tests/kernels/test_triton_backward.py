@@ -132,14 +132,49 @@ def _run_api_case(name: str) -> dict:
     return res
 
 
+def _run_wan_case(name: str) -> dict:
+    """A training step of the tiny Wan transformer (Veda at density 0.4, 64-token tiles, with and without the
+    correction): backend="triton" runs the generic kernel and the Triton backward; every parameter's gradient
+    against backend="reference"."""
+    from helpers import rel_err
+
+    import videosparse
+    from videosparse.kernels import triton_backward
+    from videosparse.models.tiny_wan import build_tiny_wan_pipeline
+
+    calls = []
+    original = triton_backward.triton_attention_backward
+    triton_backward.triton_attention_backward = lambda *a: calls.append(1) or original(*a)
+
+    def grads(backend, correction):
+        torch.manual_seed(0)
+        tr = build_tiny_wan_pipeline().transformer
+        g = torch.Generator().manual_seed(1)
+        x, text = torch.randn(1, 4, 3, 32, 32, generator=g), torch.randn(1, 8, tr.config.text_dim, generator=g)
+        config = videosparse.VedaConfig(density=0.4, dense_steps=0, block=64, correction=correction, backend=backend)
+        session = videosparse.apply(tr, config)["transformer"]
+        tr(hidden_states=x, timestep=torch.tensor([500]), encoder_hidden_states=text).sample.square().mean().backward()
+        stats = session.stats()
+        return stats["kernel_backend"], stats["sparse_calls"], [p.grad for p in tr.parameters() if p.grad is not None]
+
+    res = {}
+    for correction in (False, True):
+        want, before = grads("reference", correction), len(calls)
+        got = grads("triton", correction)
+        res[str(correction)] = {"backends": [want[0], got[0]], "sparse_calls": [want[1], got[1]],
+                                "triton_backward_calls": len(calls) - before, "params": [len(want[2]), len(got[2])],
+                                "max_error": max(rel_err(a, b) for a, b in zip(got[2], want[2]))}
+    return res
+
+
 def _run(name: str) -> dict:
-    return _run_api_case(name) if name == "api" else _run_case(name)
+    return {"api": _run_api_case, "wan": _run_wan_case}.get(name, _run_case)(name)
 
 
 # ---------------------------------------------------------------- parent side
 @pytest.fixture(scope="module")
 def results():
-    return run_interpreter_cases(Path(__file__), [*CASES, "api"], timeout=900)
+    return run_interpreter_cases(Path(__file__), [*CASES, "api", "wan"], timeout=900)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -161,6 +196,16 @@ def test_a_triton_forward_trains_with_the_triton_backward_eager_and_compiled(res
     assert res["reference_calls"] == 0 and res["eager_calls"] == 1 and res["compiled_calls"] == 1, res
     for err in res["eager_errors"] + res["compiled_errors"]:
         assert err < 1e-5, res
+
+
+def test_a_tiny_wan_training_step_on_the_triton_kernels_gets_the_reference_gradients(results):
+    res = results["wan"]
+    assert "error" not in res, res.get("error")
+    for correction in ("False", "True"):
+        r = res[correction]
+        assert r["backends"] == ["reference", "triton_generic"] and r["sparse_calls"] == [2, 2], r
+        assert r["triton_backward_calls"] == 2 and r["params"][0] == r["params"][1] > 10, r
+        assert r["max_error"] < 1e-5, r
 
 
 def _aot():
