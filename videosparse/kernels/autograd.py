@@ -2,8 +2,9 @@
 
 The kernels have no autograd of their own; all backends compute the reference's function, so the forward of any of
 them takes one backward, which recomputes the probabilities from q, k and the lse instead of keeping them:
-the Triton backward kernels (`triton_backward.py`) when a Triton backend ran the forward and they take the inputs,
-else the torch reference's row loop (`reference.reference_attention_backward`: any device, dtype and head dim).
+the Triton backward kernels (`triton_backward.py`) when a Triton backend ran the forward (zero-padded to a head dim
+they take, too) and they take the inputs, else the torch reference's row loop (`reference.
+reference_attention_backward`: any device, dtype and head dim).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..plan import Plan
-from .dispatch import TRITON_BACKENDS
+from .dispatch import TRITON_BACKENDS, Backend, PaddedHeadDim
 from .reference import reference_attention_backward
 
 
@@ -21,26 +22,42 @@ def records_gradient(q, k, v, plan: Plan) -> bool:
                                            for t in (q, k, v, plan.k_mean, plan.v_sum))
 
 
-def kernel_backward(q: torch.Tensor, plan: Plan, forward: str) -> bool:
-    """Whether the Triton backward serves a forward that ran on the backend named `forward`: a Triton backend, and
-    inputs the backward kernels take (`triton_backward.not_supported_reasons`)."""
-    if forward not in TRITON_BACKENDS:
-        return False
+def kernel_head_dim(q: torch.Tensor, plan: Plan, forward: Backend) -> int:
+    """The head dim the Triton backward runs at for a forward on `forward`, or 0 for the torch reference's backward:
+    q's, after a Triton backend; the padded one after a Triton backend run zero-padded (`PaddedHeadDim`); each only
+    where the backward kernels take the inputs (`triton_backward.not_supported_reasons`)."""
+    inner, head_dim = (forward.inner, forward.head_dim) if isinstance(forward, PaddedHeadDim) else \
+        (forward, q.shape[-1])
+    if inner.name not in TRITON_BACKENDS:
+        return 0
     try:
         from . import triton_backward
     except ImportError:
-        return False
-    return not triton_backward.not_supported_reasons(q, plan)
+        return 0
+    stand_in = q if head_dim == q.shape[-1] else q.new_empty(1, 1, 1, head_dim)
+    return 0 if triton_backward.not_supported_reasons(stand_in, plan) else head_dim
 
 
-def attention_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out, d_lse, kernel: bool) -> tuple:
+def attention_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out, d_lse, head_dim: int) -> tuple:
     """(dq, dk, dv, d_k_mean, d_v_sum) for the forward's (out, lse) (the last two None without correction): with
-    the Triton kernels when `kernel`, else the torch reference's row recompute (which needs no out, lse)."""
-    if kernel:
-        from .triton_backward import triton_attention_backward
+    the Triton kernels at `head_dim` (q, k, v, out, d_out and the centroids zero-padded to it when it is larger
+    than theirs: the pad adds nothing to any product, and the pad columns of the gradients are dropped), or, with
+    head_dim 0, the torch reference's row recompute (which reads no out, lse)."""
+    if not head_dim:
+        return reference_attention_backward(q, k, v, plan, scale, d_out, d_lse)
+    from .triton_backward import triton_attention_backward
 
+    D = q.shape[-1]
+    if head_dim == D:
         return triton_attention_backward(q, k, v, out, lse, plan, scale, d_out, d_lse)
-    return reference_attention_backward(q, k, v, plan, scale, d_out, d_lse)
+    pad = (0, head_dim - D)
+    q, k, v, out = (torch.nn.functional.pad(t, pad) for t in (q, k, v, out))
+    d_out = None if d_out is None else torch.nn.functional.pad(d_out, pad)
+    if plan.has_correction:
+        plan = plan.with_correction(torch.nn.functional.pad(plan.k_mean, pad), torch.nn.functional.pad(plan.v_sum, pad),
+                                    plan.tile_len)
+    grads = triton_attention_backward(q, k, v, out, lse, plan, scale, d_out, d_lse)
+    return tuple(None if g is None else g[..., :D] for g in grads)
 
 
 class RecomputingAttention(torch.autograd.Function):
@@ -55,8 +72,8 @@ class RecomputingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, k_mean, v_sum, plan: Plan, scale: float, run):
         out, lse = run(q, k, v, plan, scale, True)
-        ctx.kernel = kernel_backward(q, plan, run.name)
-        ctx.save_for_backward(q, k, v, *((out, lse) if ctx.kernel else ()))
+        ctx.head_dim = kernel_head_dim(q, plan, run)
+        ctx.save_for_backward(q, k, v, *((out, lse) if ctx.head_dim else ()))
         ctx.plan, ctx.scale = plan, scale             # the plan holds k_mean, v_sum for the backward
         return out, lse
 
@@ -64,8 +81,8 @@ class RecomputingAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out, d_lse):
         q, k, v, *outputs = ctx.saved_tensors
-        out, lse = outputs if ctx.kernel else (None, None)
+        out, lse = outputs if ctx.head_dim else (None, None)
         dq, dk, dv, d_k_mean, d_v_sum = attention_backward(q, k, v, out, lse, ctx.plan, ctx.scale, d_out, d_lse,
-                                                           ctx.kernel)
+                                                           ctx.head_dim)
         return (dq, dk, dv, d_k_mean if ctx.needs_input_grad[3] else None,
                 d_v_sum if ctx.needs_input_grad[4] else None, None, None, None)

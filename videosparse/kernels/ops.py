@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..plan import Plan
-from .autograd import attention_backward, kernel_backward
+from .autograd import attention_backward, kernel_head_dim
 from .dispatch import select_backend
 
 
@@ -62,13 +62,13 @@ def block_sparse_attention_backward_op(
     scale: float,
     d_out: torch.Tensor,
     d_lse: torch.Tensor,
-    kernel: bool,
+    head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients (dq, dk, dv, dk_mean, dv_sum; the last two empty without correction) of `autograd.
-    attention_backward` (the Triton kernels when `kernel`, else the torch reference's row recompute, which reads
-    no out, lse), as one opaque node for torch.compile."""
+    attention_backward` (the Triton kernels at `head_dim`, or with 0 the torch reference's row recompute, which
+    reads no out, lse), as one opaque node for torch.compile."""
     plan = Plan(kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, None, valid_keys)
-    dq, dk, dv, dk_mean, dv_sum = attention_backward(q, k, v, out, lse, plan, scale, d_out, d_lse, kernel)
+    dq, dk, dv, dk_mean, dv_sum = attention_backward(q, k, v, out, lse, plan, scale, d_out, d_lse, head_dim)
 
     def centroid_grad(grad, centroid):      # each output its own tensor (outputs of a custom op may not alias)
         if grad is not None:
@@ -81,7 +81,7 @@ def block_sparse_attention_backward_op(
 
 @block_sparse_attention_backward_op.register_fake
 def _(q, k, v, out, lse, kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, valid_keys, scale, d_out,
-      d_lse, kernel):
+      d_lse, head_dim):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             k_mean.new_empty(k_mean.shape) if k_mean is not None else q.new_empty(0),
             v_sum.new_empty(v_sum.shape) if v_sum is not None else q.new_empty(0))
@@ -96,9 +96,9 @@ def _keep_inputs(ctx, inputs, output):
     # metadata only)
     plan = Plan(kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, order, valid_keys)
     try:
-        ctx.kernel = kernel_backward(q, plan, select_backend(q, k, v, plan, backend).name)
+        ctx.head_dim = kernel_head_dim(q, plan, select_backend(q, k, v, plan, backend))
     except Exception:                       # a backend check that needs real data: the reference's backward
-        ctx.kernel = False
+        ctx.head_dim = 0
 
 
 def _backward(ctx, grad_out, grad_lse):
@@ -111,7 +111,7 @@ def _backward(ctx, grad_out, grad_lse):
         grad_lse = q.new_zeros(q.shape[:3], dtype=torch.float32)
     dq, dk, dv, dk_mean, dv_sum = block_sparse_attention_backward_op(
         q, k, v, out, lse, kv_index, kv_count, ctx.block_m, ctx.block_n, k_mean, v_sum, tile_len, valid_keys,
-        ctx.scale, grad_out, grad_lse, ctx.kernel)
+        ctx.scale, grad_out, grad_lse, ctx.head_dim)
     return (dq, dk, dv, None, None, None, None, dk_mean if k_mean is not None else None,
             dv_sum if v_sum is not None else None, None, None, None, None, None)
 

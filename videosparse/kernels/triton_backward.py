@@ -29,6 +29,21 @@ from .triton_generic import SUPPORTED_BLOCKS, SUPPORTED_HEAD_DIMS
 
 ROW_CHUNK = 32      # query rows per step of `_bwd_dkdv` (FlashAttention-2's and Triton's tutorial choice)
 KEY_SPLIT = 64      # keys per `_bwd_dkdv` program: a 128-key tile in two programs (whole, its fp32 dk, dv spill)
+DELTA_ROWS = 64     # rows per `_bwd_delta` program
+
+
+@triton.jit
+def _bwd_delta(O, DO, DLSE, DELTA, N_ROWS, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """delta = rowsum(dO * O) - dlse in fp32 for ROWS of the N_ROWS rows [N_ROWS, D] per program (no fp32 copies)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = rows < N_ROWS
+    off = rows.to(tl.int64)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    o = tl.load(O + off, mask=ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + off, mask=ok[:, None], other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, axis=1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + rows, mask=ok, other=0.0)
+    tl.store(DELTA + rows, delta, mask=ok)
 
 
 @triton.jit
@@ -153,20 +168,22 @@ def listed_tiles(plan: Plan, num_key_tiles: int) -> torch.Tensor:
 
 
 def transpose_plan(listed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plan by key tile: (q_index int32 [B*H*Nk, Mmax], q_count int32 [B*H*Nk]), the query tiles listing each key
-    tile in ascending order, from `listed_tiles` [B, H, Mq, Nk]."""
+    """The plan by key tile: (q_index int32 [B*H*Nk, Mq], q_count int32 [B*H*Nk]), the query tiles listing each key
+    tile in ascending order (entries past the count unused), from `listed_tiles` [B, H, Mq, Nk]. Mq columns, not the
+    longest count: reading that would wait for the GPU."""
     B, H, Mq, Nk = listed.shape
     by_key = listed.transpose(-1, -2).reshape(B * H * Nk, Mq)
     q_count = by_key.sum(-1, dtype=torch.int32)
-    mmax = max(int(q_count.max()), 1) if q_count.numel() else 1
-    q_index = torch.argsort((~by_key).to(torch.int8), dim=-1, stable=True)[:, :mmax]
+    q_index = torch.argsort((~by_key).to(torch.int8), dim=-1, stable=True)
     return q_index.to(torch.int32).contiguous(), q_count.contiguous()
 
 
-def correction_backward(q, d_out, lse, delta, plan: Plan, listed: torch.Tensor, scale: float):
-    """The zero-order correction's share of the gradients: dq fp32 [B, H, S, D] of the proxy terms and the gradients
-    of the plan's k_mean, v_sum (each in its dtype). lse, delta fp32 [B, H, S] as the kernels take them; `listed`
-    [B, H, Mq, Nk] from `listed_tiles`. Rows in chunks of whole query tiles, so that the proxy scores stay small."""
+def correction_backward(dq, q, d_out, lse, delta, plan: Plan, listed: torch.Tensor, scale: float):
+    """The zero-order correction's share of the gradients: the proxy terms added into dq (fp32 [B, H, S, D], in
+    place), and the gradients of the plan's k_mean, v_sum (each in its dtype), returned. lse, delta fp32 [B, H, S] as
+    the kernels take them; `listed` [B, H, Mq, Nk] from `listed_tiles`. Rows in chunks of whole query tiles, so that
+    the proxy scores stay near 2^25 elements. A centroid counts only where it is a proxy: non-finite ones elsewhere
+    (tiles past valid_keys whose keys hold NaN) reach nothing, as in the reference."""
     B, H, S, D = q.shape
     Nk, bm, bn = listed.shape[-1], plan.block_m, plan.block_n
     limit = torch.full((B,), Nk * bn, device=q.device) if plan.valid_keys is None else plan.valid_keys.long()
@@ -174,10 +191,10 @@ def correction_backward(q, d_out, lse, delta, plan: Plan, listed: torch.Tensor, 
     tile_len = plan.tile_len.to(device=q.device, dtype=torch.float32)
     k_mean = plan.k_mean.float()
     v_mean = plan.v_sum.float() / tile_len[:, None].clamp_min(1)
+    k_finite, v_finite = (torch.where(torch.isfinite(t), t, 0.0) for t in (k_mean, v_mean))
     log_len = tile_len.clamp_min(1).log()
-    dq = torch.zeros(B, H, S, D, dtype=torch.float32, device=q.device)
     dk_mean, dv_mean = torch.zeros_like(k_mean), torch.zeros_like(v_mean)
-    tiles_per_chunk = max(1, (1 << 24) // max(1, B * H * bm * Nk))
+    tiles_per_chunk = max(1, (1 << 25) // max(1, B * H * bm * Nk))
     for i0 in range(0, listed.shape[2], tiles_per_chunk):
         r0, r1 = i0 * bm, min(S, (i0 + tiles_per_chunk) * bm)
         qi, do = q[:, :, r0:r1].float(), d_out[:, :, r0:r1].float()
@@ -185,11 +202,11 @@ def correction_backward(q, d_out, lse, delta, plan: Plan, listed: torch.Tensor, 
         exact = chosen[:, :, i0:i0 + tiles_per_chunk].repeat_interleave(bm, dim=2)[:, :, :r1 - r0]
         p = torch.exp((qi @ k_mean.transpose(-1, -2)) * scale + log_len - torch.where(
             torch.isfinite(row_lse), row_lse, math.inf)).masked_fill(exact, 0.0)                # [B, H, R, Nk]
-        ds = p * (do @ v_mean.transpose(-1, -2) - delta[:, :, r0:r1, None])
-        dq[:, :, r0:r1] = (ds @ k_mean) * scale
+        ds = (p * (do @ v_finite.transpose(-1, -2) - delta[:, :, r0:r1, None])).masked_fill_(exact, 0.0)
+        dq[:, :, r0:r1] += (ds @ k_finite) * scale
         dk_mean += (ds.transpose(-1, -2) @ qi) * scale
         dv_mean += p.transpose(-1, -2) @ do
-    return dq, dk_mean.to(plan.k_mean.dtype), (dv_mean / tile_len[:, None].clamp_min(1)).to(plan.v_sum.dtype)
+    return dk_mean.to(plan.k_mean.dtype), (dv_mean / tile_len[:, None].clamp_min(1)).to(plan.v_sum.dtype)
 
 
 def default_num_warps(head_dim: int) -> int:
@@ -223,19 +240,22 @@ def triton_attention_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None
     plan = plan.with_index_slot()
     d_out = torch.zeros_like(q) if d_out is None else d_out.to(q.dtype)
-    delta = (d_out.float() * out.float()).sum(-1)
-    if d_lse is not None:
-        delta = delta - d_lse.float()
     lse = lse.float().contiguous()
-    q, k, v, d_out = (t.contiguous() for t in (q, k, v, d_out))
+    q, k, v, d_out, out = (t.contiguous() for t in (q, k, v, d_out, out))
+    upcast = INTERPRETED and q.dtype != torch.float32
+    delta = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
+    d_lse = None if d_lse is None else d_lse.float().contiguous()
+    _bwd_delta[(triton.cdiv(B * H * S, DELTA_ROWS),)](out, d_out, delta if d_lse is None else d_lse, delta,
+                                                      B * H * S, HEAD_DIM=D, ROWS=DELTA_ROWS,
+                                                      HAS_DLSE=d_lse is not None, **COMPILE_OPTIONS)
     limit = key_limit(plan, H)
     kv_index, kv_count = flat_plan(plan)
     listed = listed_tiles(plan, Nk)
     q_index, q_count = transpose_plan(listed)
     dq = torch.empty(B, H, S, D, dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    common = dict(HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, UPCAST=INTERPRETED and q.dtype != torch.float32,
-                  HAS_LIMIT=limit is not None, num_warps=default_num_warps(D))
+    common = dict(HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, UPCAST=upcast, HAS_LIMIT=limit is not None,
+                  num_warps=default_num_warps(D))
     key_limits = kv_count if limit is None else limit
     _bwd_dq[(B * H * Mq,)](q, k, v, d_out, lse, delta, dq, kv_index, kv_count, work_order(kv_count), key_limits,
                            scale * LOG2E, scale, H, S, Sk, Mq, kv_index.shape[1],
@@ -247,8 +267,7 @@ def triton_attention_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out
                                             ROWS=min(bm, ROW_CHUNK), **common, **COMPILE_OPTIONS)
     d_k_mean = d_v_sum = None
     if plan.has_correction:
-        dq_proxy, d_k_mean, d_v_sum = correction_backward(q, d_out, lse, delta, plan, listed, scale)
-        dq += dq_proxy
+        d_k_mean, d_v_sum = correction_backward(dq, q, d_out, lse, delta, plan, listed, scale)
     return dq.to(q.dtype), dk, dv, d_k_mean, d_v_sum
 
 
