@@ -155,3 +155,25 @@ def test_the_generic_kernel_on_cpu_without_the_interpreter_names_only_the_interp
     q = torch.randn(1, 1, 200, 64)
     why = " ".join(triton_generic.GenericBackend().not_supported_reasons(q, q, q, dense_plan(1, 1, 200, 64, 64)))
     assert "TRITON_INTERPRET=1" in why and "dtype" not in why, why
+
+
+@pytest.mark.parametrize("correction", [False, True])
+def test_a_backward_called_under_autocast_gives_the_gradients_of_one_called_outside(correction):
+    """Training loops often call backward inside `torch.autocast`: the reference's backward ran its products in bf16
+    there, and its fp32 sums raised on the bf16 terms (review find, through a tiny Wan training step)."""
+    g = torch.Generator().manual_seed(4)
+    base = [torch.randn(1, 2, 200, 64, generator=g).bfloat16() for _ in range(3)]
+    p = random_plan(1, 2, 200, 64, 64, 0.5, seed=4)
+    grads = []
+    for inside in (False, True):
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            plan = p.with_correction(*tile_centroids_torch(k, v, 64)) if correction else p
+            loss = block_sparse_attention(q, k, v, plan, backend="reference").float().square().sum()
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        grads.append([t.grad for t in (q, k, v)])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

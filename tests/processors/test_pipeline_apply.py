@@ -676,10 +676,33 @@ def test_an_fp32_model_under_cuda_bf16_autocast_runs_the_gpu_kernel():
     assert (out - stock).norm() / stock.norm() < 2e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["veda", "sol"])
+def test_a_training_step_under_cuda_bf16_autocast_on_the_gpu_kernels(method):
+    """Fine-tuning's usual recipe on the GPU: an fp32 model under bf16 autocast, sparse attention with the correction
+    on the Triton kernels, forward and backward; every parameter's gradient near that of backend="reference" under
+    the same autocast (bf16 probabilities in the kernels' products)."""
+    def grads(backend):
+        tr = build_tiny_wan_pipeline().transformer.cuda()
+        kw = dict(density=0.5, dense_steps=0, block=64, correction=True, backend=backend)
+        config = videosparse.VedaConfig(**kw) if method == "veda" else videosparse.SolConfig(**kw)
+        session = videosparse.apply(tr, config)["transformer"]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            tr(**_tiny_forward_kwargs("cuda")).sample.float().square().mean().backward()
+        stats = session.stats()
+        videosparse.remove(tr)
+        return stats, torch.cat([p.grad.flatten() for p in tr.parameters() if p.grad is not None])
+
+    stats, got = grads("auto")
+    assert stats["sparse_calls"] == 2 and stats["kernel_backend"] not in (None, "reference"), stats
+    _, want = grads("reference")
+    assert torch.isfinite(got).all() and (got - want).norm() / want.norm() < 3e-2
+
+
 def test_veda_correction_on_the_reference_backend_keeps_its_centroids_gradients(monkeypatch):
     """Review find: with the correction, Veda computed the tile centroids with the default backend, the Triton
-    kernel on CUDA, whose outputs carry no gradient, also under backend='reference' (the backend the forward-only
-    error points to for gradients): the gradients lost the centroids' terms silently. Here the centroid dispatch
+    kernel on CUDA, whose outputs carry no gradient, also under backend='reference' (then the only backend with
+    gradients): the gradients lost the centroids' terms silently. Here the centroid dispatch
     is made to pick a gradient-free kernel wherever it is free to choose, as on CUDA."""
     from videosparse.sol import centroids, triton_centroids
 

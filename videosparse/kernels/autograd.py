@@ -42,7 +42,14 @@ def attention_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out, d_lse
     """(dq, dk, dv, d_k_mean, d_v_sum) for the forward's (out, lse) (the last two None without correction): with
     the Triton kernels at `head_dim` (q, k, v, out, d_out and the centroids zero-padded to it when it is larger
     than theirs: the pad adds nothing to any product, and the pad columns of the gradients are dropped), or, with
-    head_dim 0, the torch reference's row recompute (which reads no out, lse)."""
+    head_dim 0, the torch reference's row recompute (which reads no out, lse). Autocast is off inside (a backward
+    called under it, as a training loop may, would run the products in its dtype: the reference's fp32 sums took
+    bf16 terms and raised)."""
+    with torch.autocast(q.device.type, enabled=False):
+        return _attention_backward(q, k, v, out, lse, plan, scale, d_out, d_lse, head_dim)
+
+
+def _attention_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out, d_lse, head_dim: int) -> tuple:
     if not head_dim:
         return reference_attention_backward(q, k, v, plan, scale, d_out, d_lse)
     from .triton_backward import triton_attention_backward
