@@ -484,7 +484,8 @@ def topk_plan(
     # budgets are kmax or kmax - 1 (`row_budget_list`): an unsorted top-kmax, and the rows with
     # kmax - 1 drop their weakest pick (any other spread of budgets takes the ranked top-k)
     spread = kmax - min(budget_list)
-    values, indices = s.topk(kmax, dim=-1, sorted=spread > 1)          # [B, H, Mv, kmax]
+    # [B, H, Mv, kmax]; a branch, not sorted=spread > 1: under dynamic shapes that is a SymBool, which topk refuses
+    values, indices = s.topk(kmax, dim=-1, sorted=True) if spread > 1 else s.topk(kmax, dim=-1, sorted=False)
     keep = values > float("-inf")
     slot = torch.arange(kmax, device=device)
     if spread == 1:

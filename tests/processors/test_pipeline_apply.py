@@ -500,6 +500,56 @@ def test_training_forwards_run_sparse_and_leave_the_pipelines_step_count_alone(c
     videosparse.remove(pipe)
 
 
+def test_gradient_checkpointing_with_compiled_blocks_compiles_whole_and_gives_the_eager_gradients():
+    """The recipe the README gives for torch.compile with diffusers' gradient checkpointing: regional compilation
+    (`compile_repeated_blocks(fullgraph=True)`) of an applied Wan, checkpointing on: no graph break, two training
+    steps with the eager gradients and call counts (a whole-model compile instead breaks the graph at every block,
+    which then runs eagerly: a review find, left so, see the README)."""
+    from torch._dynamo.utils import counters
+
+    def run(compiled):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        tr = build_tiny_wan_pipeline().transformer
+        session = videosparse.apply(tr, videosparse.VedaConfig(density=0.4, dense_steps=0, block=64, correction=True,
+                                                               backend="reference"))["transformer"]
+        tr.enable_gradient_checkpointing()
+        if compiled:
+            tr.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+        kw = dict(_tiny_forward_kwargs(), hidden_states=torch.randn(1, 4, 3, 32, 32,
+                                                                    generator=torch.Generator().manual_seed(1)))
+        for _ in range(2):
+            tr.zero_grad()
+            tr(**kw).sample.square().mean().backward()
+        return ([p.grad.clone() for p in tr.parameters() if p.grad is not None], sum(counters["graph_break"].values()),
+                session.stats()["sparse_calls"])
+
+    eager, _, eager_calls = run(False)
+    compiled, breaks, calls = run(True)
+    assert breaks == 0 and calls == eager_calls == 4
+    for a, b in zip(compiled, eager):
+        assert (a - b).abs().max() <= 1e-6 * b.abs().max().clamp_min(1e-12)
+
+
+def test_a_dynamic_shape_compile_traces_the_sparse_path_whole():
+    """`torch.compile(..., dynamic=True)`: Veda's torch top-k took `sorted=` a SymBool, which topk refuses, so every
+    layer's plan broke the graph (15 graphs for the tiny Wan; review find). One graph now, the eager output."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    tr = build_tiny_wan_pipeline().transformer
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.4, dense_steps=0, block=64, backend="reference"))
+    kw = dict(_tiny_forward_kwargs(), hidden_states=torch.randn(1, 4, 3, 32, 32,
+                                                                generator=torch.Generator().manual_seed(1)))
+    with torch.no_grad():
+        eager = tr(**kw).sample
+        compiled = torch.compile(tr, backend="aot_eager", dynamic=True)(**kw).sample
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["graph_break"])
+    assert torch.allclose(compiled, eager, atol=1e-5)
+
+
 def test_checkpointing_by_module_forward_and_by_torchs_wrapper(caplog):
     """Review finds: a checkpointing function given to `enable_gradient_checkpointing` that checkpoints
     `module.forward` bypassed the recompute's state (wrong gradients after a forward in between: rel. 0.59); torch's
