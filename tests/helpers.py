@@ -117,3 +117,33 @@ def run_interpreter_cases(script, names, timeout: int = 600) -> dict:
     if not results:
         pytest.fail(f"interpreter child produced no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
     return results
+
+
+class NoAutogradBackend:
+    """A kernel backend stand-in for the CPU: the torch reference run under no_grad, so that, like the Triton
+    kernels, it has no autograd of its own (register it with `videosparse.kernels.dispatch`)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def not_supported_reasons(self, q, k, v, plan) -> list[str]:
+        return []
+
+    def __call__(self, q, k, v, plan, scale, return_lse):
+        from videosparse.kernels import reference_attention
+
+        with torch.no_grad():
+            return reference_attention(q, k, v, plan, scale, return_lse)
+
+
+def gradient_free_centroid_kernel(monkeypatch) -> None:
+    """Make the centroid dispatch pick a gradient-free 'kernel' wherever it is free to choose, as on CUDA."""
+    from videosparse.sol import centroids, triton_centroids
+
+    def no_grad_stats(q, k, v, block):
+        with torch.no_grad():
+            q_mean = None if q is None else centroids.tile_means_torch(q, block)
+            return (q_mean, *centroids.tile_centroids_torch(k, v, block))
+
+    monkeypatch.setattr(centroids, "_use_triton", lambda x, backend: backend in ("auto", "triton"))
+    monkeypatch.setattr(triton_centroids, "tile_stats_triton", no_grad_stats)

@@ -7,7 +7,7 @@ from videosparse.kernels import block_sparse_attention
 from videosparse.kernels.ops import block_sparse_attention_op
 from videosparse.sol.centroids import tile_centroids_torch
 
-from helpers import random_plan, rel_err
+from helpers import NoAutogradBackend, random_plan, rel_err
 
 
 def test_opcheck_with_and_without_correction():
@@ -51,19 +51,9 @@ def test_opcheck_with_non_contiguous_q():
 @pytest.fixture
 def forward_only_backend():
     """A registered non-reference backend (like the Triton ones: no autograd inside), removed afterwards."""
-    from videosparse.kernels import dispatch, reference_attention
+    from videosparse.kernels import dispatch
 
-    class ForwardOnly:
-        name = "forward_only_probe"
-
-        def not_supported_reasons(self, q, k, v, plan):
-            return []
-
-        def __call__(self, q, k, v, plan, scale, return_lse):
-            with torch.no_grad():
-                return reference_attention(q, k, v, plan, scale, return_lse)
-
-    dispatch.register_backend("forward_only_probe", ForwardOnly(), before=None)
+    dispatch.register_backend("forward_only_probe", NoAutogradBackend("forward_only_probe"), before=None)
     yield "forward_only_probe"
     dispatch._REGISTRY.pop("forward_only_probe")
     dispatch.AUTO_ORDER.remove("forward_only_probe")

@@ -5,6 +5,8 @@ import torch
 import videosparse
 from videosparse.models.tiny_wan import build_tiny_wan_pipeline
 
+from helpers import NoAutogradBackend, gradient_free_centroid_kernel
+
 KW = dict(prompt="a red circle moving left", negative_prompt="blue", num_frames=5, height=64, width=96,
           num_inference_steps=3, output_type="np", max_sequence_length=16)
 
@@ -754,8 +756,6 @@ def test_veda_correction_on_the_reference_backend_keeps_its_centroids_gradients(
     kernel on CUDA, whose outputs carry no gradient, also under backend='reference' (then the only backend with
     gradients): the gradients lost the centroids' terms silently. Here the centroid dispatch
     is made to pick a gradient-free kernel wherever it is free to choose, as on CUDA."""
-    from videosparse.sol import centroids, triton_centroids
-
     def grads():
         tr = build_tiny_wan_pipeline().transformer
         videosparse.apply(tr, videosparse.VedaConfig(density=0.3, dense_steps=0, correction=True,
@@ -765,14 +765,7 @@ def test_veda_correction_on_the_reference_backend_keeps_its_centroids_gradients(
         return [tr.blocks[0].attn1.to_v.weight.grad.clone(), tr.blocks[0].attn1.to_k.weight.grad.clone()]
 
     expected = grads()
-
-    def no_grad_stats(q, k, v, block):
-        with torch.no_grad():
-            q_mean = None if q is None else centroids.tile_means_torch(q, block)
-            return (q_mean, *centroids.tile_centroids_torch(k, v, block))
-
-    monkeypatch.setattr(centroids, "_use_triton", lambda x, backend: backend in ("auto", "triton"))
-    monkeypatch.setattr(triton_centroids, "tile_stats_triton", no_grad_stats)
+    gradient_free_centroid_kernel(monkeypatch)
     for got, want in zip(grads(), expected):
         assert torch.equal(got, want)
 
@@ -783,9 +776,8 @@ def test_a_model_trains_through_a_kernel_without_a_backward(monkeypatch, method)
     its own runs first in the auto order and the centroid kernel gives gradient-free outputs wherever it is free
     to choose. The weights get exactly the gradients of backend="reference" (the kernels take its backward, the
     correction's centroids come from torch while autograd records k, v); before, the backward raised."""
-    from videosparse.kernels import dispatch, reference_attention
+    from videosparse.kernels import dispatch
     from videosparse.kernels.probe import probe_kernel
-    from videosparse.sol import centroids, triton_centroids
 
     def grads(backend):
         tr = build_tiny_wan_pipeline().transformer
@@ -800,31 +792,16 @@ def test_a_model_trains_through_a_kernel_without_a_backward(monkeypatch, method)
     ran, expected = grads("reference")
     assert ran == "reference"
 
-    class NoAutograd:
-        name = "no_autograd_probe"
-
-        def not_supported_reasons(self, q, k, v, plan):
-            return []
-
-        def __call__(self, q, k, v, plan, scale, return_lse):
-            with torch.no_grad():
-                return reference_attention(q, k, v, plan, scale, return_lse)
-
-    def no_grad_stats(q, k, v, block):
-        with torch.no_grad():
-            q_mean = None if q is None else centroids.tile_means_torch(q, block)
-            return (q_mean, *centroids.tile_centroids_torch(k, v, block))
-
-    monkeypatch.setattr(centroids, "_use_triton", lambda x, backend: backend in ("auto", "triton"))
-    monkeypatch.setattr(triton_centroids, "tile_stats_triton", no_grad_stats)
-    monkeypatch.setattr(dispatch, "_REGISTRY", {**dispatch._REGISTRY, NoAutograd.name: NoAutograd()})
-    monkeypatch.setattr(dispatch, "AUTO_ORDER", [NoAutograd.name, *dispatch.AUTO_ORDER])
+    probe = NoAutogradBackend("no_autograd_probe")
+    gradient_free_centroid_kernel(monkeypatch)
+    monkeypatch.setattr(dispatch, "_REGISTRY", {**dispatch._REGISTRY, probe.name: probe})
+    monkeypatch.setattr(dispatch, "AUTO_ORDER", [probe.name, *dispatch.AUTO_ORDER])
     probe_kernel.cache_clear()          # the backend choice per shape is cached: an earlier test's stays otherwise
     try:
         ran, got = grads("auto")
     finally:
         probe_kernel.cache_clear()
-    assert ran == NoAutograd.name
+    assert ran == probe.name
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
 

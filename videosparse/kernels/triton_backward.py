@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ..plan import Plan, work_order
 from ._triton_utils import COMPILE_OPTIONS, LOG2E, flat_plan, key_limit, launch_signature
-from .triton_generic import SUPPORTED_BLOCKS, SUPPORTED_HEAD_DIMS
+from .triton_generic import BACKEND as GENERIC
 
 ROW_CHUNK = 32      # query rows per step of `_bwd_dkdv` (FlashAttention-2's and Triton's tutorial choice)
 KEY_SPLIT = 64      # keys per `_bwd_dkdv` program: a 128-key tile in two programs (whole, its fp32 dk, dv spill)
@@ -272,23 +272,9 @@ def triton_attention_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out
 
 
 def not_supported_reasons(q: torch.Tensor, plan: Plan) -> list[str]:
-    """Why the Triton backward cannot take these inputs (empty: it can)."""
-    why = []
-    if q.device.type == "cuda":
-        if INTERPRETED:
-            why.append("TRITON_INTERPRET=1 is set: the interpreter runs on CPU tensors only")
-        elif torch.cuda.get_device_capability(q.device) < (8, 0):
-            why.append(f"needs compute capability >= 8.0 (got {torch.cuda.get_device_capability(q.device)})")
-    elif not (q.device.type == "cpu" and INTERPRETED):
-        why.append(f"tensors on {q.device} need CUDA (or the interpreter on CPU)")
-    allowed = (torch.float16, torch.bfloat16) + ((torch.float32,) if INTERPRETED else ())
-    if q.dtype not in allowed:
-        why.append(f"dtype {q.dtype} not in {allowed}")
-    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-        why.append(f"head dim {q.shape[-1]} not in {SUPPORTED_HEAD_DIMS}")
-    if plan.block_m not in SUPPORTED_BLOCKS or plan.block_n not in SUPPORTED_BLOCKS:
-        why.append(f"tiles {plan.block_m}x{plan.block_n} not in {SUPPORTED_BLOCKS}")
-    return why
+    """Why the Triton backward cannot take these inputs (empty: it can): where the generic forward kernel runs (device,
+    dtype, head dim, tiles), it runs too (it makes its inputs contiguous)."""
+    return GENERIC.not_supported_reasons(q, q, q, plan)
 
 
 def compile_backward(kernel: str = "dq", *, capability: int = 90, head_dim: int = 128, dtype: str = "bf16",
