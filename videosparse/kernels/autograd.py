@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..plan import Plan
-from .dispatch import TRITON_BACKENDS, Backend, PaddedHeadDim
+from .dispatch import TRITON_BACKENDS, Backend, PaddedHeadDim, padded_centroids, padded_stand_in
 from .reference import reference_attention_backward
 
 
@@ -34,7 +34,7 @@ def kernel_head_dim(q: torch.Tensor, plan: Plan, forward: Backend) -> int:
         from . import triton_backward
     except ImportError:
         return 0
-    stand_in = q if head_dim == q.shape[-1] else q.new_empty(1, 1, 1, head_dim)
+    stand_in = q if head_dim == q.shape[-1] else padded_stand_in(q, head_dim)
     return 0 if triton_backward.not_supported_reasons(stand_in, plan) else head_dim
 
 
@@ -60,10 +60,7 @@ def _attention_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out, d_ls
     pad = (0, head_dim - D)
     q, k, v, out = (torch.nn.functional.pad(t, pad) for t in (q, k, v, out))
     d_out = None if d_out is None else torch.nn.functional.pad(d_out, pad)
-    if plan.has_correction:
-        plan = plan.with_correction(torch.nn.functional.pad(plan.k_mean, pad), torch.nn.functional.pad(plan.v_sum, pad),
-                                    plan.tile_len)
-    grads = triton_attention_backward(q, k, v, out, lse, plan, scale, d_out, d_lse)
+    grads = triton_attention_backward(q, k, v, out, lse, padded_centroids(plan, pad), scale, d_out, d_lse)
     return tuple(None if g is None else g[..., :D] for g in grads)
 
 

@@ -58,22 +58,28 @@ class PaddedHeadDim:
         return f"{self.inner.name}+pad{self.head_dim}"
 
     def not_supported_reasons(self, q, k, v, plan) -> list[str]:
-        return self.inner.not_supported_reasons(*(_padded_stand_in(x, self.head_dim) for x in (q, k, v)), plan)
+        return self.inner.not_supported_reasons(*(padded_stand_in(x, self.head_dim) for x in (q, k, v)), plan)
 
     def __call__(self, q, k, v, plan, scale, return_lse):
         D = q.shape[-1]
         pad = (0, self.head_dim - D)
         q, k, v = (torch.nn.functional.pad(x, pad) for x in (q, k, v))
-        if plan.has_correction:
-            plan = plan.with_correction(torch.nn.functional.pad(plan.k_mean, pad),
-                                        torch.nn.functional.pad(plan.v_sum, pad), plan.tile_len)
-        result = self.inner(q, k, v, plan, scale, return_lse)
+        result = self.inner(q, k, v, padded_centroids(plan, pad), scale, return_lse)
         if return_lse:
             return result[0][..., :D], result[1]
         return result[..., :D]
 
 
-def _padded_stand_in(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+def padded_centroids(plan: Plan, pad: tuple[int, int]) -> Plan:
+    """The plan with its correction centroids zero-padded along the head dim (`pad` as `torch.nn.functional.pad`
+    takes it); a plan without correction as it is."""
+    if not plan.has_correction:
+        return plan
+    return plan.with_correction(torch.nn.functional.pad(plan.k_mean, pad), torch.nn.functional.pad(plan.v_sum, pad),
+                                plan.tile_len)
+
+
+def padded_stand_in(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     """A small contiguous tensor like x with the padded head dim, for a backend's `not_supported_reasons` (they look
     at device, dtype, head dim and contiguity, not at the length)."""
     return x.new_empty(1, 1, 1, head_dim)

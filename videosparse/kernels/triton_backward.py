@@ -51,7 +51,7 @@ def _bwd_dq(
     Q, K, V, DO, LSE, DELTA, DQ,
     KV_INDEX, KV_COUNT, ORDER, KEY_LIMIT,
     qk_scale, scale,
-    H, S, SK, MQ, KMAX,
+    S, SK, MQ, KMAX,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_CHUNK: tl.constexpr,
     UPCAST: tl.constexpr, HAS_LIMIT: tl.constexpr,
 ):
@@ -103,7 +103,7 @@ def _bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     Q_INDEX, Q_COUNT, ORDER, KEY_LIMIT,
     qk_scale, scale,
-    H, S, SK, NK, MMAX,
+    S, SK, NK, MMAX,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEYS: tl.constexpr, ROWS: tl.constexpr,
     UPCAST: tl.constexpr, HAS_LIMIT: tl.constexpr,
 ):
@@ -258,11 +258,11 @@ def triton_attention_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out
                   num_warps=default_num_warps(D))
     key_limits = kv_count if limit is None else limit
     _bwd_dq[(B * H * Mq,)](q, k, v, d_out, lse, delta, dq, kv_index, kv_count, work_order(kv_count), key_limits,
-                           scale * LOG2E, scale, H, S, Sk, Mq, kv_index.shape[1],
+                           scale * LOG2E, scale, S, Sk, Mq, kv_index.shape[1],
                            KEY_CHUNK=min(bn, default_key_chunk(bm)), **common, **COMPILE_OPTIONS)
     keys = min(bn, KEY_SPLIT)
     _bwd_dkdv[(B * H * Nk * (bn // keys),)](q, k, v, d_out, lse, delta, dk, dv, q_index, q_count,
-                                            work_order(q_count), key_limits, scale * LOG2E, scale, H, S, Sk, Nk,
+                                            work_order(q_count), key_limits, scale * LOG2E, scale, S, Sk, Nk,
                                             q_index.shape[1], KEYS=keys,
                                             ROWS=min(bm, ROW_CHUNK), **common, **COMPILE_OPTIONS)
     d_k_mean = d_v_sum = None
@@ -278,7 +278,7 @@ def not_supported_reasons(q: torch.Tensor, plan: Plan) -> list[str]:
 
 
 def compile_backward(kernel: str = "dq", *, capability: int = 90, head_dim: int = 128, dtype: str = "bf16",
-                     block_m: int = 128, block_n: int = 128, seq_len: int = 32760, heads: int = 12):
+                     block_m: int = 128, block_n: int = 128, seq_len: int = 32760):
     """Compile `_bwd_dq` or `_bwd_dkdv` ahead of time for compute capability `capability` (works on a CPU-only
     machine) with the launch options `triton_attention_backward` uses. Returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
@@ -290,7 +290,7 @@ def compile_backward(kernel: str = "dq", *, capability: int = 90, head_dim: int 
                     KV_INDEX="*i32", KV_COUNT="*i32", Q_INDEX="*i32", Q_COUNT="*i32", ORDER="*i32",
                     KEY_LIMIT="*i32")
     Mq, Nk = -(-seq_len // block_m), -(-seq_len // block_n)
-    values = dict(qk_scale=0.125 * 1.4427, scale=0.125, H=heads, S=seq_len, SK=seq_len, MQ=Mq, NK=Nk, KMAX=Nk,
+    values = dict(qk_scale=0.125 * 1.4427, scale=0.125, S=seq_len, SK=seq_len, MQ=Mq, NK=Nk, KMAX=Nk,
                   MMAX=Mq)
     constants = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=False, HAS_LIMIT=False)
     if kernel == "dq":
