@@ -19,7 +19,9 @@ every backend, so it can be checked against the reference and executed by the fa
                                       query of item b (a key-padding mask given as a device tensor, so
                                       that prompt lengths change no shape); listed tiles start below it
                                       (`with_valid_keys` drops the others), skipped tiles past it do not
-                                      enter the correction
+                                      enter the correction (their centroids may hold anything); the keys
+                                      and values there must be finite on the Hopper kernels, which load
+                                      whole tiles (an inf there reaches P.V as 0 * inf, as in SDPA)
 """
 
 from __future__ import annotations
@@ -183,10 +185,15 @@ class Plan:
             for name, t in (("k_mean", self.k_mean), ("v_sum", self.v_sum), ("tile_len", self.tile_len)):
                 if t.device != q.device:
                     raise ValueError(f"{name} is on {t.device}, q is on {q.device}{at}.")
+            counted = None          # centroids of tiles that start past an item's valid keys are never read
+            if self.valid_keys is not None and tuple(self.valid_keys.shape) == (B,):    # else an error below
+                starts = torch.arange(Nk, device=q.device) * self.block_n
+                counted = (starts < self.valid_keys.to(q.device).long()[:, None])[:, None, :].expand(B, H, Nk)
             for name, t in (("k_mean", self.k_mean), ("v_sum", self.v_sum), ("tile_len", self.tile_len)):
-                if t.numel() and not bool(torch.isfinite(t).all()):
+                read = t if counted is None or t.dim() == 1 else t[counted]
+                if read.numel() and not bool(torch.isfinite(read).all()):
                     raise ValueError(f"{name} holds non-finite values (inf or NaN){at}; the correction needs finite "
-                                     "centroids and tile lengths.")
+                                     "centroids and tile lengths (past an item's valid_keys they may hold anything).")
             if Nk and bool((self.tile_len < 1).any()):
                 raise ValueError(f"tile_len values must be >= 1 (tokens per key tile); got minimum "
                                  f"{int(self.tile_len.min())}{at}.")

@@ -409,8 +409,9 @@ def test_correction_inputs_kernel_compiles_for_sm90(hopper_module, out_dtype, ch
 
     sig = dict(KV_INDEX="*i32", KV_COUNT="*i32", TILE_LEN="*i32", K_MEAN="*fp32", V_SUM="*fp32",
                KM_OUT="*" + out_dtype, VM_OUT="*" + out_dtype, BIAS="*fp32", VALID_KEYS="*i32", N_ITEMS="i32",
-               NK="i32", NCP="i32", KMAX="i32", N_ROWS="i32", D="i32", ITEMS_PER_B="i32", BLOCK_N="i32",
-               D_P2="constexpr", CHUNK="constexpr", KB="constexpr", ROWS="constexpr", HAS_VALID="constexpr")
+               NK="i32", NCP="i32", KMAX="i32", N_ROWS="i32", D="i32", ITEMS_PER_B="i32", ROWS_PER_B="i32",
+               BLOCK_N="i32", D_P2="constexpr", CHUNK="constexpr", KB="constexpr", ROWS="constexpr",
+               HAS_VALID="constexpr")
     src = ASTSource(_correction_inputs_kernel, sig, dict(D_P2=d_p2, CHUNK=chunk, KB=32, ROWS=16, HAS_VALID=valid))
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32))
     assert ".entry _correction_inputs_kernel" in k.asm["ptx"]

@@ -52,6 +52,11 @@ CASES = {
     "generic-bf16-d128-b128-valid-keys": (2, 2, 333, 333, 128, 128, 128, 0.5, "bfloat16", False, "generic", "valid"),
     "hopper-fp32-d64-b64-valid-keys-corr": (2, 2, 300, 300, 64, 64, 64, 0.4, "float32", True, "hopper", "valid"),
     "hopper-bf16-d128-b128-valid-keys": (2, 1, 384, 384, 128, 128, 128, 0.6, "bfloat16", False, "hopper", "valid"),
+    # centroids (generic: also keys and values) past the limits hold NaN / inf: the output stays finite
+    "generic-fp32-valid-keys-nan-centroids-corr": (2, 2, 300, 300, 64, 64, 64, 0.4, "float32", True, "generic",
+                                                   "valid-poisoned"),
+    "hopper-bf16-d64-b64-valid-keys-nan-centroids-corr": (2, 1, 300, 300, 64, 64, 64, 0.4, "bfloat16", True, "hopper",
+                                                          "valid-poisoned"),
     # the plan's order and valid_keys as strided views (the kernels read both flat: they used to read other rows)
     "generic-fp32-strided-order-valid-keys-corr": (2, 2, 300, 300, 64, 64, 64, 0.4, "float32", True, "generic",
                                                    "strided-plan"),
@@ -74,11 +79,19 @@ def valid_keys_for(B: int, Sk: int) -> torch.Tensor:
 
 
 # correction inputs (one Triton launch) vs their torch version; name: B, H, S, block, D, density, dtype, extra
+def poison_past_valid_keys(plan) -> None:
+    """NaN / inf in the centroids of the tiles that start at or past each item's valid keys (in place)."""
+    for b, limit in enumerate(plan.valid_keys.tolist()):
+        first = -(-limit // plan.block_n)
+        plan.k_mean[b, :, first:], plan.v_sum[b, :, first:] = float("nan"), float("inf")
+
+
 PREP_CASES = {
     "prep-b128-odd": (2, 3, 1000, 128, 128, 0.3, "bfloat16", ""),
     "prep-b64-empty-rows": (1, 2, 333, 64, 64, 0.5, "float16", "empty"),
     "prep-b64-long-lists": (1, 1, 5000, 64, 64, 0.6, "float32", ""),     # Kmax > 32: several list blocks
     "prep-b64-valid-keys": (2, 2, 333, 64, 64, 0.5, "float16", "valid"),
+    "prep-b64-valid-keys-nan-centroids": (2, 2, 333, 64, 64, 0.5, "float32", "valid-poisoned"),
 }
 
 
@@ -167,9 +180,11 @@ def _run_prep_case(name: str) -> dict:
         count = plan.kv_count.clone()
         count[:, :, ::2] = 0
         plan = Plan(plan.kv_index, count, block, block)
-    if extra == "valid":
+    if extra.startswith("valid"):
         plan = plan.with_valid_keys(valid_keys_for(B, S))
     plan = plan.with_correction(*tile_centroids_torch(k, v, block))
+    if extra == "valid-poisoned":
+        poison_past_valid_keys(plan)
     Nk = math.ceil(S / block)
     got = correction_inputs(plan, Nk, block, k.dtype)
     want = correction_inputs_torch(plan, Nk, block, k.dtype)
@@ -183,6 +198,7 @@ def _run_prep_case(name: str) -> dict:
         "v_mean_rel": float((got[1].float() - want[1].float()).norm() / want[1].float().norm()),
         "bias_inf_match": bool(torch.equal(torch.isinf(got[2]), ~finite)),
         "bias_max_err": float((got[2][finite] - want[2][finite]).abs().max()),
+        "centroids_finite": bool(got[0].isfinite().all() and got[1].isfinite().all()),
     }
 
 
@@ -215,7 +231,7 @@ def _run_case(name: str) -> dict:
         plan = Plan(plan.kv_index, count, bm, bn)
     if extra == "kmax0":     # no index columns at all (partial last key tile: its reads must stay in bounds)
         plan = Plan(plan.kv_index[..., :0].contiguous(), torch.zeros_like(plan.kv_count), bm, bn)
-    if extra == "valid":
+    if extra.startswith("valid"):
         plan = plan.with_valid_keys(valid_keys_for(B, Sk))
     if extra == "strided-plan":
         def strided(t):    # the same values, every other element of a buffer twice the size
@@ -228,6 +244,13 @@ def _run_case(name: str) -> dict:
         assert not plan.order.is_contiguous() and not plan.valid_keys.is_contiguous()
     if corr:
         plan = plan.with_correction(*tile_centroids_torch(k, v, bn))
+    if extra == "valid-poisoned":
+        # the generic kernel never loads keys past the limits; the Hopper kernels load whole tiles, where an inf
+        # or NaN past the limit reaches P.V as 0 * inf (as in SDPA with a key mask): only its centroids poisoned
+        if kernel == "generic":
+            for b, limit in enumerate(plan.valid_keys.tolist()):
+                k[b, :, limit:], v[b, :, limit:] = float("nan"), float("inf")
+        poison_past_valid_keys(plan)
     scale = 1.0 / math.sqrt(D)
     poisoned = extra == "poisoned"
     if poisoned:
@@ -306,7 +329,7 @@ def test_correction_inputs_kernel_matches_torch(interpreter_results, name):
     res = interpreter_results.get(name)
     assert res is not None, f"case {name} did not report"
     assert "error" not in res, res.get("error")
-    assert res["shapes_ok"] and res["bias_inf_match"], res
+    assert res["shapes_ok"] and res["bias_inf_match"] and res["centroids_finite"], res
     tol = {"bfloat16": 1e-2, "float16": 1e-3, "float32": 1e-7}[PREP_CASES[name][6]]
     assert res["k_mean_rel"] <= tol and res["v_mean_rel"] <= tol, res
     assert res["bias_max_err"] <= 1e-6, res

@@ -54,8 +54,12 @@ def correction_inputs_torch(plan: Plan, num_key_tiles: int, chunk: int, dtype: t
     dev = plan.kv_index.device
     ncp = math.ceil(Nk / chunk) * chunk
     tile_len = plan.tile_len.to(device=dev, dtype=torch.float32)
-    k_mean = plan.k_mean.to(dtype).reshape(B * H * Nk, D).contiguous()
-    v_mean = (plan.v_sum.float() / tile_len.clamp_min(1)[:, None]).to(dtype).reshape(B * H * Nk, D).contiguous()
+    k_mean = plan.k_mean.to(dtype)
+    v_mean = (plan.v_sum.float() / tile_len.clamp_min(1)[:, None]).to(dtype)
+    if plan.valid_keys is not None:      # centroids of tiles past the valid keys may hold anything (NaN): zeroed
+        past = (torch.arange(Nk, device=dev) * plan.block_n >= plan.valid_keys.long()[:, None])[:, None, :, None]
+        k_mean, v_mean = (t.masked_fill(past, 0) for t in (k_mean, v_mean))
+    k_mean, v_mean = (t.reshape(B * H * Nk, D).contiguous() for t in (k_mean, v_mean))
     log2_len = torch.full((ncp + 1,), float("-inf"), dtype=torch.float32, device=dev)
     log2_len[:Nk] = torch.log2(tile_len.clamp_min(1))
     bias = log2_len.expand(B * H * Mq, ncp + 1).contiguous()
@@ -78,11 +82,14 @@ def key_limit(plan: Plan, heads: int) -> torch.Tensor | None:
 
 @triton.jit
 def _correction_inputs_kernel(KV_INDEX, KV_COUNT, TILE_LEN, K_MEAN, V_SUM, KM_OUT, VM_OUT, BIAS, VALID_KEYS,
-                              N_ITEMS, NK, NCP, KMAX, N_ROWS, D, ITEMS_PER_B, BLOCK_N, D_P2: tl.constexpr,
+                              N_ITEMS, NK, NCP, KMAX, N_ROWS, D, ITEMS_PER_B, ROWS_PER_B, BLOCK_N,
+                              D_P2: tl.constexpr,
                               CHUNK: tl.constexpr, KB: tl.constexpr, ROWS: tl.constexpr, HAS_VALID: tl.constexpr):
     """Programs [0, N_ITEMS): one bias row each (log2 len, -inf on the item's exact tiles, past NK and, HAS_VALID,
     from the first tile that starts at or past its item's VALID_KEYS; the exact tiles are matched KB list entries
-    at a time); programs past that: ROWS rows of k_mean (cast) and v_mean = v_sum / max(len, 1) each."""
+    at a time); programs past that: ROWS rows of k_mean (cast) and v_mean = v_sum / max(len, 1) each, zero for
+    tiles that start at or past VALID_KEYS (their centroids may hold anything: NaN there would reach every row
+    through 0 * NaN, as the bias only masks them)."""
     pid = tl.program_id(0)
     if pid < N_ITEMS:
         count = tl.load(KV_COUNT + pid)
@@ -102,13 +109,17 @@ def _correction_inputs_kernel(KV_INDEX, KV_COUNT, TILE_LEN, K_MEAN, V_SUM, KM_OU
             tl.store(BIAS + pid.to(tl.int64) * NCP + cols, tl.where(exact > 0, float("-inf"), bias))
     else:
         rows = (pid - N_ITEMS) * ROWS + tl.arange(0, ROWS)
-        ok = rows < N_ROWS
-        length = tl.maximum(tl.load(TILE_LEN + rows % NK, mask=ok, other=1).to(tl.float32), 1.0)
+        row_ok = rows < N_ROWS
+        length = tl.maximum(tl.load(TILE_LEN + rows % NK, mask=row_ok, other=1).to(tl.float32), 1.0)
         dims = tl.arange(0, D_P2)
         offs = rows.to(tl.int64)[:, None] * D + dims[None, :]
-        ok = ok[:, None] & (dims < D)[None, :]
-        km = tl.load(K_MEAN + offs, mask=ok, other=0.0)
-        vs = tl.load(V_SUM + offs, mask=ok, other=0.0).to(tl.float32)
+        ok = row_ok[:, None] & (dims < D)[None, :]
+        counts = ok
+        if HAS_VALID:
+            past = (rows % NK) * BLOCK_N >= tl.load(VALID_KEYS + rows // ROWS_PER_B, mask=row_ok, other=0)
+            counts = ok & ~past[:, None]
+        km = tl.load(K_MEAN + offs, mask=counts, other=0.0)
+        vs = tl.load(V_SUM + offs, mask=counts, other=0.0).to(tl.float32)
         tl.store(KM_OUT + offs, km.to(KM_OUT.dtype.element_ty), mask=ok)
         tl.store(VM_OUT + offs, (vs / length[:, None]).to(VM_OUT.dtype.element_ty), mask=ok)
 
@@ -134,7 +145,7 @@ def correction_inputs(plan: Plan, num_key_tiles: int, chunk: int, dtype: torch.d
     valid = plan.valid_keys.contiguous() if plan.valid_keys is not None else None    # the kernel reads it flat
     _correction_inputs_kernel[grid](kv_index, kv_count, tile_len, plan.k_mean.contiguous(), plan.v_sum.contiguous(),
                                     k_mean, v_mean, bias, kv_count if valid is None else valid, n_items, Nk, ncp,
-                                    kmax, n_rows, D, H * Mq, plan.block_n, D_P2=triton.next_power_of_2(D),
+                                    kmax, n_rows, D, H * Mq, H * Nk, plan.block_n, D_P2=triton.next_power_of_2(D),
                                     CHUNK=chunk, KB=32, ROWS=rows, HAS_VALID=valid is not None, **COMPILE_OPTIONS)
     return k_mean, v_mean, bias
 
