@@ -29,6 +29,8 @@ CASES = {
     "bf16-d128-b128-valid-keys-corr": (1, 2, 333, 333, 128, 128, 128, 0.5, "bfloat16", True, "valid"),
     "fp16-d128-m128n64": (1, 2, 333, 333, 128, 128, 64, 0.5, "float16", False, ""),
     "bf16-d64-m64n128-corr": (2, 1, 300, 300, 64, 64, 128, 0.4, "bfloat16", True, ""),
+    # 69 key tiles: two blocks of centroids for `_bwd_centroids` (the second partial), query tiles in two splits
+    "fp32-d64-m64n32-many-centroids-corr": (1, 1, 2200, 2200, 64, 64, 32, 0.1, "float32", True, "valid"),
 }
 TOL = {"float32": 1e-5, "float16": 3e-3, "bfloat16": 2e-2}
 
@@ -263,7 +265,7 @@ def _aot():
 
 @pytest.mark.parametrize("capability", [80, 90])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("kernel", ["dq", "dkdv"])
+@pytest.mark.parametrize("kernel", ["dq", "dkdv", "centroids"])
 def test_backward_kernels_compile_without_spills(capability, head_dim, kernel):
     """Not run on a GPU in CI: at least they compile for Ampere and Hopper with the launch options used, fit shared
     memory, and ptxas spills nothing (a whole 128-key tile per dk/dv program spilled 220-336 bytes at sm_80)."""

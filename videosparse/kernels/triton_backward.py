@@ -10,9 +10,11 @@ Two kernels, so that no two programs add into one row: `_bwd_dq` runs one progra
 its plan lists (as the forward); `_bwd_dkdv` one per key tile over the query tiles that list it (the plan
 transposed, `transpose_plan`). Keys past the sequence end or the item's `valid_keys` are masked (their values never
 loaded, so NaN there reaches nothing); rows without keys (lse -inf) have P = 0. The zero-order correction's proxy
-terms (each row against the centroids of its skipped tiles: S x Nk, a small share of the work) are added in torch
-(`correction_backward`), with the same lse and delta. Everything accumulates in fp32; P and dS enter the products in
-the inputs' dtype, as in FlashAttention.
+terms (each row against the centroid of every tile it skips, with P_rj = len_j * exp(q_r . k_mean_j * scale - lse_r)
+and v_mean_j: S x Nk, a small share of the work) enter `_bwd_dq` first, over all centroids with the forward's bias
+row (-inf where a tile is no proxy), and `_bwd_centroids` gives the centroids' own gradients, one program per 64
+centroids and a range of query tiles. Everything accumulates in fp32; P and dS enter the products in the inputs'
+dtype, as in FlashAttention.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..plan import Plan, work_order
-from ._triton_utils import COMPILE_OPTIONS, LOG2E, flat_plan, key_limit, launch_signature
+from ..plan import Plan, device_programs, work_order
+from ._triton_utils import COMPILE_OPTIONS, LOG2E, correction_inputs, flat_plan, key_limit, launch_signature
 from .triton_generic import BACKEND as GENERIC
 
 ROW_CHUNK = 32      # query rows per step of `_bwd_dkdv` (FlashAttention-2's and Triton's tutorial choice)
+DQ_KEY_CHUNK = 32   # keys (or centroids) per step of `_bwd_dq` (the same; 64 at 64-row tiles spilled at sm_80, d 64)
 KEY_SPLIT = 64      # keys per `_bwd_dkdv` program: a 128-key tile in two programs (whole, its fp32 dk, dv spill)
+CENTROID_BLOCK = 64  # centroids per `_bwd_centroids` program (as KEY_SPLIT keys)
 DELTA_ROWS = 64     # rows per `_bwd_delta` program
 
 
@@ -49,15 +53,17 @@ def _bwd_delta(O, DO, DLSE, DELTA, N_ROWS, HEAD_DIM: tl.constexpr, ROWS: tl.cons
 @triton.jit
 def _bwd_dq(
     Q, K, V, DO, LSE, DELTA, DQ,
-    KV_INDEX, KV_COUNT, ORDER, KEY_LIMIT,
+    KV_INDEX, KV_COUNT, ORDER, KEY_LIMIT, K_MEAN, V_MEAN, BIAS,
     qk_scale, scale,
-    S, SK, MQ, KMAX,
+    S, SK, MQ, KMAX, NK, NCP,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_CHUNK: tl.constexpr,
-    UPCAST: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    UPCAST: tl.constexpr, HAS_LIMIT: tl.constexpr, CORRECTION: tl.constexpr,
 ):
     """One program per (b, h, query tile): dq of the tile's rows (fp32) over its listed key tiles, KEY_CHUNK keys per
     step, taken in ORDER (`plan.work_order`: long rows first). Q, DO [B*H, S, D], K, V [B*H, SK, D] contiguous; LSE,
-    DELTA fp32 [B*H, S]; qk_scale = scale * log2(e)."""
+    DELTA fp32 [B*H, S]; qk_scale = scale * log2(e). CORRECTION: first the proxy terms, the rows against all NK
+    centroids K_MEAN, V_MEAN [B*H*NK, D] with the forward's bias row BIAS [B*H*MQ, NCP] (log2 len, -inf where the
+    tile is no proxy: `correction_inputs`), KEY_CHUNK centroids per step."""
     item = tl.load(ORDER + tl.program_id(0))
     bh = item // MQ
     mt = item % MQ
@@ -81,6 +87,21 @@ def _bwd_dq(
     row = KV_INDEX + item.to(tl.int64) * KMAX
     count = tl.load(KV_COUNT + item)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if CORRECTION:
+        c_base = bh.to(tl.int64) * NK
+        for c0 in range(0, NCP, KEY_CHUNK):
+            cols = c0 + offs_c
+            c_ok = cols < NK
+            c_off = (c_base + cols)[None, :] * HEAD_DIM + offs_d[:, None]                      # [D, C]
+            kt = tl.load(K_MEAN + c_off, mask=c_ok[None, :], other=0.0)
+            vt = tl.load(V_MEAN + c_off, mask=c_ok[None, :], other=0.0)
+            if UPCAST:
+                kt = kt.to(tl.float32)
+                vt = vt.to(tl.float32)
+            bias = tl.load(BIAS + item.to(tl.int64) * NCP + cols)
+            p = tl.math.exp2(tl.dot(q, kt) * qk_scale + bias[None, :] - lse[:, None])          # len * exp(s - lse)
+            ds = p * (tl.dot(do, vt) - delta[:, None])
+            dq += tl.dot(ds.to(kt.dtype), tl.trans(kt))
     PARTS: tl.constexpr = BLOCK_N // KEY_CHUNK
     for jp in range(0, count * PARTS):
         keys = tl.load(row + jp // PARTS) * BLOCK_N + (jp % PARTS) * KEY_CHUNK + offs_c
@@ -154,6 +175,59 @@ def _bwd_dkdv(
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=store_ok)
 
 
+@triton.jit
+def _bwd_centroids(
+    Q, DO, LSE, DELTA, K_MEAN, V_MEAN, BIAS, DK_PART, DV_PART,
+    qk_scale,
+    S, MQ, NK, NCP, TILES_PER_SPLIT,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CENTROIDS: tl.constexpr, ROWS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Program (i, s): the proxy terms' gradients of CENTROIDS centroids of one (b, h) (i over B*H*ceil(NK /
+    CENTROIDS)) from query tiles [s * TILES_PER_SPLIT, (s + 1) * TILES_PER_SPLIT), ROWS rows per step; writes its
+    partial sums (dk_mean without the scale, dv_mean: fp32) to DK_PART, DV_PART [splits, B*H*NK, D], summed on the
+    host (no atomics: the same bits every run). Inputs as `_bwd_dq`'s; a tile's bias column is the same for all
+    its rows."""
+    blocks = tl.cdiv(NK, CENTROIDS)
+    bh = tl.program_id(0) // blocks
+    cols = (tl.program_id(0) % blocks) * CENTROIDS + tl.arange(0, CENTROIDS)
+    c_ok = cols < NK
+    offs_r = tl.arange(0, ROWS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    c_off = (bh.to(tl.int64) * NK + cols)[:, None] * HEAD_DIM + offs_d[None, :]               # [C, D]
+    kc = tl.load(K_MEAN + c_off, mask=c_ok[:, None], other=0.0)
+    vc = tl.load(V_MEAN + c_off, mask=c_ok[:, None], other=0.0)
+    if UPCAST:
+        kc = kc.to(tl.float32)
+        vc = vc.to(tl.float32)
+    dk = tl.zeros([CENTROIDS, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([CENTROIDS, HEAD_DIM], dtype=tl.float32)
+    first = tl.program_id(1) * TILES_PER_SPLIT
+    PARTS: tl.constexpr = BLOCK_M // ROWS
+    for ip in range(0, (tl.minimum(first + TILES_PER_SPLIT, MQ) - first) * PARTS):
+        mt = first + ip // PARTS
+        bias = tl.load(BIAS + (bh.to(tl.int64) * MQ + mt) * NCP + cols, mask=c_ok, other=float("-inf"))
+        rows = mt * BLOCK_M + (ip % PARTS) * ROWS + offs_r
+        row_ok = rows < S
+        q_off = (bh.to(tl.int64) * S + rows)[None, :] * HEAD_DIM + offs_d[:, None]        # [D, R]
+        qt = tl.load(Q + q_off, mask=row_ok[None, :], other=0.0)
+        do_t = tl.load(DO + q_off, mask=row_ok[None, :], other=0.0)
+        if UPCAST:
+            qt = qt.to(tl.float32)
+            do_t = do_t.to(tl.float32)
+        lse = tl.load(LSE + bh.to(tl.int64) * S + rows, mask=row_ok, other=float("inf"))
+        lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+        delta = tl.load(DELTA + bh.to(tl.int64) * S + rows, mask=row_ok, other=0.0)
+        pt = tl.math.exp2(tl.dot(kc, qt) * qk_scale + bias[:, None] - lse[None, :])          # P^T [C, R]
+        dv += tl.dot(pt.to(do_t.dtype), tl.trans(do_t))
+        dst = pt * (tl.dot(vc, do_t) - delta[None, :])
+        dk += tl.dot(dst.to(qt.dtype), tl.trans(qt))
+    out_off = (bh.to(tl.int64) * NK + cols)[:, None] * HEAD_DIM + offs_d[None, :]
+    split_off = tl.program_id(1).to(tl.int64) * (tl.num_programs(0) // blocks) * NK * HEAD_DIM
+    tl.store(DK_PART + split_off + out_off, dk, mask=c_ok[:, None])
+    tl.store(DV_PART + split_off + out_off, dv, mask=c_ok[:, None])
+
+
 # the module's kernels run in the interpreter iff TRITON_INTERPRET=1 was set when it was imported
 INTERPRETED = not isinstance(_bwd_dq, triton.runtime.JITFunction)
 
@@ -178,45 +252,30 @@ def transpose_plan(listed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q_index.to(torch.int32).contiguous(), q_count.contiguous()
 
 
-def correction_backward(dq, q, d_out, lse, delta, plan: Plan, listed: torch.Tensor, scale: float):
-    """The zero-order correction's share of the gradients: the proxy terms added into dq (fp32 [B, H, S, D], in
-    place), and the gradients of the plan's k_mean, v_sum (each in its dtype), returned. lse, delta fp32 [B, H, S] as
-    the kernels take them; `listed` [B, H, Mq, Nk] from `listed_tiles`. Rows in chunks of whole query tiles, so that
-    the proxy scores stay near 2^25 elements. A centroid counts only where it is a proxy: non-finite ones elsewhere
-    (tiles past valid_keys whose keys hold NaN) reach nothing, as in the reference."""
+def centroid_gradients(q, d_out, lse, delta, plan: Plan, k_mean, v_mean, bias, qk_scale: float, scale: float,
+                       upcast: bool):
+    """The gradients of the plan's k_mean and v_sum (in their dtypes) from the proxy terms: `_bwd_centroids` over
+    query tiles split so that the grid fills the GPU about four times, its partial sums added here. k_mean, v_mean,
+    bias from `correction_inputs` (centroids of tiles past valid_keys zeroed, so NaN there reaches nothing)."""
     B, H, S, D = q.shape
-    Nk, bm, bn = listed.shape[-1], plan.block_m, plan.block_n
-    limit = torch.full((B,), Nk * bn, device=q.device) if plan.valid_keys is None else plan.valid_keys.long()
-    chosen = listed | (torch.arange(Nk, device=q.device) * bn >= limit[:, None])[:, None, None]   # not proxies
+    Mq, Nk, ncp = bias.shape[0] // (B * H), k_mean.shape[0] // (B * H), bias.shape[1]
+    blocks = B * H * triton.cdiv(Nk, CENTROID_BLOCK)
+    splits = max(1, min(Mq, triton.cdiv(4 * (device_programs(q.device) or 1), blocks)))
+    tiles = triton.cdiv(Mq, splits)
+    splits = triton.cdiv(Mq, tiles)
+    parts = torch.empty(2, splits, B * H * Nk, D, dtype=torch.float32, device=q.device)
+    _bwd_centroids[(blocks, splits)](q, d_out, lse, delta, k_mean, v_mean, bias, parts[0], parts[1], qk_scale, S, Mq,
+                                     Nk, ncp, tiles, HEAD_DIM=D, BLOCK_M=plan.block_m, CENTROIDS=CENTROID_BLOCK,
+                                     ROWS=min(plan.block_m, ROW_CHUNK), UPCAST=upcast,
+                                     num_warps=default_num_warps(D), **COMPILE_OPTIONS)
+    d_k_mean, dv_mean = parts.sum(1).view(2, B, H, Nk, D)
     tile_len = plan.tile_len.to(device=q.device, dtype=torch.float32)
-    k_mean = plan.k_mean.float()
-    v_mean = plan.v_sum.float() / tile_len[:, None].clamp_min(1)
-    k_finite, v_finite = (torch.where(torch.isfinite(t), t, 0.0) for t in (k_mean, v_mean))
-    log_len = tile_len.clamp_min(1).log()
-    dk_mean, dv_mean = torch.zeros_like(k_mean), torch.zeros_like(v_mean)
-    tiles_per_chunk = max(1, (1 << 25) // max(1, B * H * bm * Nk))
-    for i0 in range(0, listed.shape[2], tiles_per_chunk):
-        r0, r1 = i0 * bm, min(S, (i0 + tiles_per_chunk) * bm)
-        qi, do = q[:, :, r0:r1].float(), d_out[:, :, r0:r1].float()
-        row_lse = lse[:, :, r0:r1, None]
-        exact = chosen[:, :, i0:i0 + tiles_per_chunk].repeat_interleave(bm, dim=2)[:, :, :r1 - r0]
-        p = torch.exp((qi @ k_mean.transpose(-1, -2)) * scale + log_len - torch.where(
-            torch.isfinite(row_lse), row_lse, math.inf)).masked_fill(exact, 0.0)                # [B, H, R, Nk]
-        ds = (p * (do @ v_finite.transpose(-1, -2) - delta[:, :, r0:r1, None])).masked_fill_(exact, 0.0)
-        dq[:, :, r0:r1] += (ds @ k_finite) * scale
-        dk_mean += (ds.transpose(-1, -2) @ qi) * scale
-        dv_mean += p.transpose(-1, -2) @ do
-    return dk_mean.to(plan.k_mean.dtype), (dv_mean / tile_len[:, None].clamp_min(1)).to(plan.v_sum.dtype)
+    return (d_k_mean * scale).to(plan.k_mean.dtype), (dv_mean / tile_len[:, None].clamp_min(1)).to(plan.v_sum.dtype)
 
 
 def default_num_warps(head_dim: int) -> int:
     """Warps per program: 8 at head dim 128 (its fp32 dk, dv / dq accumulators), else 4. Not timed on a GPU yet."""
     return 8 if head_dim >= 128 else 4
-
-
-def default_key_chunk(block_m: int) -> int:
-    """Keys per step of `_bwd_dq`: 32 at 128-row tiles (FlashAttention-2's and Triton's tutorial choice), else 64."""
-    return 32 if block_m >= 128 else 64
 
 
 def triton_attention_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out, d_lse):
@@ -257,9 +316,14 @@ def triton_attention_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out
     common = dict(HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, UPCAST=upcast, HAS_LIMIT=limit is not None,
                   num_warps=default_num_warps(D))
     key_limits = kv_count if limit is None else limit
+    key_chunk = min(bn, DQ_KEY_CHUNK)
+    k_mean = v_mean = bias = delta       # no correction: placeholders, never read
+    if plan.has_correction:
+        k_mean, v_mean, bias = correction_inputs(plan, Nk, key_chunk, q.dtype)
     _bwd_dq[(B * H * Mq,)](q, k, v, d_out, lse, delta, dq, kv_index, kv_count, work_order(kv_count), key_limits,
-                           scale * LOG2E, scale, S, Sk, Mq, kv_index.shape[1],
-                           KEY_CHUNK=min(bn, default_key_chunk(bm)), **common, **COMPILE_OPTIONS)
+                           k_mean, v_mean, bias, scale * LOG2E, scale, S, Sk, Mq, kv_index.shape[1], Nk,
+                           bias.shape[-1], KEY_CHUNK=key_chunk, CORRECTION=plan.has_correction, **common,
+                           **COMPILE_OPTIONS)
     keys = min(bn, KEY_SPLIT)
     _bwd_dkdv[(B * H * Nk * (bn // keys),)](q, k, v, d_out, lse, delta, dk, dv, q_index, q_count,
                                             work_order(q_count), key_limits, scale * LOG2E, scale, S, Sk, Nk,
@@ -267,7 +331,8 @@ def triton_attention_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out
                                             ROWS=min(bm, ROW_CHUNK), **common, **COMPILE_OPTIONS)
     d_k_mean = d_v_sum = None
     if plan.has_correction:
-        d_k_mean, d_v_sum = correction_backward(dq, q, d_out, lse, delta, plan, listed, scale)
+        d_k_mean, d_v_sum = centroid_gradients(q, d_out, lse, delta, plan, k_mean, v_mean, bias, scale * LOG2E, scale,
+                                               upcast)
     return dq.to(q.dtype), dk, dv, d_k_mean, d_v_sum
 
 
@@ -278,25 +343,29 @@ def not_supported_reasons(q: torch.Tensor, plan: Plan) -> list[str]:
 
 
 def compile_backward(kernel: str = "dq", *, capability: int = 90, head_dim: int = 128, dtype: str = "bf16",
-                     block_m: int = 128, block_n: int = 128, seq_len: int = 32760):
-    """Compile `_bwd_dq` or `_bwd_dkdv` ahead of time for compute capability `capability` (works on a CPU-only
-    machine) with the launch options `triton_attention_backward` uses. Returns the CompiledKernel."""
+                     block_m: int = 128, block_n: int = 128, seq_len: int = 32760, correction: bool = True):
+    """Compile `_bwd_dq` (with the proxy terms when `correction`), `_bwd_dkdv` or `_bwd_centroids` ("dq", "dkdv",
+    "centroids") ahead of time for compute capability `capability` (works on a CPU-only machine) with the launch
+    options `triton_attention_backward` uses. Returns the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = _bwd_dq if kernel == "dq" else _bwd_dkdv
+    fn = {"dq": _bwd_dq, "dkdv": _bwd_dkdv, "centroids": _bwd_centroids}[kernel]
     ptr = "*" + dtype
     pointers = dict(Q=ptr, K=ptr, V=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", DQ="*fp32", DK=ptr, DV=ptr,
                     KV_INDEX="*i32", KV_COUNT="*i32", Q_INDEX="*i32", Q_COUNT="*i32", ORDER="*i32",
-                    KEY_LIMIT="*i32")
+                    KEY_LIMIT="*i32", K_MEAN=ptr, V_MEAN=ptr, BIAS="*fp32", DK_PART="*fp32", DV_PART="*fp32")
     Mq, Nk = -(-seq_len // block_m), -(-seq_len // block_n)
     values = dict(qk_scale=0.125 * 1.4427, scale=0.125, S=seq_len, SK=seq_len, MQ=Mq, NK=Nk, KMAX=Nk,
-                  MMAX=Mq)
+                  MMAX=Mq, NCP=-(-Nk // 32) * 32, TILES_PER_SPLIT=-(-Mq // 4))
     constants = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=False, HAS_LIMIT=False)
     if kernel == "dq":
-        constants["KEY_CHUNK"] = min(block_n, default_key_chunk(block_m))
-    else:
+        constants.update(KEY_CHUNK=min(block_n, DQ_KEY_CHUNK), CORRECTION=correction)
+    elif kernel == "dkdv":
         constants.update(KEYS=min(block_n, KEY_SPLIT), ROWS=min(block_m, ROW_CHUNK))
+    else:
+        constants = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, CENTROIDS=CENTROID_BLOCK, ROWS=min(block_m, ROW_CHUNK),
+                         UPCAST=False)
     signature, constants, attrs = launch_signature(fn.arg_names, pointers, values, constants)
     return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", capability, 32),
                           options=dict(num_warps=default_num_warps(head_dim), **COMPILE_OPTIONS))
