@@ -33,6 +33,7 @@ ROW_CHUNK = 32      # query rows per step of `_bwd_dkdv` (FlashAttention-2's and
 DQ_KEY_CHUNK = 32   # keys (or centroids) per step of `_bwd_dq` (the same; 64 at 64-row tiles spilled at sm_80, d 64)
 KEY_SPLIT = 64      # keys per `_bwd_dkdv` program: a 128-key tile in two programs (whole, its fp32 dk, dv spill)
 CENTROID_BLOCK = 64  # centroids per `_bwd_centroids` program (as KEY_SPLIT keys)
+CENTROID_WARPS = 8   # its warps (4 spilled at sm_80, head dim 64)
 DELTA_ROWS = 64     # rows per `_bwd_delta` program
 
 
@@ -120,6 +121,29 @@ def _bwd_dq(
 
 
 @triton.jit
+def _key_side_step(dk, dv, k, v, bias, Q, DO, LSE, DELTA, bh, rows, S, qk_scale, HEAD_DIM: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    """One step of the key-side kernels: dk (without the scale) and dv [KEYS, D] fp32 of keys k, v [KEYS, D] plus
+    what the query rows `rows` [R] of head bh give them, with P^T = exp2(k . q^T * qk_scale + bias - lse * log2(e))
+    (bias [KEYS]: 0, -inf for a masked key, or a centroid's log2 len). Rows past S or without keys give nothing."""
+    row_ok = rows < S
+    q_off = (bh.to(tl.int64) * S + rows)[None, :] * HEAD_DIM + tl.arange(0, HEAD_DIM)[:, None]   # [D, R]
+    qt = tl.load(Q + q_off, mask=row_ok[None, :], other=0.0)
+    do_t = tl.load(DO + q_off, mask=row_ok[None, :], other=0.0)
+    if UPCAST:
+        qt = qt.to(tl.float32)
+        do_t = do_t.to(tl.float32)
+    lse = tl.load(LSE + bh.to(tl.int64) * S + rows, mask=row_ok, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    delta = tl.load(DELTA + bh.to(tl.int64) * S + rows, mask=row_ok, other=0.0)
+    pt = tl.math.exp2(tl.dot(k, qt) * qk_scale + bias[:, None] - lse[None, :])                   # P^T [KEYS, R]
+    dv += tl.dot(pt.to(do_t.dtype), tl.trans(do_t))
+    dst = pt * (tl.dot(v, do_t) - delta[None, :])
+    dk += tl.dot(dst.to(qt.dtype), tl.trans(qt))
+    return dk, dv
+
+
+@triton.jit
 def _bwd_dkdv(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     Q_INDEX, Q_COUNT, ORDER, KEY_LIMIT,
@@ -153,23 +177,10 @@ def _bwd_dkdv(
     row = Q_INDEX + item.to(tl.int64) * MMAX
     count = tl.load(Q_COUNT + item)
     PARTS: tl.constexpr = BLOCK_M // ROWS
+    key_bias = tl.where(k_ok, 0.0, float("-inf"))
     for ip in range(0, count * PARTS):
         rows = tl.load(row + ip // PARTS) * BLOCK_M + (ip % PARTS) * ROWS + offs_r
-        row_ok = rows < S
-        q_off = (bh.to(tl.int64) * S + rows)[None, :] * HEAD_DIM + offs_d[:, None]     # [D, R]
-        qt = tl.load(Q + q_off, mask=row_ok[None, :], other=0.0)
-        do_t = tl.load(DO + q_off, mask=row_ok[None, :], other=0.0)
-        if UPCAST:
-            qt = qt.to(tl.float32)
-            do_t = do_t.to(tl.float32)
-        lse = tl.load(LSE + bh.to(tl.int64) * S + rows, mask=row_ok, other=float("inf"))
-        lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-        delta = tl.load(DELTA + bh.to(tl.int64) * S + rows, mask=row_ok, other=0.0)
-        pt = tl.math.exp2(tl.dot(k, qt) * qk_scale - lse[None, :])                      # P^T [KEYS, R]
-        pt = tl.where(k_ok[:, None], pt, 0.0)
-        dv += tl.dot(pt.to(do_t.dtype), tl.trans(do_t))
-        dst = pt * (tl.dot(v, do_t) - delta[None, :])
-        dk += tl.dot(dst.to(qt.dtype), tl.trans(qt))
+        dk, dv = _key_side_step(dk, dv, k, v, key_bias, Q, DO, LSE, DELTA, bh, rows, S, qk_scale, HEAD_DIM, UPCAST)
     store_ok = (keys < SK)[:, None]
     tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=store_ok)
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=store_ok)
@@ -192,7 +203,6 @@ def _bwd_centroids(
     bh = tl.program_id(0) // blocks
     cols = (tl.program_id(0) % blocks) * CENTROIDS + tl.arange(0, CENTROIDS)
     c_ok = cols < NK
-    offs_r = tl.arange(0, ROWS)
     offs_d = tl.arange(0, HEAD_DIM)
     c_off = (bh.to(tl.int64) * NK + cols)[:, None] * HEAD_DIM + offs_d[None, :]               # [C, D]
     kc = tl.load(K_MEAN + c_off, mask=c_ok[:, None], other=0.0)
@@ -207,21 +217,8 @@ def _bwd_centroids(
     for ip in range(0, (tl.minimum(first + TILES_PER_SPLIT, MQ) - first) * PARTS):
         mt = first + ip // PARTS
         bias = tl.load(BIAS + (bh.to(tl.int64) * MQ + mt) * NCP + cols, mask=c_ok, other=float("-inf"))
-        rows = mt * BLOCK_M + (ip % PARTS) * ROWS + offs_r
-        row_ok = rows < S
-        q_off = (bh.to(tl.int64) * S + rows)[None, :] * HEAD_DIM + offs_d[:, None]        # [D, R]
-        qt = tl.load(Q + q_off, mask=row_ok[None, :], other=0.0)
-        do_t = tl.load(DO + q_off, mask=row_ok[None, :], other=0.0)
-        if UPCAST:
-            qt = qt.to(tl.float32)
-            do_t = do_t.to(tl.float32)
-        lse = tl.load(LSE + bh.to(tl.int64) * S + rows, mask=row_ok, other=float("inf"))
-        lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-        delta = tl.load(DELTA + bh.to(tl.int64) * S + rows, mask=row_ok, other=0.0)
-        pt = tl.math.exp2(tl.dot(kc, qt) * qk_scale + bias[:, None] - lse[None, :])          # P^T [C, R]
-        dv += tl.dot(pt.to(do_t.dtype), tl.trans(do_t))
-        dst = pt * (tl.dot(vc, do_t) - delta[None, :])
-        dk += tl.dot(dst.to(qt.dtype), tl.trans(qt))
+        rows = mt * BLOCK_M + (ip % PARTS) * ROWS + tl.arange(0, ROWS)
+        dk, dv = _key_side_step(dk, dv, kc, vc, bias, Q, DO, LSE, DELTA, bh, rows, S, qk_scale, HEAD_DIM, UPCAST)
     out_off = (bh.to(tl.int64) * NK + cols)[:, None] * HEAD_DIM + offs_d[None, :]
     split_off = tl.program_id(1).to(tl.int64) * (tl.num_programs(0) // blocks) * NK * HEAD_DIM
     tl.store(DK_PART + split_off + out_off, dk, mask=c_ok[:, None])
@@ -267,7 +264,7 @@ def centroid_gradients(q, d_out, lse, delta, plan: Plan, k_mean, v_mean, bias, q
     _bwd_centroids[(blocks, splits)](q, d_out, lse, delta, k_mean, v_mean, bias, parts[0], parts[1], qk_scale, S, Mq,
                                      Nk, ncp, tiles, HEAD_DIM=D, BLOCK_M=plan.block_m, CENTROIDS=CENTROID_BLOCK,
                                      ROWS=min(plan.block_m, ROW_CHUNK), UPCAST=upcast,
-                                     num_warps=default_num_warps(D), **COMPILE_OPTIONS)
+                                     num_warps=CENTROID_WARPS, **COMPILE_OPTIONS)
     d_k_mean, dv_mean = parts.sum(1).view(2, B, H, Nk, D)
     tile_len = plan.tile_len.to(device=q.device, dtype=torch.float32)
     return (d_k_mean * scale).to(plan.k_mean.dtype), (dv_mean / tile_len[:, None].clamp_min(1)).to(plan.v_sum.dtype)
@@ -367,5 +364,6 @@ def compile_backward(kernel: str = "dq", *, capability: int = 90, head_dim: int 
         constants = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, CENTROIDS=CENTROID_BLOCK, ROWS=min(block_m, ROW_CHUNK),
                          UPCAST=False)
     signature, constants, attrs = launch_signature(fn.arg_names, pointers, values, constants)
+    warps = CENTROID_WARPS if kernel == "centroids" else default_num_warps(head_dim)
     return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", capability, 32),
-                          options=dict(num_warps=default_num_warps(head_dim), **COMPILE_OPTIONS))
+                          options=dict(num_warps=warps, **COMPILE_OPTIONS))
