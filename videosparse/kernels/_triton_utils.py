@@ -7,8 +7,9 @@ flat tensors both kernels read:
                                       grid (the plan's own `order` when it carries one: nothing per call)
     kv_index  int32 [B*H*Mq, Kmax]    the plan's key tiles, contiguous
     kv_count  int32 [B*H*Mq]
-    k_mean    [B*H*Nk, D]  (q.dtype)  correction: mean key per key tile
-    v_mean    [B*H*Nk, D]  (q.dtype)  correction: mean value per key tile (v_sum / len)
+    k_mean    [B*H*Nk, D]  (q.dtype)  correction: mean key per key tile (zero for tiles that start at or
+                                      past the item's valid keys: what the plan holds there is never read)
+    v_mean    [B*H*Nk, D]  (q.dtype)  correction: mean value per key tile (v_sum / len; zero as k_mean)
     bias      fp32 [B*H*Mq, Ncp]      correction: log2(len_j), or -inf where tile j is exact or j >= Nk
                                       (Ncp = Nk rounded up to whole chunks) or, with `plan.valid_keys`,
                                       where tile j starts at or past the item's valid keys
@@ -83,8 +84,8 @@ def key_limit(plan: Plan, heads: int) -> torch.Tensor | None:
 @triton.jit
 def _correction_inputs_kernel(KV_INDEX, KV_COUNT, TILE_LEN, K_MEAN, V_SUM, KM_OUT, VM_OUT, BIAS, VALID_KEYS,
                               N_ITEMS, NK, NCP, KMAX, N_ROWS, D, ITEMS_PER_B, ROWS_PER_B, BLOCK_N,
-                              D_P2: tl.constexpr,
-                              CHUNK: tl.constexpr, KB: tl.constexpr, ROWS: tl.constexpr, HAS_VALID: tl.constexpr):
+                              D_P2: tl.constexpr, CHUNK: tl.constexpr, KB: tl.constexpr, ROWS: tl.constexpr,
+                              HAS_VALID: tl.constexpr):
     """Programs [0, N_ITEMS): one bias row each (log2 len, -inf on the item's exact tiles, past NK and, HAS_VALID,
     from the first tile that starts at or past its item's VALID_KEYS; the exact tiles are matched KB list entries
     at a time); programs past that: ROWS rows of k_mean (cast) and v_mean = v_sum / max(len, 1) each, zero for
