@@ -52,6 +52,17 @@ def _bwd_delta(O, DO, DLSE, DELTA, N_ROWS, HEAD_DIM: tl.constexpr, ROWS: tl.cons
 
 
 @triton.jit
+def _load_pair(A, B, offsets, mask, UPCAST: tl.constexpr):
+    """A[offsets] and B[offsets] (zero where not `mask`), in fp32 under the interpreter (UPCAST), else as stored."""
+    a = tl.load(A + offsets, mask=mask, other=0.0)
+    b = tl.load(B + offsets, mask=mask, other=0.0)
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return a, b
+
+
+@triton.jit
 def _bwd_dq(
     Q, K, V, DO, LSE, DELTA, DQ,
     KV_INDEX, KV_COUNT, ORDER, KEY_LIMIT, K_MEAN, V_MEAN, BIAS,
@@ -73,11 +84,7 @@ def _bwd_dq(
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < S
     q_rows = (bh.to(tl.int64) * S + offs_m)[:, None] * HEAD_DIM + offs_d[None, :]
-    q = tl.load(Q + q_rows, mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + q_rows, mask=row_ok[:, None], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    q, do = _load_pair(Q, DO, q_rows, row_ok[:, None], UPCAST)
     lse = tl.load(LSE + bh.to(tl.int64) * S + offs_m, mask=row_ok, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634     # no keys: P = 0
     delta = tl.load(DELTA + bh.to(tl.int64) * S + offs_m, mask=row_ok, other=0.0)
@@ -94,11 +101,7 @@ def _bwd_dq(
             cols = c0 + offs_c
             c_ok = cols < NK
             c_off = (c_base + cols)[None, :] * HEAD_DIM + offs_d[:, None]                      # [D, C]
-            kt = tl.load(K_MEAN + c_off, mask=c_ok[None, :], other=0.0)
-            vt = tl.load(V_MEAN + c_off, mask=c_ok[None, :], other=0.0)
-            if UPCAST:
-                kt = kt.to(tl.float32)
-                vt = vt.to(tl.float32)
+            kt, vt = _load_pair(K_MEAN, V_MEAN, c_off, c_ok[None, :], UPCAST)
             bias = tl.load(BIAS + item.to(tl.int64) * NCP + cols)
             p = tl.math.exp2(tl.dot(q, kt) * qk_scale + bias[None, :] - lse[:, None])          # len * exp(s - lse)
             ds = p * (tl.dot(do, vt) - delta[:, None])
@@ -108,11 +111,7 @@ def _bwd_dq(
         keys = tl.load(row + jp // PARTS) * BLOCK_N + (jp % PARTS) * KEY_CHUNK + offs_c
         k_ok = keys < limit
         kv_off = kv_base + keys[None, :].to(tl.int64) * HEAD_DIM + offs_d[:, None]       # [D, C]
-        kt = tl.load(K + kv_off, mask=k_ok[None, :], other=0.0)
-        vt = tl.load(V + kv_off, mask=k_ok[None, :], other=0.0)
-        if UPCAST:
-            kt = kt.to(tl.float32)
-            vt = vt.to(tl.float32)
+        kt, vt = _load_pair(K, V, kv_off, k_ok[None, :], UPCAST)
         p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse[:, None])
         p = tl.where(k_ok[None, :], p, 0.0)
         ds = p * (tl.dot(do, vt) - delta[:, None])
@@ -128,11 +127,7 @@ def _key_side_step(dk, dv, k, v, bias, Q, DO, LSE, DELTA, bh, rows, S, qk_scale,
     (bias [KEYS]: 0, -inf for a masked key, or a centroid's log2 len). Rows past S or without keys give nothing."""
     row_ok = rows < S
     q_off = (bh.to(tl.int64) * S + rows)[None, :] * HEAD_DIM + tl.arange(0, HEAD_DIM)[:, None]   # [D, R]
-    qt = tl.load(Q + q_off, mask=row_ok[None, :], other=0.0)
-    do_t = tl.load(DO + q_off, mask=row_ok[None, :], other=0.0)
-    if UPCAST:
-        qt = qt.to(tl.float32)
-        do_t = do_t.to(tl.float32)
+    qt, do_t = _load_pair(Q, DO, q_off, row_ok[None, :], UPCAST)
     lse = tl.load(LSE + bh.to(tl.int64) * S + rows, mask=row_ok, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
     delta = tl.load(DELTA + bh.to(tl.int64) * S + rows, mask=row_ok, other=0.0)
@@ -167,11 +162,7 @@ def _bwd_dkdv(
         limit = tl.minimum(tl.load(KEY_LIMIT + bh), SK)
     k_ok = keys < limit
     kv_off = (bh.to(tl.int64) * SK + keys)[:, None] * HEAD_DIM + offs_d[None, :]      # [KEYS, D]
-    k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
-    v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k, v = _load_pair(K, V, kv_off, k_ok[:, None], UPCAST)
     dk = tl.zeros([KEYS, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([KEYS, HEAD_DIM], dtype=tl.float32)
     row = Q_INDEX + item.to(tl.int64) * MMAX
@@ -205,11 +196,7 @@ def _bwd_centroids(
     c_ok = cols < NK
     offs_d = tl.arange(0, HEAD_DIM)
     c_off = (bh.to(tl.int64) * NK + cols)[:, None] * HEAD_DIM + offs_d[None, :]               # [C, D]
-    kc = tl.load(K_MEAN + c_off, mask=c_ok[:, None], other=0.0)
-    vc = tl.load(V_MEAN + c_off, mask=c_ok[:, None], other=0.0)
-    if UPCAST:
-        kc = kc.to(tl.float32)
-        vc = vc.to(tl.float32)
+    kc, vc = _load_pair(K_MEAN, V_MEAN, c_off, c_ok[:, None], UPCAST)
     dk = tl.zeros([CENTROIDS, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([CENTROIDS, HEAD_DIM], dtype=tl.float32)
     first = tl.program_id(1) * TILES_PER_SPLIT
