@@ -13,6 +13,15 @@ The MLPs are a probe, not a shipped estimator form.
 
     python scripts/veda_report.py --work-dir outputs/veda_report    # once, for the captures
     python scripts/veda_capacity_probe.py --work-dir outputs/veda_report --out benchmarks/veda_capacity_probe.json
+
+More data: `--train-cache` reads the training samples from another capture, e.g. the every-step one of
+`videosparse distill` on the same 32 prompts (README, "Quality on the reference model": `veda-reference/cache`);
+`--prompts N` and `--steps-per-prompt K` take its first N prompts and K of each prompt's steps (drawn as the
+capture draws them, `--step-seed` its seed). With seed 0 and 2 steps that is exactly the 128 samples
+`veda_report.py` trains on, so sizes compare on the same prompts and noise:
+
+    python scripts/veda_capacity_probe.py --work-dir outputs/veda_report --train-cache veda-reference/cache \
+        --steps-per-prompt 4 --hidden 0 --out 256.json
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from videosparse.distill.capture import sample_steps  # noqa: E402
 from videosparse.distill.train import TileSampleDataset  # noqa: E402
 from videosparse.veda.estimator import DEFAULT_INIT_STD, VedaEstimator, scaled_logits  # noqa: E402
 from videosparse.veda.losses import tile_kl_loss, tile_recall  # noqa: E402
@@ -42,6 +52,18 @@ def load_layers(files: list[Path], num_layers: int) -> dict[int, tuple[torch.Ten
     data = TileSampleDataset(files, num_layers)
     samples = [data[i] for i in range(len(data))]
     return {l: tuple(torch.cat([s[l][i].float() for s in samples]) for i in range(3)) for l in range(num_layers)}
+
+
+def select_samples(cache: Path, prompts: int | None, steps_per_prompt: int | None, step_seed: int) -> list[Path]:
+    """A capture's sample files (`p{prompt:05d}_s{step:04d}_{branch}.safetensors`) of its first `prompts` prompts
+    (None: all) and, per prompt, the `steps_per_prompt` steps `sample_steps` draws with `step_seed` from the steps the
+    capture holds (None: all of them; meant for a capture of every step)."""
+    parsed = [(int(f.name[1:6]), int(f.name.split("_")[1][1:]), f) for f in sorted(cache.glob("p*_s*.safetensors"))]
+    if not parsed:
+        return []
+    num_steps = 1 + max(step for _, step, _ in parsed)
+    return [f for i, step, f in parsed if (prompts is None or i < prompts)
+            and step in sample_steps(num_steps, steps_per_prompt, step_seed, i)]
 
 
 class ResidualMLP(nn.Module):
@@ -81,15 +103,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=600, help="optimizer steps per layer")
     ap.add_argument("--batch", type=int, default=32, help="samples per step")
     ap.add_argument("--learning-rate", type=float, default=1e-3)
+    ap.add_argument("--weight-decay", type=float, default=0.0, help="AdamW's")
     ap.add_argument("--density", type=float, default=0.1)
+    ap.add_argument("--train-cache", default=None, help="training captures (default: WORK_DIR/estimator/cache)")
+    ap.add_argument("--prompts", type=int, default=None, help="use the first N prompts of the training captures")
+    ap.add_argument("--steps-per-prompt", type=int, default=None,
+                    help="use K of each prompt's captured steps (as the capture samples them; default: all)")
+    ap.add_argument("--step-seed", type=int, default=0, help="the step-sampling seed (a capture's --seed)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/veda_capacity_probe.json")
     args = ap.parse_args()
     work = Path(args.work_dir)
-    train_files = sorted((work / "estimator" / "cache").glob("p*.safetensors"))
+    train_cache = Path(args.train_cache) if args.train_cache else work / "estimator" / "cache"
+    train_files = select_samples(train_cache, args.prompts, args.steps_per_prompt, args.step_seed)
     held_files = sorted((work / "eval_cache").glob("p*.safetensors"))
     if not train_files or not held_files:
-        raise SystemExit(f"{work} holds no captures (estimator/cache/, eval_cache/); run scripts/veda_report.py "
+        raise SystemExit(f"no captures in {train_cache} or {work / 'eval_cache'}; run scripts/veda_report.py "
                          f"--work-dir {work} first.")
     info = json.loads((work / "eval_cache" / "model_info.json").read_text())
     layers, heads, head_dim = info["num_layers"], info["num_heads"], info["head_dim"]
@@ -106,7 +135,7 @@ def main() -> None:
         for l in range(layers):
             qf, kf, heat = train[l]
             params, logits = layer_logits_fn(hidden, heads, head_dim)
-            opt = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=0.0)
+            opt = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
             sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps)
             for _ in range(args.steps):
                 idx = torch.randint(0, qf.shape[0], (args.batch,))
@@ -128,7 +157,9 @@ def main() -> None:
     report = {
         "what": "held-out tile recall of Veda's per-head residual projection vs per-head residual MLPs, trained on the "
                 "same captures of the reference model",
-        "work_dir": str(work), "samples": {"train": len(train_files), "held_out": len(held_files)},
+        "work_dir": str(work), "train_cache": str(train_cache),
+        "samples": {"train": len(train_files), "train_prompts": len({f.name[:6] for f in train_files}),
+                    "held_out": len(held_files)},
         "model": info, "settings": vars(args), "forms": forms,
         "held_out_ratio_vs_untrained": {n: {"recall": f["held_out"]["recall"] / base["recall"],
                                             "recall_offdiag": f["held_out"]["recall_offdiag"] / base["recall_offdiag"]}

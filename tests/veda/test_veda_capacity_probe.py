@@ -45,5 +45,24 @@ def test_probe_trains_every_form_and_reports_both_splits(tmp_path, monkeypatch):
     for name in ("projection (shipped)", "mlp hidden 32"):
         assert forms[name]["train"]["kl"] < forms["untrained_mean_pool"]["train"]["kl"]
         assert 0 <= forms[name]["held_out"]["recall"] <= 1
-    assert report["samples"] == {"train": 8, "held_out": 3}
+    assert report["samples"] == {"train": 8, "train_prompts": 8, "held_out": 3}
     assert set(report["held_out_ratio_vs_untrained"]) == {"projection (shipped)", "mlp hidden 32"}
+
+
+def test_sample_selection_takes_the_first_prompts_and_the_steps_the_capture_would_draw(tmp_path):
+    """`--prompts` / `--steps-per-prompt` on an every-step capture: the first N prompts, and of each the steps
+    `sample_steps` draws with the capture's seed (both CFG branches), so a subset equals the smaller capture."""
+    from videosparse.distill.capture import sample_steps
+
+    probe = load_script("veda_capacity_probe")
+    for i in range(4):
+        for step in range(10):
+            for branch in ("cond", "uncond"):
+                (tmp_path / f"p{i:05d}_s{step:04d}_{branch}.safetensors").touch()
+    (tmp_path / "p00000.done").touch()
+    assert len(probe.select_samples(tmp_path, None, None, 0)) == 80
+    got = probe.select_samples(tmp_path, 3, 2, 5)
+    want = sorted(f"p{i:05d}_s{step:04d}_{branch}.safetensors" for i in range(3)
+                  for step in sample_steps(10, 2, 5, i) for branch in ("cond", "uncond"))
+    assert sorted(f.name for f in got) == want and len(want) == 12
+    assert probe.select_samples(tmp_path / "missing", None, 2, 0) == []
