@@ -57,11 +57,20 @@ def load_layers(files: list[Path], num_layers: int) -> dict[int, tuple[torch.Ten
 def select_samples(cache: Path, prompts: int | None, steps_per_prompt: int | None, step_seed: int) -> list[Path]:
     """A capture's sample files (`p{prompt:05d}_s{step:04d}_{branch}.safetensors`) of its first `prompts` prompts
     (None: all) and, per prompt, the `steps_per_prompt` steps `sample_steps` draws with `step_seed` from the steps the
-    capture holds (None: all of them; meant for a capture of every step)."""
+    capture holds (None: all of them). Drawing steps needs a capture of every step: one that lacks a step raises."""
     parsed = [(int(f.name[1:6]), int(f.name.split("_")[1][1:]), f) for f in sorted(cache.glob("p*_s*.safetensors"))]
     if not parsed:
         return []
     num_steps = 1 + max(step for _, step, _ in parsed)
+    if steps_per_prompt is not None:
+        held = {}
+        for i, step, _ in parsed:
+            held.setdefault(i, set()).add(step)
+        partial = sorted(i for i, steps in held.items() if len(steps) < num_steps)
+        if partial:
+            raise ValueError(f"--steps-per-prompt {steps_per_prompt} draws from every captured step, but {cache} "
+                             f"holds only some of the {num_steps} steps of prompt(s) {partial[:5]}; give a capture of "
+                             "every step (`videosparse distill` without --steps-per-prompt) or leave it out.")
     return [f for i, step, f in parsed if (prompts is None or i < prompts)
             and step in sample_steps(num_steps, steps_per_prompt, step_seed, i)]
 

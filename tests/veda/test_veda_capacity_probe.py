@@ -4,6 +4,7 @@ lowers the KL on captures with a learnable signal, and the report holds every fo
 import json
 import sys
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -66,3 +67,8 @@ def test_sample_selection_takes_the_first_prompts_and_the_steps_the_capture_woul
                   for step in sample_steps(10, 2, 5, i) for branch in ("cond", "uncond"))
     assert sorted(f.name for f in got) == want and len(want) == 12
     assert probe.select_samples(tmp_path / "missing", None, 2, 0) == []
+    for branch in ("cond", "uncond"):                                      # prompt 3 misses one step
+        (tmp_path / f"p00003_s0004_{branch}.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"only some of the 10 steps of prompt\(s\) \[3\]"):
+        probe.select_samples(tmp_path, None, 2, 0)
+    assert len(probe.select_samples(tmp_path, None, None, 0)) == 78     # all that is there, without drawing
