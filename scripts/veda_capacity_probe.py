@@ -58,21 +58,19 @@ def select_samples(cache: Path, prompts: int | None, steps_per_prompt: int | Non
     """A capture's sample files (`p{prompt:05d}_s{step:04d}_{branch}.safetensors`) of its first `prompts` prompts
     (None: all) and, per prompt, the `steps_per_prompt` steps `sample_steps` draws with `step_seed` from the steps the
     capture holds (None: all of them). Drawing steps needs a capture of every step: one that lacks a step raises."""
-    parsed = [(int(f.name[1:6]), int(f.name.split("_")[1][1:]), f) for f in sorted(cache.glob("p*_s*.safetensors"))]
-    if not parsed:
+    files: dict[int, dict[int, list[Path]]] = {}                 # prompt -> step -> its branches' files
+    for f in sorted(cache.glob("p*_s*.safetensors")):
+        files.setdefault(int(f.name[1:6]), {}).setdefault(int(f.name.split("_")[1][1:]), []).append(f)
+    if not files:
         return []
-    num_steps = 1 + max(step for _, step, _ in parsed)
-    if steps_per_prompt is not None:
-        held = {}
-        for i, step, _ in parsed:
-            held.setdefault(i, set()).add(step)
-        partial = sorted(i for i, steps in held.items() if len(steps) < num_steps)
-        if partial:
-            raise ValueError(f"--steps-per-prompt {steps_per_prompt} draws from every captured step, but {cache} "
-                             f"holds only some of the {num_steps} steps of prompt(s) {partial[:5]}; give a capture of "
-                             "every step (`videosparse distill` without --steps-per-prompt) or leave it out.")
-    return [f for i, step, f in parsed if (prompts is None or i < prompts)
-            and step in sample_steps(num_steps, steps_per_prompt, step_seed, i)]
+    num_steps = 1 + max(max(steps) for steps in files.values())
+    partial = sorted(i for i, steps in files.items() if len(steps) < num_steps)
+    if steps_per_prompt is not None and partial:
+        raise ValueError(f"--steps-per-prompt {steps_per_prompt} draws from every captured step, but {cache} "
+                         f"holds only some of the {num_steps} steps of prompt(s) {partial[:5]}; give a capture of "
+                         "every step (`videosparse distill` without --steps-per-prompt) or leave it out.")
+    return [f for i, steps in sorted(files.items()) if prompts is None or i < prompts
+            for step in sample_steps(num_steps, steps_per_prompt, step_seed, i) for f in steps.get(step, [])]
 
 
 class ResidualMLP(nn.Module):
