@@ -7,7 +7,10 @@ trains, for every layer, the shipped form (`VedaEstimator`: q_hat = mean + f @ P
 residual MLPs q_hat = mean + gelu(f @ W1 + b1) @ W2 (W1 (3D, hidden), W2 (hidden, D) per head, W2 initialised
 like P so that the untrained MLP is the mean-pooled baseline too), each with the row-wise KL loss, minibatches of
 `--batch` samples, AdamW and a cosine schedule. Reports KL, recall and off-diagonal recall at `--density` on the
-training samples and on the held-out ones (as `veda_report.py` measures them), per form.
+training samples and on the held-out ones (as `veda_report.py` measures them), per form, with the teacher heat each
+form's tiles keep against the oracle's (heat recall). Beside them, how stable the oracle itself is on the held-out
+captures: the share of rows with a near tie at the budget (`oracle_near_ties`), and how far the oracles of the two
+CFG branches of the same call agree (the same latents and step, another text).
 
 The MLPs are a probe, not a shipped estimator form.
 
@@ -43,7 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from videosparse.distill.capture import sample_steps  # noqa: E402
 from videosparse.distill.train import TileSampleDataset  # noqa: E402
 from videosparse.veda.estimator import DEFAULT_INIT_STD, VedaEstimator, scaled_logits  # noqa: E402
-from videosparse.veda.losses import tile_kl_loss, tile_recall  # noqa: E402
+from videosparse.veda.losses import oracle_near_ties, tile_kl_loss, tile_recall  # noqa: E402
 from videosparse.veda.method import mean_pooled_logits  # noqa: E402
 
 
@@ -71,6 +74,29 @@ def select_samples(cache: Path, prompts: int | None, steps_per_prompt: int | Non
                          "every step (`videosparse distill` without --steps-per-prompt) or leave it out.")
     return [f for i, steps in sorted(files.items()) if prompts is None or i < prompts
             for step in sample_steps(num_steps, steps_per_prompt, step_seed, i) for f in steps.get(step, [])]
+
+
+def oracle_stability(files: list[Path], num_layers: int, density: float) -> dict[str, float]:
+    """How much tile recall the oracle itself leaves room for, over capture files (fp32 heat per layer).
+
+    Returns:
+        {"near_tie_rows_10pct", "near_tie_rows_1pct"}: the mean over files and layers of `oracle_near_ties` at 10% /
+        1%; with captures of both CFG branches of a call (`..._cond` and `..._uncond`), also
+        {"cond_vs_uncond_recall", "cond_vs_uncond_recall_offdiag", "cond_vs_uncond_heat_recall", "branch_pairs"}:
+        the uncond oracle's top-k scored against the cond one's as `tile_recall` scores an estimator.
+    """
+    data = TileSampleDataset(files, num_layers)
+    heats = {f.name: [data[i][l][2].float() for l in range(num_layers)] for i, f in enumerate(files)}
+    out = {f"near_tie_rows_{int(w * 100)}pct": sum(oracle_near_ties(h, density, w) for hs in heats.values() for h in hs)
+           / (len(heats) * num_layers) for w in (0.1, 0.01)}
+    pairs = [(heats[n], heats[n.replace("_cond.", "_uncond.")]) for n in heats
+             if n.endswith("_cond.safetensors") and n.replace("_cond.", "_uncond.") in heats]
+    if pairs:
+        scored = [tile_recall(u, c, density) for cs, us in pairs for c, u in zip(cs, us)]
+        out.update({f"cond_vs_uncond_{k}": sum(r[k] for r in scored) / len(scored)
+                    for k in ("recall", "recall_offdiag", "heat_recall")})
+        out["branch_pairs"] = len(pairs)
+    return out
 
 
 class ResidualMLP(nn.Module):
@@ -136,6 +162,8 @@ def main() -> None:
         [scores(mean_pooled_logits(d[l][0], d[l][1]), d[l][2], args.density) for l in range(layers)])
         for s, d in splits.items()}}
     print("untrained", forms["untrained_mean_pool"], flush=True)
+    oracle = oracle_stability(held_files, layers, args.density)
+    print("oracle (held out)", oracle, flush=True)
     for hidden in args.hidden:
         torch.manual_seed(args.seed)
         t0, per_split = time.time(), {s: [] for s in splits}
@@ -167,9 +195,9 @@ def main() -> None:
         "work_dir": str(work), "train_cache": str(train_cache),
         "samples": {"train": len(train_files), "train_prompts": len({f.name[:6] for f in train_files}),
                     "held_out": len(held_files)},
-        "model": info, "settings": vars(args), "forms": forms,
-        "held_out_ratio_vs_untrained": {n: {"recall": f["held_out"]["recall"] / base["recall"],
-                                            "recall_offdiag": f["held_out"]["recall_offdiag"] / base["recall_offdiag"]}
+        "model": info, "settings": vars(args), "forms": forms, "oracle_held_out": oracle,
+        "held_out_ratio_vs_untrained": {n: {k: f["held_out"][k] / base[k] for k in
+                                            ("recall", "recall_offdiag", "heat_recall", "heat_recall_offdiag")}
                                         for n, f in forms.items() if n != "untrained_mean_pool"},
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "device": "cpu",

@@ -42,6 +42,7 @@ from videosparse.distill.capture import (  # noqa: E402
 from videosparse.distill.train import evaluate_estimator  # noqa: E402
 from videosparse.plan import row_budget_list  # noqa: E402
 from videosparse.veda.estimator import VedaEstimator  # noqa: E402
+from videosparse.veda.losses import oracle_near_ties  # noqa: E402
 from videosparse.veda.tiling import candidate_shapes, head_errors, load_tiling  # noqa: E402
 
 
@@ -168,6 +169,8 @@ def main() -> None:
     num_tiles = int(load_file(str(files[0]))["heat.0"].shape[-1])
     oracle_per_query_tile = sum(row_budget_list(args.density, num_tiles, num_tiles)) / num_tiles
     untrained = evaluate_estimator(None, files, info.num_layers, args.density)
+    near_ties = sum(oracle_near_ties(load_file(str(f))[f"heat.{l}"], args.density)
+                    for f in files for l in range(info.num_layers)) / (len(files) * info.num_layers)
 
     shapes = candidate_shapes(cfg.block)
     names = ["x".join(map(str, s)) for s in shapes]
@@ -195,6 +198,9 @@ def main() -> None:
             "ratio": trained["recall"] / max(untrained["recall"], 1e-12),
             "trained_offdiag": trained["recall_offdiag"], "untrained_offdiag": untrained["recall_offdiag"],
             "ratio_offdiag": trained["recall_offdiag"] / max(untrained["recall_offdiag"], 1e-12),
+            "heat_recall_trained": trained["heat_recall"], "heat_recall_untrained": untrained["heat_recall"],
+            "heat_recall_ratio": trained["heat_recall"] / max(untrained["heat_recall"], 1e-12),
+            "oracle_near_tie_rows_10pct": near_ties,
             "kl_trained": trained["kl"], "kl_untrained": untrained["kl"],
             "per_layer": {str(l): {"trained": trained["layers"][l]["recall"], "untrained": untrained["layers"][l]["recall"]}
                           for l in trained["layers"]},
@@ -204,7 +210,10 @@ def main() -> None:
             "note": "recall = |estimator top-k ∩ oracle top-k| / |oracle top-k| at the target density, diagonal "
                     "forced in both (as executed); offdiag excludes the diagonal tile. The forced diagonal is "
                     "diagonal_share_of_oracle of the oracle's tiles, so every estimator scores at least that much "
-                    "of the diagonal-included recall: the off-diagonal ratio is the one that compares estimators",
+                    "of the diagonal-included recall: the off-diagonal ratio is the one that compares estimators. "
+                    "heat_recall = teacher heat in the estimator's tiles / in the oracle's; "
+                    "oracle_near_tie_rows_10pct = share of rows whose best skipped tile has >= 90% of the heat of "
+                    "the weakest kept off-diagonal one (videosparse.veda.losses.oracle_near_ties)",
         },
         "tiling": {
             "layers": [["x".join(map(str, s)) for s in heads] for heads in tiling.layers],
@@ -243,7 +252,9 @@ def main() -> None:
         json.dump(report, f, indent=2)
     r, tl = report["recall"], report["tiling"]
     print(f"recall at density {args.density}: trained {r['trained']:.3f} vs untrained {r['untrained_mean_pool']:.3f} "
-          f"({r['ratio']:.2f}x; off-diagonal {r['trained_offdiag']:.3f} vs {r['untrained_offdiag']:.3f})")
+          f"({r['ratio']:.2f}x; off-diagonal {r['trained_offdiag']:.3f} vs {r['untrained_offdiag']:.3f}); teacher heat "
+          f"kept {r['heat_recall_trained']:.3f} vs {r['heat_recall_untrained']:.3f}; oracle rows with a near tie "
+          f"(10%) {r['oracle_near_tie_rows_10pct']:.2f}")
     print(f"held-out relative error: searched tiling {searched_err:.4f}, best single shape {oracle_best} "
           f"{single[oracle_best]:.4f} ({100 * (1 - tl['searched_vs_best_single_held_out']):.1f}% lower)")
     print(f"wrote {args.out}")

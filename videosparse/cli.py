@@ -346,7 +346,8 @@ def _run_distill(args: argparse.Namespace) -> int:
     if result.metrics:
         t, u = result.metrics["trained"], result.metrics["untrained_mean_pool"]
         print(f"{result.global_step} steps: KL {t['kl']:.4f} (untrained {u['kl']:.4f}), recall at density "
-              f"{cfg.density}: {t['recall']:.3f} (untrained {u['recall']:.3f}) -> {result.output_dir}")
+              f"{cfg.density}: {t['recall']:.3f} (untrained {u['recall']:.3f}), teacher heat kept "
+              f"{t['heat_recall']:.3f} (untrained {u['heat_recall']:.3f}) -> {result.output_dir}")
     return 0
 
 

@@ -2,6 +2,7 @@
 lowers the KL on captures with a learnable signal, and the report holds every form and split."""
 
 import json
+import shutil
 import sys
 
 import pytest
@@ -31,6 +32,8 @@ def test_probe_trains_every_form_and_reports_both_splits(tmp_path, monkeypatch):
     info = _write_captures(tmp_path / "w" / "estimator" / "cache", 8)
     _write_captures(tmp_path / "w" / "eval_cache", 3, seed=1)
     (tmp_path / "w" / "eval_cache" / "model_info.json").write_text(json.dumps(info))
+    held = tmp_path / "w" / "eval_cache" / "p00001_s0000_cond.safetensors"
+    shutil.copy(held, held.with_name("p00001_s0000_uncond.safetensors"))  # a branch pair with the same attention
     qf = torch.randn(1, 2, 16, 24)
     _, mlp_logits = probe.layer_logits_fn(32, 2, 8)
     torch.testing.assert_close(mlp_logits(qf, qf), probe.mean_pooled_logits(qf, qf), rtol=1e-2, atol=1e-2)
@@ -46,7 +49,11 @@ def test_probe_trains_every_form_and_reports_both_splits(tmp_path, monkeypatch):
     for name in ("projection (shipped)", "mlp hidden 32"):
         assert forms[name]["train"]["kl"] < forms["untrained_mean_pool"]["train"]["kl"]
         assert 0 <= forms[name]["held_out"]["recall"] <= 1
-    assert report["samples"] == {"train": 8, "train_prompts": 8, "held_out": 3}
+        assert 0 < forms[name]["held_out"]["heat_recall"] <= 1
+    assert report["samples"] == {"train": 8, "train_prompts": 8, "held_out": 4}
+    oracle = report["oracle_held_out"]
+    assert oracle["branch_pairs"] == 1 and oracle["cond_vs_uncond_recall"] == oracle["cond_vs_uncond_heat_recall"] == 1
+    assert 0 <= oracle["near_tie_rows_1pct"] <= oracle["near_tie_rows_10pct"] <= 1
     assert set(report["held_out_ratio_vs_untrained"]) == {"projection (shipped)", "mlp hidden 32"}
 
 

@@ -198,6 +198,40 @@ def test_recall():
     assert r["recall_offdiag"] == 0.0 and r["recall"] == pytest.approx(1 / 3)
 
 
+def test_heat_recall_weighs_each_tile_by_its_teacher_heat():
+    """4 tiles at density 0.5: the diagonal and one more per row. The estimator takes every row's second-best
+    off-diagonal tile, so it keeps the diagonal's heat plus the second best against the diagonal plus the best."""
+    torch.manual_seed(0)
+    heat = torch.rand(1, 1, 4, 4) * 0.5 + 0.1
+    off = ~torch.eye(4, dtype=torch.bool)
+    ranked = heat[0, 0].masked_fill(~off, -1).sort(-1, descending=True)
+    best, second = ranked.values[:, 0], ranked.values[:, 1]
+    scores = torch.zeros(4, 4)
+    scores[torch.arange(4), ranked.indices[:, 1]] = 1.0           # the second-best off-diagonal tile, per row
+    r = tile_recall(scores[None, None], heat, 0.5)
+    diag = heat[0, 0].diagonal()
+    assert r["recall"] == pytest.approx(0.5) and r["recall_offdiag"] == 0.0
+    assert r["heat_recall"] == pytest.approx(float((diag + second).sum() / (diag + best).sum()))
+    assert r["heat_recall_offdiag"] == pytest.approx(float(second.sum() / best.sum()))
+    assert tile_recall(heat.log(), heat, 0.5)["heat_recall"] == 1.0
+
+
+def test_oracle_near_ties_counts_rows_whose_best_skipped_tile_is_close_to_the_weakest_kept():
+    """4 tiles at density 0.5 (the diagonal, whose heat plays no part, and the best other tile per row)."""
+    from videosparse.veda.losses import oracle_near_ties
+
+    heat = torch.tensor([[0.0, 1.0, 0.95, 0.1],          # 0.95 of the kept tile's heat: a tie within 10%
+                         [1.0, 9.0, 0.5, 0.1],           # the diagonal's 9 plays no part: no tie
+                         [1.0, 0.99, 0.0, 0.0],          # a tie within 2%
+                         [1.0, 0.2, 0.1, 0.0]])[None, None]
+    assert oracle_near_ties(heat, 0.5) == pytest.approx(0.5)
+    assert oracle_near_ties(heat, 0.5, within=0.02) == pytest.approx(0.25)
+    assert oracle_near_ties(heat, 0.5, within=0.005) == 0.0
+    assert oracle_near_ties(heat, 1.0) != oracle_near_ties(heat, 1.0)          # nothing skipped: NaN
+    with pytest.raises(ValueError, match="within=1.0"):
+        oracle_near_ties(heat, 0.5, within=1.0)
+
+
 def test_estimator_paths_that_hold_no_estimator_are_clear_errors(tmp_path):
     from videosparse.veda.estimator import load_estimator
 

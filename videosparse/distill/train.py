@@ -11,7 +11,7 @@
   seed and the epoch, so a killed-then-resumed run ends with the same weights as an uninterrupted one;
 * `log.jsonl`: loss and tile recall at the target density every `log_every` steps;
 * the output directory holds `model.safetensors` + `config.json` (`VedaEstimator.from_pretrained`),
-  `distill_config.json`, `metrics.json` (trained vs untrained KL and recall) and `tiling.json` when
+  `distill_config.json`, `metrics.json` (trained vs untrained KL, tile and heat recall) and `tiling.json` when
   the estimator was distilled on a searched tiling.
 """
 
@@ -129,7 +129,8 @@ def evaluate_estimator(estimator: VedaEstimator | None, files: Sequence[Path], n
     """KL and tile recall over samples, per layer and overall; `estimator=None` is the mean-pooled baseline.
 
     Returns:
-        {"kl", "recall", "recall_offdiag", "layers": {layer: {...}}, "num_samples"}.
+        {"kl", "recall", "recall_offdiag", "heat_recall", "heat_recall_offdiag", "layers": {layer: {...}},
+        "num_samples"} (see `veda.losses.tile_recall`).
     """
     data = TileSampleDataset(files, num_layers)
     per_layer: dict[int, list[dict[str, float]]] = {l: [] for l in range(num_layers)}
@@ -141,7 +142,7 @@ def evaluate_estimator(estimator: VedaEstimator | None, files: Sequence[Path], n
             rec = tile_recall(lg, heat, density)
             per_layer[l].append({"kl": float(tile_kl_loss(lg, heat)), **rec})
     layers = {l: {k: sum(d[k] for d in v) / len(v) for k in v[0]} for l, v in per_layer.items() if v}
-    out = {k: sum(d[k] for d in layers.values()) / len(layers) for k in ("kl", "recall", "recall_offdiag")}
+    out = {k: sum(d[k] for d in layers.values()) / len(layers) for k in next(iter(layers.values()))}
     return {**out, "layers": layers, "num_samples": len(data)}
 
 
@@ -576,7 +577,9 @@ def model_card(estimator: VedaEstimator, cfg: DistillConfig, metrics: dict[str, 
         t, u = metrics["trained"], metrics["untrained_mean_pool"]
         lines += ["", f"Evaluation on the {metrics.get('split', 'train')} samples at density {metrics['density']:g}: "
                       f"KL {t['kl']:.4f} (untrained, mean-pooled q·k: {u['kl']:.4f}), tile recall {t['recall']:.3f} "
-                      f"(untrained: {u['recall']:.3f})."]
+                      f"(untrained: {u['recall']:.3f})" + (
+                          f", teacher heat kept against the oracle's {t['heat_recall']:.3f} (untrained: "
+                          f"{u['heat_recall']:.3f})" if "heat_recall" in t and "heat_recall" in u else "") + "."]
     lines += [
         "",
         "The full settings are in `distill_config.json`, the training log in `log.jsonl`, the evaluation in "
