@@ -35,6 +35,7 @@ def test_round_trip(cfg):
         (lambda: VedaConfig(dense_layers=3), "dense_layers=3"),
         (lambda: VedaConfig(dense_layers=None), "dense_layers=None"),
         (lambda: VedaConfig(dense_layers={0: 1}), r"dense_layers=\{0: 1\}"),
+        (lambda: VedaConfig(dense_layers=torch.tensor(3)), r"dense_layers=tensor\(3\) must be a tuple or list"),
         (lambda: SolConfig(density=0.1, correction=1), "correction=1 must be a bool"),
         (lambda: VedaConfig(tiling=(True, 4, 32)), r"tile shape \(True, 4, 32\)"),
         (lambda: SolConfig(tau=float("nan")), "tau=nan"),
@@ -70,6 +71,8 @@ def test_config_backends_are_the_dispatch_names():
 def test_numpy_scalars_become_plain_numbers():
     np = pytest.importorskip("numpy")
     cfg = VedaConfig(density=np.float32(0.25), block=np.int64(64), dense_steps=np.int64(2), dense_layers=[np.int64(1)])
+    with pytest.raises(TypeError, match=r"dense_layers=array\(3\) must be a tuple or list"):
+        VedaConfig(dense_layers=np.array(3))
     d = cfg.to_dict()
     assert (d["density"], d["block"], d["dense_steps"], d["dense_layers"]) == (0.25, 64, 2, [1])
     assert type(d["block"]) is int and type(d["dense_steps"]) is int and type(d["density"]) is float
@@ -113,6 +116,7 @@ def test_tile_shapes_may_be_written_as_the_cli_writes_them():
     assert VedaConfig(tiling="4x4x8") == VedaConfig(tiling=(4, 4, 8))
     assert SolConfig(density=0.2, tiling=" 2X8x8 ").tiling == (2, 8, 8)
     assert VedaConfig(tiling="runs/tiling.json").tiling == "runs/tiling.json"
+    assert VedaConfig(tiling="²x4x8").tiling == "²x4x8"       # not ASCII digits: a file name, not a shape
     with pytest.raises(ValueError, match=r"tile shape \(4, 4, 4\) has pt\*ph\*pw = 64"):
         VedaConfig(tiling="4x4x4")
     with pytest.raises(ValueError, match="three positive ints"):

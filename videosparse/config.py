@@ -49,7 +49,7 @@ def _scalar(value: Any) -> Any:
 
 def _layers(value: Any) -> tuple[int, ...]:
     """dense_layers as a tuple (TypeError naming the field when it is not a collection of layer indices)."""
-    if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
+    if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__") or getattr(value, "ndim", None) == 0:
         raise TypeError(f"dense_layers={value!r} must be a tuple or list of self-attention layer indices, "
                         "e.g. (0,) or [0, 29].")
     return tuple(int(v) if _is_int(v) else v for v in map(_scalar, value))
@@ -106,7 +106,7 @@ def parse_tile(text: Any) -> Any:
     """'4x4x8' (any case of x) -> (4, 4, 8); anything else is returned as it is (a shape, or a tiling JSON path)."""
     if isinstance(text, str):
         parts = text.strip().lower().split("x")
-        if len(parts) == 3 and all(p.isdigit() for p in parts):
+        if len(parts) == 3 and all(p.isascii() and p.isdigit() for p in parts):
             return tuple(int(p) for p in parts)
     return text
 
@@ -195,7 +195,8 @@ class DenseConfig(_BaseConfig):
 
     Every self-attention call goes through diffusers' own `dispatch_attention_fn`, so outputs equal
     the stock processors' (bitwise for most families; within float rounding, ~1e-7 relative, where a
-    processor merges parts of the attention itself: HunyuanVideo 1.5, Motif-Video, Wan-Animate-2); the
+    processor merges parts of the attention itself: HunyuanVideo 1.5, Motif-Video, Wan-Animate-2, and
+    HunyuanVideo and FramePack with padded text, whose valid prefix and padded rows run as two calls); the
     processors still count calls, which makes this the reference arm of an evaluation.
 
     Example:

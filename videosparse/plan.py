@@ -4,7 +4,8 @@ A plan is the contract between the tile choosers (Veda, Sol) and the kernels: th
 every backend, so it can be checked against the reference and executed by the fast kernel unchanged.
 
     kv_index  int32 [B, H, Mq, Kmax]  key-tile indices per query tile, sorted ascending, valid
-                                      entries packed left; entries past kv_count are 0 and ignored
+                                      entries packed left; entries past kv_count are ignored (the
+                                      builders write 0 there; `with_valid_keys` leaves them as they were)
     kv_count  int32 [B, H, Mq]        number of valid entries per row (>= 1 for a meaningful row)
     block_m, block_n                  tokens per query tile / key tile
     k_mean    [B, H, Nk, D]           optional: mean key of every key tile       (zero-order

@@ -155,6 +155,14 @@ def test_calibration_below_forced_density_keeps_only_forced_tiles():
     assert abs(realized.item() - forced_pairs(6, 1, 1) / 49) < 1e-12
 
 
+@pytest.mark.parametrize("band", [0, 1, 3, 5, 6, 10**12])
+def test_forced_pairs_counts_the_band_mask(band):
+    """Globals plus the band's pairs, as `band_mask` marks them; a band wider than the grid costs no loop over it."""
+    for Mv, G in [(0, 2), (1, 0), (6, 1), (7, 3)]:
+        band_pairs = int(band_mask(Mv, min(band, Mv)).sum()) if Mv else 0
+        assert forced_pairs(Mv, G, band) == (Mv + G) ** 2 - Mv * Mv + band_pairs, (Mv, G, band)
+
+
 @pytest.mark.parametrize("density", [0.2, 0.5, 1.0, 0.01])
 def test_calibrated_tau_sits_in_the_middle_of_its_gap(density):
     """The bisection ends on the marginal score itself; τ is moved to the middle of the gap between the

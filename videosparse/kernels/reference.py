@@ -42,8 +42,9 @@ class _Rows:
         self.cd = cd = torch.float64 if q.dtype == torch.float64 else torch.float32
         bn, Nk = self.bn, self.Nk
         pad = Nk * bn - Sk
-        self.kp = torch.nn.functional.pad(k, (0, 0, 0, pad)).to(cd).view(B, H, Nk, bn * D)
-        self.vp = torch.nn.functional.pad(v, (0, 0, 0, pad)).to(cd).view(B, H, Nk, bn * D)
+        # reshape, not view: with no padding F.pad keeps a strided k / v's strides (e.g. a (B, S, H, D) transpose)
+        self.kp = torch.nn.functional.pad(k, (0, 0, 0, pad)).to(cd).reshape(B, H, Nk, bn * D)
+        self.vp = torch.nn.functional.pad(v, (0, 0, 0, pad)).to(cd).reshape(B, H, Nk, bn * D)
         self.limit = limit = torch.full((B,), Sk, device=q.device) if plan.valid_keys is None else \
             plan.valid_keys.long().clamp_max(Sk)
         self.key_real = (torch.arange(Nk * bn, device=q.device) < limit[:, None]).view(B, 1, Nk, bn)  # [B,1,Nk,bn]

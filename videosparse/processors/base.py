@@ -326,9 +326,14 @@ class SparseAttentionMixin:
             valid_keys = (q.shape[1] - text_tokens) + valid
             out = self.attend(q, k, v, rope=rope, text_len=text_tokens, valid_keys=valid_keys, padded_rows=padded_rows)
             if padded_rows == "zero" and text_tokens:
-                # the padded rows are among the last text_tokens: zero them there, in place (not a pass over all rows)
+                # the padded rows are among the last text_tokens: zero them there, in place (not a pass over all rows),
+                # unless autograd records: a dense layer's call returns SDPA's output, which it saves for backward
                 rows = torch.arange(q.shape[1] - text_tokens, q.shape[1], device=q.device)
-                out[:, -text_tokens:].masked_fill_((rows >= valid_keys[:, None])[:, :, None, None], 0)
+                padded = (rows >= valid_keys[:, None])[:, :, None, None]
+                if out.requires_grad:
+                    out = torch.cat([out[:, :-text_tokens], out[:, -text_tokens:].masked_fill(padded, 0)], dim=1)
+                else:
+                    out[:, -text_tokens:].masked_fill_(padded, 0)
             return out
         lengths = self.session.context.text_len
         if isinstance(lengths, tuple):

@@ -104,7 +104,7 @@ def routing_zscores(q_mean: torch.Tensor, k_mean: torch.Tensor, scale: float, ba
 def forced_pairs(num_video_tiles: int, num_global_tiles: int, band: int) -> int:
     """Exact (query tile, key tile) pairs per (batch, head) before any threshold: globals and band."""
     Mv, N = num_video_tiles, num_video_tiles + num_global_tiles
-    band_pairs = Mv + 2 * sum(max(Mv - d, 0) for d in range(1, band + 1))
+    band_pairs = Mv + 2 * sum(Mv - d for d in range(1, min(band, Mv - 1) + 1))    # diagonals past Mv - 1 are empty
     return N * N - Mv * Mv + min(band_pairs, Mv * Mv)
 
 
