@@ -162,6 +162,19 @@ def test_estimator_config_validation():
         make_est(tile_shapes=[(4, 4, 8)] * 3)
     per_head = [[(4, 4, 8), (8, 4, 4), (2, 8, 8)], (4, 4, 8)]
     assert make_est(tile_shapes=per_head).layer_tiles(0) == [(4, 4, 8), (8, 4, 4), (2, 8, 8)]
+    assert make_est(tile_shapes="4x4x8").layer_tiles(1) == [(4, 4, 8)] * 3     # the string form VedaConfig takes
+    assert make_est(tile_shapes=["8x4x4", ["4x4x8", (8, 4, 4), "2x8x8"]]).layer_tiles(1) == [(4, 4, 8), (8, 4, 4),
+                                                                                           (2, 8, 8)]
+    with pytest.raises(ValueError, match=r"tile_shapes\[0\]\[0\]=\[-4, -4, 8\] must be \(pt, ph, pw\) of positive"):
+        make_est(tile_shapes=(-4, -4, 8))
+    with pytest.raises(ValueError, match=r"tile_shapes=\(4, 4, 8.0\) names 3 layers; expected one \(pt, ph, pw\)"):
+        make_est(tile_shapes=(4, 4, 8.0))
+    with pytest.raises(ValueError, match=r"tile_shapes\[1\]=7: expected one \(pt, ph, pw\)"):
+        make_est(tile_shapes=[(4, 4, 8), 7])
+    with pytest.raises(ValueError, match="tile_shapes=128 must be one"):
+        make_est(tile_shapes=128)
+    with pytest.raises(ValueError, match="density='0.1' must be a number"):
+        make_est(density="0.1")
     with pytest.raises(TypeError, match="VedaEstimator"):
         VedaMethod(VedaConfig(density=0.1, estimator=object()), INFO)
 
@@ -351,3 +364,6 @@ def test_estimator_tile_shapes_may_be_numpy_ints(tmp_path):
     est.save_pretrained(tmp_path / "est")
     assert json.loads((tmp_path / "est" / "config.json").read_text())["tile_shapes"] == [8, 4, 4]
     assert VedaEstimator.from_pretrained(tmp_path / "est").tile_shapes == est.tile_shapes
+    est = make_est(density=np.float32(0.25))            # the hub mixin would save a numpy float as null
+    est.save_pretrained(tmp_path / "est2")
+    assert VedaEstimator.from_pretrained(tmp_path / "est2").density == 0.25

@@ -208,6 +208,40 @@ def test_a_grid_every_candidate_pads_is_warned_once(caplog):
     assert len({shape for layer in res.tiling.layers for shape in layer}) == 1
 
 
+def test_a_video_smaller_than_one_tile_is_left_out_of_the_search_and_the_capture(caplog):
+    """Fewer video tokens than one tile (beside text): the processors run such calls dense, so the search scores
+    none of them and the capture keeps no sample, each warned once per grid."""
+    import logging
+
+    from videosparse.distill.capture import TileFeatureCapture
+    from videosparse.veda.tiling import TilingSearch
+
+    grid = (1, 4, 8)
+    q, k, v = (torch.randn(1, 32 + 40, 2, 32) for _ in range(3))
+    rec = SimpleNamespace(layer=0, q=q, k=k, v=v, grid=grid, text_len=40, text_position="after", step=0,
+                          branch="cond", item=None, text_slot=False)
+    search, capture = TilingSearch(density=0.5), TileFeatureCapture(lambda layer, h: (4, 4, 8), 128)
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        for _ in range(2):
+            search.add(rec)
+            capture(rec)
+    assert sum("fewer video tokens than one 128-token tile" in r.getMessage() for r in caplog.records) == 2
+    assert not search.err_sum and not capture.samples
+    with pytest.raises(ValueError, match="got no samples"):
+        search.result()
+
+
+def test_a_search_result_for_other_heads_or_fewer_layers_than_its_samples_is_refused():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 256, 3, 32, generator=g) for _ in range(3))
+    samples = [record(layer, (4, 8, 8), q, k, v) for layer in (0, 3)]
+    with pytest.raises(ValueError, match="num_heads=2 do not fit the samples: they hold 3 heads"):
+        search_tiling(samples, density=0.5, num_heads=2)
+    with pytest.raises(ValueError, match="num_layers=2, num_heads=None do not fit the samples: .* layers up to 3"):
+        search_tiling(samples, density=0.5, num_layers=2)
+    assert len(search_tiling(samples, density=0.5, num_layers=4, num_heads=3).tiling.layers) == 4
+
+
 def test_search_tiling_scores_each_record_as_the_pipeline_makes_it(tmp_path, monkeypatch):
     """Review find: `videosparse search-tiling` kept every q, k, v of a pipeline call until the call ended (every
     step and layer: ~900 GB on Wan 1.3B at its defaults); now each record is scored and dropped as it comes. The

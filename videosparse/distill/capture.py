@@ -132,6 +132,7 @@ class TileFeatureCapture:
         self.num_layers, self.on_sample = num_layers, on_sample
         self.handed: list[tuple[int, str]] = []
         self.branches_seen: set[str] = set()
+        self.grids_too_small: set[tuple[int, int, int]] = set()
 
     @torch.no_grad()
     def __call__(self, record) -> None:
@@ -148,8 +149,15 @@ class TileFeatureCapture:
         H = record.q.shape[2]
         layout = head_tiling(record.grid, self.tiles_for_layer(record.layer, H), H, self.block,
                              record.text_len, record.text_position or "after", record.text_slot)
-        qt, kt = layout.gather(record.q), layout.gather(record.k)
         Mv = layout.num_video_tiles
+        if Mv == 0:                       # fewer video tokens than one tile: the processors run it dense, no sample
+            grid = tuple(int(g) for g in record.grid)
+            if grid not in self.grids_too_small:
+                self.grids_too_small.add(grid)
+                logger.warning("grid %s has fewer video tokens than one %d-token tile: its calls run dense and give "
+                               "no sample", grid, self.block)
+            return
+        qt, kt = layout.gather(record.q), layout.gather(record.k)
         qf, kf = trippool_qk(qt, kt, self.block, Mv)
         heat = teacher_heat(qt, kt, self.block, num_tiles=Mv, backend=self.teacher_backend)
         key = (int(step), str(record.branch) if item is None else f"{record.branch}-item{item}")

@@ -36,6 +36,8 @@ import torch
 from huggingface_hub import PyTorchModelHubMixin, hf_hub_download
 from torch import nn
 
+from ..config import parse_tile
+
 DEFAULT_INIT_STD = 1e-4
 SAFETENSORS_NAME = "model.safetensors"
 
@@ -57,19 +59,26 @@ def _normalize_tiles(tile_shapes: Any, num_layers: int, num_heads: int) -> list[
     """[num_layers][num_heads][3] from one shape, one shape per layer, or one per (layer, head)."""
     if tile_shapes is None:
         raise ValueError("tile_shapes is required (one (pt, ph, pw), or one per layer and head).")
-    t = tile_shapes
+    t = parse_tile(tile_shapes)
+    if isinstance(t, str) or not isinstance(t, Sequence):
+        raise ValueError(f"tile_shapes={tile_shapes!r} must be one (pt, ph, pw) such as (4, 4, 8) or '4x4x8', or one "
+                         "per layer, or one per layer and head.")
     if _is_shape(t):
         return [[[int(v) for v in t] for _ in range(num_heads)] for _ in range(num_layers)]
     if len(t) != num_layers:
-        raise ValueError(f"tile_shapes names {len(t)} layers; expected one shape or {num_layers} layers.")
+        raise ValueError(f"tile_shapes={tile_shapes!r} names {len(t)} layers; expected one (pt, ph, pw) of ints or "
+                         f"{num_layers} layers.")
     out = []
     for layer, entry in enumerate(t):
-        if _is_shape(entry):
+        entry = parse_tile(entry)
+        if isinstance(entry, Sequence) and not isinstance(entry, str) and _is_shape(entry):
             out.append([[int(v) for v in entry] for _ in range(num_heads)])
-        elif len(entry) == num_heads:
-            out.append([list(map(int, s)) for s in entry])
+        elif isinstance(entry, Sequence) and not isinstance(entry, str) and len(entry) == num_heads and all(
+                isinstance(s, Sequence) and not isinstance(s, str) and _is_shape(s) for s in map(parse_tile, entry)):
+            out.append([[int(v) for v in parse_tile(s)] for s in entry])
         else:
-            raise ValueError(f"tile_shapes[{layer}] has {len(entry)} entries; expected one shape or {num_heads} heads.")
+            raise ValueError(f"tile_shapes[{layer}]={entry!r}: expected one (pt, ph, pw) of ints or {num_heads} "
+                             "of them (one per head).")
     return out
 
 
@@ -116,15 +125,19 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
         self.tile_shapes = _normalize_tiles(tile_shapes, num_layers, num_heads)
         for layer, heads in enumerate(self.tile_shapes):
             for h, s in enumerate(heads):
-                if len(s) != 3 or math.prod(s) != block:
-                    raise ValueError(f"tile_shapes[{layer}][{h}]={s} must be (pt, ph, pw) with pt*ph*pw == "
-                                     f"block={block}.")
+                if len(s) != 3 or min(s) < 1 or math.prod(s) != block:
+                    raise ValueError(f"tile_shapes[{layer}][{h}]={s} must be (pt, ph, pw) of positive ints with "
+                                     f"pt*ph*pw == block={block}.")
         # the config save_pretrained writes gets plain ints (the mixin drops numpy ones and would save the default)
         if isinstance(self._hub_mixin_config, dict):
             shapes = {tuple(s) for heads in self.tile_shapes for s in heads}
             self._hub_mixin_config["tile_shapes"] = list(shapes.pop()) if len(shapes) == 1 else self.tile_shapes
         self.init_std = float(init_std)
-        self.density = density
+        if density is not None and (isinstance(density, bool) or not isinstance(density, numbers.Real)):
+            raise ValueError(f"density={density!r} must be a number (the density it was distilled for) or None.")
+        self.density = None if density is None else float(density)
+        if isinstance(self._hub_mixin_config, dict):
+            self._hub_mixin_config["density"] = self.density        # a numpy float would be saved as null
         self.source: str | None = None
         shape = (num_layers, num_heads, 3 * head_dim, head_dim)
         self.proj_q = nn.Parameter(torch.randn(shape) * self.init_std)

@@ -306,6 +306,12 @@ class TilingSearch:
         grid = tuple(int(g) for g in rec.grid)
         text_len = int(getattr(rec, "text_len", 0) or 0)
         text_position = getattr(rec, "text_position", None) or "after"
+        if math.prod(grid) < self.block:  # fewer video tokens than one tile: the processors run it dense
+            if grid not in self._warned_grids:
+                self._warned_grids.add(grid)
+                logger.warning("grid %s has fewer video tokens than one %d-token tile: its calls run dense and are "
+                               "not scored", grid, self.block)
+            return
         pads = {s: TileLayout(grid, s, self.block).padding_fraction for s in shapes_all}
         allowed = [s for s in shapes_all if pads[s] <= self.max_padding + 1e-12]
         if not allowed:
@@ -338,6 +344,9 @@ class TilingSearch:
             raise ValueError("search_tiling got no samples; capture at least one self-attention call.")
         L = num_layers if num_layers is not None else max(err_sum) + 1
         Hn = num_heads if num_heads is not None else self.heads_seen
+        if Hn != self.heads_seen or max(err_sum) >= L:
+            raise ValueError(f"num_layers={num_layers}, num_heads={num_heads} do not fit the samples: they hold "
+                             f"{self.heads_seen} heads and layers up to {max(err_sum)}.")
         layers_out: list[tuple[TileShape, ...]] = []
         mean_err: dict[int, list[dict[TileShape, float]]] = {}
         chosen_err, single_err = [], {s: [] for s in shapes_all}
