@@ -188,6 +188,8 @@ def test_rope_gather_dispatch_and_errors():
     x6, cos6, sin6 = _inputs(1, (2, 2, 2), 2, 6, torch.float32, torch.float32, False, 2)
     with pytest.raises(ValueError, match="head dim 6"):
         rope_gather(x6, perm, (cos6, sin6), backend="triton")
+    with pytest.raises(ValueError, match="x is torch.float64; the fused kernel computes in fp32"):   # auto: torch
+        rope_gather(x.double(), perm, (cos.double(), sin.double()), backend="triton")
     with pytest.raises(ValueError, match=r"freqs_cos has shape \(1, 4, 1, 8\)"):
         rope_gather(x, perm, (cos[:, :4], sin), backend="triton")
     with pytest.raises(ValueError, match=r"freqs_cos has shape \(6, 8\), not \(R, 8\) with 3 \+ R <= 8"):

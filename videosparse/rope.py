@@ -168,6 +168,8 @@ def _fused_reason(x: torch.Tensor, style: str, freqs_cos: torch.Tensor, freqs_si
     half = D // 2
     if x.requires_grad and torch.is_grad_enabled():
         return "autograd records x and the fused kernel has no backward pass (the torch path has one)"
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"x is {x.dtype}; the fused kernel computes in fp32 and takes fp16, bf16 or fp32"
     if isinstance(sections, bool) or not isinstance(sections, int) or sections < 1 or D % (2 * sections):
         return f"sections={sections!r} does not split head dim {D} into equal parts of even width"
     part = D // sections // 2

@@ -222,6 +222,11 @@ def test_gluon_backend_declines_correction_bias_rows_past_tma_coordinates():
     corrected = plan.with_correction(centroids, centroids, torch.empty(nk, device="meta", dtype=torch.int32))
     assert "2^31" in " ".join(BACKEND.not_supported_reasons(k, k, k, corrected))
     assert "2^31" not in " ".join(BACKEND.not_supported_reasons(k, k, k, plan))
+    # a head dim padded to 128 (Allegro's 96): the dispatch asks with a one-token stand-in of k, so the same limit
+    from videosparse.kernels.dispatch import PaddedHeadDim
+    k96, c96 = k[..., :96], centroids[..., :96]
+    corrected96 = plan.with_correction(c96, c96, corrected.tile_len)
+    assert "2^31" in " ".join(PaddedHeadDim(BACKEND, 128).not_supported_reasons(k96, k96, k96, corrected96))
 
 
 def test_gluon_refuses_buffers_that_do_not_fit_shared_memory():

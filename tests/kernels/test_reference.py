@@ -50,6 +50,25 @@ def test_strided_inputs_as_diffusers_holds_them(S):
         assert rel_err(got, want) < 1e-12
 
 
+@pytest.mark.parametrize("B,H", [(0, 2), (1, 0)])
+def test_no_batch_items_or_no_heads_give_empty_outputs_and_gradients(B, H):
+    q, k, v = (torch.randn(B, H, 100, 64, requires_grad=True) for _ in range(3))
+    out, lse = block_sparse_attention(q, k, v, dense_plan(B, H, 100), return_lse=True, backend="reference")
+    assert out.shape == q.shape and lse.shape == (B, H, 100)
+    assert all(g.shape == q.shape for g in torch.autograd.grad(out.sum(), (q, k, v)))
+
+
+def test_the_reference_computes_in_fp32_inside_an_autocast_region():
+    """Under CPU bf16 autocast (a model trained with mixed precision) the reference's matmuls stay fp32, as its
+    docstring says and as the Triton kernels compute: the same output as outside the region."""
+    q, k, v = (torch.randn(1, 2, 200, 64) for _ in range(3))
+    plan = random_plan(1, 2, 200, 64, 64, 0.5, seed=3)
+    want = block_sparse_attention(q, k, v, plan, backend="reference")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = block_sparse_attention(q, k, v, plan, backend="reference")
+    assert got.dtype == torch.float32 and rel_err(got, want) < 1e-6
+
+
 def test_dense_plan_equals_sdpa_fp32_and_lse():
     B, H, S, D = 1, 2, 333, 64
     q, k, v = (torch.randn(B, H, S, D) for _ in range(3))

@@ -53,8 +53,9 @@ def block_sparse_attention(
         return_lse: also return the fp32 row log-sum-exp [B, H, S].
         backend: "auto", "triton" or "reference" (or a registered backend name).
         validate: check the plan against the inputs first (ValueError on any mismatch; this reads the plan's
-            tensors on the host). Turn off in hot loops once a plan is known to be good; the checks of q, k, v
-            themselves and of `scale` (metadata only) run either way.
+            tensors on the host, so it is skipped while torch.compile traces the call). Turn off in hot loops once
+            a plan is known to be good; the checks of q, k, v themselves and of `scale` (metadata only) run
+            either way.
 
     Returns:
         out [B, H, S, D] in q's dtype, and lse when `return_lse`. Where autograd records q, k, v or the plan's
@@ -69,7 +70,7 @@ def block_sparse_attention(
         >>> out = block_sparse_attention(q, k, v, dense_plan(1, 2, 300))
     """
     check_inputs(q, k, v)
-    if validate:
+    if validate and not torch.compiler.is_compiling():
         plan.validate(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _softmax_scale(scale)
     plan = plan.with_index_slot()       # Kmax = 0: one unused column keeps every kernel's index reads in bounds

@@ -13,7 +13,7 @@ import torch
 
 from ..plan import Plan
 from .dispatch import TRITON_BACKENDS, Backend, PaddedHeadDim, padded_centroids, padded_stand_in
-from .reference import reference_attention_backward
+from .reference import autocast_off, reference_attention_backward
 
 
 def records_gradient(q, k, v, plan: Plan) -> bool:
@@ -45,7 +45,7 @@ def attention_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out, d_lse
     head_dim 0, the torch reference's row recompute (which reads no out, lse). Autocast is off inside (a backward
     called under it, as a training loop may, would run the products in its dtype: the reference's fp32 sums took
     bf16 terms and raised)."""
-    with torch.autocast(q.device.type, enabled=False):
+    with autocast_off(q.device):
         return _attention_backward(q, k, v, out, lse, plan, scale, d_out, d_lse, head_dim)
 
 

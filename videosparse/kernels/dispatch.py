@@ -81,7 +81,7 @@ def padded_centroids(plan: Plan, pad: tuple[int, int]) -> Plan:
 
 def padded_stand_in(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     """A small contiguous tensor like x with the padded head dim, for a backend's `not_supported_reasons` (they look
-    at device, dtype, head dim and contiguity, not at the length)."""
+    at device, dtype, head dim and contiguity, not at the length: a limit on the length reads it from the plan)."""
     return x.new_empty(1, 1, 1, head_dim)
 
 

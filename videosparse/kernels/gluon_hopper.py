@@ -806,7 +806,8 @@ class GluonHopperBackend(HopperBackend):
         if (plan.block_m, plan.block_n) != (BLOCK_M, 128):
             why.append(f"tiles {plan.block_m}x{plan.block_n} are not 128x128")
         elif plan.has_correction:      # the loader stages the bias rows by 1D TMA boxes (int32 coordinates)
-            items, ncp = plan.kv_index[..., 0].numel(), -(-k.shape[2] // (128 * 128)) * 128
+            # key tiles from the plan, not k: PaddedHeadDim asks with a one-token stand-in of k
+            items, ncp = plan.kv_index[..., 0].numel(), -(-plan.k_mean.shape[2] // 128) * 128
             if items * ncp >= 2 ** 31:
                 why.append(f"the correction's bias rows ({items} items x {ncp} chunk columns) exceed the 2^31 "
                            "elements a TMA coordinate reaches")

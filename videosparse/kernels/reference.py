@@ -22,6 +22,7 @@ FlashAttention does), so it too needs O(S*D) memory plus one tile row (`autograd
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -70,8 +71,8 @@ class _Rows:
         slot_valid = self.slot < plan.kv_count[:, :, i, None]               # [B, H, K]
         idx = torch.where(slot_valid, plan.kv_index[:, :, i].long(), 0)     # [B, H, K]
         g = idx[..., None].expand(B, H, kmax, bn * q.shape[-1])
-        kt = torch.gather(self.kp, 2, g).view(B, H, kmax * bn, -1)
-        vt = torch.gather(self.vp, 2, g).view(B, H, kmax * bn, -1)
+        kt = torch.gather(self.kp, 2, g).view(B, H, kmax * bn, q.shape[-1])
+        vt = torch.gather(self.vp, 2, g).view(B, H, kmax * bn, q.shape[-1])
         real = torch.gather(self.key_real.expand(B, H, Nk, bn), 2, idx[..., None].expand(B, H, kmax, bn))
         keep = (slot_valid[..., None] & real).view(B, H, 1, kmax * bn)
         logits = (qi @ kt.transpose(-1, -2)) * self.scale
@@ -111,9 +112,21 @@ def reference_attention(
     Returns:
         out [B, H, S, D] in q's dtype (and lse).
     """
+    with autocast_off(q.device):                             # fp32 as documented, also inside an autocast region
+        return _reference_attention(q, k, v, plan, scale, return_lse)
+
+
+def autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
+    """A region with autocast off on `device` (nothing to do on a device type autocast does not know: meta)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _reference_attention(q, k, v, plan: Plan, scale: float, return_lse: bool):
     B, H, S, D = q.shape
     plan = plan.with_index_slot()
-    if math.ceil(k.shape[2] / plan.block_n) == 0:     # no keys: every row is empty (0, lse -inf), as in the kernels
+    if math.ceil(k.shape[2] / plan.block_n) == 0 or B * H == 0:   # no keys (or no rows): 0, lse -inf, as the kernels
         out = q.new_zeros(q.shape)
         lse = torch.full((B, H, S), float("-inf"), dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
@@ -140,7 +153,7 @@ def reference_attention_backward(q, k, v, plan: Plan, scale: float, d_out: torch
     correction), each query tile row recomputed; d_out [B, H, S, D], d_lse [B, H, S] (None: zero)."""
     B, H, S, D = q.shape
     plan = plan.with_index_slot()
-    if math.ceil(k.shape[2] / plan.block_n) == 0:
+    if math.ceil(k.shape[2] / plan.block_n) == 0 or B * H == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None
     rows = _Rows(q, k, v, plan, scale)
     cd, Sk, Nk, bn = rows.cd, k.shape[2], rows.Nk, rows.bn
