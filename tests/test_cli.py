@@ -220,6 +220,33 @@ def test_distill_prompts_accepted_forms_in_help_and_error(tmp_path, capsys):
     assert not out.exists()                                                 # refused before any work
 
 
+def test_text_flags_keep_names_that_read_as_numbers(tmp_path):
+    """Paths and names are taken as given (a folder named 2024, a prompts file named 7); lists and numbers of
+    other fields still parse as JSON."""
+    from videosparse.distill import DistillConfig, TilingSearchConfig
+    from videosparse.distill.config import config_from_namespace
+
+    p = build_parser()
+    args = p.parse_args(["distill", "--output-dir", "2024", "--prompts", "7", "--model", "null", "--max-steps", "5",
+                         "--tiling", "[8,4,4]"])
+    assert (args.output_dir, args.prompts, args.model, args.max_steps, args.tiling) == ("2024", "7", None, 5,
+                                                                                       [8, 4, 4])
+    assert p.parse_args(["distill", "--prompts", ' ["a cat"]']).prompts == ["a cat"]
+    cfg = config_from_namespace(p.parse_args(["search-tiling", "--output", "2024.5", "--prompts", '["a cat"]']),
+                                TilingSearchConfig)
+    assert cfg.output == "2024.5"
+    (tmp_path / "7").write_text("a cat\n")
+    cfg = config_from_namespace(p.parse_args(["distill", "--prompts", str(tmp_path / "7")]), DistillConfig)
+    assert cfg.prompts == str(tmp_path / "7")
+
+
+def test_evaluate_refuses_prompt_and_prompts_together(tmp_path, capsys):
+    assert main(["evaluate", "--model", "tiny", "--prompt", "a cat", "--prompts", str(tmp_path / "none.txt"),
+                 "--out", str(tmp_path / "out")]) == 2
+    assert "--prompt and --prompts" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_distill_block_64_takes_vedas_default_tile_shape():
     from videosparse.distill import DistillConfig
     from videosparse.distill.config import config_from_namespace

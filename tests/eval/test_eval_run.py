@@ -117,6 +117,25 @@ def test_rerun_skips_done_cells_and_adds_new_ones(evaluated, loaded):
     assert grown["summary"]["veda@0.25:block=64:tiling=1x8x8"]["realised_density"] < 0.4
 
 
+def test_a_rerun_with_other_attention_sampling_summarises_only_its_own_cells(evaluated, loaded, tmp_path):
+    """Review find: a rerun into the same directory with fewer attention cells (or other steps) kept averaging
+    the earlier run's cells into its summary while its report named its own sampling."""
+    import dataclasses
+    import shutil
+
+    out, settings, first = evaluated
+    copy = str(tmp_path / "copy")
+    shutil.copytree(out, copy)
+    wider = run_evaluation(loaded, dataclasses.replace(settings, attn_cells=2), copy, progress=False)
+    again = run_evaluation(loaded, settings, copy, progress=False)
+    for label in ("veda@0.5:block=64:tiling=1x8x8", "sol@0.5"):
+        assert wider["summary"][label]["attention_samples"] == 2 * first["summary"][label]["attention_samples"]
+        for key in ("attention_samples", "attn_rel_l2", "tile_recall"):
+            assert again["summary"][label][key] == pytest.approx(first["summary"][label][key]), (label, key)
+    with pytest.raises(ValueError, match=r"attn_steps=\[\] samples nothing"):
+        dataclasses.replace(settings, attn_steps=[])
+
+
 def test_other_settings_refuse_the_directory(evaluated, loaded):
     out, settings, _ = evaluated
     other = EvalSettings(settings.methods, settings.prompts, [0], dict(CALL, num_inference_steps=3))

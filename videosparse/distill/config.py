@@ -412,6 +412,16 @@ def _cli_value(text: str) -> Any:
         return text
 
 
+def _cli_text(text: str) -> str | None:
+    """A text field's value (a path, a hub id, a name) as given, even when it reads as a number; null: None."""
+    return None if text == "null" else text
+
+
+def _cli_prompts(text: str) -> Any:
+    """--prompts: a JSON list when it starts with '[', else a file path as given (a file named 7 stays a path)."""
+    return _cli_value(text) if text.lstrip().startswith("[") else text
+
+
 _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
 
 
@@ -436,8 +446,9 @@ _FIELD_HELP = {
 def add_config_arguments(parser, cls) -> None:
     """Add `--config` (a JSON file to start from) and one `--field-name` flag per dataclass field of `cls`.
 
-    Values are parsed as JSON when possible (`--tiling [8,4,4]`, `--max-steps 100`, `--prompts
-    '["a cat", "a dog"]'`), else taken as strings (`--prompts prompts.txt`, `--model reference`); bool
+    Values are parsed as JSON when possible (`--tiling [8,4,4]`, `--max-steps 100`), else taken as strings;
+    text fields (paths, hub ids, names: `--output-dir 2024`, `--model reference`) are taken as given (`null`:
+    None), and `--prompts` is a JSON list when it starts with '[' (`'["a cat", "a dog"]'`), else a file path; bool
     fields take true/false, yes/no or 1/0 (any case) and nothing else.
     """
     source = ("a tiling JSON search-tiling wrote, which records its settings" if cls is TilingSearchConfig
@@ -446,15 +457,17 @@ def add_config_arguments(parser, cls) -> None:
     bools = _bool_fields(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
+        parse = (_cli_prompts if f.name == "prompts" else
+                 _cli_text if str(f.type).replace(" | None", "") == "str" else _cli_value)
         if f.name in bools:                             # strict: "False" must not become a truthy string
             parser.add_argument(flag, dest=f.name, type=_cli_bool, nargs="?", const=True, default=None,
                                 metavar="{true,false}",
                                 help=f"true or false (also yes/no, 1/0); {flag} alone: true; default: {f.default!r}")
         elif f.name in _FIELD_HELP:
-            parser.add_argument(flag, dest=f.name, type=_cli_value, default=None,
+            parser.add_argument(flag, dest=f.name, type=parse, default=None,
                                 help=f"{_FIELD_HELP[f.name]}; default: {f.default!r}")
         else:
-            parser.add_argument(flag, dest=f.name, type=_cli_value, default=None, help=f"default: {f.default!r}")
+            parser.add_argument(flag, dest=f.name, type=parse, default=None, help=f"default: {f.default!r}")
 
 
 def config_from_namespace(ns, cls):

@@ -123,6 +123,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
 
     for seed in args.seeds:
         check_seed("--seeds", seed)
+    if args.prompt and args.prompts:
+        raise ValueError(f"--prompt and --prompts {args.prompts} exclude each other: give the prompts one way.")
     if args.prompt:
         prompts = list(args.prompt)[: args.num_prompts] if args.num_prompts else list(args.prompt)
     else:

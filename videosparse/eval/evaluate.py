@@ -150,6 +150,16 @@ class EvalSettings:
             raise ValueError(f"call['num_inference_steps']={steps!r} must be a positive int.")
         if self.attn_cells < 0:
             raise ValueError(f"attn_cells={self.attn_cells} must be >= 0.")
+        for name in ("attn_steps", "attn_layers"):
+            if getattr(self, name) is not None and not len(getattr(self, name)):
+                raise ValueError(f"{name}=[] samples nothing: give at least one, or leave it out (None: the default).")
+
+    def attention_sampling(self) -> tuple[list[tuple[int, int]], list[int], list[int] | None]:
+        """The attention-level pass's (prompt index, seed) pairs, denoising steps and layers (None: all)."""
+        pairs = [(p, seed) for p in range(len(self.prompts)) for seed in self.seeds][: self.attn_cells]
+        steps = list(self.attn_steps) if self.attn_steps is not None else sample_steps(self.call["num_inference_steps"],
+                                                                                       3)
+        return pairs, steps, None if self.attn_layers is None else list(self.attn_layers)
 
 
 def cell_id(spec: MethodSpec, prompt: str, seed: int) -> str:
@@ -454,16 +464,14 @@ class Evaluation:
 
     def run_attention(self) -> None:
         s = self.settings
-        pairs = [(p, seed) for p in range(len(s.prompts)) for seed in s.seeds][: s.attn_cells]
+        pairs, steps, layers = s.attention_sampling()
         sparse = [m for m in s.methods if not m.is_dense]
-        steps = s.attn_steps if s.attn_steps is not None else sample_steps(s.call["num_inference_steps"], 3)
         bar = self._tqdm(len(pairs) * len(sparse), "attention")
         for p, seed in pairs:
             for spec in sparse:
                 cid = cell_id(spec, s.prompts[p], seed)
                 old = self.report["attention"].get(cid)
-                layers = None if s.attn_layers is None else list(s.attn_layers)
-                if old is not None and (old.get("steps"), old.get("layers")) == (list(steps), layers):
+                if old is not None and (old.get("steps"), old.get("layers")) == (steps, layers):
                     self.skipped += 1
                     bar.update(1)
                     continue
@@ -471,7 +479,7 @@ class Evaluation:
                 generate(self.pipe, spec.config, self._call(s.prompts[p]), seed=seed, device=self.device,
                          output_type="latent", instruments=[lambda pipe: _probing(pipe, probes, steps, s.attn_layers)])
                 self.report["attention"][cid] = {
-                    "method": spec.label, "prompt_index": p, "seed": seed, "steps": steps, "layers": s.attn_layers,
+                    "method": spec.label, "prompt_index": p, "seed": seed, "steps": steps, "layers": layers,
                     "entries": {name: probe.entries for name, probe in probes.items()},
                 }
                 self.computed += 1
@@ -483,13 +491,17 @@ class Evaluation:
     def summarize(self) -> dict[str, dict]:
         """label -> per-method means (quality) and medians (time), speedups and Amdahl estimates."""
         s = self.settings
-        cells, attention = self.report["cells"], self.report["attention"]
+        cells = self.report["cells"]
         keys = [(p, seed) for p in range(len(s.prompts)) for seed in s.seeds]
+        # the attention cells of this run's sampling only (a report rerun with other sampling keeps older cells)
+        pairs, steps, layers = s.attention_sampling()
+        attention = {c: a for c, a in self.report["attention"].items()
+                     if (a.get("steps"), a.get("layers")) == (steps, layers)}
         summary: dict[str, dict] = {}
         probes_of: dict[str, list[dict]] = {}
         for spec in s.methods:
             mine = [cells[c] for c in (cell_id(spec, s.prompts[p], seed) for p, seed in keys) if c in cells]
-            probes = [e for c in (cell_id(spec, s.prompts[p], seed) for p, seed in keys) if c in attention
+            probes = [e for c in (cell_id(spec, s.prompts[p], seed) for p, seed in pairs) if c in attention
                       for entries in attention[c]["entries"].values() for e in entries if e.get("sparse")]
             probes_of[spec.label] = probes
 
@@ -628,8 +640,8 @@ class Evaluation:
         self.report.update(
             environment=environment(self.device), model=model, shapes=shapes,
             settings={"call": s.call, "prompts": s.prompts, "seeds": s.seeds, "warmup": s.warmup,
-                      "attention_sampling": {"steps": s.attn_steps or sample_steps(s.call["num_inference_steps"], 3),
-                                             "layers": s.attn_layers, "cells": s.attn_cells}},
+                      "attention_sampling": {"steps": s.attention_sampling()[1], "layers": s.attn_layers,
+                                             "cells": s.attn_cells}},
             methods={m.label: {"config": m.config.to_dict(), "family": m.family} for m in s.methods},
             summary=summary, notes=notes, updated=time.strftime("%Y-%m-%dT%H:%M:%S"),
         )
