@@ -102,3 +102,47 @@ def test_random_grids_text_first(seed):
     tr = t.make_transformer()
     inputs = t.make_inputs(tr, frames, height, width, seed=seed)
     check_any_grid(t, tr, inputs, rng.choice(RANDOM_GRID_TILINGS), label=(frames, height, width))
+
+
+def test_a_from_pipe_pipeline_counts_its_own_steps_after_the_applied_one_ran():
+    """Review find: CogVideoX's schedulers have no step counter, so a `from_pipe` pipeline with its own scheduler,
+    run after the applied pipeline, looked its timesteps up in that pipeline's finished schedule (10 steps: its 4
+    steps read as 0, 2, 5, 7, one of its 2 dense steps sparse). A schedule a call left unchanged now means another
+    pipeline drives the call, which counts its own steps."""
+    from diffusers import CogVideoXDDIMScheduler, CogVideoXPipeline
+    from transformers import T5Config, T5EncoderModel
+
+    from videosparse.models.tiny_wan import TINY_VOCAB, build_tiny_tokenizer
+
+    torch.manual_seed(0)
+    encoder = T5EncoderModel(T5Config(vocab_size=len(TINY_VOCAB), d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                      num_heads=2, relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1,
+                                      decoder_start_token_id=0)).eval()
+    transformer = CogVideoXTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4, time_embed_dim=32,
+        text_embed_dim=16, num_layers=2, sample_width=12, sample_height=8, sample_frames=9, patch_size=2,
+        max_text_seq_length=16, use_rotary_positional_embeddings=True).eval()
+    scheduler = CogVideoXDDIMScheduler(timestep_spacing="trailing", rescale_betas_zero_snr=True,
+                                       prediction_type="v_prediction")
+    pipe = CogVideoXPipeline(tokenizer=build_tiny_tokenizer(), text_encoder=encoder, vae=None, transformer=transformer,
+                             scheduler=scheduler)
+    pipe.set_progress_bar_config(disable=True)
+    session = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64,
+                                                             dense_steps=2))["transformer"]
+
+    def steps(p, n):
+        seen = []
+        session.observers.append(lambda r: r.layer == 0 and seen.append((r.step, r.dense_reason is not None)))
+        try:
+            p(prompt="a red circle moving left", negative_prompt="blue", num_frames=9, height=64, width=96,
+              output_type="latent", max_sequence_length=16, num_inference_steps=n,
+              generator=torch.Generator().manual_seed(0))
+        finally:
+            session.observers.clear()
+        return seen
+
+    assert steps(pipe, 10) == [(i, i < 2) for i in range(10)]
+    other = CogVideoXPipeline.from_pipe(pipe, scheduler=CogVideoXDDIMScheduler.from_config(pipe.scheduler.config))
+    assert steps(other, 4) == [(i, i < 2) for i in range(4)]
+    assert steps(pipe, 4) == [(i, i < 2) for i in range(4)]
+    videosparse.remove(pipe)

@@ -365,3 +365,77 @@ def test_from_pipe_steps_when_the_applied_pipeline_never_ran(monkeypatch):
     assert layer["dense_calls"] == 4 and layer["sparse_calls"] == 4     # steps 0-1 dense, 2-3 sparse, two branches
     assert steps_of(pipe) == seen                            # and the applied pipeline's own call the same
     videosparse.remove(pipe)
+
+
+def _dense_steps_seen(pipe, applied, kw, die_at=None) -> list:
+    """(component, step, dense?) of layer 0's cond-branch calls of one call of `pipe` (the sessions of `applied`);
+    `die_at`: a step-end callback raises at that step."""
+    seen = []
+
+    def cb(p, i, t, kwargs):
+        if i == die_at:
+            raise RuntimeError("client went away")
+        return kwargs
+
+    for name, session in videosparse.sessions(applied).items():
+        session.observers.append(lambda r, name=name: r.layer == 0 and r.branch == "cond" and seen.append(
+            (name, r.step, r.dense_reason is not None)))
+    try:
+        pipe(**kw, callback_on_step_end=cb, generator=torch.Generator().manual_seed(0))
+    except RuntimeError:
+        seen.append("raised")
+    finally:
+        for session in videosparse.sessions(applied).values():
+            session.observers.clear()
+    return seen
+
+
+def test_two_experts_count_the_steps_of_a_from_pipe_call_together(monkeypatch):
+    """Review find: a `from_pipe` pipeline with its own scheduler counts its steps by timestep; with Wan 2.2's two
+    experts (transformer_2 past the boundary) each counted on its own, so transformer_2 ran its first steps dense
+    again in the middle of the schedule. The experts share one count now."""
+    import sys
+    from types import SimpleNamespace
+
+    import diffusers
+
+    base = _tiny_family_pipeline("WanVACEPipeline")
+    monkeypatch.setattr(sys.modules[type(base).__module__], "ftfy", SimpleNamespace(fix_text=lambda t: t),
+                        raising=False)
+    torch.manual_seed(1)
+    second = WanVACETransformer3DModel(**dict(SMALL, text_dim=32, in_channels=4, out_channels=4), num_layers=2,
+                                       vace_layers=[0, 1], vace_in_channels=72).eval()
+    pipe = diffusers.WanVACEPipeline(tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=base.vae,
+                                     scheduler=base.scheduler, transformer=base.transformer, transformer_2=second,
+                                     boundary_ratio=0.875)
+    pipe.set_progress_bar_config(disable=True)
+    kw = dict(prompt="a red circle moving left", num_frames=9, height=32, width=96, guidance_scale=1.0,
+              num_inference_steps=6, output_type="latent", max_sequence_length=16)
+    videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64, dense_steps=2))
+    other = diffusers.WanVACEPipeline.from_pipe(pipe, scheduler=type(pipe.scheduler).from_config(pipe.scheduler.config))
+    other.set_progress_bar_config(disable=True)
+    want = [("transformer", 0, True), ("transformer", 1, True)] + [("transformer_2", i, False) for i in range(2, 6)]
+    assert _dense_steps_seen(pipe, pipe, kw) == want
+    assert _dense_steps_seen(other, pipe, kw) == want
+    videosparse.remove(pipe)
+
+
+def test_a_transformer_applied_alone_counts_again_after_a_call_that_raised(monkeypatch):
+    """Review find: applied to the bare transformer (no scheduler), a pipeline whose cache context gives no step
+    index had its forwards counted per branch, a count reset only when a call ends normally: after a call that
+    raised, the next one went on from there and ran none of its dense steps. Counted by timestep now."""
+    import sys
+    from types import SimpleNamespace
+
+    pipe = _tiny_family_pipeline("WanVACEPipeline")
+    monkeypatch.setattr(sys.modules[type(pipe).__module__], "ftfy", SimpleNamespace(fix_text=lambda t: t),
+                        raising=False)
+    kw = dict(prompt="a red circle moving left", negative_prompt="blue", num_frames=9, height=32, width=96,
+              num_inference_steps=4, output_type="latent", max_sequence_length=16)
+    videosparse.apply(pipe.transformer, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64,
+                                                               dense_steps=2))
+    want = [("transformer", i, i < 2) for i in range(4)]
+    assert _dense_steps_seen(pipe, pipe.transformer, kw) == want
+    assert _dense_steps_seen(pipe, pipe.transformer, kw, die_at=2) == want[:3] + ["raised"]
+    assert _dense_steps_seen(pipe, pipe.transformer, kw) == want
+    videosparse.remove(pipe.transformer)

@@ -226,6 +226,9 @@ def apply(pipe_or_transformer, config) -> dict[str, SparseSession]:
         for transformer in applied:
             _restore(transformer)
         raise
+    made = [getattr(t, SESSION_ATTR) for t in transformers.values()]
+    for session in made[1:]:        # experts that take turns in one call (Wan 2.2) count its steps together
+        session.timestep_counter = made[0].timestep_counter
     _raise_recompile_limit()
     return {name: getattr(t, SESSION_ATTR) for name, t in transformers.items()}
 

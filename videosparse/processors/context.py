@@ -177,6 +177,37 @@ class AttentionRecord:
     text_slot: bool = False
 
 
+class TimestepCounter:
+    """Step index by counting the distinct timesteps of a pipeline call (two forwards of a step, the guidance
+    branches, share one). It starts again at 0 at the end of the call (`reset`), and when the timestep moves against
+    the direction of the call's schedule so far (falling for most, rising for Mochi's), which within one denoising
+    loop it never does: a new call after one that ended early by an exception, when it starts on the other side of
+    where that one stopped. `apply` gives the transformers of one pipeline one counter (Wan 2.2's two experts take
+    turns within a call)."""
+
+    def __init__(self) -> None:
+        self.last: float | None = None       # this call's latest timestep
+        self.count = 0
+        self.direction = 0                   # its schedule's direction: -1 falling, +1 rising
+
+    def step(self, t) -> int:
+        """The step index of a forward at timestep `t` (the noisiest entry of a per-token timestep)."""
+        value = float(torch.as_tensor(t).detach().flatten().max())
+        if self.last is not None and value != self.last:
+            move = 1 if value > self.last else -1
+            if self.direction and move != self.direction:
+                self.count, self.direction = 0, 0
+            else:
+                self.direction = move
+        if value != self.last:
+            self.last = value
+            self.count += 1
+        return self.count - 1
+
+    def reset(self) -> None:
+        self.last, self.count, self.direction = None, 0, 0
+
+
 class SparseSession:
     """Everything `apply` attaches to one transformer; returned by `videosparse.apply`.
 
@@ -212,6 +243,7 @@ class SparseSession:
         self._layout_cache: dict[int, list[HeadTiling]] = {}
         self._layout_cache_for: tuple | None = None
         self._recomputing = False                 # inside `recomputing`
+        self.timestep_counter = TimestepCounter()   # shared with the other transformers of the pipeline by `apply`
         self.forward_graph_task = -1              # the autograd graph task the latest transformer forward ran in
         self._warned_unmanaged_recompute = False
 
@@ -523,11 +555,9 @@ class SparseContextHook(ModelHook):
         self._warned_all_dense = False
         self._warned_training = False
         self._checkpointing: list[torch.nn.Module] = []     # set in `initialize_hook`
-        self._last_timestep: float | None = None    # `_count_steps`: this pipeline call's latest timestep
-        self._counted_steps = 0
-        self._direction = 0                          # and its schedule's direction: -1 falling, +1 rising (Mochi)
         # (scheduler, its timesteps, step_index) as weak references and a value, recorded when a pipeline call ended
-        # while the applied pipeline's scheduler was mid-schedule: a counter its aborted call left (`_other_driver`)
+        # while the applied pipeline's scheduler was mid-schedule, or had no step counter: a counter its aborted call
+        # left, or a finished schedule (`_other_driver`)
         self._stale_counter: tuple | None = None
 
     def initialize_hook(self, module):
@@ -665,7 +695,7 @@ class SparseContextHook(ModelHook):
         t = forward_arg(args, kwargs, "timestep", self._timestep_position)
         counted = getattr(scheduler, "step_index", None)          # advanced by each scheduler.step() of this call
         if t is not None and self._other_driver(scheduler, timesteps, counted):
-            return self._count_steps(t), num_steps
+            return self.session.timestep_counter.step(t), num_steps
         if num_steps is None and timesteps is not None and len(timesteps):
             num_steps = len(timesteps)
         if t is not None and timesteps is not None and len(timesteps):
@@ -687,6 +717,8 @@ class SparseContextHook(ModelHook):
                 return (begin if isinstance(begin, int) else 0), num_steps
             return best, num_steps
         if cache_ctx is not None:
+            if t is not None:       # no scheduler: by timestep, which also starts again after a call that raised
+                return self.session.timestep_counter.step(t), num_steps
             state = self.state_manager.get_state()
             state.calls += 1
             return state.calls - 1, num_steps
@@ -706,6 +738,8 @@ class SparseContextHook(ModelHook):
         if scheduler is None or timesteps is None or not len(timesteps):
             return True
         if self._stale_counter is not None:
+            # the schedule a call of the applied pipeline left, unchanged: that pipeline's next call would have set a
+            # new one (`set_timesteps`) before its first forward
             scheduler_ref, timesteps_ref, stale = self._stale_counter
             if scheduler_ref() is scheduler and timesteps_ref() is timesteps and stale == counted:
                 return True
@@ -715,36 +749,21 @@ class SparseContextHook(ModelHook):
             return getattr(scheduler, "num_inference_steps", None) is None
         return isinstance(counted, int) and counted >= len(timesteps)
 
-    def _count_steps(self, t) -> int:
-        """Step index by counting the distinct timesteps of this pipeline call (two forwards of a step, the guidance
-        branches, share one); reset at the end of the call (`reset_state`), and when the timestep moves against the
-        direction of the call's schedule so far (falling for most, rising for Mochi's), which within one denoising
-        loop it never does: a new call after one that ended early by an exception, when it starts on the other side
-        of where that one stopped."""
-        value = float(torch.as_tensor(t).detach().flatten().max())
-        last = self._last_timestep
-        if last is not None and value != last:
-            move = 1 if value > last else -1
-            if self._direction and move != self._direction:
-                self._counted_steps, self._direction = 0, 0
-            else:
-                self._direction = move
-        if value != last:
-            self._last_timestep = value
-            self._counted_steps += 1
-        return self._counted_steps - 1
-
     def reset_state(self, module):
         # called by diffusers at the end of every pipeline call (maybe_free_model_hooks)
         if self.session.calls:
             logger.info(self.session.summary())
         self.state_manager.reset()
-        self._last_timestep, self._counted_steps, self._direction = None, 0, 0
+        self.session.timestep_counter.reset()
         self._stale_counter = None
         scheduler = self.session.scheduler if self.session.made_by_apply else None
         timesteps = getattr(scheduler, "timesteps", None)
         counted = getattr(scheduler, "step_index", None)
-        if isinstance(counted, int) and torch.is_tensor(timesteps) and 0 <= counted < len(timesteps):
+        # a counter left mid-schedule (an aborted call), or a schedule without a counter (CogVideoX's schedulers):
+        # while it stays unchanged, another pipeline drives the calls
+        stale = isinstance(counted, int) and 0 <= counted < len(timesteps) if torch.is_tensor(timesteps) else False
+        no_counter = torch.is_tensor(timesteps) and not hasattr(scheduler, "step_index")
+        if stale or no_counter:
             self._stale_counter = (weakref.ref(scheduler), weakref.ref(timesteps), counted)
         return module
 
