@@ -246,6 +246,13 @@ def test_distill_config_validation(tmp_path):
         DistillConfig.from_dict({"lr": 1.0})
     with pytest.raises(ValueError, match="lr_scheduler='bogus' must be one of diffusers' schedules .*'cosine'"):
         make_cfg(tmp_path, lr_scheduler="bogus")                 # at construction, not after the capture
+    with pytest.raises(ValueError, match="learning_rate=1e-07 must be above 1e-7 with lr_scheduler='polynomial'"):
+        make_cfg(tmp_path, lr_scheduler="polynomial", learning_rate=1e-7)
+    with pytest.raises(ValueError, match=r"tiling=\[True, 4, 32\] must be \(pt, ph, pw\)"):
+        make_cfg(tmp_path, tiling=[True, 4, 32])
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match="output_dir=.*cannot be written: .*a_file' is a file, not a folder"):
+        make_cfg(tmp_path / "a_file" / "run")
     assert make_cfg(tmp_path, tiling="8x4x4").tiling == (8, 4, 4)
     cfg = make_cfg(tmp_path, tiling=(8, 4, 4))
     assert DistillConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
@@ -455,6 +462,29 @@ def test_a_fresh_run_takes_away_the_estimator_of_the_run_before(tmp_path, cache)
     with pytest.raises(KeyboardInterrupt):
         run_distillation(make_cfg(out, max_steps=4, resume=False, learning_rate=2e-3), step_callback=stop)
     assert not any((out / name).exists() for name in ("model.safetensors", "config.json", "README.md", "metrics.json"))
+
+
+def test_a_fresh_run_stopped_in_its_capture_leaves_no_estimator_of_the_run_before(tmp_path, monkeypatch):
+    """Review find: a fresh run with other prompts (so a new capture) killed while capturing left its config beside the
+    finished run's estimator, which from_pretrained then loaded. The estimator goes once the model has loaded; a
+    model that fails to load leaves the finished run as it was."""
+    import videosparse.distill.capture as capture
+
+    out = tmp_path / "run"
+    run_distillation(make_cfg(out, max_steps=2))
+    finals = ("model.safetensors", "config.json", "README.md", "metrics.json", "distill_config.json")
+    before = {name: (out / name).read_bytes() for name in finals}
+    with pytest.raises(Exception, match="no/such-model-offline"):         # offline here: no hub
+        run_distillation(make_cfg(out, max_steps=2, resume=False, model="no/such-model-offline"))
+    assert {name: (out / name).read_bytes() for name in finals} == before     # its config too
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(capture, "write_sample", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_distillation(make_cfg(out, max_steps=2, resume=False, prompts=["a green triangle moving right"]))
+    assert not any((out / name).exists() for name in finals[:4])
 
 
 def test_dtype_takes_generates_spelling_and_a_split_that_holds_out_nothing_warns(tmp_path, caplog):

@@ -37,6 +37,13 @@ def _density(name: str, value: Any) -> None:
         raise ValueError(f"{name}={value!r} must be a number in (0, 1].")
 
 
+def _refuse_file_parent(name: str, path: str) -> None:
+    """ValueError when the nearest existing folder above `path` is a file (the path cannot be made)."""
+    blocker = next((p for p in Path(os.path.abspath(path)).parents if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise ValueError(f"{name}={path!r} cannot be written: {str(blocker)!r} is a file, not a folder.")
+
+
 def _tiling(value: Any, block: int) -> Any:
     if value is None:                                   # the shape VedaConfig runs without a tiling: per block
         from ..veda.method import DEFAULT_TILES
@@ -45,7 +52,8 @@ def _tiling(value: Any, block: int) -> Any:
     value = parse_tile(value)                           # "4x4x8", as the CLI writes it
     if isinstance(value, (str, os.PathLike)):
         return os.fspath(value)
-    if isinstance(value, (list, tuple)) and len(value) == 3 and all(isinstance(v, int) and v > 0 for v in value):
+    if isinstance(value, (list, tuple)) and len(value) == 3 and all(
+            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
         if value[0] * value[1] * value[2] != block:
             raise ValueError(f"tiling={tuple(value)} has pt*ph*pw != block={block}.")
         return tuple(value)
@@ -321,6 +329,7 @@ class DistillConfig(CaptureConfig):
         object.__setattr__(self, "output_dir", os.fspath(self.output_dir))
         if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
             raise ValueError(f"output_dir={self.output_dir!r} is a file; give a directory (made when missing).")
+        _refuse_file_parent("output_dir", self.output_dir)
         _density("density", self.density)
         if self.block not in BLOCK_SIZES:
             raise ValueError(f"block={self.block!r} must be one of {BLOCK_SIZES}.")
@@ -351,6 +360,9 @@ class DistillConfig(CaptureConfig):
         schedulers = [s.value for s in SchedulerType if s.value != "piecewise_constant"]   # that one needs a rule
         if self.lr_scheduler not in schedulers:
             raise ValueError(f"lr_scheduler={self.lr_scheduler!r} must be one of diffusers' schedules {schedulers}.")
+        if self.lr_scheduler == "polynomial" and self.learning_rate <= 1e-7:      # diffusers' lr_end for it
+            raise ValueError(f"learning_rate={self.learning_rate!r} must be above 1e-7 with lr_scheduler='polynomial' "
+                             "(diffusers decays it to 1e-7).")
 
     def capture_config(self) -> CaptureConfig:
         names = {f.name for f in dataclasses.fields(CaptureConfig)}
@@ -388,9 +400,7 @@ class TilingSearchConfig(CaptureConfig):
         if not self.output or self.output.endswith(("/", os.sep)) or os.path.isdir(self.output):
             raise ValueError(f"output={self.output!r} must be the path of the tiling JSON file to write, not a "
                              "directory.")
-        blocker = next((p for p in Path(os.path.abspath(self.output)).parents if p.exists()), None)
-        if blocker is not None and not blocker.is_dir():
-            raise ValueError(f"output={self.output!r} cannot be written: {str(blocker)!r} is a file, not a folder.")
+        _refuse_file_parent("output", self.output)
         _density("density", self.density)
         if self.block not in BLOCK_SIZES:
             raise ValueError(f"block={self.block!r} must be one of {BLOCK_SIZES}.")

@@ -658,12 +658,20 @@ def run_distillation(cfg: DistillConfig, *, step_callback: Callable[[int, dict[s
     def tiles_for_layer(layer: int, num_heads: int):
         return tiling.tiles_for(layer, num_heads) if tiling is not None else cfg.tiling
 
+    fresh = not (cfg.resume and _checkpoints(out / CHECKPOINT_DIR))      # a run from step 0
+
     def check_model(info: ModelInfo) -> None:
         if tiling is not None:                              # before any sample is captured with its shapes
             tiling.check_model(info.model_class, info.num_layers, info.num_heads, cfg.tiling)
+        if fresh and accelerator.is_main_process:
+            # the model loaded and the capture starts: an earlier run's estimator must not stay beside this run's
+            # config, also after a kill during the capture (a model that fails to load leaves it)
+            for name in _FINAL_FILES:
+                (out / name).unlink(missing_ok=True)
 
     _refuse_other_run(cfg, out, tiles_for_layer, check_model)
     new_folder, new_config = not out.exists(), not (out / "distill_config.json").exists()
+    old_config = None if new_config else (out / "distill_config.json").read_bytes()
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / "distill_config.json")
@@ -676,6 +684,11 @@ def run_distillation(cfg: DistillConfig, *, step_callback: Callable[[int, dict[s
                                        heat_dtype=heat_dtype, check_model=check_model)
     except Exception:
         if accelerator.is_main_process:
+            if old_config is not None and (out / "model.safetensors").exists():
+                # failed before the capture began (`check_model`): the earlier run's estimator stays, with its config
+                tmp = out / ".distill_config.json.tmp"
+                tmp.write_bytes(old_config)
+                os.replace(tmp, out / "distill_config.json")
             _undo_empty_start(out, new_folder, new_config)
         raise
     train_files, val_files = split_by_prompt(files, cfg.val_fraction, cfg.seed)
