@@ -717,7 +717,9 @@ class SparseContextHook(ModelHook):
                 return (begin if isinstance(begin, int) else 0), num_steps
             return best, num_steps
         if cache_ctx is not None:
-            if t is not None:       # no scheduler: by timestep, which also starts again after a call that raised
+            if t is not None and getattr(self.session.config, "dense_steps", 0):
+                # no scheduler: by timestep, which also starts again after a call that raised (reading it syncs
+                # the host once a forward, so only where a dense-step schedule needs the step)
                 return self.session.timestep_counter.step(t), num_steps
             state = self.state_manager.get_state()
             state.calls += 1
