@@ -6,7 +6,7 @@ one forward kept with retain_graph) of SDPA dense (cuDNN / FlashAttention, as to
 density, with and without the zero-order correction, and the torch reference's row loop once on the smallest shape.
 TFLOP/s counts kept tiles: 10 * S^2 * D * B * H * density / time (FlashAttention's count: 2.5x the forward's).
 
-    python scripts/bench_backward.py [--shapes "12x32760 d128" ...] [--out benchmarks/backward_h200.json]
+    python scripts/bench_backward.py [--shapes "Wan1.3B 12x32760 d128" ...] [--out benchmarks/backward_h200.json]
 
 Writes JSON (shapes, densities, GPU, versions, every timing) and prints a markdown table last.
 """

@@ -24,6 +24,9 @@ import time
 
 import torch
 
+# sections of benchmarks/reference_model.json written by other runs (the training script's record, the CPU check)
+KEPT_SECTIONS = ("training", "cpu_check")
+
 
 def _public(config) -> dict:
     """A diffusers config without its private `_...` entries."""
@@ -185,10 +188,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sweep guidance {g} steps {n}: {res['rate']:.3f}", flush=True)
         report["sweep"] = sweep
 
+    # sections this script does not write (the training run's record, the CPU check) stay as the file has them
+    try:
+        with open(args.out) as f:
+            kept = {k: v for k, v in json.load(f).items() if k in KEPT_SECTIONS}
+    except (OSError, ValueError, AttributeError):
+        kept = {}
+    report = {**report, **{k: v for k, v in kept.items() if k not in report}}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
+    tmp = f"{args.out}.tmp"
+    with open(tmp, "w") as f:
         json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
+    os.replace(tmp, args.out)
+    print(f"wrote {args.out}" + (f" (kept its {', '.join(sorted(kept))})" if kept else ""))
     return 0
 
 

@@ -157,6 +157,13 @@ def test_travel_sets_how_far_directional_clips_move():
                                              travel=(0.3, 0.6)))
     with pytest.raises(ValueError, match="travel"):
         render_clips(specs[:1], 4, 16, 16, travel=(0.6, 0.3))
+    # travel longer than a large object leaves room for: the whole path still stays inside the frame
+    big = [ClipSpec("red", "circle", d, "dark", "large") for d in DIRECTIONS for _ in range(8)]
+    _, prm = render_clips(big, 8, 32, 32, generator=torch.Generator().manual_seed(0), travel=(0.75, 0.9),
+                          return_params=True)
+    r = prm["r"]
+    assert float((prm["cx"] - r).min()) > 0 and float((prm["cx"] + r).max()) < 1
+    assert float((prm["cy"] - r).min()) > 0 and float((prm["cy"] + r).max()) < 1
 
 
 def test_high_noise_share_of_sigma_draws():
@@ -243,10 +250,29 @@ def test_pipeline_round_trip_and_cache_contexts(tmp_path):
     pil = loaded("a red circle moving up on a gray background", output_type="pil", num_inference_steps=1,
                  num_frames=4, height=16, width=16).frames
     assert len(pil) == 1 and len(pil[0]) == 4 and pil[0][0].size == (16, 16)
-    with pytest.raises(ValueError, match="divisible"):
+    with pytest.raises(ValueError, match="positive multiples of the patch size"):
         loaded("a red circle", height=18, width=16, num_frames=4)
+    with pytest.raises(ValueError, match="height=0 and width=16 must be positive multiples"):
+        loaded("a red circle", height=0, width=16, num_frames=4)
+    with pytest.raises(ValueError, match=r"max_sequence_length=32 must be an int in \[1, "):
+        loaded("a red circle", height=16, width=16, num_frames=4, max_sequence_length=32)
     with pytest.raises(FileNotFoundError):
         ref.load_reference_pipeline(path=tmp_path / "missing")
+    # review find: the step-end callback's tensors came from `locals()` inside a comprehension (its own scope before
+    # Python 3.12): every callback raised KeyError
+    seen = []
+
+    def callback(pipe, i, t, tensors):
+        seen.append((i, sorted(tensors)))
+        return {"latents": tensors["latents"] * 1.0}
+
+    loaded("a red circle", height=16, width=16, num_frames=4, num_inference_steps=2, output_type="latent",
+           callback_on_step_end=callback, callback_on_step_end_tensor_inputs=["latents", "prompt_embeds"])
+    assert seen == [(0, ["latents", "prompt_embeds"]), (1, ["latents", "prompt_embeds"])]
+    # a saved (or retrained and exported) reference pipeline loads as a model folder in the commands too
+    from videosparse.models.loading import load_pipeline
+
+    assert type(load_pipeline(str(tmp_path), "cpu", torch.float32).pipe).__name__ == "ReferenceVideoPipeline"
 
 
 def test_shipped_weights_fit_the_budget_and_load_offline():

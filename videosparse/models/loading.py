@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +76,15 @@ def check_component(model: str | None, component: str) -> None:
                          f"{', '.join(transformers) or 'none'}.")
 
 
+def _index_class(model: str) -> str | None:
+    """The pipeline class a local model folder's model_index.json names (None: not a readable local folder)."""
+    try:
+        with open(os.path.join(model, "model_index.json")) as f:
+            return json.load(f).get("_class_name")
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
 def size_stub(model: str | None):
     """What a size check reads of `model`'s pipeline (`vae_scale_factor_spatial`, `video_processor`,
     `transformer.config`) without loading a weight: its pipeline class built around a VAE made on the meta device from
@@ -140,6 +151,11 @@ def load_pipeline(model: str | None = None, device: str | None = None,
 
         pipe = build_tiny_wan_pipeline(dtype=dtype)
         loaded = LoadedPipeline(pipe, "tiny-wan (random weights, built offline)", dict(TINY_DEFAULTS))
+    elif _index_class(model) == "ReferenceVideoPipeline":       # a retrained reference model's export
+        from .reference import REFERENCE_CALL_DEFAULTS, load_reference_pipeline
+
+        pipe = load_reference_pipeline(device=device, dtype=dtype, path=model)
+        loaded = LoadedPipeline(pipe, f"videosparse reference model ({model})", dict(REFERENCE_CALL_DEFAULTS))
     else:
         from diffusers import DiffusionPipeline
 

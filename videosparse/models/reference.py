@@ -193,9 +193,9 @@ class ReferenceVideoPipeline(DiffusionPipeline):
     def check_inputs(self, prompt, negative_prompt, num_frames, height, width, prompt_embeds, negative_prompt_embeds,
                      callback_on_step_end_tensor_inputs):
         pt, ph, pw = self.transformer.config.patch_size
-        if height % ph or width % pw or num_frames % pt or num_frames < 1:
-            raise ValueError(f"height={height} and width={width} must be divisible by the patch size ({ph}, {pw}) "
-                             f"and num_frames={num_frames} by {pt} (and >= 1).")
+        if height % ph or width % pw or num_frames % pt or num_frames < 1 or height < ph or width < pw:
+            raise ValueError(f"height={height} and width={width} must be positive multiples of the patch size ({ph}, "
+                             f"{pw}) and num_frames={num_frames} of {pt} (and >= 1).")
         if prompt is not None and prompt_embeds is not None:
             raise ValueError("Pass either `prompt` or `prompt_embeds`, not both.")
         if prompt is None and prompt_embeds is None:
@@ -287,6 +287,11 @@ class ReferenceVideoPipeline(DiffusionPipeline):
         callback_on_step_end_tensor_inputs = list(callback_on_step_end_tensor_inputs)
         self.check_inputs(prompt, negative_prompt, num_frames, height, width, prompt_embeds, negative_prompt_embeds,
                           callback_on_step_end_tensor_inputs)
+        longest = self.text_encoder.config.max_length
+        if isinstance(max_sequence_length, bool) or not isinstance(max_sequence_length, int) or \
+                not 1 <= max_sequence_length <= longest:
+            raise ValueError(f"max_sequence_length={max_sequence_length!r} must be an int in [1, {longest}] (the text "
+                             "encoder's positions).")
         self._guidance_scale = guidance_scale
         self._attention_kwargs = attention_kwargs
         self._current_timestep = None
@@ -328,7 +333,10 @@ class ReferenceVideoPipeline(DiffusionPipeline):
                 latents = self.scheduler.step(noise_pred.float(), t, latents, return_dict=False)[0]
 
                 if callback_on_step_end is not None:
-                    tensors = {k: locals()[k] for k in callback_on_step_end_tensor_inputs}
+                    # not `locals()` in a comprehension: before Python 3.12 that is the comprehension's own scope
+                    available = {"latents": latents, "prompt_embeds": prompt_embeds,
+                                 "negative_prompt_embeds": negative_prompt_embeds}
+                    tensors = {k: available[k] for k in callback_on_step_end_tensor_inputs}
                     outputs = callback_on_step_end(self, i, t, tensors)
                     latents = outputs.pop("latents", latents)
                     prompt_embeds = outputs.pop("prompt_embeds", prompt_embeds)

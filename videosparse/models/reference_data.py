@@ -228,8 +228,10 @@ def render_clips(
         if mo in DIRECTIONS:
             extent = X if mo in ("left", "right") else Y
             other = Y if mo in ("left", "right") else X
-            longest = max(travel_lo, min(travel_hi, extent - 2 * lo))
-            travel = float(_uniform(travel_lo, longest, g, "cpu"))
+            room = max(0.0, extent - 2 * lo)            # the whole path stays inside the frame
+            shortest = min(travel_lo, room)
+            longest = max(shortest, min(travel_hi, room))
+            travel = float(_uniform(shortest, longest, g, "cpu"))
             start = float(_uniform(lo, max(lo, extent - lo - travel), g, "cpu"))
             pos = start + travel * s[0]
             if mo in ("left", "up"):

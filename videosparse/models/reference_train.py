@@ -466,7 +466,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         unwrapped_tr.eval()
         unwrapped_te.eval()
         spipe = ReferenceVideoPipeline(tokenizer=tokenizer, text_encoder=unwrapped_te, transformer=unwrapped_tr,
-                                       scheduler=pipe.scheduler)
+                                       scheduler=type(pipe.scheduler).from_config(pipe.scheduler.config,
+                                                                                  shift=cfg.shift))   # as exported
         spipe.set_progress_bar_config(disable=True)
         frames = with_ema(lambda: render_samples(spipe, SAMPLE_PROMPTS, cfg.sample_steps, cfg.seed,
                                                  (cfg.num_frames, cfg.height, cfg.width)))
