@@ -127,7 +127,8 @@ def main():
 
     import torch
 
-    from _bench import gpu_state, log, require_cuda, versions
+    from _bench import require_cuda, versions
+    from bench_kernel import gpu_state, log
 
     require_cuda(__file__)
     device, dtype = "cuda", torch.bfloat16
