@@ -50,32 +50,38 @@ def scaled_logits(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tenso
     return out.view(*lead, a.shape[-2], b.shape[-2])
 
 
-def _is_shape(value: Any) -> bool:
-    """One (pt, ph, pw): three integer-like values (ints, numpy integers; not bools)."""
-    return len(value) == 3 and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value)
+def _as_shape(value: Any) -> list[int] | None:
+    """One (pt, ph, pw) (three integer-like values: ints, numpy integers, not bools; or '4x4x8') as a list of ints;
+    None for anything else."""
+    value = parse_tile(value)
+    if isinstance(value, str) or not isinstance(value, Sequence) or len(value) != 3:
+        return None
+    if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value):
+        return None
+    return [int(v) for v in value]
 
 
 def _normalize_tiles(tile_shapes: Any, num_layers: int, num_heads: int) -> list[list[list[int]]]:
     """[num_layers][num_heads][3] from one shape, one shape per layer, or one per (layer, head)."""
     if tile_shapes is None:
         raise ValueError("tile_shapes is required (one (pt, ph, pw), or one per layer and head).")
-    t = parse_tile(tile_shapes)
-    if isinstance(t, str) or not isinstance(t, Sequence):
+    one = _as_shape(tile_shapes)
+    if one is not None:
+        return [[list(one) for _ in range(num_heads)] for _ in range(num_layers)]
+    if isinstance(tile_shapes, str) or not isinstance(tile_shapes, Sequence):
         raise ValueError(f"tile_shapes={tile_shapes!r} must be one (pt, ph, pw) such as (4, 4, 8) or '4x4x8', or one "
                          "per layer, or one per layer and head.")
-    if _is_shape(t):
-        return [[[int(v) for v in t] for _ in range(num_heads)] for _ in range(num_layers)]
-    if len(t) != num_layers:
-        raise ValueError(f"tile_shapes={tile_shapes!r} names {len(t)} layers; expected one (pt, ph, pw) of ints or "
-                         f"{num_layers} layers.")
+    if len(tile_shapes) != num_layers:
+        raise ValueError(f"tile_shapes={tile_shapes!r} names {len(tile_shapes)} layers; expected one (pt, ph, pw) of "
+                         f"ints or {num_layers} layers.")
     out = []
-    for layer, entry in enumerate(t):
-        entry = parse_tile(entry)
-        if isinstance(entry, Sequence) and not isinstance(entry, str) and _is_shape(entry):
-            out.append([[int(v) for v in entry] for _ in range(num_heads)])
-        elif isinstance(entry, Sequence) and not isinstance(entry, str) and len(entry) == num_heads and all(
-                isinstance(s, Sequence) and not isinstance(s, str) and _is_shape(s) for s in map(parse_tile, entry)):
-            out.append([[int(v) for v in parse_tile(s)] for s in entry])
+    for layer, entry in enumerate(tile_shapes):
+        shape = _as_shape(entry)
+        heads = [_as_shape(h) for h in entry] if shape is None and isinstance(entry, (list, tuple)) else []
+        if shape is not None:
+            out.append([list(shape) for _ in range(num_heads)])
+        elif len(heads) == num_heads and None not in heads:
+            out.append(heads)
         else:
             raise ValueError(f"tile_shapes[{layer}]={entry!r}: expected one (pt, ph, pw) of ints or {num_heads} "
                              "of them (one per head).")
