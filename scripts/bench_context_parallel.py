@@ -4,22 +4,24 @@
 
 Every rank builds the same real-size transformer (random weights, `videosparse.eval.synthetic`), first times it on
 its own GPU (no parallelism: dense and each method), then calls diffusers' `enable_parallelism(
-ContextParallelConfig(ulysses_degree=P))` and times the same methods with the sequence split over the P GPUs. Before
-timing, each method's parallel output is checked against its single-GPU output (the same plans: every rank plans
-its own heads over the whole sequence), and rank 0 writes the table and the JSON.
+ContextParallelConfig(ulysses_degree=P))` and times the same methods with the sequence split over the P GPUs. Each
+method's parallel output is compared with its single-GPU output (reported as rel_l2_vs_single_gpu, not
+asserted: every rank plans its own heads over the whole sequence, so the plans are the same), and rank 0 writes the
+table and the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
 import torch.distributed as dist
 
+from videosparse.eval.report import save_report
 from videosparse.eval.spec import parse_method_specs
-from videosparse.eval.synthetic import build_transformer, make_inputs, synthetic_setup, time_method
+from videosparse.eval.synthetic import (build_transformer, check_feasible, check_run_options, check_supported,
+                                        count_parameters, make_inputs, synthetic_setup, time_method)
 
 
 def main() -> None:
@@ -34,6 +36,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    try:
+        check_run_options(None, 1, args.repeats)
+    except ValueError as e:
+        p.error(str(e))
 
     from diffusers.models._modeling_parallel import ContextParallelConfig
 
@@ -46,6 +52,8 @@ def main() -> None:
         device, dtype = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))), torch.bfloat16
         torch.cuda.set_device(device)
     setup = synthetic_setup(args.model, args.frames, args.height, args.width, args.layers)
+    check_supported(setup)
+    check_feasible(setup, device, dtype, count_parameters(setup))
     transformer = build_transformer(setup, device, dtype)
     inputs = make_inputs(setup, device, dtype)
     specs = parse_method_specs(args.methods)
@@ -79,10 +87,8 @@ def main() -> None:
                   f"{r['single_gpu_forward_s'] / r['parallel_forward_s']:7.2f}x {r['rel_l2_vs_single_gpu']:16.2e}  "
                   f"{r['fallbacks'] or '-'}")
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"model": args.model, "grid": setup.grid, "tokens": setup.tokens, "world_size": world,
-                           "device": name, "repeats": args.repeats, "rows": rows},
-                          f, indent=2)
+            save_report({"model": args.model, "grid": setup.grid, "tokens": setup.tokens, "world_size": world,
+                         "device": name, "repeats": args.repeats, "rows": rows}, args.out)
             print(f"wrote {args.out}")
     dist.destroy_process_group()
 

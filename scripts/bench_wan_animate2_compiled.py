@@ -9,7 +9,6 @@ processors and with videosparse's (dense, then each method, every step sparse), 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -41,6 +40,7 @@ def main(argv=None) -> dict:
     import torch
 
     import videosparse
+    from videosparse.eval.report import save_report
     from videosparse.eval.spec import parse_method_specs
     from videosparse.eval.synthetic import every_step_sparse, first_output
 
@@ -54,7 +54,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--height", type=int, default=None)
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--device", default="cuda", help="cuda (bf16), or cpu (fp32: a check, not a speed)")
-    parser.add_argument("--out", default="benchmarks/wan_animate2_compiled_h200.json")
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default on CUDA: benchmarks/wan_animate2_compiled_h200.json; "
+                             "on the CPU nothing is written unless given)")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -98,9 +100,11 @@ def main(argv=None) -> dict:
     report = {"model": "wan-animate2", "shape": setup.describe(), "compile": "compile_repeated_blocks()",
               "rows": rows,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
+              "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__}
+    out = args.out or ("benchmarks/wan_animate2_compiled_h200.json" if device.type == "cuda" else None)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        save_report(report, out)
     return report
 
 

@@ -64,15 +64,23 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 40])
     parser.add_argument("--device", default="cuda", help="cuda (bf16), or cpu (fp32, a tiny size: a check of the code)")
-    parser.add_argument("--out", default="benchmarks/wan_animate2_noise_h200.json")
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default on CUDA: benchmarks/wan_animate2_noise_h200.json; "
+                             "on the CPU nothing is written unless given)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     size = {} if device.type == "cuda" else dict(frames=9, height=144, width=128)
+    from videosparse.eval.report import save_report
+
     report = {"model": "wan-animate2", "compile": "compile_repeated_blocks()",
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
               "rows": {str(n): check(n, device, dtype, size) for n in args.layers}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    out = args.out or ("benchmarks/wan_animate2_noise_h200.json" if device.type == "cuda" else None)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        save_report(report, out)
     return report
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import statistics
 import sys
@@ -29,9 +28,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from videosparse.eval.report import save_report  # noqa: E402
 from videosparse.eval.spec import parse_method_specs  # noqa: E402
 from videosparse.eval.synthetic import (  # noqa: E402
-    COMPILE_MODES, build_transformer, every_step_sparse, make_inputs, method_applied, synthetic_setup)
+    COMPILE_MODES, build_transformer, check_feasible, check_supported, count_parameters, every_step_sparse,
+    make_inputs, method_applied, synthetic_setup)
 from videosparse.eval.timing import host_sync_sites, package_frames  # noqa: E402
 
 # (category, substrings of a lower-cased kernel name); the first match wins. Inductor's kernels
@@ -151,6 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     setup = synthetic_setup(args.model, args.frames, args.height, args.width, args.layers)
+    check_supported(setup)
+    check_feasible(setup, device, dtype, count_parameters(setup))   # a size this device cannot run: refused first
     transformer = build_transformer(setup, device, dtype)
     inputs = make_inputs(setup, device, dtype)
     command = "python scripts/profile_forward.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -170,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
               flush=True)
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(report, indent=1))
+            save_report(report, args.out)     # atomic: a run cut short keeps the methods before it
     return report
 
 

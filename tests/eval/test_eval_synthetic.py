@@ -131,6 +131,26 @@ def test_shrunken_allegro_runs_sparse():
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="frames must be 1 \\+ a multiple of 4"):
         synthetic_setup("wan-1.3b", frames=8)
+    for size in (dict(frames=0), dict(height=-16), dict(width=0), dict(height=64.0)):
+        with pytest.raises(ValueError, match=f"{next(iter(size))}=.* must be a positive int"):
+            synthetic_setup("wan-1.3b", **size)
+
+
+@pytest.mark.parametrize("options, match", [(dict(repeats=0), "repeats=0 must be an int >= 1"),
+                                            (dict(warmup=-1), "warmup=-1 must be an int >= 0"),
+                                            (dict(compile_mode="fast"), "compile_mode='fast' is not known")])
+def test_bad_run_options_are_refused_before_the_model_is_built(monkeypatch, tmp_path, options, match):
+    import videosparse.eval.synthetic as synthetic
+
+    monkeypatch.setattr(synthetic, "build_transformer", lambda *a, **k: pytest.fail("built before the refusal"))
+    specs = parse_method_specs(["dense"])
+    with pytest.raises(ValueError, match=match):
+        run_synthetic_model("wan-1.3b", specs, "cpu", torch.float32, layers=1, frames=5, height=64, width=64,
+                            **options)
+    with pytest.raises(ValueError, match=match):
+        run_synthetic(["wan-1.3b"], specs, str(tmp_path / "out"), device="cpu", layers=1, frames=5, height=64,
+                      width=64, **options)
+    assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match="not known"):
         synthetic_setup("wan-2b")
 

@@ -123,3 +123,28 @@ def test_gpu_sdpa_seconds_is_the_kernels_time():
     alone, whole = events_seconds(self_attention), events_seconds(forward)
     assert whole > 1.3 * alone                                  # the cross-attention is a third of the forward
     assert seconds is not None and 0.8 * alone < seconds < 1.15 * alone, (seconds, alone, whole)
+
+
+def test_nested_attention_timers_each_count_their_own_calls_and_leave_the_processors_as_found():
+    """An inner timer's exit restores the outer timer's wrappers (it used to remove them: the outer timer then missed
+    every later call), and the outermost exit leaves no instance attribute behind."""
+    from videosparse import VedaConfig
+    from videosparse.eval.synthetic import build_transformer, make_inputs, method_applied, synthetic_setup
+    from videosparse.eval.timing import AttentionTimer
+
+    setup = synthetic_setup("wan-1.3b", frames=5, height=64, width=128, layers=2)
+    model = build_transformer(setup, torch.device("cpu"), torch.float32)
+    inputs = make_inputs(setup, torch.device("cpu"), torch.float32)
+    config = VedaConfig(density=0.5, block=64, tiling=(1, 8, 8), dense_steps=0)
+    with method_applied(model, config), torch.no_grad():
+        procs = AttentionTimer._processors(model)
+        before = [dict(p.__dict__) for p in procs]
+        outer, inner = AttentionTimer([model]), AttentionTimer([model])
+        with outer():
+            model(**inputs)
+            with inner():
+                model(**inputs)
+            model(**inputs)
+        assert (len(outer.attention_s), len(inner.attention_s)) == (6, 2)
+        assert (len(outer.plan_s), len(inner.plan_s)) == (6, 2)
+        assert [dict(p.__dict__) for p in procs] == before

@@ -453,13 +453,16 @@ def synthetic_setup(name: str, frames: int | None = None, height: int | None = N
     """The `SyntheticSetup` of a named model, at its default size unless overridden.
 
     Raises:
-        ValueError: unknown name, or a size that does not make whole latent patches.
+        ValueError: unknown name, a size below 1, or a size that does not make whole latent patches.
     """
     if name not in SYNTHETIC_MODELS:
         raise ValueError(f"--synthetic {name!r} is not known; choose one of {sorted(SYNTHETIC_MODELS)}.")
     model = SYNTHETIC_MODELS[name]
-    F, H, W = model.video
-    video = (frames or F, height or H, width or W)
+    for label, value in (("frames", frames), ("height", height), ("width", width)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{label}={value!r} must be a positive int (or None for {name}'s default).")
+    video = tuple(given if given is not None else default for given, default in zip((frames, height, width),
+                                                                                  model.video))
     t, s = model.vae_scale
     _, ph, pw = model.patch
     ph, pw = (1, 1) if model.pad_patches else (ph, pw)
@@ -992,6 +995,16 @@ def time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeat
     return row, out
 
 
+def check_run_options(compile_mode: str | None, warmup: int, repeats: int) -> None:
+    """Refuse an unknown compile mode, warmup < 0 or repeats < 1 (ValueError naming the value), before any build."""
+    if compile_mode is not None and compile_mode not in COMPILE_MODES:
+        raise ValueError(f"compile_mode={compile_mode!r} is not known; choose one of {sorted(COMPILE_MODES)}.")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup={warmup!r} must be an int >= 0.")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be an int >= 1.")
+
+
 def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.device, dtype: torch.dtype, *,
                         frames: int | None = None, height: int | None = None, width: int | None = None,
                         layers: int | None = None, warmup: int = 1, repeats: int = 3,
@@ -1019,8 +1032,10 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
             so a run cut short keeps what it measured).
 
     Raises:
-        ValueError: unknown model, no processor for its class, or a size that cannot run on `device`.
+        ValueError: unknown model, no processor for its class, a size that cannot run on `device`, an unknown
+            compile mode, warmup < 0 or repeats < 1 (all before the model is built).
     """
+    check_run_options(compile_mode, warmup, repeats)
     device = torch.device(device)
     setup = synthetic_setup(name, frames, height, width, layers)
     check_supported(setup)
@@ -1043,8 +1058,6 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
         from safetensors.torch import load_file
 
         reference = load_file(dense_output_path, device=str(device))["dense_output"].float()
-    if compile_mode is not None and compile_mode not in COMPILE_MODES:
-        raise ValueError(f"compile_mode={compile_mode!r} is not known; choose one of {sorted(COMPILE_MODES)}.")
     for spec in tqdm(specs, desc=f"synthetic {name}", disable=not progress, leave=False):
         if spec.label in done:
             result.methods[spec.label] = done[spec.label]
@@ -1071,8 +1084,9 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
         result.methods[spec.label] = row
         if on_method is not None:
             on_method(result)
-        logger.info("synthetic %s %s: forward %.3f s, attention %.3f s, density %s", name, spec.label,
-                    row["forward_s"], row["attention_s"], row["realised_density"])
+        logger.info("synthetic %s %s: forward %.3f s, attention %s, density %s", name, spec.label,
+                    row["forward_s"], "not separable" if row["attention_s"] is None else f"{row['attention_s']:.3f} s",
+                    row["realised_density"])
     del transformer
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -1124,8 +1138,7 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    if compile_mode is not None and compile_mode not in COMPILE_MODES:   # refuse before writing anything
-        raise ValueError(f"compile_mode={compile_mode!r} is not known; choose one of {sorted(COMPILE_MODES)}.")
+    check_run_options(compile_mode, warmup, repeats)   # refuse before writing anything
     for name in names:
         setup = synthetic_setup(name, frames, height, width, layers)
         check_supported(setup)

@@ -91,6 +91,9 @@ class _Clock:
         return out
 
 
+_MISSING = object()   # an attribute the timer found not set on the instance (removed again on exit)
+
+
 class AttentionTimer:
     """Times the self-attention calls of transformers that videosparse is applied to.
 
@@ -132,7 +135,7 @@ class AttentionTimer:
     def __call__(self) -> Iterator["AttentionTimer"]:
         attn_clock, plan_clock = _Clock(), _Clock()
         layers: list[int] = []
-        wrapped: list[tuple[object, str]] = []
+        wrapped: list[tuple[object, str, object]] = []    # (object, attribute, its own attribute before, or _MISSING)
 
         def wrap_attend(proc):
             original = getattr(proc, proc.timed_entry)
@@ -160,21 +163,24 @@ class AttentionTimer:
         sessions = []
         for t in self.transformers:
             for proc in self._processors(t):
+                wrapped.append((proc, proc.timed_entry, proc.__dict__.get(proc.timed_entry, _MISSING)))
                 setattr(proc, proc.timed_entry, wrap_attend(proc))
-                wrapped.append((proc, proc.timed_entry))
                 sessions.append(proc.session)
         for session in {id(s): s for s in sessions}.values():
             if session.method is not None:
+                wrapped.append((session.method, "plan", session.method.__dict__.get("plan", _MISSING)))
                 session.method.plan = wrap_plan(session.method)
-                wrapped.append((session.method, "plan"))
         if not wrapped:
             raise ValueError("AttentionTimer found no videosparse processors: call videosparse.apply(...) first "
                              "(DenseConfig() for the dense reference).")
         try:
             yield self
         finally:
-            for obj, name in wrapped:
-                obj.__dict__.pop(name, None)
+            for obj, name, before in reversed(wrapped):     # an outer timer's wrappers stay in place
+                if before is _MISSING:
+                    obj.__dict__.pop(name, None)
+                else:
+                    setattr(obj, name, before)
             self.attention_s.extend(attn_clock.seconds())
             self.plan_s.extend(plan_clock.seconds())
             self.layers.extend(layers)
