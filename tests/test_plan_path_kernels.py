@@ -21,6 +21,7 @@ CASES = {
     "plan-dense": (1, 1, 6, 1, 1.0, ""),
     "ties": (1, 2, 12, 0, None, "ties"),                # integer scores: the lower column wins a boundary tie
     "fp16-scores": (1, 1, 10, 0, 0.5, "fp16"),
+    "signed-zeros": (1, 2, 12, 0, None, "zeros"),       # -0.0 ties +0.0: the lower column still wins
 }
 
 
@@ -35,6 +36,8 @@ def _scores(B, H, M, extra, g):
         s[-1, -1, 3, 3] = float("nan")         # a NaN diagonal is still forced
     if extra == "fp16":
         s = s.half()
+    if extra == "zeros":
+        s = torch.tensor([-0.0, 0.0, 1.0])[torch.randint(0, 3, (B, H, M, M), generator=g)]
     return s
 
 
@@ -98,6 +101,12 @@ def _run_work_order_case() -> dict:
         base = torch.randperm(1200, generator=g)
         want = base[_balanced_positions(cost[base], programs)].to(torch.int32)
         equal.append(torch.equal(balanced_order(base, cost, programs), want))           # int64 base and costs
+    # negative costs count as 0: still a permutation of every wave (they sorted among the dead lanes)
+    base, cost = torch.randperm(40, generator=g), torch.randint(-50, 50, (40,), generator=g)
+    got = balanced_order(base, cost, 6)
+    waves = [slice(i, i + 6) for i in range(0, 40, 6)]
+    equal.append(all(sorted(got[w].tolist()) == sorted(base[w].tolist()) for w in waves))
+    equal.append(torch.equal(got, balanced_order(base, cost.clamp_min(0), 6)))
     return {"equal": equal}
 
 
@@ -133,6 +142,27 @@ def _run_case(name: str) -> dict:
     return res
 
 
+def test_topk_and_work_order_kernels_refuse_bad_arguments_before_launch():
+    from videosparse.kernels.triton_topk import topk_rows_triton
+    from videosparse.kernels.triton_work_order import balanced_order
+
+    s, budget = torch.zeros(1, 1, 4, 4), torch.full((4,), 2)
+    for args, match in (((budget, 5, 0), "width=5 must be in \\[1, 4\\]"),
+                        ((budget, 3, 2), "width=3 must be in \\[3, 6\\] \\(and 6 with 2 global"),
+                        ((budget[:1], 2, 0), "budget \\(\\(1,\\).*must be an int tensor \\[4\\]"),
+                        ((budget.float(), 2, 0), "must be an int tensor"),
+                        ((budget, 2, -1), "num_global_tiles=-1 must be an int >= 0")):
+        with pytest.raises(ValueError, match=match):
+            topk_rows_triton(s, *args)
+    with pytest.raises(ValueError, match="scores \\(4, 4\\) must be"):
+        topk_rows_triton(s[0, 0], budget, 2)
+    base = torch.arange(6, dtype=torch.int32)
+    with pytest.raises(ValueError, match="cost \\(5 entries on cpu\\) must have one entry per row of base \\(6"):
+        balanced_order(base, torch.ones(5, dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="cost_offset=-1 must be >= 0"):
+        balanced_order(base, torch.ones(6, dtype=torch.int32), 2, cost_offset=-1)
+
+
 @pytest.fixture(scope="module")
 def results() -> dict:
     return run_interpreter_cases(Path(__file__).resolve(), [*CASES, "counters", "work-order"])
@@ -156,7 +186,7 @@ def test_counters_kernel_matches_layer_stats(results):
 def test_work_order_kernel_matches_the_torch_path(results):
     res = results["work-order"]
     assert "error" not in res, res.get("error")
-    assert res["equal"] == [True] * 8
+    assert res["equal"] == [True] * 10
 
 
 @pytest.mark.parametrize("capability", [90, 80])

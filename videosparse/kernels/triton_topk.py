@@ -38,9 +38,10 @@ def _topk_rows_kernel(S, BUDGET, IDX, CNT, MV, G, W, NV_P2: tl.constexpr, W_P2: 
     else:
         cols = tl.arange(0, NV_P2)
         x = tl.load(S + (bh.to(tl.int64) * MV + r) * MV + cols, mask=cols < MV, other=float("-inf"))
-        x = x.to(tl.float32)
+        x = tl.where(x == 0.0, 0.0, x.to(tl.float32))   # -0.0 as +0.0: a tie between them goes to the lower column
         cand = (x > float("-inf")) & (cols != r)  # NaN compares false: never chosen; the diagonal is forced
         b = tl.minimum(tl.load(BUDGET + r).to(tl.int32) - 1, tl.sum(cand.to(tl.int32), 0))
+        b = tl.minimum(b, W - G - 1)              # never past the row's width (a width below max(budget) + G)
         # fp32 -> uint32 keys in the same order: flip every bit of negatives, the sign bit of the rest
         bits = x.to(tl.int32, bitcast=True)
         key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)) ^ -2147483648
@@ -79,7 +80,8 @@ def topk_rows_triton(scores: torch.Tensor, budget: torch.Tensor, width: int, num
     Args:
         scores: float [B, H, Mv, Mv] (any float dtype; compared in fp32), Mv <= `MAX_TILES`.
         budget: int [Mv], tiles per video row including the forced diagonal, each >= 1.
-        width: index columns (>= max(budget) + num_global_tiles; Mv + G when there are global tiles).
+        width: index columns (>= max(budget) + num_global_tiles, else a row keeps only width - G tiles; Mv + G
+            when there are global tiles).
         num_global_tiles: G tiles after the video tiles: every video row also keeps them (after its picks),
             and their G rows keep every tile.
         num_warps: warps per row (default `default_num_warps`).
@@ -87,10 +89,18 @@ def topk_rows_triton(scores: torch.Tensor, budget: torch.Tensor, width: int, num
     Returns:
         kv_index int32 [B, H, Mv + G, width] (0 past each row's count), kv_count int32 [B, H, Mv + G].
     """
-    B, H, Mv, Nv = scores.shape
-    if Mv != Nv or Mv > MAX_TILES:
+    if scores.dim() != 4 or scores.shape[-1] != scores.shape[-2] or scores.shape[-1] > MAX_TILES:
         raise ValueError(f"scores {tuple(scores.shape)} must be [B, H, Mv, Mv] with Mv <= {MAX_TILES}.")
-    N = Mv + num_global_tiles
+    B, H, Mv, _ = scores.shape
+    G = num_global_tiles
+    if isinstance(G, bool) or not isinstance(G, int) or G < 0:
+        raise ValueError(f"num_global_tiles={G!r} must be an int >= 0.")
+    if tuple(budget.shape) != (Mv,) or budget.device != scores.device or budget.is_floating_point():
+        raise ValueError(f"budget ({tuple(budget.shape)}, {budget.dtype} on {budget.device}) must be an int tensor "
+                         f"[{Mv}] on {scores.device}.")
+    if not (G + 1 <= width <= Mv + G) or (G and width != Mv + G):
+        raise ValueError(f"width={width} must be in [{G + 1}, {Mv + G}] (and {Mv + G} with {G} global tiles).")
+    N = Mv + G
     scores = scores.contiguous()
     idx = torch.empty(B, H, N, width, dtype=torch.int32, device=scores.device)
     count = torch.empty(B, H, N, dtype=torch.int32, device=scores.device)

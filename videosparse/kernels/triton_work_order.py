@@ -15,8 +15,8 @@ program. Two launches:
 
 ~23 waves at 12 x 32,768 (3,072 rows on 132 SMs), ~180 at 40 x 75,600. Ties (the torch path's,
 `plan._balanced_positions`): among equal costs the earlier entry first, among equal loads the lower program
-first. Costs above `cost_limit(programs)` (over 10^5 key tiles per row) are clamped: the order stays a valid
-permutation of each wave, only its balance would differ from the torch path.
+first. Costs above `cost_limit(programs)` (over 10^5 key tiles per row) are clamped, and negative ones taken as 0:
+the order stays a valid permutation of each wave, only its balance would differ from the torch path.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _wave_items_kernel(BASE, COST, ITEM_KEY, PROGRAMS, COST_OFFSET, COST_MAX, LA
     live = lane < PROGRAMS
     base = tl.program_id(0) * PROGRAMS
     row = tl.load(BASE + base + lane, mask=live, other=0)
-    cost = tl.minimum(tl.load(COST + row, mask=live, other=0) + COST_OFFSET, COST_MAX).to(tl.int32)
+    cost = tl.minimum(tl.maximum(tl.load(COST + row, mask=live, other=0) + COST_OFFSET, 0), COST_MAX).to(tl.int32)
     key = tl.where(live, (cost << LANE_BITS) | (BLOCK - 1 - lane), -1)
     key = tl.sort(key, descending=True)                  # costliest first, the earlier entry among equals
     tl.store(ITEM_KEY + base + lane, key, mask=live)
@@ -71,7 +71,8 @@ def _balanced_order_kernel(BASE, COST, ITEM_KEY, ORDER, N, FULL, PROGRAMS, COST_
     in_tail = lane < N - tail                            # the last, partial wave: programs 0..r-1, rows as they are
     row = tl.load(BASE + tail + lane, mask=in_tail, other=0)
     tl.store(ORDER + tail + lane, row, mask=in_tail)
-    load = tl.where(in_tail, tl.minimum(tl.load(COST + row, mask=in_tail, other=0) + COST_OFFSET, COST_MAX), 0)
+    load = tl.minimum(tl.maximum(tl.load(COST + row, mask=in_tail, other=0) + COST_OFFSET, 0), COST_MAX)
+    load = tl.where(in_tail, load, 0)
     load = load.to(tl.int32)
     load_key = tl.where(live, (load << LANE_BITS) | lane, dead)
     for w in range(FULL):
@@ -95,6 +96,11 @@ def balanced_order(base: torch.Tensor, cost: torch.Tensor, programs: int, *, cos
     59 / 404 / 753 (`scripts/ab_work_order.py --cost` -> benchmarks/work_order_cost_h200.json)."""
     if not 1 <= programs <= MAX_PROGRAMS:
         raise ValueError(f"programs must be in [1, {MAX_PROGRAMS}]; got {programs}.")
+    if cost.numel() != base.numel() or cost.device != base.device:
+        raise ValueError(f"cost ({cost.numel()} entries on {cost.device}) must have one entry per row of base "
+                         f"({base.numel()} on {base.device}).")
+    if cost_offset < 0:
+        raise ValueError(f"cost_offset={cost_offset} must be >= 0.")
     base, cost = base.reshape(-1).contiguous(), cost.reshape(-1).contiguous()
     n = base.numel()
     order = torch.empty(n, dtype=torch.int32, device=base.device)
