@@ -206,3 +206,27 @@ def test_routing_scores_shift_by_threshold_mean():
     mu, var = gaussian_fit(k_mean)
     # mean over key tiles of the statistic equals the τ = 0 threshold
     assert torch.allclose(s.mean(-1), sol_threshold(q_mean, mu, var, 0.0, 0.5), atol=1e-5)
+
+
+@pytest.mark.parametrize("num_tiles", [6, 7, 11])
+def test_equal_centroids_fit_zero_variance_and_give_zero_zscores(num_tiles):
+    """Equal key centroids: var and z exactly 0 off the band (a plain mean's rounding gave var ~1e-16 and z-scores of
+    noise over +-2, so a fixed tau kept random whole rows)."""
+    k_mean = torch.full((1, 2, num_tiles, 8), 0.1)
+    q_mean = torch.randn(1, 2, num_tiles, 8, generator=torch.Generator().manual_seed(0))
+    mu, var = gaussian_fit(k_mean)
+    assert torch.equal(var, torch.zeros_like(var)) and torch.allclose(mu, torch.full_like(mu, 0.1))
+    z = routing_zscores(q_mean, k_mean, 0.35, band=0)
+    off = ~torch.eye(num_tiles, dtype=torch.bool)
+    assert torch.equal(z[..., off], torch.zeros_like(z[..., off]))
+    assert bool(torch.isinf(z[..., ~off]).all())
+
+
+def test_threshold_helpers_refuse_a_negative_global_tile_count_and_a_non_square_z():
+    z = torch.zeros(1, 2, 5, 5)
+    for call in (lambda: sol_mask(z, 0.0, -1), lambda: forced_pairs(5, -1, 0),
+                 lambda: calibrate_tau(z, 0.5, -2, 0), lambda: sol_plan_from_zscores(z, 0.0, -1, 64)):
+        with pytest.raises(ValueError, match="num_global_tiles=-[12] must be an int >= 0"):
+            call()
+    with pytest.raises(ValueError, match="z must be \\[B, H, Mv, Mv\\]; got \\(1, 2, 5, 4\\)"):
+        calibrate_tau(z[..., :4], 0.5, 0, 0)

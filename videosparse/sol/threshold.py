@@ -36,10 +36,20 @@ def gaussian_fit(k_mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns:
         mu, var: fp32 [B, H, D], mean and population variance (divisor N) over the tiles.
     """
-    c = k_mean.float()
-    mu = c.mean(2)
-    var = (c - mu[:, :, None]).square().mean(2)
+    mu, var, _ = _fit_centred(k_mean)
     return mu, var
+
+
+def _fit_centred(k_mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`gaussian_fit`'s (mu, var) and the centred centroids k_mean - mu (fp32 [B, H, N, D]), all taken relative to
+    the first centroid: equal centroids then give var and centred exactly 0 (a plain mean's rounding left ~1e-16,
+    and z-scores of rounding noise over +-2)."""
+    c = k_mean.float()
+    c0 = c[:, :, :1] if c.shape[2] else c.new_zeros(c.shape[0], c.shape[1], 1, c.shape[3])
+    shifted = c - c0
+    offset = shifted.mean(2)
+    centred = shifted - offset[:, :, None]
+    return c0[:, :, 0] + offset, centred.square().mean(2), centred
 
 
 def sol_threshold(
@@ -87,9 +97,8 @@ def routing_zscores(q_mean: torch.Tensor, k_mean: torch.Tensor, scale: float, ba
         (zero query mean or zero centroid variance) z is +inf if s_ij > a_i, -inf if s_ij < a_i and 0 at
         s_ij == a_i (so a density calibration can still reach every tile).
     """
-    mu, var = gaussian_fit(k_mean)
+    mu, var, centred = _fit_centred(k_mean)
     qf = q_mean.float()
-    centred = k_mean.float() - mu[:, :, None]
     d = (qf @ centred.transpose(-1, -2)) * scale                          # s_ij - a_i
     b = (qf.square() * var[:, :, None]).sum(-1, keepdim=True).sqrt() * scale
     z = torch.where(b > 0, d / b.clamp_min(torch.finfo(torch.float32).tiny),
@@ -101,8 +110,15 @@ def routing_zscores(q_mean: torch.Tensor, k_mean: torch.Tensor, scale: float, ba
     return z
 
 
+def _check_global_tiles(num_global_tiles) -> None:
+    G = num_global_tiles                 # a SymInt under torch.compile's dynamic shapes
+    if isinstance(G, bool) or not isinstance(G, (int, torch.SymInt)) or G < 0:
+        raise ValueError(f"num_global_tiles={G!r} must be an int >= 0.")
+
+
 def forced_pairs(num_video_tiles: int, num_global_tiles: int, band: int) -> int:
     """Exact (query tile, key tile) pairs per (batch, head) before any threshold: globals and band."""
+    _check_global_tiles(num_global_tiles)
     Mv, N = num_video_tiles, num_video_tiles + num_global_tiles
     band_pairs = Mv + 2 * sum(Mv - d for d in range(1, min(band, Mv - 1) + 1))    # diagonals past Mv - 1 are empty
     return N * N - Mv * Mv + min(band_pairs, Mv * Mv)
@@ -133,6 +149,9 @@ def calibrate_tau(
     """
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density={density} must lie in (0, 1].")
+    _check_global_tiles(num_global_tiles)
+    if z.dim() != 4 or z.shape[-1] != z.shape[-2]:
+        raise ValueError(f"z must be [B, H, Mv, Mv]; got {tuple(z.shape)}.")
     return _calibrate_tau_op(z, float(density), int(num_global_tiles), int(band), int(iters))
 
 
@@ -235,6 +254,7 @@ def sol_mask(z: torch.Tensor, tau: float | torch.Tensor, num_global_tiles: int) 
             (z = +inf): τ is clamped to z's finite range, where a Python float past it would round to +inf.
         num_global_tiles: G; N = Mv + G.
     """
+    _check_global_tiles(num_global_tiles)
     top = torch.finfo(z.dtype).max
     tau = tau.clamp(-top, top) if isinstance(tau, torch.Tensor) else min(max(float(tau), -top), top)
     video = z > tau
