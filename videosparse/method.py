@@ -54,9 +54,11 @@ class SparseMethod:
     def on_layout(self, layer: int, layout: HeadTiling) -> None:
         """Called eagerly for every layer's new tile layout (a new grid); e.g. to warn about it. Does nothing here."""
 
-    def head_state(self, layer: int, state: dict, heads: slice) -> dict:
+    def head_state(self, layer: int, state: dict, heads: slice, group=None) -> dict:
         """`state` for a call over heads `heads` of `layer` only (one rank's heads under Ulysses context
-        parallelism); methods with per-head state (Veda's estimator) slice it. The base returns `state`."""
+        parallelism; `group`: the process group whose ranks hold the other heads); methods with per-head state
+        (Veda's estimator) slice it, methods with state shared by all heads (Sol's threshold) reach the other
+        ranks through `group`. The base returns `state`."""
         return state
 
     @property

@@ -21,12 +21,12 @@ HEADS, HEAD_DIM = 4, 32
 TILES = [(1, 4, 16), (2, 4, 8), (1, 8, 8), (2, 2, 16)]      # one 64-token shape per head
 
 
-def _tiny_wan():
+def _tiny_wan(heads: int = HEADS):
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(0)
     return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=HEADS, attention_head_dim=HEAD_DIM, in_channels=4, out_channels=4,
+        patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=HEAD_DIM, in_channels=4, out_channels=4,
         text_dim=16, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
         rope_max_seq_len=64,
     ).eval()
@@ -80,6 +80,8 @@ def _rank(rank: int, world: int, port: int) -> None:
             ("veda, applied before enable_parallelism",
              videosparse.VedaConfig(density=0.4, estimator=_estimator(), block=64), True),
             ("sol with a fixed tau, applied after", videosparse.SolConfig(tau=0.5, block=64, band=0), False),
+            # tau calibrated over all heads (gathered from both ranks), as on one GPU: each rank alone found its own
+            ("sol with a target density", videosparse.SolConfig(density=0.5, block=64, band=0), False),
         ]
         for name, config, apply_first in cases:
             single = _tiny_wan()
@@ -94,6 +96,10 @@ def _rank(rank: int, world: int, port: int) -> None:
             out = _forward(tr, inputs)
             err = float((out - ref).norm() / ref.norm())
             assert err < 1e-5, f"rank {rank}, {name}: rel L2 {err:.2e} vs the single-process sparse forward"
+            if isinstance(config, videosparse.SolConfig) and config.tau is None:
+                taus = [[v["tau"] for v in sessions(t)["transformer"].method.calibrations().values()]
+                        for t in (single, tr)]
+                assert taus[0] == taus[1] and len(taus[0]) == 2, (rank, taus)
             stats = sessions(tr)["transformer"].stats()
             assert stats["sparse_calls"] == 2 and stats["dense_calls"] == 0, (name, stats)
             assert not any(layer["fallbacks"] for layer in stats["layers"].values()), (name, stats)
@@ -101,6 +107,12 @@ def _rank(rank: int, world: int, port: int) -> None:
                 _check_compiled(tr, inputs, out)
             videosparse.remove(tr)
             assert all(p._parallel_config is not None for p in tr.attn_processors.values()), name
+        # 3 heads over 2 ranks: a clear error (diffusers' own Ulysses attention cannot split them either)
+        tr = _tiny_wan(heads=3)
+        tr.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+        videosparse.apply(tr, videosparse.SolConfig(tau=0.5, block=64, band=0))
+        with pytest.raises(ValueError, match="3 attention heads do not split evenly over ulysses_degree=2"):
+            _forward(tr, inputs)
     finally:
         dist.destroy_process_group()
 
@@ -116,6 +128,55 @@ def test_ulysses_sparse_matches_single_process():
     if not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed has no gloo backend")
     mp.spawn(_rank, args=(2, _free_port()), nprocs=2, join=True)
+
+
+def _ltx_rank(rank: int, world: int, port: int) -> None:
+    """LTX-Video splits its own forward's inputs (`_cp_plan` key ""): with `apply` before `enable_parallelism` that
+    split runs outside the context hook, which must still see the whole sequence (it used to run every call dense)."""
+    import torch.distributed as dist
+    from diffusers import LTXVideoTransformer3DModel
+    from diffusers.models._modeling_parallel import ContextParallelConfig
+    from diffusers.pipelines.ltx.pipeline_ltx import LTXPipeline
+
+    torch.accelerator.device_count = lambda: 1
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        def tiny():
+            torch.manual_seed(0)
+            return LTXVideoTransformer3DModel(in_channels=8, out_channels=8, num_attention_heads=2,
+                                              attention_head_dim=64, cross_attention_dim=128, num_layers=2,
+                                              caption_channels=16).eval()
+
+        g = torch.Generator().manual_seed(1)
+        inputs = dict(hidden_states=LTXPipeline._pack_latents(torch.randn(1, 8, 3, 8, 16, generator=g), 1, 1),
+                      encoder_hidden_states=torch.randn(1, 8, 16, generator=g), timestep=torch.tensor([500.0]),
+                      encoder_attention_mask=None, num_frames=3, height=8, width=16,
+                      rope_interpolation_scale=(8 / 25, 32, 32))
+        config = videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64)
+        single = tiny()
+        videosparse.apply(single, config)
+        ref = _forward(single, inputs)
+        for apply_first in (True, False):
+            tr = tiny()
+            if apply_first:
+                videosparse.apply(tr, config)
+            tr.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+            if not apply_first:
+                videosparse.apply(tr, config)
+            out = _forward(tr, inputs)
+            stats = sessions(tr)["transformer"].stats()
+            assert stats["sparse_calls"] == 2 and stats["dense_calls"] == 0, (apply_first, stats)
+            assert float((out - ref).norm() / ref.norm()) < 1e-5, apply_first
+            videosparse.remove(tr)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ulysses_ltx_runs_sparse_whichever_comes_first():
+    pytest.importorskip("torch.distributed")
+    if not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed has no gloo backend")
+    mp.spawn(_ltx_rank, args=(2, _free_port()), nprocs=2, join=True)
 
 
 def _cp(**kw):

@@ -142,8 +142,10 @@ class SparseAttentionMixin:
             unsupported = "an attention mask was given"
         elif isinstance(shard, str):
             unsupported = shard
-        elif shard is not None and q.shape[2] % shard.world:
-            unsupported = f"{q.shape[2]} heads do not split evenly over the {shard.world} Ulysses ranks"
+        elif shard is not None and q.shape[2] % shard.world:       # diffusers' own Ulysses attention fails too
+            raise ValueError(f"{q.shape[2]} attention heads do not split evenly over ulysses_degree={shard.world}; "
+                             f"use a ulysses_degree that divides {q.shape[2]}, or ulysses_anything=True (served "
+                             "dense).")
         elif isinstance(text_len, tuple):
             unsupported = (f"the batch items have different valid text lengths {text_len}; this processor serves one "
                            "length per call")
@@ -255,22 +257,23 @@ class SparseAttentionMixin:
         if shard is not None:
             heads = shard.heads(q.shape[2])
             q, k, v = (seq_to_heads(x, shard) for x in (q, k, v))
-            return heads_to_seq(self._sparse(q, k, v, text_len, rope, heads), shard)
+            return heads_to_seq(self._sparse(q, k, v, text_len, rope, heads, group=shard.group), shard)
         return self._sparse(q, k, v, text_len, rope, return_lse=return_lse, groups=groups, return_kv=return_kv,
                             valid_keys=valid_keys, skip_padded_queries=padded_rows == "zero")
 
     def _sparse(self, q, k, v, text_len: int, rope=None, heads: slice | None = None, return_lse: bool = False,
                 groups: int = 1, return_kv: bool = False, valid_keys: torch.Tensor | None = None,
-                skip_padded_queries: bool = False):
+                skip_padded_queries: bool = False, group=None):
         """gather -> plan -> kernel -> scatter of q [B, S, H, D], k, v [B, S, H / groups, D] (the layer's heads
-        `heads`, default all); with `return_lse` also the rows' lse, fp32 [B, S, H]; with `return_kv` also the
-        rotated, repeated k, v in tile order as [B, S, H, D] views; `valid_keys` as in `attend` (with
-        `skip_padded_queries` the query tiles past it are not computed)."""
+        `heads`, default all; the other heads on the ranks of the process group `group`); with `return_lse` also
+        the rows' lse, fp32 [B, S, H]; with `return_kv` also the rotated, repeated k, v in tile order as
+        [B, S, H, D] views; `valid_keys` as in `attend` (with `skip_padded_queries` the query tiles past it are not
+        computed)."""
         session = self.session
         layout, state = self.slot.layouts[text_len], self.slot.method_state
         if heads is not None:
             layout = layout.select_heads(heads)
-            state = session.method.head_state(self.layer, state, heads)
+            state = session.method.head_state(self.layer, state, heads, group)
         qt, kt, vt = layout.gather(q, rope), layout.gather(k, rope, groups), layout.gather(v, groups=groups)
         dtype = attention_dtype(qt.dtype, qt.device)
         if dtype != qt.dtype or dtype != kt.dtype or dtype != vt.dtype:     # under autocast, as SDPA casts

@@ -457,6 +457,27 @@ def forward_arg(args: tuple, kwargs: dict, name: str, index: int):
     return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
 
 
+# the name of the hook diffusers' context parallelism puts on the transformer itself to split its forward's inputs
+# (`_cp_plan` key "": LTX-Video and LTX-2 split hidden_states there)
+_INPUT_SPLIT_HOOK = "cp_input---"
+
+
+def sequence_length(module, hidden_states: torch.Tensor) -> int:
+    """The whole sequence's length of a transformer forward's token-major `hidden_states` [B, S, C] as the context
+    hook sees them: S, or S x P when diffusers' context parallelism splits the transformer's own inputs over P ranks
+    before the hook runs. A hook registered later runs first, so `enable_parallelism` after `videosparse.apply`
+    puts that split outside the context hook."""
+    seen = hidden_states.shape[1]
+    registry = getattr(module, "_diffusers_hook", None)
+    cp = getattr(getattr(module, "_parallel_config", None), "context_parallel_config", None)
+    order = getattr(registry, "_hook_order", ())
+    if cp is None or _INPUT_SPLIT_HOOK not in order or CONTEXT_HOOK not in order:
+        return seen
+    if order.index(_INPUT_SPLIT_HOOK) < order.index(CONTEXT_HOOK):        # the split runs inside the context hook
+        return seen
+    return seen * (cp.ulysses_degree or 1) * (cp.ring_degree or 1)
+
+
 def patch_tokens(latents: torch.Tensor, kernel, pad=None) -> int:
     """Tokens a Conv3d patch embedding with `kernel` makes of latents (B, C, F, H, W), after padding each of F, H, W
     up to a multiple of `pad` when given (the history latents of FramePack and Helios)."""

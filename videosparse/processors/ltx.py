@@ -21,7 +21,7 @@ import torch
 from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor, apply_rotary_emb
 
 from .base import SparseAttentionMixin
-from .context import forward_arg
+from .context import forward_arg, sequence_length
 
 
 class LTXVideoSparseAttnProcessor(SparseAttentionMixin, LTXVideoAttnProcessor):
@@ -148,7 +148,7 @@ def ltx_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | Non
     hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
     video_coords = forward_arg(args, kwargs, "video_coords", 8)
     sizes = [forward_arg(args, kwargs, name, i) for i, name in ((4, "num_frames"), (5, "height"), (6, "width"))]
-    seq_len = hidden_states.shape[1]
+    seq_len = sequence_length(module, hidden_states)      # all ranks' tokens under context parallelism
     if video_coords is not None:
         grid, problem = coords_grid(video_coords, seq_len)
         if problem is not None and (split := grid_after_conditions(video_coords, seq_len)) is not None:

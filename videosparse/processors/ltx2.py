@@ -34,7 +34,7 @@ from diffusers.models.transformers.transformer_ltx2 import (
 )
 
 from .base import SparseAttentionMixin
-from .context import forward_arg, parameter_position
+from .context import forward_arg, parameter_position, sequence_length
 from .ltx import coords_grid
 
 _ROTATIONS = {"interleaved": apply_interleaved_rotary_emb, "split": apply_split_rotary_emb}
@@ -152,7 +152,7 @@ def ltx2_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | No
     def arg(name: str, default: int):
         return forward_arg(args, kwargs, name, parameter_position(type(module).forward, name, default))
 
-    seq_len = arg("hidden_states", 0).shape[1]
+    seq_len = sequence_length(module, arg("hidden_states", 0))      # all ranks' tokens under context parallelism
     video_coords = arg("video_coords", 15)
     sizes = [arg("num_frames", 10), arg("height", 11), arg("width", 12)]
     size_grid = None

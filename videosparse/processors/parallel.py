@@ -54,6 +54,12 @@ def _exchange(x: torch.Tensor, group) -> torch.Tensor:
     return out.view(shape)
 
 
+def gather_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, H/P, ...] of every rank -> [B, H, ...] (rank order, so head order), on every rank."""
+    out = funcol.all_gather_tensor(x.contiguous(), 1, group)
+    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
 def seq_to_heads(x: torch.Tensor, shard: UlyssesShard) -> torch.Tensor:
     """[B, S/P, H, D] (this rank's tokens, all heads) -> [B, S, H/P, D] (all tokens, this rank's heads)."""
     B, S_local, H, D = x.shape

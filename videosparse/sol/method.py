@@ -96,10 +96,19 @@ class SolMethod(SparseMethod):
         if cached is not None:
             tau = cached[0]
             return tau if tau.device == z.device else tau.to(z.device)
+        if isinstance(state, _RankState):     # one rank's heads: calibrate on every head, as one GPU would
+            from ..processors.parallel import gather_heads
+
+            z = gather_heads(z, state.group)
         tau, realized = calibrate_tau(z, float(cfg.density), layout.num_global_tiles, cfg.band)
         tau, realized = tau.detach(), realized.detach()     # kept for the session: no hold on this call's graph
         state[key] = (tau, realized)
         return tau
+
+    def head_state(self, layer: int, state: dict, heads: slice, group=None):
+        """Under Ulysses context parallelism (`group`): the layer's state, seen from one rank, so that a
+        calibration counts the z-scores of all heads (gathered from the group's ranks): the same τ as on one GPU."""
+        return state if group is None else _RankState(state, group)
 
     def on_layout(self, layer: int, layout: HeadTiling) -> None:
         """Warn once per layer when the target density is below that of the always-exact tiles (eager)."""
@@ -150,6 +159,20 @@ class SolMethod(SparseMethod):
         if cfg.correction:
             plan = plan.with_correction(k_mean, v_sum, tile_len)
         return plan
+
+
+class _RankState:
+    """A layer's state dict seen from one rank of a Ulysses group (reads and writes go to the dict); `group`: the
+    process group whose ranks hold the other heads."""
+
+    def __init__(self, state: dict, group) -> None:
+        self.state, self.group = state, group
+
+    def get(self, key):
+        return self.state.get(key)
+
+    def __setitem__(self, key, value) -> None:
+        self.state[key] = value
 
 
 def packs_full_width(static_width: bool | None, q: torch.Tensor) -> bool:

@@ -110,7 +110,7 @@ class VedaMethod(SparseMethod):
         for layer in range(self.estimator.num_layers):
             self.layer_state(layer)["weights"] = (self.estimator.proj_q[layer], self.estimator.proj_k[layer])
 
-    def head_state(self, layer: int, state: dict, heads: slice) -> dict:
+    def head_state(self, layer: int, state: dict, heads: slice, group=None) -> dict:
         """The layer's state with the estimator weights of heads `heads` only."""
         if self.estimator is None:
             return state
