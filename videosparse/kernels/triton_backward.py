@@ -20,6 +20,7 @@ dtype, as in FlashAttention.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -257,9 +258,113 @@ def centroid_gradients(q, d_out, lse, delta, plan: Plan, k_mean, v_mean, bias, q
     return (d_k_mean * scale).to(plan.k_mean.dtype), (dv_mean / tile_len[:, None].clamp_min(1)).to(plan.v_sum.dtype)
 
 
-def default_num_warps(head_dim: int) -> int:
-    """Warps per program: 8 at head dim 128 (its fp32 dk, dv / dq accumulators), else 4. Not timed on a GPU yet."""
-    return 8 if head_dim >= 128 else 4
+def default_num_warps(head_dim: int, kernel: str = "dq") -> int:
+    """Warps per program of `_bwd_dq` ("dq": 8 at head dim 128 for its fp32 dq accumulator, else 4) or `_bwd_dkdv`
+    ("dkdv": 4). On the H200 at 12 x 32,760, d 128, density 0.1, `_bwd_dkdv` took 3.24 ms with 4 warps and 7.60 ms
+    with 8 (407 vs 174 TFLOP/s on its four products); `_bwd_dq` 1.76 ms with 8 warps, 1.78 with 4
+    (`scripts/sweep_backward.py` -> benchmarks/backward_launch_sweep_h200.json)."""
+    return 4 if kernel == "dkdv" or head_dim < 128 else 8
+
+
+@dataclass
+class BackwardInputs:
+    """What `_bwd_dq` and `_bwd_dkdv` read, prepared once per backward (`prepare_backward`): q, d_out [B, H, S, D],
+    k, v [B, H, Sk, D] contiguous; lse, delta fp32 [B, H, S]; the plan (with its index slot), flat (kv_index
+    [B*H*Mq, Kmax], kv_count [B*H*Mq]) and transposed (q_index [B*H*Nk, Mq], q_count [B*H*Nk]); key_limits int32
+    [B*H] or a placeholder; the correction's k_mean, v_mean, bias (`correction_inputs`, `key_chunk` centroids per
+    step) or placeholders."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    d_out: torch.Tensor
+    lse: torch.Tensor
+    delta: torch.Tensor
+    plan: Plan
+    scale: float
+    kv_index: torch.Tensor
+    kv_count: torch.Tensor
+    q_index: torch.Tensor
+    q_count: torch.Tensor
+    key_limits: torch.Tensor
+    has_limit: bool
+    k_mean: torch.Tensor
+    v_mean: torch.Tensor
+    bias: torch.Tensor
+    key_chunk: int
+    upcast: bool
+
+    def constants(self) -> dict:
+        B, H, S, D = self.q.shape
+        return dict(HEAD_DIM=D, BLOCK_M=self.plan.block_m, BLOCK_N=self.plan.block_n, UPCAST=self.upcast,
+                    HAS_LIMIT=self.has_limit)
+
+
+def prepare_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out, d_lse) -> BackwardInputs | None:
+    """The `BackwardInputs` of `triton_attention_backward`'s arguments (None when there are no keys), delta included
+    (one `_bwd_delta` launch)."""
+    B, H, S, D = q.shape
+    Sk = k.shape[2]
+    Nk = math.ceil(Sk / plan.block_n)
+    if Nk == 0:
+        return None
+    plan = plan.with_index_slot()
+    d_out = torch.zeros_like(q) if d_out is None else d_out.to(q.dtype)
+    lse = lse.float().contiguous()
+    q, k, v, d_out, out = (t.contiguous() for t in (q, k, v, d_out, out))
+    delta = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
+    d_lse = None if d_lse is None else d_lse.float().contiguous()
+    _bwd_delta[(triton.cdiv(B * H * S, DELTA_ROWS),)](out, d_out, delta if d_lse is None else d_lse, delta,
+                                                      B * H * S, HEAD_DIM=D, ROWS=DELTA_ROWS,
+                                                      HAS_DLSE=d_lse is not None, **COMPILE_OPTIONS)
+    limit = key_limit(plan, H)
+    kv_index, kv_count = flat_plan(plan)
+    q_index, q_count = transpose_plan(listed_tiles(plan, Nk))
+    key_chunk = min(plan.block_n, DQ_KEY_CHUNK)
+    k_mean = v_mean = bias = delta       # no correction: placeholders, never read
+    if plan.has_correction:
+        k_mean, v_mean, bias = correction_inputs(plan, Nk, key_chunk, q.dtype)
+    return BackwardInputs(q, k, v, d_out, lse, delta, plan, scale, kv_index, kv_count, q_index, q_count,
+                          kv_count if limit is None else limit, limit is not None, k_mean, v_mean, bias, key_chunk,
+                          INTERPRETED and q.dtype != torch.float32)
+
+
+def _launch_options(num_warps: int, num_stages: int | None) -> dict:
+    return dict(num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **COMPILE_OPTIONS)
+
+
+def launch_dq(inp: BackwardInputs, dq: torch.Tensor, *, key_chunk: int | None = None, num_warps: int | None = None,
+              num_stages: int | None = None):
+    """`_bwd_dq` into dq (fp32 [B, H, S, D], without the cast to q's dtype); launch parameters default to those
+    `triton_attention_backward` uses (`scripts/sweep_backward.py` times others). Returns the launch's kernel."""
+    B, H, S, D = inp.q.shape
+    Mq, Nk = math.ceil(S / inp.plan.block_m), math.ceil(inp.k.shape[2] / inp.plan.block_n)
+    key_chunk = key_chunk or inp.key_chunk
+    if inp.plan.has_correction and inp.bias.shape[-1] % key_chunk:
+        raise ValueError(f"key_chunk={key_chunk} must divide the correction's {inp.bias.shape[-1]} padded centroids.")
+    return _bwd_dq[(B * H * Mq,)](
+        inp.q, inp.k, inp.v, inp.d_out, inp.lse, inp.delta, dq, inp.kv_index, inp.kv_count, work_order(inp.kv_count),
+        inp.key_limits, inp.k_mean, inp.v_mean, inp.bias, inp.scale * LOG2E, inp.scale, S, inp.k.shape[2], Mq,
+        inp.kv_index.shape[1], Nk, inp.bias.shape[-1], KEY_CHUNK=key_chunk, CORRECTION=inp.plan.has_correction,
+        **inp.constants(), **_launch_options(num_warps or default_num_warps(D, "dq"), num_stages))
+
+
+def launch_dkdv(inp: BackwardInputs, dk: torch.Tensor, dv: torch.Tensor, *, keys: int | None = None,
+                rows: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
+    """`_bwd_dkdv` into dk, dv (as k, v); `keys` per program (a divisor of block_n) and `rows` per step (of block_m)
+    default to those `triton_attention_backward` uses, as the other launch parameters. Returns the launch's kernel."""
+    B, H, S, D = inp.q.shape
+    bm, bn = inp.plan.block_m, inp.plan.block_n
+    Sk = inp.k.shape[2]
+    Nk = math.ceil(Sk / bn)
+    keys, rows = keys or min(bn, KEY_SPLIT), rows or min(bm, ROW_CHUNK)
+    if bn % keys or bm % rows:
+        raise ValueError(f"keys={keys} and rows={rows} must divide the plan's tiles ({bm} x {bn}).")
+    return _bwd_dkdv[(B * H * Nk * (bn // keys),)](
+        inp.q, inp.k, inp.v, inp.d_out, inp.lse, inp.delta, dk, dv, inp.q_index, inp.q_count,
+        work_order(inp.q_count), inp.key_limits, inp.scale * LOG2E, inp.scale, S, Sk, Nk, inp.q_index.shape[1],
+        KEYS=keys, ROWS=rows, **inp.constants(),
+        **_launch_options(num_warps or default_num_warps(D, "dkdv"), num_stages))
 
 
 def triton_attention_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out, d_lse):
@@ -275,48 +380,17 @@ def triton_attention_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out
         (dq, dk, dv, d_k_mean, d_v_sum): in the dtypes of q, k, v, k_mean, v_sum; the last two None without
         correction.
     """
-    B, H, S, D = q.shape
-    Sk = k.shape[2]
-    bm, bn = plan.block_m, plan.block_n
-    Mq, Nk = math.ceil(S / bm), math.ceil(Sk / bn)
-    if Nk == 0:
+    inp = prepare_backward(q, k, v, out, lse, plan, scale, d_out, d_lse)
+    if inp is None:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None
-    plan = plan.with_index_slot()
-    d_out = torch.zeros_like(q) if d_out is None else d_out.to(q.dtype)
-    lse = lse.float().contiguous()
-    q, k, v, d_out, out = (t.contiguous() for t in (q, k, v, d_out, out))
-    upcast = INTERPRETED and q.dtype != torch.float32
-    delta = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
-    d_lse = None if d_lse is None else d_lse.float().contiguous()
-    _bwd_delta[(triton.cdiv(B * H * S, DELTA_ROWS),)](out, d_out, delta if d_lse is None else d_lse, delta,
-                                                      B * H * S, HEAD_DIM=D, ROWS=DELTA_ROWS,
-                                                      HAS_DLSE=d_lse is not None, **COMPILE_OPTIONS)
-    limit = key_limit(plan, H)
-    kv_index, kv_count = flat_plan(plan)
-    listed = listed_tiles(plan, Nk)
-    q_index, q_count = transpose_plan(listed)
-    dq = torch.empty(B, H, S, D, dtype=torch.float32, device=q.device)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    common = dict(HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, UPCAST=upcast, HAS_LIMIT=limit is not None,
-                  num_warps=default_num_warps(D))
-    key_limits = kv_count if limit is None else limit
-    key_chunk = min(bn, DQ_KEY_CHUNK)
-    k_mean = v_mean = bias = delta       # no correction: placeholders, never read
-    if plan.has_correction:
-        k_mean, v_mean, bias = correction_inputs(plan, Nk, key_chunk, q.dtype)
-    _bwd_dq[(B * H * Mq,)](q, k, v, d_out, lse, delta, dq, kv_index, kv_count, work_order(kv_count), key_limits,
-                           k_mean, v_mean, bias, scale * LOG2E, scale, S, Sk, Mq, kv_index.shape[1], Nk,
-                           bias.shape[-1], KEY_CHUNK=key_chunk, CORRECTION=plan.has_correction, **common,
-                           **COMPILE_OPTIONS)
-    keys = min(bn, KEY_SPLIT)
-    _bwd_dkdv[(B * H * Nk * (bn // keys),)](q, k, v, d_out, lse, delta, dk, dv, q_index, q_count,
-                                            work_order(q_count), key_limits, scale * LOG2E, scale, S, Sk, Nk,
-                                            q_index.shape[1], KEYS=keys,
-                                            ROWS=min(bm, ROW_CHUNK), **common, **COMPILE_OPTIONS)
+    dq = torch.empty(inp.q.shape, dtype=torch.float32, device=q.device)
+    dk, dv = torch.empty_like(inp.k), torch.empty_like(inp.v)
+    launch_dq(inp, dq)
+    launch_dkdv(inp, dk, dv)
     d_k_mean = d_v_sum = None
-    if plan.has_correction:
-        d_k_mean, d_v_sum = centroid_gradients(q, d_out, lse, delta, plan, k_mean, v_mean, bias, scale * LOG2E, scale,
-                                               upcast)
+    if inp.plan.has_correction:
+        d_k_mean, d_v_sum = centroid_gradients(inp.q, inp.d_out, inp.lse, inp.delta, inp.plan, inp.k_mean, inp.v_mean,
+                                               inp.bias, scale * LOG2E, scale, inp.upcast)
     return dq.to(q.dtype), dk, dv, d_k_mean, d_v_sum
 
 
@@ -351,6 +425,6 @@ def compile_backward(kernel: str = "dq", *, capability: int = 90, head_dim: int 
         constants = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, CENTROIDS=CENTROID_BLOCK, ROWS=min(block_m, ROW_CHUNK),
                          UPCAST=False)
     signature, constants, attrs = launch_signature(fn.arg_names, pointers, values, constants)
-    warps = CENTROID_WARPS if kernel == "centroids" else default_num_warps(head_dim)
+    warps = CENTROID_WARPS if kernel == "centroids" else default_num_warps(head_dim, kernel)
     return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", capability, 32),
                           options=dict(num_warps=warps, **COMPILE_OPTIONS))
