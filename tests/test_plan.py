@@ -365,3 +365,15 @@ def test_validation_names_the_entry_and_helpers_refuse_a_short_key_count():
     empty = Plan(torch.zeros(1, 0, 4, 1, dtype=torch.int32), torch.zeros(1, 0, 4, dtype=torch.int32))
     with pytest.raises(ValueError, match="no query-tile rows"):
         empty.density(4)
+
+
+def test_validate_names_a_field_that_is_no_tensor():
+    """A list or None where a tensor belongs: a TypeError naming the field (it was an AttributeError)."""
+    from dataclasses import replace
+
+    q = torch.randn(1, 2, 128, 64)
+    plan = dense_plan(1, 2, 128, 64, 64)
+    for field, value in (("kv_index", plan.kv_index.tolist()), ("kv_count", None), ("valid_keys", [128]),
+                         ("order", [0, 1, 2, 3])):
+        with pytest.raises(TypeError, match=f"Plan.{field} must be a tensor"):
+            replace(plan, **{field: value}).validate(q, q, q)

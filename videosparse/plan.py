@@ -124,8 +124,14 @@ class Plan:
         return replace(self, kv_count=count, valid_keys=valid_keys, order=order)
 
     def validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, *, where: str = "") -> None:
-        """Check the plan against q, k (B, H, S, D); raise ValueError naming tensor, shape and expectation."""
+        """Check the plan against q, k (B, H, S, D); raise ValueError naming tensor, shape and expectation (TypeError for a
+        field that is no tensor)."""
         at = f" ({where})" if where else ""
+        for name in ("kv_index", "kv_count", "k_mean", "v_sum", "tile_len", "valid_keys", "order"):
+            value = getattr(self, name)
+            if not isinstance(value, torch.Tensor) and (value is not None or name in ("kv_index", "kv_count")):
+                allowed = "a tensor" if name in ("kv_index", "kv_count") else "a tensor or None"
+                raise TypeError(f"Plan.{name} must be {allowed}; got {type(value).__name__}{at}.")
         if q.dim() != 4 or k.dim() != 4:
             raise ValueError(f"q and k must be (B, H, S, D); got q {tuple(q.shape)}, k {tuple(k.shape)}{at}.")
         check_block("block_m", self.block_m)

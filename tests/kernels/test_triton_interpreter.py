@@ -70,6 +70,12 @@ CASES = {
                                                     "poisoned"),
     "hopper-bf16-d128-b128-poisoned-neighbour": (1, 2, 333, 333, 128, 128, 128, 1.0, "bfloat16", False, "hopper",
                                                  "poisoned"),
+    # key limits past Sk in an unvalidated plan (validate=False, or any call under torch.compile): as Sk, as the
+    # reference; the forward kernels used to read the next head's keys past the partial last tile
+    "generic-fp32-d64-b64-limits-past-keys-corr": (2, 2, 300, 300, 64, 64, 64, 0.5, "float32", True, "generic",
+                                                   "valid-past-keys"),
+    "hopper-fp32-d64-b64-limits-past-keys-corr": (2, 2, 300, 300, 64, 64, 64, 0.5, "float32", True, "hopper",
+                                                  "valid-past-keys"),
 }
 
 
@@ -231,7 +237,9 @@ def _run_case(name: str) -> dict:
         plan = Plan(plan.kv_index, count, bm, bn)
     if extra == "kmax0":     # no index columns at all (partial last key tile: its reads must stay in bounds)
         plan = Plan(plan.kv_index[..., :0].contiguous(), torch.zeros_like(plan.kv_count), bm, bn)
-    if extra.startswith("valid"):
+    if extra == "valid-past-keys":
+        plan = plan.with_valid_keys(torch.tensor([Sk + 40, Sk + 3][:B], dtype=torch.int32))
+    elif extra.startswith("valid"):
         plan = plan.with_valid_keys(valid_keys_for(B, Sk))
     if extra == "strided-plan":
         def strided(t):    # the same values, every other element of a buffer twice the size
@@ -253,6 +261,7 @@ def _run_case(name: str) -> dict:
         poison_past_valid_keys(plan)
     scale = 1.0 / math.sqrt(D)
     poisoned = extra == "poisoned"
+    unvalidated = poisoned or extra == "valid-past-keys"     # a plan validate() refuses, run all the same
     if poisoned:
         plan.validate(q, k, v)
         k[0, 1, :3], v[0, 1, :3], v[0, 1, 3] = float("inf"), float("-inf"), float("nan")
@@ -261,10 +270,10 @@ def _run_case(name: str) -> dict:
             plan.k_mean[0, 1, 0], plan.v_sum[0, 1, 0] = float("inf"), float("nan")
     if kernel == "generic":
         out, lse = block_sparse_attention(q, k, v, plan, scale=scale, return_lse=True, backend="triton",
-                                          validate=not poisoned)
+                                          validate=not unvalidated)
         used = select_backend(q, k, v, plan, "triton").name
     else:   # the Hopper kernel's code path (TMA descriptors, persistent loop, centroid pass + merge)
-        if not poisoned:
+        if not unvalidated:
             plan.validate(q, k, v)
         out, lse = get_backend("hopper")(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale, True)
         used = "hopper"

@@ -2,8 +2,9 @@
 
 `block_sparse_attention(q, k, v, plan)` runs a `Plan` on the best backend for the inputs:
 Hopper Gluon kernel (explicit warp-specialized schedule, 128x128 tiles) -> generic Triton kernel -> torch reference.
-The Hopper Triton kernel (TMA + Triton's automatic warp specialization) runs only when asked for by name: on Triton
-3.6 it returns NaN rows for the items in flight when the GPU preempts it (another process sharing the GPU).
+The Hopper Triton kernel (TMA + Triton's automatic warp specialization) never runs under "auto", only by name or under
+backend="triton" after the other two decline: on Triton 3.6 it returns NaN rows for the items in flight when the GPU
+preempts it (another process sharing the GPU).
 Gradients: every backend's forward takes one backward that recomputes the probabilities (`autograd.py`; eagerly,
 and under torch.compile through the custom op's autograd in ops.py): the Triton backward kernels after a Triton
 forward, the torch reference's row loop otherwise.

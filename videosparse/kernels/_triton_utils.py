@@ -74,11 +74,12 @@ def correction_inputs_torch(plan: Plan, num_key_tiles: int, chunk: int, dtype: t
     return k_mean, v_mean, bias[:, :ncp].contiguous()
 
 
-def key_limit(plan: Plan, heads: int) -> torch.Tensor | None:
-    """int32 [B*H]: `plan.valid_keys` per (b, h) row of the kernels' flat layout (None without it)."""
+def key_limit(plan: Plan, heads: int, key_len: int) -> torch.Tensor | None:
+    """int32 [B*H]: `plan.valid_keys` per (b, h) row of the kernels' flat layout, at most `key_len` (Sk: a limit past
+    the keys, which an unvalidated plan may carry, would read the next head's keys), or None without it."""
     if plan.valid_keys is None:
         return None
-    return plan.valid_keys.repeat_interleave(heads).contiguous()
+    return plan.valid_keys.clamp_max(key_len).repeat_interleave(heads).contiguous()
 
 
 @triton.jit

@@ -166,6 +166,8 @@ def _padded_backend(q, k, v, plan: Plan, backend: str) -> PaddedHeadDim | None:
     if D in PADDED_HEAD_DIMS or target is None or (backend == "auto" and q.device.type != "cuda"):
         return None
     for name in TRITON_BACKENDS:
+        if backend == "auto" and name not in AUTO_ORDER:     # a backend registered out of auto ("hopper") stays out
+            continue
         impl = get_backend(name)
         if impl is not None and not (padded := PaddedHeadDim(impl, target)).not_supported_reasons(q, k, v, plan):
             return padded

@@ -734,7 +734,7 @@ def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False,
     grid = (max(1, min(n_units, programs)),)
     late_k = default_late_k_release(D) if late_k_release is None else late_k_release
     triton.set_allocator(_alloc)
-    limit = key_limit(plan, H)
+    limit = key_limit(plan, H, k.shape[2])
     _gluon_fwd[grid](q, k, v, k_mean, v_mean, bias, out, lse, o_part, lse_part, kv_index, kv_count, order,
                      kv_count if limit is None else limit,
                      scale * LOG2E, S, Sk, Nk, bias.shape[-1] if corr else 0, B * H, Mq, kv_index.shape[1], n_units,

@@ -317,7 +317,7 @@ def prepare_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out, d_lse) 
     _bwd_delta[(triton.cdiv(B * H * S, DELTA_ROWS),)](out, d_out, delta if d_lse is None else d_lse, delta,
                                                       B * H * S, HEAD_DIM=D, ROWS=DELTA_ROWS,
                                                       HAS_DLSE=d_lse is not None, **COMPILE_OPTIONS)
-    limit = key_limit(plan, H)
+    limit = key_limit(plan, H, Sk)
     kv_index, kv_count = flat_plan(plan)
     q_index, q_count = transpose_plan(listed_tiles(plan, Nk))
     key_chunk = min(plan.block_n, DQ_KEY_CHUNK)

@@ -199,7 +199,7 @@ def generic_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = Fals
     """
     B, H, S, D, Sk, Mq, Nk, kv_index, kv_count, order = launch_dims(q, k, plan)
     bm, bn = plan.block_m, plan.block_n
-    limit = key_limit(plan, H)
+    limit = key_limit(plan, H, Sk)
     out = torch.empty(B, H, S, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if return_lse else out
     if plan.has_correction:

@@ -243,7 +243,7 @@ def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False
                   num_warps=num_warps, num_stages=num_stages)
     if corr:
         centroid_pass(q, plan, scale, out, lse, dims, num_programs=grid[0], **common)
-    limit = key_limit(plan, H)
+    limit = key_limit(plan, H, k.shape[2])
     _hopper_fwd[grid](
         q, k, v, out, lse,
         kv_index, kv_count, order, lse, kv_count if limit is None else limit,
