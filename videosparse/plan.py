@@ -124,8 +124,8 @@ class Plan:
         return replace(self, kv_count=count, valid_keys=valid_keys, order=order)
 
     def validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, *, where: str = "") -> None:
-        """Check the plan against q, k (B, H, S, D); raise ValueError naming tensor, shape and expectation (TypeError for a
-        field that is no tensor)."""
+        """Check the plan against q, k (B, H, S, D); raise ValueError naming tensor, shape and expectation (TypeError
+        for a field that is no tensor)."""
         at = f" ({where})" if where else ""
         for name in ("kv_index", "kv_count", "k_mean", "v_sum", "tile_len", "valid_keys", "order"):
             value = getattr(self, name)
