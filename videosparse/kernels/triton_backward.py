@@ -260,9 +260,9 @@ def centroid_gradients(q, d_out, lse, delta, plan: Plan, k_mean, v_mean, bias, q
 
 def default_num_warps(head_dim: int, kernel: str = "dq") -> int:
     """Warps per program of `_bwd_dq` ("dq": 8 at head dim 128 for its fp32 dq accumulator, else 4) or `_bwd_dkdv`
-    ("dkdv": 4). On the H200 at 12 x 32,760, d 128, density 0.1, `_bwd_dkdv` took 3.24 ms with 4 warps and 7.60 ms
-    with 8 (407 vs 174 TFLOP/s on its four products); `_bwd_dq` 1.76 ms with 8 warps, 1.78 with 4
-    (`scripts/sweep_backward.py` -> benchmarks/backward_launch_sweep_h200.json)."""
+    ("dkdv": 4). At 12 x 32,760, d 128, density 0.1, `_bwd_dkdv` took 3.30 ms with 4 warps and 7.58 ms with 8 on the
+    H100 (400 vs 174 TFLOP/s on its four products; 3.24 vs 7.60 on the H200); 64-row steps were 12% faster still
+    but spill (`scripts/sweep_backward.py --out benchmarks/backward_launch_sweep_h100.json`)."""
     return 4 if kernel == "dkdv" or head_dim < 128 else 8
 
 
