@@ -154,3 +154,24 @@ def test_remove_under_a_hook_registered_after_the_offload_hook():
     np.testing.assert_array_equal(_run(pipe), reference)
     np.testing.assert_array_equal(_run(pipe), reference)
     assert session.calls == calls and getattr(pipe.transformer, "_hf_hook", None) is not None
+
+
+def test_remove_under_a_hook_with_its_own_forward_leaves_nothing_once_that_hook_goes():
+    """apply -> a hook with its own new_forward (FasterCache's denoiser hook) -> remove -> disable_cache: the
+    transformer's forward is its own method again, as without videosparse (review find: the hook kept our pass-through
+    link as its original_forward, so a dead wrapper stayed on forward, one more per apply / remove)."""
+    from diffusers import FasterCacheConfig
+
+    def faster_cache():
+        return FasterCacheConfig(current_timestep_callback=lambda: 500, spatial_attention_block_skip_range=2,
+                                 spatial_attention_timestep_skip_range=(-1, 681))
+
+    transformer = build_tiny_wan_pipeline().transformer
+    for _ in range(2):
+        videosparse.apply(transformer, videosparse.DenseConfig())
+        transformer.enable_cache(faster_cache())
+        videosparse.remove(transformer)
+        transformer.disable_cache()
+        forward = transformer.__dict__.get("forward")
+        assert forward is None or getattr(forward, "__func__", None) is type(transformer).forward, forward
+        assert transformer._diffusers_hook._hook_order == []

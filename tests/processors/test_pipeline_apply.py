@@ -265,6 +265,22 @@ def test_observe_leaves_a_config_applied_inside_its_block():
     assert videosparse.sessions(pipe) == {}
 
 
+def test_observe_refuses_a_callback_that_is_not_callable_and_a_half_applied_pipeline():
+    """Review finds: a non-callable callback failed mid-call; with videosparse on transformer only, transformer_2's
+    calls went unobserved without a word."""
+    pipe = build_tiny_wan_pipeline()
+    with pytest.raises(TypeError, match="callback='x' must be a callable"):
+        with videosparse.processors.observe(pipe, "x"):
+            pass
+    pipe.register_modules(transformer_2=build_tiny_wan_pipeline(num_layers=2).transformer)
+    videosparse.apply(pipe.transformer, videosparse.DenseConfig())
+    with pytest.raises(ValueError, match=r"applied to \['transformer'\] but not to \['transformer_2'\]"):
+        with videosparse.processors.observe(pipe, print):
+            pass
+    assert videosparse.sessions(pipe)["transformer"].observers == []
+    videosparse.remove(pipe.transformer)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_gradients_flow_through_the_sparse_processors_on_the_reference_backend(device):
     """Backward through Veda / Sol on the torch reference equals dense at density 1 (the 16-byte view the

@@ -394,6 +394,42 @@ def test_two_experts_count_the_steps_of_a_from_pipe_call_together(monkeypatch):
     """Review find: a `from_pipe` pipeline with its own scheduler counts its steps by timestep; with Wan 2.2's two
     experts (transformer_2 past the boundary) each counted on its own, so transformer_2 ran its first steps dense
     again in the middle of the schedule. The experts share one count now."""
+    import diffusers
+
+    pipe, kw = _vace_two_experts(monkeypatch)
+    videosparse.apply(pipe, TWO_EXPERT_CONFIG)
+    other = diffusers.WanVACEPipeline.from_pipe(pipe, scheduler=type(pipe.scheduler).from_config(pipe.scheduler.config))
+    other.set_progress_bar_config(disable=True)
+    assert _dense_steps_seen(pipe, pipe, kw) == TWO_EXPERT_STEPS
+    assert _dense_steps_seen(other, pipe, kw) == TWO_EXPERT_STEPS
+    videosparse.remove(pipe)
+
+
+def test_two_experts_set_up_one_by_one_count_the_steps_together(monkeypatch):
+    """Review find: each expert set up on its own (videosparse.apply per transformer, or the diffusers-native
+    set_attn_processor(videosparse.processors(t, config))), with no scheduler, counted the steps alone: transformer_2
+    ran its 'first' dense steps again when it took over mid-schedule. Transformers set up with neither a pipeline nor a
+    scheduler share one count now."""
+    pipe, kw = _vace_two_experts(monkeypatch)
+    for name in ("transformer", "transformer_2"):
+        videosparse.apply(getattr(pipe, name), TWO_EXPERT_CONFIG)
+    assert _dense_steps_seen(pipe, pipe, kw) == TWO_EXPERT_STEPS
+    videosparse.remove(pipe)
+    for name in ("transformer", "transformer_2"):
+        transformer = getattr(pipe, name)
+        transformer.set_attn_processor(videosparse.processors(transformer, TWO_EXPERT_CONFIG))
+    assert _dense_steps_seen(pipe, pipe, kw) == TWO_EXPERT_STEPS
+    videosparse.remove(pipe)
+
+
+TWO_EXPERT_CONFIG = videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64, dense_steps=2)
+TWO_EXPERT_STEPS = [("transformer", 0, True), ("transformer", 1, True)] + [("transformer_2", i, False)
+                                                                            for i in range(2, 6)]
+
+
+def _vace_two_experts(monkeypatch):
+    """A tiny Wan VACE pipeline with two experts (transformer_2 from step 2 of 6; its cache context gives no step
+    index) and its call arguments."""
     import sys
     from types import SimpleNamespace
 
@@ -411,13 +447,7 @@ def test_two_experts_count_the_steps_of_a_from_pipe_call_together(monkeypatch):
     pipe.set_progress_bar_config(disable=True)
     kw = dict(prompt="a red circle moving left", num_frames=9, height=32, width=96, guidance_scale=1.0,
               num_inference_steps=6, output_type="latent", max_sequence_length=16)
-    videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64, dense_steps=2))
-    other = diffusers.WanVACEPipeline.from_pipe(pipe, scheduler=type(pipe.scheduler).from_config(pipe.scheduler.config))
-    other.set_progress_bar_config(disable=True)
-    want = [("transformer", 0, True), ("transformer", 1, True)] + [("transformer_2", i, False) for i in range(2, 6)]
-    assert _dense_steps_seen(pipe, pipe, kw) == want
-    assert _dense_steps_seen(other, pipe, kw) == want
-    videosparse.remove(pipe)
+    return pipe, kw
 
 
 def test_a_transformer_applied_alone_counts_again_after_a_call_that_raised(monkeypatch):
@@ -437,5 +467,12 @@ def test_a_transformer_applied_alone_counts_again_after_a_call_that_raised(monke
     want = [("transformer", i, i < 2) for i in range(4)]
     assert _dense_steps_seen(pipe, pipe.transformer, kw) == want
     assert _dense_steps_seen(pipe, pipe.transformer, kw, die_at=2) == want[:3] + ["raised"]
+    assert _dense_steps_seen(pipe, pipe.transformer, kw) == want
+    videosparse.remove(pipe.transformer)
+    # observed with no dense steps (DenseConfig, as `observe` applies it): the records' steps start again too (they
+    # went on from the call that raised)
+    videosparse.apply(pipe.transformer, videosparse.DenseConfig())
+    want = [("transformer", i, True) for i in range(4)]
+    assert _dense_steps_seen(pipe, pipe.transformer, kw, die_at=1) == want[:2] + ["raised"]
     assert _dense_steps_seen(pipe, pipe.transformer, kw) == want
     videosparse.remove(pipe.transformer)

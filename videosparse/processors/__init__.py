@@ -296,8 +296,20 @@ def observe(pipe_or_transformer, callback: Callable[[AttentionRecord], None]) ->
     Works on top of an applied config; without one, dense processors (`DenseConfig`) are applied for
     the duration of the block and removed afterwards (a config the block itself applied in their place, after a
     `remove`, stays applied).
+
+    Raises:
+        TypeError: `callback` is not callable.
+        ValueError: videosparse is applied to some transformers of the pipeline and not to others (their calls
+            would go unobserved).
     """
-    applied_here = not sessions(pipe_or_transformer)
+    if not callable(callback):
+        raise TypeError(f"callback={callback!r} must be a callable taking an AttentionRecord.")
+    found = sessions(pipe_or_transformer)
+    missing = sorted(set(_transformers(pipe_or_transformer)) - set(found))
+    if found and missing:
+        raise ValueError(f"observe: videosparse is applied to {sorted(found)} but not to {missing}, whose calls would "
+                         "go unobserved; apply it to every transformer (videosparse.apply(pipe, ...)) or to none.")
+    applied_here = not found
     if applied_here:
         apply(pipe_or_transformer, DenseConfig())
     active = list(sessions(pipe_or_transformer).values())

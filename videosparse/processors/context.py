@@ -208,6 +208,9 @@ class TimestepCounter:
         self.last, self.count, self.direction = None, 0, 0
 
 
+BARE_TIMESTEP_COUNTER = TimestepCounter()   # of every session without a pipeline or scheduler (see SparseSession)
+
+
 class SparseSession:
     """Everything `apply` attaches to one transformer; returned by `videosparse.apply`.
 
@@ -243,7 +246,11 @@ class SparseSession:
         self._layout_cache: dict[int, list[HeadTiling]] = {}
         self._layout_cache_for: tuple | None = None
         self._recomputing = False                 # inside `recomputing`
-        self.timestep_counter = TimestepCounter()   # shared with the other transformers of the pipeline by `apply`
+        # shared with the other transformers of the pipeline by `apply`; transformers set up on their own, with no
+        # pipeline and no scheduler, share one: Wan 2.2's experts set up one by one take turns in a call (each
+        # counting alone, the second restarted the count, and with it the dense steps, when it took over)
+        self.timestep_counter = (TimestepCounter() if scheduler is not None or pipeline is not None
+                                 else BARE_TIMESTEP_COUNTER)
         self.forward_graph_task = -1              # the autograd graph task the latest transformer forward ran in
         self._warned_unmanaged_recompute = False
 
@@ -738,9 +745,9 @@ class SparseContextHook(ModelHook):
                 return (begin if isinstance(begin, int) else 0), num_steps
             return best, num_steps
         if cache_ctx is not None:
-            if t is not None and getattr(self.session.config, "dense_steps", 0):
+            if t is not None and (getattr(self.session.config, "dense_steps", 0) or self.session.observers):
                 # no scheduler: by timestep, which also starts again after a call that raised (reading it syncs
-                # the host once a forward, so only where a dense-step schedule needs the step)
+                # the host once a forward, so only where a dense-step schedule or an observer needs the step)
                 return self.session.timestep_counter.step(t), num_steps
             state = self.state_manager.get_state()
             state.calls += 1
@@ -828,8 +835,8 @@ def remove_context_hook(transformer: torch.nn.Module) -> bool:
     When nothing wrapped the hook since it was registered, diffusers' `remove_hook` does it (and puts the forward from
     before the hook back). Otherwise something holds the registry's wrapper around it (accelerate's `_old_forward`,
     the offload hook's saved forward; a wrapper set on `forward`): the hook's link in that chain becomes a
-    pass-through and leaves the registry, the references we know of (`_old_forward`, the next hook's link) are
-    pointed past it, and `forward` stays.
+    pass-through and leaves the registry, the references we know of (`_old_forward`, the next hook's link, its
+    `original_forward` for a hook with its own `new_forward`) are pointed past it, and `forward` stays.
     """
     registry = getattr(transformer, "_diffusers_hook", None)
     hook = registry.get_hook(CONTEXT_HOOK) if registry is not None else None
@@ -845,8 +852,12 @@ def remove_context_hook(transformer: torch.nn.Module) -> bool:
     link = registry._fn_refs[index]
     link.pre_forward, link.post_forward = _pass_through_pre, _pass_through_post
     before = link.original_forward if link.original_forward is not None else link.forward
-    if not last and registry._fn_refs[index + 1].forward is ours:
-        registry._fn_refs[index + 1].forward = before
+    if not last:
+        nxt = registry._fn_refs[index + 1]
+        if nxt.forward is ours:
+            nxt.forward = before
+        if getattr(nxt, "original_forward", None) is ours:     # a hook with its own new_forward keeps ours there too
+            nxt.original_forward = before
     if getattr(transformer, "_old_forward", None) is ours:
         transformer._old_forward = before
     restored = transformer.__dict__.get("forward") is ours
