@@ -237,27 +237,6 @@ def transpose_plan(listed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q_index.to(torch.int32).contiguous(), q_count.contiguous()
 
 
-def centroid_gradients(q, d_out, lse, delta, plan: Plan, k_mean, v_mean, bias, qk_scale: float, scale: float,
-                       upcast: bool):
-    """The gradients of the plan's k_mean and v_sum (in their dtypes) from the proxy terms: `_bwd_centroids` over
-    query tiles split so that the grid fills the GPU about four times, its partial sums added here. k_mean, v_mean,
-    bias from `correction_inputs` (centroids of tiles past valid_keys zeroed, so NaN there reaches nothing)."""
-    B, H, S, D = q.shape
-    Mq, Nk, ncp = bias.shape[0] // (B * H), k_mean.shape[0] // (B * H), bias.shape[1]
-    blocks = B * H * triton.cdiv(Nk, CENTROID_BLOCK)
-    splits = max(1, min(Mq, triton.cdiv(4 * (device_programs(q.device) or 1), blocks)))
-    tiles = triton.cdiv(Mq, splits)
-    splits = triton.cdiv(Mq, tiles)
-    parts = torch.empty(2, splits, B * H * Nk, D, dtype=torch.float32, device=q.device)
-    _bwd_centroids[(blocks, splits)](q, d_out, lse, delta, k_mean, v_mean, bias, parts[0], parts[1], qk_scale, S, Mq,
-                                     Nk, ncp, tiles, HEAD_DIM=D, BLOCK_M=plan.block_m, CENTROIDS=CENTROID_BLOCK,
-                                     ROWS=min(plan.block_m, ROW_CHUNK), UPCAST=upcast,
-                                     num_warps=CENTROID_WARPS, **COMPILE_OPTIONS)
-    d_k_mean, dv_mean = parts.sum(1).view(2, B, H, Nk, D)
-    tile_len = plan.tile_len.to(device=q.device, dtype=torch.float32)
-    return (d_k_mean * scale).to(plan.k_mean.dtype), (dv_mean / tile_len[:, None].clamp_min(1)).to(plan.v_sum.dtype)
-
-
 def default_num_warps(head_dim: int, kernel: str = "dq") -> int:
     """Warps per program of `_bwd_dq` ("dq": 8 at head dim 128 for its fp32 dq accumulator, else 4) or `_bwd_dkdv`
     ("dkdv": 4). At 12 x 32,760, d 128, density 0.1, `_bwd_dkdv` took 3.30 ms with 4 warps and 7.58 ms with 8 on the
@@ -367,6 +346,33 @@ def launch_dkdv(inp: BackwardInputs, dk: torch.Tensor, dv: torch.Tensor, *, keys
         **_launch_options(num_warps or default_num_warps(D, "dkdv"), num_stages))
 
 
+def centroid_gradients(inp: BackwardInputs, *, centroids: int | None = None, rows: int | None = None,
+                       num_warps: int | None = None, num_stages: int | None = None):
+    """The gradients of the plan's k_mean and v_sum (in their dtypes) from the proxy terms: `_bwd_centroids`,
+    `centroids` per program (default `CENTROID_BLOCK`) and `rows` query rows per step, over query tiles split so that
+    the grid fills the GPU about four times, its partial sums added here (the centroids of tiles past valid_keys are
+    zeroed by `correction_inputs`, so NaN there reaches nothing)."""
+    B, H, S, D = inp.q.shape
+    plan, k_mean, bias = inp.plan, inp.k_mean, inp.bias
+    Mq, Nk, ncp = bias.shape[0] // (B * H), k_mean.shape[0] // (B * H), bias.shape[1]
+    centroids, rows = centroids or CENTROID_BLOCK, rows or min(plan.block_m, ROW_CHUNK)
+    if plan.block_m % rows:
+        raise ValueError(f"rows={rows} must divide the plan's block_m={plan.block_m}.")
+    blocks = B * H * triton.cdiv(Nk, centroids)
+    splits = max(1, min(Mq, triton.cdiv(4 * (device_programs(inp.q.device) or 1), blocks)))
+    tiles = triton.cdiv(Mq, splits)
+    splits = triton.cdiv(Mq, tiles)
+    parts = torch.empty(2, splits, B * H * Nk, D, dtype=torch.float32, device=inp.q.device)
+    _bwd_centroids[(blocks, splits)](inp.q, inp.d_out, inp.lse, inp.delta, k_mean, inp.v_mean, bias, parts[0],
+                                     parts[1], inp.scale * LOG2E, S, Mq, Nk, ncp, tiles, HEAD_DIM=D,
+                                     BLOCK_M=plan.block_m, CENTROIDS=centroids, ROWS=rows, UPCAST=inp.upcast,
+                                     **_launch_options(num_warps or CENTROID_WARPS, num_stages))
+    d_k_mean, dv_mean = parts.sum(1).view(2, B, H, Nk, D)
+    tile_len = plan.tile_len.to(device=inp.q.device, dtype=torch.float32)
+    return ((d_k_mean * inp.scale).to(plan.k_mean.dtype),
+            (dv_mean / tile_len[:, None].clamp_min(1)).to(plan.v_sum.dtype))
+
+
 def triton_attention_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out, d_lse):
     """Gradients of block-sparse attention's (out, lse) with the Triton kernels, as `reference_attention_backward`.
 
@@ -389,8 +395,7 @@ def triton_attention_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out
     launch_dkdv(inp, dk, dv)
     d_k_mean = d_v_sum = None
     if inp.plan.has_correction:
-        d_k_mean, d_v_sum = centroid_gradients(inp.q, inp.d_out, inp.lse, inp.delta, inp.plan, inp.k_mean, inp.v_mean,
-                                               inp.bias, scale * LOG2E, scale, inp.upcast)
+        d_k_mean, d_v_sum = centroid_gradients(inp)
     return dq.to(q.dtype), dk, dv, d_k_mean, d_v_sum
 
 
