@@ -367,3 +367,29 @@ def test_estimator_tile_shapes_may_be_numpy_ints(tmp_path):
     est = make_est(density=np.float32(0.25))            # the hub mixin would save a numpy float as null
     est.save_pretrained(tmp_path / "est2")
     assert VedaEstimator.from_pretrained(tmp_path / "est2").density == 0.25
+
+
+def test_kl_loss_with_nothing_valid_is_zero_even_with_masked_columns():
+    """Review find: with col_valid masking a column and no valid row, the 'zero' was -inf * 0 = NaN."""
+    logits = torch.randn(1, 2, 3, 4, requires_grad=True)
+    col = torch.tensor([True, True, True, False])
+    nothing = torch.zeros(1, 2, 3, dtype=torch.bool)
+    for heat, rows in ((torch.rand(1, 2, 3, 4), nothing), (torch.zeros(1, 2, 3, 4), None)):
+        loss = tile_kl_loss(logits, heat, row_valid=rows, col_valid=col)
+        assert float(loss) == 0.0
+        loss.backward()
+        assert bool(torch.isfinite(logits.grad).all())
+
+
+@pytest.mark.parametrize("field, value", [("init_std", float("nan")), ("init_std", float("inf")), ("init_std", True),
+                                          ("density", float("nan")), ("density", 0.0), ("density", 7.0)])
+def test_estimator_refuses_a_bad_init_std_or_density(field, value):
+    with pytest.raises(ValueError, match=f"{field}={value!r} must be"):
+        make_est(**{field: value})
+
+
+def test_from_pretrained_names_a_damaged_config(tmp_path):
+    make_est().save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="config.json' holds a list, not the JSON object"):
+        VedaEstimator.from_pretrained(tmp_path)

@@ -283,3 +283,15 @@ def test_search_tiling_checks_its_output_can_be_written_before_the_search(monkey
     monkeypatch.setattr(capture, "load_capture_pipeline", no_load)
     with pytest.raises(OSError, match="output='/proc/videosparse-test/t.json' cannot be written"):
         run_tiling_search(TilingSearchConfig(model="tiny", prompts=("a cat",), output="/proc/videosparse-test/t.json"))
+
+
+@pytest.mark.parametrize("options, match", [(dict(max_padding=float("nan")), "max_padding=nan must be"),
+                                            (dict(max_padding=-1.0), "max_padding=-1.0 must be"),
+                                            (dict(max_shapes_per_layer=1.5), "max_shapes_per_layer=1.5 must be"),
+                                            (dict(max_shapes_per_layer=True), "max_shapes_per_layer=True must be"),
+                                            (dict(density=True), "density=True must be")])
+def test_tiling_search_refuses_bad_options(options, match):
+    from videosparse.veda.tiling import TilingSearch
+
+    with pytest.raises(ValueError, match=match):
+        TilingSearch(**{"density": 0.2, **options})

@@ -124,8 +124,9 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
                             ("block", block)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int.")
-        if not isinstance(init_std, (int, float)) or init_std < 0:
-            raise ValueError(f"init_std={init_std!r} must be a number >= 0.")
+        if (isinstance(init_std, bool) or not isinstance(init_std, numbers.Real) or not math.isfinite(init_std)
+                or init_std < 0):
+            raise ValueError(f"init_std={init_std!r} must be a finite number >= 0.")
         self.model_class = str(model_class)
         self.num_layers, self.num_heads, self.head_dim, self.block = num_layers, num_heads, head_dim, block
         self.tile_shapes = _normalize_tiles(tile_shapes, num_layers, num_heads)
@@ -139,8 +140,10 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
             shapes = {tuple(s) for heads in self.tile_shapes for s in heads}
             self._hub_mixin_config["tile_shapes"] = list(shapes.pop()) if len(shapes) == 1 else self.tile_shapes
         self.init_std = float(init_std)
-        if density is not None and (isinstance(density, bool) or not isinstance(density, numbers.Real)):
-            raise ValueError(f"density={density!r} must be a number (the density it was distilled for) or None.")
+        if density is not None and (isinstance(density, bool) or not isinstance(density, numbers.Real)
+                                    or not 0 < density <= 1):
+            raise ValueError(f"density={density!r} must be a number in (0, 1] (the density it was distilled for) or "
+                             "None.")
         self.density = None if density is None else float(density)
         if isinstance(self._hub_mixin_config, dict):
             self._hub_mixin_config["density"] = self.density        # a numpy float would be saved as null
@@ -246,6 +249,15 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
 
     # ------------------------------------------------------------------ hub mixin: safetensors only
     @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> "VedaEstimator":
+        """huggingface_hub's `from_pretrained` (a local directory or a hub id); a local config.json that is no JSON
+        object raises a ValueError naming it (not huggingface_hub's JSONDecodeError or AttributeError)."""
+        config = os.path.join(os.fspath(pretrained_model_name_or_path), "config.json")
+        if os.path.isfile(config):      # (without one, weights load when every constructor argument is given)
+            _check_estimator_config(config)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+    @classmethod
     def _from_pretrained(cls, *, model_id: str, revision: str | None, cache_dir: str | Path | None,
                          force_download: bool, local_files_only: bool, token: str | bool | None,
                          map_location: str = "cpu", strict: bool = True, **model_kwargs):
@@ -276,10 +288,33 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
                              f"estimator its config.json describes ({' '.join(str(e).split())[:300]}).") from None
         model.source = model_id
         model.eval()
-        return model
+        return model.to(map_location)      # load_model copied the values into the parameters the constructor made
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def _check_estimator_dir(path: str) -> None:
+    """ValueError naming what is wrong when the directory `path` is no saved estimator (config.json, a JSON object,
+    and the safetensors weights)."""
+    missing = [n for n in ("config.json", SAFETENSORS_NAME) if not os.path.isfile(os.path.join(path, n))]
+    if missing:
+        raise ValueError(f"estimator directory {path!r} has no {' or '.join(missing)}; expected what "
+                         "VedaEstimator.save_pretrained or `videosparse distill` writes (config.json and "
+                         f"{SAFETENSORS_NAME}).")
+    _check_estimator_config(os.path.join(path, "config.json"))
+
+
+def _check_estimator_config(config: str) -> None:
+    """ValueError naming the file when `config` is not a JSON object (as save_pretrained writes it)."""
+    try:
+        with open(config) as f:
+            fields = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"estimator config {config!r} cannot be read as JSON ({err}).") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"estimator config {config!r} holds a {type(fields).__name__}, not the JSON object "
+                         "of fields VedaEstimator.save_pretrained writes.")
 
 
 def load_estimator(source: Any) -> VedaEstimator:
@@ -289,20 +324,7 @@ def load_estimator(source: Any) -> VedaEstimator:
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         if os.path.isdir(path):
-            missing = [n for n in ("config.json", SAFETENSORS_NAME) if not os.path.isfile(os.path.join(path, n))]
-            if missing:
-                raise ValueError(f"estimator directory {path!r} has no {' or '.join(missing)}; expected what "
-                                 "VedaEstimator.save_pretrained or `videosparse distill` writes (config.json and "
-                                 f"{SAFETENSORS_NAME}).")
-            config = os.path.join(path, "config.json")
-            try:
-                with open(config) as f:
-                    fields = json.load(f)
-            except (OSError, ValueError) as err:
-                raise ValueError(f"estimator config {config!r} cannot be read as JSON ({err}).") from None
-            if not isinstance(fields, dict):
-                raise ValueError(f"estimator config {config!r} holds a {type(fields).__name__}, not the JSON object "
-                                 "of fields VedaEstimator.save_pretrained writes.")
+            _check_estimator_dir(path)
         elif not _HUB_ID.fullmatch(path):
             raise ValueError(f"estimator={path!r} is neither an existing directory nor a hub id (owner/name).")
         else:       # "runs/est" is a hub id in form, and a local folder the user may have meant

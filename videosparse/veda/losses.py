@@ -55,8 +55,8 @@ def tile_kl_loss(logits: torch.Tensor, heat: torch.Tensor, *, col_valid: torch.T
     rows = valid.sum(-1)                                                   # [B, H]
     per_head = kl.sum(-1) / rows.clamp_min(1)
     has = rows > 0
-    if not bool(has.any()):
-        return logits.sum() * 0.0
+    if not bool(has.any()):     # 0 that keeps the graph (masked columns hold -inf: -inf * 0 would be NaN)
+        return logits.masked_fill(~torch.isfinite(logits), 0.0).sum() * 0.0
     return per_head[has].mean()
 
 

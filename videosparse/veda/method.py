@@ -97,7 +97,7 @@ class VedaMethod(SparseMethod):
         if floor > 1.25 * self.config.density:
             self._warned_floors.add((Mv, G))
             logger.warning(
-                "Veda: target density %.3f gives %.3f on this input: %d video tiles (every query tile keeps at least "
+                "Veda: target density %.3g gives %.3f on this input: %d video tiles (every query tile keeps at least "
                 "its own) and %d global tiles (text or conditions, always kept); the realised density cannot be lower.",
                 self.config.density, floor, Mv, G)
 

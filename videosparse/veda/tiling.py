@@ -18,6 +18,7 @@ import itertools
 import json
 import logging
 import math
+import numbers
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -282,10 +283,14 @@ class TilingSearch:
         for s in self.shapes:
             if len(s) != 3 or math.prod(s) != block:
                 raise ValueError(f"candidate shape {s} must be 3 ints with product block={block}.")
-        if not 0 < density <= 1:
-            raise ValueError(f"density={density} must lie in (0, 1].")
-        if max_shapes_per_layer < 1:
-            raise ValueError(f"max_shapes_per_layer={max_shapes_per_layer} must be >= 1.")
+        if isinstance(density, bool) or not isinstance(density, numbers.Real) or not 0 < density <= 1:
+            raise ValueError(f"density={density!r} must be a number in (0, 1].")
+        if isinstance(max_padding, bool) or not isinstance(max_padding, numbers.Real) or not 0 <= max_padding < 1:
+            raise ValueError(f"max_padding={max_padding!r} must be a number in [0, 1) (the share of padded tokens a "
+                             "shape may add).")
+        if isinstance(max_shapes_per_layer, bool) or not isinstance(max_shapes_per_layer, int) or \
+                max_shapes_per_layer < 1:
+            raise ValueError(f"max_shapes_per_layer={max_shapes_per_layer!r} must be an int >= 1.")
         self.density, self.block, self.backend = density, block, backend
         self.max_padding, self.max_shapes_per_layer = max_padding, max_shapes_per_layer
         self.err_sum: dict[int, torch.Tensor] = {}          # layer -> [n_shapes, H] summed errors
