@@ -34,7 +34,6 @@ ROW_CHUNK = 32      # query rows per step of `_bwd_dkdv` (FlashAttention-2's and
 DQ_KEY_CHUNK = 32   # keys (or centroids) per step of `_bwd_dq` (the same; 64 at 64-row tiles spilled at sm_80, d 64)
 KEY_SPLIT = 64      # keys per `_bwd_dkdv` program: a 128-key tile in two programs (whole, its fp32 dk, dv spill)
 CENTROID_BLOCK = 64  # centroids per `_bwd_centroids` program (as KEY_SPLIT keys)
-CENTROID_WARPS = 8   # its warps (4 spilled at sm_80, head dim 64)
 DELTA_ROWS = 64     # rows per `_bwd_delta` program
 
 
@@ -237,12 +236,25 @@ def transpose_plan(listed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q_index.to(torch.int32).contiguous(), q_count.contiguous()
 
 
-def default_num_warps(head_dim: int, kernel: str = "dq") -> int:
-    """Warps per program of `_bwd_dq` ("dq": 8 at head dim 128 for its fp32 dq accumulator, else 4) or `_bwd_dkdv`
-    ("dkdv": 4). At 12 x 32,760, d 128, density 0.1, `_bwd_dkdv` took 3.30 ms with 4 warps and 7.58 ms with 8 on the
-    H100 (400 vs 174 TFLOP/s on its four products; 3.24 vs 7.60 on the H200); 64-row steps were 12% faster still
-    but spill (`scripts/sweep_backward.py --out benchmarks/backward_launch_sweep_h100.json`)."""
+def default_num_warps(head_dim: int, kernel: str = "dq", capability: int = 90) -> int:
+    """Warps per program of `_bwd_dq` ("dq": 8 at head dim 128 for its fp32 dq accumulator, else 4), `_bwd_dkdv`
+    ("dkdv": 4) or `_bwd_centroids` ("centroids": 4 from compute capability 9.0, 8 below, where 4 spill at head dim
+    64). At 12 x 32,760, d 128, density 0.1, `_bwd_dkdv` took 3.30 ms with 4 warps and 7.58 ms with 8 on the H100 (400
+    vs 174 TFLOP/s on its four products; 3.24 vs 7.60 on the H200), 64-row steps were 12% faster still but spill
+    (`scripts/sweep_backward.py --out benchmarks/backward_launch_sweep_h100.json`); `_bwd_centroids` 0.29 ms with 4
+    warps and 0.82 with 8 on the H200 (`... --correction --out benchmarks/backward_launch_sweep_correction_h200.json`;
+    0.35 vs 0.83 at CogVideoX's 48 x 17,550, d 64)."""
+    if kernel == "centroids":
+        return 4 if capability >= 90 else 8
     return 4 if kernel == "dkdv" or head_dim < 128 else 8
+
+
+def _capability(t: torch.Tensor) -> int:
+    """Compute capability of t's GPU as major * 10 + minor (90 elsewhere: the interpreter)."""
+    if t.device.type != "cuda":
+        return 90
+    major, minor = torch.cuda.get_device_capability(t.device)
+    return major * 10 + minor
 
 
 @dataclass
@@ -366,7 +378,8 @@ def centroid_gradients(inp: BackwardInputs, *, centroids: int | None = None, row
     _bwd_centroids[(blocks, splits)](inp.q, inp.d_out, inp.lse, inp.delta, k_mean, inp.v_mean, bias, parts[0],
                                      parts[1], inp.scale * LOG2E, S, Mq, Nk, ncp, tiles, HEAD_DIM=D,
                                      BLOCK_M=plan.block_m, CENTROIDS=centroids, ROWS=rows, UPCAST=inp.upcast,
-                                     **_launch_options(num_warps or CENTROID_WARPS, num_stages))
+                                     **_launch_options(num_warps or default_num_warps(D, "centroids",
+                                                                                      _capability(inp.q)), num_stages))
     d_k_mean, dv_mean = parts.sum(1).view(2, B, H, Nk, D)
     tile_len = plan.tile_len.to(device=inp.q.device, dtype=torch.float32)
     return ((d_k_mean * inp.scale).to(plan.k_mean.dtype),
@@ -430,6 +443,6 @@ def compile_backward(kernel: str = "dq", *, capability: int = 90, head_dim: int 
         constants = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, CENTROIDS=CENTROID_BLOCK, ROWS=min(block_m, ROW_CHUNK),
                          UPCAST=False)
     signature, constants, attrs = launch_signature(fn.arg_names, pointers, values, constants)
-    warps = CENTROID_WARPS if kernel == "centroids" else default_num_warps(head_dim, kernel)
+    warps = default_num_warps(head_dim, kernel, capability)
     return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", capability, 32),
                           options=dict(num_warps=warps, **COMPILE_OPTIONS))
