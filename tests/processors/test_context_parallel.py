@@ -67,6 +67,18 @@ def _check_compiled(tr, inputs, eager):
     torch._dynamo.reset()
 
 
+def _parallel(transformer, config, apply_first: bool, world: int):
+    """`transformer` under Ulysses over `world` ranks with `config` applied before or after `enable_parallelism`."""
+    from diffusers.models._modeling_parallel import ContextParallelConfig
+
+    if apply_first:
+        videosparse.apply(transformer, config)
+    transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+    if not apply_first:
+        videosparse.apply(transformer, config)
+    return transformer
+
+
 def _rank(rank: int, world: int, port: int) -> None:
     import torch.distributed as dist
     from diffusers.models._modeling_parallel import ContextParallelConfig
@@ -87,12 +99,7 @@ def _rank(rank: int, world: int, port: int) -> None:
             single = _tiny_wan()
             videosparse.apply(single, config)
             ref = _forward(single, inputs)
-            tr = _tiny_wan()
-            if apply_first:
-                videosparse.apply(tr, config)
-            tr.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
-            if not apply_first:
-                videosparse.apply(tr, config)
+            tr = _parallel(_tiny_wan(), config, apply_first, world)
             out = _forward(tr, inputs)
             err = float((out - ref).norm() / ref.norm())
             assert err < 1e-5, f"rank {rank}, {name}: rel L2 {err:.2e} vs the single-process sparse forward"
@@ -135,7 +142,6 @@ def _ltx_rank(rank: int, world: int, port: int) -> None:
     split runs outside the context hook, which must still see the whole sequence (it used to run every call dense)."""
     import torch.distributed as dist
     from diffusers import LTXVideoTransformer3DModel
-    from diffusers.models._modeling_parallel import ContextParallelConfig
     from diffusers.pipelines.ltx.pipeline_ltx import LTXPipeline
 
     torch.accelerator.device_count = lambda: 1
@@ -157,12 +163,7 @@ def _ltx_rank(rank: int, world: int, port: int) -> None:
         videosparse.apply(single, config)
         ref = _forward(single, inputs)
         for apply_first in (True, False):
-            tr = tiny()
-            if apply_first:
-                videosparse.apply(tr, config)
-            tr.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
-            if not apply_first:
-                videosparse.apply(tr, config)
+            tr = _parallel(tiny(), config, apply_first, world)
             out = _forward(tr, inputs)
             stats = sessions(tr)["transformer"].stats()
             assert stats["sparse_calls"] == 2 and stats["dense_calls"] == 0, (apply_first, stats)
