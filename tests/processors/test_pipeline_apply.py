@@ -214,7 +214,7 @@ def test_veda_warns_once_when_the_kept_tiles_exceed_the_target(caplog):
     with caplog.at_level(logging.WARNING, logger="videosparse"):
         _run(pipe)
     assert handle["transformer"].stats()["density"] == 1.0
-    assert sum("target density 0.100 gives 1.000" in r.getMessage() for r in caplog.records) == 1
+    assert sum("target density 0.1 gives 1.000" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_a_deepcopy_of_an_applied_transformer_refuses_to_run():

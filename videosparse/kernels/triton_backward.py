@@ -321,7 +321,8 @@ def prepare_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out, d_lse) 
 
 
 def _launch_options(num_warps: int, num_stages: int | None) -> dict:
-    return dict(num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **COMPILE_OPTIONS)
+    """num_warps, and num_stages when given (else Triton's default)."""
+    return dict(num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
 
 
 def launch_dq(inp: BackwardInputs, dq: torch.Tensor, *, key_chunk: int | None = None, num_warps: int | None = None,
@@ -337,7 +338,7 @@ def launch_dq(inp: BackwardInputs, dq: torch.Tensor, *, key_chunk: int | None = 
         inp.q, inp.k, inp.v, inp.d_out, inp.lse, inp.delta, dq, inp.kv_index, inp.kv_count, work_order(inp.kv_count),
         inp.key_limits, inp.k_mean, inp.v_mean, inp.bias, inp.scale * LOG2E, inp.scale, S, inp.k.shape[2], Mq,
         inp.kv_index.shape[1], Nk, inp.bias.shape[-1], KEY_CHUNK=key_chunk, CORRECTION=inp.plan.has_correction,
-        **inp.constants(), **_launch_options(num_warps or default_num_warps(D, "dq"), num_stages))
+        **inp.constants(), **_launch_options(num_warps or default_num_warps(D, "dq"), num_stages), **COMPILE_OPTIONS)
 
 
 def launch_dkdv(inp: BackwardInputs, dk: torch.Tensor, dv: torch.Tensor, *, keys: int | None = None,
@@ -355,7 +356,7 @@ def launch_dkdv(inp: BackwardInputs, dk: torch.Tensor, dv: torch.Tensor, *, keys
         inp.q, inp.k, inp.v, inp.d_out, inp.lse, inp.delta, dk, dv, inp.q_index, inp.q_count,
         work_order(inp.q_count), inp.key_limits, inp.scale * LOG2E, inp.scale, S, Sk, Nk, inp.q_index.shape[1],
         KEYS=keys, ROWS=rows, **inp.constants(),
-        **_launch_options(num_warps or default_num_warps(D, "dkdv"), num_stages))
+        **_launch_options(num_warps or default_num_warps(D, "dkdv"), num_stages), **COMPILE_OPTIONS)
 
 
 def centroid_gradients(inp: BackwardInputs, *, centroids: int | None = None, rows: int | None = None,
@@ -379,7 +380,8 @@ def centroid_gradients(inp: BackwardInputs, *, centroids: int | None = None, row
                                      parts[1], inp.scale * LOG2E, S, Mq, Nk, ncp, tiles, HEAD_DIM=D,
                                      BLOCK_M=plan.block_m, CENTROIDS=centroids, ROWS=rows, UPCAST=inp.upcast,
                                      **_launch_options(num_warps or default_num_warps(D, "centroids",
-                                                                                      _capability(inp.q)), num_stages))
+                                                                                      _capability(inp.q)), num_stages),
+                                     **COMPILE_OPTIONS)
     d_k_mean, dv_mean = parts.sum(1).view(2, B, H, Nk, D)
     tile_len = plan.tile_len.to(device=inp.q.device, dtype=torch.float32)
     return ((d_k_mean * inp.scale).to(plan.k_mean.dtype),
