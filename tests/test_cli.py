@@ -198,7 +198,7 @@ def test_bool_fields_parse_strictly_on_the_command_line(capsys):
                         ("Yes", True), ("1", True)):
         assert config_from_namespace(p.parse_args(["distill", "--resume", text]), DistillConfig).resume is value, text
     assert p.parse_args(["distill", "--resume"]).resume is True             # the flag alone
-    assert p.parse_args(["distill"]).resume is None                         # not given: the config's default
+    assert not hasattr(p.parse_args(["distill"]), "resume")                 # not given: the config's default
     with pytest.raises(SystemExit):
         p.parse_args(["distill", "--resume", "maybe"])
     err = capsys.readouterr().err
@@ -238,6 +238,30 @@ def test_text_flags_keep_names_that_read_as_numbers(tmp_path):
     (tmp_path / "7").write_text("a cat\n")
     cfg = config_from_namespace(p.parse_args(["distill", "--prompts", str(tmp_path / "7")]), DistillConfig)
     assert cfg.prompts == str(tmp_path / "7")
+
+
+def test_distill_flags_given_as_null_override_the_config_file_and_numbers_take_python_spellings(tmp_path):
+    """Review finds: `--max-steps null` over a --config file was dropped (a flag given as null could not be told from
+    one not given); `.1`, `5.` and `+5` stayed strings and were refused as 'must be a number'."""
+    import json
+
+    import pytest
+
+    from videosparse.distill import DistillConfig
+    from videosparse.distill.config import config_from_namespace
+
+    p = build_parser()
+    base = tmp_path / "distill_config.json"
+    base.write_text(json.dumps(dict(max_steps=100, guidance_scale=3.0, dtype="bfloat16", density=0.3)))
+    cfg = config_from_namespace(p.parse_args(["distill", "--config", str(base), "--max-steps", "null",
+                                              "--guidance-scale", "null", "--dtype", "null"]), DistillConfig)
+    assert (cfg.max_steps, cfg.guidance_scale, cfg.dtype, cfg.density) == (None, None, None, 0.3)
+    cfg = config_from_namespace(p.parse_args(["distill", "--density", ".1", "--learning-rate", "5.",
+                                              "--guidance-scale", "+5"]), DistillConfig)
+    assert (cfg.density, cfg.learning_rate, cfg.guidance_scale) == (0.1, 5.0, 5.0)
+    for field, value in (("model", 3), ("component", 3), ("component", "")):
+        with pytest.raises(ValueError, match=f"{field}={value!r} must be"):
+            DistillConfig(**{field: value})
 
 
 def test_evaluate_refuses_prompt_and_prompts_together(tmp_path, capsys):

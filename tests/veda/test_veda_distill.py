@@ -232,6 +232,12 @@ def test_a_damaged_checkpoint_is_a_clear_error(tmp_path, cache):
     (ckpt / "trainer_state.json").write_text('{"global_step": 4')
     with pytest.raises(ValueError, match=r"step_00000004 cannot be resumed: trainer_state.json cannot be read"):
         run_distillation(make_cfg(out, max_steps=4))
+    # ... and refused before anything is written, also for another configuration (review find: that one's capture
+    # replaced the run's config and samples first, then failed)
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match=r"step_00000004 cannot be resumed: trainer_state.json cannot be read"):
+        run_distillation(make_cfg(out, max_steps=4, prompts=("a green triangle moving right",)))
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
     assert run_distillation(make_cfg(out, max_steps=4, resume=False)).global_step == 4
 
 

@@ -250,6 +250,11 @@ class CaptureConfig(_JsonConfig):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be a bool (True or False), not {type(value).__name__}.")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"model={self.model!r} must be a hub id, a local directory, 'reference', 'tiny' or None.")
+        if not isinstance(self.component, str) or not self.component:
+            raise ValueError(f"component={self.component!r} must be the name of the pipeline's transformer "
+                             "('transformer', 'transformer_2').")
         object.__setattr__(self, "prompts", _prompts(self.prompts))
         for name in ("num_inference_steps", "num_frames", "height", "width", "steps_per_prompt"):
             _optional_positive_int(name, getattr(self, name))
@@ -297,7 +302,8 @@ class DistillConfig(CaptureConfig):
         resume (`bool`): continue from the newest complete checkpoint in `output_dir`.
         init_std (`float`): std of the projections' init (1e-4, see `VedaEstimator`).
         cache_dtype (`str`): dtype of the cached teacher heat ("float32", "float16", "bfloat16").
-        val_fraction (`float`): fraction of samples held out for the final evaluation (0: none).
+        val_fraction (`float`): fraction of the prompts (with all their samples) held out for the final
+            evaluation: the nearest count, at least one when above 0, never all (0: none).
         teacher_backend (`str`): "auto", "triton" or "torch".
     """
 
@@ -351,7 +357,8 @@ class DistillConfig(CaptureConfig):
         _finite("init_std", self.init_std, 0.0)
         if self.cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"cache_dtype={self.cache_dtype!r} must be one of {CACHE_DTYPES}.")
-        if not isinstance(self.val_fraction, (int, float)) or not 0 <= self.val_fraction < 1:
+        if isinstance(self.val_fraction, bool) or not isinstance(self.val_fraction, (int, float)) or \
+                not 0 <= self.val_fraction < 1:
             raise ValueError(f"val_fraction={self.val_fraction!r} must lie in [0, 1).")
         if self.teacher_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"teacher_backend={self.teacher_backend!r} must be one of 'auto', 'triton', 'torch'.")
@@ -415,11 +422,20 @@ class TilingSearchConfig(CaptureConfig):
 
 # ------------------------------------------------------------------------------------ command line
 def _cli_value(text: str) -> Any:
-    """A flag's value: JSON when it parses (numbers, lists, null, true/false), else the plain string."""
+    """A flag's value: JSON when it parses (numbers, lists, null, true/false), else a number in Python's spelling
+    (.1, 5., +5, 1e-3), else the plain string."""
     try:
         return json.loads(text)
     except json.JSONDecodeError:
-        return text
+        pass
+    for number in (int, float):
+        try:
+            value = number(text)
+        except ValueError:
+            continue
+        if math.isfinite(value):
+            return value
+    return text
 
 
 def _cli_text(text: str) -> str | None:
@@ -456,7 +472,8 @@ _FIELD_HELP = {
 def add_config_arguments(parser, cls) -> None:
     """Add `--config` (a JSON file to start from) and one `--field-name` flag per dataclass field of `cls`.
 
-    Values are parsed as JSON when possible (`--tiling [8,4,4]`, `--max-steps 100`), else taken as strings;
+    Values are parsed as JSON when possible (`--tiling [8,4,4]`, `--max-steps 100`, `null` for None, which then
+    overrides a `--config` value too), else as numbers in Python's spelling (`.1`, `5.`), else taken as strings;
     text fields (paths, hub ids, names: `--output-dir 2024`, `--model reference`) are taken as given (`null`:
     None), and `--prompts` is a JSON list when it starts with '[' (`'["a cat", "a dog"]'`), else a file path; bool
     fields take true/false, yes/no or 1/0 (any case) and nothing else.
@@ -470,18 +487,20 @@ def add_config_arguments(parser, cls) -> None:
         parse = (_cli_prompts if f.name == "prompts" else
                  _cli_text if str(f.type).replace(" | None", "") == "str" else _cli_value)
         if f.name in bools:                             # strict: "False" must not become a truthy string
-            parser.add_argument(flag, dest=f.name, type=_cli_bool, nargs="?", const=True, default=None,
+            parser.add_argument(flag, dest=f.name, type=_cli_bool, nargs="?", const=True, default=argparse.SUPPRESS,
                                 metavar="{true,false}",
                                 help=f"true or false (also yes/no, 1/0); {flag} alone: true; default: {f.default!r}")
         elif f.name in _FIELD_HELP:
-            parser.add_argument(flag, dest=f.name, type=parse, default=None,
+            parser.add_argument(flag, dest=f.name, type=parse, default=argparse.SUPPRESS,
                                 help=f"{_FIELD_HELP[f.name]}; default: {f.default!r}")
         else:
-            parser.add_argument(flag, dest=f.name, type=parse, default=None, help=f"default: {f.default!r}")
+            parser.add_argument(flag, dest=f.name, type=parse, default=argparse.SUPPRESS,
+                                help=f"default: {f.default!r}")
 
 
 def config_from_namespace(ns, cls):
-    """The config of class `cls` from `--config` (if any) overridden by the flags that were given."""
+    """The config of class `cls` from `--config` (if any) overridden by the flags that were given (a flag given as
+    `null` sets None over the file's value)."""
     data: dict[str, Any] = {}
     if getattr(ns, "config", None):
         try:
@@ -495,7 +514,6 @@ def config_from_namespace(ns, cls):
             raise ValueError(f"--config {ns.config!r} holds a {type(data).__name__}; expected a JSON object of "
                              f"{cls.__name__} fields.")
     for f in dataclasses.fields(cls):
-        value = getattr(ns, f.name, None)
-        if value is not None:
-            data[f.name] = value
+        if hasattr(ns, f.name):          # given (flags not given are absent), `null` included: None overrides too
+            data[f.name] = getattr(ns, f.name)
     return cls.from_dict(data)

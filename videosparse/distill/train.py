@@ -184,11 +184,13 @@ def _refuse_other_run(cfg: DistillConfig, out: Path, tiles_for_layer, check_mode
     found = _checkpoints(out / CHECKPOINT_DIR)
     if not cfg.resume or not found:
         return
-    try:
+    try:        # a damaged newest checkpoint is refused here, before the capture replaces anything
         with open(found[-1][1] / TRAINER_STATE) as f:
-            run = json.load(f).get("run", {})
-    except (OSError, ValueError, AttributeError):
-        return                                   # train_estimator reports the damaged checkpoint
+            run = json.load(f).get("run")
+        if not isinstance(run, dict):
+            raise ValueError(f"its 'run' entry is {type(run).__name__}, not the run's settings")
+    except (OSError, ValueError, AttributeError) as e:
+        raise _damaged(found[-1][1], TRAINER_STATE, e) from None
     new = json.loads(json.dumps(to_jsonable({name: cfg.to_dict()[name] for name in _RUN_FIELDS})))
     diff = sorted(k for k in new if k in run and run[k] != new[k])
     captured = [c for c in run.get("captures") or [] if isinstance(c, dict)]
@@ -306,10 +308,25 @@ def _save_checkpoint(accelerator, root: Path, state: dict[str, Any], keep: int) 
             json.dump(state, f)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        for _, old in _checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        for _, old in _checkpoints(root)[:-keep]:     # out of the checkpoints at once, then deleted
+            gone = root / f".old_{old.name}"
+            os.replace(old, gone)
+            shutil.rmtree(gone, ignore_errors=True)
+        _remove_leftovers(root, keep=tmp)
     accelerator.wait_for_everyone()
     return final
+
+
+def _remove_leftovers(root: Path, keep: Path) -> None:
+    """Delete what a run killed while pruning or saving left in `root`: `.old_*` folders (pruned checkpoints being
+    deleted), other `.tmp_*` folders and `step_*` folders without a trainer state (never a complete checkpoint:
+    those are renamed into place whole)."""
+    for p in root.iterdir():
+        if not p.is_dir() or p == keep:
+            continue
+        if p.name.startswith((".old_", ".tmp_")) or (p.name.startswith(CHECKPOINT_PREFIX)
+                                                      and not (p / TRAINER_STATE).is_file()):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------ training
