@@ -251,6 +251,8 @@ class SparseSession:
         # counting alone, the second restarted the count, and with it the dense steps, when it took over)
         self.timestep_counter = (TimestepCounter() if scheduler is not None or pipeline is not None
                                  else BARE_TIMESTEP_COUNTER)
+        if self.timestep_counter is BARE_TIMESTEP_COUNTER:
+            BARE_TIMESTEP_COUNTER.reset()         # a new setup: nothing carried over from an earlier one's calls
         self.forward_graph_task = -1              # the autograd graph task the latest transformer forward ran in
         self._warned_unmanaged_recompute = False
 
