@@ -308,21 +308,19 @@ def _save_checkpoint(accelerator, root: Path, state: dict[str, Any], keep: int) 
             json.dump(state, f)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        for _, old in _checkpoints(root)[:-keep]:     # out of the checkpoints at once, then deleted
-            gone = root / f".old_{old.name}"
-            os.replace(old, gone)
-            shutil.rmtree(gone, ignore_errors=True)
-        _remove_leftovers(root, keep=tmp)
+        for _, old in _checkpoints(root)[:-keep]:     # out of the checkpoints at once, deleted just below
+            os.replace(old, root / f".old_{old.name}")
+        _remove_leftovers(root)
     accelerator.wait_for_everyone()
     return final
 
 
-def _remove_leftovers(root: Path, keep: Path) -> None:
-    """Delete what a run killed while pruning or saving left in `root`: `.old_*` folders (pruned checkpoints being
-    deleted), other `.tmp_*` folders and `step_*` folders without a trainer state (never a complete checkpoint:
-    those are renamed into place whole)."""
+def _remove_leftovers(root: Path) -> None:
+    """Delete the pruned checkpoints (`.old_*` folders) and what a run killed while pruning or saving left in `root`:
+    `.tmp_*` folders and `step_*` folders without a trainer state (never a complete checkpoint: those are renamed
+    into place whole)."""
     for p in root.iterdir():
-        if not p.is_dir() or p == keep:
+        if not p.is_dir():
             continue
         if p.name.startswith((".old_", ".tmp_")) or (p.name.startswith(CHECKPOINT_PREFIX)
                                                       and not (p / TRAINER_STATE).is_file()):

@@ -259,7 +259,7 @@ def _capability(t: torch.Tensor) -> int:
 
 @dataclass
 class BackwardInputs:
-    """What `_bwd_dq` and `_bwd_dkdv` read, prepared once per backward (`prepare_backward`): q, d_out [B, H, S, D],
+    """What the backward kernels read, prepared once per backward (`prepare_backward`): q, d_out [B, H, S, D],
     k, v [B, H, Sk, D] contiguous; lse, delta fp32 [B, H, S]; the plan (with its index slot), flat (kv_index
     [B*H*Mq, Kmax], kv_count [B*H*Mq]) and transposed (q_index [B*H*Nk, Mq], q_count [B*H*Nk]); key_limits int32
     [B*H] or a placeholder; the correction's k_mean, v_mean, bias (`correction_inputs`, `key_chunk` centroids per
@@ -286,8 +286,8 @@ class BackwardInputs:
     upcast: bool
 
     def constants(self) -> dict:
-        B, H, S, D = self.q.shape
-        return dict(HEAD_DIM=D, BLOCK_M=self.plan.block_m, BLOCK_N=self.plan.block_n, UPCAST=self.upcast,
+        """The constexprs `_bwd_dq` and `_bwd_dkdv` share."""
+        return dict(HEAD_DIM=self.q.shape[-1], BLOCK_M=self.plan.block_m, BLOCK_N=self.plan.block_n, UPCAST=self.upcast,
                     HAS_LIMIT=self.has_limit)
 
 

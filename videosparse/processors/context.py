@@ -183,7 +183,7 @@ class TimestepCounter:
     the direction of the call's schedule so far (falling for most, rising for Mochi's), which within one denoising
     loop it never does: a new call after one that ended early by an exception, when it starts on the other side of
     where that one stopped. `apply` gives the transformers of one pipeline one counter (Wan 2.2's two experts take
-    turns within a call)."""
+    turns within a call); transformers set up with neither a pipeline nor a scheduler share `BARE_TIMESTEP_COUNTER`."""
 
     def __init__(self) -> None:
         self.last: float | None = None       # this call's latest timestep
@@ -249,10 +249,11 @@ class SparseSession:
         # shared with the other transformers of the pipeline by `apply`; transformers set up on their own, with no
         # pipeline and no scheduler, share one: Wan 2.2's experts set up one by one take turns in a call (each
         # counting alone, the second restarted the count, and with it the dense steps, when it took over)
-        self.timestep_counter = (TimestepCounter() if scheduler is not None or pipeline is not None
-                                 else BARE_TIMESTEP_COUNTER)
-        if self.timestep_counter is BARE_TIMESTEP_COUNTER:
+        if scheduler is None and pipeline is None:
             BARE_TIMESTEP_COUNTER.reset()         # a new setup: nothing carried over from an earlier one's calls
+            self.timestep_counter = BARE_TIMESTEP_COUNTER
+        else:
+            self.timestep_counter = TimestepCounter()
         self.forward_graph_task = -1              # the autograd graph task the latest transformer forward ran in
         self._warned_unmanaged_recompute = False
 
