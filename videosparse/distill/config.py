@@ -304,7 +304,9 @@ class DistillConfig(CaptureConfig):
         cache_dtype (`str`): dtype of the cached teacher heat ("float32", "float16", "bfloat16").
         val_fraction (`float`): fraction of the prompts (with all their samples) held out for the final
             evaluation: the nearest count, at least one when above 0, never all (0: none).
-        teacher_backend (`str`): "auto", "triton" or "torch".
+        teacher_backend (`str`): "auto", "triton" or "torch". Like the device, it is not part of the capture cache's
+            key: both backends compute the same heat (equal to rounding, `tests/veda/test_veda_kernels.py`), so a cache
+            captured with one is reused with the other; delete the cache folder to recapture.
     """
 
     output_dir: str = "veda-estimator"
