@@ -134,6 +134,38 @@ def test_non_finite_values_stay_in_their_head(backend, S, D, correction):
     assert lse[0, 0, 5].isnan() and ref_lse[0, 0, 5].isnan() and out[0, 0, 5].isnan().all()
 
 
+@pytest.mark.parametrize("backend", ["gluon_hopper", "hopper", "triton_generic"])
+@pytest.mark.parametrize("S,D,block,correction", [(16380, 128, 128, False), (16380, 64, 128, True),
+                                                  (9000, 128, 64, True), (200, 64, 64, False)])
+def test_key_limits_past_the_keys_act_as_the_keys(backend, S, D, block, correction):
+    """An unvalidated plan (validate=False, or any call under torch.compile) whose key limits lie past Sk: every
+    kernel clamps them to Sk, as the reference. Every row lists only the partial last key tile, so a kernel that took
+    the limit as given would add the zero keys past a head's end (the Hopper kernels' 3D boxes) or the next head's
+    first keys (poisoned with NaN here) to 1-in-30 of each row's keys, far above the fp16 tolerance."""
+    if backend not in _backends() or (backend == "gluon_hopper" and block != 128):
+        pytest.skip(f"{backend} needs another GPU generation or takes 128 x 128 tiles only")
+    from videosparse.kernels import block_sparse_attention, reference_attention
+    from videosparse.plan import Plan
+    from videosparse.sol.centroids import tile_centroids_torch
+
+    B, H, dev, dtype = 2, 3, "cuda", torch.float16
+    q, k, v = (torch.randn(B, H, S, D, device=dev, dtype=dtype) for _ in range(3))
+    Mq = Mk = math.ceil(S / block)
+    last = torch.full((B, H, Mq, 1), Mk - 1, dtype=torch.int32, device=dev)
+    plan = Plan(last, torch.ones(B, H, Mq, dtype=torch.int32, device=dev), block, block)
+    plan = plan.with_valid_keys(torch.tensor([S + 40, S + 3], dtype=torch.int32, device=dev))
+    if correction:
+        plan = plan.with_correction(*tile_centroids_torch(k, v, block))
+    k[0, 1, :8], v[0, 1, :8] = float("nan"), float("nan")      # the head after (0, 0), in memory
+    k[1, 0, :8], v[1, 0, :8] = float("nan"), float("nan")      # the head after item 0's last
+    out, lse = block_sparse_attention(q, k, v, plan, return_lse=True, backend=backend, validate=False)
+    ref, ref_lse = reference_attention(q, k, v, plan, D ** -0.5, return_lse=True)
+    for b, h in ((0, 0), (0, 2), (1, 1)):
+        assert torch.isfinite(out[b, h]).all(), f"head {(b, h)} read past its keys"
+        assert rel_err(out[b, h], ref[b, h]) < TOL[dtype], (b, h)
+        assert float((lse[b, h] - ref_lse[b, h]).abs().max()) < 2e-2
+
+
 @pytest.mark.parametrize("backend", ["hopper", "triton_generic"])
 @pytest.mark.parametrize("S,D,dtype,plan_kind,correction", [
     (9000, 128, torch.bfloat16, "random", True),     # the Triton Hopper MERGE pass at 64 x 64 tiles
