@@ -139,3 +139,60 @@ def test_a_text_slot_makes_the_partial_last_video_tile_global_without_text():
                                                                        beside_text.num_global_tiles)
     assert torch.equal(slot.perm, plain.perm)
     assert head_tiling((3, 5, 7), (1, 4, 16), 2, 64, text_slot=True).num_global_tiles == 1
+
+
+def test_layout_checks_sizes_groups_and_per_head_lists():
+    """Review finds: a fractional text_len and a float block were taken (a float tile count); groups=0 without RoPE
+    gave zero heads; a per-head tiling took a list grid (unhashable) and a zero tile until first use; a malformed
+    per-head list raised a bare TypeError."""
+    from fractions import Fraction
+
+    from videosparse.layout import HeadTiling
+
+    for kwargs, match in ((dict(text_len=Fraction(5, 2)), "text_len=Fraction"), (dict(text_len="3"), "text_len='3'"),
+                          (dict(block=16.0, tile=(1, 4, 4)), "block=16.0"), (dict(block=True, tile=(1, 1, 1)), "block")):
+        with pytest.raises(ValueError, match=match):
+            TileLayout(**{"grid": (2, 4, 4), "tile": (1, 4, 4), "block": 16, **kwargs})
+    layout = TileLayout((2, 4, 4), (1, 4, 4), 16)
+    for groups in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="groups=.* must be an int >= 1"):
+            layout.gather(torch.zeros(1, 32, 2, 8), groups=groups)
+    ht = HeadTiling([2, 4, 4], ((1, 4, 4), (1, 4, 4)), 16)
+    assert ht.grid == (2, 4, 4) and hash(ht) == hash(HeadTiling((2, 4, 4), ((1, 4, 4), (1, 4, 4)), 16))
+    with pytest.raises(ValueError, match="tile shape \\(0, 4, 4\\) must be three positive ints"):
+        HeadTiling((2, 4, 4), ((0, 4, 4), (1, 4, 4)), 16)
+    with pytest.raises(ValueError, match="product equals block=16"):
+        HeadTiling((2, 4, 4), ((2, 4, 4), (1, 4, 4)), 16)
+    for tiles in ((4, 4), [(1, 4, 4), 7]):
+        with pytest.raises(ValueError, match="tile shape|one \\(pt, ph, pw\\) per head|tiling names"):
+            head_tiling((2, 4, 4), tiles, 2, 16)
+
+
+def test_replaced_layouts_build_their_own_indices():
+    """Review find: dataclasses.replace passed the device cache on, so a layout of another grid or tile gathered with
+    the first one's permutation (a wrong order, or a wrong shape with no error)."""
+    from dataclasses import replace
+
+    a = TileLayout((2, 4, 4), (1, 4, 4), 16)
+    a.gather(torch.zeros(1, 32, 1, 8))
+    for b in (replace(a, grid=(3, 4, 4)), replace(a, tile=(2, 2, 4))):
+        x = torch.randn(1, b.seq_len, 2, 8)
+        fresh = TileLayout(b.grid, b.tile, 16)
+        assert torch.equal(b.gather(x), fresh.gather(x))
+    ht = head_tiling((2, 4, 4), [(1, 4, 4), (4, 4, 1)], 2, 16)
+    ht.head_indices("cpu")
+    swapped = replace(ht, tiles=((4, 4, 1), (1, 4, 4)))
+    assert torch.equal(swapped.head_indices("cpu")[0], ht.head_indices("cpu")[0].flip(0))
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_indices_first_built_in_inference_mode_serve_autograd_later(per_head):
+    """Review find: index tensors first built inside torch.inference_mode were inference tensors, cached, and a later
+    forward that autograd records raised "Inference tensors cannot be saved for backward"."""
+    ht = head_tiling((2, 4, 4), [(1, 4, 4), (4, 4, 1)] if per_head else (1, 4, 4), 2, 16)
+    tiling = ht.select_heads(slice(0, 2))
+    with torch.inference_mode():
+        tiling.gather(torch.randn(1, 32, 2, 8))
+    x = torch.randn(1, 32, 2, 8, requires_grad=True)
+    tiling.scatter(tiling.gather(x) * 2).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 2))

@@ -347,3 +347,25 @@ def test_tables_on_copies_host_tables_once_while_they_come_back_unchanged():
     assert not any(a is b for a, b in zip(again, first))
     fresh = tables_on((cos.clone(), sin.clone()), "meta")                           # the next forward's new tables
     assert not any(a is b for a, b in zip(fresh, again))
+
+
+def test_tables_on_takes_inference_tensors():
+    """Tables built under torch.inference_mode (a pipeline called inside it) have no version counter: matched by
+    identity, not a RuntimeError in every layer."""
+    from videosparse.rope import tables_on
+
+    with torch.inference_mode():
+        cos, sin = torch.randn(6, 4), torch.randn(6, 4)
+        first = tables_on((cos, sin), "meta")
+        assert all(a is b for a, b in zip(tables_on((cos, sin), "meta"), first))
+    assert all(a is b for a, b in zip(tables_on((cos, sin), "meta"), first))
+
+
+def test_half_rope_sections_must_be_a_positive_int():
+    """Review find: sections of 0, -1 or True were taken as 1 by the torch path."""
+    from videosparse.rope import apply_half_rope
+
+    x = torch.randn(1, 4, 2, 12)
+    for sections in (0, -1, True, 1.0):
+        with pytest.raises(ValueError, match="sections=.* must be an int >= 1"):
+            apply_half_rope(x, x, x, sections)

@@ -14,6 +14,7 @@ heads, each head with its own permutation.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 from dataclasses import dataclass, field
@@ -22,9 +23,25 @@ from typing import Sequence
 
 import torch
 
-from .rope import apply_rope, rope_gather
+from .rope import apply_rope, check_groups, rope_gather
 
 TEXT_POSITIONS = ("before", "after")
+
+
+def _normal_tensors():
+    """A context in which new tensors are normal ones even inside `torch.inference_mode`: the cached index tensors
+    outlive the call that builds them, and an inference tensor could not be saved for a later call's backward."""
+    if torch.is_inference_mode_enabled() and not torch.compiler.is_compiling():
+        return torch.inference_mode(False)
+    return contextlib.nullcontext()
+
+
+def _cache_key(device: torch.device | str) -> str:
+    """The cache key of `device`: a bare "cuda" names the current GPU, as a tensor moved there lands on it."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
 
 
 def tile_lengths(seq_len: int, block: int, device: torch.device | str | None = None,
@@ -79,23 +96,21 @@ class TileLayout:
     text_len: int = 0
     text_position: str = "after"
     text_slot: bool = False
-    _device_cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    _device_cache: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
-        grid = _int_triple(self.grid)
-        if grid is None or min(grid) < 1:
-            raise ValueError(f"grid={self.grid!r} must be three positive ints (T, H, W).")
+        grid = _grid(self.grid)
+        block = _int_at_least(self.block, 1, "block", "tokens per tile")
         tile = _int_triple(self.tile)
-        if tile is None or min(tile) < 1 or math.prod(tile) != self.block:
+        if tile is None or min(tile) < 1 or math.prod(tile) != block:
             raise ValueError(
                 f"tile={self.tile!r} must be three positive ints whose product equals block={self.block}."
             )
-        if isinstance(self.text_len, (bool, float)) or self.text_len < 0:
-            raise ValueError(f"text_len={self.text_len!r} must be an int >= 0.")
+        text_len = _int_at_least(self.text_len, 0, "text_len", "text tokens in the sequence")
         if self.text_position not in TEXT_POSITIONS:
             raise ValueError(f"text_position={self.text_position!r} must be one of {TEXT_POSITIONS}.")
-        object.__setattr__(self, "grid", grid)
-        object.__setattr__(self, "tile", tile)
+        for name, value in (("grid", grid), ("tile", tile), ("block", block), ("text_len", text_len)):
+            object.__setattr__(self, name, value)
 
     @property
     def num_video_tokens(self) -> int:
@@ -126,31 +141,34 @@ class TileLayout:
 
     @cached_property
     def perm(self) -> torch.Tensor:
-        video = _tile_permutation(self.grid, self.tile)
-        n, L = self.num_video_tokens, self.text_len
-        if L == 0:
-            return video
-        if self.text_position == "before":
-            return torch.cat([video + L, torch.arange(L)])
-        return torch.cat([video, torch.arange(n, n + L)])
+        with _normal_tensors():
+            video = _tile_permutation(self.grid, self.tile)
+            n, L = self.num_video_tokens, self.text_len
+            if L == 0:
+                return video
+            if self.text_position == "before":
+                return torch.cat([video + L, torch.arange(L)])
+            return torch.cat([video, torch.arange(n, n + L)])
 
     @cached_property
     def inv(self) -> torch.Tensor:
-        inv = torch.empty_like(self.perm)
-        inv[self.perm] = torch.arange(self.perm.numel())
-        return inv
+        with _normal_tensors():
+            inv = torch.empty_like(self.perm)
+            inv[self.perm] = torch.arange(self.perm.numel())
+            return inv
 
     @cached_property
     def tile_len(self) -> torch.Tensor:
         """int32 [num_tiles]: real tokens per tile (block, except the last tile)."""
-        return tile_lengths(self.seq_len, self.block)
+        with _normal_tensors():
+            return tile_lengths(self.seq_len, self.block)
 
     def indices(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """(perm, inv) on `device`, cached."""
-        device = torch.device(device)
-        key = str(device)
+        key = _cache_key(device)
         if key not in self._device_cache:
-            self._device_cache[key] = (self.perm.to(device), self.inv.to(device))
+            with _normal_tensors():
+                self._device_cache[key] = (self.perm.to(key), self.inv.to(key))
         return self._device_cache[key]
 
     def gather(self, x: torch.Tensor, rope=None, groups: int = 1) -> torch.Tensor:
@@ -160,6 +178,7 @@ class TileLayout:
         `HeadPairRope`); returns the gather of `apply_rope(x, rope)`, fused into one pass where `rope_gather` applies.
         groups: output heads per head of x (grouped-query KV heads repeated: output head h is x's head h // groups).
         """
+        check_groups(groups)
         _check_seq(x, self.seq_len, "x")
         perm, _ = self.indices(x.device)
         fused, x = _rope_first(x, perm, rope, groups)
@@ -235,16 +254,21 @@ class HeadTiling:
     text_len: int = 0
     text_position: str = "after"
     text_slot: bool = False
-    _device_cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    _device_cache: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
-        tiles = tuple(_int_triple(t) for t in self.tiles)
-        if any(t is None for t in tiles):
-            bad = next(t for t, ok in zip(self.tiles, tiles) if ok is None)
+        try:
+            tiles = tuple(_int_triple(t) for t in self.tiles)
+        except TypeError:
+            raise ValueError(f"tiles={self.tiles!r} must be one (pt, ph, pw) per head.") from None
+        if any(t is None or min(t) < 1 for t in tiles):
+            bad = next(t for t, ok in zip(self.tiles, tiles) if ok is None or min(ok) < 1)
             raise ValueError(f"tile shape {bad!r} must be three positive ints (pt, ph, pw).")
-        object.__setattr__(self, "tiles", tiles)
-        if not self.tiles:
+        if not tiles:
             raise ValueError("tiles must name one tile shape per head; got none.")
+        object.__setattr__(self, "grid", _grid(self.grid))
+        object.__setattr__(self, "tiles", tiles)
+        self.layouts            # each shape's TileLayout checks it against the block, text_len, ... now
 
     @cached_property
     def layouts(self) -> dict[tuple[int, int, int], TileLayout]:
@@ -286,17 +310,18 @@ class HeadTiling:
 
     def head_indices(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """(perm, inv) as int64 [H, S] on `device`, cached."""
-        device = torch.device(device)
-        key = str(device)
+        key = _cache_key(device)
         if key not in self._device_cache:
-            perm = torch.stack([self.layouts[t].perm for t in self.tiles])
-            inv = torch.stack([self.layouts[t].inv for t in self.tiles])
-            self._device_cache[key] = (perm.to(device), inv.to(device))
+            with _normal_tensors():
+                perm = torch.stack([self.layouts[t].perm for t in self.tiles])
+                inv = torch.stack([self.layouts[t].inv for t in self.tiles])
+                self._device_cache[key] = (perm.to(key), inv.to(key))
         return self._device_cache[key]
 
     def gather(self, x: torch.Tensor, rope=None, groups: int = 1) -> torch.Tensor:
         """(B, S, H / groups, D) original order -> (B, H, S, D) contiguous, each head in its own tile order
         (`rope` and `groups` as in `TileLayout.gather`)."""
+        check_groups(groups)
         if x.dim() == 4 and x.shape[2] * groups != len(self.tiles):
             raise ValueError(f"x has {x.shape[2]} heads (x {groups} groups) but the tiling names {len(self.tiles)} "
                              "tile shapes.")
@@ -344,6 +369,28 @@ def _int_triple(values) -> tuple[int, int, int] | None:
         return None
 
 
+def _grid(values) -> tuple[int, int, int]:
+    """`values` as the (T, H, W) of a video grid, or a ValueError naming it."""
+    grid = _int_triple(values)
+    if grid is None or min(grid) < 1:
+        raise ValueError(f"grid={values!r} must be three positive ints (T, H, W).")
+    return grid
+
+
+def _int_at_least(value, low: int, name: str, what: str) -> int:
+    """`value` as a Python int >= low (numpy and 0-dim tensor integers taken; floats and bools refused), or a
+    ValueError naming it."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value_int = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}={value!r} must be an int >= {low} ({what}).") from None
+    if value_int < low:
+        raise ValueError(f"{name}={value!r} must be an int >= {low} ({what}).")
+    return value_int
+
+
 def head_tiling(
     grid: Sequence[int],
     tiles: Sequence[int] | Sequence[Sequence[int]],
@@ -358,7 +405,7 @@ def head_tiling(
     if one is not None:
         per_head = (one,) * num_heads
     else:
-        per_head = tuple(tuple(t) for t in tiles)
+        per_head = tuple(tiles)     # HeadTiling checks each shape
         if len(per_head) != num_heads:
             raise ValueError(f"tiling names {len(per_head)} tile shapes but the layer has {num_heads} heads.")
-    return HeadTiling(tuple(grid), per_head, block, text_len, text_position, text_slot)
+    return HeadTiling(grid, per_head, block, text_len, text_position, text_slot)

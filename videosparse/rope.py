@@ -57,6 +57,8 @@ class HalfRope(NamedTuple):
 def apply_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sections: int = 1) -> torch.Tensor:
     """Rotate-half RoPE on x [B, S, H, D]: x * cos + [-x[D/2:], x[:D/2]] * sin (as Cosmos 3's processor), or that in
     each of `sections` equal parts of D (as diffusers' `apply_rotary_emb_allegro`, sections=3)."""
+    if isinstance(sections, bool) or not isinstance(sections, int) or sections < 1:
+        raise ValueError(f"sections={sections!r} must be an int >= 1 (equal parts of the head dim rotated apart).")
     if sections > 1:
         if x.shape[-1] % (2 * sections):
             raise ValueError(f"sections={sections} does not split head dim {x.shape[-1]} into equal even parts.")
@@ -73,18 +75,20 @@ def tables_on(tables: tuple[torch.Tensor, ...], device: torch.device | str) -> t
     """`tables` on `device`. A model that builds its RoPE tables on the CPU (EasyAnimate) passes the same tensors to
     every layer of a forward, and diffusers copies them to the GPU in every layer, a host sync each; here one
     asynchronous copy serves while the same, unmodified tensors come back (the next forward's tables are copied
-    again)."""
+    again). Inference tensors (tables built under `torch.inference_mode`) have no version counter: they match by
+    identity alone (outside inference mode they cannot change in place)."""
     device = torch.device(device)
     if all(t.device == device for t in tables):
         return tables
     if torch.compiler.is_compiling():
         return tuple(t.to(device) for t in tables)
-    key = tuple(t._version for t in tables)
+    key = tuple(None if t.is_inference() else t._version for t in tables)
     cached = _MOVED_TABLES[0]
     if (cached is not None and cached[1] == device and len(cached[0]) == len(tables)
             and all(ref() is t for ref, t in zip(cached[0], tables)) and cached[2] == key):
         return cached[3]
-    moved = tuple(t.to(device, non_blocking=True) for t in tables)    # from pageable memory: staged, no stream sync
+    # to a GPU from pageable memory: staged, no stream sync; to the CPU a non-blocking copy could be read too early
+    moved = tuple(t.to(device, non_blocking=device.type == "cuda") for t in tables)
     _MOVED_TABLES[0] = (tuple(weakref.ref(t) for t in tables), device, key, moved)
     return moved
 
@@ -190,6 +194,12 @@ def _fused_reason(x: torch.Tensor, style: str, freqs_cos: torch.Tensor, freqs_si
     return None
 
 
+def check_groups(groups) -> None:
+    """Raise a ValueError unless `groups` (output heads per head of x, grouped-query KV heads) is an int >= 1."""
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"groups={groups!r} must be an int >= 1 (output heads per head of x).")
+
+
 def rope_gather(x: torch.Tensor, perm: torch.Tensor, rope, *, backend: str = "auto",
                 groups: int = 1) -> torch.Tensor | None:
     """RoPE(x) in tile order, in one pass; None when the fused kernel does not apply (the caller falls back).
@@ -208,8 +218,7 @@ def rope_gather(x: torch.Tensor, perm: torch.Tensor, rope, *, backend: str = "au
     """
     if backend not in ROPE_BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; choose one of {ROPE_BACKENDS}.")
-    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
-        raise ValueError(f"groups={groups!r} must be an int >= 1 (output heads per head of x).")
+    check_groups(groups)
     if backend == "torch":
         return None
     if backend == "auto":
