@@ -45,9 +45,9 @@ def _parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
         if f.name in ("alt_sizes", "travel", "transformer_overrides", "text_overrides"):
-            p.add_argument(flag, type=json.loads, default=None, help=f"{f.name} as JSON")
+            p.add_argument(flag, type=_json_value, default=None, help=f"{f.name} as JSON")
         elif hint is bool:
-            p.add_argument(flag, type=lambda v: v.lower() in ("1", "true", "yes"), default=None, metavar="BOOL")
+            p.add_argument(flag, type=_bool, default=None, metavar="BOOL")
         elif hint in (int, float, str):
             p.add_argument(flag, type=hint, default=None)
         else:  # optional number / str: "none" (or "null") sets None
@@ -56,6 +56,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _NONE = object()   # an explicit "none" on the command line, told apart from an option not given
+
+
+def _bool(text: str) -> bool:
+    """true / false, 1 / 0, yes / no (any case); anything else an argparse error naming it (a typo is no False)."""
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a boolean (true / false, 1 / 0, yes / no)")
+    return value
+
+
+def _json_value(text: str):
+    """A JSON option's value; `null` is an explicit None (told apart from the option not given)."""
+    value = json.loads(text)
+    return _NONE if value is None else value
 
 
 def _optional(conv):

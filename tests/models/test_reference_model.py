@@ -379,6 +379,12 @@ def test_training_smoke_run_resumes_exactly(tmp_path):
     assert json.load(open(tmp_path / "a" / "export" / "train_config.json"))["max_steps"] == 3
     stages = json.load(open(tmp_path / "a" / "export" / "training_stages.json"))["stages"]
     assert [(st["stage"], st["steps"], st["step_reached"]) for st in stages] == [(1, 1, 3)]
+    # review find: a rerun of a finished run deleted its checkpoint to write the same state again (a kill in between
+    # left nothing to resume from); it keeps the folder as it is now
+    last = tmp_path / "a" / "checkpoints" / "step-00000003"
+    inode = os.stat(last / "trainer_state.json").st_ino
+    assert train(_train_cfg(tmp_path / "a", max_steps=3))["step"] == 3
+    assert os.stat(last / "trainer_state.json").st_ino == inode and len(losses("a")) == 3
 
 
 def test_training_continues_from_exported_weights(tmp_path):
@@ -443,3 +449,74 @@ def test_training_command_line_defaults_are_the_shipped_recipe_and_take_none():
                                    "--max-minutes", "6"])
     assert old.p_directional is None and old.twin_fraction == 0.0 and old.travel == (0.3, 0.6)
     assert old.max_minutes == 6.0
+    # review finds: a typo in a boolean was False, and `null` for a JSON option was dropped (the default stayed)
+    with pytest.raises(SystemExit):
+        script.config_from_args(["--scale-batch-by-tokens", "ture"])
+    assert script.config_from_args(["--scale-batch-by-tokens", "No"]).scale_batch_by_tokens is False
+    assert script.config_from_args(["--alt-sizes", "null"]).alt_sizes == ()
+
+
+def test_a_resumed_run_drops_the_log_lines_past_its_checkpoint(tmp_path):
+    """Review find: a run killed after logging steps past its last checkpoint logged them again when resumed."""
+    from videosparse.models.reference_train import _truncate_log
+
+    log = tmp_path / "loss_log.jsonl"
+    log.write_text("".join(json.dumps({"step": i, "loss": 1.0}) + "\n" for i in (1, 2, 3, 4)))
+    _truncate_log(str(log), 2)
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2]
+
+
+def test_train_config_refuses_sizes_and_rates_that_would_fail_mid_run():
+    """Review find: clip sizes the model or the renderer cannot take were accepted, and a run died at whichever step
+    first drew them; so were a negative learning rate, an EMA decay of 1.5 and a shift of 0."""
+    from videosparse.models.reference_train import TrainConfig
+
+    for kwargs, match in ((dict(alt_sizes=((4, 18, 18),)), r"alt_sizes\[0\]=\(4, 18, 18\)"),
+                          (dict(alt_sizes=((4, 16),)), r"alt_sizes\[0\]"), (dict(alt_sizes=((1, 16, 16),)), "alt_sizes"),
+                          (dict(height=18), r"\(num_frames, height, width\)=\(16, 18, 64\)"),
+                          (dict(width=4), "at least 2 frames and 8 x 8"), (dict(alt_sizes=((4.5, 16, 16),)), "alt"),
+                          (dict(learning_rate=-1), "learning_rate=-1"), (dict(ema_decay=1.5), "ema_decay=1.5"),
+                          (dict(shift=0), "shift=0"), (dict(learning_rate=float("nan")), "learning_rate=nan")):
+        with pytest.raises(ValueError, match=match):
+            TrainConfig(**kwargs)
+    assert TrainConfig(alt_sizes=[[4, 8, 8]]).alt_sizes == ((4, 8, 8),)
+    assert TrainConfig(transformer_overrides={"patch_size": (1, 2, 2)}, alt_sizes=((4, 10, 10),)).alt_sizes
+
+
+def test_pipeline_refuses_bad_calls_and_repeats_given_embeddings():
+    """Review finds: 0 steps returned the initial noise; latents of another size gave frames of that size; a bad
+    output_type failed after every step; given prompt_embeds with num_videos_per_prompt=2 crashed."""
+    pipe = ref.build_reference_pipeline(seed=0, transformer_overrides=TINY, text_overrides=TINY_TEXT)
+    pipe.set_progress_bar_config(disable=True)
+    kw = dict(num_frames=4, height=16, width=16, num_inference_steps=1, output_type="latent")
+    for bad, match in ((dict(num_inference_steps=0), "num_inference_steps=0 must be an int >= 1"),
+                       (dict(num_videos_per_prompt=0), "num_videos_per_prompt=0"),
+                       (dict(output_type="mp4"), "output_type='mp4' must be one of"),
+                       (dict(latents=torch.zeros(1, 3, 4, 8, 8)), r"latents have shape \(1, 3, 4, 8, 8\); this call "
+                                                                   r"needs \(1, 3, 4, 16, 16\)")):
+        with pytest.raises(ValueError, match=match):
+            pipe("a red circle", **{**kw, **bad})
+    emb = ref.encode_text(pipe.tokenizer, pipe.text_encoder, ["a red circle"], "cpu")
+    given = pipe(prompt_embeds=emb, num_videos_per_prompt=2, generator=torch.Generator().manual_seed(0), **kw).frames
+    computed = pipe("a red circle", num_videos_per_prompt=2, generator=torch.Generator().manual_seed(0), **kw).frames
+    assert given.shape[0] == 2 and torch.allclose(given, computed, atol=1e-5), (given - computed).abs().max()
+
+
+def test_direction_prompt_gap_runs_in_half_precision():
+    """Review find: its fp32 noise levels promoted the bf16 clip to fp32 ahead of bf16 weights (a RuntimeError)."""
+    from videosparse.models.reference_eval import direction_prompt_gap
+
+    pipe = ref.build_reference_pipeline(seed=0, transformer_overrides=TINY, text_overrides=TINY_TEXT)
+    pipe.to(torch.bfloat16)
+    res = direction_prompt_gap(pipe, sigmas=(0.5,), num_clips=1, num_frames=4, height=16, width=16)
+    assert all(math.isfinite(res[k][0]) for k in ("correct", "opposite", "empty"))
+
+
+def test_load_pipeline_refuses_pickled_weights(tmp_path):
+    """Review find: a model folder with .bin weights only was unpickled (diffusers falls back to .bin)."""
+    from videosparse.models.loading import load_pipeline
+    from videosparse.models.tiny_wan import build_tiny_wan_pipeline
+
+    build_tiny_wan_pipeline(num_layers=1).save_pretrained(tmp_path, safe_serialization=False)
+    with pytest.raises(OSError, match="safetensors files only"):
+        load_pipeline(str(tmp_path), "cpu", torch.float32)

@@ -159,9 +159,13 @@ def load_pipeline(model: str | None = None, device: str | None = None,
     else:
         from diffusers import DiffusionPipeline
 
-        try:
-            pipe = DiffusionPipeline.from_pretrained(model, dtype=dtype)
+        try:                            # weights from safetensors only: never unpickle a .bin
+            pipe = DiffusionPipeline.from_pretrained(model, dtype=dtype, use_safetensors=True)
         except OSError as err:          # not on disk and no hub to fetch it from: diffusers' text, then ours
+            if "safetensors" in str(err):
+                raise OSError(f"{err}\n{model!r}: videosparse loads weights from safetensors files only (a pickled "
+                              ".bin can run code); convert them, e.g. load and `save_pretrained` where the source "
+                              "is trusted.") from err
             raise OSError(f"{err}\n{model!r} could not be loaded: download it first (`hf download {model}` where "
                           "there is network, then run with HF_HUB_OFFLINE=1) or pass a local directory; the models "
                           "that need no download are 'reference' and 'tiny'.") from err

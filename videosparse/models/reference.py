@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 REFERENCE_WEIGHTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reference_weights")
 
 PATCH_SIZE = (1, 4, 4)
+OUTPUT_TYPES = ("np", "pt", "pil", "latent")    # what ReferenceVideoPipeline returns
 TEXT_DIM = 256
 POSITION_CHANNELS = 3   # (t, y, x) ramps appended to the input when in_channels == out_channels + 3
 # the shipped model's architecture: 3 RGB channels in and out, plus the position ramps on the input
@@ -127,8 +128,8 @@ class ReferenceVideoPipeline(DiffusionPipeline):
     Follows diffusers' `WanPipeline`: classifier-free guidance with separate cond / uncond transformer
     calls, each inside `transformer.cache_context("cond" | "uncond", step_index=..., num_inference_steps=...,
     timestep=..., sigma=...)`, Euler steps of `FlowMatchEulerDiscreteScheduler`, and a `WanPipelineOutput`
-    whose `.frames` is np [B, T, H, W, 3] in [0, 1] (or "pt" [B, T, 3, H, W], "pil", "latent" [B, 3, T, H, W]
-    in [-1, 1]).
+    whose `.frames` is np [B, T, H, W, 3] in [0, 1] (or "pt" [B, T, 3, H, W], "pil", "latent" [B, 3, T, H, W]:
+    the last step's sample as is, about [-1, 1] but not clamped).
 
     Args:
         tokenizer (`PreTrainedTokenizerFast`): word-level tokenizer.
@@ -168,7 +169,8 @@ class ReferenceVideoPipeline(DiffusionPipeline):
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Prompt (and negative prompt) embeddings [B * num_videos_per_prompt, L, text_dim]."""
+        """Prompt (and negative prompt) embeddings [B * num_videos_per_prompt, L, text_dim] (given ones [B, L,
+        text_dim] are repeated)."""
         device = device or self._execution_device
         dtype = dtype or self.transformer.dtype
         prompt = [prompt] if isinstance(prompt, str) else prompt
@@ -180,6 +182,10 @@ class ReferenceVideoPipeline(DiffusionPipeline):
 
         if prompt_embeds is None:
             prompt_embeds = embed(prompt)
+        else:                   # given embeddings: one per prompt, repeated as computed ones are
+            prompt_embeds = prompt_embeds.repeat_interleave(num_videos_per_prompt, dim=0)
+            if negative_prompt_embeds is not None:
+                negative_prompt_embeds = negative_prompt_embeds.repeat_interleave(num_videos_per_prompt, dim=0)
         if do_classifier_free_guidance and negative_prompt_embeds is None:
             negative_prompt = negative_prompt or ""
             negative_prompt = batch_size * [negative_prompt] if isinstance(negative_prompt, str) else negative_prompt
@@ -191,7 +197,8 @@ class ReferenceVideoPipeline(DiffusionPipeline):
             negative_prompt_embeds.to(device, dtype) if negative_prompt_embeds is not None else None)
 
     def check_inputs(self, prompt, negative_prompt, num_frames, height, width, prompt_embeds, negative_prompt_embeds,
-                     callback_on_step_end_tensor_inputs):
+                     callback_on_step_end_tensor_inputs, num_inference_steps=1, num_videos_per_prompt=1,
+                     output_type="np"):
         pt, ph, pw = self.transformer.config.patch_size
         if height % ph or width % pw or num_frames % pt or num_frames < 1 or height < ph or width < pw:
             raise ValueError(f"height={height} and width={width} must be positive multiples of the patch size ({ph}, "
@@ -204,6 +211,12 @@ class ReferenceVideoPipeline(DiffusionPipeline):
             raise TypeError(f"`prompt` must be a str or a list of str, got {type(prompt)}.")
         if negative_prompt is not None and negative_prompt_embeds is not None:
             raise ValueError("Pass either `negative_prompt` or `negative_prompt_embeds`, not both.")
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type={output_type!r} must be one of {OUTPUT_TYPES}.")
+        for name, value in (("num_inference_steps", num_inference_steps),
+                            ("num_videos_per_prompt", num_videos_per_prompt)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1.")
         if callback_on_step_end_tensor_inputs is not None and not all(
                 k in self._callback_tensor_inputs for k in callback_on_step_end_tensor_inputs):
             raise ValueError(f"callback_on_step_end_tensor_inputs must be among {self._callback_tensor_inputs}, "
@@ -212,11 +225,14 @@ class ReferenceVideoPipeline(DiffusionPipeline):
     def prepare_latents(self, batch_size: int, num_frames: int, height: int, width: int, dtype, device, generator,
                         latents: torch.Tensor | None = None) -> torch.Tensor:
         """Initial noise [B, 3, T, H, W] (float32), or `latents` moved to the device."""
+        shape = (batch_size, self.transformer.config.out_channels, num_frames, height, width)
         if latents is not None:
+            if tuple(latents.shape) != shape:
+                raise ValueError(f"latents have shape {tuple(latents.shape)}; this call needs {shape} (batch x "
+                                 "num_videos_per_prompt, channels, num_frames, height, width).")
             return latents.to(device=device, dtype=dtype)
         if isinstance(generator, list) and len(generator) != batch_size:
             raise ValueError(f"got {len(generator)} generators for a batch of {batch_size}.")
-        shape = (batch_size, self.transformer.config.out_channels, num_frames, height, width)
         return randn_tensor(shape, generator=generator, device=device, dtype=dtype)
 
     @property
@@ -273,7 +289,8 @@ class ReferenceVideoPipeline(DiffusionPipeline):
             num_videos_per_prompt (`int`, defaults to 1): clips per prompt.
             generator (`torch.Generator`, *optional*): for the initial noise.
             latents (`torch.Tensor`, *optional*): initial noise [B, 3, T, H, W].
-            prompt_embeds, negative_prompt_embeds (`torch.Tensor`, *optional*): precomputed text embeddings.
+            prompt_embeds, negative_prompt_embeds (`torch.Tensor`, *optional*): precomputed text embeddings, one
+                per prompt [B, L, text_dim] (repeated `num_videos_per_prompt` times, as computed ones).
             output_type (`str`, defaults to "np"): "np", "pt", "pil" or "latent".
             return_dict (`bool`, defaults to True): return a `WanPipelineOutput` rather than a tuple.
             attention_kwargs (`dict`, *optional*): passed to the transformer.
@@ -286,7 +303,7 @@ class ReferenceVideoPipeline(DiffusionPipeline):
         """
         callback_on_step_end_tensor_inputs = list(callback_on_step_end_tensor_inputs)
         self.check_inputs(prompt, negative_prompt, num_frames, height, width, prompt_embeds, negative_prompt_embeds,
-                          callback_on_step_end_tensor_inputs)
+                          callback_on_step_end_tensor_inputs, num_inference_steps, num_videos_per_prompt, output_type)
         longest = self.text_encoder.config.max_length
         if isinstance(max_sequence_length, bool) or not isinstance(max_sequence_length, int) or \
                 not 1 <= max_sequence_length <= longest:

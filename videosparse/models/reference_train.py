@@ -30,6 +30,7 @@ from .reference import (
     DEFAULT_HEIGHT,
     DEFAULT_NUM_FRAMES,
     DEFAULT_WIDTH,
+    PATCH_SIZE,
     SCHEDULER_SHIFT,
     ReferenceVideoPipeline,
     build_reference_pipeline,
@@ -74,7 +75,8 @@ class TrainConfig:
         mixed_precision: "auto" (bf16 on CUDA, none on CPU), "bf16", "fp16" or "no".
         num_frames, height, width: the main clip size.
         p_default_size: probability that a step uses the main size; otherwise one of `alt_sizes`.
-        alt_sizes: other (frames, height, width) sizes, so the model also works at small sizes.
+        alt_sizes: other (frames, height, width) sizes, so the model also works at small sizes (None or empty:
+            the main size only).
         p_empty_prompt: probability of an empty prompt (classifier-free guidance).
         shift: time shift of the noise levels (as in `FlowMatchEulerDiscreteScheduler(shift=...)`).
         logit_normal_std: spread of the logit-normal draw of the noise level before the shift.
@@ -160,7 +162,21 @@ class TrainConfig:
             raise ValueError(f"p_high_noise={self.p_high_noise} must lie in [0, 1] and "
                              f"high_noise_min={self.high_noise_min} in [0, 1).")
         self.travel = check_travel(self.travel)
-        self.alt_sizes = tuple(tuple(int(x) for x in s) for s in self.alt_sizes)
+        for name, low in (("learning_rate", 0.0), ("shift", None), ("ema_decay", 0.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+                    (low is None and value <= 0) or (low is not None and value < low) or \
+                    (name == "ema_decay" and value >= 1):
+                allowed = {"learning_rate": ">= 0", "shift": "> 0", "ema_decay": "in [0, 1)"}[name]
+                raise ValueError(f"{name}={value!r} must be a finite number {allowed}.")
+        for name in ("transformer_overrides", "text_overrides"):
+            value = {} if getattr(self, name) is None else getattr(self, name)
+            if not isinstance(value, dict):
+                raise ValueError(f"{name}={value!r} must be a dict of config fields (or None: none).")
+            setattr(self, name, value)
+        patch = tuple(self.transformer_overrides.get("patch_size", PATCH_SIZE))
+        self.alt_sizes = () if self.alt_sizes is None else tuple(_clip_size(s, f"alt_sizes[{i}]", patch) for i, s in enumerate(self.alt_sizes))
+        _clip_size((self.num_frames, self.height, self.width), "(num_frames, height, width)", patch)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -197,7 +213,7 @@ def flow_matching_loss(transformer, text_encoder, tokenizer, video: torch.Tensor
     """MSE between the predicted and the true velocity (noise - data) at x = (1 - s) data + s noise."""
     emb = encode_text(tokenizer, text_encoder, prompts, video.device)
     s = sigmas.view(-1, 1, 1, 1, 1)
-    noisy = (1.0 - s) * video + s * noise
+    noisy = ((1.0 - s) * video + s * noise).to(video.dtype)      # fp32 noise levels keep a half-precision clip's dtype
     pred = transformer(hidden_states=transformer_input(transformer, noisy), timestep=sigmas * 1000.0,
                        encoder_hidden_states=emb, return_dict=False)[0]
     return F.mse_loss(pred.float(), (noise - video).float())
@@ -216,6 +232,37 @@ def pair_twins(noise: torch.Tensor, sigmas: torch.Tensor, twin_of: torch.Tensor)
     noise[twins] = noise[src].flip(2)
     sigmas[twins] = sigmas[src]
     return noise, sigmas
+
+
+def _clip_size(size, name: str, patch: tuple[int, int, int]) -> tuple[int, int, int]:
+    """A training clip size (frames, height, width) as three ints the renderer and the model take (at least 2
+    frames and 8 x 8 pixels, multiples of the patch), or a ValueError naming it: a size drawn at random would
+    otherwise end a run at whichever step first draws it."""
+    try:
+        values = tuple(size)
+        ok = len(values) == 3 and not any(isinstance(v, bool) or int(v) != v for v in values)
+    except (TypeError, ValueError):
+        ok = False
+    if ok:
+        T, H, W = (int(v) for v in values)
+        ok = T >= 2 and H >= 8 and W >= 8 and not (T % patch[0] or H % patch[1] or W % patch[2])
+    if not ok:
+        raise ValueError(f"{name}={size!r} must be three ints (frames, height, width): at least 2 frames and 8 x 8 "
+                         f"pixels, multiples of the patch size {patch}.")
+    return T, H, W
+
+
+def _truncate_log(path: str, step: int) -> None:
+    """Keep the lines of the loss log `path` (JSON lines with a "step") up to `step`, rewritten atomically: a resumed
+    run logs the steps after its checkpoint again."""
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
 
 
 def _checkpoints(output_dir: str) -> list[str]:
@@ -396,8 +443,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     params = [p for _, p in named]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                   betas=(0.9, 0.99), eps=1e-8)
-    lr_schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / max(1, cfg.warmup_steps)))
+    # a prepared scheduler steps once per process at each optimizer step (accelerate, split_batches=False): the
+    # warmup counts in those steps, so that it lasts `warmup_steps` optimizer steps on any number of processes
+    warmup = max(1, cfg.warmup_steps) * accelerator.num_processes
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
     transformer, text_encoder, optimizer, lr_schedule = accelerator.prepare(transformer, text_encoder, optimizer,
                                                                             lr_schedule)
     ema = EMAModel(params, decay=cfg.ema_decay, foreach=True)
@@ -428,10 +477,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     unwrapped_tr = accelerator.unwrap_model(transformer)
     unwrapped_te = accelerator.unwrap_model(text_encoder)
 
+    saved = {os.path.abspath(resume_from)} if resume_from is not None else set()
+
     def save_checkpoint(at_step: int, loss_value: float) -> str:
         folder = os.path.join(cfg.output_dir, "checkpoints")
         final = os.path.join(folder, f"{CHECKPOINT_PREFIX}{at_step:08d}")
         tmp = os.path.join(folder, f".tmp-{CHECKPOINT_PREFIX}{at_step:08d}")
+        if os.path.abspath(final) in saved:     # this state is there already (resumed from, or saved this run):
+            return final                        # never delete the only checkpoint to write it again
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -444,12 +497,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             with open(os.path.join(tmp, STATE_NAME), "w") as f:
                 json.dump({"step": at_step, "ema_optimization_step": ema.optimization_step, "loss": loss_value,
                            "time": time.time()}, f)
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.rename(tmp, final)
+            if os.path.exists(final):           # another run's checkpoint of this step: moved aside, then dropped
+                old = f"{tmp}.old"
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
+                os.rename(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp, final)
             for stale in _checkpoints(cfg.output_dir)[:-cfg.keep_checkpoints]:
                 shutil.rmtree(stale, ignore_errors=True)
         accelerator.wait_for_everyone()
+        saved.add(os.path.abspath(final))
         return final
 
     def with_ema(fn):
@@ -478,6 +537,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         return path
 
     log_path = os.path.join(cfg.output_dir, "loss_log.jsonl")
+    if accelerator.is_main_process and os.path.isfile(log_path):
+        _truncate_log(log_path, step)           # lines a killed run wrote past its last checkpoint
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
     running, n_running, last_loss, last_logged = 0.0, 0, float("nan"), None
     stopped_early = False
