@@ -197,4 +197,8 @@ def test_rope_as_three_section_half_rope_equals_stock_bitwise(dtype):
     rope = allegro_half_rope(freqs, positions)
     ref = apply_rotary_emb_allegro(x.transpose(1, 2), freqs, positions).transpose(1, 2)
     assert rope.sections == 3 and torch.equal(apply_rope(x, rope), ref)
+    # review find: tables a caller cast to the model's dtype rotated in that dtype; diffusers rotates in fp32
+    low = tuple(tuple(t.to(torch.bfloat16) for t in f) for f in freqs)
+    ref = apply_rotary_emb_allegro(x.transpose(1, 2), low, positions).transpose(1, 2)
+    assert torch.equal(apply_rope(x, allegro_half_rope(low, positions)), ref)
     assert allegro_half_rope(freqs, tuple(p.expand(2, -1) for p in positions)) is None

@@ -18,3 +18,31 @@ def test_a_pipeline_given_for_a_transformer_says_what_to_pass():
 def test_an_unknown_module_lists_the_supported_transformers():
     with pytest.raises(ValueError, match=r"class Linear is not supported; supported: .*WanTransformer3DModel"):
         videosparse.processors(torch.nn.Linear(2, 2), videosparse.VedaConfig())
+
+
+def test_a_model_registered_before_any_lookup_leaves_the_built_in_ones():
+    """Review find: register_model before the first lookup kept the built-in models from ever loading (every stock
+    transformer was "not supported"). In a fresh process: the registry's state is the process's."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from diffusers import WanTransformer3DModel
+from videosparse.processors import register_model
+from videosparse.processors.registry import ModelSpec, model_spec
+from videosparse.processors.wan import WanSparseAttnProcessor, wan_grid
+
+class Mine(torch.nn.Module):
+    pass
+
+spec = ModelSpec(WanSparseAttnProcessor, lambda n, m: n.endswith("attn1"), wan_grid)
+register_model(Mine, lambda: spec)
+assert model_spec(Mine()) is spec
+tr = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=16, num_layers=1, in_channels=4, out_channels=4,
+                           text_dim=8, freq_dim=8, ffn_dim=16, rope_max_seq_len=32)
+assert model_spec(tr).processor_cls.__name__ == "WanSparseAttnProcessor"
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

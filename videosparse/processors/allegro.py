@@ -70,7 +70,8 @@ def allegro_half_rope(freqs, positions) -> HalfRope | None:
         return None
     cos, sin = (torch.cat([torch.nn.functional.embedding(p[0], table[i]) for p, table in zip(positions, freqs)], -1)
                 for i in (0, 1))
-    return HalfRope(cos[None, :, None], sin[None, :, None], sections=len(freqs))
+    # in fp32 as diffusers' (it rotates tokens.float()), also where a caller cast the tables to the model's dtype
+    return HalfRope(cos.float()[None, :, None], sin.float()[None, :, None], sections=len(freqs))
 
 
 def allegro_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:

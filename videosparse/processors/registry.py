@@ -35,10 +35,22 @@ class ModelSpec:
 
 
 _MODEL_SPECS: dict[type, Callable[[], ModelSpec]] = {}
+_BUILTINS_LOADED = [False]
+
+
+def _load_builtins() -> None:
+    """Register the built-in models once; an entry registered before (a user's) keeps its place over them."""
+    if not _BUILTINS_LOADED[0]:
+        _BUILTINS_LOADED[0] = True
+        user = dict(_MODEL_SPECS)
+        _register_builtin_models()
+        _MODEL_SPECS.update(user)
 
 
 def register_model(transformer_cls: type, spec_factory: Callable[[], ModelSpec]) -> None:
-    """Register the `ModelSpec` factory of a transformer class (subclasses inherit it)."""
+    """Register the `ModelSpec` factory of a transformer class (subclasses inherit it; it replaces a built-in
+    entry of the same class)."""
+    _load_builtins()
     _MODEL_SPECS[transformer_cls] = spec_factory
 
 
@@ -304,8 +316,7 @@ def _register_builtin_models() -> None:
 
 
 def model_spec(transformer: torch.nn.Module) -> ModelSpec:
-    if not _MODEL_SPECS:
-        _register_builtin_models()
+    _load_builtins()
     for cls in type(transformer).__mro__:
         if cls in _MODEL_SPECS:
             return _MODEL_SPECS[cls]()
