@@ -8,7 +8,8 @@ when `flash_attn.cute` imports. TFLOP/s counts the kept tiles only: 4 * S^2 * D 
     python scripts/bench_kernel.py [--quick] [--out benchmarks/kernel_h200.json]
     python scripts/bench_kernel.py --readme benchmarks/kernel_h200.json   # markdown table from a JSON
 
-Writes JSON (shapes, densities, GPU, versions, every timing) and prints a markdown table last.
+Writes JSON (shapes, densities, GPU, versions, every timing; atomically, after each step) and prints a markdown
+table last; exits 1 when a correctness check failed or a step raised.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 import traceback
@@ -549,7 +551,25 @@ def render_variants(results) -> str:
     return "\n".join(out)
 
 
-def main():
+def write_json(path, results) -> None:
+    """Write `results` to `path` atomically (a temporary file beside it, then a rename): a run stopped mid-write
+    leaves the JSON of the step before."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(results, indent=1))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def exit_code(results) -> int:
+    """1 when a correctness check failed or a step raised (the deadline's notes aside), else 0."""
+    failed = any(not c["ok"] for c in results["correctness"])
+    return int(failed or any(not e.startswith("deadline:") for e in results["errors"]))
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer shapes and densities")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "kernel_h200.json"))
@@ -564,11 +584,24 @@ def main():
                          "the median is reported (default 3)")
     ap.add_argument("--deadline-s", type=float, default=480.0, help="stop starting new timings after this")
     ap.add_argument("--readme", metavar="JSON", help="only render the markdown table of an earlier run")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    unknown = [name for name in args.shapes or () if name not in SHAPES]
+    if unknown:
+        ap.error(f"--shapes {unknown} unknown; choose from {list(SHAPES)}")
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds} must be >= 1")
+    if not math.isfinite(args.deadline_s) or args.deadline_s <= 0:
+        ap.error(f"--deadline-s {args.deadline_s} must be a finite number of seconds > 0")
+    return args
+
+
+def main(argv=None) -> int:
+    """The benchmark; exit code 1 when a correctness check failed or a step raised."""
+    args = parse_args(argv)
     if args.readme:
         results = json.loads(Path(args.readme).read_text())
         print(render_markdown(results) + "\n\n" + render_variants(results))
-        return
+        return 0
     import torch
     from _bench import require_cuda
 
@@ -592,7 +625,7 @@ def main():
 
     def save():
         results["meta"]["wall_s"] = round(time.time() - t0, 1)
-        out_path.write_text(json.dumps(results, indent=1))
+        write_json(out_path, results)
 
     results["meta"]["gpu_state_start"] = gpu_state()
     check_correctness(results, deadline)
@@ -624,7 +657,8 @@ def main():
     for e in results["errors"]:
         log("error:", e[:300])
     log(render_markdown(results) + "\n\n" + render_variants(results))
+    return exit_code(results)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -474,3 +474,120 @@ def test_a_hub_model_that_cannot_be_fetched_names_the_way_out(monkeypatch):
     with pytest.raises(OSError, match="download it first .* the models that need no download are 'reference' and "
                                       "'tiny'"):
         load_pipeline("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "cpu")
+
+
+def test_a_call_flag_the_pipeline_does_not_take_is_named_after_the_load(tmp_path, capsys, monkeypatch):
+    """Review find: --guidance-scale given to HunyuanVideo15Pipeline (no such parameter) was a TypeError traceback from
+    inside the call; a given flag is checked against `__call__` right after the load (defaults are not flags)."""
+    from videosparse.models import loading
+    from videosparse.models.reference import ReferenceVideoPipeline
+
+    class NoGuidancePipeline(ReferenceVideoPipeline):     # HunyuanVideo15Pipeline's call: no guidance_scale, no **kw
+        def __call__(self, prompt=None, negative_prompt=None, num_frames=5, height=64, width=64,
+                     num_inference_steps=2, generator=None, output_type="np"):
+            return super().__call__(prompt=prompt, negative_prompt=negative_prompt, num_frames=num_frames,
+                                    height=height, width=width, num_inference_steps=num_inference_steps,
+                                    generator=generator, output_type=output_type)
+
+    real = loading.load_pipeline
+
+    def load(*args, **kwargs):
+        pipe = real("reference", "cpu").pipe
+        pipe.__class__ = NoGuidancePipeline
+        return loading.LoadedPipeline(pipe, "no-guidance", loading.pipeline_call_defaults(pipe))
+
+    monkeypatch.setattr(loading, "load_pipeline", load)
+    out = tmp_path / "v.mp4"
+    assert main(["generate", "--guidance-scale", "6", "--out", str(out)]) == 2
+    assert "--guidance-scale: NoGuidancePipeline.__call__ takes no guidance_scale" in capsys.readouterr().err
+    assert main(["evaluate", "--methods", "dense", "--guidance-scale", "6", "--out", str(tmp_path / "ev")]) == 2
+    assert "--guidance-scale: NoGuidancePipeline.__call__ takes no guidance_scale" in capsys.readouterr().err
+    assert main(["generate", "--steps", "1", "--out", str(out)]) == 0 and out.is_file()   # its defaults: no flags
+    from videosparse.eval.generate import check_call_flags
+
+    class AnyKeyword:
+        def __call__(self, prompt=None, **kwargs):
+            pass
+
+    check_call_flags(AnyKeyword(), {"--guidance-scale": "guidance_scale"})      # **kwargs: the pipeline decides
+
+
+def test_warm_up_never_runs_more_steps_than_the_call(monkeypatch):
+    """Review find: --steps 4 --dense-steps 50 warmed up with 51 steps (a huge count never ended)."""
+    from videosparse.eval import generate as generate_module
+    from videosparse.eval.generate import warm_up
+
+    ran = []
+    monkeypatch.setattr(generate_module, "generate", lambda pipe, config, call, **kw: ran.append(call))
+    call = {"num_inference_steps": 4}
+    assert warm_up(None, VedaConfig(dense_steps=50), call) == 0 and ran == []      # all dense: nothing to compile
+    assert warm_up(None, VedaConfig(dense_steps=10 ** 12), call) == 0 and ran == []
+    assert warm_up(None, VedaConfig(dense_steps=4), call) == 0 and ran == []
+    assert warm_up(None, VedaConfig(dense_steps=3), call) == 4 and ran[-1]["num_inference_steps"] == 4
+    assert warm_up(None, VedaConfig(dense_steps=0.5), call) == 1 and ran[-1]["num_inference_steps"] == 1
+    assert warm_up(None, None, call) == 1
+
+
+def test_a_model_directory_under_home_is_loaded_from_there(tmp_path, monkeypatch):
+    """Review find: `--model ~/dir` passed check_model (which expands ~) and reached diffusers as '~/dir': 'Repo id
+    must use alphanumeric chars'."""
+    import diffusers
+
+    from videosparse.models.loading import load_pipeline
+
+    asked = []
+
+    def from_pretrained(model, **kwargs):
+        asked.append(model)
+        raise OSError("stop here")
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(diffusers.DiffusionPipeline, "from_pretrained", from_pretrained)
+    with pytest.raises(OSError, match="stop here"):
+        load_pipeline("~/wan", "cpu")
+    assert asked == [str(tmp_path / "wan")]
+
+
+def test_an_interrupted_video_or_summary_leaves_the_old_files_whole(tmp_path, capsys, monkeypatch):
+    """Review find: the video was encoded straight into --out and the --json summary written in place, so a failed
+    encode or write left a truncated file where the old one was; both go to a temporary file and a rename now."""
+    import diffusers.utils
+
+    from videosparse.eval import report
+
+    out, js = tmp_path / "v.mp4", tmp_path / "s.json"
+    out.write_bytes(b"old video")
+    js.write_text('{"old": 1}')
+    encoded = []
+
+    def killed_encode(frames, path, **kwargs):
+        encoded.append(path)
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise RuntimeError("ffmpeg was killed")
+
+    class Unwritable:
+        def __str__(self):
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(diffusers.utils, "export_to_video", killed_encode)
+    monkeypatch.setattr(report, "to_jsonable", lambda summary: {"model": "x", "stats": Unwritable()})
+    assert main(["generate", "--frames", "5", "--height", "64", "--width", "64", "--steps", "2",
+                 "--out", str(out), "--json", str(js)]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert out.read_bytes() == b"old video" and js.read_text() == '{"old": 1}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json", "v.mp4"]          # no temporary file left
+    assert encoded == [str(tmp_path / ".v.tmp.mp4")]                                    # the suffix picks the format
+
+
+def test_an_output_path_ending_in_a_separator_is_refused_before_the_load(tmp_path, capsys, monkeypatch):
+    """Review find: `--out dir.mp4/` passed the checks (Path drops the slash) and failed after the whole run."""
+    from videosparse.models import loading
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the pipeline was loaded before the output path was checked")
+
+    monkeypatch.setattr(loading, "load_pipeline", no_load)
+    for argv in (["--out", str(tmp_path / "dir.mp4") + "/"], ["--json", str(tmp_path / "s.json") + "/"]):
+        assert main(["generate", *argv]) == 2, argv
+        assert f"{argv[0]} {argv[1]!r} ends with a path separator; give a file path" in capsys.readouterr().err

@@ -127,3 +127,31 @@ def test_in_memory_estimator_marker_is_not_loaded():
     """The dict entry of an estimator that was never saved is refused with a way out, not taken for a path."""
     with pytest.raises(ValueError, match=r"never saved.*save_pretrained"):
         config_from_dict({"method": "veda", "estimator": "<in-memory VedaEstimator, never saved>"})
+
+
+def test_estimator_must_be_a_path_a_hub_id_or_an_estimator():
+    """Review find: estimator=123, True, [1] or "" were accepted (a list then broke hash()); a path-like one is
+    kept as its str, as `to_dict` writes it."""
+    import re
+    from pathlib import Path
+
+    for bad in (123, True, [1], 1.5):
+        with pytest.raises(TypeError, match=re.escape(f"estimator={bad!r} must be None, a directory or hub id")):
+            VedaConfig(estimator=bad)
+    with pytest.raises(ValueError, match="estimator='' must name a trained estimator"):
+        VedaConfig(estimator="")
+    assert VedaConfig(estimator=Path("runs/est")).estimator == "runs/est"
+    assert hash(VedaConfig(estimator="org/est")) == hash(VedaConfig(estimator="org/est"))
+    from videosparse.veda.estimator import VedaEstimator
+
+    est = VedaEstimator("WanTransformer3DModel", num_layers=1, num_heads=2, head_dim=16, block=128,
+                        tile_shapes=(4, 4, 8))
+    assert VedaConfig(estimator=est).estimator is est
+
+
+def test_path_like_tiling_equals_its_dict_round_trip():
+    """Review find: VedaConfig(tiling=Path(...)) differed from its dict round trip (to_dict writes a str)."""
+    from pathlib import Path
+
+    cfg = VedaConfig(tiling=Path("runs/tiling.json"))
+    assert cfg.tiling == "runs/tiling.json" and config_from_dict(cfg.to_dict()) == cfg

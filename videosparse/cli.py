@@ -145,7 +145,7 @@ def slower_than_dense_note(speedup: float) -> str | None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from .eval.generate import check_video_writer, generate, warm_up, write_video
+    from .eval.generate import check_call_flags, check_video_writer, generate, warm_up, write_video
     from .eval.spec import check_config_files
     from .models.loading import load_pipeline, size_stub
 
@@ -153,6 +153,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name}={value} must be a positive integer.")
+    for flag, path in (("--out", args.out), ("--json", args.json)):    # Path() drops the separator: refuse it here
+        if path is not None and path.endswith(("/", os.sep)):
+            raise ValueError(f"{flag} {path!r} ends with a path separator; give a file path.")
     if Path(args.out).suffix.lower() not in VIDEO_SUFFIXES:
         raise ValueError(f"--out {args.out!r} needs a video file extension, one of {', '.join(VIDEO_SUFFIXES)} "
                          "(checked before the pipeline runs).")
@@ -176,13 +179,15 @@ def _run_generate(args: argparse.Namespace) -> int:
         _check_size(stub, {"height": args.height, "width": args.width})
     loaded = load_pipeline(args.model, args.device, DTYPES.get(args.dtype))
     pipe = loaded.pipe
+    given = {flag: (key, value) for flag, key, value in (
+        ("--prompt", "prompt", args.prompt), ("--negative-prompt", "negative_prompt", args.negative_prompt),
+        ("--steps", "num_inference_steps", args.steps), ("--frames", "num_frames", args.frames),
+        ("--height", "height", args.height), ("--width", "width", args.width),
+        ("--guidance-scale", "guidance_scale", args.guidance_scale)) if value is not None}
+    check_call_flags(pipe, {flag: key for flag, (key, _) in given.items()})   # not a TypeError in the call
     pipe.set_progress_bar_config(disable=True)
     call = dict(loaded.defaults)
-    for key, value in (("prompt", args.prompt), ("negative_prompt", args.negative_prompt),
-                       ("num_inference_steps", args.steps), ("num_frames", args.frames), ("height", args.height),
-                       ("width", args.width), ("guidance_scale", args.guidance_scale)):
-        if value is not None:
-            call[key] = value
+    call.update(given.values())
     _check_size(pipe, call)
     if unknown := _unknown_words(pipe, call.get("prompt")):
         logging.getLogger(__name__).warning("the model's tokenizer does not know %s: %s ignores them",
@@ -249,8 +254,15 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.json:
         from .eval.report import to_jsonable
 
-        with open(args.json, "w") as f:
-            json.dump(to_jsonable(summary), f, indent=2, default=str)    # inf PSNR as "inf": strict JSON
+        folder, name = os.path.split(args.json)
+        tmp = os.path.join(folder, f".{name}.tmp")                # then renamed: an old summary stays whole
+        try:
+            with open(tmp, "w") as f:
+                json.dump(to_jsonable(summary), f, indent=2, default=str)    # inf PSNR as "inf": strict JSON
+            os.replace(tmp, args.json)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
     if video_error is not None:
         raise OSError(f"the video {args.out!r} could not be written: {video_error}"
                       + (f" (the summary is in {args.json!r})" if args.json else ""))

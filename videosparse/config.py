@@ -152,6 +152,21 @@ def _estimator_entry(estimator: Any) -> str:
     return f"{IN_MEMORY_ESTIMATOR} {type(estimator).__name__}{f' for {model}' if model else ''}, never saved>"
 
 
+def _estimator(value: Any) -> Any:
+    """VedaConfig.estimator checked: None, a non-empty path or hub id (a path-like one as its str), or a
+    `VedaEstimator` (a subclass too; known by its class path, so that this module imports no torch)."""
+    if value is None or any(f"{c.__module__}.{c.__qualname__}" == "videosparse.veda.estimator.VedaEstimator"
+                            for c in type(value).__mro__):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        path = os.fspath(value)
+        if isinstance(path, str) and path:
+            return path
+        raise ValueError(f"estimator={value!r} must name a trained estimator: a directory or a hub id.")
+    raise TypeError(f"estimator={value!r} must be None, a directory or hub id (str or os.PathLike), or a "
+                    "VedaEstimator.")
+
+
 @dataclass(frozen=True)
 class _BaseConfig:
     """Fields every sparse method shares: the dense schedule and the kernel backend."""
@@ -262,12 +277,15 @@ class VedaConfig(_BaseConfig):
                 "cannot be rebuilt from it; save the estimator with est.save_pretrained(dir) and pass estimator=dir "
                 "(or the object loaded with VedaEstimator.from_pretrained(dir), which to_dict writes as dir)."
             )
+        object.__setattr__(self, "estimator", _estimator(self.estimator))
         _check_block(self.block)
         object.__setattr__(self, "tiling", parse_tile(self.tiling))
         if isinstance(self.tiling, (tuple, list)):
             object.__setattr__(self, "tiling", _check_tile(self.tiling, self.block))
         elif self.tiling is not None and not isinstance(self.tiling, (str, os.PathLike)):
             raise TypeError(f"tiling={self.tiling!r} must be a tile shape (pt, ph, pw) or a path to a tiling JSON.")
+        elif isinstance(self.tiling, os.PathLike):      # as to_dict writes it: equal to its dict round trip
+            object.__setattr__(self, "tiling", os.fspath(self.tiling))
         object.__setattr__(self, "dense_layers", _dense_schedule(self.dense_steps, _layers(self.dense_layers)))
         _flag(self, "correction")
         _check_backend(self.backend)

@@ -267,7 +267,9 @@ def test_warm_up_runs_the_fewest_steps_that_reach_the_sparse_path(loaded, monkey
     calls, original = [], base.block_sparse_attention
     monkeypatch.setattr(base, "block_sparse_attention", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     veda = videosparse.VedaConfig(density=0.5, tiling=(1, 8, 8), block=64, dense_steps=2)
-    assert warm_up(pipe, veda, call) == 3 and calls and sessions(pipe) == {}
+    assert warm_up(pipe, veda, {**call, "num_inference_steps": 4}) == 3 and calls and sessions(pipe) == {}
+    calls.clear()       # a call whose every step is dense (2 of 2) never reaches the sparse path: nothing to warm up
+    assert warm_up(pipe, veda, call) == 0 and not calls and sessions(pipe) == {}
     assert warm_up(pipe, videosparse.SolConfig(density=0.5, block=64), call) == 1      # 0.2 of 1 step: none dense
     assert warm_up(pipe, None, call) == 1
 

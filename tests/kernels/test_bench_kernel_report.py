@@ -213,3 +213,29 @@ def test_ab_work_order_plans_are_valid_and_its_orders_are_permutations():
     counts = torch.tensor([[[3, 1, 2], [2, 2, 3]]])
     p = ab.counts_plan(counts, torch.Generator().manual_seed(0))
     assert torch.equal(p.kv_count, counts.int())
+
+
+def test_bad_arguments_are_argparse_errors_and_failures_exit_1(tmp_path, capsys):
+    """Review finds: a --shapes typo was caught per shape and the run exited 0, as did failed correctness checks;
+    --rounds 0 crashed in median; the JSON was rewritten in place after each step."""
+    import json
+
+    import pytest
+
+    bench = load_script("bench_kernel")
+    for argv, msg in ((["--shapes", "12x32768 d128", "Wan14B"], "--shapes ['Wan14B'] unknown"),
+                      (["--rounds", "0"], "--rounds 0 must be >= 1"),
+                      (["--deadline-s", "nan"], "--deadline-s nan must be a finite"),
+                      (["--deadline-s", "inf"], "--deadline-s inf must be a finite")):
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(argv)
+        assert exit_.value.code == 2 and msg in capsys.readouterr().err, argv
+    assert bench.parse_args(["--shapes"]).shapes == [] and bench.parse_args([]).rounds == 3
+    ok = dict(correctness=[dict(ok=True)], errors=["deadline: variants cut short"])
+    assert bench.exit_code(ok) == 0
+    assert bench.exit_code(dict(ok, correctness=[dict(ok=True), dict(ok=False)])) == 1
+    assert bench.exit_code(dict(ok, errors=["12x32768 d128: Traceback ..."])) == 1
+    out = tmp_path / "kernel.json"
+    out.write_text("{}")
+    bench.write_json(out, dict(rows=[1]))
+    assert json.loads(out.read_text()) == dict(rows=[1]) and [p.name for p in tmp_path.iterdir()] == ["kernel.json"]

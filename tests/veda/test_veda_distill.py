@@ -526,3 +526,20 @@ def test_a_cache_of_another_model_is_recaptured_not_checked_against_the_tiling(t
                                           "num_heads": 2}).save(tiling)
     res = run_distillation(make_cfg(out, max_steps=2, tiling=str(tiling)))
     assert res.global_step == 2 and json.loads(info_path.read_text())["model_class"] == "WanTransformer3DModel"
+
+
+def test_search_output_block_and_padding_are_checked_by_type(tmp_path):
+    """Review finds: `--output null` (or "output": 5 in a --config) was a TypeError from os.fspath, `--block 128.0`
+    passed (the capture failed after the model load), max_padding=False passed as 0."""
+    from videosparse.distill import TilingSearchConfig
+
+    out = str(tmp_path / "t.json")
+    for bad, match in ((dict(output=None), "output=None must be the path"), (dict(output=5), "output=5 must be"),
+                       (dict(output=out, block=128.0), r"block=128.0 .* ints \(64, 128\)"),
+                       (dict(output=out, max_padding=False), "max_padding=False must lie in"),
+                       (dict(output=out, max_padding=True), "max_padding=True must lie in")):
+        with pytest.raises(ValueError, match=match):
+            TilingSearchConfig(**bad)
+    with pytest.raises(ValueError, match=r"block=64.0 .* ints \(64, 128\)"):
+        make_cfg(tmp_path, block=64.0)
+    assert TilingSearchConfig(output=tmp_path / "t.json", block=64, max_padding=0).output == out

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-from ..config import BLOCK_SIZES, parse_tile
+from ..config import _check_block, parse_tile
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
 CACHE_DTYPES = ("float32", "float16", "bfloat16")
@@ -339,8 +339,7 @@ class DistillConfig(CaptureConfig):
             raise ValueError(f"output_dir={self.output_dir!r} is a file; give a directory (made when missing).")
         _refuse_file_parent("output_dir", self.output_dir)
         _density("density", self.density)
-        if self.block not in BLOCK_SIZES:
-            raise ValueError(f"block={self.block!r} must be one of {BLOCK_SIZES}.")
+        _check_block(self.block)                        # 128.0 too: as VedaConfig, not after the model load
         object.__setattr__(self, "tiling", _tiling(self.tiling, self.block))
         if isinstance(self.tiling, str):                # a missing or malformed file: now, not after the capture
             from ..veda.tiling import load_tiling
@@ -405,15 +404,17 @@ class TilingSearchConfig(CaptureConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.output, (str, os.PathLike)):
+            raise ValueError(f"output={self.output!r} must be the path of the tiling JSON file to write.")
         object.__setattr__(self, "output", os.fspath(self.output))
         if not self.output or self.output.endswith(("/", os.sep)) or os.path.isdir(self.output):
             raise ValueError(f"output={self.output!r} must be the path of the tiling JSON file to write, not a "
                              "directory.")
         _refuse_file_parent("output", self.output)
         _density("density", self.density)
-        if self.block not in BLOCK_SIZES:
-            raise ValueError(f"block={self.block!r} must be one of {BLOCK_SIZES}.")
-        if not isinstance(self.max_padding, (int, float)) or not 0 <= self.max_padding < 1:
+        _check_block(self.block)
+        if isinstance(self.max_padding, bool) or not isinstance(self.max_padding, (int, float)) or \
+                not 0 <= self.max_padding < 1:
             raise ValueError(f"max_padding={self.max_padding!r} must lie in [0, 1).")
         _positive_int("max_shapes_per_layer", self.max_shapes_per_layer)
         if self.layers is not None:

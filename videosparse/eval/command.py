@@ -137,12 +137,16 @@ def run_evaluate(args: argparse.Namespace) -> int:
     if param is not None and param.default is param.empty:
         raise ValueError(f"{type(loaded.pipe).__name__} is image-to-video; evaluate runs text-to-video pipelines only "
                          "(videosparse generate --image takes image-to-video ones).")
+    given = {flag: (key, value) for flag, key, value in (
+        ("--steps", "num_inference_steps", args.steps), ("--frames", "num_frames", args.frames),
+        ("--height", "height", args.height), ("--width", "width", args.width),
+        ("--guidance-scale", "guidance_scale", args.guidance_scale),
+        ("--negative-prompt", "negative_prompt", args.negative_prompt)) if value is not None}
+    from .generate import check_call_flags
+
+    check_call_flags(loaded.pipe, {flag: key for flag, (key, _) in given.items()})   # not a TypeError in a cell
     call = {k: v for k, v in loaded.defaults.items() if k != "prompt"}
-    for key, value in (("num_inference_steps", args.steps), ("num_frames", args.frames), ("height", args.height),
-                       ("width", args.width), ("guidance_scale", args.guidance_scale),
-                       ("negative_prompt", args.negative_prompt)):
-        if value is not None:
-            call[key] = value
+    call.update(given.values())
     settings = EvalSettings(specs, prompts, list(args.seeds), call, attn_steps=args.attn_steps,
                             attn_layers=args.attn_layers, attn_cells=args.attn_cells, warmup=args.warmup, fps=args.fps,
                             lpips=not args.no_lpips)

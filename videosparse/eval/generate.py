@@ -69,12 +69,30 @@ def generate(pipe, config, call_kwargs: dict, seed: int = 0, device: str | None 
     return GenerationResult(frames, list(timer.times), wall, stats)
 
 
+def check_call_flags(pipe, given: dict[str, str]) -> None:
+    """ValueError naming the flags of `given` ({flag: call keyword}, the flags the user gave) whose keyword the
+    pipeline's `__call__` does not take (HunyuanVideo 1.5 takes no guidance_scale); none when it takes **kwargs."""
+    import inspect
+
+    params = inspect.signature(type(pipe).__call__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    missing = {flag: key for flag, key in given.items() if key not in params}
+    if missing:
+        one = len(missing) == 1
+        raise ValueError(f"{', '.join(missing)}: {type(pipe).__name__}.__call__ takes no "
+                         f"{', '.join(missing.values())}; drop {'it' if one else 'them'} for this model.")
+
+
 def warm_up(pipe, config, call_kwargs: dict, seed: int = 0, device: str | None = None) -> int:
-    """An untimed generation of as few steps as reach `config`'s sparse path (1; with `dense_steps=k` steps, k + 1),
-    latents only: the kernels a timed generation would compile on its first sparse forward compile here. Returns
-    the steps run."""
+    """An untimed generation of as few steps as reach `config`'s sparse path (1; with `dense_steps=k` steps, k + 1;
+    never more than the call's own steps), latents only: the kernels a timed generation would compile on its first
+    sparse forward compile here. Returns the steps run (0, nothing run, when every step of the call is dense)."""
+    total = call_kwargs.get("num_inference_steps")
     steps = 1
     while config is not None and config.dense_step_count(steps) >= steps:
+        if total is not None and steps >= total:
+            return 0                                    # the call never reaches the sparse path
         steps += 1
     generate(pipe, config, {**call_kwargs, "num_inference_steps": steps}, seed=seed, device=device,
              output_type="latent")
@@ -110,12 +128,21 @@ def check_video_writer() -> None:
 
 
 def write_video(frames: np.ndarray, path: str, fps: int = 8) -> str:
-    """Write float frames [F, H, W, 3] in [0, 1] to an mp4 (imageio + ffmpeg)."""
+    """Write float frames [F, H, W, 3] in [0, 1] to an mp4 (imageio + ffmpeg), atomically: encoded into a temporary
+    file beside `path` (same suffix, so the same container), then renamed; a failed encode leaves `path` as it was."""
     from diffusers.utils import export_to_video
 
-    # macro_block_size=2: yuv420p needs even sizes; imageio's default 16 would resize e.g. 36x44 to 48x48
-    written = export_to_video(list(frames), path, fps=fps, macro_block_size=2)
-    # ffmpeg reports a file it cannot open on stderr and imageio returns as if it wrote it (a directory, /proc/...)
-    if not os.path.isfile(written) or os.path.getsize(written) == 0:
-        raise OSError(f"the video {path!r} was not written (ffmpeg could not write it: see its message above).")
-    return written
+    folder, name = os.path.split(path)
+    stem, suffix = os.path.splitext(name)
+    tmp = os.path.join(folder, f".{stem}.tmp{suffix}")
+    try:
+        # macro_block_size=2: yuv420p needs even sizes; imageio's default 16 would resize e.g. 36x44 to 48x48
+        written = export_to_video(list(frames), tmp, fps=fps, macro_block_size=2)
+        # ffmpeg reports a file it cannot open on stderr and imageio returns as if it wrote it (a directory, ...)
+        if not os.path.isfile(written) or os.path.getsize(written) == 0:
+            raise OSError(f"the video {path!r} was not written (ffmpeg could not write it: see its message above).")
+        os.replace(written, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+    return path

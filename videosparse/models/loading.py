@@ -141,6 +141,8 @@ def load_pipeline(model: str | None = None, device: str | None = None,
     """
     device = device or default_device()
     dtype = dtype or default_dtype(device)
+    if isinstance(model, str) and model.startswith("~"):     # as check_model reads it; diffusers takes no ~
+        model = os.path.expanduser(model)
     if model is None or model == "reference":
         from .reference import REFERENCE_CALL_DEFAULTS, load_reference_pipeline
 
