@@ -301,3 +301,55 @@ def test_changed_keys_names_keys_of_either_side():
     assert changed_keys(old, new) == ["call.steps: 2 -> 3", "call.negative_prompt: blurry -> None", "new: None -> 3",
                                       "gone: 2 -> None"]
     assert changed_keys(None, {"a": 1}) == ["a: None -> 1"] and changed_keys(new, new) == []
+
+
+def test_reruns_report_only_what_this_run_shows(loaded, tmp_path, monkeypatch):
+    """Review finds on reruns into one report: notes of an earlier run stayed (videos not written, when this run
+    wrote them); LPIPS averaged the cells that had it while the note said it was skipped; the heatmap plotted
+    attention cells of other prompts; a tiling JSON edited at the same path kept its old cells; an --overwrite run
+    stopped before its first cell left the old report's cells beside its own frames."""
+    import torch
+
+    from videosparse.eval import evaluate as E
+
+    class FakeLPIPS(torch.nn.Module):           # lpips needs its weights from the hub: a stand-in, mean |x - y|
+        def __init__(self):
+            super().__init__()
+            self.unused = torch.nn.Parameter(torch.zeros(1))       # where lpips_distance reads the device
+
+        def forward(self, x, y):
+            return (x - y).abs().mean((1, 2, 3))
+
+    monkeypatch.setattr(E, "load_lpips", lambda device: (FakeLPIPS(), None))
+    out, tiling = str(tmp_path / "eval"), tmp_path / "tiling.json"
+
+    def write(shape):
+        tiling.write_text(json.dumps({"format": "videosparse-tiling", "version": 1, "block": 64,
+                                      "layers": [[shape] * 2] * 2}))
+
+    def settings(prompts, **kw):
+        specs = parse_method_specs(["dense", f"veda@0.5:block=64:tiling={tiling}"])
+        return EvalSettings(specs, BUILTIN_PROMPTS[:prompts], [0], dict(CALL), attn_steps=[1], **kw)
+
+    def failing_video(*args, **kwargs):
+        raise OSError("no ffmpeg")
+
+    write([1, 8, 8])
+    with monkeypatch.context() as m:
+        m.setattr(E, "write_video", failing_video)
+        first = run_evaluation(loaded, settings(1, attn_cells=1), out, progress=False)
+    assert any("videos not written" in n for n in first["notes"])
+    second = run_evaluation(loaded, settings(2, attn_cells=0, lpips=False), out, progress=False)
+    assert not any("videos not written" in n for n in second["notes"])
+    label = next(k for k in second["summary"] if k != "dense")
+    row = second["summary"][label]
+    assert row["cells"] == 2 and row["lpips"] is None and row["ssim"] is not None     # 1 of 2 cells has LPIPS
+    from videosparse.eval.evaluate import Evaluation
+
+    again = Evaluation(loaded, settings(2, attn_cells=0, lpips=False), out, progress=False)
+    assert again._summarized_attention() == {}           # the first run's attention cell is not this run's sampling
+    write([4, 4, 4])                                     # the same path, another tiling: its cells run again
+    third = run_evaluation(loaded, settings(1, attn_cells=0, lpips=False), out, progress=False)
+    assert third["run_stats"] == {"computed": 1, "skipped": 1}
+    Evaluation(loaded, settings(1, attn_cells=0), out, overwrite=True, progress=False)     # stopped before a cell
+    assert json.load(open(os.path.join(out, "report.json")))["cells"] == {}

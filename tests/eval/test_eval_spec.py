@@ -67,3 +67,11 @@ def test_family_and_density():
     assert s.family == "veda:dense_steps=0.2" and s.density == 0.1
     assert parse_method_spec("dense").density == 1.0
     assert parse_method_spec("sol@0.3").family == "sol"
+
+
+def test_blanks_inside_a_value_stay():
+    """Review find: every blank was dropped, so `estimator=/tmp/my est` named /tmp/myest; blanks around the
+    separators still go."""
+    spec = parse_method_spec(" veda @ 0.1 : block = 64 : estimator = /tmp/my est ")
+    assert spec.label == "veda@0.1:block=64:estimator=/tmp/my est"
+    assert spec.config.estimator == "/tmp/my est" and spec.config.block == 64

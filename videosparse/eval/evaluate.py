@@ -163,9 +163,28 @@ class EvalSettings:
 
 
 def cell_id(spec: MethodSpec, prompt: str, seed: int) -> str:
-    """Stable id of one (config, prompt, seed) cell: the same config under another label is the same cell."""
-    blob = json.dumps({"config": spec.config.to_dict(), "prompt": prompt, "seed": seed}, sort_keys=True, default=str)
+    """Stable id of one (config, prompt, seed) cell: the same config under another label is the same cell; a config
+    naming a tiling JSON or an estimator folder on disk is another cell when their contents change."""
+    content = {"config": spec.config.to_dict(), "prompt": prompt, "seed": seed}
+    files = {field: _content_digest(getattr(spec.config, field)) for field in ("tiling", "estimator")
+             if isinstance(getattr(spec.config, field, None), str) and os.path.exists(getattr(spec.config, field))}
+    if files:                                   # only then: the ids of configs without files stay as they were
+        content["files"] = files
+    blob = json.dumps(content, sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+def _content_digest(path: str) -> str:
+    """sha1 of a file's bytes, or of a folder's files (relative names and bytes, in name order)."""
+    digest = hashlib.sha1()
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
+    for file in files:
+        digest.update(os.path.relpath(file, path).encode())
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _comparable(call: dict) -> dict:
@@ -337,6 +356,8 @@ class Evaluation:
             os.makedirs(os.path.join(out_dir, sub), exist_ok=True)
         self.report: dict[str, Any] = old or {"format": REPORT_FORMAT, "mode": "quality", "cells": {}, "attention": {}}
         self.report["run_key"] = key
+        if overwrite:       # the old report goes now: stopped before its first cell, a run leaves no stale cells
+            self._save()
         self._lpips = None
         self._lpips_note: str | None = None
         self._contexts: dict = {}
@@ -391,7 +412,10 @@ class Evaluation:
                           instruments=[timed, lambda p: _capture_context(p, self._contexts)])
         cid = cell_id(spec, prompt, seed)
         stored = result.frames.astype(np.float16)
-        np.save(self._frames_path(cid), stored)
+        path = self._frames_path(cid)
+        tmp = f"{path[:-len('.npy')]}.tmp.npy"             # then renamed: a kill leaves no truncated frames
+        np.save(tmp, stored)
+        os.replace(tmp, path)
         timer = timers[0]
         density, work = work_fraction(result.stats)
         cell = {
@@ -530,7 +554,8 @@ class Evaluation:
                 "psnr_db_cell_max": max((v for v in psnrs if math.isfinite(v)), default=None),
                 "cells_nan": sum(math.isnan(v) for v in psnrs),
                 "transformer_s_range": _range_of(mine, "transformer_total_s"),
-                "ssim": mean("ssim"), "lpips": mean("lpips"),
+                # LPIPS over every cell or none (a rerun with --no-lpips leaves cells without it)
+                "ssim": mean("ssim"), "lpips": mean("lpips") if all(r.get("lpips") is not None for r in mine) else None,
                 "attn_rel_l2": mean("rel_l2", probes), "tile_recall": mean("recall", probes),
                 "mass_kept": mean("mass_kept", probes), "oracle_mass_kept": mean("oracle_mass_kept", probes),
                 "attention_samples": len(probes),
@@ -602,6 +627,26 @@ class Evaluation:
             paths.append(os.path.relpath(path, self.out_dir))
         return paths, None
 
+    def _summarized_attention(self) -> dict[str, dict]:
+        """The attention cells `summarize` reads (this run's methods, pairs, steps and layers), under this run's
+        labels."""
+        s = self.settings
+        pairs, steps, layers = s.attention_sampling()
+        out = {}
+        for spec in s.methods:
+            for p, seed in pairs:
+                cid = cell_id(spec, s.prompts[p], seed)
+                cell = self.report["attention"].get(cid)
+                if not spec.is_dense and cell is not None and (cell.get("steps"), cell.get("layers")) == (steps, layers):
+                    out[cid] = {**cell, "method": spec.label}
+        return out
+
+    def _summarized_cells(self) -> list[dict]:
+        """The quality cells `summarize` reads (this run's methods, prompts and seeds)."""
+        s, cells = self.settings, self.report["cells"]
+        ids = (cell_id(m, s.prompts[p], seed) for m in s.methods for p in range(len(s.prompts)) for seed in s.seeds)
+        return [cells[c] for c in ids if c in cells]
+
     def write_plots(self, summary: dict) -> list[str]:
         from .plots import plot_error_heatmap, plot_quality_vs_density, plot_speedup_vs_density
 
@@ -610,8 +655,7 @@ class Evaluation:
         dense = summary[self.settings.methods[0].label]
         paths = [
             plot_quality_vs_density(summary, os.path.join(d, "quality_vs_density.png"), f"Quality vs density: {name}"),
-            plot_error_heatmap({k: v for k, v in self.report["attention"].items()
-                                if v["method"] in summary}, os.path.join(d, "attention_error_heatmap.png")),
+            plot_error_heatmap(self._summarized_attention(), os.path.join(d, "attention_error_heatmap.png")),
             plot_speedup_vs_density(summary, dense.get("attention_share"), os.path.join(d, "speedup_vs_density.png"),
                                     f"Transformer speedup: {name}"),
         ]
@@ -621,14 +665,14 @@ class Evaluation:
         s = self.settings
         model, shapes = self._model_facts()
         summary = self.summarize()
-        notes = [n for n in self.report.get("notes", []) if not n.startswith("LPIPS")]
+        notes = []          # every note is found again from this run's cells: none carried over from a run before
         self._lpips_model()
         if self._lpips_note:
             notes.append(self._lpips_note)
         if self.device == "cpu":
             notes.append("Run on CPU: the sparse path uses the torch reference kernel, so times say nothing about "
                          "GPU speed (use --synthetic on a GPU for that).")
-        fallbacks = sorted({reason for c in self.report["cells"].values() for comp in (c.get("stats") or {}).values()
+        fallbacks = sorted({reason for c in self._summarized_cells() for comp in (c.get("stats") or {}).values()
                             for layer in comp.get("layers", {}).values() for reason in layer.get("fallbacks", [])})
         if fallbacks:
             notes.append("Some calls fell back to dense attention: " + "; ".join(fallbacks))

@@ -133,7 +133,8 @@ def parse_method_spec(text: str, *, backend: str | None = None) -> MethodSpec:
         >>> spec.config.block, spec.config.tiling, spec.config.dense_steps       # the config's defaults
         (128, (4, 4, 8), 0.2)
     """
-    spec = "".join(str(text).split())
+    # blanks around the separators go; inside a value (a path with a space) they stay
+    spec = re.sub(r"\s*([:=@])\s*", r"\1", str(text).strip())
     m = _NAME_RE.match(spec)
     if not spec or m is None:
         raise ValueError(f"method spec {text!r} is malformed; expected NAME[@DENSITY][:KEY=VALUE...], e.g. 'veda@0.1'.")
