@@ -146,3 +146,46 @@ def test_a_from_pipe_pipeline_counts_its_own_steps_after_the_applied_one_ran():
     assert steps(other, 4) == [(i, i < 2) for i in range(4)]
     assert steps(pipe, 4) == [(i, i < 2) for i in range(4)]
     videosparse.remove(pipe)
+
+
+def test_fuse_qkv_projections_before_or_after_apply(caplog):
+    """Review finds: diffusers' CogVideoX fuse_qkv_projections() saves the processors and swaps in fused ones, and
+    unfuse_qkv_projections() puts the saved ones back. Fused before apply, unfused after: the layers went stock
+    with the session attached, silently; fused after apply: silently dense; removed, then unfused: the removed
+    session's processors came back and ran sparse. Now unfuse keeps the sparse processors, a fuse after apply is
+    warned about, and remove leaves the saved processors stock."""
+    tester = TestCogVideoXProcessors()
+    tr = tester.make_transformer()
+    inputs = tester.make_inputs(tr)
+
+    def run():
+        with torch.no_grad():
+            return tr(**inputs, return_dict=False)[0]
+
+    stock = run()
+    config = videosparse.VedaConfig(density=0.5, block=64, tiling=(1, 8, 8))
+    session = videosparse.apply(tr, config)["transformer"]
+    sparse = run()
+    assert not torch.allclose(sparse, stock)
+    videosparse.remove(tr)
+
+    tr.fuse_qkv_projections()                                    # fused, then applied, then unfused
+    session = videosparse.apply(tr, config)["transformer"]
+    torch.testing.assert_close(run(), sparse)
+    tr.unfuse_qkv_projections()
+    before = session.stats()["sparse_calls"]
+    torch.testing.assert_close(run(), sparse)
+    assert session.stats()["sparse_calls"] > before
+    videosparse.remove(tr)
+    assert all(type(p) is CogVideoXAttnProcessor2_0 for n, p in tr.attn_processors.items() if "attn1" in n)
+    torch.testing.assert_close(run(), stock)
+
+    session = videosparse.apply(tr, config)["transformer"]       # applied, then fused: a warning
+    tr.fuse_qkv_projections()
+    with caplog.at_level("WARNING", logger="videosparse"):
+        torch.testing.assert_close(run(), stock)
+    assert "hold other processors than it set" in caplog.text
+    videosparse.remove(tr)
+    tr.unfuse_qkv_projections()                                  # the saved processors are stock again
+    assert not any(hasattr(p, "session") for p in tr.attn_processors.values())
+    torch.testing.assert_close(run(), stock)

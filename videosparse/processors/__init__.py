@@ -16,6 +16,7 @@ import contextlib
 import logging
 import sys
 import types
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -112,8 +113,10 @@ def make_processors(transformer: torch.nn.Module, config, *, scheduler=None, pip
     session = SparseSession(config, method, info, originals, scheduler, pipeline)
     procs = dict(originals)
     custom = {}                                  # processors the user set in place of the stock ones -> stock
+    modules = dict(transformer.named_modules())
     for layer, proc_name in enumerate(self_attn):
         procs[proc_name] = spec.processor_cls(session, layer, originals[proc_name])
+        session.served.append(weakref.ref(modules[proc_name.rsplit(".processor", 1)[0]]))
         stock = type(procs[proc_name])._stock
         if type(originals[proc_name]) is not stock:
             custom[type(originals[proc_name]).__name__] = stock.__name__
@@ -221,7 +224,8 @@ def apply(pipe_or_transformer, config) -> dict[str, SparseSession]:
             procs = make_processors(transformer, config, pipeline=pipeline,
                                     name=name if len(transformers) > 1 else None)
             applied.append(transformer)
-            _set_attention_processors(transformer, procs)
+            _keep_through_unfuse(transformer, procs)
+            _set_attention_processors(transformer, procs)     # (diffusers' set_attn_processor empties the dict)
     except BaseException:
         for transformer in applied:
             _restore(transformer)
@@ -244,16 +248,38 @@ def _raise_recompile_limit() -> None:
                                                         4 * MIN_RECOMPILE_LIMIT)
 
 
+def _keep_through_unfuse(transformer: torch.nn.Module, procs: dict[str, Any]) -> None:
+    """After a `fuse_qkv_projections()` that saved the processors (CogVideoX: `original_attn_processors`, which
+    `unfuse_qkv_projections()` puts back), each saved entry of a served layer becomes a twin of videosparse's
+    processor there (same session and layer) that `remove` turns back into the saved one (`restores_to`): unfused
+    while applied, the layers stay sparse, and removed, they are stock and unfused."""
+    saved = getattr(transformer, "original_attn_processors", None)
+    if not isinstance(saved, dict):
+        return
+    for name, proc in procs.items():
+        if getattr(proc, "session", None) is not None and name in saved:
+            twin = type(proc)(proc.session, proc.layer, saved[name])
+            twin.restores_to = saved[name]
+            saved[name] = twin
+
+
 def _restore(transformer: torch.nn.Module) -> SparseSession | None:
     session = getattr(transformer, SESSION_ATTR, None)
     if session is None:
         return None
+    session.active = False
+    saved = getattr(transformer, "original_attn_processors", None)
+    if isinstance(saved, dict):       # a fuse's saved processors (before or after apply): videosparse's leave them
+        for name, proc in saved.items():
+            if getattr(proc, "session", None) is session:
+                saved[name] = getattr(proc, "restores_to", session.original_processors.get(name))
     current = attention_processors(transformer)
     restored = dict(current)
     for name, original in session.original_processors.items():
         mine = current.get(name)
         if getattr(mine, "session", None) is not session:
             continue        # not a layer we serve, or a processor set since apply by someone else: it stays
+        original = getattr(mine, "restores_to", original)      # a twin an unfuse put back: the unfused processor
         # a backend or context-parallel config set while applied (set_attention_backend) stays set
         for attr in ("_attention_backend", "_parallel_config"):
             if hasattr(original, attr) and getattr(mine, attr, None) is not getattr(original, attr):

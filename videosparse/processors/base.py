@@ -116,7 +116,10 @@ class SparseAttentionMixin:
             logger.warning("videosparse: layer %d " + message, self.layer, reason)
 
     def _scheduled_dense(self) -> str | None:
-        """Why the config runs this call dense ("dense config", "dense layer", "dense step"), else None."""
+        """Why the config runs this call dense ("dense config", "dense layer", "dense step"; "removed" once
+        `videosparse.remove` took the session away, for a processor still held elsewhere), else None."""
+        if not self.session.active:
+            return "removed"
         if self.session.method is None:
             return "dense config"
         if self.slot.dense:

@@ -256,6 +256,10 @@ class SparseSession:
             self.timestep_counter = TimestepCounter()
         self.forward_graph_task = -1              # the autograd graph task the latest transformer forward ran in
         self._warned_unmanaged_recompute = False
+        self.active = True                        # False once removed: processors kept elsewhere then run dense
+        # weak refs to the attention modules of the served layers: one holding a processor of another session or
+        # none (fuse_qkv_projections or set_attn_processor after apply) is warned about once
+        self.served: list[weakref.ref] = []
 
     @property
     def made_by_apply(self) -> bool:
@@ -585,6 +589,7 @@ class SparseContextHook(ModelHook):
         self._warned_unknown_steps = False
         self._warned_all_dense = False
         self._warned_training = False
+        self._warned_replaced = False
         self._checkpointing: list[torch.nn.Module] = []     # set in `initialize_hook`
         # (scheduler, its timesteps, step_index) as weak references and a value, recorded when a pipeline call ended
         # while the applied pipeline's scheduler was mid-schedule, or had no step counter: a counter its aborted call
@@ -635,6 +640,8 @@ class SparseContextHook(ModelHook):
         if torch.is_grad_enabled() and self._checkpointing:
             self._wrap_checkpointing()
         session, ctx = self.session, self.session.context
+        if not self._warned_replaced:
+            self._warn_replaced_processors()
         session.forward_graph_task = _graph_task()
         found = self.grid_fn(module, args, kwargs)
         ctx.grid, ctx.text_len, ctx.text_valid = found[0], found[1], None
@@ -695,6 +702,19 @@ class SparseContextHook(ModelHook):
         with torch.inference_mode(False):
             session.prepare(ctx.grid, ctx.text_len, device, dtype)
         session.calls += 1
+
+    def _warn_replaced_processors(self) -> None:
+        """Warn once when served layers hold other processors than videosparse set (a `fuse_qkv_projections()` or
+        `set_attn_processor(...)` after apply): those layers then run as set, not sparse."""
+        replaced = sum(1 for module in self.session.served
+                       if (m := module()) is not None and getattr(m.processor, "session", None) is not self.session)
+        if replaced:
+            self._warned_replaced = True
+            logger.warning(
+                "videosparse: %d of the %d self-attention layers it serves hold other processors than it set (replaced "
+                "after videosparse.apply, e.g. by fuse_qkv_projections() or set_attn_processor()); they run as set, "
+                "not sparse. Make such changes before videosparse.apply, or call videosparse.remove and apply again.",
+                replaced, len(self.session.served))
 
     @staticmethod
     def _records_gradients(module, args, kwargs) -> bool:
