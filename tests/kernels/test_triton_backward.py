@@ -268,7 +268,9 @@ def _aot():
 @pytest.mark.parametrize("kernel", ["dq", "dkdv", "centroids"])
 def test_backward_kernels_compile_without_spills(capability, head_dim, kernel):
     """Not run on a GPU in CI: at least they compile for Ampere and Hopper with the launch options used, fit shared
-    memory, and ptxas spills nothing (a whole 128-key tile per dk/dv program spilled 220-336 bytes at sm_80)."""
+    memory, and ptxas spills nothing (a whole 128-key tile per dk/dv program spilled 220-336 bytes at sm_80); but for
+    `_bwd_dkdv`'s 64-row steps on Hopper at head dim 128 (`default_rows`), measured 12% faster with their 68-72 bytes
+    of spill stores than 32-row steps without: at most 96 bytes there."""
     import triton
 
     tb = _aot()
@@ -280,7 +282,8 @@ def test_backward_kernels_compile_without_spills(capability, head_dim, kernel):
         assert compiled.metadata.shared <= (227 if capability == 90 else 163) * 1024
         notes = " ".join(load_script("inspect_gluon_sass").ptxas_notes(compiled.asm["ptx"], tools, arch))
         found = re.search(r"(\d+) bytes spill stores", notes)
-        assert found and int(found.group(1)) == 0, notes
+        allowed = 96 if (kernel, capability, head_dim) == ("dkdv", 90, 128) else 0
+        assert found and int(found.group(1)) <= allowed, notes
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ from ..plan import Plan, device_programs, work_order
 from ._triton_utils import COMPILE_OPTIONS, LOG2E, correction_inputs, flat_plan, key_limit, launch_signature
 from .triton_generic import BACKEND as GENERIC
 
-ROW_CHUNK = 32      # query rows per step of `_bwd_dkdv` (FlashAttention-2's and Triton's tutorial choice)
+ROW_CHUNK = 32      # query rows per step of `_bwd_dkdv` (FlashAttention-2's and Triton's tutorial choice; 64 on
+                    # Hopper at head dim 128: `default_rows`)
 DQ_KEY_CHUNK = 32   # keys (or centroids) per step of `_bwd_dq` (the same; 64 at 64-row tiles spilled at sm_80, d 64)
 KEY_SPLIT = 64      # keys per `_bwd_dkdv` program: a 128-key tile in two programs (whole, its fp32 dk, dv spill)
 CENTROID_BLOCK = 64  # centroids per `_bwd_centroids` program (as KEY_SPLIT keys)
@@ -240,13 +241,23 @@ def default_num_warps(head_dim: int, kernel: str = "dq", capability: int = 90) -
     """Warps per program of `_bwd_dq` ("dq": 8 at head dim 128 for its fp32 dq accumulator, else 4), `_bwd_dkdv`
     ("dkdv": 4) or `_bwd_centroids` ("centroids": 4 from compute capability 9.0, 8 below, where 4 spill at head dim
     64). At 12 x 32,760, d 128, density 0.1, `_bwd_dkdv` took 3.30 ms with 4 warps and 7.58 ms with 8 on the H100 (400
-    vs 174 TFLOP/s on its four products; 3.24 vs 7.60 on the H200), 64-row steps were 12% faster still but spill
-    (`scripts/sweep_backward.py --out benchmarks/backward_launch_sweep_h100.json`); `_bwd_centroids` 0.29 ms with 4
-    warps and 0.82 with 8 on the H200 (`... --correction --out benchmarks/backward_launch_sweep_correction_h200.json`;
-    0.35 vs 0.83 at CogVideoX's 48 x 17,550, d 64)."""
+    vs 174 TFLOP/s on its four products; 3.24 vs 7.60 on the H200), and 64-row steps 12% faster still
+    (`default_rows`; `scripts/sweep_backward.py --out benchmarks/backward_launch_sweep_h100.json`);
+    `_bwd_centroids` 0.29 ms with 4 warps and 0.82 with 8 on the H200 (`... --correction --out
+    benchmarks/backward_launch_sweep_correction_h200.json`; 0.35 vs 0.83 at CogVideoX's 48 x 17,550, d 64)."""
     if kernel == "centroids":
         return 4 if capability >= 90 else 8
     return 4 if kernel == "dkdv" or head_dim < 128 else 8
+
+
+def default_rows(head_dim: int, block_m: int, capability: int = 90) -> int:
+    """Query rows per step of `_bwd_dkdv`: 64 from compute capability 9.0 at head dim 128, else `ROW_CHUNK` (at most
+    block_m). At 12 x 32,760, d 128, density 0.1 on the H100 the kernel took 2.91 ms with 64 rows and 3.30 with 32
+    (453 vs 400 TFLOP/s; 0.29 vs 0.32 ms at 12 x 8,192), though ptxas spills there (68-72 bytes of stores at 255
+    registers); at head dim 64 64 rows were slower (2.53 vs 2.34 ms at CogVideoX's 48 x 17,550;
+    `scripts/sweep_backward.py --out benchmarks/backward_launch_sweep_h100.json`)."""
+    rows = 64 if capability >= 90 and head_dim == 128 else ROW_CHUNK
+    return min(block_m, rows)
 
 
 def _capability(t: torch.Tensor) -> int:
@@ -349,7 +360,7 @@ def launch_dkdv(inp: BackwardInputs, dk: torch.Tensor, dv: torch.Tensor, *, keys
     bm, bn = inp.plan.block_m, inp.plan.block_n
     Sk = inp.k.shape[2]
     Nk = math.ceil(Sk / bn)
-    keys, rows = keys or min(bn, KEY_SPLIT), rows or min(bm, ROW_CHUNK)
+    keys, rows = keys or min(bn, KEY_SPLIT), rows or default_rows(D, bm, _capability(inp.q))
     if bn % keys or bm % rows:
         raise ValueError(f"keys={keys} and rows={rows} must divide the plan's tiles ({bm} x {bn}).")
     return _bwd_dkdv[(B * H * Nk * (bn // keys),)](
@@ -440,7 +451,7 @@ def compile_backward(kernel: str = "dq", *, capability: int = 90, head_dim: int 
     if kernel == "dq":
         constants.update(KEY_CHUNK=min(block_n, DQ_KEY_CHUNK), CORRECTION=correction)
     elif kernel == "dkdv":
-        constants.update(KEYS=min(block_n, KEY_SPLIT), ROWS=min(block_m, ROW_CHUNK))
+        constants.update(KEYS=min(block_n, KEY_SPLIT), ROWS=default_rows(head_dim, block_m, capability))
     else:
         constants = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, CENTROIDS=CENTROID_BLOCK, ROWS=min(block_m, ROW_CHUNK),
                          UPCAST=False)
