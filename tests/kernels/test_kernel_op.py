@@ -170,3 +170,48 @@ def test_a_backward_called_under_autocast_gives_the_gradients_of_one_called_outs
         grads.append([t.grad for t in (q, k, v)])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_the_op_called_directly_takes_a_plan_without_index_columns():
+    """Review find: the op itself (not the public function) gave the Triton kernels a plan with Kmax = 0, whose first
+    index they read out of bounds (a segfault under the interpreter). In a child process: the interpreter is read at
+    import."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from videosparse.kernels.ops import block_sparse_attention_op
+q = k = v = torch.randn(1, 2, 40, 64)
+out, lse = block_sparse_attention_op(q, k, v, torch.zeros(1, 2, 2, 0, dtype=torch.int32),
+                                     torch.zeros(1, 2, 2, dtype=torch.int32), 32, 32, None, None, None, None, None,
+                                     0.125, "triton")
+assert out.abs().max() == 0 and torch.isneginf(lse).all()
+print("ok")
+"""
+    env = {**__import__("os").environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
+
+
+def test_sol_plan_path_compiles_with_gradients_on_q_alone():
+    """Review find: with only q recording gradients (LoRA on to_q alone), torch.compile took the centroid op (no
+    backward) and marked its outputs differentiable; the correction's backward then ran into it. q_mean only routes:
+    it is detached."""
+    from videosparse.sol.centroids import tile_stats
+    from videosparse.sol.threshold import calibrate_tau, routing_zscores, sol_plan_from_zscores
+
+    def step(q, k, v):
+        q_mean, k_mean, v_sum, tile_len = tile_stats(q, k, v, 32)
+        z = routing_zscores(q_mean, k_mean, 1 / 8, 1)
+        tau, _ = calibrate_tau(z, 0.5, 0, 1)
+        plan = sol_plan_from_zscores(z, tau, 0, 32, width=z.shape[-1]).with_correction(k_mean, v_sum, tile_len)
+        return block_sparse_attention(q, k, v, plan, validate=False).square().sum()
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 96, 64, generator=g, requires_grad=True)
+    k, v = torch.randn(1, 2, 96, 64, generator=g), torch.randn(1, 2, 96, 64, generator=g)
+    step(q, k, v).backward()
+    eager, q.grad = q.grad.clone(), None
+    torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, v).backward()
+    torch.testing.assert_close(q.grad, eager)

@@ -32,7 +32,8 @@ def block_sparse_attention_op(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, H, S, D] in q's dtype, lse fp32 [B, H, S]) for the plan given by its tensors."""
-    plan = Plan(kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, order, valid_keys)
+    # an index slot as the public function gives: a plan with no index columns (Kmax 0) read out of bounds
+    plan = Plan(kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, order, valid_keys).with_index_slot()
     impl = select_backend(q, k, v, plan, backend)
     out, lse = impl(q, k, v, plan, scale, True)
     return out.contiguous(), lse.contiguous()

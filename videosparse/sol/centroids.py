@@ -121,8 +121,12 @@ def tile_stats(
         backend: as in `tile_centroids`.
 
     Returns:
-        q_mean fp32 [B, H, N, D], k_mean fp32 [B, H, N, D], v_sum fp32 [B, H, N, D], tile_len int32 [N].
+        q_mean fp32 [B, H, N, D] (no gradient: it only routes), k_mean fp32 [B, H, N, D], v_sum fp32 [B, H, N, D],
+        tile_len int32 [N].
     """
+    # q detached: a q that records gradients (LoRA on to_q alone) would otherwise, under torch.compile, mark the op's
+    # outputs as differentiable, and the correction's backward would run into the op, which has no backward
+    q = q.detach()
     if _records_gradient(k, v):
         return (tile_means_torch(q, block), *tile_centroids_torch(k, v, block))
     if backend == "auto" and torch.compiler.is_compiling():
