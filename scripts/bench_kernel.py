@@ -564,7 +564,8 @@ def write_json(path, results) -> None:
 
 
 def exit_code(results) -> int:
-    """1 when a correctness check failed or a step raised (the deadline's notes aside), else 0."""
+    """1 when a correctness check failed (ours or a peer's: FA4, Flex) or a step raised (the deadline's notes
+    aside), else 0."""
     failed = any(not c["ok"] for c in results["correctness"])
     return int(failed or any(not e.startswith("deadline:") for e in results["errors"]))
 

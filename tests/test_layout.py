@@ -196,3 +196,18 @@ def test_indices_first_built_in_inference_mode_serve_autograd_later(per_head):
     x = torch.randn(1, 32, 2, 8, requires_grad=True)
     tiling.scatter(tiling.gather(x) * 2).sum().backward()
     assert torch.equal(x.grad, torch.full_like(x, 2))
+
+
+def test_groups_take_numpy_and_torch_ints_and_a_fresh_layout_compiles_whole():
+    """Review finds on the checks added: numpy / torch integer groups were refused; the inference-mode query ran
+    before the compiling check, a graph break at an index-cache miss under torch.compile."""
+    import numpy as np
+
+    layout = TileLayout((2, 4, 4), (1, 4, 4), 16)
+    x = torch.randn(1, 32, 2, 8)
+    for groups in (np.int64(2), torch.tensor(2)):
+        assert torch.equal(layout.gather(x, groups=groups), layout.gather(x, groups=2))
+    fresh = TileLayout((2, 4, 4), (2, 2, 4), 16)
+    fresh.perm, fresh.inv           # (a cached_property takes a lock on Python 3.11, which Dynamo cannot enter)
+    compiled = torch.compile(lambda t: fresh.gather(t), fullgraph=True, backend="eager")     # a device-cache miss
+    assert torch.equal(compiled(x), TileLayout((2, 4, 4), (2, 2, 4), 16).gather(x))

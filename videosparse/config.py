@@ -105,7 +105,7 @@ def _is_int(value: Any) -> bool:
 def parse_tile(text: Any) -> Any:
     """'4x4x8' (any case of x) -> (4, 4, 8); anything else is returned as it is (a shape, or a tiling JSON path)."""
     if isinstance(text, str):
-        parts = text.strip().lower().split("x")
+        parts = "".join(text.split()).lower().split("x")      # '4 x 4 x 8' too
         if len(parts) == 3 and all(p.isascii() and p.isdigit() for p in parts):
             return tuple(int(p) for p in parts)
     return text

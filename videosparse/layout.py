@@ -31,7 +31,7 @@ TEXT_POSITIONS = ("before", "after")
 def _normal_tensors():
     """A context in which new tensors are normal ones even inside `torch.inference_mode`: the cached index tensors
     outlive the call that builds them, and an inference tensor could not be saved for a later call's backward."""
-    if torch.is_inference_mode_enabled() and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():     # (Dynamo traces no such query)
         return torch.inference_mode(False)
     return contextlib.nullcontext()
 
@@ -178,7 +178,7 @@ class TileLayout:
         `HeadPairRope`); returns the gather of `apply_rope(x, rope)`, fused into one pass where `rope_gather` applies.
         groups: output heads per head of x (grouped-query KV heads repeated: output head h is x's head h // groups).
         """
-        check_groups(groups)
+        groups = check_groups(groups)
         _check_seq(x, self.seq_len, "x")
         perm, _ = self.indices(x.device)
         fused, x = _rope_first(x, perm, rope, groups)
@@ -321,7 +321,7 @@ class HeadTiling:
     def gather(self, x: torch.Tensor, rope=None, groups: int = 1) -> torch.Tensor:
         """(B, S, H / groups, D) original order -> (B, H, S, D) contiguous, each head in its own tile order
         (`rope` and `groups` as in `TileLayout.gather`)."""
-        check_groups(groups)
+        groups = check_groups(groups)
         if x.dim() == 4 and x.shape[2] * groups != len(self.tiles):
             raise ValueError(f"x has {x.shape[2]} heads (x {groups} groups) but the tiling names {len(self.tiles)} "
                              "tile shapes.")

@@ -21,6 +21,7 @@ form itself, so the fused kernel is not used there.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import NamedTuple
 
@@ -194,10 +195,18 @@ def _fused_reason(x: torch.Tensor, style: str, freqs_cos: torch.Tensor, freqs_si
     return None
 
 
-def check_groups(groups) -> None:
-    """Raise a ValueError unless `groups` (output heads per head of x, grouped-query KV heads) is an int >= 1."""
-    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+def check_groups(groups) -> int:
+    """`groups` (output heads per head of x, grouped-query KV heads) as a Python int >= 1 (numpy and 0-dim torch
+    integers taken), else a ValueError naming it."""
+    try:
+        if isinstance(groups, bool):
+            raise TypeError
+        value = operator.index(groups)
+    except TypeError:
+        value = 0
+    if value < 1:
         raise ValueError(f"groups={groups!r} must be an int >= 1 (output heads per head of x).")
+    return value
 
 
 def rope_gather(x: torch.Tensor, perm: torch.Tensor, rope, *, backend: str = "auto",
@@ -218,7 +227,7 @@ def rope_gather(x: torch.Tensor, perm: torch.Tensor, rope, *, backend: str = "au
     """
     if backend not in ROPE_BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; choose one of {ROPE_BACKENDS}.")
-    check_groups(groups)
+    groups = check_groups(groups)
     if backend == "torch":
         return None
     if backend == "auto":

@@ -353,3 +353,22 @@ def test_reruns_report_only_what_this_run_shows(loaded, tmp_path, monkeypatch):
     assert third["run_stats"] == {"computed": 1, "skipped": 1}
     Evaluation(loaded, settings(1, attn_cells=0), out, overwrite=True, progress=False)     # stopped before a cell
     assert json.load(open(os.path.join(out, "report.json")))["cells"] == {}
+
+
+def test_an_estimator_folder_is_known_by_the_files_it_loads(tmp_path):
+    """Review find: the cell id hashed every file of an estimator folder, a distill output with its capture cache of
+    many GB among them (read for every cell, and another id whenever a log line was added)."""
+    from videosparse.config import VedaConfig
+    from videosparse.eval.spec import MethodSpec
+
+    est = tmp_path / "est"
+    (est / "cache").mkdir(parents=True)
+    (est / "config.json").write_text("{}")
+    (est / "model.safetensors").write_bytes(b"weights 1")
+    spec = MethodSpec("veda", VedaConfig(estimator=str(est)))
+    first = cell_id(spec, "p", 0)
+    (est / "cache" / "p00000_s0.safetensors").write_bytes(b"x" * 1000)
+    (est / "log.jsonl").write_text("{}\n")
+    assert cell_id(spec, "p", 0) == first
+    (est / "model.safetensors").write_bytes(b"weights 2!")
+    assert cell_id(spec, "p", 0) != first

@@ -75,3 +75,8 @@ def test_blanks_inside_a_value_stay():
     spec = parse_method_spec(" veda @ 0.1 : block = 64 : estimator = /tmp/my est ")
     assert spec.label == "veda@0.1:block=64:estimator=/tmp/my est"
     assert spec.config.estimator == "/tmp/my est" and spec.config.block == 64
+
+
+def test_a_tile_shape_with_blanks_is_a_shape():
+    """Review find: with blanks kept inside values, `tiling=4 x 4 x 8` became a path."""
+    assert parse_method_spec("veda@0.1:tiling=4 x 4 x 8").config.tiling == (4, 4, 8)

@@ -464,6 +464,9 @@ def test_a_resumed_run_drops_the_log_lines_past_its_checkpoint(tmp_path):
     log.write_text("".join(json.dumps({"step": i, "loss": 1.0}) + "\n" for i in (1, 2, 3, 4)))
     _truncate_log(str(log), 2)
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2]
+    log.write_text(log.read_text() + '{"step": 3, "lo')          # cut by a kill or a full disk: dropped
+    _truncate_log(str(log), 3)
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2]
 
 
 def test_train_config_refuses_sizes_and_rates_that_would_fail_mid_run():
@@ -476,7 +479,8 @@ def test_train_config_refuses_sizes_and_rates_that_would_fail_mid_run():
                           (dict(height=18), r"\(num_frames, height, width\)=\(16, 18, 64\)"),
                           (dict(width=4), "at least 2 frames and 8 x 8"), (dict(alt_sizes=((4.5, 16, 16),)), "alt"),
                           (dict(learning_rate=-1), "learning_rate=-1"), (dict(ema_decay=1.5), "ema_decay=1.5"),
-                          (dict(shift=0), "shift=0"), (dict(learning_rate=float("nan")), "learning_rate=nan")):
+                          (dict(shift=0), "shift=0"), (dict(learning_rate=float("nan")), "learning_rate=nan"),
+                          (dict(travel=None), "travel=None must be")):
         with pytest.raises(ValueError, match=match):
             TrainConfig(**kwargs)
     assert TrainConfig(alt_sizes=[[4, 8, 8]]).alt_sizes == ((4, 8, 8),)
@@ -500,6 +504,8 @@ def test_pipeline_refuses_bad_calls_and_repeats_given_embeddings():
     given = pipe(prompt_embeds=emb, num_videos_per_prompt=2, generator=torch.Generator().manual_seed(0), **kw).frames
     computed = pipe("a red circle", num_videos_per_prompt=2, generator=torch.Generator().manual_seed(0), **kw).frames
     assert given.shape[0] == 2 and torch.allclose(given, computed, atol=1e-5), (given - computed).abs().max()
+    steps = pipe("a red circle", **{**kw, "num_inference_steps": np.int64(1)}).frames       # numpy ints as diffusers
+    assert steps.shape == computed[:1].shape
 
 
 def test_direction_prompt_gap_runs_in_half_precision():

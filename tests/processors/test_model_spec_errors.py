@@ -46,3 +46,26 @@ print("ok")
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_a_failed_built_in_registration_is_tried_again(monkeypatch):
+    """Review find: the registry marked the built-ins loaded before their import ran, so one failed import left
+    every later lookup with an empty list of supported models."""
+    from videosparse.processors import registry
+
+    calls = []
+
+    def failing():
+        calls.append(1)
+        raise ImportError("a diffusers without these classes")
+
+    monkeypatch.setattr(registry, "_BUILTINS_LOADED", [False])
+    real = registry._register_builtin_models
+    monkeypatch.setattr(registry, "_register_builtin_models", failing)
+    for _ in range(2):
+        with pytest.raises(ImportError, match="without these classes"):
+            registry._load_builtins()
+    assert len(calls) == 2 and registry._BUILTINS_LOADED == [False]
+    monkeypatch.setattr(registry, "_register_builtin_models", real)     # the real one registers through
+    registry._load_builtins()                                           # register_model: no deadlock on the lock
+    assert registry._BUILTINS_LOADED == [True]

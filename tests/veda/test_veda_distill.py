@@ -543,3 +543,10 @@ def test_search_output_block_and_padding_are_checked_by_type(tmp_path):
     with pytest.raises(ValueError, match=r"block=64.0 .* ints \(64, 128\)"):
         make_cfg(tmp_path, block=64.0)
     assert TilingSearchConfig(output=tmp_path / "t.json", block=64, max_padding=0).output == out
+    # numpy and 0-dim torch ints stay taken (as VedaConfig takes them), as plain ints
+    import numpy as np
+    import torch
+
+    for block in (np.int64(64), torch.tensor(64)):
+        searched = TilingSearchConfig(output=out, block=block)
+        assert searched.block == 64 and type(searched.block) is int

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-from ..config import _check_block, parse_tile
+from ..config import _check_block, _plain_numbers, parse_tile
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
 CACHE_DTYPES = ("float32", "float16", "bfloat16")
@@ -339,6 +339,7 @@ class DistillConfig(CaptureConfig):
             raise ValueError(f"output_dir={self.output_dir!r} is a file; give a directory (made when missing).")
         _refuse_file_parent("output_dir", self.output_dir)
         _density("density", self.density)
+        _plain_numbers(self, ("block",))                # numpy / 0-dim torch ints as ints, as VedaConfig takes them
         _check_block(self.block)                        # 128.0 too: as VedaConfig, not after the model load
         object.__setattr__(self, "tiling", _tiling(self.tiling, self.block))
         if isinstance(self.tiling, str):                # a missing or malformed file: now, not after the capture
@@ -412,6 +413,7 @@ class TilingSearchConfig(CaptureConfig):
                              "directory.")
         _refuse_file_parent("output", self.output)
         _density("density", self.density)
+        _plain_numbers(self, ("block",))
         _check_block(self.block)
         if isinstance(self.max_padding, bool) or not isinstance(self.max_padding, (int, float)) or \
                 not 0 <= self.max_padding < 1:

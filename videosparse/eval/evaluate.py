@@ -174,17 +174,27 @@ def cell_id(spec: MethodSpec, prompt: str, seed: int) -> str:
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
+# the files of an estimator folder that `VedaEstimator.from_pretrained` reads (a distill output folder also holds its
+# capture cache, checkpoints and logs: not part of what the estimator is)
+ESTIMATOR_FILES = ("config.json", "model.safetensors")
+_DIGESTS: dict[tuple, str] = {}     # (path, its files' names, sizes and mtimes) -> digest: read once per version
+
+
 def _content_digest(path: str) -> str:
-    """sha1 of a file's bytes, or of a folder's files (relative names and bytes, in name order)."""
-    digest = hashlib.sha1()
-    files = [path] if os.path.isfile(path) else sorted(
-        os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
-    for file in files:
-        digest.update(os.path.relpath(file, path).encode())
-        with open(file, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-    return digest.hexdigest()
+    """sha1 of a file's bytes, or of an estimator folder's `ESTIMATOR_FILES` (names and bytes), memoised while the
+    files' sizes and modification times stay."""
+    files = [path] if os.path.isfile(path) else [os.path.join(path, n) for n in ESTIMATOR_FILES
+                                                 if os.path.isfile(os.path.join(path, n))]
+    stamp = (os.path.abspath(path), tuple((f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files))
+    if stamp not in _DIGESTS:
+        digest = hashlib.sha1()
+        for file in files:
+            digest.update(os.path.basename(file).encode())
+            with open(file, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
+        _DIGESTS[stamp] = digest.hexdigest()
+    return _DIGESTS[stamp]
 
 
 def _comparable(call: dict) -> dict:

@@ -22,6 +22,7 @@ The default clip, 16 frames of 64x64 pixels, is a (16, 16, 16) token grid: 4,096
 from __future__ import annotations
 
 import logging
+import operator
 import os
 from typing import Any, Callable
 
@@ -215,7 +216,11 @@ class ReferenceVideoPipeline(DiffusionPipeline):
             raise ValueError(f"output_type={output_type!r} must be one of {OUTPUT_TYPES}.")
         for name, value in (("num_inference_steps", num_inference_steps),
                             ("num_videos_per_prompt", num_videos_per_prompt)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            try:                                        # numpy and 0-dim torch integers too
+                ok = not isinstance(value, bool) and operator.index(value) >= 1
+            except TypeError:
+                ok = False
+            if not ok:
                 raise ValueError(f"{name}={value!r} must be an int >= 1.")
         if callback_on_step_end_tensor_inputs is not None and not all(
                 k in self._callback_tensor_inputs for k in callback_on_step_end_tensor_inputs):

@@ -138,7 +138,10 @@ def sample_specs(n: int, generator: torch.Generator | None = None, *, p_size_wor
 
 def check_travel(travel) -> tuple[float, float]:
     """`travel` as (shortest, longest) floats; ValueError unless 0 < shortest <= longest."""
-    travel = tuple(float(t) for t in travel)
+    try:
+        travel = tuple(float(t) for t in travel)
+    except (TypeError, ValueError):
+        raise ValueError(f"travel={travel!r} must be (shortest, longest) with 0 < shortest <= longest.") from None
     if len(travel) != 2 or not 0.0 < travel[0] <= travel[1]:
         raise ValueError(f"travel={travel} must be (shortest, longest) with 0 < shortest <= longest.")
     return travel

@@ -175,7 +175,8 @@ class TrainConfig:
                 raise ValueError(f"{name}={value!r} must be a dict of config fields (or None: none).")
             setattr(self, name, value)
         patch = tuple(self.transformer_overrides.get("patch_size", PATCH_SIZE))
-        self.alt_sizes = () if self.alt_sizes is None else tuple(_clip_size(s, f"alt_sizes[{i}]", patch) for i, s in enumerate(self.alt_sizes))
+        self.alt_sizes = () if self.alt_sizes is None else tuple(
+            _clip_size(s, f"alt_sizes[{i}]", patch) for i, s in enumerate(self.alt_sizes))
         _clip_size((self.num_frames, self.height, self.width), "(num_frames, height, width)", patch)
 
     def to_dict(self) -> dict[str, Any]:
@@ -257,12 +258,21 @@ def _truncate_log(path: str, step: int) -> None:
     run logs the steps after its checkpoint again."""
     with open(path) as f:
         lines = [line for line in f if line.strip()]
-    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    kept = [line for line in lines if (entry := _log_entry(line)) is not None and entry.get("step", 0) <= step]
     if len(kept) != len(lines):
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             f.writelines(kept)
         os.replace(tmp, path)
+
+
+def _log_entry(line: str) -> dict | None:
+    """A loss-log line as its dict; None for a damaged one (a line cut by a full disk or a kill), dropped."""
+    try:
+        entry = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return entry if isinstance(entry, dict) else None
 
 
 def _checkpoints(output_dir: str) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,15 +37,26 @@ class ModelSpec:
 
 _MODEL_SPECS: dict[type, Callable[[], ModelSpec]] = {}
 _BUILTINS_LOADED = [False]
+_BUILTINS_LOADING = [False]        # inside `_register_builtin_models` (its own `register_model` calls)
+_BUILTINS_LOCK = threading.RLock()
 
 
 def _load_builtins() -> None:
-    """Register the built-in models once; an entry registered before (a user's) keeps its place over them."""
-    if not _BUILTINS_LOADED[0]:
-        _BUILTINS_LOADED[0] = True
-        user = dict(_MODEL_SPECS)
-        _register_builtin_models()
-        _MODEL_SPECS.update(user)
+    """Register the built-in models once (again on the next call if their import failed; another thread waits for a
+    load in progress); an entry registered before (a user's) keeps its place over them."""
+    if _BUILTINS_LOADED[0]:
+        return
+    with _BUILTINS_LOCK:
+        if _BUILTINS_LOADED[0] or _BUILTINS_LOADING[0]:
+            return
+        _BUILTINS_LOADING[0] = True
+        try:
+            user = dict(_MODEL_SPECS)
+            _register_builtin_models()
+            _MODEL_SPECS.update(user)
+            _BUILTINS_LOADED[0] = True
+        finally:
+            _BUILTINS_LOADING[0] = False
 
 
 def register_model(transformer_cls: type, spec_factory: Callable[[], ModelSpec]) -> None:
