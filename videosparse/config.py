@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import operator
 import os
 from dataclasses import dataclass, field
 from collections.abc import Mapping
@@ -95,6 +96,20 @@ def _dense_schedule(dense_steps: int | float, dense_layers: tuple[int, ...]) -> 
 def _check_density(name: str, density: float) -> None:
     if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < float(density) <= 1.0:
         raise ValueError(f"{name}={density!r} must be a number in (0, 1] (the fraction of key tiles computed exactly).")
+
+
+def int_at_least(value: Any, low: int, name: str, what: str) -> int:
+    """`value` as a Python int >= low (numpy and 0-dim torch integers taken; floats and bools refused), or a
+    ValueError naming it ("<name>=<value> must be an int >= <low> (<what>).")."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value_int = operator.index(value)
+    except TypeError:
+        value_int = None
+    if value_int is None or value_int < low:
+        raise ValueError(f"{name}={value!r} must be an int >= {low} ({what}).")
+    return value_int
 
 
 def _is_int(value: Any) -> bool:

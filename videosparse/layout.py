@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from .config import int_at_least
 from .rope import apply_rope, check_groups, rope_gather
 
 TEXT_POSITIONS = ("before", "after")
@@ -100,13 +101,13 @@ class TileLayout:
 
     def __post_init__(self) -> None:
         grid = _grid(self.grid)
-        block = _int_at_least(self.block, 1, "block", "tokens per tile")
+        block = int_at_least(self.block, 1, "block", "tokens per tile")
         tile = _int_triple(self.tile)
         if tile is None or min(tile) < 1 or math.prod(tile) != block:
             raise ValueError(
                 f"tile={self.tile!r} must be three positive ints whose product equals block={self.block}."
             )
-        text_len = _int_at_least(self.text_len, 0, "text_len", "text tokens in the sequence")
+        text_len = int_at_least(self.text_len, 0, "text_len", "text tokens in the sequence")
         if self.text_position not in TEXT_POSITIONS:
             raise ValueError(f"text_position={self.text_position!r} must be one of {TEXT_POSITIONS}.")
         for name, value in (("grid", grid), ("tile", tile), ("block", block), ("text_len", text_len)):
@@ -375,20 +376,6 @@ def _grid(values) -> tuple[int, int, int]:
     if grid is None or min(grid) < 1:
         raise ValueError(f"grid={values!r} must be three positive ints (T, H, W).")
     return grid
-
-
-def _int_at_least(value, low: int, name: str, what: str) -> int:
-    """`value` as a Python int >= low (numpy and 0-dim tensor integers taken; floats and bools refused), or a
-    ValueError naming it."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        value_int = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name}={value!r} must be an int >= {low} ({what}).") from None
-    if value_int < low:
-        raise ValueError(f"{name}={value!r} must be an int >= {low} ({what}).")
-    return value_int
 
 
 def head_tiling(

@@ -21,11 +21,12 @@ form itself, so the fused kernel is not used there.
 
 from __future__ import annotations
 
-import operator
 import weakref
 from typing import NamedTuple
 
 import torch
+
+from .config import int_at_least
 
 ROPE_BACKENDS = ("auto", "triton", "torch")
 
@@ -198,15 +199,7 @@ def _fused_reason(x: torch.Tensor, style: str, freqs_cos: torch.Tensor, freqs_si
 def check_groups(groups) -> int:
     """`groups` (output heads per head of x, grouped-query KV heads) as a Python int >= 1 (numpy and 0-dim torch
     integers taken), else a ValueError naming it."""
-    try:
-        if isinstance(groups, bool):
-            raise TypeError
-        value = operator.index(groups)
-    except TypeError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"groups={groups!r} must be an int >= 1 (output heads per head of x).")
-    return value
+    return int_at_least(groups, 1, "groups", "output heads per head of x")
 
 
 def rope_gather(x: torch.Tensor, perm: torch.Tensor, rope, *, backend: str = "auto",

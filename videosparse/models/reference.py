@@ -22,7 +22,6 @@ The default clip, 16 frames of 64x64 pixels, is a (16, 16, 16) token grid: 4,096
 from __future__ import annotations
 
 import logging
-import operator
 import os
 from typing import Any, Callable
 
@@ -32,6 +31,7 @@ from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 
+from ..config import int_at_least
 from .reference_data import DEFAULT_PROMPT
 from .reference_text import MAX_TEXT_LENGTH, ReferenceTextEncoder, build_reference_tokenizer
 
@@ -214,14 +214,8 @@ class ReferenceVideoPipeline(DiffusionPipeline):
             raise ValueError("Pass either `negative_prompt` or `negative_prompt_embeds`, not both.")
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"output_type={output_type!r} must be one of {OUTPUT_TYPES}.")
-        for name, value in (("num_inference_steps", num_inference_steps),
-                            ("num_videos_per_prompt", num_videos_per_prompt)):
-            try:                                        # numpy and 0-dim torch integers too
-                ok = not isinstance(value, bool) and operator.index(value) >= 1
-            except TypeError:
-                ok = False
-            if not ok:
-                raise ValueError(f"{name}={value!r} must be an int >= 1.")
+        int_at_least(num_inference_steps, 1, "num_inference_steps", "denoising steps")
+        int_at_least(num_videos_per_prompt, 1, "num_videos_per_prompt", "clips per prompt")
         if callback_on_step_end_tensor_inputs is not None and not all(
                 k in self._callback_tensor_inputs for k in callback_on_step_end_tensor_inputs):
             raise ValueError(f"callback_on_step_end_tensor_inputs must be among {self._callback_tensor_inputs}, "
