@@ -91,7 +91,6 @@ def _(q, k, v, out, lse, kv_index, kv_count, block_m, block_n, k_mean, v_sum, ti
 def _keep_inputs(ctx, inputs, output):
     q, k, v, kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, order, valid_keys, scale, backend = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, kv_index, kv_count, k_mean, v_sum, tile_len, valid_keys)
     ctx.block_m, ctx.block_n, ctx.scale = block_m, block_n, scale
     # whether the Triton backward serves the backend that ran the forward (asked as the op asks, from the inputs'
     # metadata only)
@@ -100,12 +99,18 @@ def _keep_inputs(ctx, inputs, output):
         ctx.head_dim = kernel_head_dim(q, plan, select_backend(q, k, v, plan, backend))
     except Exception:                       # a backend check that needs real data: the reference's backward
         ctx.head_dim = 0
+    # out and lse only for the Triton backward: the reference's row recompute reads neither (an activation-sized
+    # tensor per layer less to keep)
+    kept = (out, lse) if ctx.head_dim else (None, None)
+    ctx.save_for_backward(q, k, v, *kept, kv_index, kv_count, k_mean, v_sum, tile_len, valid_keys)
 
 
 def _backward(ctx, grad_out, grad_lse):
     """`autograd.attention_backward` as the op's own custom op, whichever backend ran the forward (all compute the
     reference's function; the kernels have no backward of their own)."""
     q, k, v, out, lse, kv_index, kv_count, k_mean, v_sum, tile_len, valid_keys = ctx.saved_tensors
+    if out is None:                         # not kept for the reference's backward, which does not read them
+        out, lse = q.new_empty(0), q.new_empty(0, dtype=torch.float32)
     if grad_out is None:
         grad_out = torch.zeros_like(q)
     if grad_lse is None:
