@@ -78,3 +78,38 @@ def test_compiled_kernels_have_fp_fusion_on():
         pytest.skip("TRITON_INTERPRET=1 is set in this process: kernels are interpreted, not compiled")
     assert COMPILE_OPTIONS == {"enable_fp_fusion": True}
     assert triton_hopper.compile_for_sm90(head_dim=64).metadata.enable_fp_fusion is True
+
+
+# launchers reached only from a guarded one (their callers' inputs set the device): name -> the guarded callers
+INNER_LAUNCHERS = {
+    "correction_inputs": "gluon_attention, hopper_attention, generic_attention, triton_attention_backward",
+    "combine_parts": "gluon_attention",
+    "centroid_pass": "hopper_attention",
+    "prepare_backward": "triton_attention_backward (and scripts/sweep_backward.py, one device)",
+    "launch_dq": "triton_attention_backward",
+    "launch_dkdv": "triton_attention_backward",
+    "centroid_gradients": "triton_attention_backward",
+}
+
+
+def test_every_launcher_runs_on_its_inputs_device():
+    """Every function that launches a kernel is decorated `on_input_device` (Triton launches on the current device,
+    not the inputs'), or is one of the inner launchers above that only guarded functions call."""
+    unguarded, seen = [], set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        jit = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and any(map(_is_jit, f.decorator_list))}
+        for fn in tree.body:
+            if not isinstance(fn, ast.FunctionDef) or fn.name in jit:
+                continue
+            launches = any(isinstance(c, ast.Call) and isinstance(c.func, ast.Subscript)
+                           and isinstance(c.func.value, ast.Name) and c.func.value.id in jit for c in ast.walk(fn))
+            if not launches:
+                continue
+            seen.add(fn.name)
+            guarded = any(isinstance(d, ast.Name) and d.id == "on_input_device" for d in fn.decorator_list)
+            if not guarded and fn.name not in INNER_LAUNCHERS:
+                unguarded.append(f"{path.relative_to(PACKAGE)}:{fn.lineno} {fn.name}")
+    assert len(seen) >= 17, sorted(seen)
+    assert set(INNER_LAUNCHERS) <= seen, set(INNER_LAUNCHERS) - seen
+    assert not unguarded, f"launchers without @on_input_device: {unguarded}"

@@ -21,6 +21,7 @@ to the numerator and exp(s - m) * len to the denominator, exactly as the referen
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -39,6 +40,24 @@ NEG_BIG = tl.constexpr(-1.0e30)
 # scale-and-subtract) is what the kernels were tuned and tested with; Triton 3.9 warns that its default turns it off
 # from 3.10, so it is asked for by name, not left to the default
 COMPILE_OPTIONS = dict(enable_fp_fusion=True)
+
+
+def on_input_device(launcher):
+    """Decorator: run `launcher` with the CUDA device of its first tensor argument current. Triton compiles for and
+    launches on the current device, not the tensors' one: inputs on cuda:1 with cuda:0 current (a pipeline moved
+    there, diffusers' device_map="balanced") failed with "Pointer argument cannot be accessed from Triton" or, with
+    peer access, ran on the wrong GPU. CPU tensors (the interpreter) pass through without touching torch.cuda."""
+
+    @functools.wraps(launcher)
+    def guarded(*args, **kwargs):
+        tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if tensor is None or tensor.device.type != "cuda" or tensor.device.index == torch.cuda.current_device():
+            return launcher(*args, **kwargs)
+        with torch.cuda.device(tensor.device):
+            return launcher(*args, **kwargs)
+
+    guarded.on_input_device = True
+    return guarded
 
 
 def interpreter_active() -> bool:

@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..plan import Plan, device_programs
 from ._triton_utils import (COMPILE_OPTIONS, LOG2E, aot_seq_len, correction_inputs, key_limit, launch_dims,
-                            launch_signature)
+                            launch_signature, on_input_device)
 from .probe import probe_kernel
 from .tail_split import AUTO_MIN_SAVED, combine_parts, tail_split
 from .triton_generic import generic_attention
@@ -657,6 +657,7 @@ def default_late_k_release(head_dim: int) -> bool:
     return head_dim == 128
 
 
+@on_input_device
 def gluon_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False, *, num_stages: int | None = None,
                     q_buffers: int = 2, tma_store: bool = True, split_tail: bool | None = None,
                     late_k_release: bool | None = None, late_q_release: bool | None = None,

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from ..plan import Plan, device_programs, work_order
-from ._triton_utils import COMPILE_OPTIONS, LOG2E, correction_inputs, flat_plan, key_limit, launch_signature
+from ._triton_utils import (COMPILE_OPTIONS, LOG2E, correction_inputs, flat_plan, key_limit, launch_signature,
+                            on_input_device)
 from .triton_generic import BACKEND as GENERIC
 
 ROW_CHUNK = 32      # query rows per step of `_bwd_dkdv` (FlashAttention-2's and Triton's tutorial choice; 64 on
@@ -399,6 +400,7 @@ def centroid_gradients(inp: BackwardInputs, *, centroids: int | None = None, row
             (dv_mean / tile_len[:, None].clamp_min(1)).to(plan.v_sum.dtype))
 
 
+@on_input_device
 def triton_attention_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out, d_lse):
     """Gradients of block-sparse attention's (out, lse) with the Triton kernels, as `reference_attention_backward`.
 

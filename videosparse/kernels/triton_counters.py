@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import COMPILE_OPTIONS
+from ._triton_utils import COMPILE_OPTIONS, on_input_device
 
 BLOCK = 1024
 
@@ -29,6 +29,7 @@ def _record_kernel(KV_COUNT, COUNTS, n, pairs, BLOCK: tl.constexpr):
     tl.store(COUNTS + 4, tl.load(COUNTS + 4) + peak.to(tl.int64) * n)
 
 
+@on_input_device
 def record_sparse_triton(counts: torch.Tensor, kv_count: torch.Tensor, num_key_tiles: int) -> None:
     """counts int64 [5] (see `LayerStats`) += one call of this int32 kv_count (any shape), in place."""
     n = kv_count.numel()

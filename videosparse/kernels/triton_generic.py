@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..plan import Plan
 from ._triton_utils import (COMPILE_OPTIONS, LOG2E, NEG_BIG, correction_inputs, finish_rows, interpreter_active,
-                            key_limit, launch_dims, launch_signature, softmax_step, stride_arg_names)
+                            key_limit, launch_dims, launch_signature, softmax_step, stride_arg_names, on_input_device)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BLOCKS = (16, 32, 64, 128)
@@ -183,6 +183,7 @@ def compile_generic(*, capability: int = 80, head_dim: int = 128, dtype: str = "
                           target=GPUTarget("cuda", capability, 32), options=dict(options, **COMPILE_OPTIONS))
 
 
+@on_input_device
 def generic_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False, *, num_warps: int | None = None,
                       num_stages: int | None = None, key_chunk: int | None = None):
     """Run the generic kernel (inputs assumed checked: see `GenericBackend.not_supported_reasons`).

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from ..plan import Plan, device_programs
 from ._triton_utils import (COMPILE_OPTIONS, LOG2E, NEG_BIG, aot_seq_len, correction_inputs, finish_rows, key_limit,
-                            launch_dims, launch_signature, partial_state, softmax_step)
+                            launch_dims, launch_signature, partial_state, softmax_step, on_input_device)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BLOCKS = (64, 128)
@@ -182,6 +182,7 @@ def _num_programs(device: torch.device, n_items: int) -> int:
     return max(1, min(n_items, sms))
 
 
+@on_input_device
 def hopper_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = False, *,
                      num_stages: int | None = None, warp_specialize: bool = True, flatten: bool = False,
                      num_programs: int | None = None, online_skip: float | None = None, num_warps: int = 4):

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import COMPILE_OPTIONS
+from ._triton_utils import COMPILE_OPTIONS, on_input_device
 
 BLOCK_T = 32   # tokens per program; each program walks every head of its tokens
 
@@ -137,6 +137,7 @@ def _rope_gather_kernel(
             tl.store(out_row + d[None, :], out.to(out_ptr.dtype.element_ty), mask=m)
 
 
+@on_input_device
 def rope_gather_triton(x: torch.Tensor, perm: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
                        style: str = "interleaved", start: int = 0, groups: int = 1, sections: int = 1) -> torch.Tensor:
     """x [B, S, Hx, D], perm int64 [S] or [Hx * groups, S], freqs [1, R, 1, D], [R, D] or ([R, Hx or 1, D/2],

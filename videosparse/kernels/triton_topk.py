@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import COMPILE_OPTIONS
+from ._triton_utils import COMPILE_OPTIONS, on_input_device
 
 MAX_TILES = 8192        # video tiles per row this kernel takes (one row in registers); the torch path beyond
 
@@ -73,6 +73,7 @@ def default_num_warps(num_tiles: int) -> int:
     return min(16, max(1, triton.next_power_of_2(num_tiles) // 1024))
 
 
+@on_input_device
 def topk_rows_triton(scores: torch.Tensor, budget: torch.Tensor, width: int, num_global_tiles: int = 0, *,
                      num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-`budget[r]` key tiles of every row r of `scores`, packed left in ascending order.

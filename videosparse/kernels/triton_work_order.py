@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import COMPILE_OPTIONS
+from ._triton_utils import COMPILE_OPTIONS, on_input_device
 
 MAX_PROGRAMS = 1 << 12   # far beyond any GPU's SM count
 
@@ -87,6 +87,7 @@ def _balanced_order_kernel(BASE, COST, ITEM_KEY, ORDER, N, FULL, PROGRAMS, COST_
         load_key = tl.where(live, (load << LANE_BITS) | col, dead)
 
 
+@on_input_device
 def balanced_order(base: torch.Tensor, cost: torch.Tensor, programs: int, *, cost_offset: int = 0,
                    num_warps: int = 4) -> torch.Tensor:
     """int32 [N]: the rows of `base` (int32 or int64 [N], a permutation) with each wave of `programs` entries

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels._triton_utils import COMPILE_OPTIONS
+from ..kernels._triton_utils import COMPILE_OPTIONS, on_input_device
 from ..layout import tile_lengths
 
 
@@ -71,6 +71,7 @@ def _tile_stats_kernel(
         tl.store(QMean + out, tl.sum(q_acc, axis=0) / n_real, mask=d_ok)
 
 
+@on_input_device
 def tile_stats_triton(
     q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, block: int, *, chunk: int | None = None,
     num_warps: int = 4,

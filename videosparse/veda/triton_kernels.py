@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels._triton_utils import COMPILE_OPTIONS
+from ..kernels._triton_utils import COMPILE_OPTIONS, on_input_device
 from .teacher import teacher_num_tiles
 from .trippool import interpreting as _interpreting
 
@@ -79,6 +79,7 @@ def _trippool_kernel(
     tl.store(o + (2 * D + cols) * stride_ff, tl.min(acc_min, 0), mask=cmask)
 
 
+@on_input_device
 def trippool_triton(q: torch.Tensor, k: torch.Tensor | None, block: int, num_tiles: int | None = None, *,
                     chunk: int | None = None, num_warps: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
     """TripPool of q (and k) in one launch.
@@ -187,6 +188,7 @@ def _teacher_kernel(
         tl.store(H_base + j * stride_hn, tl.exp2(best))
 
 
+@on_input_device
 def teacher_heat_triton(q: torch.Tensor, k: torch.Tensor, block: int, *, lse: torch.Tensor | None = None,
                         scale: float | None = None, num_tiles: int | None = None) -> torch.Tensor:
     """Teacher tile scores in one fused kernel (see `videosparse.veda.teacher.teacher_heat`).
