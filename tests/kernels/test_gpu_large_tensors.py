@@ -94,3 +94,24 @@ def test_attention_kernels_past_2_31_elements(large, backend, correction):
         ref, ref_lse = reference_attention(qs, ks, vs, part, D ** -0.5, return_lse=True)
         assert rel_err(out[b:b + 1, h:h + 1], ref) < 1.2e-2
         assert float((lse[b, h] - ref_lse[0, 0]).abs().max()) < 2e-2
+
+
+def test_a_strided_q_past_2_31_elements_in_one_head_on_the_generic_kernel(large):
+    """The generic kernel takes q as the model has it ([B, S, H, D] seen as [B, H, S, D], what auto sends it: the
+    Hopper kernels take contiguous inputs only). Its row offsets pass 2**31 once S * H * D does within one batch
+    item; they were int32 and wrapped (review find, a segfault under the interpreter)."""
+    from videosparse.kernels import block_sparse_attention, reference_attention
+    from videosparse.plan import Plan
+
+    _, x, _ = large
+    q = x.view(1, -1, H, D).transpose(1, 2)               # [1, H, 2 S, D], row stride H * D
+    S = q.shape[2]
+    assert (S - 1) * q.stride(2) >= 2 ** 31 and not q.is_contiguous()
+    k, v = q[:, :, : S // 4].contiguous(), q[:, :, S // 4: S // 2].flip(-1).contiguous()
+    plan = random_plan(1, H, S, 128, 128, 0.05, seed=2, device="cuda", sk=S // 4)
+    out = block_sparse_attention(q, k, v, plan, backend="triton_generic")
+    h = H - 1
+    rows = S - 256                                         # the last two query tiles: offsets past 2**31
+    part = Plan(plan.kv_index[:, h:h + 1, -2:].contiguous(), plan.kv_count[:, h:h + 1, -2:].contiguous(), 128, 128)
+    ref = reference_attention(q[:, h:h + 1, rows:], k[:, h:h + 1], v[:, h:h + 1], part, D ** -0.5)
+    assert rel_err(out[:, h:h + 1, rows:], ref) < 1.2e-2

@@ -32,6 +32,9 @@ CASES = {
     "generic-fp32-empty-rows-corr": (2, 2, 300, 300, 64, 64, 64, 0.3, "float32", True, "generic", "empty"),
     "generic-fp32-dense-corr": (1, 2, 256, 256, 64, 128, 128, 1.0, "float32", True, "generic", "dense"),
     "generic-fp16-strided": (2, 2, 200, 200, 64, 64, 64, 0.5, "float16", False, "generic", "strided"),
+    # q rows 14M elements apart (a [B, S, H, D] q at S * H * D past 2**31): the row offsets pass 2**31 from row
+    # 154 on; computed in int32 they wrapped and the kernel read out of bounds (a segfault here)
+    "generic-fp16-huge-row-stride": (1, 1, 160, 160, 64, 64, 64, 0.5, "float16", False, "generic", "huge-row-stride"),
     "generic-fp32-no-index-columns": (1, 2, 300, 300, 64, 64, 64, 0.3, "float32", False, "generic", "kmax0"),
     # 128x128 tiles at head dim 64 (4 warps): each key tile in two steps of 64 keys (`default_key_chunk`); at head
     # dim 128 (8 warps) whole tiles
@@ -227,6 +230,9 @@ def _run_case(name: str) -> dict:
         q, k, v = (torch.randn(B, n, H, D, generator=g).to(dtype).transpose(1, 2) for n in (S, Sk, Sk))
     else:
         q, k, v = (torch.randn(B, H, n, D, generator=g).to(dtype) for n in (S, Sk, Sk))
+    if extra == "huge-row-stride":      # ~4.5 GB of address space, a few pages of it touched
+        row = 14_000_000
+        q = torch.empty((S - 1) * row + D, dtype=dtype).as_strided((B, H, S, D), (0, 0, row, 1)).copy_(q)
     if extra == "dense":
         plan = dense_plan(B, H, S, bm, bn)
     else:

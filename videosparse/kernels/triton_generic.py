@@ -61,8 +61,9 @@ def _generic_fwd(
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < S
 
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
-                mask=row_ok[:, None], other=0.0)
+    # int64 rows: a strided q (diffusers' [B, S, H, D] seen as [B, H, S, D]) passes 2**31 at S * H * D
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None].to(tl.int64) * stride_qs
+                + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     k_base = K + b * stride_kb + h * stride_kh + offs_d[:, None] * stride_kd      # K^T tile [D, N]
@@ -215,7 +216,7 @@ def generic_attention(q, k, v, plan: Plan, scale: float, return_lse: bool = Fals
         num_stages = default_num_stages(D)
     if key_chunk is None:
         key_chunk = default_key_chunk(bm, bn, num_warps)
-    elif bn % key_chunk or key_chunk < 16:
+    elif key_chunk < 16 or bn % key_chunk:
         raise ValueError(f"key_chunk={key_chunk}: must divide the tile width {bn} and be at least 16")
     _generic_fwd[(order.numel(),)](
         q, k, v, out, lse,
