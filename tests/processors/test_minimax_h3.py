@@ -258,3 +258,31 @@ def test_tiny_pipeline_end_to_end(caplog):
     assert torch.isfinite(sparse).all() and not torch.equal(sparse, ref)
     videosparse.remove(pipe)
     assert torch.equal(run(), ref)
+
+
+def test_steps_counted_by_the_generated_videos_timestep():
+    """Without a scheduler's step (a cache context, no scheduler) the step comes from counting timesteps. MiniMax-H3's
+    `timestep` holds the distinct values of all rows, the keyframe pinned at max(t, 0.999): its largest entry never
+    moved, every forward was step 0 and `dense_steps=1` kept the whole run dense (review find). The generated video's
+    own entry counts now."""
+
+    tr = tiny_minimax()
+    base = minimax_inputs()
+    video, audio = MiniMaxH3Scheduler(shift=12.0), MiniMaxH3Scheduler(shift=3.0)
+    video.set_timesteps(4)
+    audio.set_timesteps(4)
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=(1, 4, 16), block=64, dense_steps=1))
+    session = sessions(tr)["transformer"]
+    steps, largest = [], set()
+    for tv, ta in zip(video.timesteps[:3], audio.timesteps[:3]):
+        ts, ti = MiniMaxH3SetTimestepsStep.build_row_timesteps(base["video_indices"], base["audio_indices"], 70, 0,
+                                                                TEXT, float(tv), float(ta), max(float(tv), 0.999), 1.0)
+        largest.add(float(ts.max()))
+        with torch.no_grad(), tr.cache_context("cond"):
+            tr(**dict(base, timestep=ts, timestep_indices=ti), return_dict=False)
+        steps.append(session.context.step)
+    assert len(largest) == 1                        # the largest entry is the same at every step
+    assert steps == [0, 1, 2]
+    stats = session.stats()
+    assert stats["dense_calls"] == 2 and stats["sparse_calls"] == 4, stats
+    videosparse.remove(tr)

@@ -170,7 +170,7 @@ def _attach(transformer: torch.nn.Module, session: SparseSession, spec) -> None:
         "had_registry": hasattr(transformer, "_diffusers_hook"),
         "had_forward_attr": "forward" in transformer.__dict__,
     }
-    register_context_hook(transformer, session, spec.grid_fn)
+    register_context_hook(transformer, session, spec.grid_fn, spec.step_timestep)
     setattr(transformer, SESSION_ATTR, session)
     setattr(transformer, _SNAPSHOT_ATTR, snapshot)
 

@@ -580,10 +580,11 @@ class SparseContextHook(ModelHook):
 
     _is_stateful = True
 
-    def __init__(self, session: SparseSession, grid_fn) -> None:
+    def __init__(self, session: SparseSession, grid_fn, step_timestep=None) -> None:
         super().__init__()
         self.session = session
         self.grid_fn = grid_fn
+        self.step_timestep = step_timestep   # ModelSpec.step_timestep: None reads the forward's timestep
         self.state_manager = StateManager(_BranchState)
         self._timestep_position = 1          # set from the model's forward signature on the first call
         self._warned_unknown_steps = False
@@ -743,7 +744,8 @@ class SparseContextHook(ModelHook):
             # a training step (pipelines sample under no_grad): its timestep is no place in a denoising loop, and it
             # does not move the step count of a pipeline call either
             return None, None
-        t = forward_arg(args, kwargs, "timestep", self._timestep_position)
+        t = (self.step_timestep(self._module(), args, kwargs) if self.step_timestep is not None else
+             forward_arg(args, kwargs, "timestep", self._timestep_position))
         counted = getattr(scheduler, "step_index", None)          # advanced by each scheduler.step() of this call
         if t is not None and self._other_driver(scheduler, timesteps, counted):
             return self.session.timestep_counter.step(t), num_steps
@@ -821,7 +823,8 @@ class SparseContextHook(ModelHook):
         return module
 
 
-def register_context_hook(transformer: torch.nn.Module, session: SparseSession, grid_fn) -> None:
+def register_context_hook(transformer: torch.nn.Module, session: SparseSession, grid_fn,
+                          step_timestep=None) -> None:
     """Register the context hook in the transformer's diffusers hook registry.
 
     With accelerate's offload hook already on the transformer (`enable_model_cpu_offload` before `apply`), the context
@@ -830,7 +833,7 @@ def register_context_hook(transformer: torch.nn.Module, session: SparseSession, 
     and would drop a hook wrapped around the outside.
     """
     registry = HookRegistry.check_if_exists_or_initialize(transformer)
-    hook = SparseContextHook(session, grid_fn)
+    hook = SparseContextHook(session, grid_fn, step_timestep)
     offload = getattr(transformer, "_hf_hook", None) is not None and "_old_forward" in transformer.__dict__
     outer = transformer.__dict__.get("forward")
     if offload:

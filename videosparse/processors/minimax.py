@@ -71,6 +71,18 @@ class MiniMaxH3SparseAttnProcessor(SparseAttentionMixin, MiniMaxH3AttnProcessor)
         return attn.to_out[1](hidden_states)
 
 
+def minimax_video_timestep(module, args, kwargs) -> torch.Tensor | None:
+    """The generated video's timestep (`ModelSpec.step_timestep`): the forward's `timestep` holds the distinct values
+    of all rows, rising from 0 (noise) to 1, with keyframe conditions pinned at max(t, 0.999) and reference audio at 1,
+    so its largest entry stays put from step to step; the last video row's entry (the generated video) is the step's."""
+    timestep = forward_arg(args, kwargs, "timestep", 3)
+    rows = forward_arg(args, kwargs, "timestep_indices", 4)
+    video = forward_arg(args, kwargs, "video_indices", 7)
+    if timestep is None or rows is None or video is None or not video.numel() or not timestep.dim():
+        return timestep
+    return timestep[rows[video.max()]]
+
+
 def minimax_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | None]:
     """The (T, H, W) grid of the trailing video rows of the packed sequence, the rows before them (text, conditions,
     audio: served as global tiles before the video), and why the forward must run stock (None when it can run

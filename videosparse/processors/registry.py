@@ -26,6 +26,9 @@ class ModelSpec:
         text_position: where joint-attention text sits ("before"/"after"), None without joint text.
         attention_shape: config -> (heads, head dim) of the served layers, for configs without
             `num_attention_heads` / `attention_head_dim` (Kandinsky 5); None reads those two keys.
+        step_timestep: (transformer, forward args, kwargs) -> the timestep of the generated video, which counts the
+            denoising steps where no scheduler says the step; None takes the forward's `timestep` (its noisiest
+            entry). MiniMax-H3 passes the distinct timesteps of all its rows, conditions pinned near the clean end.
     """
 
     processor_cls: type | Callable
@@ -33,6 +36,7 @@ class ModelSpec:
     grid_fn: Callable
     text_position: str | None = None
     attention_shape: Callable | None = None
+    step_timestep: Callable | None = None
 
 
 _MODEL_SPECS: dict[type, Callable[[], ModelSpec]] = {}
@@ -304,14 +308,14 @@ def _register_builtin_models() -> None:
     register_model(AllegroTransformer3DModel, allegro_spec)
 
     def minimax_h3_spec() -> ModelSpec:
-        from .minimax import MiniMaxH3SparseAttnProcessor, minimax_grid
+        from .minimax import MiniMaxH3SparseAttnProcessor, minimax_grid, minimax_video_timestep
 
         # transformer_blocks.<i>.attn: full self-attention over the packed [text | conditions | audio | video]
         # sequence, the generated video last; the rows before it are served as global tiles before the video. The
         # token refiner's text-only attn (token_refiner.refiner_blocks.<j>.attn) keeps its stock processor
         return ModelSpec(MiniMaxH3SparseAttnProcessor,
                          lambda name, m: name.startswith("transformer_blocks.") and name.rsplit(".", 1)[-1] == "attn",
-                         minimax_grid, text_position="before")
+                         minimax_grid, text_position="before", step_timestep=minimax_video_timestep)
 
     register_model(MiniMaxH3Transformer3DModel, minimax_h3_spec)
 
