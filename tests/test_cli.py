@@ -127,19 +127,19 @@ def test_generate_explains_a_sparse_arm_slower_than_dense():
 def test_generate_checks_sizes_images_and_uses_the_pipelines_own_defaults():
     import pytest
 
-    from videosparse.cli import _check_size, _image_input
-    from videosparse.models.loading import pipeline_call_defaults
+    from videosparse.cli import _image_input
+    from videosparse.models.loading import check_size, pipeline_call_defaults
     from videosparse.models.tiny_wan import build_tiny_wan_pipeline
 
     pipe = build_tiny_wan_pipeline()
     with pytest.raises(ValueError, match="--height=72 must be a multiple of 16"):
-        _check_size(pipe, {"height": 72, "width": 64})
-    _check_size(pipe, {"height": 64, "width": 96})
+        check_size(pipe, {"height": 72, "width": 64})
+    check_size(pipe, {"height": 64, "width": 96})
     from types import SimpleNamespace                       # LTX-Video: the factor only in its video processor
     ltx_like = SimpleNamespace(video_processor=SimpleNamespace(config=SimpleNamespace(vae_scale_factor=32)),
                                transformer=SimpleNamespace(config=SimpleNamespace(patch_size=1)))
     with pytest.raises(ValueError, match="--width=48 must be a multiple of 32"):
-        _check_size(ltx_like, {"height": 64, "width": 48})
+        check_size(ltx_like, {"height": 64, "width": 48})
     with pytest.raises(ValueError, match="takes none"):
         _image_input(pipe, "first.png")
     assert _image_input(pipe, None) is None
@@ -172,6 +172,11 @@ def test_a_size_the_model_cannot_tile_is_named_before_its_weights_load(tmp_path,
     assert "--height=72 must be a multiple of 16 for WanPipeline" in capsys.readouterr().err
     with pytest.raises(AssertionError, match="loaded before"):           # a size it can tile goes on to the load
         main(["generate", "--model", str(tmp_path / "wan"), "--height", "64", "--width", "96"])
+    # evaluate too (it loaded the whole pipeline first, and left empty report folders behind)
+    out = tmp_path / "report"
+    assert main(["evaluate", "--model", str(tmp_path / "wan"), "--width", "40", "--out", str(out)]) == 2
+    assert "--width=40 must be a multiple of 16 for WanPipeline" in capsys.readouterr().err
+    assert not out.exists()
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "model_index.json").write_text('{"_class_name": "NoSuchPipeline"}')
     assert loading.size_stub(str(tmp_path / "broken")) is None and loading.size_stub("tiny") is None
@@ -591,3 +596,69 @@ def test_an_output_path_ending_in_a_separator_is_refused_before_the_load(tmp_pat
     for argv in (["--out", str(tmp_path / "dir.mp4") + "/"], ["--json", str(tmp_path / "s.json") + "/"]):
         assert main(["generate", *argv]) == 2, argv
         assert f"{argv[0]} {argv[1]!r} ends with a path separator; give a file path" in capsys.readouterr().err
+
+
+def test_settings_refused_before_a_pipeline_loads(tmp_path, capsys, monkeypatch):
+    """Review finds: --json naming the --out video wrote the summary over the video; evaluate's --attn-cells -1 and a
+    repeated seed were refused only after the model loaded (naming the field, not the flag); a file in the working
+    directory named without a slash went to the hub as a repo id."""
+    from videosparse.models import loading
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the pipeline was loaded before the arguments were checked")
+
+    monkeypatch.setattr(loading, "load_pipeline", no_load)
+    video = str(tmp_path / "v.mp4")
+    assert main(["generate", "--out", video, "--json", video]) == 2
+    assert "is the --out video's path" in capsys.readouterr().err
+    for flags, message in ((["--attn-cells", "-1"], "--attn-cells=-1 must be >= 0"),
+                           (["--seeds", "0", "3", "0"], "--seeds 0 3 0 repeats [0]")):
+        assert main(["evaluate", "--out", str(tmp_path / "r"), *flags]) == 2
+        assert message in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "weights.txt").write_text("not a pipeline")
+    assert main(["generate", "--model", "weights.txt"]) == 2
+    assert "'weights.txt' looks like a local directory, but it is a file" in capsys.readouterr().err
+
+
+def test_a_pipeline_without_a_step_count_generates_and_evaluate_names_why_it_cannot(tmp_path, capsys, monkeypatch):
+    """HeliosPyramidPipeline takes steps per stage, no num_inference_steps: generate raised KeyError (a traceback)
+    and evaluate named an internal field; generate now times per transformer forward, evaluate says what it needs."""
+    import json
+
+    from videosparse.models import loading
+    from videosparse.models.reference import ReferenceVideoPipeline
+
+    class PyramidLike(ReferenceVideoPipeline):
+        def __call__(self, prompt=None, negative_prompt=None, num_frames=5, height=64, width=64,
+                     stage_steps=(1, 1), generator=None, output_type="np"):
+            return super().__call__(prompt=prompt, negative_prompt=negative_prompt, num_frames=num_frames,
+                                    height=height, width=width, num_inference_steps=sum(stage_steps),
+                                    generator=generator, output_type=output_type)
+
+    real = loading.load_pipeline
+
+    def load(*args, **kwargs):
+        pipe = real("reference", "cpu").pipe
+        pipe.__class__ = PyramidLike
+        return loading.LoadedPipeline(pipe, "pyramid-like", loading.pipeline_call_defaults(pipe))
+
+    monkeypatch.setattr(loading, "load_pipeline", load)
+    summary = tmp_path / "s.json"
+    assert main(["generate", "--out", str(tmp_path / "v.mp4"), "--json", str(summary)]) == 0
+    assert "ms transformer time per transformer forward" in capsys.readouterr().out
+    data = json.loads(summary.read_text())
+    assert data["timed_per"] == "transformer forward" and data["transformer_s_per_step"] > 0
+    assert main(["evaluate", "--methods", "dense", "--out", str(tmp_path / "r")]) == 2
+    assert "PyramidLike.__call__ takes no num_inference_steps" in capsys.readouterr().err
+
+
+def test_video_pixels_round_to_the_nearest_level(tmp_path):
+    """diffusers' export_to_video truncates float frames (0.999 -> 254); write_video rounds."""
+    import numpy as np
+
+    from videosparse.eval.generate import write_video
+
+    frames = np.full((2, 16, 16, 3), 0.999, dtype=np.float32)
+    path = write_video(frames, str(tmp_path / "v.mkv"), fps=4)
+    assert int(np.median(iio.imread(path))) == 255

@@ -85,11 +85,13 @@ def method_config(args: argparse.Namespace):
 
 
 def check_model(model: str | None) -> None:
-    """ValueError when `model` reads as a local path that is not a directory: it starts with / . or ~, or has
-    more slashes than a hub id's 'org/name' (or a backslash on Windows). diffusers would call it a bad repo id."""
+    """ValueError when `model` reads as a local path that is not a directory: it starts with / . or ~, has more
+    slashes than a hub id's 'org/name' (or a backslash on Windows), or names a file here. diffusers would take it for
+    a repo id."""
     if model is None or model in ("reference", "tiny") or os.path.isdir(os.path.expanduser(model)):
         return
-    if model.startswith(("/", ".", "~")) or model.count("/") > 1 or (os.sep != "/" and os.sep in model):
+    if (model.startswith(("/", ".", "~")) or model.count("/") > 1 or (os.sep != "/" and os.sep in model)
+            or os.path.exists(os.path.expanduser(model))):         # a file here, whatever its name's shape
         what = "is a file, not a pipeline directory" if os.path.exists(os.path.expanduser(model)) else "does not exist"
         raise ValueError(f"--model {model!r} looks like a local directory, but it {what}; give an existing diffusers "
                          "pipeline directory, a hub id like Wan-AI/Wan2.1-T2V-1.3B-Diffusers, 'reference' or 'tiny'.")
@@ -147,7 +149,7 @@ def slower_than_dense_note(speedup: float) -> str | None:
 def _run_generate(args: argparse.Namespace) -> int:
     from .eval.generate import check_call_flags, check_video_writer, generate, warm_up, write_video
     from .eval.spec import check_config_files
-    from .models.loading import load_pipeline, size_stub
+    from .models.loading import check_size, load_pipeline, size_stub
 
     for name in ("steps", "frames", "height", "width"):
         value = getattr(args, name)
@@ -159,6 +161,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     if Path(args.out).suffix.lower() not in VIDEO_SUFFIXES:
         raise ValueError(f"--out {args.out!r} needs a video file extension, one of {', '.join(VIDEO_SUFFIXES)} "
                          "(checked before the pipeline runs).")
+    if args.json is not None and Path(args.json).resolve() == Path(args.out).resolve():
+        raise ValueError(f"--json {args.json!r} is the --out video's path; give the summary its own file.")
     for flag, path in (("--out", args.out), ("--json", args.json)):
         if path is not None and not Path(path).resolve().parent.is_dir():
             raise ValueError(f"{flag} {path!r}: the folder {str(Path(path).parent)!r} does not exist.")
@@ -176,7 +180,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     check_video_writer()
     first_frame = _read_image(args.image)                     # a bad path fails here, not after a long load
     if (args.height or args.width) and (stub := size_stub(args.model)) is not None:     # so does a size
-        _check_size(stub, {"height": args.height, "width": args.width})
+        check_size(stub, {"height": args.height, "width": args.width})
     loaded = load_pipeline(args.model, args.device, DTYPES.get(args.dtype))
     pipe = loaded.pipe
     given = {flag: (key, value) for flag, key, value in (
@@ -188,18 +192,18 @@ def _run_generate(args: argparse.Namespace) -> int:
     pipe.set_progress_bar_config(disable=True)
     call = dict(loaded.defaults)
     call.update(given.values())
-    _check_size(pipe, call)
+    check_size(pipe, call)
     if unknown := _unknown_words(pipe, call.get("prompt")):
         logging.getLogger(__name__).warning("the model's tokenizer does not know %s: %s ignores them",
                                             ", ".join(repr(w) for w in unknown), loaded.name)
     image = _image_input(pipe, first_frame)
     if image is not None:
         call["image"] = image
-    steps = call["num_inference_steps"]
+    steps = call.get("num_inference_steps")         # None: the pipeline takes none (Helios' pyramid: per stage)
     device = str(pipe.device)
     size = f"{call.get('height', 'default')}x{call.get('width', 'default')}"
     print(f"model: {loaded.name} | method: {config.to_dict()} | {call.get('num_frames', 'default')} frames "
-          f"{size}, {steps} steps, seed {args.seed}")
+          f"{size}, {steps or 'default'} steps, seed {args.seed}")
     # on CUDA the first sparse forward compiles the kernels: an untimed short run of each arm first (on CPU nothing
     # compiles, and `videosparse evaluate` skips its warm-up there too)
     warm = device.startswith("cuda")
@@ -210,7 +214,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         path, video_error = write_video(result.frames, args.out, fps=args.fps), None
     except (OSError, AttributeError, RuntimeError) as err:    # the run's numbers are still printed and saved
         path, video_error = None, err
-    per_step = result.transformer_total_s / steps
+    # time per denoising step, or per transformer forward where the call names no step count
+    unit = "step" if steps else "transformer forward"
+    per_step = result.transformer_total_s / (steps or max(1, len(result.transformer_s)))
     frames, height, width = result.frames.shape[:3]
     if call.get("num_frames") not in (None, frames):
         print(f"note: the pipeline made {frames} frames ({call['num_frames']} asked; its frame counts are stepped)")
@@ -220,14 +226,14 @@ def _run_generate(args: argparse.Namespace) -> int:
                "call": {k: v for k, v in call.items() if k != "image"}, "seed": args.seed,
                "dtype": str(getattr(pipe.transformer, "dtype", "")), "warmed_up": warm,
                "image": args.image, "video": path, "frames": frames, "height": height, "width": width,
-               "wall_s": result.wall_s, "transformer_s_per_step": per_step, "stats": result.stats,
+               "wall_s": result.wall_s, "transformer_s_per_step": per_step, "timed_per": unit, "stats": result.stats,
                "environment": environment(device)}
     from .eval.evaluate import work_fraction
 
     density, work = work_fraction(result.stats)              # pooled over every transformer (Wan 2.2: both)
     kernels = sorted({c.get("kernel_backend") for c in (result.stats or {}).values()
                       if c.get("kernel_backend") and c.get("sparse_calls")})
-    print(f"{config.method}: {per_step * 1000:.1f} ms transformer time per step, {result.wall_s:.1f} s in all"
+    print(f"{config.method}: {per_step * 1000:.1f} ms transformer time per {unit}, {result.wall_s:.1f} s in all"
           + (f", realised density {density:.3f} (attention work {work:.2f} of dense, dense steps included)"
              if density is not None else "")
           + (f", kernel {', '.join(kernels)}" if kernels else ""))
@@ -235,17 +241,21 @@ def _run_generate(args: argparse.Namespace) -> int:
         if warm:
             warm_up(pipe, None, call, seed=args.seed, device=device)
         dense = generate(pipe, None, call, seed=args.seed, device=device)
-        dense_step = dense.transformer_total_s / steps
+        dense_step = dense.transformer_total_s / (steps or max(1, len(dense.transformer_s)))
         from .eval.metrics import psnr_video
 
         # the dense arm is the pipeline's own processors (videosparse not applied), same seed and call
         summary["dense"] = {"arm": "stock processors", "wall_s": dense.wall_s, "transformer_s_per_step": dense_step,
                             "speedup": dense_step / per_step,
                             "psnr_db": psnr_video(result.frames, dense.frames)}   # as `videosparse evaluate`
-        print(f"dense: {dense_step * 1000:.1f} ms per step -> speedup {dense_step / per_step:.2f}x; "
+        print(f"dense: {dense_step * 1000:.1f} ms per {unit} -> speedup {dense_step / per_step:.2f}x; "
               f"PSNR vs dense {summary['dense']['psnr_db']:.2f} dB"
               + (" (each arm after an untimed warm-up run)" if warm else ""))
-        if note := slower_than_dense_note(round(dense_step / per_step, 2)):    # as printed: 0.996 reads 1.00x
+        ran_sparse = any(c.get("sparse_calls") for c in (result.stats or {}).values())
+        if not ran_sparse:
+            print("note: no attention call ran sparse in this run (the method, or its dense steps / layers, kept "
+                  "every call dense), so the two arms differ only by noise.")
+        elif note := slower_than_dense_note(round(dense_step / per_step, 2)):    # as printed: 0.996 reads 1.00x
             print(note)
     if video_error is not None:
         summary["video_error"] = f"{type(video_error).__name__}: {video_error}"
@@ -267,24 +277,6 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise OSError(f"the video {args.out!r} could not be written: {video_error}"
                       + (f" (the summary is in {args.json!r})" if args.json else ""))
     return 0
-
-
-def _check_size(pipe, call: dict) -> None:
-    """ValueError for a height/width the model cannot tile: multiples of the VAE's spatial factor times the
-    transformer's patch (16 for Wan, CogVideoX, HunyuanVideo; 32 for LTX-Video). The VAE factor is the
-    pipeline's `vae_scale_factor_spatial`, else its video processor's (every video pipeline builds one with it)."""
-    vae = getattr(pipe, "vae_scale_factor_spatial", None)
-    if not isinstance(vae, int):
-        vae = getattr(getattr(getattr(pipe, "video_processor", None), "config", None), "vae_scale_factor", None)
-    patch = getattr(getattr(getattr(pipe, "transformer", None), "config", None), "patch_size", None)
-    if not isinstance(vae, int) or patch is None:
-        return
-    multiple = vae * (patch[-1] if isinstance(patch, (tuple, list)) else int(patch))
-    for name in ("height", "width"):
-        value = call.get(name)
-        if value is not None and value % multiple:
-            raise ValueError(f"--{name}={value} must be a multiple of {multiple} for {type(pipe).__name__} "
-                             f"(VAE factor {vae} x patch); e.g. {max(multiple, value // multiple * multiple)}.")
 
 
 def _read_image(image: str | None):

@@ -184,3 +184,64 @@ def test_tile_recall_leaves_out_rows_that_keep_no_tile():
     mass = torch.tensor([[[[0.6, 0.3, 0.1], [0.2, 0.7, 0.1]]]])
     mask = torch.tensor([[[[True, False, False], [False, False, False]]]])
     assert tile_recall(plan_from_mask(mask, 64, 64), mass)["recall"] == 1.0
+
+
+def test_metric_inputs_that_used_to_slip_by_or_fail_obscurely():
+    """Review finds: one NaN pixel made both range checks false (0..255 frames scored SSIM 1.0); frames under 6
+    pixels failed inside torch's padding and an empty video with an IndexError."""
+    a = np.random.default_rng(0).random((2, 8, 8, 3)).astype(np.float32) * 255
+    a[0, 0, 0, 0] = np.nan
+    with pytest.raises(ValueError, match="must lie in \\[0, 1\\]"):
+        ssim_per_frame(a, a)
+    small = np.zeros((2, 5, 40, 3), dtype=np.float32)
+    for metric in (ssim, ssim_per_frame):
+        with pytest.raises(ValueError, match="at least 6 x 6 pixels"):
+            metric(small, small)
+    assert psnr_video(small, small) == math.inf                # PSNR has no window
+    with pytest.raises(ValueError, match="hold no frame"):
+        psnr_video(small[:0], small[:0])
+
+
+def test_tile_recall_counts_tied_tiles_as_the_oracles():
+    """Review find: with tied masses (uniform attention, or tiles whose mass underflowed to 0) the oracle was
+    whichever tiles the sort put first, so a plan keeping as much mass as the oracle read recall 0."""
+    uniform = torch.full((1, 1, 1, 6), 1 / 6)
+    plan = plan_from_mask(torch.tensor([[[[False, False, False, False, True, True]]]]), 64, 64)
+    r = tile_recall(plan, uniform)
+    assert r["recall"] == 1.0 and r["mass_kept"] == pytest.approx(r["oracle_mass_kept"])
+    mass = torch.tensor([[[[0.6, 0.4, 0.0, 0.0]]]])            # two tiles of zero mass: either one counts
+    plan = plan_from_mask(torch.tensor([[[[True, True, False, True]]]]), 64, 64)
+    assert tile_recall(plan, mass)["recall"] == 1.0
+    plan = plan_from_mask(torch.tensor([[[[True, False, True, True]]]]), 64, 64)
+    assert tile_recall(plan, mass)["recall"] == pytest.approx(2 / 3)
+
+
+def test_a_broken_lpips_install_is_a_note(tmp_path, monkeypatch):
+    """Review find: `import lpips` sat outside the guard, so a torch / torchvision mismatch raising at import ended
+    the evaluation at its first cell."""
+    import sys
+
+    package = tmp_path / "site" / "lpips"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("raise RuntimeError('operator torchvision::nms does not exist')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "lpips", raising=False)
+    hub = tmp_path / "hub"
+    (hub / "checkpoints").mkdir(parents=True)
+    (hub / "checkpoints" / "alexnet-owt-7be5be79.pth").write_bytes(b"")
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(hub))
+    model, note = load_lpips("cpu")
+    assert model is None and "torchvision::nms" in note
+
+
+def test_heatmap_scale_and_drawing_with_a_non_finite_cell(tmp_path):
+    """Review find: the heatmap's colour scale took inf from an inf cell (np.nanmax skips NaN only), so the finite
+    cells all drew in one colour and the colour bar read -0.1..0.1."""
+    from videosparse.eval.plots import error_matrices, heatmap_top, plot_error_heatmap
+
+    entries = [{"layer": 0, "step": 0, "rel_l2": 0.2}, {"layer": 1, "step": 0, "rel_l2": math.inf},
+               {"layer": 0, "step": 3, "rel_l2": math.nan}]
+    attention = {"c": {"method": "veda@0.1", "entries": {"transformer": entries}}}
+    assert heatmap_top(error_matrices(attention)) == pytest.approx(0.2)
+    assert heatmap_top({}) == 1e-6
+    assert plot_error_heatmap(attention, str(tmp_path / "h.png")) == str(tmp_path / "h.png")

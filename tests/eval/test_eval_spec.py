@@ -67,6 +67,10 @@ def test_family_and_density():
     assert s.family == "veda:dense_steps=0.2" and s.density == 0.1
     assert parse_method_spec("dense").density == 1.0
     assert parse_method_spec("sol@0.3").family == "sol"
+    # one family however the spec is spelled (the density as a field, the other fields in any order)
+    assert {parse_method_spec(t).family for t in ("veda@0.1:block=64:dense_steps=0", "veda:density=0.3:block=64:"
+                                                  "dense_steps=0", "veda@0.2:dense_steps=0:block=64")} == \
+        {"veda:block=64:dense_steps=0"}
 
 
 def test_blanks_inside_a_value_stay():

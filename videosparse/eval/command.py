@@ -123,15 +123,23 @@ def run_evaluate(args: argparse.Namespace) -> int:
 
     for seed in args.seeds:
         check_seed("--seeds", seed)
+    if repeated := sorted({seed for seed in args.seeds if args.seeds.count(seed) > 1}):
+        raise ValueError(f"--seeds {' '.join(map(str, args.seeds))} repeats {repeated}; each (prompt, seed) cell runs "
+                         "once, so give each seed once.")
+    if args.attn_cells is not None and args.attn_cells < 0:
+        raise ValueError(f"--attn-cells={args.attn_cells} must be >= 0 (0: no attention-level pass).")
     if args.prompt and args.prompts:
         raise ValueError(f"--prompt and --prompts {args.prompts} exclude each other: give the prompts one way.")
     if args.prompt:
         prompts = list(args.prompt)[: args.num_prompts] if args.num_prompts else list(args.prompt)
     else:
         prompts = load_prompts(args.prompts, args.num_prompts)
+    from ..models.loading import check_size, image_parameter, size_stub
+
+    if (args.height or args.width) and (stub := size_stub(args.model)) is not None:    # before the weights load
+        check_size(stub, {"height": args.height, "width": args.width})
     dtype = DTYPES.get(args.dtype) if getattr(args, "dtype", None) else None
     loaded = load_pipeline(args.model, args.device, dtype)
-    from ..models.loading import image_parameter
 
     param = image_parameter(loaded.pipe)
     if param is not None and param.default is param.empty:
@@ -147,6 +155,15 @@ def run_evaluate(args: argparse.Namespace) -> int:
     check_call_flags(loaded.pipe, {flag: key for flag, (key, _) in given.items()})   # not a TypeError in a cell
     call = {k: v for k, v in loaded.defaults.items() if k != "prompt"}
     call.update(given.values())
+    check_size(loaded.pipe, call)
+    if "num_inference_steps" not in call:
+        from .generate import takes_step_count
+
+        if takes_step_count(loaded.pipe):
+            raise ValueError(f"{type(loaded.pipe).__name__} has no default step count; give --steps.")
+        raise ValueError(f"{type(loaded.pipe).__name__}.__call__ takes no num_inference_steps (HeliosPyramidPipeline "
+                         "counts steps per stage); evaluate samples and times denoising steps, so it needs a pipeline "
+                         "that takes one (videosparse generate runs this one).")
     settings = EvalSettings(specs, prompts, list(args.seeds), call, attn_steps=args.attn_steps,
                             attn_layers=args.attn_layers, attn_cells=args.attn_cells, warmup=args.warmup, fps=args.fps,
                             lpips=not args.no_lpips)

@@ -84,10 +84,22 @@ def check_call_flags(pipe, given: dict[str, str]) -> None:
                          f"{', '.join(missing.values())}; drop {'it' if one else 'them'} for this model.")
 
 
-def warm_up(pipe, config, call_kwargs: dict, seed: int = 0, device: str | None = None) -> int:
+def takes_step_count(pipe) -> bool:
+    """Whether the pipeline's `__call__` takes `num_inference_steps` (HeliosPyramidPipeline takes a list per stage)."""
+    import inspect
+
+    params = inspect.signature(type(pipe).__call__).parameters
+    return "num_inference_steps" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def warm_up(pipe, config, call_kwargs: dict, seed: int = 0, device: str | None = None) -> int | None:
     """An untimed generation of as few steps as reach `config`'s sparse path (1; with `dense_steps=k` steps, k + 1;
     never more than the call's own steps), latents only: the kernels a timed generation would compile on its first
-    sparse forward compile here. Returns the steps run (0, nothing run, when every step of the call is dense)."""
+    sparse forward compile here. Returns the steps run (0, nothing run, when every step of the call is dense; None
+    when the pipeline takes no `num_inference_steps`: then the call runs as given)."""
+    if "num_inference_steps" not in call_kwargs and not takes_step_count(pipe):
+        generate(pipe, config, call_kwargs, seed=seed, device=device, output_type="latent")
+        return None
     total = call_kwargs.get("num_inference_steps")
     steps = 1
     while config is not None and config.dense_step_count(steps) >= steps:
@@ -131,13 +143,16 @@ def write_video(frames: np.ndarray, path: str, fps: int = 8) -> str:
     """Write float frames [F, H, W, 3] in [0, 1] to an mp4 (imageio + ffmpeg), atomically: encoded into a temporary
     file beside `path` (same suffix, so the same container), then renamed; a failed encode leaves `path` as it was."""
     from diffusers.utils import export_to_video
+    from PIL import Image
 
     folder, name = os.path.split(path)
     stem, suffix = os.path.splitext(name)
     tmp = os.path.join(folder, f".{stem}.tmp{suffix}")
     try:
         # macro_block_size=2: yuv420p needs even sizes; imageio's default 16 would resize e.g. 36x44 to 48x48
-        written = export_to_video(list(frames), tmp, fps=fps, macro_block_size=2)
+        # frames rounded to 8 bits here, handed over as images: diffusers truncates float frames (0.999 -> 254)
+        pixels = (np.clip(np.asarray(frames, dtype=np.float32), 0.0, 1.0) * 255).round().astype(np.uint8)
+        written = export_to_video([Image.fromarray(f) for f in pixels], tmp, fps=fps, macro_block_size=2)
         # ffmpeg reports a file it cannot open on stderr and imageio returns as if it wrote it (a directory, ...)
         if not os.path.isfile(written) or os.path.getsize(written) == 0:
             raise OSError(f"the video {path!r} was not written (ffmpeg could not write it: see its message above).")

@@ -7,6 +7,9 @@ import numpy as np
 import torch
 
 
+SSIM_WINDOW = 11        # torchmetrics' default Gaussian kernel size, which the SSIM functions below use
+
+
 def _frames(x: np.ndarray | torch.Tensor) -> torch.Tensor:
     """[F, H, W, 3] float in [0, 1] -> fp64 [F, 3, H, W] (ValueError for integer frames or values past [0, 1],
     e.g. 0..255, which the data range of 1 would misread)."""
@@ -16,9 +19,22 @@ def _frames(x: np.ndarray | torch.Tensor) -> torch.Tensor:
     t = torch.as_tensor(a, dtype=torch.float64)
     if t.dim() != 4 or t.shape[-1] not in (1, 3):
         raise ValueError(f"frames must be [F, H, W, C] with C in (1, 3); got {tuple(t.shape)}.")
-    if t.numel() and (float(t.min()) < -1e-3 or float(t.max()) > 1 + 1e-3):
-        raise ValueError(f"frames must lie in [0, 1]; got values in [{float(t.min()):.3g}, {float(t.max()):.3g}].")
+    if t.shape[0] == 0:
+        raise ValueError(f"frames {tuple(t.shape)} hold no frame.")
+    finite = t[torch.isfinite(t)]            # a NaN would make both range checks false and let 0..255 frames by
+    if finite.numel() and (float(finite.min()) < -1e-3 or float(finite.max()) > 1 + 1e-3):
+        raise ValueError(f"frames must lie in [0, 1]; got values in [{float(finite.min()):.3g}, "
+                         f"{float(finite.max()):.3g}].")
     return t.permute(0, 3, 1, 2)
+
+
+def _ssim_frames(x: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """`_frames`, and frames large enough for SSIM's reflect-padded window (ValueError otherwise)."""
+    t = _frames(x)
+    if min(t.shape[-2:]) <= SSIM_WINDOW // 2:
+        raise ValueError(f"SSIM needs frames of at least {SSIM_WINDOW // 2 + 1} x {SSIM_WINDOW // 2 + 1} pixels (its "
+                         f"{SSIM_WINDOW}-pixel window is reflect-padded); got {tuple(t.shape[-2:])}.")
+    return t
 
 
 def psnr(video: np.ndarray, reference: np.ndarray) -> float:
@@ -36,7 +52,7 @@ def ssim(video: np.ndarray, reference: np.ndarray) -> float:
     """Mean over frames of SSIM (Gaussian window 11, sigma 1.5, data range 1)."""
     from torchmetrics.functional.image import structural_similarity_index_measure
 
-    a, b = _frames(video), _frames(reference)
+    a, b = _ssim_frames(video), _ssim_frames(reference)
     if a.shape != b.shape:
         raise ValueError(f"video {tuple(a.shape)} and reference {tuple(b.shape)} differ in shape.")
     return float(structural_similarity_index_measure(a, b, data_range=1.0))
@@ -86,7 +102,7 @@ def ssim_per_frame(video: np.ndarray, reference: np.ndarray) -> list[float]:
     """
     from torchmetrics.functional.image import structural_similarity_index_measure
 
-    a, b = _frames(video).float(), _frames(reference).float()
+    a, b = _ssim_frames(video).float(), _ssim_frames(reference).float()
     if a.shape != b.shape:
         raise ValueError(f"video {tuple(a.shape)} and reference {tuple(b.shape)} differ in shape.")
     values = structural_similarity_index_measure(a, b, data_range=1.0, reduction="none")
@@ -113,9 +129,9 @@ def load_lpips(device: str | torch.device = "cpu"):
         return None, (f"LPIPS skipped: torchvision's AlexNet weights are not in the torch hub cache ({weights}); "
                       "they are fetched once by `python -c \"import lpips; lpips.LPIPS(net='alex')\"` on a machine "
                       "with internet access.")
-    import lpips
-
     try:
+        import lpips         # inside: a torch / torchvision mismatch raises at import
+
         model = lpips.LPIPS(net="alex", verbose=False).eval().to(device)
     except Exception as err:  # a broken or partial install: report it, never fail the evaluation
         return None, f"LPIPS skipped: loading it failed ({type(err).__name__}: {err})."
@@ -199,8 +215,9 @@ def tile_recall(plan, mass: torch.Tensor) -> dict[str, float]:
     """How well a plan's tiles match the oracle: the top tiles by true attention mass, same budget per row.
 
     For every (batch, head, query tile) row with `c = kv_count` tiles, the oracle keeps the `c`
-    tiles of largest `mass`; recall is |plan ∩ oracle| / c. Rows that keep every tile or none (no choice,
-    e.g. text rows, or rows past a key limit) are left out of the recall average.
+    tiles of largest `mass` (tiles tied at the c-th largest fill its last places as the plan's do); recall is
+    |plan ∩ oracle| / c. Rows that keep every tile or none (no choice, e.g. text rows, or rows past a key limit) are
+    left out of the recall average.
 
     Args:
         plan: a `videosparse.plan.Plan` over Mq query tiles and Nk key tiles.
@@ -218,7 +235,13 @@ def tile_recall(plan, mass: torch.Tensor) -> dict[str, float]:
     count = plan.kv_count.long()
     rank = mass.argsort(dim=-1, descending=True).argsort(dim=-1)          # 0 = largest mass
     oracle = rank < count[..., None]
-    hits = (chosen & oracle).sum(-1).float()
+    # the oracle that best matches the plan among those the ties allow (tiles tied at the c-th largest mass, e.g. ones
+    # whose mass underflowed to 0, fill the oracle's last places in any order): every kept tile above the c-th mass,
+    # and kept tiles at it up to the places left
+    kth = mass.sort(dim=-1, descending=True).values.gather(-1, (count - 1).clamp_min(0)[..., None])
+    above, at = mass > kth, mass == kth
+    places = count - above.sum(-1)
+    hits = ((chosen & above).sum(-1) + torch.minimum((chosen & at).sum(-1), places)).float()
     choice = (count > 0) & (count < Nk)
     recall = float((hits[choice] / count[choice].clamp_min(1).float()).mean()) if bool(choice.any()) else 1.0
     total = float(mass.sum(dtype=torch.float64))

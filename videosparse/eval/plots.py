@@ -95,13 +95,19 @@ def error_matrices(attention: dict) -> dict[str, tuple[list[int], list[int], np.
     return out
 
 
+def heatmap_top(mats: dict) -> float:
+    """The colour scale's top for `error_matrices`: the largest finite cell (an inf cell made it inf, and every
+    finite cell drew in one colour), at least 1e-6."""
+    return max([float(m[np.isfinite(m)].max()) for _, _, m in mats.values() if np.isfinite(m).any()] + [1e-6])
+
+
 def plot_error_heatmap(attention: dict, path: str) -> str:
     """Per-layer heatmap (layer x sampled step) of the attention output's relative L2 error vs dense."""
     plt = _pyplot()
     mats = error_matrices(attention)
     n = max(1, len(mats))
     fig, axes = plt.subplots(1, n, figsize=(3.2 * n + 1.5, 4), squeeze=False)
-    vmax = max([float(np.nanmax(m)) for _, _, m in mats.values() if np.isfinite(m).any()] + [1e-6])
+    vmax = heatmap_top(mats)
     image = None
     for ax, (label, (layers, steps, m)) in zip(axes[0], mats.items()):
         image = ax.imshow(m, aspect="auto", cmap="magma", vmin=0.0, vmax=vmax, origin="lower")
@@ -110,6 +116,8 @@ def plot_error_heatmap(attention: dict, path: str) -> str:
         ax.set_yticks(range(len(layers)), [str(l) for l in layers])
         ax.set_xlabel("denoising step")
         ax.set_ylabel("self-attention layer")
+        for i, j in zip(*np.nonzero(np.isinf(m))):      # drawn blank, as the cells never sampled: say what they hold
+            ax.text(j, i, str(m[i, j]), ha="center", va="center", fontsize=7, color="tab:blue")
     if not mats:
         axes[0][0].text(0.5, 0.5, "no attention-level samples", ha="center", va="center",
                         transform=axes[0][0].transAxes)

@@ -80,10 +80,12 @@ class MethodSpec:
 
     @property
     def family(self) -> str:
-        """The label without its density: the methods that one quality-vs-density line joins."""
+        """The label without its density, its other items sorted: the methods that one quality-vs-density line
+        joins ('veda:density=0.1:block=64' and 'veda@0.3:block=64' are one family)."""
         head, _, rest = self.label.partition(":")
         name = head.split("@", 1)[0]
-        return f"{name}:{rest}" if rest else name
+        items = sorted(item for item in rest.split(":") if item and not item.startswith("density="))
+        return ":".join([name, *items])
 
 
 _FORMS = {"density": "a number in (0, 1]", "tau": "a number (standard deviations)", "block": "an int (128 or 64)",

@@ -164,13 +164,39 @@ def load_pipeline(model: str | None = None, device: str | None = None,
         try:                            # weights from safetensors only: never unpickle a .bin
             pipe = DiffusionPipeline.from_pretrained(model, dtype=dtype, use_safetensors=True)
         except OSError as err:          # not on disk and no hub to fetch it from: diffusers' text, then ours
-            if "safetensors" in str(err):
+            folder = os.path.expanduser(model)
+            pickled = os.path.isdir(folder) and any(
+                name.endswith((".bin", ".pt", ".pth", ".ckpt")) for _, _, names in os.walk(folder) for name in names)
+            if "safetensors" in str(err) and (pickled or not os.path.isdir(folder)):
                 raise OSError(f"{err}\n{model!r}: videosparse loads weights from safetensors files only (a pickled "
                               ".bin can run code); convert them, e.g. load and `save_pretrained` where the source "
                               "is trusted.") from err
+            if os.path.isdir(folder):   # a local folder: the hub's advice would not help
+                what = ("has no model_index.json, so it is not a diffusers pipeline folder" if not
+                        os.path.isfile(os.path.join(folder, "model_index.json")) else
+                        "is a pipeline folder with a component missing or damaged (see above)")
+                raise OSError(f"{err}\n{model!r} {what}; give the folder `save_pretrained` wrote, or a hub id.") from err
             raise OSError(f"{err}\n{model!r} could not be loaded: download it first (`hf download {model}` where "
                           "there is network, then run with HF_HUB_OFFLINE=1) or pass a local directory; the models "
                           "that need no download are 'reference' and 'tiny'.") from err
         loaded = LoadedPipeline(pipe, model, pipeline_call_defaults(pipe))
     loaded.pipe.to(device)
     return loaded
+
+
+def check_size(pipe, call: dict) -> None:
+    """ValueError for a height/width the model cannot tile: multiples of the VAE's spatial factor times the
+    transformer's patch (16 for Wan, CogVideoX, HunyuanVideo; 32 for LTX-Video). The VAE factor is the
+    pipeline's `vae_scale_factor_spatial`, else its video processor's (every video pipeline builds one with it)."""
+    vae = getattr(pipe, "vae_scale_factor_spatial", None)
+    if not isinstance(vae, int):
+        vae = getattr(getattr(getattr(pipe, "video_processor", None), "config", None), "vae_scale_factor", None)
+    patch = getattr(getattr(getattr(pipe, "transformer", None), "config", None), "patch_size", None)
+    if not isinstance(vae, int) or patch is None:
+        return
+    multiple = vae * (patch[-1] if isinstance(patch, (tuple, list)) else int(patch))
+    for name in ("height", "width"):
+        value = call.get(name)
+        if value is not None and value % multiple:
+            raise ValueError(f"--{name}={value} must be a multiple of {multiple} for {type(pipe).__name__} "
+                             f"(VAE factor {vae} x patch); e.g. {max(multiple, value // multiple * multiple)}.")
