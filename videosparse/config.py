@@ -89,7 +89,7 @@ def _dense_schedule(dense_steps: int | float, dense_layers: tuple[int, ...]) -> 
         )
     for layer in dense_layers:
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-            raise ValueError(f"dense_layers={dense_layers!r} must hold layer indices >= 0; got {layer!r}.")
+            raise ValueError(f"dense_layers={dense_layers!r} must hold layer indices, ints >= 0; got {layer!r}.")
     return tuple(sorted(set(dense_layers)))
 
 

@@ -175,6 +175,9 @@ def test_estimator_config_validation():
         make_est(tile_shapes=128)
     with pytest.raises(ValueError, match="density='0.1' must be a number"):
         make_est(density="0.1")
+    # a block no config takes (its mismatch error at apply suggested VedaConfig(block=96), which is refused)
+    with pytest.raises(ValueError, match=r"block=96 is not supported; choose one of \(64, 128\)"):
+        make_est(block=96, tile_shapes=(4, 4, 6))
     with pytest.raises(TypeError, match="VedaEstimator"):
         VedaMethod(VedaConfig(density=0.1, estimator=object()), INFO)
 
@@ -257,6 +260,9 @@ def test_estimator_paths_that_hold_no_estimator_are_clear_errors(tmp_path):
         load_estimator("my_runs/est")
     with pytest.raises(ValueError, match="has no config.json or model.safetensors"):
         load_estimator(tmp_path)
+    (tmp_path / "tiling.json").write_text("{}")             # a file where the directory belongs: said so
+    with pytest.raises(ValueError, match="tiling.json' is a file; give the directory"):
+        load_estimator(tmp_path / "tiling.json")
     with pytest.raises(ValueError, match="holds no config.json"):
         VedaEstimator.from_pretrained(tmp_path)
 

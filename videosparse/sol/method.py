@@ -51,7 +51,7 @@ class SolMethod(SparseMethod):
         >>> from videosparse.layout import head_tiling
         >>> from videosparse.method import ModelInfo
         >>> info = ModelInfo("WanTransformer3DModel", 1, 2, 64, (1, 2, 2))
-        >>> method = SolMethod(SolConfig(density=0.5), info)
+        >>> method = SolMethod(SolConfig(density=0.5, block=64), info)
         >>> layout = head_tiling((4, 8, 8), (4, 4, 4), 2, block=64)
         >>> q = k = v = torch.randn(1, 2, 256, 64)
         >>> plan = method.plan(q, k, v, layout, layer=0)

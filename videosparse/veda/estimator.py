@@ -36,7 +36,7 @@ import torch
 from huggingface_hub import PyTorchModelHubMixin, hf_hub_download
 from torch import nn
 
-from ..config import parse_tile
+from ..config import BLOCK_SIZES, parse_tile
 
 DEFAULT_INIT_STD = 1e-4
 SAFETENSORS_NAME = "model.safetensors"
@@ -124,6 +124,8 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
                             ("block", block)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int.")
+        if block not in BLOCK_SIZES:         # an estimator for a block no config takes could never be used
+            raise ValueError(f"block={block!r} is not supported; choose one of {BLOCK_SIZES} (VedaConfig's blocks).")
         if (isinstance(init_std, bool) or not isinstance(init_std, numbers.Real) or not math.isfinite(init_std)
                 or init_std < 0):
             raise ValueError(f"init_std={init_std!r} must be a finite number >= 0.")
@@ -325,6 +327,9 @@ def load_estimator(source: Any) -> VedaEstimator:
         path = os.fspath(source)
         if os.path.isdir(path):
             _check_estimator_dir(path)
+        elif os.path.isfile(os.path.expanduser(path)):
+            raise ValueError(f"estimator={path!r} is a file; give the directory `videosparse distill` or "
+                             "`VedaEstimator.save_pretrained` wrote (config.json and model.safetensors).")
         elif not _HUB_ID.fullmatch(path):
             raise ValueError(f"estimator={path!r} is neither an existing directory nor a hub id (owner/name).")
         else:       # "runs/est" is a hub id in form, and a local folder the user may have meant
