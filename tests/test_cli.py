@@ -484,7 +484,6 @@ def test_a_hub_model_that_cannot_be_fetched_names_the_way_out(monkeypatch):
 def test_a_call_flag_the_pipeline_does_not_take_is_named_after_the_load(tmp_path, capsys, monkeypatch):
     """Review find: --guidance-scale given to HunyuanVideo15Pipeline (no such parameter) was a TypeError traceback from
     inside the call; a given flag is checked against `__call__` right after the load (defaults are not flags)."""
-    from videosparse.models import loading
     from videosparse.models.reference import ReferenceVideoPipeline
 
     class NoGuidancePipeline(ReferenceVideoPipeline):     # HunyuanVideo15Pipeline's call: no guidance_scale, no **kw
@@ -494,14 +493,7 @@ def test_a_call_flag_the_pipeline_does_not_take_is_named_after_the_load(tmp_path
                                     height=height, width=width, num_inference_steps=num_inference_steps,
                                     generator=generator, output_type=output_type)
 
-    real = loading.load_pipeline
-
-    def load(*args, **kwargs):
-        pipe = real("reference", "cpu").pipe
-        pipe.__class__ = NoGuidancePipeline
-        return loading.LoadedPipeline(pipe, "no-guidance", loading.pipeline_call_defaults(pipe))
-
-    monkeypatch.setattr(loading, "load_pipeline", load)
+    _load_reference_as(monkeypatch, NoGuidancePipeline, "no-guidance")
     out = tmp_path / "v.mp4"
     assert main(["generate", "--guidance-scale", "6", "--out", str(out)]) == 2
     assert "--guidance-scale: NoGuidancePipeline.__call__ takes no guidance_scale" in capsys.readouterr().err
@@ -626,7 +618,6 @@ def test_a_pipeline_without_a_step_count_generates_and_evaluate_names_why_it_can
     and evaluate named an internal field; generate now times per transformer forward, evaluate says what it needs."""
     import json
 
-    from videosparse.models import loading
     from videosparse.models.reference import ReferenceVideoPipeline
 
     class PyramidLike(ReferenceVideoPipeline):
@@ -636,14 +627,7 @@ def test_a_pipeline_without_a_step_count_generates_and_evaluate_names_why_it_can
                                     height=height, width=width, num_inference_steps=sum(stage_steps),
                                     generator=generator, output_type=output_type)
 
-    real = loading.load_pipeline
-
-    def load(*args, **kwargs):
-        pipe = real("reference", "cpu").pipe
-        pipe.__class__ = PyramidLike
-        return loading.LoadedPipeline(pipe, "pyramid-like", loading.pipeline_call_defaults(pipe))
-
-    monkeypatch.setattr(loading, "load_pipeline", load)
+    _load_reference_as(monkeypatch, PyramidLike, "pyramid-like")
     summary = tmp_path / "s.json"
     assert main(["generate", "--out", str(tmp_path / "v.mp4"), "--json", str(summary)]) == 0
     assert "ms transformer time per transformer forward" in capsys.readouterr().out
@@ -662,3 +646,17 @@ def test_video_pixels_round_to_the_nearest_level(tmp_path):
     frames = np.full((2, 16, 16, 3), 0.999, dtype=np.float32)
     path = write_video(frames, str(tmp_path / "v.mkv"), fps=4)
     assert int(np.median(iio.imread(path))) == 255
+
+
+def _load_reference_as(monkeypatch, cls, name: str) -> None:
+    """Make every `load_pipeline` give the reference pipeline as `cls` (a subclass with another `__call__`)."""
+    from videosparse.models import loading
+
+    real = loading.load_pipeline
+
+    def load(*args, **kwargs):
+        pipe = real("reference", "cpu").pipe
+        pipe.__class__ = cls
+        return loading.LoadedPipeline(pipe, name, loading.pipeline_call_defaults(pipe))
+
+    monkeypatch.setattr(loading, "load_pipeline", load)
