@@ -8,6 +8,8 @@ item and the masked-last-tile path) and the last 200 keys padded; interleaved ro
 
 from __future__ import annotations
 
+import statistics
+
 import argparse
 import functools
 import json
@@ -53,8 +55,9 @@ def main() -> None:
                     "valid_pad200": plan.with_valid_keys(torch.tensor([S - 200], dtype=torch.int32, device="cuda"))}
         calls = {name: functools.partial(block_sparse_attention, q, k, v, p, validate=False)
                  for name, p in variants.items()}
-        times = time_interleaved(calls, args.rounds, lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200))
-        median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+        times = time_interleaved(calls, args.rounds, lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200,
+                                                                                      return_mode="median"))
+        median = {name: statistics.median(t) for name, t in times.items()}
         equal = bool(torch.equal(block_sparse_attention(q, k, v, plan), block_sparse_attention(q, k, v,
                                                                                                  variants["valid_all"])))
         rows.append(dict(density=density, ms=median, valid_all_bitwise_equal=equal))

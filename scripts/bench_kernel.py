@@ -427,7 +427,8 @@ def fit_item_cost(points):
 
 def bench_item_sweep(results, args, deadline):
     """Where the time of a work item goes: plans with exactly n key tiles per query tile (n = 8..64) at 48 heads
-    of 32,768 tokens (93 waves of 132 items), ours (and FA4 block-sparse with the same plans, unless --no-peers or
+    of 32,768 tokens (12,288 items, counted as ceil(12,288 / 132) = 94 waves of 132: the tail split spreads the
+    last wave's 12 items, so the per-wave times, and both terms of the fit, read ~1% low), ours (and FA4 block-sparse with the same plans, unless --no-peers or
     not importable) timed in interleaved rounds; fits the time per wave of work items as fixed + n * per-tile cost
     for each (the fixed part is what sparse plans pay more than dense per tile). Rows carry `impl`; the entry's
     top-level fit is ours, `fits` holds every implementation's."""
@@ -545,7 +546,8 @@ def render_variants(results) -> str:
         cells = []
         for key in cols:
             hit = next((r for r in recs if r["variant"] == name and (r["S"], r["D"], r["target_density"]) == key), None)
-            cells.append(f"{hit['tflops']:.0f}" if hit else "–")
+            # a variant whose output differs from the default's is marked: its time is of another computation
+            cells.append("–" if not hit else f"{hit['tflops']:.0f}" + ("" if hit.get("ok", True) else " (wrong)"))
         if any(c != "–" for c in cells):
             out.append("| " + " | ".join([VARIANT_LABELS.get(name, name)] + cells) + " |")
     return "\n".join(out)
@@ -563,10 +565,31 @@ def write_json(path, results) -> None:
         tmp.unlink(missing_ok=True)
 
 
+# bf16 outputs of two correct kernels differ by ~4e-3 relative; a peer or variant past this computed something else
+AGREEMENT_TOL = 1.5e-2
+
+
+def disagreements(results) -> list[str]:
+    """The timed rows whose output disagrees with ours (a peer's `rel_err_vs_ours`), with cuDNN (`rel_err_vs_cudnn`)
+    or with the default kernel (a variant's `rel_diff_vs_default`) by more than AGREEMENT_TOL, or is not finite: their
+    times are of another computation."""
+    bad = []
+    for r in results.get("rows", []):
+        for key in ("rel_err_vs_ours", "rel_err_vs_cudnn"):
+            if key in r and not r[key] <= AGREEMENT_TOL:      # NaN fails too
+                bad.append(f"{r.get('impl')} {r.get('shape')} {r.get('plan')} {r.get('target_density')}: "
+                           f"{key}={r[key]}")
+    for r in results.get("variants", []):
+        if "tflops" in r and not r.get("ok", True):
+            bad.append(f"variant {r['variant']} S={r['S']} D={r['D']} {r['target_density']}: "
+                       f"rel_diff_vs_default={r.get('rel_diff_vs_default')}")
+    return bad
+
+
 def exit_code(results) -> int:
-    """1 when a correctness check failed (ours or a peer's: FA4, Flex) or a step raised (the deadline's notes
-    aside), else 0."""
-    failed = any(not c["ok"] for c in results["correctness"])
+    """1 when a correctness check failed (ours against the reference, or a peer or variant timed beside ours that
+    disagrees with it: `disagreements`) or a step raised (the deadline's notes aside), else 0."""
+    failed = any(not c["ok"] for c in results["correctness"]) or bool(disagreements(results))
     return int(failed or any(not e.startswith("deadline:") for e in results["errors"]))
 
 
@@ -657,6 +680,8 @@ def main(argv=None) -> int:
         f"{len(results['correctness']) - len(bad)}/{len(results['correctness'])} ok")
     for e in results["errors"]:
         log("error:", e[:300])
+    for d in disagreements(results):
+        log("disagrees (its time is of another computation):", d)
     log(render_markdown(results) + "\n\n" + render_variants(results))
     return exit_code(results)
 

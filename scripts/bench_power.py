@@ -108,6 +108,12 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=2, help="passes over the kernels, the order reversed each pass")
     ap.add_argument("--out", default="power.json")
     args = ap.parse_args(argv)
+    # the summary splits each run into a cool start (its first 100 ms) and a steady half: shorter runs hold neither
+    if not args.seconds >= 0.5:
+        ap.error(f"--seconds {args.seconds} must be >= 0.5 (the first 100 ms and a steady half are summarized).")
+    if not args.cool >= 0 or args.repeats < 1 or any(not 0 < d <= 1 for d in args.densities):
+        ap.error(f"--cool {args.cool} must be >= 0, --repeats {args.repeats} >= 1 and --densities "
+                 f"{args.densities} in (0, 1].")
 
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel

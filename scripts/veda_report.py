@@ -85,7 +85,7 @@ class HeldOutObserver:
         with torch.no_grad():
             e = head_errors(rec.q, rec.k, rec.v, rec.grid, self.shapes, density=self.density, block=self.block,
                             text_len=rec.text_len, text_position=rec.text_position or "after")
-        self.errors[rec.layer].append(e / rec.q.shape[0])
+        self.errors[rec.layer].append(e)      # head_errors pools the batch already (one ratio whatever B)
 
 
 def main() -> None:

@@ -235,7 +235,96 @@ def test_bad_arguments_are_argparse_errors_and_failures_exit_1(tmp_path, capsys)
     assert bench.exit_code(ok) == 0
     assert bench.exit_code(dict(ok, correctness=[dict(ok=True), dict(ok=False)])) == 1
     assert bench.exit_code(dict(ok, errors=["12x32768 d128: Traceback ..."])) == 1
+    # a peer or a variant timed beside ours that computed something else fails the run too (review find: recorded,
+    # tabulated, exit 0)
+    row = dict(impl="fa4", shape="s", plan="random", target_density=0.1)
+    assert bench.exit_code(dict(ok, rows=[dict(row, rel_err_vs_ours=4e-3)])) == 0
+    for bad in (dict(row, rel_err_vs_ours=0.9), dict(row, impl="ours", rel_err_vs_cudnn=float("nan"))):
+        assert bench.exit_code(dict(ok, rows=[bad])) == 1
+    variant = dict(S=256, D=64, target_density=0.1, variant="v", tflops=800.0, rel_diff_vs_default=float("nan"))
+    assert bench.exit_code(dict(ok, variants=[dict(variant, ok=True)])) == 0
+    assert bench.exit_code(dict(ok, variants=[dict(variant, ok=False)])) == 1
+    assert "| v | 800 (wrong) |" in bench.render_variants(dict(variants=[dict(variant, ok=False)]))
     out = tmp_path / "kernel.json"
     out.write_text("{}")
     bench.write_json(out, dict(rows=[1]))
     assert json.loads(out.read_text()) == dict(rows=[1]) and [p.name for p in tmp_path.iterdir()] == ["kernel.json"]
+
+
+def test_bench_backward_refuses_bad_arguments_and_times_nothing_after_a_failed_check(tmp_path, capsys, monkeypatch):
+    """Review finds: its gradient check only logged numbers (the run timed on and exited 0 with dq, dk, dv all
+    wrong); --rounds 0 failed in median after the GPU work; --densities 2 doubled the reported TFLOP/s."""
+    import json
+
+    import pytest
+    import torch
+
+    bench = load_script("bench_backward")
+    for argv, msg in ((["--rounds", "0"], "--rounds 0 must be >= 1"), (["--densities", "0.1", "2"], "[2.0]")):
+        with pytest.raises(SystemExit) as exit_:
+            bench.parse_args(argv)
+        assert exit_.value.code == 2 and msg in capsys.readouterr().err, argv
+    import _bench
+    import bench_kernel
+
+    monkeypatch.setattr(_bench, "require_cuda", lambda script: None)
+    monkeypatch.setattr(_bench, "versions", lambda: {})
+    monkeypatch.setattr(bench_kernel, "gpu_state", lambda: {})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
+    monkeypatch.setattr(bench, "check", lambda device, dtype: {"dq": 3e-3, "dk": 1.0, "dv": float("nan")})
+
+    def no_timing(*args):
+        raise AssertionError("timed after a failed check")
+
+    monkeypatch.setattr(bench, "bench_shape", no_timing)
+    out = tmp_path / "backward.json"
+    assert bench.main(["--out", str(out)]) == 1
+    assert json.loads(out.read_text())["check"]["dk"] == 1.0
+
+
+def test_sweep_backward_leaves_wrong_variants_out_and_fails():
+    """Review find: a launch variant's error against the default was recorded only; the table named the fastest
+    variant whatever its error (the launch defaults were chosen from that table)."""
+    sweep = load_script("sweep_backward")
+    row = dict(kernel="dq", ms=1.0, tflops=100.0)
+    shape = dict(shape="s", correction=False, triton_backward_ms=3.0, sdpa_dense_backward_ms=9.0,
+                 rows=[dict(row, params="default", error_vs_default=0.0),
+                       dict(row, params=[32, 4, 2], ms=0.5, tflops=200.0, error_vs_default=0.7),
+                       dict(row, params=[64, 8, 2], ms=0.9, tflops=111.0, error_vs_default=2e-6)])
+    results = dict(shapes=[shape])
+    assert "| s | dq | 1.000 (100) | [64, 8, 2] | 0.900 (111) |" in sweep.render(results)
+    assert sweep.wrong_variants(results) == ["s dq [32, 4, 2]: error_vs_default=0.7"]
+    shape["rows"] = shape["rows"][:2]
+    assert "| s | dq | 1.000 (100) | – | – |" in sweep.render(results)
+
+
+def test_veda_report_keeps_the_pooled_tiling_error_of_a_batch():
+    """Review find: veda_report divided head_errors' ratio, already pooled over the batch, by the batch size again
+    (the fix of the tiling search, f8492f0, had left it here): a CFG-batched record read half its error."""
+    import types
+
+    import torch
+
+    from videosparse.veda.tiling import candidate_shapes
+
+    report = load_script("veda_report")
+    torch.manual_seed(0)
+    grid, block, shapes = (4, 8, 8), 64, candidate_shapes(64)
+    one = [torch.randn(1, 256, 2, 32) for _ in range(3)]
+    tiling = types.SimpleNamespace(tiles_for=lambda layer, heads: shapes[0])
+    observer = report.HeldOutObserver(tiling, block, 0.5, steps=[0], error_steps=[0])
+    observer.capture = lambda rec: None
+    for q, k, v in (one, [torch.cat([x, x]) for x in one]):        # the same sample alone and twice in a batch
+        observer(types.SimpleNamespace(step=0, layer=0, q=q, k=k, v=v, grid=grid, text_len=0, text_position=None))
+    alone, batched = observer.errors[0]
+    assert torch.allclose(alone, batched)
+
+
+def test_bench_power_refuses_runs_too_short_to_summarize(capsys):
+    import pytest
+
+    power = load_script("bench_power")
+    for argv, msg in ((["--seconds", "0"], "--seconds 0.0 must be >= 0.5"), (["--densities", "2"], "in (0, 1]")):
+        with pytest.raises(SystemExit) as exit_:
+            power.main(argv)
+        assert exit_.value.code == 2 and msg in capsys.readouterr().err
