@@ -174,6 +174,35 @@ def test_tiny_pipeline_end_to_end(name, monkeypatch):
     assert ref.ndim == 5                                    # 9 x 32 x 96 -> latent 3 x 4 x 12 -> 3 x 2 x 6 tokens
 
 
+def test_asynchronous_diffusion_forcing_counts_the_pipelines_iterations(monkeypatch):
+    """SkyReels V2 diffusion forcing with ar_step > 0 starts the frames one after another and steps one scheduler
+    copy per frame: the noisiest frame sat at the schedule's first entry until the last frame started, so the session
+    read step 0 for 5 of 8 iterations and dense_steps=1 ran them all dense (review find). It counts the loop's
+    iterations now, of the pipeline's `_num_timesteps`, which a fractional dense_steps takes."""
+    import sys
+    from types import SimpleNamespace
+
+    pipe = _tiny_family_pipeline("SkyReelsV2DiffusionForcingPipeline")
+    monkeypatch.setattr(sys.modules[type(pipe).__module__], "ftfy", SimpleNamespace(fix_text=lambda t: t),
+                        raising=False)
+    kw = dict(prompt="a red circle moving left", num_frames=17, height=32, width=32, num_inference_steps=4,
+              output_type="latent", max_sequence_length=16, guidance_scale=1.0, base_num_frames=17, ar_step=1,
+              causal_block_size=1)
+    for dense_steps, dense_iterations in ((1, 1), (0.5, 4)):        # 8 iterations of the 4-step schedule
+        session = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64,
+                                                                 dense_steps=dense_steps))["transformer"]
+        iterations, seen = [], []
+        with videosparse.processors.observe(pipe, lambda r: seen.append((r.step, r.dense_reason)) if r.layer == 0
+                                            else None):
+            pipe(**kw, generator=torch.Generator().manual_seed(0),
+                 callback_on_step_end=lambda p, i, t, k: iterations.append(i) or {})
+        assert iterations == list(range(8))
+        assert [step for step, _ in seen] == iterations
+        assert sum(reason is not None for _, reason in seen) == dense_iterations, (dense_steps, seen)
+        assert session.stats()["layers"][0]["dense_calls"] == dense_iterations
+        videosparse.remove(pipe)
+
+
 def _check_sparse_after_dense_step(pipe, kw: dict, num_layers: int):
     """Run `pipe(**kw)` stock, then with Veda (first of 3 steps dense): every step on the (3, 2, 6) token grid, each
     of `num_layers` served layers 2 dense + 4 sparse calls (CFG) with no fallback, a different finite output; after

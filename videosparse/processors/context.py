@@ -268,6 +268,11 @@ class SparseSession:
         return self._pipeline is not None
 
     @property
+    def pipeline(self):
+        """The pipeline given to `videosparse.apply` while it lives, else None."""
+        return self._pipeline() if self._pipeline is not None else None
+
+    @property
     def scheduler(self):
         """The scheduler the steps are counted with: the pipeline's current `scheduler` when the session was made by
         `videosparse.apply(pipe, ...)` (a scheduler swapped in after apply is the one read), else the one given."""
@@ -754,6 +759,9 @@ class SparseContextHook(ModelHook):
         if t is not None and timesteps is not None and len(timesteps):
             if isinstance(counted, int) and 0 <= counted < len(timesteps):
                 return counted, num_steps
+            iterations = self._loop_iterations()
+            if iterations is not None and iterations > len(timesteps):     # more iterations than schedule entries
+                return self._counted_iteration(t, iterations)
             # per-token or per-frame timesteps (Wan 2.2 TI2V, SkyReels V2 diffusion forcing) hold 0 for clean
             # conditioning frames: the noisiest entry says how far the denoising is
             t0 = torch.as_tensor(t).detach().flatten().max().cpu()
@@ -778,6 +786,24 @@ class SparseContextHook(ModelHook):
             state.calls += 1
             return state.calls - 1, num_steps
         return None, num_steps
+
+    def _loop_iterations(self) -> int | None:
+        """The iterations of the applied pipeline's denoising loop as it recorded them before the loop
+        (`_num_timesteps`), or None."""
+        if not self.session.made_by_apply:
+            return None
+        iterations = getattr(self.session.pipeline, "_num_timesteps", None)
+        return iterations if isinstance(iterations, int) and not isinstance(iterations, bool) and iterations > 0 \
+            else None
+
+    def _counted_iteration(self, t, iterations: int) -> tuple[int, int]:
+        """Step and step count where the pipeline's loop runs more iterations than its scheduler's schedule has
+        entries and steps no scheduler of its own (SkyReels V2's asynchronous diffusion forcing: frames start one
+        after another, each with its own copy of the scheduler; the noisiest frame stays at the schedule's first
+        entry until the last one has started, so the schedule says nothing): the loop's iteration, counted by the
+        sum of the per-frame timesteps (it falls at every iteration; the guidance branches share it), of
+        `iterations` (which a fractional dense_steps takes)."""
+        return self.session.timestep_counter.step(torch.as_tensor(t).detach().double().sum()), iterations
 
     def _other_driver(self, scheduler, timesteps, counted) -> bool:
         """Whether another pipeline than the one given to `apply` drives this call (one made with `from_pipe`, sharing
