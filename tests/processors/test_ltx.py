@@ -235,3 +235,25 @@ def test_tiny_condition_pipeline_serves_condition_tokens_sparse():
     assert np.isfinite(sparse).all() and not np.array_equal(sparse, ref)
     videosparse.remove(pipe)
     assert np.array_equal(run(), ref)
+
+
+def test_a_whole_video_condition_at_strength_below_one_steps_from_its_schedule_place():
+    """LTXConditionPipeline with denoise_strength=0.5 runs schedule places 3-5 of 6; a video conditioned whole gives
+    every token timestep 0, on no schedule entry, and the scheduler has not stepped at the first forward (and has
+    no begin index): that forward read step 0 and ran dense with dense_steps=1 (review find). The pipeline's
+    `_current_timestep` places it now."""
+    from PIL import Image
+    from diffusers.pipelines.ltx.pipeline_ltx_condition import LTXVideoCondition
+
+    pipe = build_tiny_ltx_pipeline(LTXConditionPipeline)
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (32, 96, 3), dtype=np.uint8))
+    videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64, dense_steps=1))
+    seen = []
+    with videosparse.processors.observe(pipe, lambda r: seen.append((r.step, r.dense_reason)) if r.layer == 0
+                                        else None):
+        pipe(prompt="a red circle", negative_prompt="blue", num_frames=9, height=32, width=96, num_inference_steps=6,
+             output_type="latent", max_sequence_length=16, denoise_strength=0.5,
+             conditions=[LTXVideoCondition(video=[image] * 9, frame_index=0)],
+             generator=torch.Generator().manual_seed(0))
+    assert seen == [(3, None), (4, None), (5, None)]
+    videosparse.remove(pipe)

@@ -771,9 +771,17 @@ class SparseContextHook(ModelHook):
             best = int(gap.argmin())
             if float(gap[best]) > 1e-2 * max(1.0, abs(float(table[best]))) and \
                     hasattr(scheduler, "_step_index") and counted is None:
-                # the forward's timestep is not on the schedule (the Cosmos pipelines pass sigma or sigma / (sigma + 1))
-                # and the scheduler has not stepped yet in this call: its first step (its begin index, if it has one;
-                # an on-schedule timestep keeps its place, for pipelines that start later in the schedule)
+                # the forward's timestep is not on the schedule (the Cosmos pipelines pass sigma or sigma / (sigma + 1);
+                # LTX's condition pipeline gives a video conditioned whole at strength < 1 timestep 0 everywhere) and
+                # the scheduler has not stepped yet in this call: the place of the timestep the pipeline is at
+                # (`_current_timestep`, which most set before the forward), else its first step (its begin index, if
+                # it has one; an on-schedule timestep keeps its place, for pipelines that start later in the schedule)
+                current = self._pipeline_timestep()
+                if current is not None:
+                    gap = (table.double() - current).abs()
+                    at = int(gap.argmin())
+                    if float(gap[at]) <= 1e-2 * max(1.0, abs(float(table[at]))):
+                        return at, num_steps
                 begin = getattr(scheduler, "begin_index", None)
                 return (begin if isinstance(begin, int) else 0), num_steps
             return best, num_steps
@@ -786,6 +794,20 @@ class SparseContextHook(ModelHook):
             state.calls += 1
             return state.calls - 1, num_steps
         return None, num_steps
+
+    def _pipeline_timestep(self) -> float | None:
+        """The applied pipeline's `_current_timestep` (the schedule entry its loop is at) as a float, or None."""
+        if not self.session.made_by_apply:
+            return None
+        current = getattr(self.session.pipeline, "_current_timestep", None)
+        if isinstance(current, bool) or not isinstance(current, (int, float, torch.Tensor)):
+            return None
+        if isinstance(current, torch.Tensor):
+            if current.numel() == 0 or not current.is_floating_point() and current.dtype not in (torch.int32,
+                                                                                                   torch.int64):
+                return None
+            current = current.detach().flatten().max()
+        return float(current)
 
     def _loop_iterations(self) -> int | None:
         """The iterations of the applied pipeline's denoising loop as it recorded them before the loop
