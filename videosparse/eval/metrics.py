@@ -3,6 +3,8 @@ available) and attention level vs exact dense attention (relative L2 error, tile
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -21,10 +23,12 @@ def _frames(x: np.ndarray | torch.Tensor) -> torch.Tensor:
         raise ValueError(f"frames must be [F, H, W, C] with C in (1, 3); got {tuple(t.shape)}.")
     if t.shape[0] == 0:
         raise ValueError(f"frames {tuple(t.shape)} hold no frame.")
-    finite = t[torch.isfinite(t)]            # a NaN would make both range checks false and let 0..255 frames by
-    if finite.numel() and (float(finite.min()) < -1e-3 or float(finite.max()) > 1 + 1e-3):
-        raise ValueError(f"frames must lie in [0, 1]; got values in [{float(finite.min()):.3g}, "
-                         f"{float(finite.max()):.3g}].")
+    lo, hi = (float(x) for x in t.aminmax())
+    if math.isnan(lo) or math.isnan(hi):             # a NaN (a broken output) made both checks false: 0..255 passed
+        numbers = t[~torch.isnan(t)]                  # (a copy, on this rare path only)
+        lo, hi = (float(x) for x in numbers.aminmax()) if numbers.numel() else (0.0, 1.0)
+    if lo < -1e-3 or hi > 1 + 1e-3:
+        raise ValueError(f"frames must lie in [0, 1]; got values in [{lo:.3g}, {hi:.3g}].")
     return t.permute(0, 3, 1, 2)
 
 
