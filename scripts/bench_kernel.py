@@ -428,10 +428,11 @@ def fit_item_cost(points):
 def bench_item_sweep(results, args, deadline):
     """Where the time of a work item goes: plans with exactly n key tiles per query tile (n = 8..64) at 48 heads
     of 32,768 tokens (12,288 items, counted as ceil(12,288 / 132) = 94 waves of 132: the tail split spreads the
-    last wave's 12 items, so the per-wave times, and both terms of the fit, read ~1% low), ours (and FA4 block-sparse with the same plans, unless --no-peers or
-    not importable) timed in interleaved rounds; fits the time per wave of work items as fixed + n * per-tile cost
-    for each (the fixed part is what sparse plans pay more than dense per tile). Rows carry `impl`; the entry's
-    top-level fit is ours, `fits` holds every implementation's."""
+    last wave's 12 items, so the per-wave times, and both terms of the fit, read ~1% low), ours (and FA4
+    block-sparse with the same plans, unless --no-peers or not importable) timed in interleaved rounds; fits the
+    time per wave of work items as fixed + n * per-tile cost for each (the fixed part is what sparse plans pay more
+    than dense per tile). Rows carry `impl`; the entry's top-level fit is ours, `fits` holds every
+    implementation's."""
     import torch
     from triton.testing import do_bench
 
