@@ -78,14 +78,13 @@ def test_generic_compiles_for_ada_and_blackwell_within_their_shared_memory(capab
 @pytest.mark.parametrize("head_dim,block_m,block_n", [(128, 128, 128), (64, 128, 128)])
 def test_generic_defaults_spill_little_on_ampere(head_dim, block_m, block_n):
     """The defaults spill at most 64 bytes per thread at sm_80; whole 128-key tiles at 4 warps (head dim 128: 7
-    TFLOP/s in the sweep) spill far more, so the check can tell (at head dim 64 464 bytes since q's row offsets are
-    64-bit, 664 before)."""
+    TFLOP/s in the sweep) spill far more, so the check can tell."""
     tg = _compiled()
     default = _spill_store_bytes(tg.compile_generic(capability=80, head_dim=head_dim, block_m=block_m,
                                                     block_n=block_n))
     whole_at_4 = _spill_store_bytes(tg.compile_generic(capability=80, head_dim=head_dim, block_m=block_m,
                                                        block_n=block_n, num_warps=4, key_chunk=block_n))
-    assert default <= 64 and whole_at_4 > 4 * max(default, 64), (default, whole_at_4)
+    assert default <= 64 and whole_at_4 > 8 * max(default, 64), (default, whole_at_4)
 
 
 @pytest.mark.parametrize("key_chunk", [48, 8, 256])
