@@ -102,9 +102,7 @@ def int_at_least(value: Any, low: int, name: str, what: str) -> int:
     """`value` as a Python int >= low (numpy and 0-dim torch integers taken; floats and bools refused), or a
     ValueError naming it ("<name>=<value> must be an int >= <low> (<what>).")."""
     try:
-        if isinstance(value, bool):
-            raise TypeError
-        value_int = operator.index(value)
+        value_int = None if isinstance(value, bool) else operator.index(value)
     except TypeError:
         value_int = None
     if value_int is None or value_int < low:

@@ -157,9 +157,9 @@ def run_evaluate(args: argparse.Namespace) -> int:
     call.update(given.values())
     check_size(loaded.pipe, call)
     if "num_inference_steps" not in call:
-        from .generate import takes_step_count
+        from .generate import call_takes
 
-        if takes_step_count(loaded.pipe):
+        if call_takes(loaded.pipe, "num_inference_steps"):
             raise ValueError(f"{type(loaded.pipe).__name__} has no default step count; give --steps.")
         raise ValueError(f"{type(loaded.pipe).__name__}.__call__ takes no num_inference_steps (HeliosPyramidPipeline "
                          "counts steps per stage); evaluate samples and times denoising steps, so it needs a pipeline "

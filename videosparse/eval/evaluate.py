@@ -185,7 +185,7 @@ def _content_digest(path: str) -> str:
     files' sizes and modification times stay."""
     files = [path] if os.path.isfile(path) else [os.path.join(path, n) for n in ESTIMATOR_FILES
                                                  if os.path.isfile(os.path.join(path, n))]
-    stamp = (os.path.abspath(path), tuple((f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files))
+    stamp = (os.path.abspath(path), tuple((f, st.st_size, st.st_mtime_ns) for f in files for st in [os.stat(f)]))
     if stamp not in _DIGESTS:
         digest = hashlib.sha1()
         for file in files:

@@ -69,27 +69,22 @@ def generate(pipe, config, call_kwargs: dict, seed: int = 0, device: str | None 
     return GenerationResult(frames, list(timer.times), wall, stats)
 
 
-def check_call_flags(pipe, given: dict[str, str]) -> None:
-    """ValueError naming the flags of `given` ({flag: call keyword}, the flags the user gave) whose keyword the
-    pipeline's `__call__` does not take (HunyuanVideo 1.5 takes no guidance_scale); none when it takes **kwargs."""
+def call_takes(pipe, keyword: str) -> bool:
+    """Whether the pipeline's `__call__` takes `keyword` (by name, or through **kwargs)."""
     import inspect
 
     params = inspect.signature(type(pipe).__call__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    missing = {flag: key for flag, key in given.items() if key not in params}
+    return keyword in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def check_call_flags(pipe, given: dict[str, str]) -> None:
+    """ValueError naming the flags of `given` ({flag: call keyword}, the flags the user gave) whose keyword the
+    pipeline's `__call__` does not take (HunyuanVideo 1.5 takes no guidance_scale); none when it takes **kwargs."""
+    missing = {flag: key for flag, key in given.items() if not call_takes(pipe, key)}
     if missing:
         one = len(missing) == 1
         raise ValueError(f"{', '.join(missing)}: {type(pipe).__name__}.__call__ takes no "
                          f"{', '.join(missing.values())}; drop {'it' if one else 'them'} for this model.")
-
-
-def takes_step_count(pipe) -> bool:
-    """Whether the pipeline's `__call__` takes `num_inference_steps` (HeliosPyramidPipeline takes a list per stage)."""
-    import inspect
-
-    params = inspect.signature(type(pipe).__call__).parameters
-    return "num_inference_steps" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def warm_up(pipe, config, call_kwargs: dict, seed: int = 0, device: str | None = None) -> int | None:
@@ -97,7 +92,7 @@ def warm_up(pipe, config, call_kwargs: dict, seed: int = 0, device: str | None =
     never more than the call's own steps), latents only: the kernels a timed generation would compile on its first
     sparse forward compile here. Returns the steps run (0, nothing run, when every step of the call is dense; None
     when the pipeline takes no `num_inference_steps`: then the call runs as given)."""
-    if "num_inference_steps" not in call_kwargs and not takes_step_count(pipe):
+    if "num_inference_steps" not in call_kwargs and not call_takes(pipe, "num_inference_steps"):
         generate(pipe, config, call_kwargs, seed=seed, device=device, output_type="latent")
         return None
     total = call_kwargs.get("num_inference_steps")

@@ -802,12 +802,10 @@ class SparseContextHook(ModelHook):
         current = getattr(self.session.pipeline, "_current_timestep", None)
         if isinstance(current, bool) or not isinstance(current, (int, float, torch.Tensor)):
             return None
-        if isinstance(current, torch.Tensor):
-            if current.numel() == 0 or not current.is_floating_point() and current.dtype not in (torch.int32,
-                                                                                                   torch.int64):
-                return None
-            current = current.detach().flatten().max()
-        return float(current)
+        if not isinstance(current, torch.Tensor):
+            return float(current)
+        numeric = current.is_floating_point() or current.dtype in (torch.int32, torch.int64)
+        return float(current.detach().flatten().max()) if numeric and current.numel() else None
 
     def _loop_iterations(self) -> int | None:
         """The iterations of the applied pipeline's denoising loop as it recorded them before the loop
