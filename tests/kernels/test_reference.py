@@ -95,8 +95,9 @@ def test_bad_inputs_are_rejected():
         block_sparse_attention(q, q[:, :1], q[:, :1], plan, validate=False)
     with pytest.raises(ValueError, match="dtypes differ"):
         block_sparse_attention(q, q.half(), q.half(), plan, validate=False)
-    for bad in ("0.1", float("nan"), float("inf"), torch.ones(2)):
-        with pytest.raises(ValueError, match="scale=.* must be a finite number"):
+    # a scale <= 0 too: the kernels take a row's running max as max(q.k) x scale (at -3 the Triton kernel gave NaN)
+    for bad in ("0.1", float("nan"), float("inf"), torch.ones(2), 0.0, -3.0, torch.tensor(-0.125)):
+        with pytest.raises(ValueError, match="scale=.* must be a finite number > 0"):
             block_sparse_attention(q, q, q, plan, scale=bad)
     ref = block_sparse_attention(q, q, q, plan, scale=0.2)
     for same in (torch.tensor(0.2), torch.tensor(0.2, dtype=torch.float64).numpy()[()]):

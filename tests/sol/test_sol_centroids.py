@@ -133,6 +133,11 @@ def test_dispatch_on_cpu_uses_torch_and_names_reasons():
             tile_centroids(k, v, 64, backend="triton")
     with pytest.raises(ValueError, match="choose one of"):
         tile_centroids(k, v, 64, backend="cuda")
+    for bad in (0, -64, 64.0, True):        # ZeroDivisionError, a view's RuntimeError, pad's TypeError before
+        with pytest.raises(ValueError, match="block_n=.* must be a positive int"):
+            tile_centroids(k, v, bad)
+        with pytest.raises(ValueError, match="block=.* must be a positive int"):
+            tile_stats(q, k, v, bad)
 
 
 @pytest.mark.gpu

@@ -222,6 +222,20 @@ def test_equal_centroids_fit_zero_variance_and_give_zero_zscores(num_tiles):
     assert bool(torch.isinf(z[..., ~off]).all())
 
 
+@pytest.mark.parametrize("which, factor", [("q", 1e20), ("q", 1e-24), ("k", 1e-24), ("k", 1e20)])
+def test_zscores_keep_their_tiles_at_extreme_input_scales(which, factor):
+    """z = (s - a) / b does not change when q or k is scaled; its fp32 squares overflowed past |q|·σ ~ 1e19 (every z
+    0: only the band kept) and underflowed under ~1e-23 (z = +-inf: 41 of 64 tiles kept even at tau = -3.4e38)."""
+    gen = torch.Generator().manual_seed(0)
+    q_mean, k_mean = torch.randn(2, 2, 8, 64, generator=gen), torch.randn(2, 2, 8, 64, generator=gen)
+    z = routing_zscores(q_mean, k_mean, 0.125, band=0)
+    scaled = routing_zscores(q_mean * (factor if which == "q" else 1), k_mean * (factor if which == "k" else 1),
+                             0.125, band=0)
+    assert torch.isfinite(scaled).sum() == torch.isfinite(z).sum() == 2 * 2 * 8 * 7
+    assert torch.allclose(scaled, z, rtol=1e-4, atol=1e-5)
+    assert sol_plan_from_zscores(scaled, -3.4e38, 0, 64).kv_count.min() == 8     # tau -> -inf keeps every tile
+
+
 def test_threshold_helpers_refuse_a_negative_global_tile_count_and_a_non_square_z():
     z = torch.zeros(1, 2, 5, 5)
     for call in (lambda: sol_mask(z, 0.0, -1), lambda: forced_pairs(5, -1, 0),

@@ -90,7 +90,7 @@ def block_sparse_attention(
 
 
 def _softmax_scale(scale) -> float:
-    """`scale` as a finite Python float (a 0-dim tensor or numpy scalar too: the kernels take a number). Under
+    """`scale` as a finite positive Python float (a 0-dim tensor or numpy scalar too: the kernels take a number). Under
     torch.compile a float or SymFloat passes as it is (a check there would break the graph)."""
     if torch.compiler.is_compiling() and isinstance(scale, (float, torch.SymFloat)):
         return scale
@@ -98,6 +98,7 @@ def _softmax_scale(scale) -> float:
         value = None if isinstance(scale, (str, bytes, bool)) else float(scale)
     except (TypeError, ValueError, RuntimeError):
         value = None
-    if value is None or not math.isfinite(value):
-        raise ValueError(f"scale={scale!r} must be a finite number (the softmax scale; None for 1/sqrt(D)).")
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"scale={scale!r} must be a finite number > 0 (the softmax scale; None for 1/sqrt(D)): "
+                         "the kernels take a row's running max as max(q.k) x scale.")
     return value

@@ -7,10 +7,13 @@ import math
 import torch
 
 from ..layout import tile_lengths
+from ..plan import check_block
 from ..veda.trippool import interpreting
 
 
-def tile_centroids_torch(k: torch.Tensor, v: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tile_centroids_torch(
+    k: torch.Tensor, v: torch.Tensor, block_n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Centroids of key tiles in tile order.
 
     Args:
@@ -98,6 +101,7 @@ def tile_centroids(
         k_mean fp32 [B, H, Nk, D], v_sum fp32 [B, H, Nk, D], tile_len int32 [Nk], as
         `tile_centroids_torch`.
     """
+    check_block("block_n", block_n)
     if _records_gradient(k, v):
         return tile_centroids_torch(k, v, block_n)
     if backend == "auto" and torch.compiler.is_compiling():
@@ -124,6 +128,7 @@ def tile_stats(
         q_mean fp32 [B, H, N, D] (no gradient: it only routes), k_mean fp32 [B, H, N, D], v_sum fp32 [B, H, N, D],
         tile_len int32 [N].
     """
+    check_block("block", block)
     # q detached: a q that records gradients (LoRA on to_q alone) would otherwise, under torch.compile, mark the op's
     # outputs as differentiable, and the correction's backward would run into the op, which has no backward
     q = q.detach()

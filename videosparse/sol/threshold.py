@@ -83,13 +83,20 @@ def band_mask(num_tiles: int, band: int, device: torch.device | str | None = Non
     return (i[:, None] - i[None, :]).abs() <= band
 
 
+def _unit_max_abs(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """x divided by its max |x| over `dims` (an all-zero slice stays zero)."""
+    return x / x.abs().amax(dims, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+
+
 def routing_zscores(q_mean: torch.Tensor, k_mean: torch.Tensor, scale: float, band: int) -> torch.Tensor:
     """z_ij = (s_ij - a_i) / b_i over the video tiles, +inf on the diagonal band.
 
     Args:
         q_mean: float [B, H, M, D] mean query of the video query tiles.
         k_mean: float [B, H, N, D] mean key of the video key tiles (the Gaussian is fitted to them).
-        scale: softmax scale (it cancels in z; kept so that a_i, b_i are in logit units).
+        scale: softmax scale (> 0; it cancels in z, as does any positive scaling of a query row or of one head's
+            centroids, so z is computed on copies scaled to max-abs 1: fp32 squares of values past ~1e19 or under
+            ~1e-23 would otherwise overflow or underflow).
         band: key tiles with |i - j| <= band are forced (z = +inf).
 
     Returns:
@@ -97,10 +104,11 @@ def routing_zscores(q_mean: torch.Tensor, k_mean: torch.Tensor, scale: float, ba
         (zero query mean or zero centroid variance) z is +inf if s_ij > a_i, -inf if s_ij < a_i and 0 at
         s_ij == a_i (so a density calibration can still reach every tile).
     """
-    mu, var, centred = _fit_centred(k_mean)
-    qf = q_mean.float()
-    d = (qf @ centred.transpose(-1, -2)) * scale                          # s_ij - a_i
-    b = (qf.square() * var[:, :, None]).sum(-1, keepdim=True).sqrt() * scale
+    centred = _unit_max_abs(_fit_centred(_unit_max_abs(k_mean.float(), (2, 3)))[2], (2, 3))
+    var = centred.square().mean(2)
+    qf = _unit_max_abs(q_mean.float(), (3,))
+    d = qf @ centred.transpose(-1, -2)                                     # (s_ij - a_i) / (scale x row's scalings)
+    b = (qf.square() * var[:, :, None]).sum(-1, keepdim=True).sqrt()
     z = torch.where(b > 0, d / b.clamp_min(torch.finfo(torch.float32).tiny),
                     torch.where(d > 0, float("inf"), torch.where(d < 0, float("-inf"), 0.0)))   # no host copies
     M, N = z.shape[-2:]
