@@ -220,6 +220,9 @@ def test_shrunken_synthetic_run_compiled(tmp_path):
     assert dense["attention_s"] > 0 and 0 < section["dense_attention_share"] < 1
     assert sparse["attention_s"] is None and sparse["sparse_calls"] == 3 and sparse["forward_s"] > 0
     assert 0 < sparse["output_rel_l2_vs_dense"] < 0.5
+    # 3 calls = 2 warm-up forwards (a compiled run takes at least 2) + 1 timed; the report says 2, not the 0 asked for
+    assert (section["warmup"], section["warmup_run"]) == (0, 2)
+    assert "1 timed forwards after 2 warm-up" in (tmp_path / "report.md").read_text()
     with pytest.raises(ValueError, match="compile_mode='fast'"):
         run_synthetic(["wan-1.3b"], specs, str(tmp_path / "x"), device="cpu", frames=9, height=128, width=256,
                       layers=1, warmup=0, repeats=1, progress=False, compile_mode="fast")

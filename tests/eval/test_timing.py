@@ -148,3 +148,25 @@ def test_nested_attention_timers_each_count_their_own_calls_and_leave_the_proces
         assert (len(outer.attention_s), len(inner.attention_s)) == (6, 2)
         assert (len(outer.plan_s), len(inner.plan_s)) == (6, 2)
         assert [dict(p.__dict__) for p in procs] == before
+
+
+def test_attention_clock_records_on_the_tensors_gpu(monkeypatch):
+    """The CUDA events bracket the stream of the GPU the attention runs on: a bare `record()` took the current
+    device's stream (cuda:0), so a pipeline on cuda:1 timed an idle stream. No GPU needed: fake events and streams."""
+    from videosparse.eval import timing
+
+    recorded = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self, stream=None):
+            recorded.append(stream)
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", torch.device(device)))
+    clock = timing._Clock()
+    gpu1 = torch.device("cuda", 1)
+    clock.stop(gpu1, clock.start(gpu1))
+    assert recorded == [("stream of", gpu1)] * 2

@@ -220,3 +220,30 @@ def test_tiny_modular_pipeline_end_to_end():
                                output="videos"))
 
     assert_tiny_pipeline_sparse(pipe, run, lambda r: r.grid, {(2, 4, 10), (3, 4, 10)}, calls=2 * 5)
+
+
+def test_attention_timer_times_the_generation_pass_whole(monkeypatch):
+    """`AttentionTimer` times the generation pass's reference-frame part and merge too (it timed `attend`, the
+    generation part alone): with the reference part slowed by 50 ms per call, every timed call takes >= 50 ms, and
+    the extraction pass's calls are still timed."""
+    import time
+
+    import videosparse
+    import videosparse.processors.wan as wan
+    from videosparse import VedaConfig
+    from videosparse.eval.timing import AttentionTimer
+
+    def slow_dense_with_lse(*args, **kwargs):
+        time.sleep(0.05)
+        return dense_with_lse(*args, **kwargs)
+
+    monkeypatch.setattr(wan, "dense_with_lse", slow_dense_with_lse)
+    t = TestWanAnimate2GenerationPass()
+    transformer = t.make_transformer()
+    videosparse.apply(transformer, VedaConfig(density=0.5, block=t.block, tiling=t.tiling))
+    timer = AttentionTimer([transformer])
+    with timer(), torch.no_grad():
+        inputs = t.make_inputs(transformer)        # runs the extraction pass
+        t.run(transformer, inputs)
+    assert len(timer.attention_s) == 4
+    assert all(s < 0.05 for s in timer.attention_s[:2]) and all(s >= 0.05 for s in timer.attention_s[2:])

@@ -280,7 +280,7 @@ def _synthetic_markdown(report: dict) -> list[str]:
             "",
             f"Config: {model.get('config_summary')}; input {shape.get('video')} -> token grid {shape.get('grid')} = "
             f"{shape.get('tokens')} tokens; {model.get('dtype')}; {model.get('repeats')} timed forwards after "
-            f"{model.get('warmup')} warm-up (median).",
+            f"{model.get('warmup_run', model.get('warmup'))} warm-up (median).",
             "",
         ]
         rows = []

@@ -926,6 +926,12 @@ def every_step_sparse(config):
     return replace(config, dense_steps=0) if getattr(config, "dense_steps", 0) else config
 
 
+def warmup_forwards(warmup: int, compile_mode: str | None) -> int:
+    """The untimed forwards `time_method` runs per method: `warmup`, and at least 2 compiled (the first calls
+    compile the dense-step and the sparse-step graphs)."""
+    return max(warmup, 2) if compile_mode is not None else warmup
+
+
 def time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeats: int,
                 compile_mode: str | None = None, sdpa_keys: int | None = None) -> tuple[dict, torch.Tensor]:
     """Apply `spec` to `transformer`, run `warmup` + `repeats` forwards on `inputs`, remove it; returns the row of
@@ -942,9 +948,8 @@ def time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeat
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         if compile_mode is not None:
-            # compiled: time whole forwards from outside (the graph hides the processors); the
-            # first calls compile the dense-step and sparse-step graphs
-            for _ in range(max(warmup, 2)):
+            # compiled: time whole forwards from outside (the graph hides the processors)
+            for _ in range(warmup_forwards(warmup, compile_mode)):
                 model(**inputs)
             for _ in range(repeats):
                 _sync(device)
@@ -957,7 +962,7 @@ def time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeat
             attention = [None]
             if sdpa_keys is not None:
                 prof = profile_sdpa(lambda: model(**inputs), sdpa_keys, device)
-                forwards = max(warmup, 2) + repeats
+                forwards = warmup_forwards(warmup, compile_mode) + repeats
                 expected = stats["dense_calls"] // forwards if stats["dense_calls"] % forwards == 0 else None
                 problem = prof.problem(expected, statistics.median(forward))
                 attention = [None if problem else prof.seconds]
@@ -1018,7 +1023,7 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
         device, dtype: where and in what precision (bf16 on CUDA is what the targets assume).
         frames, height, width: video size override (default: the model's default resolution).
         layers: build only this many transformer blocks (default: all).
-        warmup: untimed forwards per method (kernel compilation, Sol's calibration).
+        warmup: untimed forwards per method (kernel compilation, Sol's calibration; at least 2 compiled).
         repeats: timed forwards per method (medians are reported).
         compile_mode: None (eager) or a key of `COMPILE_MODES`: the transformer runs under
             `torch.compile` with the method applied, compiled dense vs compiled sparse; attention
@@ -1111,7 +1116,8 @@ def summarize_synthetic(result: SyntheticResult, dtype: torch.dtype, warmup: int
         "config": cfg,
         "config_summary": f"{setup.model.transformer_cls}, {setup.model.heads} heads x {setup.model.head_dim}, "
                           f"{setup.num_layers} layers",
-        "shape": setup.describe(), "dtype": str(dtype), "warmup": warmup, "repeats": repeats,
+        "shape": setup.describe(), "dtype": str(dtype), "warmup": warmup,
+        "warmup_run": warmup_forwards(warmup, result.compile_mode), "repeats": repeats,
         "compile": result.compile_mode,
         "estimates": result.estimates, "dense_attention_share": f,
         "amdahl_bound_free_attention": 1.0 / (1 - f) if f is not None else None,

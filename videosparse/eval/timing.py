@@ -68,14 +68,14 @@ class _Clock:
     def start(self, device: torch.device):
         if device.type == "cuda":
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
+            ev.record(torch.cuda.current_stream(device))    # the tensor's GPU (a bare record() takes the current one)
             return ev
         return time.perf_counter()
 
     def stop(self, device: torch.device, begin) -> None:
         if device.type == "cuda":
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
+            ev.record(torch.cuda.current_stream(device))
             self.pairs.append((begin, ev))
         else:
             self.pairs.append((begin, time.perf_counter()))

@@ -136,6 +136,7 @@ class WanAnimate2SparseAttnProcessor(_WanFamilySparseAttention, transformer_wan_
 
     _stock = transformer_wan_animate_2.WanAnimate2AttnProcessor
     _qkv = staticmethod(transformer_wan_animate_2._get_qkv_projections)
+    timed_entry = "attend_pass"        # the generation pass's reference part and merge run outside `attend`
 
     def __call__(self, attn, hidden_states, rotary_emb, grid_sizes, kv_cache, kv_cache_mode, rope_stride=1,
                  reference_rotary_emb=None, reference_grid_sizes=None, reference_rope_stride=1, attention_mask=None,
@@ -148,20 +149,27 @@ class WanAnimate2SparseAttnProcessor(_WanFamilySparseAttention, transformer_wan_
                 reference_rotary_emb, reference_grid_sizes, reference_rope_stride, attention_mask,
                 origin_latent_frames, origin_latent_hw)
         query, key, value, _ = self._project(attn, hidden_states, None)
+        hidden_states = self.attend_pass(query, key, value, rotary_emb, rope_stride, kv_cache, kv_cache_mode,
+                                         reference_rotary_emb, reference_rope_stride)
+        hidden_states = hidden_states.flatten(2, 3).type_as(query)
+        hidden_states = attn.to_out[0](hidden_states)
+        return attn.to_out[1](hidden_states)
+
+    def attend_pass(self, query, key, value, rotary_emb, rope_stride, kv_cache, kv_cache_mode, reference_rotary_emb,
+                    reference_rope_stride):
+        """A served call's whole attention from its pre-RoPE projections q, k, v [B, S, H, D] -> [B, S, H, D]: the
+        extraction pass's `attend`, or the generation pass's RoPE, reference-frame part and merge (what
+        `AttentionTimer` times)."""
         grid = self.session.context.grid
         rope = wan_animate2_rope(rotary_emb, grid, rope_stride)
         if kv_cache_mode == "extract":
             kv_cache.store(key, value)
-            hidden_states = self.attend(query, key, value, rope=rope)
-        else:
-            key_ref, value_ref = kv_cache.get()
-            key_ref = apply_interleaved_rope(
-                key_ref, *wan_animate2_rope(reference_rotary_emb, (grid[0] - 1, *grid[1:]), reference_rope_stride))
-            query, key = apply_interleaved_rope(query, *rope), apply_interleaved_rope(key, *rope)
-            hidden_states = self._generation_attention(query, key, value, key_ref, value_ref, grid[1] * grid[2])
-        hidden_states = hidden_states.flatten(2, 3).type_as(query)
-        hidden_states = attn.to_out[0](hidden_states)
-        return attn.to_out[1](hidden_states)
+            return self.attend(query, key, value, rope=rope)
+        key_ref, value_ref = kv_cache.get()
+        key_ref = apply_interleaved_rope(
+            key_ref, *wan_animate2_rope(reference_rotary_emb, (grid[0] - 1, *grid[1:]), reference_rope_stride))
+        query, key = apply_interleaved_rope(query, *rope), apply_interleaved_rope(key, *rope)
+        return self._generation_attention(query, key, value, key_ref, value_ref, grid[1] * grid[2])
 
     def _unserved(self, kv_cache_mode) -> str | None:
         """Why a call keeps the stock processor (None: served, also under the dense config): an unknown mode (stock
