@@ -660,3 +660,28 @@ def _load_reference_as(monkeypatch, cls, name: str) -> None:
         return loading.LoadedPipeline(pipe, name, loading.pipeline_call_defaults(pipe))
 
     monkeypatch.setattr(loading, "load_pipeline", load)
+
+
+def test_bench_subcommand_is_the_kernel_benchmark(tmp_path, capsys, monkeypatch):
+    """`videosparse bench` takes the kernel benchmark's options (scripts/bench_kernel.py runs the same code): bad
+    ones exit 2 naming the value, --readme renders an earlier run's JSON on any machine, and without CUDA it says so."""
+    from helpers import load_script
+
+    from videosparse.eval import kernel_bench
+
+    for bad, match in ((["--shapes", "huge"], "--shapes ['huge'] unknown"), (["--rounds", "0"], "--rounds 0"),
+                       (["--deadline-s", "nan"], "--deadline-s nan")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["bench", *bad])
+        assert exit_info.value.code == 2 and match in capsys.readouterr().err
+    row = dict(shape="s", B=1, H=2, S=256, D=64, ms_rounds=[1.0], plan="random", target_density=0.5, density=0.5)
+    rows = [dict(row, impl="cudnn", plan="dense", target_density=1.0, density=1.0, ms=2.0, tflops=10.0),
+            dict(row, impl="ours", ms=1.0, tflops=9.0)]
+    (tmp_path / "run.json").write_text(json.dumps(dict(rows=rows, meta={}, variants=[])))
+    assert main(["bench", "--readme", str(tmp_path / "run.json")]) == 0
+    assert "| s | 0.500 | 1.00 | 9 |" in capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        main(["bench", "--quick"])
+    script = load_script("bench_kernel")
+    assert script.random_plan is kernel_bench.random_plan and script.kernel_bench is kernel_bench

@@ -379,6 +379,21 @@ def _run_search_tiling(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench_parser(sub, common) -> None:
+    from .eval import kernel_bench
+
+    p = sub.add_parser("bench", parents=[common], formatter_class=argparse.RawDescriptionHelpFormatter,
+                       help="the kernel benchmark (GPU): ours against cuDNN SDPA, FlexAttention and FA4 block-sparse",
+                       description=kernel_bench.__doc__)
+    kernel_bench.add_arguments(p, default_out="kernel_bench.json")
+
+    def bench(args) -> int:
+        kernel_bench.check_args(args, p.error)
+        return kernel_bench.run(args)
+
+    p.set_defaults(func=bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="videosparse", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log INFO messages")
@@ -386,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log INFO messages")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_generate_parser, _add_evaluate_parser, _add_distill_parser, _add_search_tiling_parser):
+    for add in (_add_generate_parser, _add_evaluate_parser, _add_distill_parser, _add_search_tiling_parser,
+                _add_bench_parser):
         add(sub, common)
     return parser
 

@@ -1,4 +1,5 @@
-"""scripts/bench_kernel.py's timing order and report tables (CPU; the timings themselves need a GPU)."""
+"""The kernel benchmark's timing order and report tables (`videosparse bench`, scripts/bench_kernel.py; CPU, the
+timings themselves need a GPU)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ from pathlib import Path
 
 from helpers import load_script
 
+from videosparse.eval import kernel_bench
+
 
 def test_interleaved_rounds_alternate_the_order_and_report_the_median():
-    bench = load_script("bench_kernel")
+    bench = kernel_bench
     calls = []
     fake_ms = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 9.0, 4.0]), "c": iter([1.0, 1.0, 7.0])}
 
@@ -25,7 +28,7 @@ def test_interleaved_rounds_alternate_the_order_and_report_the_median():
 
 
 def test_report_tables_come_from_the_json_rows():
-    bench = load_script("bench_kernel")
+    bench = kernel_bench
     base = dict(shape="s", B=1, H=2, S=256, D=64, ms_rounds=[1.0])
     rows = [dict(base, impl="cudnn", plan="dense", target_density=1.0, density=1.0, ms=2.0, tflops=10.0),
             dict(base, impl="ours", plan="random", target_density=0.5, density=0.5, ms=1.0, tflops=9.0),
@@ -53,7 +56,7 @@ def test_item_sweep_fits_fixed_and_per_tile_cost(monkeypatch):
     import torch
     import triton.testing
 
-    bench = load_script("bench_kernel")
+    bench = kernel_bench
     fit = bench.fit_item_cost([(8, 5.0 + 8 * 1.5), (16, 5.0 + 16 * 1.5), (32, 5.0 + 32 * 1.5)])
     assert abs(fit["fixed_us"] - 5.0) < 1e-9 and abs(fit["per_tile_us"] - 1.5) < 1e-9
 
@@ -84,7 +87,7 @@ def test_item_sweep_fits_fixed_and_per_tile_cost(monkeypatch):
 
 
 def test_gpu_state_reads_nvidia_smi_and_is_empty_without_it():
-    bench = load_script("bench_kernel")
+    bench = kernel_bench
     line = "1755 MHz, 1980 MHz, 688.12 W, 700.00 W, 51, 0x0000000000000004\n"
     state = bench.gpu_state(run=lambda cmd: line)
     assert state["clocks.sm"] == "1755 MHz" and state["clocks_throttle_reasons.active"] == "0x0000000000000004"
@@ -222,7 +225,7 @@ def test_bad_arguments_are_argparse_errors_and_failures_exit_1(tmp_path, capsys)
 
     import pytest
 
-    bench = load_script("bench_kernel")
+    bench = kernel_bench
     for argv, msg in ((["--shapes", "12x32768 d128", "Wan14B"], "--shapes ['Wan14B'] unknown"),
                       (["--rounds", "0"], "--rounds 0 must be >= 1"),
                       (["--deadline-s", "nan"], "--deadline-s nan must be a finite"),
