@@ -438,6 +438,15 @@ def test_a_sharing_pipelines_steps_after_calls_that_ended_early(monkeypatch):
     with pytest.raises(RuntimeError, match="client went away"):
         other(video=video, strength=1.0, **call2, callback_on_step_end=dies_at(2))
     assert dense_and_sparse_forwards(run_other) == (2, 3)          # falls from where the raised call stopped
+    # apply runs outside any call, so a counter left mid-schedule is known stale from there on (a modular pipeline,
+    # which ends its calls without maybe_free_model_hooks, read it on every call until the applied one ran again)
+    other.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    with pytest.raises(RuntimeError, match="client went away"):
+        pipe(**call, callback_on_step_end=dies_at(1))
+    videosparse.remove(pipe)
+    session = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64,
+                                                             dense_steps=2))["transformer"]
+    assert dense_and_sparse_forwards(run_other) == (2, 3)          # was (0, 5): the stale step 2
     videosparse.remove(pipe)
 
 

@@ -607,6 +607,7 @@ class SparseContextHook(ModelHook):
         self._module = weakref.ref(module)
         # the modules diffusers' `enable_gradient_checkpointing` gives a checkpointing function (the transformer)
         self._checkpointing = [m for m in module.modules() if hasattr(m, "gradient_checkpointing")]
+        self._note_stale_counter()          # apply runs outside any call: a counter mid-schedule is one left behind
         return module
 
     def deinitalize_hook(self, module):
@@ -856,6 +857,13 @@ class SparseContextHook(ModelHook):
             logger.info(self.session.summary())
         self.state_manager.reset()
         self.session.timestep_counter.reset()
+        self._note_stale_counter()
+        return module
+
+    def _note_stale_counter(self) -> None:
+        """Record the applied pipeline's scheduler counter as stale where no call of that pipeline can be running: at
+        the end of a pipeline call (`reset_state`) and at `apply` (a modular pipeline, which ends its calls without
+        `maybe_free_model_hooks`, otherwise read the counter an aborted call left on every call)."""
         self._stale_counter = None
         scheduler = self.session.scheduler if self.session.made_by_apply else None
         timesteps = getattr(scheduler, "timesteps", None)
@@ -866,7 +874,6 @@ class SparseContextHook(ModelHook):
         no_counter = torch.is_tensor(timesteps) and not hasattr(scheduler, "step_index")
         if stale or no_counter:
             self._stale_counter = (weakref.ref(scheduler), weakref.ref(timesteps), counted)
-        return module
 
 
 def register_context_hook(transformer: torch.nn.Module, session: SparseSession, grid_fn,
