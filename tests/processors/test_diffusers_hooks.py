@@ -156,6 +156,35 @@ def test_remove_under_a_hook_registered_after_the_offload_hook():
     assert session.calls == calls and getattr(pipe.transformer, "_hf_hook", None) is not None
 
 
+@pytest.mark.parametrize("hook_inside_offload", [False, True])
+def test_a_root_hook_between_offload_and_apply_comes_off_without_recursion(hook_inside_offload):
+    """offload -> a root hook of the registry (SeaCache, FasterCache register one) -> apply -> that hook removed
+    (disable_cache): every later call recursed (review find: the context hook, placed inside accelerate's forward, was
+    listed after the root hook, so removing it pointed ours at accelerate's forward, which calls ours), and so did
+    the calls after remove. With the root hook registered before the offload it sits inside accelerate's forward too,
+    and the context hook goes after it."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    reference = _run(_pipe())
+    pipe = _pipe()
+    if not hook_inside_offload:
+        pipe.enable_model_cpu_offload(device="cpu")
+    registry = HookRegistry.check_if_exists_or_initialize(pipe.transformer)
+    registry.register_hook(ModelHook(), "user_root_hook")
+    if hook_inside_offload:
+        pipe.enable_model_cpu_offload(device="cpu")
+    session = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, dense_steps=1))["transformer"]
+    assert registry._hook_order == (["user_root_hook", "videosparse_context"] if hook_inside_offload else
+                                    ["videosparse_context", "user_root_hook"])
+    registry.remove_hook("user_root_hook")
+    calls = session.calls
+    _run(pipe)
+    assert session.calls - calls == BRANCHES * STEPS
+    videosparse.remove(pipe)
+    np.testing.assert_array_equal(_run(pipe), reference)
+    assert session.calls - calls == BRANCHES * STEPS and getattr(pipe.transformer, "_hf_hook", None) is not None
+
+
 def test_remove_under_a_hook_with_its_own_forward_leaves_nothing_once_that_hook_goes():
     """apply -> a hook with its own new_forward (FasterCache's denoiser hook) -> remove -> disable_cache: the
     transformer's forward is its own method again, as without videosparse (review find: the hook kept our pass-through

@@ -890,6 +890,7 @@ def register_context_hook(transformer: torch.nn.Module, session: SparseSession, 
     offload = getattr(transformer, "_hf_hook", None) is not None and "_old_forward" in transformer.__dict__
     outer = transformer.__dict__.get("forward")
     if offload:
+        inside = _registry_link(registry, transformer._old_forward)   # hooks 0..inside: within accelerate's
         transformer.forward = transformer._old_forward
     try:
         registry.register_hook(hook, CONTEXT_HOOK)
@@ -898,6 +899,23 @@ def register_context_hook(transformer: torch.nn.Module, session: SparseSession, 
         if offload:
             transformer._old_forward = hook.installed_forward
             transformer.forward = outer
+    if offload and CONTEXT_HOOK in registry.hooks:
+        # the registry's order is its nesting (diffusers' remove_hook repoints the next hook's forward): hooks added
+        # after the offload (a cache on the transformer) wrap accelerate's forward, which wraps ours, so ours goes before
+        # them, not last (disable_cache() then pointed our hook at accelerate's forward, which calls ours: recursion)
+        at = 0 if inside is None else inside + 1
+        registry._hook_order.insert(at, registry._hook_order.pop())
+        registry._fn_refs.insert(at, registry._fn_refs.pop())
+
+
+def _registry_link(registry: HookRegistry, forward) -> int | None:
+    """The index in `registry` of the hook whose wrapper `forward` is (diffusers' wrappers are partials of a closure over
+    the hook's function reference), else None."""
+    cells = getattr(getattr(forward, "func", None), "__closure__", None) or ()
+    for i, ref in enumerate(registry._fn_refs):
+        if any(cell.cell_contents is ref for cell in cells):
+            return i
+    return None
 
 
 def _pass_through_pre(module, *args, **kwargs):
