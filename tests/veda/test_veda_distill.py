@@ -272,6 +272,27 @@ def test_triton_teacher_on_cpu_is_refused_before_any_work(tmp_path, monkeypatch)
     assert not (out / "distill_config.json").exists() and not (out / "cache").exists()
 
 
+def test_a_diverged_run_is_refused_and_writes_no_estimator(tmp_path, cache):
+    """Review find: a run whose weights went NaN saved them and exited 0 ("KL nan"); that estimator kept only each
+    query tile's own tile. It is refused now, naming the first non-finite loss; the checkpoints stay."""
+    out = with_cache(tmp_path / "run", cache)
+    with pytest.raises(ValueError, match="distillation diverged: .* proj_q, proj_k hold non-finite values .*"
+                                         "first not finite at logged step"):
+        run_distillation(make_cfg(out, learning_rate=1e30))
+    assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
+    assert any((out / "checkpoints").iterdir())
+
+
+def test_a_video_smaller_than_one_tile_gives_no_sample_and_a_clear_error(tmp_path, caplog):
+    """Review find: a 1 x 2 x 2 grid (under one 128-token tile) gave 1 x 1 heat samples that train nothing, and the
+    run "distilled" 40 steps on them and exited 0; search-tiling already refused such a capture."""
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"grids \[\(1, 2, 2\)\] hold fewer tokens than one 128-token tile"):
+        run_distillation(make_cfg(out, num_frames=1, height=32, width=32))
+    assert "keep their one tile (nothing to choose) and give no sample" in caplog.text
+    assert not out.exists()
+
+
 def test_a_capture_that_cannot_start_leaves_nothing_behind(tmp_path):
     out = tmp_path / "run"
     with pytest.raises(ValueError, match="component='nope' is not a transformer"):

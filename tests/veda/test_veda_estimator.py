@@ -119,7 +119,7 @@ def test_loading_is_safetensors_only_and_strict(tmp_path):
     with pytest.raises(ValueError, match="cannot be loaded .*header"):
         VedaEstimator.from_pretrained(tmp_path / "est")
     (tmp_path / "est" / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match="config.json of estimator .* does not describe a VedaEstimator"):
+    with pytest.raises(ValueError, match=r"config.json' lacks \['model_class', 'num_layers'"):
         VedaEstimator.from_pretrained(tmp_path / "est")
 
 
@@ -398,4 +398,32 @@ def test_from_pretrained_names_a_damaged_config(tmp_path):
     make_est().save_pretrained(tmp_path)
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="config.json' holds a list, not the JSON object"):
+        VedaEstimator.from_pretrained(tmp_path)
+
+
+def test_from_pretrained_refuses_a_config_without_its_tiles_or_with_unknown_fields_and_non_finite_weights(tmp_path):
+    """Review finds: a config.json without `block` / `tile_shapes` loaded with the constructor's defaults (4x4x8 tiles
+    for an estimator trained on others) and a misspelt field was dropped, both silently; NaN weights (a diverged
+    distillation) loaded and then kept only each query tile's own tile."""
+    est = VedaEstimator("WanTransformer3DModel", num_layers=2, num_heads=2, head_dim=64, block=64, tile_shapes=(1, 8, 8))
+    est.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    for edit, match in ((lambda c: c.pop("tile_shapes"), r"lacks \['tile_shapes'\]"),
+                        (lambda c: c.pop("block"), r"lacks \['block'\]"),
+                        (lambda c: c.update(tile_shape=c.pop("tile_shapes")),
+                         r"lacks \['tile_shapes'\]; holds unknown fields \['tile_shape'\]")):
+        config = dict(saved)
+        edit(config)
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=match):
+            VedaEstimator.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(dict(saved, num_heads="two")))
+    with pytest.raises(ValueError, match="config.json of estimator .* does not describe a VedaEstimator"):
+        VedaEstimator.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert VedaEstimator.from_pretrained(tmp_path).tile_shapes == est.tile_shapes
+    with torch.no_grad():
+        est.proj_k[1, 0, 0, 0] = float("nan")
+    est.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="hold non-finite values in proj_k"):
         VedaEstimator.from_pretrained(tmp_path)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 from collections import defaultdict
@@ -150,12 +151,14 @@ class TileFeatureCapture:
         layout = head_tiling(record.grid, self.tiles_for_layer(record.layer, H), H, self.block,
                              record.text_len, record.text_position or "after", record.text_slot)
         Mv = layout.num_video_tiles
-        if Mv == 0:                       # fewer video tokens than one tile: the processors run it dense, no sample
+        if math.prod(record.grid) < self.block:
+            # fewer video tokens than one tile: one partial tile, which every plan keeps (nothing to choose, a
+            # sample of 1 x 1 heat that trains nothing), as search-tiling leaves it out
             grid = tuple(int(g) for g in record.grid)
             if grid not in self.grids_too_small:
                 self.grids_too_small.add(grid)
-                logger.warning("grid %s has fewer video tokens than one %d-token tile: its calls run dense and give "
-                               "no sample", grid, self.block)
+                logger.warning("grid %s has fewer video tokens than one %d-token tile: its calls keep their one tile "
+                               "(nothing to choose) and give no sample", grid, self.block)
             return
         qt, kt = layout.gather(record.q), layout.gather(record.k)
         qf, kf = trippool_qk(qt, kt, self.block, Mv)
@@ -301,6 +304,10 @@ def capture_to_cache(cfg: CaptureConfig, cache_dir: str | os.PathLike, tiles_for
                     raise ValueError(f"branches={list(cfg.branches)}: prompt {i}'s forwards name the branches "
                                      f"{sorted(cap.branches_seen)} (with guidance_scale <= 1 a pipeline runs only "
                                      "'cond').")
+                if cap.grids_too_small:
+                    raise ValueError(f"prompt {i}: its video grids {sorted(cap.grids_too_small)} hold fewer tokens "
+                                     f"than one {block}-token tile, so there is no tile to choose and no sample; "
+                                     "capture at a larger height, width or num_frames.")
                 raise ValueError(f"prompt {i} produced no self-attention records at steps {steps}; "
                                  "is the pipeline's transformer supported by videosparse.processors?")
             key = capture_key(cfg, prompts[i], block, tiles_for_layer, info.num_layers, info.num_heads, heat_dtype)

@@ -512,6 +512,7 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
 
     accelerator.wait_for_everyone()
     trained = accelerator.unwrap_model(objective).estimator
+    _refuse_diverged(trained, history, ckpt_root)        # every process (replicas are equal): none waits for another
     metrics_out: dict[str, Any] = {}
     if accelerator.is_main_process:
         trained = trained.float().eval()
@@ -527,6 +528,20 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
         _save_final(trained, out, cfg, metrics_out, card)
     accelerator.wait_for_everyone()
     return DistillResult(out, global_step, history, metrics_out, resumed_from)
+
+
+def _refuse_diverged(estimator: VedaEstimator, history: list[dict[str, Any]], ckpt_root: Path) -> None:
+    """ValueError when training left non-finite weights (a diverged run), naming the first logged step whose loss was
+    not finite: such an estimator scores every tile NaN, which the plan never chooses, so only each query tile's own
+    tile would run (a density far below the target) without an error. Nothing final is written; the checkpoints
+    stay."""
+    bad = [name for name, p in estimator.named_parameters() if not bool(torch.isfinite(p).all())]
+    if not bad:
+        return
+    first = next((h["step"] for h in history if not math.isfinite(float(h.get("loss", 0.0)))), None)
+    raise ValueError(f"distillation diverged: the trained estimator's {', '.join(bad)} hold non-finite values"
+                     + (f" (the loss was first not finite at logged step {first})" if first is not None else "")
+                     + f"; lower --learning-rate and run again with --resume false (checkpoints in {ckpt_root}).")
 
 
 def _shapes_text(estimator: VedaEstimator) -> str:

@@ -24,6 +24,7 @@ together with a config.json recording the model it was distilled for; `check_com
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import numbers
@@ -288,6 +289,10 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
         except (safetensors.SafetensorError, RuntimeError, OSError) as e:
             raise ValueError(f"the weights {model_file!r} of estimator {model_id!r} cannot be loaded into the "
                              f"estimator its config.json describes ({' '.join(str(e).split())[:300]}).") from None
+        bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+        if bad:     # NaN scores are never chosen: only each query tile's own tile would run, silently
+            raise ValueError(f"the weights {model_file!r} of estimator {model_id!r} hold non-finite values in "
+                             f"{', '.join(bad)} (a diverged distillation); distill it again.")
         model.source = model_id
         model.eval()
         return model.to(map_location)      # load_model copied the values into the parameters the constructor made
@@ -307,6 +312,9 @@ def _check_estimator_dir(path: str) -> None:
     _check_estimator_config(os.path.join(path, "config.json"))
 
 
+_SAVED_FIELDS = ("model_class", "num_layers", "num_heads", "head_dim", "block", "tile_shapes")
+
+
 def _check_estimator_config(config: str) -> None:
     """ValueError naming the file when `config` is not a JSON object (as save_pretrained writes it)."""
     try:
@@ -317,6 +325,14 @@ def _check_estimator_config(config: str) -> None:
     if not isinstance(fields, dict):
         raise ValueError(f"estimator config {config!r} holds a {type(fields).__name__}, not the JSON object "
                          "of fields VedaEstimator.save_pretrained writes.")
+    # the constructor's defaults would fill a missing block or tile_shapes (4x4x8 tiles for an estimator trained on
+    # others), and huggingface_hub drops a key the constructor does not take (a misspelt "tile_shape"): both silently
+    missing = [k for k in _SAVED_FIELDS if k not in fields]
+    unknown = sorted(set(fields) - set(inspect.signature(VedaEstimator.__init__).parameters) - {"self"})
+    if missing or unknown:
+        raise ValueError(f"estimator config {config!r} " + "; ".join(
+            ([f"lacks {missing}"] if missing else []) + ([f"holds unknown fields {unknown}"] if unknown else []))
+            + f"; save_pretrained and `videosparse distill` write {list(_SAVED_FIELDS)} (and init_std, density).")
 
 
 def load_estimator(source: Any) -> VedaEstimator:

@@ -311,11 +311,11 @@ class TilingSearch:
         grid = tuple(int(g) for g in rec.grid)
         text_len = int(getattr(rec, "text_len", 0) or 0)
         text_position = getattr(rec, "text_position", None) or "after"
-        if math.prod(grid) < self.block:  # fewer video tokens than one tile: the processors run it dense
+        if math.prod(grid) < self.block:  # fewer video tokens than one tile: one tile, which every plan keeps
             if grid not in self._warned_grids:
                 self._warned_grids.add(grid)
-                logger.warning("grid %s has fewer video tokens than one %d-token tile: its calls run dense and are "
-                               "not scored", grid, self.block)
+                logger.warning("grid %s has fewer video tokens than one %d-token tile: its calls keep their one tile "
+                               "(nothing to choose) and are not scored", grid, self.block)
             return
         pads = {s: TileLayout(grid, s, self.block).padding_fraction for s in shapes_all}
         allowed = [s for s in shapes_all if pads[s] <= self.max_padding + 1e-12]
