@@ -192,6 +192,40 @@ def test_dense_layers_beyond_one_expert_names_it():
     assert videosparse.sessions(pipe) == {} and dict(pipe.transformer.attn_processors) == before
 
 
+def test_each_expert_takes_its_own_config_and_an_estimator_serves_only_its_component(tmp_path):
+    """Review find: an estimator distilled from `transformer_2` (`videosparse distill --component transformer_2`) was
+    applied to both Wan 2.2 experts, which share class and sizes but not attention. It records its component now and
+    is refused for the other expert (nothing applied); a dict of configs by component gives each expert its own."""
+    from videosparse.veda import VedaEstimator
+
+    pipe = build_tiny_wan_pipeline()
+    pipe.register_modules(transformer_2=build_tiny_wan_pipeline().transformer)
+    pipe.register_to_config(boundary_ratio=0.5)                # transformer_2 takes the low-noise steps
+    pipe.set_progress_bar_config(disable=True)
+    before = {name: dict(t.attn_processors) for name, t in (("1", pipe.transformer), ("2", pipe.transformer_2))}
+    VedaEstimator("WanTransformer3DModel", 2, 2, 64, block=64, tile_shapes=(1, 4, 16),
+                  component="transformer_2").save_pretrained(tmp_path / "low_noise")
+    low_noise = videosparse.VedaConfig(density=0.5, block=64, estimator=str(tmp_path / "low_noise"))
+    with pytest.raises(ValueError, match="was distilled from 'transformer_2', not 'transformer'"):
+        videosparse.apply(pipe, low_noise)
+    with pytest.raises(ValueError, match=r"names the components \['transformer_3'\]; the transformers served here "
+                                         r"are \['transformer', 'transformer_2'\]"):
+        videosparse.apply(pipe, {"transformer_3": low_noise})
+    assert videosparse.sessions(pipe) == {}
+    assert {"1": dict(pipe.transformer.attn_processors), "2": dict(pipe.transformer_2.attn_processors)} == before
+    high_noise = videosparse.VedaConfig(density=0.5, block=64, tiling=(1, 4, 16))
+    sessions = videosparse.apply(pipe, {"transformer": high_noise, "transformer_2": low_noise})
+    assert sessions["transformer"].method.estimator is None
+    assert sessions["transformer_2"].method.estimator.component == "transformer_2"
+    _run(pipe)
+    assert all(s.stats()["sparse_calls"] > 0 for s in sessions.values())
+    videosparse.remove(pipe)
+    assert {"1": dict(pipe.transformer.attn_processors), "2": dict(pipe.transformer_2.attn_processors)} == before
+    only = videosparse.apply(pipe, {"transformer_2": low_noise})       # the other expert keeps its attention
+    assert list(only) == ["transformer_2"] and videosparse.sessions(pipe.transformer) == {}
+    videosparse.remove(pipe)
+
+
 def test_one_transformer_in_both_expert_slots_is_served_once():
     """transformer and transformer_2 the same module (one expert for both noise levels): apply serves it once instead
     of refusing it as already applied, and remove restores it."""

@@ -388,7 +388,7 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
     tiles = layer_tiles(cfg.tiling, info.num_layers, info.num_heads, cfg.block)
     estimator = VedaEstimator(info.model_class, info.num_layers, info.num_heads, info.head_dim, block=cfg.block,
                               tile_shapes=[[list(s) for s in heads] for heads in tiles], init_std=cfg.init_std,
-                              density=cfg.density)
+                              density=cfg.density, component=cfg.component)
     objective = DistillObjective(estimator)
     optimizer = torch.optim.AdamW(objective.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     dataset = TileSampleDataset(files, info.num_layers)
@@ -610,6 +610,8 @@ def model_card(estimator: VedaEstimator, cfg: DistillConfig, metrics: dict[str, 
                       f"(untrained: {u['recall']:.3f})" + (
                           f", teacher heat kept against the oracle's {t['heat_recall']:.3f} (untrained: "
                           f"{u['heat_recall']:.3f})" if "heat_recall" in t and "heat_recall" in u else "") + "."]
+    apply_head, apply_tail = ("videosparse.apply(pipe, ", ")") if cfg.component == "transformer" else \
+        (f'videosparse.apply(pipe, {{"{cfg.component}": ', "})")   # with the other transformers' configs beside it
     lines += [
         "",
         "The full settings are in `distill_config.json`, the training log in `log.jsonl`, the evaluation in "
@@ -620,12 +622,15 @@ def model_card(estimator: VedaEstimator, cfg: DistillConfig, metrics: dict[str, 
         "```python",
         "import videosparse",
         "",
-        f'videosparse.apply(pipe, videosparse.VedaConfig(density={cfg.density:g}, estimator="{cfg.output_dir}"'
-        f"{block_arg}))",
+        f'{apply_head}videosparse.VedaConfig(density={cfg.density:g}, estimator="{cfg.output_dir}"{block_arg})'
+        + apply_tail,
         "```",
         "",
-        f"or `videosparse generate --estimator {cfg.output_dir}{cli_flags}` (a directory or, once uploaded, its hub "
-        f"id). The pipeline's transformer must be a `{estimator.model_class}` with the layers, heads and head dim "
+        (f"or `videosparse generate --estimator {cfg.output_dir}{cli_flags}` (a directory or, once uploaded, its hub "
+         "id). " if cfg.component == "transformer" else
+         f"(it serves `{cfg.component}` only: in a pipeline of several transformers each takes the estimator "
+         "distilled from it, and videosparse refuses this one for another). ")
+        + f"The pipeline's transformer must be a `{estimator.model_class}` with the layers, heads and head dim "
         "above (videosparse checks and raises otherwise); its own tile shapes are used unless `tiling=` is given.",
     ]
     data = ModelCardData(library_name="videosparse", tags=["videosparse", "veda", "sparse-attention"])

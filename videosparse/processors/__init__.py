@@ -17,6 +17,7 @@ import logging
 import sys
 import types
 import weakref
+from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 import torch
@@ -110,6 +111,12 @@ def make_processors(transformer: torch.nn.Module, config, *, scheduler=None, pip
                          f"{type(transformer).__name__}{where} has {len(self_attn)} self-attention layers "
                          f"(0..{len(self_attn) - 1}).")
     method = make_method(config, info)
+    distilled_from = getattr(getattr(method, "estimator", None), "component", None)
+    if name is not None and distilled_from is not None and distilled_from != name:
+        # two experts of one pipeline (Wan 2.2) share the class and sizes, not their attention
+        raise ValueError(f"the estimator {getattr(method.estimator, 'source', None) or ''} was distilled from "
+                         f"{distilled_from!r}, not {name!r}; give each transformer its own, e.g. videosparse.apply("
+                         f"pipe, {{{distilled_from!r}: VedaConfig(estimator=...), {name!r}: VedaConfig(...)}}).")
     session = SparseSession(config, method, info, originals, scheduler, pipeline)
     procs = dict(originals)
     custom = {}                                  # processors the user set in place of the stock ones -> stock
@@ -193,7 +200,10 @@ def apply(pipe_or_transformer, config) -> dict[str, SparseSession]:
     Args:
         pipe_or_transformer: a diffusers pipeline (every `transformer*` component is served, e.g.
             Wan 2.2's `transformer_2`) or a bare transformer module.
-        config: `VedaConfig`, `SolConfig` or `DenseConfig`.
+        config: `VedaConfig`, `SolConfig` or `DenseConfig`; or a dict of them by component name, one per
+            transformer to serve (Wan 2.2's experts each with the estimator distilled from it: {"transformer":
+            VedaConfig(estimator=...), "transformer_2": VedaConfig(estimator=...)}); a transformer not named keeps
+            its attention.
 
     Returns:
         dict component name -> `SparseSession` (its `.stats()` gives realised density per layer).
@@ -212,17 +222,20 @@ def apply(pipe_or_transformer, config) -> dict[str, SparseSession]:
     """
     transformers = _transformers(pipe_or_transformer)
     pipeline = pipe_or_transformer if hasattr(pipe_or_transformer, "scheduler") else None
+    several = len(transformers) > 1
+    configs = _configs_by_component(config, transformers)
+    transformers = {name: transformers[name] for name in configs}
     for name, transformer in transformers.items():  # check everything before touching anything
         model_spec(transformer)
         active = getattr(transformer, SESSION_ATTR, None)
         if active is not None:
             raise ValueError(f"videosparse is already applied to {name} with {active.config!r}; call remove() first.")
-    check_config(config)
+    for cfg in configs.values():
+        check_config(cfg)
     applied: list[torch.nn.Module] = []
     try:
         for name, transformer in transformers.items():
-            procs = make_processors(transformer, config, pipeline=pipeline,
-                                    name=name if len(transformers) > 1 else None)
+            procs = make_processors(transformer, configs[name], pipeline=pipeline, name=name if several else None)
             applied.append(transformer)
             _keep_through_unfuse(transformer, procs)
             _set_attention_processors(transformer, procs)     # (diffusers' set_attn_processor empties the dict)
@@ -235,6 +248,17 @@ def apply(pipe_or_transformer, config) -> dict[str, SparseSession]:
         session.timestep_counter = made[0].timestep_counter
     _raise_recompile_limit()
     return {name: getattr(t, SESSION_ATTR) for name, t in transformers.items()}
+
+
+def _configs_by_component(config, transformers: dict[str, torch.nn.Module]) -> dict[str, Any]:
+    """`apply`'s config for each transformer it serves: the one config for all, or a dict's by component name."""
+    if not isinstance(config, Mapping):
+        return {name: config for name in transformers}
+    unknown = [name for name in config if name not in transformers]
+    if unknown or not config:
+        raise ValueError(f"config names the components {sorted(map(str, unknown)) if unknown else '(none)'}; "
+                         f"the transformers served here are {sorted(transformers)} (give a config for some of them).")
+    return {name: config[name] for name in transformers if name in config}
 
 
 def _raise_recompile_limit() -> None:

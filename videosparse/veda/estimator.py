@@ -103,6 +103,8 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
         init_std (`float`, defaults to 1e-4): std of the N(0, std^2) init of P_q, P_k (see the module
             docstring for why std and not variance).
         density (`float`, optional): the density it was distilled for (informational).
+        component (`str`, optional): the pipeline component it was distilled from ("transformer", "transformer_2");
+            applied to a pipeline of several transformers (Wan 2.2's experts), it serves only that one.
 
     Parameters:
         proj_q, proj_k: fp32 [num_layers, num_heads, 3*D, D].
@@ -119,7 +121,8 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
     """
 
     def __init__(self, model_class: str, num_layers: int, num_heads: int, head_dim: int, block: int = 128,
-                 tile_shapes: Any = (4, 4, 8), init_std: float = DEFAULT_INIT_STD, density: float | None = None):
+                 tile_shapes: Any = (4, 4, 8), init_std: float = DEFAULT_INIT_STD, density: float | None = None,
+                 component: str | None = None):
         super().__init__()
         for name, value in (("num_layers", num_layers), ("num_heads", num_heads), ("head_dim", head_dim),
                             ("block", block)):
@@ -150,6 +153,10 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
         self.density = None if density is None else float(density)
         if isinstance(self._hub_mixin_config, dict):
             self._hub_mixin_config["density"] = self.density        # a numpy float would be saved as null
+        if component is not None and (not isinstance(component, str) or not component):
+            raise ValueError(f"component={component!r} must be the pipeline component it was distilled from (e.g. "
+                             "'transformer_2') or None.")
+        self.component = component
         self.source: str | None = None
         shape = (num_layers, num_heads, 3 * head_dim, head_dim)
         self.proj_q = nn.Parameter(torch.randn(shape) * self.init_std)
