@@ -209,8 +209,9 @@ def apply(pipe_or_transformer, config) -> dict[str, SparseSession]:
         dict component name -> `SparseSession` (its `.stats()` gives realised density per layer).
 
     Raises:
-        ValueError: unsupported transformer class (the error lists the supported ones), or already applied.
-        TypeError: `config` is not a videosparse config.
+        ValueError: unsupported transformer class (the error lists the supported ones), already applied, a dict that
+            names no transformer of the pipeline, or an estimator distilled from another of its transformers.
+        TypeError: `config` is not a videosparse config (nor a dict of them).
 
     Example:
         >>> import torch, videosparse
@@ -257,7 +258,8 @@ def _configs_by_component(config, transformers: dict[str, torch.nn.Module]) -> d
     unknown = [name for name in config if name not in transformers]
     if unknown or not config:
         raise ValueError(f"config names the components {sorted(map(str, unknown)) if unknown else '(none)'}; "
-                         f"the transformers served here are {sorted(transformers)} (give a config for some of them).")
+                         f"the transformers served here are {sorted(transformers)} (give a config for some of them; "
+                         "a config's to_dict() is read back by videosparse.config.config_from_dict).")
     return {name: config[name] for name in transformers if name in config}
 
 
