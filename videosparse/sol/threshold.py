@@ -84,8 +84,11 @@ def band_mask(num_tiles: int, band: int, device: torch.device | str | None = Non
 
 
 def _unit_max_abs(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    """x divided by its max |x| over `dims` (an all-zero slice stays zero)."""
-    return x / x.abs().amax(dims, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    """fp32 x times the power of two that brings its max |x| over `dims` near 1 (an all-zero slice stays zero). A power
+    of two scales without rounding, so z-scores of inputs in range keep every bit (the calibrated tau too)."""
+    peak = x.abs().amax(dims, keepdim=True)
+    exponent = torch.log2(torch.where(peak > 0, peak, 1.0)).floor().clamp(-126, 127)
+    return x * torch.exp2(-exponent)
 
 
 def routing_zscores(q_mean: torch.Tensor, k_mean: torch.Tensor, scale: float, band: int) -> torch.Tensor:
@@ -95,8 +98,8 @@ def routing_zscores(q_mean: torch.Tensor, k_mean: torch.Tensor, scale: float, ba
         q_mean: float [B, H, M, D] mean query of the video query tiles.
         k_mean: float [B, H, N, D] mean key of the video key tiles (the Gaussian is fitted to them).
         scale: softmax scale (> 0; it cancels in z, as does any positive scaling of a query row or of one head's
-            centroids, so z is computed on copies scaled to max-abs 1: fp32 squares of values past ~1e19 or under
-            ~1e-23 would otherwise overflow or underflow).
+            centroids, so z is computed on copies scaled by powers of two to max-abs ~1: fp32 squares of values past
+            ~1e19 or under ~1e-23 would otherwise overflow or underflow).
         band: key tiles with |i - j| <= band are forced (z = +inf).
 
     Returns:
@@ -107,8 +110,8 @@ def routing_zscores(q_mean: torch.Tensor, k_mean: torch.Tensor, scale: float, ba
     centred = _unit_max_abs(_fit_centred(_unit_max_abs(k_mean.float(), (2, 3)))[2], (2, 3))
     var = centred.square().mean(2)
     qf = _unit_max_abs(q_mean.float(), (3,))
-    d = qf @ centred.transpose(-1, -2)                                     # (s_ij - a_i) / (scale x row's scalings)
-    b = (qf.square() * var[:, :, None]).sum(-1, keepdim=True).sqrt()
+    d = (qf @ centred.transpose(-1, -2)) * scale                           # (s_ij - a_i) x the row's scalings
+    b = (qf.square() * var[:, :, None]).sum(-1, keepdim=True).sqrt() * scale
     z = torch.where(b > 0, d / b.clamp_min(torch.finfo(torch.float32).tiny),
                     torch.where(d > 0, float("inf"), torch.where(d < 0, float("-inf"), 0.0)))   # no host copies
     M, N = z.shape[-2:]
