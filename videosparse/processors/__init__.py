@@ -255,11 +255,17 @@ def _configs_by_component(config, transformers: dict[str, torch.nn.Module]) -> d
     """`apply`'s config for each transformer it serves: the one config for all, or a dict's by component name."""
     if not isinstance(config, Mapping):
         return {name: config for name in transformers}
+    for value in config.values():
+        try:
+            check_config(value)
+        except TypeError:
+            raise TypeError(f"config is a dict holding {value!r}, which is not a videosparse config; give a "
+                            "VedaConfig, SolConfig or DenseConfig, or a dict of them by component name (a config's "
+                            "to_dict() is read back by videosparse.config.config_from_dict).") from None
     unknown = [name for name in config if name not in transformers]
     if unknown or not config:
         raise ValueError(f"config names the components {sorted(map(str, unknown)) if unknown else '(none)'}; "
-                         f"the transformers served here are {sorted(transformers)} (give a config for some of them; "
-                         "a config's to_dict() is read back by videosparse.config.config_from_dict).")
+                         f"the transformers served here are {sorted(transformers)} (give a config for some of them).")
     return {name: config[name] for name in transformers if name in config}
 
 
