@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -224,6 +226,35 @@ def test_each_expert_takes_its_own_config_and_an_estimator_serves_only_its_compo
     only = videosparse.apply(pipe, {"transformer_2": low_noise})       # the other expert keeps its attention
     assert list(only) == ["transformer_2"] and videosparse.sessions(pipe.transformer) == {}
     videosparse.remove(pipe)
+
+
+def test_generate_serves_an_experts_estimator_on_its_own_expert_and_scores_the_other_untrained(tmp_path):
+    """`videosparse generate --estimator` takes one estimator: on Wan 2.2's two experts one that records its component
+    serves that expert, the other scores its tiles untrained (a note says so); one saved before estimators recorded
+    their component serves both, as before; one of a component the pipeline lacks is named."""
+    from videosparse.eval.generate import expert_configs, generate, warm_up
+    from videosparse.veda import VedaEstimator
+
+    pipe = build_tiny_wan_pipeline()
+    pipe.register_modules(transformer_2=build_tiny_wan_pipeline().transformer)
+    pipe.register_to_config(boundary_ratio=0.5)
+    pipe.set_progress_bar_config(disable=True)
+    for component in ("transformer_2", None, "transformer_3"):
+        VedaEstimator("WanTransformer3DModel", 2, 2, 64, block=64, tile_shapes=(1, 4, 16),
+                      component=component).save_pretrained(tmp_path / str(component))
+    config = videosparse.VedaConfig(density=0.5, block=64, estimator=str(tmp_path / "transformer_2"))
+    applied, note = expert_configs(pipe, config)
+    assert applied == {"transformer": dataclasses.replace(config, estimator=None), "transformer_2": config}
+    assert note.startswith("note: the estimator serves transformer_2 (distilled from it); transformer score")
+    call = {k: v for k, v in KW.items() if k != "output_type"}
+    assert warm_up(pipe, applied, dict(call, num_inference_steps=2)) == 1
+    result = generate(pipe, applied, dict(call, num_inference_steps=2))
+    assert all(s["sparse_calls"] > 0 for s in result.stats.values()) and videosparse.sessions(pipe) == {}
+    old = videosparse.VedaConfig(density=0.5, block=64, estimator=str(tmp_path / "None"))
+    assert expert_configs(pipe, old) == (old, None)
+    with pytest.raises(ValueError, match="distilled from 'transformer_3'; this pipeline's transformers are"):
+        expert_configs(pipe, dataclasses.replace(config, estimator=str(tmp_path / "transformer_3")))
+    assert expert_configs(build_tiny_wan_pipeline(), config) == (config, None)     # one transformer: as given
 
 
 def test_one_transformer_in_both_expert_slots_is_served_once():
