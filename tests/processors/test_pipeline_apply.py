@@ -969,3 +969,23 @@ def test_dense_with_lse_attends_in_the_autocast_dtype():
         stock = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)))
     assert out.dtype == stock.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert (out.float() - stock.transpose(1, 2).float()).norm() / stock.float().norm() < 1e-2
+
+
+def test_a_layers_warning_is_given_once_per_session_also_across_reset_stats(caplog):
+    """Review find: the warned-once state lived in the stats, so every `reset_stats()` (a service, between requests)
+    warned again; each request's stats still name the reason. And `kernel_backend` is None while no call ran sparse."""
+    import logging
+
+    pipe = build_tiny_wan_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    session = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, dense_layers=(0, 1)))["transformer"]
+    _run(pipe)
+    assert session.stats()["sparse_calls"] == 0 and session.stats()["kernel_backend"] is None
+    proc = pipe.transformer.blocks[0].attn1.processor
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        for _ in range(2):
+            session.reset_stats()
+            proc._warn_once("a reason")
+            assert session.stats()["layers"][0]["fallbacks"] == ["a reason"]
+    assert sum("a reason" in r.getMessage() for r in caplog.records) == 1
+    videosparse.remove(pipe)

@@ -110,9 +110,10 @@ class SparseAttentionMixin:
         return self.slot.stats
 
     def _warn_once(self, reason: str, message: str = "runs dense attention: %s") -> None:
-        stats = self._stats()
-        if reason not in stats.fallbacks:
-            stats.fallbacks.add(reason)
+        """Record `reason` in this layer's stats and warn about it once per session (not again after `reset_stats`)."""
+        self._stats().fallbacks.add(reason)
+        if reason not in self.slot.warned:
+            self.slot.warned.add(reason)
             logger.warning("videosparse: layer %d " + message, self.layer, reason)
 
     def _scheduled_dense(self) -> str | None:

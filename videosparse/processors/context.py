@@ -123,10 +123,12 @@ class LayerSlot:
             of the forward have different valid text lengths; empty before the first forward or for dense configs).
         dense: the config runs this layer dense (`dense_layers`).
         method_state: the method's state dict for this layer (`SparseMethod.layer_state`), handed to `plan`.
+        warned: the reasons this layer has warned about (once per session: `reset_stats` keeps them).
     """
 
     def __init__(self, dense: bool = False, method_state: dict | None = None) -> None:
         self.stats = LayerStats()
+        self.warned: set[str] = set()
         self.layouts: dict[int, HeadTiling] = {}
         self.dense = dense
         self.method_state = {} if method_state is None else method_state
@@ -352,7 +354,8 @@ class SparseSession:
         return probe_kernel(*self._probe_args).backend if self._probe_args is not None else None
 
     def stats(self) -> dict[str, Any]:
-        """Per-layer and overall statistics (realised density, load balance, sparse/dense calls)."""
+        """Per-layer and overall statistics (realised density, sparse/dense calls, the kernel backend the sparse calls
+        ran on: None without any; per layer also the load balance and the reasons for dense calls)."""
         layers = {i: s.as_dict() for i, s in sorted(self.layer_stats.items())}
         kept = sum(s["kept_pairs"] for s in layers.values())
         total = sum(s["total_pairs"] for s in layers.values())
@@ -362,7 +365,7 @@ class SparseSession:
             "sparse_calls": sum(s["sparse_calls"] for s in layers.values()),
             "dense_calls": sum(s["dense_calls"] for s in layers.values()),
             "density": kept / total if total else None,
-            "kernel_backend": self.kernel_backend,
+            "kernel_backend": self.kernel_backend if any(s["sparse_calls"] for s in layers.values()) else None,
             "layers": layers,
             "method": self.method.stats() if self.method is not None else {},
         }
