@@ -989,3 +989,16 @@ def test_a_layers_warning_is_given_once_per_session_also_across_reset_stats(capl
             assert session.stats()["layers"][0]["fallbacks"] == ["a reason"]
     assert sum("a reason" in r.getMessage() for r in caplog.records) == 1
     videosparse.remove(pipe)
+
+
+def test_pickling_an_applied_transformer_names_videosparse():
+    """Review find: torch.save(transformer) with videosparse applied failed with "cannot pickle 'weakref.ReferenceType'
+    object"; it names videosparse and the way out now, and works again after remove."""
+    import io
+
+    tr = build_tiny_wan_pipeline().transformer
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.5))
+    with pytest.raises(TypeError, match="videosparse applied cannot be pickled .* videosparse.remove"):
+        torch.save(tr, io.BytesIO())
+    videosparse.remove(tr)
+    torch.save(tr, io.BytesIO())

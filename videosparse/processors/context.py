@@ -263,6 +263,19 @@ class SparseSession:
         # none (fuse_qkv_projections or set_attn_processor after apply) is warned about once
         self.served: list[weakref.ref] = []
 
+    def __reduce_ex__(self, protocol):
+        # pickling met a weak reference (to the pipeline, the modules) with a message that does not name videosparse
+        raise TypeError("a transformer with videosparse applied cannot be pickled (torch.save(model), "
+                        "multiprocessing): call videosparse.remove(...) first, or save its state_dict().")
+
+    def __deepcopy__(self, memo):
+        # copy.deepcopy goes through __reduce_ex__ too: copy the attributes as it would (a copied transformer then
+        # refuses to run, see `SparseContextHook._update`)
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
     @property
     def made_by_apply(self) -> bool:
         """Whether `videosparse.apply(pipe, ...)` made this session (it then counts steps on that pipeline's
