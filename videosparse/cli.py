@@ -147,7 +147,7 @@ def slower_than_dense_note(speedup: float) -> str | None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from .eval.generate import check_call_flags, check_video_writer, expert_configs, generate, warm_up, write_video
+    from .eval.generate import check_call_flags, check_video_writer, generate, warm_up, write_video
     from .eval.spec import check_config_files
     from .models.loading import check_size, load_pipeline, size_stub
 
@@ -204,15 +204,12 @@ def _run_generate(args: argparse.Namespace) -> int:
     size = f"{call.get('height', 'default')}x{call.get('width', 'default')}"
     print(f"model: {loaded.name} | method: {config.to_dict()} | {call.get('num_frames', 'default')} frames "
           f"{size}, {steps or 'default'} steps, seed {args.seed}")
-    applied, note = expert_configs(pipe, config)
-    if note:
-        print(note)
     # on CUDA the first sparse forward compiles the kernels: an untimed short run of each arm first (on CPU nothing
     # compiles, and `videosparse evaluate` skips its warm-up there too)
     warm = device.startswith("cuda")
     if warm:
-        warm_up(pipe, applied, call, seed=args.seed, device=device)
-    result = generate(pipe, applied, call, seed=args.seed, device=device)
+        warm_up(pipe, config, call, seed=args.seed, device=device)
+    result = generate(pipe, config, call, seed=args.seed, device=device)
     try:
         path, video_error = write_video(result.frames, args.out, fps=args.fps), None
     except (OSError, AttributeError, RuntimeError) as err:    # the run's numbers are still printed and saved

@@ -234,6 +234,9 @@ def test_zscores_keep_their_tiles_at_extreme_input_scales(which, factor):
     assert torch.isfinite(scaled).sum() == torch.isfinite(z).sum() == 2 * 2 * 8 * 7
     assert torch.allclose(scaled, z, rtol=1e-4, atol=1e-5)
     assert sol_plan_from_zscores(scaled, -3.4e38, 0, 64).kv_count.min() == 8     # tau -> -inf keeps every tile
+    # no tiles at all: empty z-scores, as before the scaling (its max over an empty dim raised)
+    assert routing_zscores(q_mean[:, :, :0], k_mean[:, :, :0], 0.125, band=0).shape == (2, 2, 0, 0)
+    assert routing_zscores(q_mean, k_mean[:, :, :0], 0.125, band=0).shape == (2, 2, 8, 0)
 
 
 def test_threshold_helpers_refuse_a_negative_global_tile_count_and_a_non_square_z():

@@ -401,7 +401,8 @@ def test_from_pretrained_names_a_damaged_config(tmp_path):
         VedaEstimator.from_pretrained(tmp_path)
 
 
-def test_from_pretrained_refuses_a_config_without_its_tiles_or_with_unknown_fields_and_non_finite_weights(tmp_path):
+def test_from_pretrained_refuses_a_config_without_its_tiles_or_with_unknown_fields_and_non_finite_weights(tmp_path,
+                                                                                                      monkeypatch):
     """Review finds: a config.json without `block` / `tile_shapes` loaded with the constructor's defaults (4x4x8 tiles
     for an estimator trained on others) and a misspelt field was dropped, both silently; NaN weights (a diverged
     distillation) loaded and then kept only each query tile's own tile."""
@@ -422,6 +423,15 @@ def test_from_pretrained_refuses_a_config_without_its_tiles_or_with_unknown_fiel
         VedaEstimator.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(saved))
     assert VedaEstimator.from_pretrained(tmp_path).tile_shapes == est.tile_shapes
+    # from the hub as well (huggingface_hub fills and drops fields the same way): the config file it fetches is checked
+    import videosparse.veda.estimator as estimator_module
+
+    bad = tmp_path / "hub" / "config.json"
+    bad.parent.mkdir()
+    bad.write_text(json.dumps({k: v for k, v in saved.items() if k != "tile_shapes"}))
+    monkeypatch.setattr(estimator_module, "hf_hub_download", lambda repo_id, filename, **kw: str(bad))
+    with pytest.raises(ValueError, match=r"lacks \['tile_shapes'\]"):
+        VedaEstimator.from_pretrained("someone/veda-estimator")
     with torch.no_grad():
         est.proj_k[1, 0, 0, 0] = float("nan")
     est.save_pretrained(tmp_path)

@@ -610,8 +610,6 @@ def model_card(estimator: VedaEstimator, cfg: DistillConfig, metrics: dict[str, 
                       f"(untrained: {u['recall']:.3f})" + (
                           f", teacher heat kept against the oracle's {t['heat_recall']:.3f} (untrained: "
                           f"{u['heat_recall']:.3f})" if "heat_recall" in t and "heat_recall" in u else "") + "."]
-    apply_head, apply_tail = ("videosparse.apply(pipe, ", ")") if cfg.component == "transformer" else \
-        (f'videosparse.apply(pipe, {{"{cfg.component}": ', "})")   # with the other transformers' configs beside it
     lines += [
         "",
         "The full settings are in `distill_config.json`, the training log in `log.jsonl`, the evaluation in "
@@ -622,16 +620,16 @@ def model_card(estimator: VedaEstimator, cfg: DistillConfig, metrics: dict[str, 
         "```python",
         "import videosparse",
         "",
-        f'{apply_head}videosparse.VedaConfig(density={cfg.density:g}, estimator="{cfg.output_dir}"{block_arg})'
-        + apply_tail,
+        f'videosparse.apply(pipe, videosparse.VedaConfig(density={cfg.density:g}, estimator="{cfg.output_dir}"'
+        f"{block_arg}))",
         "```",
         "",
-        (f"or `videosparse generate --estimator {cfg.output_dir}{cli_flags}` (a directory or, once uploaded, its hub "
-         "id). " if cfg.component == "transformer" else
-         f"(it serves `{cfg.component}` only: in a pipeline of several transformers each takes the estimator "
-         "distilled from it, and videosparse refuses this one for another). ")
-        + f"The pipeline's transformer must be a `{estimator.model_class}` with the layers, heads and head dim "
-        "above (videosparse checks and raises otherwise); its own tile shapes are used unless `tiling=` is given.",
+        f"or `videosparse generate --estimator {cfg.output_dir}{cli_flags}` (a directory or, once uploaded, its hub "
+        f"id). It was distilled from the pipeline's `{cfg.component}` and serves that transformer only: in a pipeline "
+        "of several (Wan 2.2's experts) the others score their tiles untrained unless each gets its own estimator, "
+        f'`videosparse.apply(pipe, {{"{cfg.component}": VedaConfig(estimator=...), ...}})`. The transformer must be a '
+        f"`{estimator.model_class}` with the layers, heads and head dim above (videosparse checks and raises "
+        "otherwise); its own tile shapes are used unless `tiling=` is given.",
     ]
     data = ModelCardData(library_name="videosparse", tags=["videosparse", "veda", "sparse-attention"])
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n"))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -87,32 +86,6 @@ def check_call_flags(pipe, given: dict[str, str]) -> None:
         one = len(missing) == 1
         raise ValueError(f"{', '.join(missing)}: {type(pipe).__name__}.__call__ takes no "
                          f"{', '.join(missing.values())}; drop {'it' if one else 'them'} for this model.")
-
-
-def expert_configs(pipe, config) -> tuple[object, str | None]:
-    """What `generate` applies for one config with one estimator on a pipeline of several transformers (Wan 2.2's
-    experts): where the estimator records the component it was distilled from, a dict serving that component with it
-    and the others with the same config scoring their tiles untrained (mean-pooled q.k), and a note saying so;
-    otherwise `config` as it is and None. (`apply` refuses an estimator for another expert than its own.)"""
-    from ..processors import _transformers
-    from ..veda.estimator import load_estimator
-
-    estimator = getattr(config, "estimator", None)
-    names = list(_transformers(pipe)) if estimator is not None else []
-    if len(names) < 2:
-        return config, None
-    component = load_estimator(estimator).component
-    if component is None:                          # saved before estimators recorded it: every expert, as before
-        return config, None
-    if component not in names:
-        raise ValueError(f"the estimator {estimator!r} was distilled from {component!r}; this pipeline's "
-                         f"transformers are {names}.")
-    untrained = dataclasses.replace(config, estimator=None)
-    others = [n for n in names if n != component]
-    return ({n: config if n == component else untrained for n in names},
-            f"note: the estimator serves {component} (distilled from it); {', '.join(others)} score their tiles "
-            "untrained (mean-pooled q.k). One estimator per expert: videosparse.apply(pipe, {component: "
-            "VedaConfig(estimator=...), ...}) in Python.")
 
 
 def warm_up(pipe, config, call_kwargs: dict, seed: int = 0, device: str | None = None) -> int | None:

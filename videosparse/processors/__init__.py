@@ -13,6 +13,7 @@ The module itself is callable: `videosparse.processors(transformer, config)` is 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import sys
 import types
@@ -200,17 +201,18 @@ def apply(pipe_or_transformer, config) -> dict[str, SparseSession]:
     Args:
         pipe_or_transformer: a diffusers pipeline (every `transformer*` component is served, e.g.
             Wan 2.2's `transformer_2`) or a bare transformer module.
-        config: `VedaConfig`, `SolConfig` or `DenseConfig`; or a dict of them by component name, one per
-            transformer to serve (Wan 2.2's experts each with the estimator distilled from it: {"transformer":
-            VedaConfig(estimator=...), "transformer_2": VedaConfig(estimator=...)}); a transformer not named keeps
-            its attention.
+        config: `VedaConfig`, `SolConfig` or `DenseConfig`; or a dict of them by component name, one for each
+            transformer (Wan 2.2's experts each with the estimator distilled from it: {"transformer":
+            VedaConfig(estimator=...), "transformer_2": VedaConfig(estimator=...)}). One Veda config with an
+            estimator that records its component serves that transformer with it and the others untrained.
 
     Returns:
         dict component name -> `SparseSession` (its `.stats()` gives realised density per layer).
 
     Raises:
         ValueError: unsupported transformer class (the error lists the supported ones), already applied, a dict that
-            names no transformer of the pipeline, or an estimator distilled from another of its transformers.
+            does not name each transformer of the pipeline, or an estimator given to another transformer than the
+            one it was distilled from.
         TypeError: `config` is not a videosparse config (nor a dict of them).
 
     Example:
@@ -225,7 +227,6 @@ def apply(pipe_or_transformer, config) -> dict[str, SparseSession]:
     pipeline = pipe_or_transformer if hasattr(pipe_or_transformer, "scheduler") else None
     several = len(transformers) > 1
     configs = _configs_by_component(config, transformers)
-    transformers = {name: transformers[name] for name in configs}
     for name, transformer in transformers.items():  # check everything before touching anything
         model_spec(transformer)
         active = getattr(transformer, SESSION_ATTR, None)
@@ -252,9 +253,30 @@ def apply(pipe_or_transformer, config) -> dict[str, SparseSession]:
 
 
 def _configs_by_component(config, transformers: dict[str, torch.nn.Module]) -> dict[str, Any]:
-    """`apply`'s config for each transformer it serves: the one config for all, or a dict's by component name."""
+    """`apply`'s config for each transformer: the one config for all, or a dict's by component name (naming every
+    transformer: the experts of one pipeline count their denoising steps together, so each gets the context hook;
+    `DenseConfig()` keeps one dense). One Veda config whose estimator records the component it was distilled from, on
+    a pipeline of several transformers: that component gets it, the others the same config scoring their tiles
+    untrained (a warning says so)."""
     if not isinstance(config, Mapping):
-        return {name: config for name in transformers}
+        estimator = getattr(config, "estimator", None) if len(transformers) > 1 else None
+        component = None
+        if estimator is not None:
+            check_config(config)
+            from ..veda.estimator import load_estimator
+
+            component = load_estimator(estimator).component
+        if component is None:                   # (an estimator saved before they recorded it: every transformer)
+            return {name: config for name in transformers}
+        if component not in transformers:
+            raise ValueError(f"the estimator {estimator!r} was distilled from {component!r}; this pipeline's "
+                             f"transformers are {sorted(transformers)}.")
+        others = [name for name in transformers if name != component]
+        logger.warning("videosparse: the estimator serves %s (distilled from it); %s score their tiles untrained "
+                       "(mean-pooled q.k). One estimator per transformer: apply(pipe, {%r: VedaConfig(estimator=...), "
+                       "...}).", component, ", ".join(others), component)
+        untrained = dataclasses.replace(config, estimator=None)
+        return {name: config if name == component else untrained for name in transformers}
     for value in config.values():
         try:
             check_config(value)
@@ -262,11 +284,10 @@ def _configs_by_component(config, transformers: dict[str, torch.nn.Module]) -> d
             raise TypeError(f"config is a dict holding {value!r}, which is not a videosparse config; give a "
                             "VedaConfig, SolConfig or DenseConfig, or a dict of them by component name (a config's "
                             "to_dict() is read back by videosparse.config.config_from_dict).") from None
-    unknown = [name for name in config if name not in transformers]
-    if unknown or not config:
-        raise ValueError(f"config names the components {sorted(map(str, unknown)) if unknown else '(none)'}; "
-                         f"the transformers served here are {sorted(transformers)} (give a config for some of them).")
-    return {name: config[name] for name in transformers if name in config}
+    if set(config) != set(transformers):
+        raise ValueError(f"config names the components {sorted(map(str, config))}; give one config for each "
+                         f"transformer of this pipeline, {sorted(transformers)} (DenseConfig() keeps one dense).")
+    return {name: config[name] for name in transformers}
 
 
 def _raise_recompile_limit() -> None:

@@ -268,6 +268,11 @@ class SparseSession:
         raise TypeError("a transformer with videosparse applied cannot be pickled (torch.save(model), "
                         "multiprocessing): call videosparse.remove(...) first, or save its state_dict().")
 
+    def __copy__(self):
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
     def __deepcopy__(self, memo):
         # copy.deepcopy goes through __reduce_ex__ too: copy the attributes as it would (a copied transformer then
         # refuses to run, see `SparseContextHook._update`)
@@ -623,7 +628,6 @@ class SparseContextHook(ModelHook):
         self._module = weakref.ref(module)
         # the modules diffusers' `enable_gradient_checkpointing` gives a checkpointing function (the transformer)
         self._checkpointing = [m for m in module.modules() if hasattr(m, "gradient_checkpointing")]
-        self._note_stale_counter()          # apply runs outside any call: a counter mid-schedule is one left behind
         return module
 
     def deinitalize_hook(self, module):
@@ -877,9 +881,8 @@ class SparseContextHook(ModelHook):
         return module
 
     def _note_stale_counter(self) -> None:
-        """Record the applied pipeline's scheduler counter as stale where no call of that pipeline can be running: at
-        the end of a pipeline call (`reset_state`) and at `apply` (a modular pipeline, which ends its calls without
-        `maybe_free_model_hooks`, otherwise read the counter an aborted call left on every call)."""
+        """At the end of a pipeline call (`reset_state`), where no call of the applied pipeline can be running:
+        record its scheduler's counter as stale if it was left mid-schedule (or has none)."""
         self._stale_counter = None
         scheduler = self.session.scheduler if self.session.made_by_apply else None
         timesteps = getattr(scheduler, "timesteps", None)

@@ -86,6 +86,8 @@ def band_mask(num_tiles: int, band: int, device: torch.device | str | None = Non
 def _unit_max_abs(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     """fp32 x times the power of two that brings its max |x| over `dims` near 1 (an all-zero slice stays zero). A power
     of two scales without rounding, so z-scores of inputs in range keep every bit (the calibrated tau too)."""
+    if x.numel() == 0:
+        return x
     peak = x.abs().amax(dims, keepdim=True)
     exponent = torch.log2(torch.where(peak > 0, peak, 1.0)).floor().clamp(-126, 127)
     return x * torch.exp2(-exponent)

@@ -260,10 +260,19 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
     # ------------------------------------------------------------------ hub mixin: safetensors only
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> "VedaEstimator":
-        """huggingface_hub's `from_pretrained` (a local directory or a hub id); a local config.json that is no JSON
-        object raises a ValueError naming it (not huggingface_hub's JSONDecodeError or AttributeError)."""
-        config = os.path.join(os.fspath(pretrained_model_name_or_path), "config.json")
-        if os.path.isfile(config):      # (without one, weights load when every constructor argument is given)
+        """huggingface_hub's `from_pretrained` (a local directory or a hub id); a config.json that is no JSON object,
+        lacks a field or holds an unknown one raises a ValueError naming it (huggingface_hub would raise its own
+        errors, or fill the field with the constructor's default and drop the unknown one), from the hub too."""
+        path = os.fspath(pretrained_model_name_or_path)
+        config = os.path.join(path, "config.json")
+        if not os.path.isdir(path):
+            try:                        # the file the mixin reads next (cached: no second download)
+                config = hf_hub_download(repo_id=path, filename="config.json", **{
+                    k: kwargs[k] for k in ("revision", "cache_dir", "force_download", "token", "local_files_only")
+                    if k in kwargs})
+            except Exception:           # not there, or no hub: the mixin's own loading says why
+                config = None
+        if config is not None and os.path.isfile(config):   # (without one, every constructor argument is given)
             _check_estimator_config(config)
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
