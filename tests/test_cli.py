@@ -680,6 +680,9 @@ def test_bench_subcommand_is_the_kernel_benchmark(tmp_path, capsys, monkeypatch)
     (tmp_path / "run.json").write_text(json.dumps(dict(rows=rows, meta={}, variants=[])))
     assert main(["bench", "--readme", str(tmp_path / "run.json")]) == 0
     assert "| s | 0.500 | 1.00 | 9 |" in capsys.readouterr().out
+    (tmp_path / "other.json").write_text(json.dumps({"synthetic": {}}))        # another report: named, no KeyError
+    with pytest.raises(SystemExit, match="other.json: not a kernel benchmark JSON"):
+        main(["bench", "--readme", str(tmp_path / "other.json")])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         main(["bench", "--quick"])

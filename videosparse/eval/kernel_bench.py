@@ -639,6 +639,9 @@ def run(args: argparse.Namespace) -> int:
     """The benchmark (`parse_args`' options); exit code 1 when a correctness check failed or a step raised."""
     if args.readme:
         results = json.loads(Path(args.readme).read_text())
+        if not isinstance(results, dict) or not isinstance(results.get("rows"), list):
+            raise SystemExit(f"--readme {args.readme}: not a kernel benchmark JSON (no list of 'rows'; written by "
+                             "`videosparse bench` or scripts/bench_kernel.py).")
         print(render_markdown(results) + "\n\n" + render_variants(results))
         return 0
     import torch
