@@ -148,9 +148,6 @@ class TileFeatureCapture:
         if self.branches is not None and record.branch not in self.branches:
             return
         H = record.q.shape[2]
-        layout = head_tiling(record.grid, self.tiles_for_layer(record.layer, H), H, self.block,
-                             record.text_len, record.text_position or "after", record.text_slot)
-        Mv = layout.num_video_tiles
         if math.prod(record.grid) < self.block:
             # fewer video tokens than one tile: one partial tile, which every plan keeps (nothing to choose, a
             # sample of 1 x 1 heat that trains nothing), as search-tiling leaves it out
@@ -160,6 +157,9 @@ class TileFeatureCapture:
                 logger.warning("grid %s has fewer video tokens than one %d-token tile: its calls keep their one tile "
                                "(nothing to choose) and give no sample", grid, self.block)
             return
+        layout = head_tiling(record.grid, self.tiles_for_layer(record.layer, H), H, self.block,
+                             record.text_len, record.text_position or "after", record.text_slot)
+        Mv = layout.num_video_tiles
         qt, kt = layout.gather(record.q), layout.gather(record.k)
         qf, kf = trippool_qk(qt, kt, self.block, Mv)
         heat = teacher_heat(qt, kt, self.block, num_tiles=Mv, backend=self.teacher_backend)

@@ -263,9 +263,9 @@ def _configs_by_component(config, transformers: dict[str, torch.nn.Module]) -> d
         component = None
         if estimator is not None:
             check_config(config)
-            from ..veda.estimator import load_estimator
+            from ..veda.estimator import distilled_component
 
-            component = load_estimator(estimator).component
+            component = distilled_component(estimator)      # its config.json: the weights load once, per transformer
         if component is None:                   # (an estimator saved before they recorded it: every transformer)
             return {name: config for name in transformers}
         if component not in transformers:

@@ -276,9 +276,8 @@ class SparseSession:
     def __deepcopy__(self, memo):
         # copy.deepcopy goes through __reduce_ex__ too: copy the attributes as it would (a copied transformer then
         # refuses to run, see `SparseContextHook._update`)
-        new = object.__new__(type(self))
-        memo[id(self)] = new
-        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        new = memo[id(self)] = self.__copy__()
+        new.__dict__ = copy.deepcopy(self.__dict__, memo)
         return new
 
     @property

@@ -263,16 +263,8 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
         """huggingface_hub's `from_pretrained` (a local directory or a hub id); a config.json that is no JSON object,
         lacks a field or holds an unknown one raises a ValueError naming it (huggingface_hub would raise its own
         errors, or fill the field with the constructor's default and drop the unknown one), from the hub too."""
-        path = os.fspath(pretrained_model_name_or_path)
-        config = os.path.join(path, "config.json")
-        if not os.path.isdir(path):
-            try:                        # the file the mixin reads next (cached: no second download)
-                config = hf_hub_download(repo_id=path, filename="config.json", **{
-                    k: kwargs[k] for k in ("revision", "cache_dir", "force_download", "token", "local_files_only")
-                    if k in kwargs})
-            except Exception:           # not there, or no hub: the mixin's own loading says why
-                config = None
-        if config is not None and os.path.isfile(config):   # (without one, every constructor argument is given)
+        config = _config_file(os.fspath(pretrained_model_name_or_path), kwargs)
+        if config is not None:          # (without one, every constructor argument is given)
             _check_estimator_config(config)
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
@@ -326,6 +318,33 @@ def _check_estimator_dir(path: str) -> None:
                          "VedaEstimator.save_pretrained or `videosparse distill` writes (config.json and "
                          f"{SAFETENSORS_NAME}).")
     _check_estimator_config(os.path.join(path, "config.json"))
+
+
+def _config_file(path: str, hub_kwargs: dict[str, Any]) -> str | None:
+    """The config.json of the estimator at `path` (a local directory, or a hub id: fetched as the mixin fetches it, so
+    its later read is cached), or None where there is none (the mixin's own loading then says why)."""
+    if os.path.isdir(path):
+        config = os.path.join(path, "config.json")
+        return config if os.path.isfile(config) else None
+    try:
+        return hf_hub_download(repo_id=path, filename="config.json", **{
+            k: hub_kwargs[k] for k in ("revision", "cache_dir", "force_download", "token", "local_files_only")
+            if k in hub_kwargs})
+    except Exception:                   # not there, or no hub
+        return None
+
+
+def distilled_component(source: Any) -> str | None:
+    """The pipeline component an estimator (object, directory or hub id) was distilled from, from its config.json
+    without loading its weights; None where it records none (saved before estimators recorded it) or has no config."""
+    if isinstance(source, VedaEstimator):
+        return source.component
+    config = _config_file(os.fspath(source), {}) if isinstance(source, (str, os.PathLike)) else None
+    if config is None:
+        return None
+    _check_estimator_config(config)
+    with open(config) as f:
+        return json.load(f).get("component")
 
 
 _SAVED_FIELDS = ("model_class", "num_layers", "num_heads", "head_dim", "block", "tile_shapes")
