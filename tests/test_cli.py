@@ -688,3 +688,27 @@ def test_bench_subcommand_is_the_kernel_benchmark(tmp_path, capsys, monkeypatch)
         main(["bench", "--quick"])
     script = load_script("bench_kernel")
     assert script.random_plan is kernel_bench.random_plan and script.kernel_bench is kernel_bench
+
+
+def test_one_estimator_per_expert_from_the_command_line(tmp_path, capsys, monkeypatch):
+    """`--estimator A B` gives a tuple of estimators, each serving the transformer it was distilled from (Wan 2.2's
+    experts); two of one expert, or one that records no component, are named before the pipeline loads."""
+    from videosparse.models import loading
+    from videosparse.veda import VedaEstimator
+
+    for component in ("transformer", "transformer_2", None):
+        VedaEstimator("WanTransformer3DModel", 2, 2, 64, block=64, tile_shapes=(1, 4, 16),
+                      component=component).save_pretrained(tmp_path / str(component))
+    high, low, old = (str(tmp_path / name) for name in ("transformer", "transformer_2", "None"))
+    args = build_parser().parse_args(["generate", "--estimator", high, low])
+    assert method_config(args).estimator == (high, low)
+    assert method_config(build_parser().parse_args(["generate", "--estimator", high])).estimator == high
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the pipeline was loaded before the bad argument was named")
+
+    monkeypatch.setattr(loading, "load_pipeline", no_load)
+    for estimators, msg in (([high, high], "were both distilled from 'transformer'"),
+                            ([old, low], "records no component")):
+        assert main(["generate", "--estimator", *estimators]) == 2
+        assert msg in capsys.readouterr().err

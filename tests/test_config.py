@@ -135,8 +135,9 @@ def test_estimator_must_be_a_path_a_hub_id_or_an_estimator():
     import re
     from pathlib import Path
 
-    for bad in (123, True, [1], 1.5):
-        with pytest.raises(TypeError, match=re.escape(f"estimator={bad!r} must be None, a directory or hub id")):
+    for bad in (123, True, [1], 1.5):     # (a list is one estimator per transformer: its bad entry is named)
+        named = bad[0] if isinstance(bad, list) else bad
+        with pytest.raises(TypeError, match=re.escape(f"estimator={named!r} must be None, a directory or hub id")):
             VedaConfig(estimator=bad)
     with pytest.raises(ValueError, match="estimator='' must name a trained estimator"):
         VedaConfig(estimator="")
@@ -147,6 +148,15 @@ def test_estimator_must_be_a_path_a_hub_id_or_an_estimator():
     est = VedaEstimator("WanTransformer3DModel", num_layers=1, num_heads=2, head_dim=16, block=128,
                         tile_shapes=(4, 4, 8))
     assert VedaConfig(estimator=est).estimator is est
+    several = VedaConfig(estimator=[Path("runs/high"), est])       # one per transformer of a pipeline: a tuple
+    assert several.estimator == ("runs/high", est) and hash(several) == hash(several)
+    for bad in ([], (None, "runs/high")):
+        with pytest.raises(ValueError, match="names no estimator|holds None"):
+            VedaConfig(estimator=bad)
+    with pytest.raises(TypeError, match=r"must be None, a directory or hub id"):
+        VedaConfig(estimator=("runs/high", 3))
+    with pytest.raises(ValueError, match="never saved"):            # as to_dict writes the in-memory one
+        config_from_dict(several.to_dict())
 
 
 def test_path_like_tiling_equals_its_dict_round_trip():

@@ -39,7 +39,9 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--density", type=float, default=None,
                    help="fraction of key tiles kept (default 0.1 veda / 0.15 sol)")
     p.add_argument("--tau", type=float, default=None, help="sol: threshold in std devs (instead of --density)")
-    p.add_argument("--estimator", default=None, help="veda: trained estimator directory or hub id")
+    p.add_argument("--estimator", nargs="+", default=None, metavar="DIR_OR_HUB_ID",
+                   help="veda: trained estimator directory or hub id; on a pipeline of several transformers (Wan "
+                        "2.2) one per transformer, each serving the one it was distilled from")
     p.add_argument("--tiling", type=parse_tile, default=None,
                    help="tile shape like 4x4x8 (pt*ph*pw = block); veda also takes a tiling JSON from search-tiling")
     p.add_argument("--block", type=int, default=None, help="tokens per tile (128 or 64)")

@@ -166,18 +166,36 @@ def _estimator_entry(estimator: Any) -> str:
 
 
 def _estimator(value: Any) -> Any:
-    """VedaConfig.estimator checked: None, a non-empty path or hub id (a path-like one as its str), or a
-    `VedaEstimator` (a subclass too; known by its class path, so that this module imports no torch)."""
+    """VedaConfig.estimator checked: None, a non-empty path or hub id (a path-like one as its str), a
+    `VedaEstimator` (a subclass too; known by its class path, so that this module imports no torch), or a tuple
+    (or list) of several of these, one per transformer of a pipeline (a tuple of one is its one entry)."""
+    if isinstance(value, (tuple, list)):
+        if not value:
+            raise ValueError("estimator=() names no estimator; give None (the untrained estimator), one, or one per "
+                             "transformer of the pipeline.")
+        if len(value) == 1:
+            return _estimator(value[0])
+        entries = tuple(_estimator(entry) for entry in value)
+        if any(entry is None for entry in entries):
+            raise ValueError(f"estimator={value!r} holds None; give one trained estimator per transformer (a "
+                             "transformer left out scores its tiles untrained).")
+        return entries
     if value is None or any(f"{c.__module__}.{c.__qualname__}" == "videosparse.veda.estimator.VedaEstimator"
                             for c in type(value).__mro__):
         return value
     if isinstance(value, (str, os.PathLike)):
         path = os.fspath(value)
         if isinstance(path, str) and path:
+            if path.startswith(IN_MEMORY_ESTIMATOR):
+                raise ValueError(
+                    f"estimator={path!r} stands for an estimator object that was never saved, so this config "
+                    "cannot be rebuilt from it; save the estimator with est.save_pretrained(dir) and pass "
+                    "estimator=dir (or the object loaded with VedaEstimator.from_pretrained(dir), which to_dict "
+                    "writes as dir).")
             return path
         raise ValueError(f"estimator={value!r} must name a trained estimator: a directory or a hub id.")
-    raise TypeError(f"estimator={value!r} must be None, a directory or hub id (str or os.PathLike), or a "
-                    "VedaEstimator.")
+    raise TypeError(f"estimator={value!r} must be None, a directory or hub id (str or os.PathLike), a "
+                    "VedaEstimator, or a tuple of them (one per transformer of a pipeline).")
 
 
 @dataclass(frozen=True)
@@ -196,7 +214,9 @@ class _BaseConfig:
         out: dict[str, Any] = {"method": self.method, "version": CONFIG_VERSION}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, tuple):
+            if f.name == "estimator" and isinstance(value, tuple):
+                value = [_estimator_entry(v) if not isinstance(v, str) else v for v in value]
+            elif isinstance(value, tuple):
                 value = [list(v) if isinstance(v, tuple) else v for v in value]
             elif isinstance(value, os.PathLike):
                 value = os.fspath(value)
@@ -245,7 +265,10 @@ class VedaConfig(_BaseConfig):
         estimator (`str`, `os.PathLike`, `VedaEstimator` or `None`): a trained estimator (a directory
             or hub id for `VedaEstimator.from_pretrained`, or the object, which is left as it is: videosparse
             runs an fp32 eval copy). `None` uses the untrained estimator, i.e. mean-pooled q·k per tile (the
-            VSA-style baseline). `to_dict` writes an object as the path or hub id it was loaded from.
+            VSA-style baseline). `to_dict` writes an object as the path or hub id it was loaded from. On a
+            pipeline of several transformers (Wan 2.2's two experts), a tuple of estimators, one per
+            transformer: each serves the component it was distilled from (`videosparse distill --component`),
+            and a transformer none was distilled from scores its tiles untrained.
         tiling (`tuple[int, int, int]`, path or `None`): one tile shape (pt, ph, pw) for every head
             with pt*ph*pw == block (or the string "4x4x8"), or a JSON file written by `videosparse
             search-tiling` giving each (layer, head) its own shape. `None` (default): the tile shapes the
@@ -284,12 +307,6 @@ class VedaConfig(_BaseConfig):
     def __post_init__(self) -> None:
         _plain_numbers(self, ("density", "block", "dense_steps"))
         _check_density("density", self.density)
-        if isinstance(self.estimator, str) and self.estimator.startswith(IN_MEMORY_ESTIMATOR):
-            raise ValueError(
-                f"estimator={self.estimator!r} stands for an estimator object that was never saved, so this config "
-                "cannot be rebuilt from it; save the estimator with est.save_pretrained(dir) and pass estimator=dir "
-                "(or the object loaded with VedaEstimator.from_pretrained(dir), which to_dict writes as dir)."
-            )
         object.__setattr__(self, "estimator", _estimator(self.estimator))
         _check_block(self.block)
         object.__setattr__(self, "tiling", parse_tile(self.tiling))
@@ -391,7 +408,7 @@ def config_from_dict(data: dict[str, Any]) -> _BaseConfig:
     unknown = sorted(set(data) - names)
     if unknown:
         raise ValueError(f"unknown fields {unknown} for {cls.__name__}; allowed: {sorted(names)}.")
-    for key in ("tiling", "dense_layers"):
+    for key in ("tiling", "dense_layers", "estimator"):
         if isinstance(data.get(key), list):
             data[key] = tuple(data[key])
     return cls(**data)

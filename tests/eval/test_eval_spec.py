@@ -84,3 +84,14 @@ def test_blanks_inside_a_value_stay():
 def test_a_tile_shape_with_blanks_is_a_shape():
     """Review find: with blanks kept inside values, `tiling=4 x 4 x 8` became a path."""
     assert parse_method_spec("veda@0.1:tiling=4 x 4 x 8").config.tiling == (4, 4, 8)
+
+
+def test_several_estimators_one_per_transformer():
+    """`estimator=A,B`: one estimator per transformer of a pipeline (Wan 2.2's experts), a tuple in the config; an
+    empty entry is refused, naming the form."""
+    spec = parse_method_spec("veda@0.1:estimator=runs/high,runs/low")
+    assert spec.config.estimator == ("runs/high", "runs/low")
+    assert parse_method_spec("veda@0.1:estimator=runs/high").config.estimator == "runs/high"
+    for text in ("veda:estimator=runs/high,", "veda:estimator=a,,b"):
+        with pytest.raises(ValueError, match="several separated by single commas"):
+            parse_method_spec(text)

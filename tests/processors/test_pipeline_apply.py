@@ -249,6 +249,50 @@ def test_each_expert_takes_its_own_config_and_an_estimator_serves_only_its_compo
     videosparse.remove(pipe)
 
 
+def test_a_tuple_of_estimators_serves_each_expert_with_its_own(tmp_path, caplog):
+    """`VedaConfig(estimator=(high, low))` (what `videosparse generate --estimator A B` and the spec
+    `estimator=A,B` give): each expert gets the estimator distilled from it, in any order; two of one expert, one that
+    records no component, several on a one-transformer pipeline or in one transformer's config are refused with
+    nothing applied."""
+    import logging
+
+    from videosparse.config import config_from_dict
+    from videosparse.veda import VedaEstimator
+
+    pipe = _two_experts()
+    before = {name: dict(t.attn_processors) for name, t in (("1", pipe.transformer), ("2", pipe.transformer_2))}
+    for component in ("transformer", "transformer_2", None):
+        VedaEstimator("WanTransformer3DModel", 2, 2, 64, block=64, tile_shapes=(1, 4, 16),
+                      component=component).save_pretrained(tmp_path / str(component))
+    high, low, old = (str(tmp_path / name) for name in ("transformer", "transformer_2", "None"))
+    config = videosparse.VedaConfig(density=0.5, block=64, estimator=[low, high])
+    assert config.estimator == (low, high) and config_from_dict(config.to_dict()) == config
+    assert videosparse.VedaConfig(estimator=[high]).estimator == high                                  # one: itself
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        sessions = videosparse.apply(pipe, config)
+    assert "untrained" not in caplog.text
+    assert {name: s.config.estimator for name, s in sessions.items()} == {"transformer": high, "transformer_2": low}
+    assert {name: s.method.estimator.component for name, s in sessions.items()} == {
+        "transformer": "transformer", "transformer_2": "transformer_2"}
+    assert sessions["transformer"].timestep_counter is sessions["transformer_2"].timestep_counter
+    _run(pipe)
+    assert all(s.stats()["sparse_calls"] > 0 for s in sessions.values())
+    videosparse.remove(pipe)
+    for bad, match in (((high, high), "were both distilled from 'transformer'; give at most one per transformer"),
+                       ((old, low), "records no component"),
+                       ({"transformer": config, "transformer_2": config}, "a config for one transformer")):
+        with pytest.raises(ValueError, match=match):
+            videosparse.apply(pipe, bad if isinstance(bad, dict) else dataclasses.replace(config, estimator=bad))
+        assert videosparse.sessions(pipe) == {}
+        assert {"1": dict(pipe.transformer.attn_processors), "2": dict(pipe.transformer_2.attn_processors)} == before
+    with pytest.raises(ValueError, match=r"names 2 estimators, one per transformer of a pipeline; this one has one"):
+        videosparse.apply(build_tiny_wan_pipeline(), config)
+    with pytest.raises(ValueError, match="names no estimator"):
+        videosparse.VedaConfig(estimator=())
+    with pytest.raises(ValueError, match="holds None"):
+        videosparse.VedaConfig(estimator=(high, None))
+
+
 def test_generate_and_evaluate_serve_an_experts_estimator_on_its_own_expert(tmp_path):
     """Review find: the first version refused one config with such an estimator on Wan 2.2, and `videosparse
     evaluate`, `generate()` and the model card's snippet pass one config: they serve its expert and score the other

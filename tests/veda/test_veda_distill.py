@@ -373,7 +373,9 @@ def test_model_card_describes_the_estimator_without_placeholders(tmp_path):
     assert "distilled from the pipeline's `transformer` and serves that transformer only" in card
     est.component = "transformer_2"                                  # Wan 2.2's second expert
     card = model_card(est, make_cfg(tmp_path, block=64, component="transformer_2"), metrics, [], 12, files, [])
-    assert "distilled from the pipeline's `transformer_2`" in card and '{"transformer_2": VedaConfig(' in card
+    assert "distilled from the pipeline's `transformer_2`" in card
+    assert f'VedaConfig(estimator=("{tmp_path}", <the other expert\'s>))' in card
+    assert f"`--estimator {tmp_path} <the other expert's>` on the command line" in card
 
 
 def test_processes_that_did_not_join_one_group_are_refused(monkeypatch, tmp_path):

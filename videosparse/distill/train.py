@@ -626,8 +626,10 @@ def model_card(estimator: VedaEstimator, cfg: DistillConfig, metrics: dict[str, 
         "",
         f"or `videosparse generate --estimator {cfg.output_dir}{cli_flags}` (a directory or, once uploaded, its hub "
         f"id). It was distilled from the pipeline's `{cfg.component}` and serves that transformer only: in a pipeline "
-        "of several (Wan 2.2's experts) the others score their tiles untrained unless each gets its own estimator, "
-        f'`videosparse.apply(pipe, {{"{cfg.component}": VedaConfig(estimator=...), ...}})`. The transformer must be a '
+        "of several (Wan 2.2's experts) the others score their tiles untrained unless each gets its own estimator: "
+        f'`VedaConfig(estimator=("{cfg.output_dir}", <the other expert\'s>))`, each serving the transformer it was '
+        f"distilled from (`--estimator {cfg.output_dir} <the other expert's>` on the command line). The transformer "
+        "must be a "
         f"`{estimator.model_class}` with the layers, heads and head dim above (videosparse checks and raises "
         "otherwise); its own tile shapes are used unless `tiling=` is given.",
     ]

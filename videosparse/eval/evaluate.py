@@ -168,6 +168,10 @@ def cell_id(spec: MethodSpec, prompt: str, seed: int) -> str:
     content = {"config": spec.config.to_dict(), "prompt": prompt, "seed": seed}
     files = {field: _content_digest(getattr(spec.config, field)) for field in ("tiling", "estimator")
              if isinstance(getattr(spec.config, field, None), str) and os.path.exists(getattr(spec.config, field))}
+    several = getattr(spec.config, "estimator", None)
+    if isinstance(several, tuple) and any(isinstance(e, str) and os.path.exists(e) for e in several):
+        files["estimator"] = [_content_digest(e) if isinstance(e, str) and os.path.exists(e) else None
+                              for e in several]
     if files:                                   # only then: the ids of configs without files stay as they were
         content["files"] = files
     blob = json.dumps(content, sort_keys=True, default=str)

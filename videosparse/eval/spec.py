@@ -17,7 +17,7 @@ dense_steps        int (a step count, ``3``) or float (a fraction of the steps, 
 dense_layers       comma-separated layer indices, ``0,1,29``
 correction         on/off (also true/false, yes/no, 1/0)
 tiling             ``PTxPHxPW`` (e.g. ``8x4x4``) or the path of a tiling JSON
-estimator          a directory or hub id
+estimator          a directory or hub id; several comma-separated, one per transformer (Wan 2.2's experts)
 backend            auto / triton / reference / gluon_hopper / hopper / triton_generic
 =================  =====================================================================
 
@@ -89,7 +89,8 @@ class MethodSpec:
 
 
 _FORMS = {"density": "a number in (0, 1]", "tau": "a number (standard deviations)", "block": "an int (128 or 64)",
-          "band": "an int >= 0", "correction": f"one of {'/'.join(_BOOL)}"}
+          "band": "an int >= 0", "correction": f"one of {'/'.join(_BOOL)}",
+          "estimator": "a directory or hub id, or several separated by single commas"}
 
 
 def _parse_value(key: str, text: str, spec: str) -> Any:
@@ -108,6 +109,10 @@ def _parse_value(key: str, text: str, spec: str) -> Any:
             return _BOOL[text.lower()]
         if key == "tiling":
             return parse_tile(text)
+        if key == "estimator" and "," in text:     # one per transformer
+            if not all(text.split(",")):
+                raise ValueError
+            return tuple(text.split(","))
     except ValueError as e:
         form = _FORMS.get(key, str(e).rstrip("."))
         raise ValueError(f"method spec {spec!r}: {key}={text!r} is not a valid value for {key}: {form}.") from None
@@ -176,16 +181,22 @@ def parse_method_spec(text: str, *, backend: str | None = None) -> MethodSpec:
 def check_config_files(config, name: Callable[[str], str] = str) -> None:
     """Read the tiling JSON and the estimator `config` names, so that a missing or damaged one is an error before any
     pipeline runs; ValueError "<name(field)> '<path>': <why>"."""
-    from ..veda.estimator import load_estimator
+    from ..veda.estimator import estimators_by_component, load_estimator
     from ..veda.tiling import load_tiling
 
     for field, load in (("tiling", lambda path: load_tiling(path, config.block)), ("estimator", load_estimator)):
-        value = getattr(config, field, None)
-        if isinstance(value, (str, os.PathLike)):
-            try:
-                load(value)
-            except (OSError, ValueError) as err:
-                raise ValueError(f"{name(field)} {os.fspath(value)!r}: {err}") from None
+        values = getattr(config, field, None)
+        for value in values if isinstance(values, tuple) and field == "estimator" else (values,):
+            if isinstance(value, (str, os.PathLike)):
+                try:
+                    load(value)
+                except (OSError, ValueError) as err:
+                    raise ValueError(f"{name(field)} {os.fspath(value)!r}: {err}") from None
+    if isinstance(getattr(config, "estimator", None), tuple):   # one per transformer: each records its own
+        try:
+            estimators_by_component(config.estimator)
+        except ValueError as err:
+            raise ValueError(f"{name('estimator')}: {err}") from None
 
 
 def check_spec_files(specs: list[MethodSpec]) -> None:

@@ -255,28 +255,42 @@ def apply(pipe_or_transformer, config) -> dict[str, SparseSession]:
 def _configs_by_component(config, transformers: dict[str, torch.nn.Module]) -> dict[str, Any]:
     """`apply`'s config for each transformer: the one config for all, or a dict's by component name (naming every
     transformer: the experts of one pipeline count their denoising steps together, so each gets the context hook;
-    `DenseConfig()` keeps one dense). One Veda config whose estimator records the component it was distilled from, on
-    a pipeline of several transformers: that component gets it, the others the same config scoring their tiles
-    untrained (a warning says so)."""
+    `DenseConfig()` keeps one dense). One Veda config whose estimator (or each of whose tuple of estimators) records
+    the component it was distilled from, on a pipeline of several transformers: each such component gets its
+    estimator, the others the same config scoring their tiles untrained (a warning says so)."""
     if not isinstance(config, Mapping):
-        estimator = getattr(config, "estimator", None) if len(transformers) > 1 else None
-        component = None
-        if estimator is not None:
-            check_config(config)
-            from ..veda.estimator import distilled_component
-
-            component = distilled_component(estimator)      # its config.json: the weights load once, per transformer
-        if component is None:                   # (an estimator saved before they recorded it: every transformer)
+        estimators = getattr(config, "estimator", None)
+        several = isinstance(estimators, tuple)
+        if estimators is not None:
+            from ..veda.estimator import distilled_component, estimator_label, estimators_by_component
+        if several and len(transformers) == 1:
+            raise ValueError(f"estimator={estimator_label(estimators)} names {len(estimators)} estimators, one per "
+                             f"transformer of a pipeline; this one has one transformer ({next(iter(transformers))}): "
+                             "give it its one estimator.")
+        if estimators is None or len(transformers) == 1:
             return {name: config for name in transformers}
-        if component not in transformers:
-            raise ValueError(f"the estimator {estimator!r} was distilled from {component!r}; this pipeline's "
-                             f"transformers are {sorted(transformers)}.")
-        others = [name for name in transformers if name != component]
-        logger.warning("videosparse: the estimator serves %s (distilled from it); %s score their tiles untrained "
-                       "(mean-pooled q.k). One estimator per transformer: apply(pipe, {%r: VedaConfig(estimator=...), "
-                       "...}).", component, ", ".join(others), component)
-        untrained = dataclasses.replace(config, estimator=None)
-        return {name: config if name == component else untrained for name in transformers}
+        check_config(config)
+        if several:
+            served = estimators_by_component(estimators, list(transformers))
+        else:
+            component = distilled_component(estimators)     # its config.json: the weights load once, per transformer
+            if component is None:               # (an estimator saved before they recorded it: every transformer)
+                return {name: config for name in transformers}
+            if component not in transformers:
+                raise ValueError(f"the estimator {estimator_label(estimators)} was distilled from {component!r}; "
+                                 f"this pipeline's transformers are {sorted(transformers)}.")
+            served = {component: estimators}
+        others = [name for name in transformers if name not in served]
+        if others:
+            logger.warning("videosparse: the estimator%s serve%s %s (distilled from %s); %s score their tiles "
+                           "untrained (mean-pooled q.k). One estimator per transformer: VedaConfig(estimator=(%s)).",
+                           "s" if len(served) > 1 else "", "" if len(served) > 1 else "s", ", ".join(served),
+                           "them" if len(served) > 1 else "it", ", ".join(others),
+                           ", ".join(f"<{name}'s>" for name in transformers))
+        if not several:
+            untrained = dataclasses.replace(config, estimator=None)
+            return {name: config if name in served else untrained for name in transformers}
+        return {name: dataclasses.replace(config, estimator=served.get(name)) for name in transformers}
     for value in config.values():
         try:
             check_config(value)

@@ -347,6 +347,37 @@ def distilled_component(source: Any) -> str | None:
         return json.load(f).get("component")
 
 
+def estimator_label(estimator: Any) -> str:
+    """An estimator (or a tuple of them) as errors name it: its path or hub id, or its class for an object."""
+    if isinstance(estimator, tuple):
+        return "(" + ", ".join(map(estimator_label, estimator)) + ")"
+    source = estimator if isinstance(estimator, (str, os.PathLike)) else getattr(estimator, "source", None)
+    return repr(os.fspath(source)) if source is not None else f"<{type(estimator).__name__} object>"
+
+
+def estimators_by_component(estimators: Sequence[Any], components: Sequence[str] | None = None) -> dict[str, Any]:
+    """Several estimators (objects, directories or hub ids), one per transformer of a pipeline, by the component each
+    was distilled from (read from its config.json). ValueError for one that records none, two of one component, or
+    (given the pipeline's `components`) one distilled from a component not among them."""
+    served: dict[str, Any] = {}
+    for estimator in estimators:
+        component = distilled_component(estimator)
+        if component is None:
+            where = f" one of {sorted(components)}" if components is not None else " a transformer"
+            raise ValueError(f"the estimator {estimator_label(estimator)} records no component (saved before "
+                             "estimators recorded the one they were distilled from), so it cannot be matched to"
+                             f"{where}; name each: videosparse.apply(pipe, {{'transformer': VedaConfig(estimator=...), "
+                             "'transformer_2': VedaConfig(...)}).")
+        if components is not None and component not in components:
+            raise ValueError(f"the estimator {estimator_label(estimator)} was distilled from {component!r}; this "
+                             f"pipeline's transformers are {sorted(components)}.")
+        if component in served:
+            raise ValueError(f"the estimators {estimator_label(served[component])} and {estimator_label(estimator)} "
+                             f"were both distilled from {component!r}; give at most one per transformer.")
+        served[component] = estimator
+    return served
+
+
 _SAVED_FIELDS = ("model_class", "num_layers", "num_heads", "head_dim", "block", "tile_shapes")
 
 

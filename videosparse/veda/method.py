@@ -56,6 +56,11 @@ class VedaMethod(SparseMethod):
             self.tiling.check_model(info.model_class, info.num_layers, info.num_heads, os.fspath(config.tiling))
         self.estimator: VedaEstimator | None = None
         self._estimator_tiles: list | None = None
+        if isinstance(config.estimator, tuple):
+            raise ValueError(f"estimator= names {len(config.estimator)} estimators, one per transformer of a "
+                             "pipeline, which videosparse.apply(pipe, config) splits by the component each was "
+                             "distilled from; a config for one transformer (videosparse.processors(transformer, "
+                             "config), or a dict entry of apply) takes that transformer's one estimator.")
         if config.estimator is not None:
             est = load_estimator(config.estimator)
             model = dict(model_class=info.model_class, num_layers=info.num_layers, num_heads=info.num_heads,
