@@ -227,8 +227,29 @@ def test_a_video_smaller_than_one_tile_is_left_out_of_the_search_and_the_capture
             capture(rec)
     assert sum("fewer video tokens than one 128-token tile" in r.getMessage() for r in caplog.records) == 2
     assert not search.err_sum and not capture.samples
+    with pytest.raises(ValueError, match=r"scored no sample: every captured call's video grid \(\(1, 4, 8\)\) holds "
+                                         "fewer tokens than one 128-token tile"):      # (review find: "got no
+        search.result()                                                               # samples" said before)
     with pytest.raises(ValueError, match="got no samples"):
-        search.result()
+        TilingSearch(density=0.5).result()
+
+
+def test_candidate_shapes_are_checked_at_once_and_may_be_lists():
+    """Review find: candidates as a tiling JSON's "candidates" field holds them (lists) failed at the first record
+    with "unhashable type: 'list'", and (-4, -4, 8) or (4.0, 4, 8) passed the constructor's check."""
+    from videosparse.veda.tiling import TilingSearch
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 512, 2, 16, generator=g) for _ in range(3))
+    as_lists = search_tiling([record(0, (8, 8, 8), q, k, v)], density=0.25, candidates=[[8, 4, 4], [2, 8, 8]])
+    as_tuples = search_tiling([record(0, (8, 8, 8), q, k, v)], density=0.25, candidates=[(8, 4, 4), (2, 8, 8)])
+    assert as_lists.tiling.layers == as_tuples.tiling.layers
+    for bad in ([(-4, -4, 8)], [(4.0, 4, 8)], [(True, 16, 8)], [(4, 4, 4)]):
+        with pytest.raises(ValueError, match=r"candidates: tile shape .* (must be three positive ints|block size)"):
+            TilingSearch(density=0.25, candidates=bad)
+    for bad in ([], "4x4x8"):
+        with pytest.raises(ValueError, match="must be a non-empty list of tile shapes"):
+            TilingSearch(density=0.25, candidates=bad)
 
 
 def test_a_search_result_for_other_heads_or_fewer_layers_than_its_samples_is_refused():

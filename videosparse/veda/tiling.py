@@ -26,7 +26,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from ..config import BLOCK_SIZES, _is_int
+from ..config import BLOCK_SIZES, _check_block, _check_tile, _is_int
 from ..eval.report import to_jsonable
 from ..kernels import block_sparse_attention
 from ..layout import TileLayout
@@ -279,10 +279,15 @@ class TilingSearch:
 
     def __init__(self, *, density: float, block: int = 128, candidates: Sequence[TileShape] | None = None,
                  max_padding: float = 0.2, max_shapes_per_layer: int = 2, backend: str = "auto") -> None:
-        self.shapes = tuple(candidates) if candidates is not None else candidate_shapes(block)
-        for s in self.shapes:
-            if len(s) != 3 or math.prod(s) != block:
-                raise ValueError(f"candidate shape {s} must be 3 ints with product block={block}.")
+        _check_block(block)
+        if candidates is not None and (isinstance(candidates, str) or not isinstance(candidates, Sequence)
+                                       or not candidates):
+            raise ValueError(f"candidates={candidates!r} must be a non-empty list of tile shapes (pt, ph, pw).")
+        try:                # tuples of ints however given (a tiling JSON's "candidates" holds lists)
+            self.shapes = tuple(dict.fromkeys(_check_tile(s, block) for s in candidates)) \
+                if candidates is not None else candidate_shapes(block)
+        except ValueError as err:
+            raise ValueError(f"candidates: {err}") from None
         if isinstance(density, bool) or not isinstance(density, numbers.Real) or not 0 < density <= 1:
             raise ValueError(f"density={density!r} must be a number in (0, 1].")
         if isinstance(max_padding, bool) or not isinstance(max_padding, numbers.Real) or not 0 <= max_padding < 1:
@@ -345,6 +350,11 @@ class TilingSearch:
                meta: dict[str, Any] | None = None) -> TilingSearchResult:
         """The chosen tiling of the records added so far (ValueError when there were none)."""
         shapes_all, err_sum, err_cnt, votes = self.shapes, self.err_sum, self.err_cnt, self.votes
+        if not err_sum and self._warned_grids:
+            grids = ", ".join(map(str, sorted(self._warned_grids)))
+            raise ValueError(f"search_tiling scored no sample: every captured call's video grid ({grids}) holds "
+                             f"fewer tokens than one {self.block}-token tile, "
+                             "which leaves nothing to choose; search on a larger video (more frames, height or width).")
         if not err_sum:
             raise ValueError("search_tiling got no samples; capture at least one self-attention call.")
         L = num_layers if num_layers is not None else max(err_sum) + 1
