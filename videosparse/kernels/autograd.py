@@ -22,6 +22,18 @@ def records_gradient(q, k, v, plan: Plan) -> bool:
                                            for t in (q, k, v, plan.k_mean, plan.v_sum))
 
 
+def refuse_double_backward() -> None:
+    """RuntimeError in a backward that records its own graph (`create_graph=True`: gradient penalties, gradgradcheck):
+    the gradients are computed outside autograd, so a second derivative through them would silently lack the
+    attention's terms where the second pass asks only for other inputs (`torch.autograd.grad(penalty, params)`)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "videosparse's block-sparse attention is not twice differentiable: a backward with create_graph=True "
+            "(a gradient penalty, gradgradcheck, higher-order gradients) would miss the attention's second-order "
+            "terms. Run such steps without videosparse (videosparse.remove(...), or the stock processors) or with "
+            "create_graph=False.")
+
+
 def kernel_head_dim(q: torch.Tensor, plan: Plan, forward: Backend) -> int:
     """The head dim the Triton backward runs at for a forward on `forward`, or 0 for the torch reference's backward:
     q's, after a Triton backend; the padded one after a Triton backend run zero-padded (`PaddedHeadDim`); each only
@@ -70,7 +82,8 @@ class RecomputingAttention(torch.autograd.Function):
     apply(q, k, v, k_mean, v_sum, plan, scale, run) -> (out, lse); k_mean, v_sum: the plan's correction centroids
     (None without correction), passed apart so that their gradients reach the tensors they were computed from;
     run(q, k, v, plan, scale, True) -> (out, lse): a `dispatch.Backend`. Keeps q, k, v (and out, lse for the
-    Triton backward). Gradients for q, k, v, k_mean, v_sum, through out and lse; not twice differentiable.
+    Triton backward). Gradients for q, k, v, k_mean, v_sum, through out and lse; not twice differentiable (a
+    backward with create_graph=True raises: `refuse_double_backward`).
     """
 
     @staticmethod
@@ -82,8 +95,8 @@ class RecomputingAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, d_out, d_lse):
+        refuse_double_backward()
         q, k, v, *outputs = ctx.saved_tensors
         out, lse = outputs if ctx.head_dim else (None, None)
         dq, dk, dv, d_k_mean, d_v_sum = attention_backward(q, k, v, out, lse, ctx.plan, ctx.scale, d_out, d_lse,

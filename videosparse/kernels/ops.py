@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..plan import Plan
-from .autograd import attention_backward, kernel_head_dim
+from .autograd import attention_backward, kernel_head_dim, refuse_double_backward
 from .dispatch import select_backend
 
 
@@ -108,6 +108,7 @@ def _keep_inputs(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_lse):
     """`autograd.attention_backward` as the op's own custom op, whichever backend ran the forward (all compute the
     reference's function; the kernels have no backward of their own)."""
+    refuse_double_backward()
     q, k, v, out, lse, kv_index, kv_count, k_mean, v_sum, tile_len, valid_keys = ctx.saved_tensors
     if out is None:                         # not kept for the reference's backward, which does not read them
         out, lse = q.new_empty(0), q.new_empty(0, dtype=torch.float32)
