@@ -669,6 +669,45 @@ def test_gradient_checkpointing_with_compiled_blocks_compiles_whole_and_gives_th
         assert (a - b).abs().max() <= 1e-6 * b.abs().max().clamp_min(1e-12)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_remove_or_apply_before_the_backward_leaves_the_checkpointed_gradients(reentrant):
+    """Review find: with diffusers' gradient checkpointing, `remove()` / `apply(other config)` between a forward and
+    its backward (a self-distillation step: the student's forward, the teacher's config for a no-grad pass, the
+    student's back) made the recompute run through the processors set since: gradients 0.78 off, or torch's
+    CheckpointError. The recompute runs through the processors its forward ran, as the forward ran them."""
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint
+
+    student = videosparse.VedaConfig(density=0.3, dense_steps=0, block=64, tiling=(2, 4, 8), backend="reference")
+    teacher = videosparse.VedaConfig(density=1.0, dense_steps=0, block=64, tiling=(2, 4, 8), backend="reference")
+    kw = dict(_tiny_forward_kwargs(), hidden_states=torch.randn(1, 4, 3, 32, 32,
+                                                                generator=torch.Generator().manual_seed(1)))
+
+    def step(checkpointing, between):
+        torch.manual_seed(0)
+        tr = build_tiny_wan_pipeline().transformer
+        if checkpointing:
+            tr.enable_gradient_checkpointing(partial(checkpoint, use_reentrant=reentrant))
+        videosparse.apply(tr, student)
+        pred = tr(**kw).sample
+        videosparse.remove(tr)
+        if between != "remove":
+            videosparse.apply(tr, teacher)
+            with torch.no_grad():
+                tr(**kw)                                   # the teacher's pass
+            if between == "teacher, then the student again":
+                videosparse.remove(tr)
+                videosparse.apply(tr, student)
+        pred.square().mean().backward()
+        videosparse.remove(tr)
+        return [p.grad for p in tr.parameters() if p.grad is not None]
+
+    for between in ("remove", "teacher", "teacher, then the student again"):
+        for a, b in zip(step(True, between), step(False, between)):
+            assert (a - b).abs().max() <= 1e-6 * b.abs().max().clamp_min(1e-12), between
+
+
 def test_a_dynamic_shape_compile_traces_the_sparse_path_whole():
     """`torch.compile(..., dynamic=True)`: Veda's torch top-k took `sorted=` a SymBool, which topk refuses, so every
     layer's plan broke the graph (15 graphs for the tiny Wan; review find). One graph now, the eager output."""

@@ -19,7 +19,7 @@ import logging
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
@@ -446,6 +446,7 @@ class SparseSession:
         counters, observers = [slot.stats for slot in self.slots], self.observers
         self.context, layouts, self.kernel_problem, watched = snapshot
         outer, self._recomputing = self._recomputing, True
+        was_active, self.active = self.active, True     # a forward's recompute after `remove`: as the forward ran
         for slot, kept in zip(self.slots, layouts):
             slot.layouts, slot.stats = kept, self.recompute_stats(slot)
         self.observers = [_ignore_record] * watched
@@ -453,7 +454,7 @@ class SparseSession:
             yield
         finally:
             self.context, self.kernel_problem, self.observers = live[0], live[2], observers
-            self._recomputing = outer
+            self._recomputing, self.active = outer, was_active
             for slot, kept, stats in zip(self.slots, live[1], counters):
                 slot.layouts, slot.stats = kept, stats
 
@@ -564,12 +565,15 @@ class _RecomputeWithContext:
         self._block, self._session = block, session
         self._snapshot = session.snapshot()
         self._ran = False
+        # the block's attention processors as its forward runs them (a `remove` / `apply` before the backward, as
+        # between a student's forward and a teacher pass, sets others, through which the recompute would differ)
+        self._processors = [(m, m.processor) for m in block.modules() if getattr(m, "processor", None) is not None]
 
     def _run(self, fn, *args, **kwargs):
         if not self._ran:
             self._ran = True
             return fn(*args, **kwargs)
-        with self._session.recomputing(self._snapshot):
+        with self._session.recomputing(self._snapshot), _processors_as(self._processors):
             return fn(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
@@ -581,6 +585,26 @@ class _RecomputeWithContext:
 
     def __getattr__(self, name: str):
         return getattr(self._block, name)
+
+
+@contextlib.contextmanager
+def _processors_as(processors: list[tuple[torch.nn.Module, Any]]) -> Iterator[None]:
+    """Within: each attention module holds the processor paired with it (those set since are put back on exit)."""
+    changed = [(module, was, module.processor) for module, was in processors if module.processor is not was]
+    for module, was, _ in changed:
+        _set_processor(module, was)
+    try:
+        yield
+    finally:
+        for module, _, now in changed:
+            _set_processor(module, now)
+
+
+def _set_processor(module: torch.nn.Module, processor: Any) -> None:
+    if hasattr(module, "set_processor"):
+        module.set_processor(processor)
+    else:
+        module.processor = processor
 
 
 class _CheckpointingWithContext:
