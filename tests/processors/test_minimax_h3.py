@@ -286,3 +286,29 @@ def test_steps_counted_by_the_generated_videos_timestep():
     stats = session.stats()
     assert stats["dense_calls"] == 2 and stats["sparse_calls"] == 4, stats
     videosparse.remove(tr)
+
+
+def test_the_kernel_is_probed_for_the_dtype_the_blocks_attend_in(monkeypatch):
+    """Review find: the modular pipeline passes fp32 rows (its latents are drawn in fp32) into a bf16 checkpoint, whose
+    fp32 input projection casts them to the blocks' bf16; the context hook probed the kernels for the rows' fp32,
+    which no GPU kernel takes, so every layer would have run dense on the GPU. It probes for the projections' bf16."""
+    from videosparse.eval.synthetic import cast_like_from_pretrained
+    from videosparse.processors import base
+
+    t = TestMiniMaxH3Processors()
+    tr = cast_like_from_pretrained(t.make_transformer(), torch.bfloat16)
+    inputs = t.make_inputs(tr)
+    assert inputs["hidden_states"].dtype == torch.float32 and tr.proj_in.weight.dtype == torch.float32
+    attended = []
+    attend = base.SparseAttentionMixin.attend
+
+    def spy(self, q, *args, **kwargs):
+        attended.append(q.dtype)
+        return attend(self, q, *args, **kwargs)
+
+    monkeypatch.setattr(base.SparseAttentionMixin, "attend", spy)
+    session = videosparse.apply(tr, videosparse.VedaConfig(density=0.5, tiling=t.tiling, block=t.block,
+                                                           dense_steps=0))["transformer"]
+    t.run(tr, inputs)
+    assert set(attended) == {torch.bfloat16} and session._probe_args[2] == torch.bfloat16
+    assert session.stats()["sparse_calls"] > 0

@@ -44,6 +44,19 @@ def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return dtype
 
 
+def _projection_dtype(session: "SparseSession", dtype: torch.dtype) -> torch.dtype:
+    """The dtype q, k, v come out of the served layers' projections in for a forward whose hidden states are `dtype`:
+    their Linear weights' where those are floats of 16 bits or more (MiniMax-H3 keeps its input projection in fp32
+    and takes fp32 rows into bf16 blocks), else `dtype` (8-bit storage of layerwise casting computes in the
+    hidden states' dtype; quantized weights are no float)."""
+    attn = next((m for ref in session.served[:1] if (m := ref()) is not None), None)
+    linear = next((m for m in attn.modules() if isinstance(m, torch.nn.Linear)), None) if attn is not None else None
+    weight = getattr(linear, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dtype.is_floating_point and weight.dtype.itemsize >= 2:
+        return weight.dtype
+    return dtype
+
+
 class LayerStats:
     """Counters of one self-attention layer, accumulated over calls.
 
@@ -746,7 +759,7 @@ class SparseContextHook(ModelHook):
             device, dtype = hidden.device, hidden.dtype
         else:                                       # no hidden_states (Cosmos 3 embeds token ids): the model's own
             device, dtype = module.device, module.dtype
-        dtype = attention_dtype(dtype, torch.device(device))    # the kernel is probed for what attention sees
+        dtype = attention_dtype(_projection_dtype(session, dtype), torch.device(device))  # what attention sees
         # the layouts' index tensors are cached for later calls: made as normal tensors even under inference_mode
         # (an inference tensor saved for backward breaks a later forward that records autograd)
         with torch.inference_mode(False):
