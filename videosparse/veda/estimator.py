@@ -279,7 +279,8 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
             raise ValueError(f"{model_id!r} holds no config.json; a VedaEstimator directory is what save_pretrained "
                              "or `videosparse distill` writes.")
         try:
-            model = cls(**model_kwargs)
+            with torch.device("meta"):      # no random init to throw away (and the global RNG left as it was)
+                model = cls(**model_kwargs)
         except (TypeError, ValueError) as e:
             raise ValueError(f"the config.json of estimator {model_id!r} does not describe a VedaEstimator ({e}); "
                              "expected what save_pretrained or `videosparse distill` writes.") from None
@@ -293,7 +294,10 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
                                          cache_dir=cache_dir, force_download=force_download, token=token,
                                          local_files_only=local_files_only)
         try:
-            safetensors.torch.load_model(model, model_file, strict=True, device=map_location)
+            params = dict(model.named_parameters())
+            state = {name: t.to(params[name].dtype) if name in params and t.is_floating_point() else t
+                     for name, t in safetensors.torch.load_file(model_file, device=map_location).items()}
+            model.load_state_dict(state, strict=True, assign=True)
         except (safetensors.SafetensorError, RuntimeError, OSError) as e:
             raise ValueError(f"the weights {model_file!r} of estimator {model_id!r} cannot be loaded into the "
                              f"estimator its config.json describes ({' '.join(str(e).split())[:300]}).") from None
@@ -303,7 +307,7 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
                              f"{', '.join(bad)} (a diverged distillation); distill it again.")
         model.source = model_id
         model.eval()
-        return model.to(map_location)      # load_model copied the values into the parameters the constructor made
+        return model.to(map_location)
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
