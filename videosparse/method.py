@@ -51,6 +51,10 @@ class SparseMethod:
         """Called eagerly (outside compiled graphs) before the first forward on `device` and when the
         grid or device changes: move weights, fill `layer_states`. The base method does nothing."""
 
+    def release(self) -> None:
+        """Free the device memory `prepare` took (the session is removed); a later call may `prepare` again. The base
+        method holds none."""
+
     def on_layout(self, layer: int, layout: HeadTiling) -> None:
         """Called eagerly for every layer's new tile layout (a new grid); e.g. to warn about it. Does nothing here."""
 

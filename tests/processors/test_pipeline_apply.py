@@ -37,6 +37,29 @@ def test_pipeline_apply_remove_bit_identical_and_steps_seen():
     assert np.array_equal(_run(pipe), ref)
 
 
+def test_remove_frees_what_the_session_kept_for_its_calls(tmp_path):
+    """Review find: the session `remove` returns (kept for its stats) held every layer's layout index tensors and
+    Veda's fp32 estimator copy (600 MB at Wan 14B) where the last forward ran. `remove` frees the layouts and takes
+    the estimator's layer weights out and the copy to the CPU; the stats stay."""
+    from videosparse.veda import VedaEstimator
+
+    pipe = build_tiny_wan_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    VedaEstimator("WanTransformer3DModel", 2, 2, 64, block=64, tile_shapes=(1, 4, 16)).save_pretrained(tmp_path)
+    session = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, block=64, dense_steps=0,
+                                                             estimator=str(tmp_path)))["transformer"]
+    _run(pipe)
+    assert session._layout_cache and all(slot.layouts for slot in session.slots)
+    # layers of the same tile shapes share one layout (its index tensors: [heads, tokens] for per-head shapes)
+    assert len({id(layout) for slot in session.slots for layout in slot.layouts.values()}) == 1
+    assert all("weights" in state for state in session.method.layer_states.values())
+    stats = session.stats()
+    videosparse.remove(pipe)
+    assert not session._layout_cache and not any(slot.layouts for slot in session.slots)
+    assert not any("weights" in state for state in session.method.layer_states.values())
+    assert session.method.estimator.proj_q.device.type == "cpu" and session.stats() == stats
+
+
 def test_step_index_from_scheduler_when_pipeline_gives_none():
     pipe = build_tiny_wan_pipeline()
     handle = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64, dense_steps=2))

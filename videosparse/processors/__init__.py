@@ -354,6 +354,7 @@ def _restore(transformer: torch.nn.Module) -> SparseSession | None:
         restored[name] = original
     _set_attention_processors(transformer, restored)
     _detach(transformer)
+    session.release()
     return session
 
 

@@ -293,6 +293,17 @@ class SparseSession:
         new.__dict__ = copy.deepcopy(self.__dict__, memo)
         return new
 
+    def release(self) -> None:
+        """Free what this session keeps on the device for its calls (every layer's layouts, the method's weights
+        there: Veda's estimator copy, 600 MB at Wan 14B, goes to the CPU); `remove` calls it. The counters stay
+        (`stats()`); a block recomputed later in a backward still pending finds what it needs again."""
+        self._layout_cache.clear()
+        self._layout_cache_for = self._prepared_for = None
+        for slot in self.slots:
+            slot.layouts = {}
+        if self.method is not None:
+            self.method.release()
+
     @property
     def made_by_apply(self) -> bool:
         """Whether `videosparse.apply(pipe, ...)` made this session (it then counts steps on that pipeline's
@@ -347,7 +358,8 @@ class SparseSession:
                 cache.clear()
                 self._layout_cache_for = (grid, str(device), self.context.text_slot)
             for length in lengths:
-                layouts = cache.pop(length, None) or [self._build_layout(layer, grid, length, device)
+                shared: dict[tuple, HeadTiling] = {}     # layers of the same tile shapes share one layout
+                layouts = cache.pop(length, None) or [self._build_layout(layer, grid, length, device, shared)
                                                       for layer in range(info.num_layers)]
                 cache[length] = layouts                  # most recently used last
             while len(cache) > max(self.layout_cache_lengths, len(lengths)):
@@ -367,12 +379,19 @@ class SparseSession:
             self.kernel_problem = probe.problem
         self._prepared_for = key
 
-    def _build_layout(self, layer: int, grid: tuple[int, int, int], text_len: int, device) -> HeadTiling:
-        """The `HeadTiling` of `layer` for `grid` and `text_len` valid text tokens, its index tensors on `device`."""
+    def _build_layout(self, layer: int, grid: tuple[int, int, int], text_len: int, device,
+                      shared: dict[tuple, HeadTiling]) -> HeadTiling:
+        """The `HeadTiling` of `layer` for `grid` and `text_len` valid text tokens, its index tensors on `device`; the
+        one in `shared` (by the heads' tile shapes, added to it) where an earlier layer has the same shapes (their
+        [heads, tokens] index tensors: 48 MB a layer at Wan 14B 720P for per-head shapes)."""
         info, method = self.info, self.method
         layout = head_tiling(grid, method.tile_shapes(layer, info.num_heads), info.num_heads, method.block, text_len,
                              info.text_position or "after", self.context.text_slot)
-        layout.warm(device)
+        if layout.tiles in shared:
+            layout = shared[layout.tiles]
+        else:
+            shared[layout.tiles] = layout
+            layout.warm(device)
         method.on_layout(layer, layout)
         return layout
 

@@ -115,6 +115,14 @@ class VedaMethod(SparseMethod):
         for layer in range(self.estimator.num_layers):
             self.layer_state(layer)["weights"] = (self.estimator.proj_q[layer], self.estimator.proj_k[layer])
 
+    def release(self) -> None:
+        """The estimator copy to the CPU, and no layer state holding its device weights."""
+        if self.estimator is None:
+            return
+        for state in self.layer_states.values():
+            state.pop("weights", None)
+        self.estimator.to("cpu")
+
     def head_state(self, layer: int, state: dict, heads: slice, group=None) -> dict:
         """The layer's state with the estimator weights of heads `heads` only."""
         if self.estimator is None:
