@@ -40,6 +40,19 @@ def test_round_trip(cfg):
         (lambda: VedaConfig(tiling=(True, 4, 32)), r"tile shape \(True, 4, 32\)"),
         (lambda: SolConfig(tau=float("nan")), "tau=nan"),
         (lambda: SolConfig(tau=float("inf")), "tau=inf"),
+        # ints past the float range: the field's ValueError, not an OverflowError from float()
+        (lambda: SolConfig(tau=10**400), r"tau=10{400} must be a finite number"),
+        (lambda: SolConfig(tau=-10**400), r"tau=-10{400} must be a finite number"),
+        (lambda: SolConfig(density=10**400), r"density=10{400} must be a number in \(0, 1\]"),
+        (lambda: VedaConfig(density=10**400), r"density=10{400} must be a number in \(0, 1\]"),
+        # a band past int64 overflowed in the first sparse call (the tile index math)
+        (lambda: SolConfig(tau=1.0, band=10**20), r"band=10{20} must be an int in \[0, 9223372036854775807\]"),
+        (lambda: SolConfig(tau=1.0, band=2**63), r"band=9223372036854775808 must be an int in \[0, "),
+        # corrupted dicts: a TypeError or ValueError naming the value and what is allowed
+        (lambda: config_from_dict(None), r"config None must be a dict as to_dict\(\) writes it"),
+        (lambda: config_from_dict("veda"), r"config 'veda' must be a dict .*\(a str is not\)"),
+        (lambda: config_from_dict({"method": ["veda"]}), r"method=\['veda'\] is not known; choose one of"),
+        (lambda: config_from_dict({"method": "veda", 1: 2, "x": 3}), r"unknown fields \[1, 'x'\] for VedaConfig"),
     ],
 )
 def test_bad_values_name_the_value(make, match):
@@ -165,3 +178,13 @@ def test_path_like_tiling_equals_its_dict_round_trip():
 
     cfg = VedaConfig(tiling=Path("runs/tiling.json"))
     assert cfg.tiling == "runs/tiling.json" and config_from_dict(cfg.to_dict()) == cfg
+
+
+def test_a_band_past_the_tile_count_keeps_meaning_all_and_an_absurd_one_is_refused_in_a_method_spec():
+    """Review find: band=10**20 (or the spec sol@0.5:band=99999999999999999999) was accepted and overflowed at the
+    first sparse call; the int64 range stays allowed (any band >= the tile count forces every tile)."""
+    from videosparse.eval.spec import parse_method_spec
+
+    assert SolConfig(tau=1.0, band=2**63 - 1).band == 2**63 - 1 and SolConfig(density=0.2, band=10**6).band == 10**6
+    with pytest.raises(ValueError, match=r"band=99999999999999999999 must be an int in \[0, 9223372036854775807\]"):
+        parse_method_spec("sol@0.5:band=99999999999999999999")

@@ -15,6 +15,7 @@ import math
 import numbers
 import operator
 import os
+import sys
 from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any, ClassVar, Union
@@ -26,6 +27,9 @@ CONFIG_VERSION = 1
 # names `videosparse.kernels.dispatch` registers.
 BACKENDS = ("auto", "triton", "reference", "gluon_hopper", "hopper", "triton_generic")
 BLOCK_SIZES = (64, 128)
+# SolConfig.band's largest value: |i - j| <= band is computed on int64 tile indices (torch), where a larger int
+# overflows; a band at or past the number of video tiles already forces every tile
+MAX_BAND = 2**63 - 1
 
 TileShape = tuple[int, int, int]
 
@@ -94,7 +98,8 @@ def _dense_schedule(dense_steps: int | float, dense_layers: tuple[int, ...]) -> 
 
 
 def _check_density(name: str, density: float) -> None:
-    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < float(density) <= 1.0:
+    # (compared as it is: float() of an int past the float range raises OverflowError)
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
         raise ValueError(f"{name}={density!r} must be a number in (0, 1] (the fraction of key tiles computed exactly).")
 
 
@@ -367,8 +372,10 @@ class SolConfig(_BaseConfig):
             _check_density("density", self.density)
         if self.tau is not None and (isinstance(self.tau, bool) or not isinstance(self.tau, (int, float))):
             raise TypeError(f"tau={self.tau!r} must be a number (standard deviations above the mean score).")
-        if self.tau is not None and not math.isfinite(self.tau):
-            raise ValueError(f"tau={self.tau!r} must be a finite number (standard deviations above the mean score).")
+        if self.tau is not None and not (math.isfinite(self.tau) if isinstance(self.tau, float)
+                                         else abs(self.tau) <= sys.float_info.max):     # an int past the float range
+            raise ValueError(f"tau={self.tau!r} must be a finite number within the float range (standard deviations "
+                             "above the mean score).")
         _check_block(self.block)
         if self.tiling is None:
             object.__setattr__(self, "tiling", (4, 4, 4) if self.block == 64 else (4, 4, 8))
@@ -378,8 +385,9 @@ class SolConfig(_BaseConfig):
                              "(pt, ph, pw) with pt*ph*pw = block, not a tiling file; only veda reads a tiling JSON "
                              "from search-tiling.")
         object.__setattr__(self, "tiling", _check_tile(tiling, self.block))
-        if isinstance(self.band, bool) or not isinstance(self.band, int) or self.band < 0:
-            raise ValueError(f"band={self.band!r} must be an int >= 0.")
+        if isinstance(self.band, bool) or not isinstance(self.band, int) or not 0 <= self.band <= MAX_BAND:
+            raise ValueError(f"band={self.band!r} must be an int in [0, {MAX_BAND}] (the int64 range of the tile "
+                             "index math; any band >= the number of video tiles already keeps every tile).")
         object.__setattr__(self, "dense_layers", _dense_schedule(self.dense_steps, _layers(self.dense_layers)))
         _flag(self, "correction")
         _check_backend(self.backend)
@@ -394,10 +402,13 @@ def config_from_dict(data: dict[str, Any]) -> _BaseConfig:
     An estimator object comes back as the path or hub id it was loaded from (loaded again at `apply`); one
     that was built in memory was written as an `<in-memory ...>` marker and raises a `ValueError`.
     """
+    if not isinstance(data, Mapping):
+        raise TypeError(f"config {data!r} must be a dict as to_dict() writes it (a {type(data).__name__} is not), "
+                        f"e.g. {{'method': 'veda', 'density': 0.1}}.")
     data = dict(data)
     method = data.pop("method", None)
     version = data.pop("version", CONFIG_VERSION)
-    if method not in CONFIG_CLASSES:
+    if not isinstance(method, str) or method not in CONFIG_CLASSES:
         raise ValueError(f"method={method!r} is not known; choose one of {sorted(CONFIG_CLASSES)}.")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise ValueError(f"config version={version!r} must be an int >= 1 (this videosparse writes {CONFIG_VERSION}).")
@@ -405,7 +416,7 @@ def config_from_dict(data: dict[str, Any]) -> _BaseConfig:
         raise ValueError(f"config version {version} is newer than this videosparse understands ({CONFIG_VERSION}).")
     cls = CONFIG_CLASSES[method]
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    unknown = sorted(set(data) - names, key=str)      # (a key that is not a str is named, not compared)
     if unknown:
         raise ValueError(f"unknown fields {unknown} for {cls.__name__}; allowed: {sorted(names)}.")
     for key in ("tiling", "dense_layers", "estimator"):

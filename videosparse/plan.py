@@ -109,6 +109,9 @@ class Plan:
         if valid_keys is None:
             return self
         B = self.kv_count.shape[0]
+        if not isinstance(valid_keys, torch.Tensor):
+            raise TypeError(f"valid_keys={valid_keys!r} must be an int32 tensor [{B}] (one key count per batch item) "
+                            "or None.")
         if valid_keys.dtype != torch.int32 or tuple(valid_keys.shape) != (B,):
             raise ValueError(f"valid_keys must be int32 [{B}] (one key count per batch item); got "
                              f"{valid_keys.dtype} {tuple(valid_keys.shape)}.")

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -186,6 +188,23 @@ def test_valid_keys_equal_attention_over_each_items_key_prefix(S, block, correct
         finite = torch.isfinite(want_lse)
         assert torch.equal(torch.isfinite(lse[b:b + 1]), finite)
         assert float((lse[b:b + 1] - want_lse)[finite].abs().max()) < 1e-6
+
+
+def test_arguments_of_the_wrong_type_are_type_errors_naming_them():
+    """Review find: a numpy q, a plan of None or a dict, or an int for valid_keys ended in an AttributeError from deep
+    inside ('no attribute dim' / 'validate' / 'dtype'); each is a TypeError naming the argument and its type."""
+    q = torch.randn(1, 2, 100, 64)
+    plan = dense_plan(1, 2, 100)
+    for args, match in (((q.numpy(), q, q, plan), "q must be a torch.Tensor .* got ndarray"),
+                        ((q, q, [1.0], plan), "v must be a torch.Tensor .* got list"),
+                        ((q, q, q, None), r"plan must be a videosparse.plan.Plan .* got NoneType"),
+                        ((q, q, q, {"kv_index": plan.kv_index, "kv_count": plan.kv_count}), "got dict")):
+        for validate in (True, False):
+            with pytest.raises(TypeError, match=match):
+                block_sparse_attention(*args, validate=validate)
+    for bad in (200, [100]):
+        with pytest.raises(TypeError, match=re.escape(f"valid_keys={bad!r} must be an int32 tensor [1]")):
+            plan.with_valid_keys(bad)
 
 
 def test_valid_keys_are_checked():

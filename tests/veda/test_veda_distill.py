@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -532,6 +533,58 @@ def test_dtype_takes_generates_spelling_and_a_split_that_holds_out_nothing_warns
     with caplog.at_level(logging.WARNING):
         train, val = split_by_prompt([Path("p00000_s0000_cond.safetensors")], 0.5, seed=0)
     assert len(train) == 1 and not val and "holds out no prompt of 1" in caplog.text
+
+
+def test_a_dtype_that_is_not_a_string_is_a_clear_error_of_distill_and_search_tiling(tmp_path, capsys):
+    """Review find: "dtype": {} or ["bf16"] in a --config JSON was `TypeError: unhashable type` with a traceback (the
+    CLI prints only ValueError / OSError); also an int past the float range for a float field (OverflowError)."""
+    from videosparse.cli import main
+    from videosparse.distill import TilingSearchConfig
+
+    for bad in ({}, ["bf16"]):
+        with pytest.raises(ValueError, match=re.escape(f"dtype={bad!r} must be one of 'float32'")):
+            make_cfg(tmp_path, dtype=bad)
+        with pytest.raises(ValueError, match=re.escape(f"dtype={bad!r} must be one of 'float32'")):
+            TilingSearchConfig(output=str(tmp_path / "t.json"), dtype=bad)
+    for command, bad in (("distill", {}), ("search-tiling", ["bf16"])):
+        config = tmp_path / f"{command}.json"
+        config.write_text(json.dumps({"dtype": bad}))
+        assert main([command, "--config", str(config)]) == 2
+        assert f"error: dtype={bad!r} must be one of 'float32'" in capsys.readouterr().err
+    for name in ("guidance_scale", "learning_rate", "weight_decay", "init_std"):
+        with pytest.raises(ValueError, match=f"{name}=10{{400}} must be a finite number"):
+            make_cfg(tmp_path, **{name: 10**400})
+
+
+def test_a_damaged_model_info_in_the_cache_is_captured_afresh(tmp_path, cache, caplog):
+    """Review find: a cache/model_info.json holding {} or [] ended in a KeyError / TypeError traceback, and one that
+    is no JSON in a JSON error that named no file. Like a damaged done-marker, it makes nothing of the cache reusable:
+    every prompt is captured afresh, with a warning naming the file; the description itself refuses what a capture
+    does not write, naming the file and the way out."""
+    import logging
+
+    from videosparse.distill.capture import capture_to_cache, model_info
+
+    for bad in ({}, [], {"model_class": "WanTransformer3DModel", "num_layers": "2", "num_heads": 2, "head_dim": 16,
+                         "patch_size": [1, 2, 2]}):
+        with pytest.raises(ValueError, match=r"model_info.json holds .* delete the output folder's cache/ folder"):
+            model_info(bad)
+    good = json.loads((cache / "model_info.json").read_text())
+    assert model_info(good).num_layers == 2
+    cfg = make_cfg(tmp_path / "unused", prompts=PROMPTS[:1])
+    for i, damage in enumerate(("{}", "[]", "x")):
+        out = with_cache(tmp_path / f"run{i}", cache)
+        info_path = out / "cache" / "model_info.json"
+        info_path.write_text(damage)
+        before = {p.name: p.stat().st_mtime_ns for p in (out / "cache").glob("p00000_s*.safetensors")}
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            files, info = capture_to_cache(cfg.capture_config(), out / "cache", lambda layer, heads: cfg.tiling,
+                                           block=cfg.block)
+        assert "model_info.json does not hold the transformer description" in caplog.text
+        assert info.num_layers == 2 and json.loads(info_path.read_text()) == good
+        after = {p.name: p.stat().st_mtime_ns for p in (out / "cache").glob("p00000_s*.safetensors")}
+        assert after.keys() == before.keys() and all(after[n] != before[n] for n in before)     # captured afresh
 
 
 def test_a_cache_of_another_model_is_recaptured_not_checked_against_the_tiling(tmp_path, cache):

@@ -246,19 +246,23 @@ def capture_to_cache(cfg: CaptureConfig, cache_dir: str | os.PathLike, tiles_for
     if accelerator is not None:
         accelerator.wait_for_everyone()             # every process sees the same done-markers
     info_path = cache / MODEL_INFO_FILE
-    known = json.loads(info_path.read_text()) if info_path.exists() else None
+    try:
+        known = model_info(json.loads(info_path.read_text())) if info_path.exists() else None
+    except ValueError:                  # damaged (as a damaged done-marker): nothing of that cache is reused
+        logger.warning("%s does not hold the transformer description a capture writes: every prompt is captured "
+                       "afresh", info_path)
+        known = None
 
     def reusable(i: int) -> bool:
         try:
-            key = capture_key(cfg, prompts[i], block, tiles_for_layer, known["num_layers"], known["num_heads"],
-                              heat_dtype)
+            key = capture_key(cfg, prompts[i], block, tiles_for_layer, known.num_layers, known.num_heads, heat_dtype)
         except ValueError:              # tile shapes that do not fit the cached model: that cache is not this run's
             return False
         return _marker_matches(cache, i, key)
 
     todo = [i for i in range(len(prompts)) if known is None or not reusable(i)]
     if len(todo) < len(prompts) and check_model is not None:     # samples of the cached model are reused
-        check_model(model_info(known))
+        check_model(known)
     mine = todo
     if accelerator is not None and accelerator.num_processes > 1:
         with accelerator.split_between_processes(todo) as part:
@@ -325,7 +329,17 @@ def capture_to_cache(cfg: CaptureConfig, cache_dir: str | os.PathLike, tiles_for
 
 
 def model_info(d: dict[str, Any]) -> ModelInfo:
-    """The `ModelInfo` a cache's model_info.json holds."""
+    """The `ModelInfo` a cache's model_info.json holds (a ValueError naming the file when it holds anything else)."""
+    def count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+    if not (isinstance(d, dict) and isinstance(d.get("model_class"), str)
+            and all(count(d.get(k)) for k in ("num_layers", "num_heads", "head_dim"))
+            and isinstance(d.get("patch_size"), list) and all(count(v) for v in d["patch_size"])
+            and isinstance(d.get("text_position"), (str, type(None)))):
+        raise ValueError(f"the capture cache's {MODEL_INFO_FILE} holds {d!r}, not the transformer description a "
+                         "capture writes (model_class, num_layers, num_heads, head_dim, patch_size, text_position); "
+                         "delete the output folder's cache/ folder to capture afresh.")
     return ModelInfo(d["model_class"], d["num_layers"], d["num_heads"], d["head_dim"], tuple(d["patch_size"]),
                      d.get("text_position"))
 

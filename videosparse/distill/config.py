@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
@@ -70,7 +71,9 @@ def _finite(name: str, value: Any, minimum: float, *, strict: bool = False, opti
     """ValueError unless value is a finite real >= minimum (> minimum when strict; None allowed when optional)."""
     if optional and value is None:
         return
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    # (an int past the float range is refused here: math.isfinite would raise OverflowError on it)
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+          and (math.isfinite(value) if isinstance(value, float) else abs(value) <= sys.float_info.max)
           and (value > minimum if strict else value >= minimum))
     if not ok:
         raise ValueError(f"{name}={value!r} must be a finite number {'>' if strict else '>='} {minimum:g}"
@@ -270,7 +273,8 @@ class CaptureConfig(_JsonConfig):
             raise ValueError(f"seed={self.seed} must lie in [0, 2**32 - 1] (accelerate's set_seed takes no more; "
                              "prompt i is generated with seed + i).")
         check_device(self.device)
-        dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)      # generate's spelling (bf16, fp16, fp32) too
+        # generate's spelling (bf16, fp16, fp32) too; a dict or list from a --config JSON is not looked up (unhashable)
+        dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
         if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r} must be one of 'float32', 'bfloat16', 'float16' (or 'fp32', "
                              "'bf16', 'fp16') or None.")

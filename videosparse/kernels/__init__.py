@@ -71,6 +71,9 @@ def block_sparse_attention(
         >>> out = block_sparse_attention(q, k, v, dense_plan(1, 2, 300))
     """
     check_inputs(q, k, v)
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a videosparse.plan.Plan (e.g. from dense_plan, plan_from_mask or topk_plan); "
+                        f"got {type(plan).__name__}.")
     if validate and not torch.compiler.is_compiling():
         plan.validate(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _softmax_scale(scale)

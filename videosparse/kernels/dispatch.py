@@ -177,6 +177,8 @@ def _padded_backend(q, k, v, plan: Plan, backend: str) -> PaddedHeadDim | None:
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Shape/dtype/device checks shared by every backend."""
     for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (B, H, S, D); got {type(t).__name__}.")
         if t.dim() != 4:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected (B, H, S, D).")
     if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
