@@ -116,6 +116,7 @@ def size_stub(model: str | None):
     stub = type(type(pipe).__name__, (), {})()          # named as the pipeline, for the messages
     stub.vae_scale_factor_spatial = getattr(pipe, "vae_scale_factor_spatial", None)
     stub.video_processor = getattr(pipe, "video_processor", None)
+    stub.vae_scale_factor_temporal = getattr(pipe, "vae_scale_factor_temporal", None)
     stub.transformer = types.SimpleNamespace(config=types.SimpleNamespace(**config))
     return stub
 
@@ -200,3 +201,30 @@ def check_size(pipe, call: dict) -> None:
         if value is not None and value % multiple:
             raise ValueError(f"--{name}={value} must be a multiple of {multiple} for {type(pipe).__name__} "
                              f"(VAE factor {vae} x patch); e.g. {max(multiple, value // multiple * multiple)}.")
+    _check_rope_table(pipe, call, vae, patch)
+
+
+def _check_rope_table(pipe, call: dict, vae: int, patch) -> None:
+    """ValueError for a video longer, taller or wider in patches than the transformer's RoPE tables
+    (`rope_max_seq_len`, Wan's family: diffusers' RoPE then fails with a view error deep in the forward)."""
+    config = pipe.transformer.config
+    limit = getattr(config, "rope_max_seq_len", None)
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return
+    pt, ph, pw = patch if isinstance(patch, (tuple, list)) and len(patch) == 3 else (1, int(patch), int(patch))
+    temporal = getattr(pipe, "vae_scale_factor_temporal", None)
+    frames = call.get("num_frames")
+    sizes = {"height": (call.get("height"), vae * ph), "width": (call.get("width"), vae * pw)}
+    if isinstance(temporal, int) and isinstance(frames, int):
+        sizes["frames"] = (frames, None)
+    for name, (value, factor) in sizes.items():
+        if value is None:
+            continue
+        if name == "frames":
+            patches, largest = ((value - 1) // temporal + 1) // pt, (limit * pt - 1) * temporal + 1
+        else:
+            patches, largest = value // factor, limit * factor
+        if patches > limit:
+            model = getattr(config, "_class_name", None) or type(pipe.transformer).__name__
+            raise ValueError(f"--{name}={value} gives {patches} patches along it, past the {limit} that {model}'s "
+                             f"RoPE tables hold (rope_max_seq_len); give at most {largest}.")
