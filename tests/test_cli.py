@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -712,3 +713,149 @@ def test_one_estimator_per_expert_from_the_command_line(tmp_path, capsys, monkey
                             ([old, low], "records no component")):
         assert main(["generate", "--estimator", *estimators]) == 2
         assert msg in capsys.readouterr().err
+
+
+class _Loaded(Exception):
+    """Raised by a stand-in `load_pipeline`: the arguments passed every check before the load."""
+
+
+def _no_load(monkeypatch) -> None:
+    from videosparse.models import loading
+
+    def load(*args, **kwargs):
+        raise _Loaded
+
+    monkeypatch.setattr(loading, "load_pipeline", load)
+
+
+def test_output_paths_that_cannot_be_written_are_named_before_the_load(tmp_path, capsys, monkeypatch):
+    """Review 51 (d07, d08, d10): an --out / --json / --output-dir in a folder where no file can be made (/proc) or
+    under a file was found after the whole run, with the errno text of a hidden temp file; an empty evaluate --out
+    wrote the report into the working directory, an empty --json was dropped."""
+    _no_load(monkeypatch)
+    import videosparse.distill
+
+    monkeypatch.setattr(videosparse.distill, "run_distillation", lambda cfg: pytest.fail("distilled"))
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    (tmp_path / "ev").mkdir()
+    (tmp_path / "ev" / "frames").write_text("x")
+    cases = [(["generate", "--out", str(afile / "x.mp4")], f"{str(afile)!r} is a file, not a folder"),
+             (["generate", "--json", str(afile / "sub" / "s.json")], f"{str(afile)!r} is a file, not a folder"),
+             (["generate", "--json", ""], "--json is empty; give a file path"),
+             (["evaluate", "--out", ""], "--out is empty; give a directory path"),
+             (["evaluate", "--out", str(afile / "sub")], f"{str(afile)!r} is a file, not a folder"),
+             (["evaluate", "--out", str(tmp_path / "ev")], "holds a file frames, where the run makes its frames "),
+             (["evaluate", "--synthetic", "wan-1.3b", "--out", str(afile / "sub")], "is a file, not a folder"),
+             (["distill", "--model", "tiny", "--output-dir", str(afile / "est")], "is a file, not a folder")]
+    if os.path.isdir("/proc/self"):                 # a folder where no file can be made, even by root
+        cases += [(["generate", "--json", "/proc/s.json"], "--json '/proc/s.json' cannot be written: no file can be "
+                                                           "made in '/proc'"),
+                  (["generate", "--out", "/proc/x.mp4"], "--out '/proc/x.mp4' cannot be written"),
+                  (["evaluate", "--out", "/proc/ev"], "--out '/proc/ev' cannot be written"),
+                  (["distill", "--model", "tiny", "--output-dir", "/proc/est"], "--output-dir '/proc/est' cannot be "
+                                                                               "written")]
+    monkeypatch.chdir(tmp_path)
+    for argv, msg in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert msg in err and "Errno" not in err, (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "ev"]          # nothing written anywhere
+
+
+def test_a_report_path_that_is_a_folder_is_refused_before_the_load(tmp_path, capsys, monkeypatch):
+    """Review 51 (d09): a folder named report.json in --out was found after every cell ran, leaving
+    report.json.tmp behind."""
+    _no_load(monkeypatch)
+    for name in ("report.json", "report.md"):
+        out = tmp_path / name.split(".")[1]
+        (out / name).mkdir(parents=True)
+        for mode in ([], ["--synthetic", "wan-1.3b"]):
+            assert main(["evaluate", *mode, "--out", str(out)]) == 2
+            assert f"holds a folder {name}, where the run writes its {name} file" in capsys.readouterr().err
+        assert [p.name for p in out.iterdir()] == [name]
+
+
+def test_fps_has_an_upper_bound_checked_before_the_load(capsys, monkeypatch):
+    """Review 51 (d17): --fps 1e20 ran the whole generation, then ffmpeg refused the rate."""
+    _no_load(monkeypatch)
+    assert main(["generate", "--fps", str(10 ** 20)]) == 2
+    assert f"--fps={10 ** 20} must be an integer from 1 to 1000" in capsys.readouterr().err
+    assert main(["evaluate", "--fps", "1001", "--out", "unused"]) == 2
+    assert "--fps=1001 must be at most 1000" in capsys.readouterr().err
+    with pytest.raises(_Loaded):                    # the bound itself is taken
+        main(["generate", "--fps", "1000"])
+
+
+def test_evaluate_refuses_flags_it_would_ignore(tmp_path, capsys, monkeypatch):
+    """Review 51 (d18): --backend with only dense specs (or specs naming their own backend), and --attn-steps /
+    --attn-layers with --attn-cells 0, were taken and ignored."""
+    _no_load(monkeypatch)
+    out = str(tmp_path / "ev")
+    for argv, msg in ((["--methods", "dense", "--backend", "triton"], "--backend triton is for veda and sol specs"),
+                      (["--methods", "veda@0.5:backend=reference", "--backend", "triton"], "it would be ignored"),
+                      (["--synthetic", "wan-1.3b", "--methods", "dense", "--backend", "reference"], "--backend"),
+                      (["--attn-cells", "0", "--attn-steps", "0"], "--attn-steps choose what the attention-level"),
+                      (["--attn-cells", "0", "--attn-steps", "0", "--attn-layers", "1"],
+                       "--attn-steps and --attn-layers")):
+        assert main(["evaluate", *argv, "--out", out]) == 2, argv
+        assert msg in capsys.readouterr().err, argv
+    for argv in (["--methods", "dense", "veda@0.5", "--backend", "reference"], ["--attn-steps", "0"]):
+        with pytest.raises(_Loaded):
+            main(["evaluate", *argv, "--out", out])
+    assert not os.path.exists(out)
+
+
+def test_a_spec_the_model_refuses_is_named_before_the_dense_cell(tmp_path, capsys):
+    """Review 51 (d02): a dense layer the model lacks, or an estimator distilled at block 64 used at the default 128,
+    failed after the dense cell was written (ev/ half made), the estimator's message naming generate's --block."""
+    from videosparse.veda import VedaEstimator
+
+    VedaEstimator("WanTransformer3DModel", 2, 2, 64, block=64, tile_shapes=(1, 4, 16)).save_pretrained(tmp_path / "e")
+    base = ["evaluate", "--model", "tiny", "--steps", "1", "--frames", "5", "--height", "32", "--width", "32",
+            "--num-prompts", "1", "--attn-cells", "0", "--no-progress"]
+    out = tmp_path / "ev"
+    for spec, msg in (("veda:dense_layers=99", "names layers [99], but this WanTransformer3DModel has 2"),
+                      (f"veda:estimator={tmp_path / 'e'}", "(pass VedaConfig(block=64), or the spec's :block=64)")):
+        assert main([*base, "--methods", spec, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"method spec {spec!r}: " in err and msg in err and "--block" not in err, err
+        assert not out.exists()
+
+
+def test_a_fifo_output_is_written_into_not_replaced(tmp_path, capsys):
+    """Review 51 (d06): the atomic write (temp file + rename) put a regular file in place of a FIFO given as --json
+    (and, as root, of /dev/null). The FIFO is opened for reading first, so the write does not wait for a reader."""
+    import stat
+
+    fifo = tmp_path / "s.json"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        assert main(["generate", "--model", "tiny", "--steps", "1", "--frames", "5", "--height", "32", "--width", "32",
+                     "--out", str(tmp_path / "v.mp4"), "--json", str(fifo)]) == 0
+        summary = json.loads(os.read(reader, 1 << 16))
+    finally:
+        os.close(reader)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and summary["seed"] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json", "v.mp4"]
+
+
+def test_bench_readme_names_the_file_for_any_json_that_is_no_benchmark(tmp_path):
+    """Review 51 (d05): an A/B JSON of benchmarks/ (rows without 'impl') or {"rows": [1]} gave a KeyError / TypeError
+    traceback, a file that is no JSON an error naming neither --readme nor the file."""
+    row = dict(shape="s", plan="random", target_density=0.5, density=0.5, impl="ours", ms=1.0, tflops=9.0)
+    ab = json.dumps({"rows": [{"shape": "s", "tflops": 1.0}]})
+    for name, text, msg in (("ab.json", ab, r"rows\[0\] lacks \['impl'\]"),
+                            ("ints.json", '{"rows": [1]}', r"rows\[0\] is a JSON int"),
+                            ("damaged.json", json.dumps({"rows": [dict(row, ms=None)]}), "a row cannot be read"),
+                            ("broken.json", "{", "cannot be read as JSON"),
+                            ("missing.json", None, "cannot be read as JSON")):
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        with pytest.raises(SystemExit, match=f"--readme {path}: .*{msg}"):
+            main(["bench", "--readme", str(path)])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--readme", ""])
+    assert exit_info.value.code == 2

@@ -99,6 +99,40 @@ def check_model(model: str | None) -> None:
                          "pipeline directory, a hub id like Wan-AI/Wan2.1-T2V-1.3B-Diffusers, 'reference' or 'tiny'.")
 
 
+def check_output(flag: str, path: str, *, folder: bool = False) -> None:
+    """ValueError naming `flag`, before any work, when the output `path` (a file; with `folder`, a directory made
+    with its parents when missing) cannot be written: an empty path, a directory given for a file or a file for a
+    folder, a file's folder missing, a part of the path that is a file, or a folder in which no file can be made
+    (read-only, not ours, /proc). An existing file that is no regular file (a FIFO, /dev/null) is written in place:
+    it only has to be writable."""
+    what = "directory" if folder else "file"
+    if not path:
+        raise ValueError(f"{flag} is empty; give a {what} path.")
+    if folder and os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a file; give a directory (made when missing).")
+    if not folder and os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a directory; give a file path.")
+    if not folder and os.path.exists(path) and not os.path.isfile(path):        # a FIFO, a device
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{flag} {path!r} cannot be written (no write permission).")
+        return
+    home = existing = path if folder else os.path.dirname(path) or "."
+    while not os.path.exists(existing):                 # the nearest part of the path that is there, as spelt
+        existing = os.path.dirname(existing) or "."
+    if not os.path.isdir(existing):
+        raise ValueError(f"{flag} {path!r} cannot be written: {existing!r} is a file, not a folder.")
+    if not folder and existing != home:
+        raise ValueError(f"{flag} {path!r}: the folder {home!r} does not exist.")
+    import tempfile
+
+    try:                                        # os.access says yes to root, also for /proc: make a file to know
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise ValueError(f"{flag} {path!r} cannot be written: no file can be made in {existing!r} "
+                         f"({err.strerror or err}).") from None
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="hub id or local directory; 'reference' (the default: the shipped model, offline) or 'tiny'")
@@ -149,7 +183,7 @@ def slower_than_dense_note(speedup: float) -> str | None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from .eval.generate import check_call_flags, check_video_writer, generate, warm_up, write_video
+    from .eval.generate import MAX_FPS, check_call_flags, check_video_writer, generate, warm_up, write_video
     from .eval.spec import check_config_files
     from .models.loading import check_size, load_pipeline, size_stub
 
@@ -166,13 +200,11 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.json is not None and Path(args.json).resolve() == Path(args.out).resolve():
         raise ValueError(f"--json {args.json!r} is the --out video's path; give the summary its own file.")
     for flag, path in (("--out", args.out), ("--json", args.json)):
-        if path is not None and not Path(path).resolve().parent.is_dir():
-            raise ValueError(f"{flag} {path!r}: the folder {str(Path(path).parent)!r} does not exist.")
-        if path is not None and Path(path).is_dir():
-            raise ValueError(f"{flag} {path!r} is a directory; give a file path.")
+        if path is not None:
+            check_output(flag, path)
     check_seed("--seed", args.seed)
-    if args.fps < 1:
-        raise ValueError(f"--fps={args.fps} must be a positive integer (frames per second of the video).")
+    if not 1 <= args.fps <= MAX_FPS:
+        raise ValueError(f"--fps={args.fps} must be an integer from 1 to {MAX_FPS} (frames per second of the video).")
     if args.guidance_scale is not None and not math.isfinite(args.guidance_scale):
         raise ValueError(f"--guidance-scale={args.guidance_scale} must be a finite number.")
     check_device(args.device)
@@ -264,17 +296,13 @@ def _run_generate(args: argparse.Namespace) -> int:
     else:
         print(f"video written to {path}")
     if args.json:
-        from .eval.report import to_jsonable
+        from .eval.report import to_jsonable, write_atomic
 
-        folder, name = os.path.split(args.json)
-        tmp = os.path.join(folder, f".{name}.tmp")                # then renamed: an old summary stays whole
+        text = json.dumps(to_jsonable(summary), indent=2, default=str)       # inf PSNR as "inf": strict JSON
         try:
-            with open(tmp, "w") as f:
-                json.dump(to_jsonable(summary), f, indent=2, default=str)    # inf PSNR as "inf": strict JSON
-            os.replace(tmp, args.json)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+            write_atomic(args.json, text)
+        except OSError as err:
+            raise OSError(f"--json {err}") from None
     if video_error is not None:
         raise OSError(f"the video {args.out!r} could not be written: {video_error}"
                       + (f" (the summary is in {args.json!r})" if args.json else ""))
@@ -348,6 +376,7 @@ def _run_distill(args: argparse.Namespace) -> int:
 
     cfg = config_from_namespace(args, DistillConfig)
     check_model(cfg.model)
+    check_output("--output-dir", cfg.output_dir, folder=True)
     result = run_distillation(cfg)
     if result.metrics:
         t, u = result.metrics["trained"], result.metrics["untrained_mean_pool"]

@@ -372,3 +372,64 @@ def test_an_estimator_folder_is_known_by_the_files_it_loads(tmp_path):
     assert cell_id(spec, "p", 0) == first
     (est / "model.safetensors").write_bytes(b"weights 2!")
     assert cell_id(spec, "p", 0) != first
+
+
+def _written_into_fifo(tmp_path, write) -> str:
+    """What `write(path)` wrote into a FIFO at `path` (opened for reading first, so the write does not wait for a
+    reader), after checking the FIFO is still one and no temporary file is left beside it."""
+    import stat
+
+    fifo = tmp_path / "out.json"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        write(str(fifo))
+        text = os.read(reader, 1 << 16).decode()
+    finally:
+        os.close(reader)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode), "the FIFO was replaced by a regular file"
+    assert os.listdir(tmp_path) == ["out.json"]
+    fifo.unlink()
+    return text
+
+
+def test_outputs_that_are_no_regular_file_are_written_into_not_replaced(tmp_path):
+    """Review 51 (d06): the atomic writes (temp file + rename) of the report, a tiling and the kernel benchmark's JSON
+    put a regular file in place of a FIFO or a device (as root, /dev/null)."""
+    from videosparse.eval.kernel_bench import write_json
+    from videosparse.eval.report import save_report
+    from videosparse.veda.tiling import Tiling
+
+    assert json.loads(_written_into_fifo(tmp_path, lambda p: save_report({"x": math.inf}, p))) == {"x": "inf"}
+    tiling = Tiling((((1, 8, 8), (1, 8, 8)),), block=64)
+    assert json.loads(_written_into_fifo(tmp_path, tiling.save))["layers"] == [[[1, 8, 8], [1, 8, 8]]]
+    assert json.loads(_written_into_fifo(tmp_path, lambda p: write_json(p, {"rows": []}))) == {"rows": []}
+    save_report({"x": 1}, str(tmp_path / "r.json"))              # a regular file: temp file + rename, as before
+    assert json.loads((tmp_path / "r.json").read_text()) == {"x": 1} and os.listdir(tmp_path) == ["r.json"]
+    (tmp_path / "link.json").symlink_to(tmp_path / "r.json")      # a symlink (/dev/stdout) stays one
+    save_report({"x": 2}, str(tmp_path / "link.json"))
+    assert (tmp_path / "link.json").is_symlink() and json.loads((tmp_path / "r.json").read_text()) == {"x": 2}
+    assert sorted(os.listdir(tmp_path)) == ["link.json", "r.json"]
+
+
+def test_a_report_that_cannot_be_written_leaves_no_temporary_file(tmp_path):
+    """Review 51 (d09): a report path that is a folder failed in the rename with report.json.tmp left behind and the
+    errno text of the temporary file."""
+    from videosparse.eval.report import save_report
+
+    (tmp_path / "report.json").mkdir()
+    with pytest.raises(OSError, match=f"{str(tmp_path / 'report.json')!r} could not be written: it is a directory"):
+        save_report({"x": 1}, str(tmp_path / "report.json"))
+    with pytest.raises(OSError, match="could not be written: No such file or directory"):
+        save_report({"x": 1}, str(tmp_path / "none" / "report.json"))
+    assert os.listdir(tmp_path) == ["report.json"] and not os.listdir(tmp_path / "report.json")
+
+
+def test_a_spec_the_pipeline_refuses_is_named_before_any_cell(loaded, tmp_path):
+    """Review 51 (d02): `dense_layers` past the model's layers failed at the method's first cell, after the dense
+    cell and its report were written."""
+    settings = EvalSettings(parse_method_specs(["dense", "veda@0.5:dense_layers=7"]), BUILTIN_PROMPTS[:1], [0],
+                            dict(CALL), attn_cells=0)
+    with pytest.raises(ValueError, match=r"method spec 'veda@0.5:dense_layers=7': dense_layers=\(7,\) names layers"):
+        run_evaluation(loaded, settings, str(tmp_path / "ev"), progress=False)
+    assert not (tmp_path / "ev").exists()

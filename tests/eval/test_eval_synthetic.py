@@ -499,3 +499,35 @@ def test_shrunken_wan_animate2_runs_sparse(monkeypatch):
     assert inputs["origin_len"] // 4 + 1 == 2 and inputs["origin_area"][0] * inputs["origin_area"][1] // 256 == 72
     row = _shrunken_sparse_row("wan-animate2", frames=9, height=144, width=128)
     assert 0.3 < row["realised_density"] < 0.8 and 0 < row["output_rel_l2_vs_dense"] < 0.5
+
+
+def test_synthetic_layers_above_the_models_are_refused(capsys):
+    """Review 51 (d15): --synthetic-layers 1000 for wan-1.3b's 30 layers planned 1000 blocks."""
+    assert synthetic_setup("wan-1.3b", layers=30).num_layers == 30
+    with pytest.raises(ValueError, match="layers=31 .* is more than the 30 layers of wan-1.3b; give 1 to 30"):
+        synthetic_setup("wan-1.3b", layers=31)
+    assert main(["evaluate", "--synthetic", "wan-1.3b", "--device", "cpu", "--synthetic-layers", "1000", "--frames",
+                 "1", "--height", "16", "--width", "16", "--out", "unused"]) == 2
+    assert "layers=1000 (--synthetic-layers) is more than the 30 layers" in capsys.readouterr().err
+
+
+def test_synthetic_specs_are_checked_before_the_dense_forward(tmp_path, capsys, monkeypatch):
+    """Review 51 (d01, d02): a spec's missing tiling file, or a dense layer the model lacks, was found after the dense
+    forward, leaving the report and the dense output behind (quality runs checked the files first)."""
+    import videosparse.eval.synthetic as synthetic
+
+    out = tmp_path / "syn"
+    spec = "veda:tiling=" + str(tmp_path / "nofile.json")
+    with monkeypatch.context() as m:
+        m.setattr(synthetic, "build_transformer", lambda *a, **k: pytest.fail("built before the refusal"))
+        assert main(["evaluate", "--no-progress", "--synthetic", "wan-1.3b", "--device", "cpu", "--synthetic-layers",
+                     "1", "--frames", "1", "--height", "16", "--width", "16", "--repeats", "1", "--warmup-forwards",
+                     "0", "--methods", spec, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"method spec {spec!r}" in err and "does not exist" in err, err
+    specs = parse_method_specs(["veda@0.5:dense_layers=1"])
+    with pytest.raises(ValueError, match=r"method spec 'veda@0.5:dense_layers=1': dense_layers=\(1,\) names layers "
+                                         r"\[1\], but this WanTransformer3DModel has 1"):
+        run_synthetic(["wan-1.3b"], specs, str(out), device="cpu", frames=1, height=16, width=16, layers=1, warmup=0,
+                      repeats=1, progress=False)
+    assert not out.exists()

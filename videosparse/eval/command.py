@@ -102,23 +102,55 @@ def _check_positive(args: argparse.Namespace, names: tuple[str, ...]) -> None:
             raise ValueError(f"--{name.replace('_', '-')}={value} must be a positive integer.")
 
 
+def _check_out(out: str, synthetic: bool) -> None:
+    """ValueError naming --out when the report cannot be written there (checked before anything runs): a folder that
+    cannot be made or written (`check_output`), a folder where the run writes a file or a file where it makes a
+    folder."""
+    from ..cli import check_output
+
+    check_output("--out", out, folder=True)
+    for name in ("report.json", "report.md"):
+        if os.path.isdir(os.path.join(out, name)):
+            raise ValueError(f"--out {out!r} holds a folder {name}, where the run writes its {name} file; move it "
+                             "away or give another --out.")
+    for name in ("plots",) if synthetic else ("frames", "plots", "videos"):
+        if os.path.exists(os.path.join(out, name)) and not os.path.isdir(os.path.join(out, name)):
+            raise ValueError(f"--out {out!r} holds a file {name}, where the run makes its {name} folder; move it "
+                             "away or give another --out.")
+
+
+def _method_specs(args: argparse.Namespace, default: list[str]) -> list:
+    """The --methods grid (`default` when not given) with --backend, refused before anything runs when a file a
+    spec names is missing or damaged, or --backend would be ignored (no veda or sol spec without its own backend)."""
+    texts = args.methods or default
+    specs = parse_method_specs(texts, backend=args.backend)
+    if args.backend is not None and not any(hasattr(s.config, "backend") and ":backend=" not in s.label
+                                            for s in specs):
+        raise ValueError(f"--backend {args.backend} is for veda and sol specs that name no backend; --methods "
+                         f"{' '.join(texts)} has none, so it would be ignored. Drop it.")
+    check_spec_files(specs)
+    return specs
+
+
 def run_evaluate(args: argparse.Namespace) -> int:
     """Run the evaluate subcommand from parsed arguments; prints a short table and where the report is."""
+    from .generate import MAX_FPS
+
     _check_positive(args, ("steps", "frames", "height", "width", "num_prompts", "repeats", "synthetic_layers", "fps"))
+    if args.fps > MAX_FPS:
+        raise ValueError(f"--fps={args.fps} must be at most {MAX_FPS} (frames per second of the videos).")
     if getattr(args, "warmup_forwards", None) is not None and args.warmup_forwards < 0:
         raise ValueError(f"--warmup-forwards={args.warmup_forwards} must be >= 0.")
     if args.guidance_scale is not None and not math.isfinite(args.guidance_scale):
         raise ValueError(f"--guidance-scale={args.guidance_scale} must be a finite number.")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise ValueError(f"--out {args.out!r} is a file; give a directory for the report (made when missing).")
     _check_mode_options(args)
+    _check_out(args.out, bool(args.synthetic))
     if args.synthetic:
         return _run_synthetic(args)
     from ..models.loading import load_pipeline
     from .evaluate import EvalSettings, load_prompts, run_evaluation
 
-    specs = parse_method_specs(args.methods or DEFAULT_METHODS, backend=args.backend)
-    check_spec_files(specs)
+    specs = _method_specs(args, DEFAULT_METHODS)
     from ..distill.config import check_seed
 
     for seed in args.seeds:
@@ -128,6 +160,10 @@ def run_evaluate(args: argparse.Namespace) -> int:
                          "once, so give each seed once.")
     if args.attn_cells is not None and args.attn_cells < 0:
         raise ValueError(f"--attn-cells={args.attn_cells} must be >= 0 (0: no attention-level pass).")
+    if args.attn_cells == 0 and (given := [f for f, v in (("--attn-steps", args.attn_steps),
+                                                          ("--attn-layers", args.attn_layers)) if v is not None]):
+        raise ValueError(f"{' and '.join(given)} choose what the attention-level pass samples; --attn-cells 0 skips "
+                         "that pass, so this run would ignore them. Drop them, or give --attn-cells 1 or more.")
     if args.prompt and args.prompts:
         raise ValueError(f"--prompt and --prompts {args.prompts} exclude each other: give the prompts one way.")
     if args.prompt:
@@ -207,7 +243,7 @@ def _print_notes(report: dict, out: str) -> int:
 def _run_synthetic(args: argparse.Namespace) -> int:
     from .synthetic import run_synthetic
 
-    specs = parse_method_specs(args.methods or default_synthetic_specs(), backend=args.backend)
+    specs = _method_specs(args, default_synthetic_specs())
     dtype = DTYPES.get(args.dtype) if getattr(args, "dtype", None) else None
     report = run_synthetic(args.synthetic, specs, args.out, device=args.device, dtype=dtype, frames=args.frames,
                            height=args.height, width=args.width, layers=args.synthetic_layers,

@@ -50,7 +50,7 @@ import torch
 
 from ..processors import sessions as active_sessions
 from .attention import AttentionProbe, sample_steps
-from .generate import generate, write_video
+from .generate import check_specs_apply, generate, write_video
 from .metrics import load_lpips, lpips_distance, psnr_per_frame, psnr_video, ssim_per_frame
 from .report import (REPORT_FORMAT, changed_keys, environment, load_report, render_markdown, save_report,
                      timing_environment)
@@ -366,6 +366,7 @@ class Evaluation:
                 f"{self.path} was made with other settings ({'; '.join(changed_keys(old.get('run_key'), key))}). "
                 "Use another output directory, or overwrite=True (--overwrite) to start afresh."
             )
+        check_specs_apply(self.pipe, settings.methods)       # a spec the model refuses: before the dense cell
         for sub in ("frames", "plots", "videos"):            # after the checks: a refused run leaves nothing behind
             os.makedirs(os.path.join(out_dir, sub), exist_ok=True)
         self.report: dict[str, Any] = old or {"format": REPORT_FORMAT, "mode": "quality", "cells": {}, "attention": {}}

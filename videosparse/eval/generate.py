@@ -70,6 +70,22 @@ def generate(pipe, config, call_kwargs: dict, seed: int = 0, device: str | None 
     return GenerationResult(frames, list(timer.times), wall, stats)
 
 
+def check_specs_apply(target, specs) -> None:
+    """Apply, then remove, each spec's config on `target` (a pipeline, or a transformer), so that a config the model
+    refuses (a dense layer it lacks, an estimator or a tiling file made for another model or block) is a ValueError
+    naming the spec before any cell runs, not after the dense one."""
+    import re
+
+    for spec in specs:
+        try:
+            apply(target, spec.config)
+        except ValueError as err:
+            # the estimator names generate's --block; a method spec gives the block as :block=N
+            raise ValueError(f"method spec {spec.label!r}: "
+                             + re.sub(r"--block (\d+)", r"the spec's :block=\1", str(err))) from None
+        remove(target)
+
+
 def call_takes(pipe, keyword: str) -> bool:
     """Whether the pipeline's `__call__` takes `keyword` (by name, or through **kwargs)."""
     import inspect
@@ -134,6 +150,11 @@ def check_video_writer() -> None:
     except (ImportError, AttributeError, RuntimeError) as err:
         raise OSError(f"no ffmpeg to write the video with ({type(err).__name__}: {err}); `pip install imageio-ffmpeg` "
                       "(a dependency of videosparse) ships one, or set IMAGEIO_FFMPEG_EXE to an ffmpeg binary.") from err
+
+
+# highest frame rate the command line takes for a video: ffmpeg takes more, but refuses a huge one (1e20) only when
+# the video is written, after the whole generation; a few hundred is plenty
+MAX_FPS = 1000
 
 
 def write_video(frames: np.ndarray, path: str, fps: int = 8) -> str:

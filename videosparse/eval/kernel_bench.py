@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 import traceback
@@ -555,15 +554,11 @@ def render_variants(results) -> str:
 
 
 def write_json(path, results) -> None:
-    """Write `results` to `path` atomically (a temporary file beside it, then a rename): a run stopped mid-write
-    leaves the JSON of the step before."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(json.dumps(results, indent=1))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Write `results` to `path` atomically (`videosparse.eval.report.write_atomic`: a temporary file beside it, then
+    a rename): a run stopped mid-write leaves the JSON of the step before."""
+    from .report import write_atomic
+
+    write_atomic(path, json.dumps(results, indent=1))
 
 
 # bf16 outputs of two correct kernels differ by ~4e-3 relative; a peer or variant past this computed something else
@@ -620,6 +615,9 @@ def check_args(args: argparse.Namespace, error) -> None:
         error(f"--rounds {args.rounds} must be >= 1")
     if not math.isfinite(args.deadline_s) or args.deadline_s <= 0:
         error(f"--deadline-s {args.deadline_s} must be a finite number of seconds > 0")
+    for flag, value in (("--out", args.out), ("--readme", args.readme)):
+        if value == "":
+            error(f"{flag} is empty; give a JSON file path")
 
 
 def parse_args(argv=None, default_out: str = "kernel_bench.json") -> argparse.Namespace:
@@ -637,12 +635,28 @@ def main(argv=None, default_out: str = "kernel_bench.json") -> int:
 
 def run(args: argparse.Namespace) -> int:
     """The benchmark (`parse_args`' options); exit code 1 when a correctness check failed or a step raised."""
-    if args.readme:
-        results = json.loads(Path(args.readme).read_text())
+    if args.readme is not None:
+        what = "not a kernel benchmark JSON (written by `videosparse bench` or scripts/bench_kernel.py)"
+        try:
+            results = json.loads(Path(args.readme).read_text())
+        except (OSError, ValueError) as err:        # missing, unreadable, not JSON
+            raise SystemExit(f"--readme {args.readme}: cannot be read as JSON: {err}") from None
         if not isinstance(results, dict) or not isinstance(results.get("rows"), list):
-            raise SystemExit(f"--readme {args.readme}: not a kernel benchmark JSON (no list of 'rows'; written by "
-                             "`videosparse bench` or scripts/bench_kernel.py).")
-        print(render_markdown(results) + "\n\n" + render_variants(results))
+            raise SystemExit(f"--readme {args.readme}: {what}: no list of 'rows'.")
+        # another JSON with a list of rows (the A/B files in benchmarks/): its rows lack the benchmark's fields
+        keys = {"impl", "shape"}
+        bad = next(((i, r) for i, r in enumerate(results["rows"]) if not isinstance(r, dict) or not keys <= set(r)),
+                   None)
+        if bad is not None:
+            i, row = bad
+            why = f"lacks {sorted(keys - set(row))}" if isinstance(row, dict) else f"is a JSON {type(row).__name__}"
+            raise SystemExit(f"--readme {args.readme}: {what}: rows[{i}] {why}, where a benchmark row is an object "
+                             "with 'impl', 'shape', 'plan', 'ms', ...")
+        try:
+            print(render_markdown(results) + "\n\n" + render_variants(results))
+        except (KeyError, TypeError, ValueError, AttributeError) as err:      # a damaged row
+            raise SystemExit(f"--readme {args.readme}: {what}: a row cannot be read ({type(err).__name__}: "
+                             f"{err}).") from None
         return 0
     import torch
 

@@ -50,12 +50,34 @@ def from_jsonable(obj: Any) -> Any:
     return obj
 
 
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` atomically: into a hidden temporary file beside it, then renamed over it, so that a write
+    stopped half-way leaves the old file whole; the temporary file goes when anything fails, and an OSError names
+    `path`. A `path` that exists and is no regular file (a FIFO, a character device like /dev/null) is written
+    directly: a rename would put a regular file in its place; nor is a symlink replaced (/dev/stdout): its target is
+    written."""
+    shown = os.fspath(path)
+    path = os.path.realpath(shown)
+    special = os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path)
+    folder, name = os.path.split(path)
+    tmp = path if special else os.path.join(folder, f".{name}.tmp")
+    try:
+        if os.path.isdir(path):
+            raise IsADirectoryError("it is a directory")
+        with open(tmp, "w") as f:
+            f.write(text)
+        if not special:
+            os.replace(tmp, path)
+    except OSError as err:
+        raise OSError(f"{shown!r} could not be written: {err.strerror or err}") from err
+    finally:
+        if not special and os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def save_report(report: dict, path: str) -> None:
-    """Write `report` as strict JSON, atomically (a temporary file, then a rename)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(to_jsonable(report), f, indent=1, allow_nan=False)
-    os.replace(tmp, path)
+    """Write `report` as strict JSON, atomically (`write_atomic`)."""
+    write_atomic(path, json.dumps(to_jsonable(report), indent=1, allow_nan=False))
 
 
 def _psnr_cell(summary: dict) -> str:

@@ -471,6 +471,9 @@ def synthetic_setup(name: str, frames: int | None = None, height: int | None = N
                          f"multiple of {s * ph}, width a multiple of {s * pw}.")
     if layers is not None and layers < 1:
         raise ValueError(f"layers={layers} must be >= 1.")
+    if layers is not None and layers > model.num_layers:
+        raise ValueError(f"layers={layers} (--synthetic-layers) is more than the {model.num_layers} layers of {name}; "
+                         f"give 1 to {model.num_layers}, or none for all.")
     return SyntheticSetup(model, video, layers)
 
 
@@ -1038,7 +1041,8 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
 
     Raises:
         ValueError: unknown model, no processor for its class, a size that cannot run on `device`, an unknown
-            compile mode, warmup < 0 or repeats < 1 (all before the model is built).
+            compile mode, warmup < 0 or repeats < 1 (all before the model is built); a spec the built model refuses
+            (`check_specs_apply`: before its first forward).
     """
     check_run_options(compile_mode, warmup, repeats)
     device = torch.device(device)
@@ -1053,6 +1057,9 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
     if setup.model.prepare is not None:
         setup.model.prepare(setup, transformer, inputs)
     result.estimates["build_s"] = time.perf_counter() - t0
+    from .generate import check_specs_apply
+
+    check_specs_apply(transformer, specs)        # a spec this model refuses: before the dense forward, nothing written
     logger.info("synthetic %s: %.2fB params, grid %s (%d tokens), built in %.1f s", name, params / 1e9, setup.grid,
                 setup.tokens, result.estimates["build_s"])
     from tqdm.auto import tqdm
@@ -1082,6 +1089,7 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
             if dense_output_path:
                 from safetensors.torch import save_file
 
+                os.makedirs(os.path.dirname(os.path.abspath(dense_output_path)), exist_ok=True)
                 save_file({"dense_output": out.detach().contiguous().cpu()}, dense_output_path)
         row["output_rel_l2_vs_dense"] = (
             None if reference is None
@@ -1149,7 +1157,6 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
         setup = synthetic_setup(name, frames, height, width, layers)
         check_supported(setup)
         check_feasible(setup, device, dtype, count_parameters(setup))
-    os.makedirs(os.path.join(out_dir, "plots"), exist_ok=True)
     path = os.path.join(out_dir, "report.json")
     report = None if overwrite else load_report(path)
     report = report or {"format": REPORT_FORMAT, "mode": "synthetic", "synthetic": {}}
@@ -1196,13 +1203,15 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
         def save(result, name=name):
             report["synthetic"][name] = dict(summarize_synthetic(result, dtype, warmup, repeats), timed_on=timed_on)
             report["environment"] = environment(device)
-            save_report(report, path)
+            os.makedirs(os.path.join(out_dir, "plots"), exist_ok=True)    # made with the first result: a run
+            save_report(report, path)                                      # refused before it leaves nothing
 
         run_synthetic_model(name, specs, device, dtype, frames=frames, height=height, width=width, layers=layers,
                             warmup=warmup, repeats=repeats, progress=progress, compile_mode=compile_mode,
                             done=done, dense_output_path=os.path.join(out_dir, f"dense_output_{name}.safetensors"),
                             on_method=save)
     plots = []
+    os.makedirs(os.path.join(out_dir, "plots"), exist_ok=True)
     for name, section in report["synthetic"].items():
         points = {label: dict(row, family=row["config"]["method"] if label != "dense" else "dense",
                               method=row["config"]["method"]) for label, row in section["methods"].items()}

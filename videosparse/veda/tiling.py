@@ -27,7 +27,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ..config import BLOCK_SIZES, _check_block, _check_tile, _is_int
-from ..eval.report import to_jsonable
+from ..eval.report import to_jsonable, write_atomic
 from ..kernels import block_sparse_attention
 from ..layout import TileLayout
 from ..plan import topk_plan
@@ -99,11 +99,8 @@ class Tiling:
                 "layers": [[list(s) for s in heads] for heads in self.layers], **self.meta}
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the JSON atomically (temp file + rename)."""
-        tmp = f"{os.fspath(path)}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(to_jsonable(self.to_dict()), f, indent=1, allow_nan=False)   # strict JSON: inf as "inf"
-        os.replace(tmp, path)
+        """Write the JSON atomically (`videosparse.eval.report.write_atomic`: temp file + rename)."""
+        write_atomic(path, json.dumps(to_jsonable(self.to_dict()), indent=1, allow_nan=False))  # strict: inf as "inf"
 
 
 def load_tiling(path: str | os.PathLike, block: int | None = None) -> Tiling:
