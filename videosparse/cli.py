@@ -152,7 +152,7 @@ def _add_generate_parser(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--guidance-scale", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fps", type=int, default=8)
+    p.add_argument("--fps", type=int, default=8, help="frame rate of the video, 1 to 1000")
     p.add_argument("--out", default="video.mp4",
                    help="output video path (.mp4, .mkv, .mov or .avi; an existing file is replaced)")
     p.add_argument("--image", default=None, help="first-frame image (path or URL) for image-to-video pipelines")

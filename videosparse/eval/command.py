@@ -61,7 +61,7 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="one untimed generation per method first (default: on with CUDA)")
     q.add_argument("--no-lpips", action="store_true", help="do not compute LPIPS even when available")
-    q.add_argument("--fps", type=int, default=8, help="frame rate of the side-by-side videos")
+    q.add_argument("--fps", type=int, default=8, help="frame rate of the side-by-side videos, 1 to 1000")
     s = p.add_argument_group("synthetic speed mode")
     s.add_argument("--synthetic", nargs="+", default=None, choices=sorted(SYNTHETIC_MODELS),
                    help="time one forward of real-size transformers with random weights (GPU)")
