@@ -168,6 +168,8 @@ def test_estimator_must_be_a_path_a_hub_id_or_an_estimator():
             VedaConfig(estimator=bad)
     with pytest.raises(TypeError, match=r"must be None, a directory or hub id"):
         VedaConfig(estimator=("runs/high", 3))
+    with pytest.raises(TypeError, match="nests a tuple or list"):     # (review find: it was taken, then written as
+        VedaConfig(estimator=(("a", "b"), "c"))                       # an in-memory estimator)
     with pytest.raises(ValueError, match="never saved"):            # as to_dict writes the in-memory one
         config_from_dict(several.to_dict())
 

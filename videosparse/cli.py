@@ -112,7 +112,9 @@ def check_output(flag: str, path: str, *, folder: bool = False) -> None:
         raise ValueError(f"{flag} {path!r} is a file; give a directory (made when missing).")
     if not folder and os.path.isdir(path):
         raise ValueError(f"{flag} {path!r} is a directory; give a file path.")
-    if not folder and os.path.exists(path) and not os.path.isfile(path):        # a FIFO, a device
+    from .eval.report import writes_in_place
+
+    if not folder and writes_in_place(path):        # a FIFO, a device, /dev/stdout
         if not os.access(path, os.W_OK):
             raise ValueError(f"{flag} {path!r} cannot be written (no write permission).")
         return

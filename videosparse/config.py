@@ -178,6 +178,9 @@ def _estimator(value: Any) -> Any:
         if not value:
             raise ValueError("estimator=() names no estimator; give None (the untrained estimator), one, or one per "
                              "transformer of the pipeline.")
+        if any(isinstance(entry, (tuple, list)) for entry in value):
+            raise TypeError(f"estimator={value!r} nests a tuple or list; give one estimator per transformer, each a "
+                            "directory, hub id or VedaEstimator.")
         if len(value) == 1:
             return _estimator(value[0])
         entries = tuple(_estimator(entry) for entry in value)

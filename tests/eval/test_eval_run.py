@@ -393,6 +393,22 @@ def _written_into_fifo(tmp_path, write) -> str:
     return text
 
 
+def test_a_summary_to_dev_stdout_lands_among_the_rest_of_stdout(tmp_path):
+    """Review find: `--json /dev/stdout > log.txt` renamed a new file over log.txt (the link's target), so the shell
+    went on writing to an unlinked file and log.txt held the JSON alone; written through sys.stdout, it sits between
+    what was printed before and after."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "log.txt"
+    code = ("from videosparse.eval.report import write_atomic\nprint('before', flush=True)\n"
+            "write_atomic('/dev/stdout', '{\"summary\": 1}\\n')\nprint('after')\n")
+    with open(log, "w") as out:
+        subprocess.run([sys.executable, "-c", code], stdout=out, check=True,
+                       env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(__file__)))})
+    assert log.read_text() == 'before\n{"summary": 1}\nafter\n'
+
+
 def test_outputs_that_are_no_regular_file_are_written_into_not_replaced(tmp_path):
     """Review 51 (d06): the atomic writes (temp file + rename) of the report, a tiling and the kernel benchmark's JSON
     put a regular file in place of a FIFO or a device (as root, /dev/null)."""

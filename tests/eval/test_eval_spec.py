@@ -86,11 +86,20 @@ def test_a_tile_shape_with_blanks_is_a_shape():
     assert parse_method_spec("veda@0.1:tiling=4 x 4 x 8").config.tiling == (4, 4, 8)
 
 
-def test_several_estimators_one_per_transformer():
+def test_several_estimators_one_per_transformer(tmp_path, monkeypatch):
     """`estimator=A,B`: one estimator per transformer of a pipeline (Wan 2.2's experts), a tuple in the config; an
-    empty entry is refused, naming the form."""
+    empty entry is refused, naming the form; a folder whose name holds a comma is one estimator (review find), and a
+    path split at a comma is named as one of several."""
+    from videosparse.eval.spec import check_spec_files
+
     spec = parse_method_spec("veda@0.1:estimator=runs/high,runs/low")
     assert spec.config.estimator == ("runs/high", "runs/low")
+    with pytest.raises(ValueError, match=r"estimator 'runs/high' \(of the estimators, one per transformer, that "
+                                         r"the commas separate\)"):
+        check_spec_files([spec])
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "d0.1,lr1e-3").mkdir(parents=True)
+    assert parse_method_spec("veda@0.1:estimator=runs/d0.1,lr1e-3").config.estimator == "runs/d0.1,lr1e-3"
     assert parse_method_spec("veda@0.1:estimator=runs/high").config.estimator == "runs/high"
     for text in ("veda:estimator=runs/high,", "veda:estimator=a,,b"):
         with pytest.raises(ValueError, match="several separated by single commas"):

@@ -247,12 +247,13 @@ def test_the_op_keeps_no_out_or_lse_for_the_reference_backward(compiled):
         assert rel_err(got, w) < 1e-5
 
 
-@pytest.mark.parametrize("path", ["eager", "op", "compiled"])
+@pytest.mark.parametrize("path", ["eager", "op"])
 def test_a_second_derivative_is_refused_not_silently_incomplete(path):
     """Review find: a gradient penalty, `autograd.grad(penalty, k)` after `autograd.grad(loss, q, create_graph=True)`,
     returned None for k (0.77 off the stock model's parameter gradients on a tiny Wan) without an error: the
     gradients are computed outside autograd, and `once_differentiable` raised only where the second pass ran through
-    its error node. Any backward with create_graph=True now raises, naming videosparse."""
+    its error node. Any backward with create_graph=True now raises, naming videosparse (under torch.compile
+    AOTAutograd refuses double backward itself, before videosparse's backward runs)."""
     from videosparse.kernels.ops import run_op
 
     g = torch.Generator().manual_seed(3)
@@ -264,9 +265,7 @@ def test_a_second_derivative_is_refused_not_silently_incomplete(path):
             return run_op(q, k, v, p, 0.17, "reference")[0].square().sum()
         return block_sparse_attention(q, k, v, p, backend="reference").square().sum()
 
-    f = torch.compile(loss, backend="aot_eager") if path == "compiled" else loss
-    with pytest.raises(RuntimeError, match="not twice differentiable|double backward"):
-        gq, = torch.autograd.grad(f(q, k, v), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="videosparse's block-sparse attention is not twice differentiable"):
+        gq, = torch.autograd.grad(loss(q, k, v), q, create_graph=True)
         torch.autograd.grad(gq.square().sum(), k)
-    torch._dynamo.reset()
     assert torch.autograd.grad(loss(q, k, v), q)[0].shape == q.shape       # a first derivative as before

@@ -50,15 +50,37 @@ def from_jsonable(obj: Any) -> Any:
     return obj
 
 
+# the paths that name this process's stdout / stderr (`write_atomic` writes them through sys.stdout / sys.stderr)
+_STANDARD_STREAMS = {f"{prefix}{fd}": name for fd, name in ((1, "stdout"), (2, "stderr"))
+                     for prefix in ("/dev/fd/", "/proc/self/fd/")} | {"/dev/stdout": "stdout", "/dev/stderr": "stderr"}
+
+
+def writes_in_place(path: str | os.PathLike) -> bool:
+    """Whether `write_atomic` writes into `path` as it is rather than renaming a new file over it: an existing path
+    that is no regular file (a FIFO, a character device like /dev/null), or one under /dev or /proc, which names a
+    stream the process holds open (/dev/stdout, /proc/self/fd/1: a rename over the file a shell redirected stdout to
+    would leave the shell writing to an unlinked one)."""
+    shown = os.fspath(path)
+    real = os.path.realpath(shown)
+    return os.path.exists(real) and not os.path.isdir(real) and (
+        not os.path.isfile(real) or os.path.abspath(shown).startswith(("/dev/", "/proc/")))
+
+
 def write_atomic(path: str | os.PathLike, text: str) -> None:
     """Write `text` to `path` atomically: into a hidden temporary file beside it, then renamed over it, so that a write
     stopped half-way leaves the old file whole; the temporary file goes when anything fails, and an OSError names
-    `path`. A `path` that exists and is no regular file (a FIFO, a character device like /dev/null) is written
-    directly: a rename would put a regular file in its place; nor is a symlink replaced (/dev/stdout): its target is
-    written."""
+    `path`. Where `writes_in_place(path)` (a FIFO, /dev/null, /dev/stdout) it is written directly; a symlink is not
+    replaced: its target is written."""
     shown = os.fspath(path)
-    path = os.path.realpath(shown)
-    special = os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path)
+    stream = _STANDARD_STREAMS.get(shown)
+    if stream is not None:          # through Python's stream: a reopened /dev/stdout would write at its own offset
+        stream = getattr(sys, stream)
+        stream.flush()
+        stream.write(text)
+        stream.flush()
+        return
+    special = writes_in_place(shown)
+    path = shown if special else os.path.realpath(shown)
     folder, name = os.path.split(path)
     tmp = path if special else os.path.join(folder, f".{name}.tmp")
     try:

@@ -90,7 +90,7 @@ class MethodSpec:
 
 _FORMS = {"density": "a number in (0, 1]", "tau": "a number (standard deviations)", "block": "an int (128 or 64)",
           "band": "an int >= 0", "correction": f"one of {'/'.join(_BOOL)}",
-          "estimator": "a directory or hub id, or several separated by single commas"}
+          "estimator": "a directory or hub id, or several separated by single commas (one per transformer)"}
 
 
 def _parse_value(key: str, text: str, spec: str) -> Any:
@@ -109,8 +109,8 @@ def _parse_value(key: str, text: str, spec: str) -> Any:
             return _BOOL[text.lower()]
         if key == "tiling":
             return parse_tile(text)
-        if key == "estimator" and "," in text:     # one per transformer
-            if not all(text.split(",")):
+        if key == "estimator" and "," in text and not os.path.isdir(text):      # one per transformer (a folder
+            if not all(text.split(",")):                                        # whose name holds a comma is one)
                 raise ValueError
             return tuple(text.split(","))
     except ValueError as e:
@@ -191,7 +191,9 @@ def check_config_files(config, name: Callable[[str], str] = str) -> None:
                 try:
                     load(value)
                 except (OSError, ValueError) as err:
-                    raise ValueError(f"{name(field)} {os.fspath(value)!r}: {err}") from None
+                    several = (" (of the estimators, one per transformer, that the commas separate)"
+                               if values is not value else "")
+                    raise ValueError(f"{name(field)} {os.fspath(value)!r}{several}: {err}") from None
     if isinstance(getattr(config, "estimator", None), tuple):   # one per transformer: each records its own
         try:
             estimators_by_component(config.estimator)

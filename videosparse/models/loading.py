@@ -220,8 +220,9 @@ def _check_rope_table(pipe, call: dict, vae: int, patch) -> None:
     for name, (value, factor) in sizes.items():
         if value is None:
             continue
-        if name == "frames":
-            patches, largest = ((value - 1) // temporal + 1) // pt, (limit * pt - 1) * temporal + 1
+        if name == "frames":        # as Wan's pipelines round it: up to a multiple of the VAE's factor, plus 1
+            latent = (value - 1) // temporal + 1 if value % temporal == 1 else value // temporal + 1
+            patches, largest = latent // pt, (limit * pt - 1) * temporal + 1
         else:
             patches, largest = value // factor, limit * factor
         if patches > limit:

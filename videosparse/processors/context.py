@@ -599,7 +599,10 @@ class _RecomputeWithContext:
         self._ran = False
         # the block's attention processors as its forward runs them (a `remove` / `apply` before the backward, as
         # between a student's forward and a teacher pass, sets others, through which the recompute would differ)
-        self._processors = [(m, m.processor) for m in block.modules() if getattr(m, "processor", None) is not None]
+        # (a block may be a bound method: Cosmos 3 checkpoints `decoder_layer.__call__`)
+        module = block if isinstance(block, torch.nn.Module) else getattr(block, "__self__", None)
+        self._processors = [(m, m.processor) for m in module.modules() if getattr(m, "processor", None) is not None] \
+            if isinstance(module, torch.nn.Module) else []
 
     def _run(self, fn, *args, **kwargs):
         if not self._ran:
