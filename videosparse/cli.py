@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .config import BACKENDS, DenseConfig, SolConfig, VedaConfig, parse_dense_steps, parse_layers, parse_tile
-from .distill.config import check_device, check_seed
+from .distill.config import cannot_make_files_in, check_device, check_seed
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # containers diffusers' export_to_video (imageio + ffmpeg) writes
@@ -125,14 +125,9 @@ def check_output(flag: str, path: str, *, folder: bool = False) -> None:
         raise ValueError(f"{flag} {path!r} cannot be written: {existing!r} is a file, not a folder.")
     if not folder and existing != home:
         raise ValueError(f"{flag} {path!r}: the folder {home!r} does not exist.")
-    import tempfile
-
-    try:                                        # os.access says yes to root, also for /proc: make a file to know
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as err:
-        raise ValueError(f"{flag} {path!r} cannot be written: no file can be made in {existing!r} "
-                         f"({err.strerror or err}).") from None
+    why = cannot_make_files_in(existing)
+    if why is not None:
+        raise ValueError(f"{flag} {path!r} cannot be written: no file can be made in {existing!r} ({why}).")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:

@@ -116,6 +116,18 @@ def check_seed(flag: str, seed: int) -> None:
                          f"{SEED_RANGE[1]}].")
 
 
+def cannot_make_files_in(folder: str | os.PathLike) -> str | None:
+    """Why no file can be made in the existing folder `folder` (read-only, not ours, /proc), or None: a throwaway
+    file is made and removed, since os.access says yes to root there."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return None
+    except OSError as err:
+        return str(err.strerror or err)
+
+
 def check_device(device: Any) -> None:
     """ValueError unless `device` is None or a torch device this machine has (cuda needs a GPU)."""
     if device is None:

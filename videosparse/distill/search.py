@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,7 +17,7 @@ import torch
 from ..models.loading import check_component
 from ..veda.tiling import TilingSearch, TilingSearchResult
 from .capture import load_capture_pipeline, sample_steps, transformer_info
-from .config import TilingSearchConfig, read_prompts
+from .config import TilingSearchConfig, cannot_make_files_in, read_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +62,9 @@ def _check_writable(path: Path) -> None:
     """OSError when no file can be made where `path` goes (the nearest folder of it that exists is read-only or not
     ours); leaves nothing behind."""
     folder = next(p for p in Path(os.path.abspath(path)).parents if p.exists())
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as err:
-        raise OSError(f"output={os.fspath(path)!r} cannot be written: {err.strerror or err} in {str(folder)!r}.") \
-            from None
+    why = cannot_make_files_in(folder)
+    if why is not None:
+        raise OSError(f"output={os.fspath(path)!r} cannot be written: {why} in {str(folder)!r}.")
 
 
 def run_tiling_search(cfg: TilingSearchConfig) -> TilingSearchResult:

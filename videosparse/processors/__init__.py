@@ -261,25 +261,19 @@ def _configs_by_component(config, transformers: dict[str, torch.nn.Module]) -> d
     if not isinstance(config, Mapping):
         estimators = getattr(config, "estimator", None)
         several = isinstance(estimators, tuple)
-        if estimators is not None:
-            from ..veda.estimator import distilled_component, estimator_label, estimators_by_component
-        if several and len(transformers) == 1:
+        if estimators is None or (len(transformers) == 1 and not several):
+            return {name: config for name in transformers}
+        from ..veda.estimator import distilled_component, estimator_label, estimators_by_component
+
+        if len(transformers) == 1:
             raise ValueError(f"estimator={estimator_label(estimators)} names {len(estimators)} estimators, one per "
                              f"transformer of a pipeline; this one has one transformer ({next(iter(transformers))}): "
                              "give it its one estimator.")
-        if estimators is None or len(transformers) == 1:
-            return {name: config for name in transformers}
         check_config(config)
-        if several:
-            served = estimators_by_component(estimators, list(transformers))
-        else:
-            component = distilled_component(estimators)     # its config.json: the weights load once, per transformer
-            if component is None:               # (an estimator saved before they recorded it: every transformer)
-                return {name: config for name in transformers}
-            if component not in transformers:
-                raise ValueError(f"the estimator {estimator_label(estimators)} was distilled from {component!r}; "
-                                 f"this pipeline's transformers are {sorted(transformers)}.")
-            served = {component: estimators}
+        if not several and distilled_component(estimators) is None:   # saved before estimators recorded it: all
+            return {name: config for name in transformers}
+        # (its config.json: the weights load once, per transformer)
+        served = estimators_by_component(estimators if several else (estimators,), list(transformers))
         others = [name for name in transformers if name not in served]
         if others:
             logger.warning("videosparse: the estimator%s serve%s %s (distilled from %s); %s score their tiles "
@@ -287,10 +281,8 @@ def _configs_by_component(config, transformers: dict[str, torch.nn.Module]) -> d
                            "s" if len(served) > 1 else "", "" if len(served) > 1 else "s", ", ".join(served),
                            "them" if len(served) > 1 else "it", ", ".join(others),
                            ", ".join(f"<{name}'s>" for name in transformers))
-        if not several:
-            untrained = dataclasses.replace(config, estimator=None)
-            return {name: config if name in served else untrained for name in transformers}
-        return {name: dataclasses.replace(config, estimator=served.get(name)) for name in transformers}
+        return {name: config if served.get(name) is estimators else
+                dataclasses.replace(config, estimator=served.get(name)) for name in transformers}
     for value in config.values():
         try:
             check_config(value)
