@@ -204,3 +204,79 @@ def test_remove_under_a_hook_with_its_own_forward_leaves_nothing_once_that_hook_
         forward = transformer.__dict__.get("forward")
         assert forward is None or getattr(forward, "__func__", None) is type(transformer).forward, forward
         assert transformer._diffusers_hook._hook_order == []
+
+
+def _forward(transformer):
+    g = torch.Generator().manual_seed(1)
+    latents, text = torch.randn(1, 4, 5, 32, 32, generator=g), torch.randn(1, 8, 32, generator=g)
+    with torch.no_grad():
+        return transformer(hidden_states=latents, timestep=torch.tensor([500]), encoder_hidden_states=text)[0]
+
+
+@pytest.fixture
+def stock_wan_layer_skip(monkeypatch):
+    """diffusers registers the layer-skip metadata of Wan's deprecated `WanAttnProcessor2_0` only (0.42), not of the
+    `WanAttnProcessor` its blocks hold: register that too, as a user must (or a later diffusers does)."""
+    from diffusers.hooks._helpers import AttentionProcessorRegistry
+    from diffusers.models.transformers import transformer_wan
+
+    metadata = AttentionProcessorRegistry.get(transformer_wan.WanAttnProcessor2_0)
+    monkeypatch.setitem(AttentionProcessorRegistry._registry, transformer_wan.WanAttnProcessor, metadata)
+
+
+@pytest.mark.parametrize("skip", ["scores", "attention", "block"])
+@pytest.mark.parametrize("skip_first", [True, False])
+def test_layer_skip_hook_acts_on_sparse_layers(stock_wan_layer_skip, skip, skip_first):
+    """diffusers' layer skip (what skip-layer and perturbed-attention guidance put on their layers) does to
+    videosparse's layers what it does to the stock ones, registered before or after `apply`: skipping the attention
+    scores returns the values (the layer served by the stock processor, counted dense with its reason; before the
+    fix the sparse path ignored the skip, 0.24 off, and a skip registered after apply raised "not registered")."""
+    from diffusers.hooks import LayerSkipConfig, apply_layer_skip
+
+    def skip_config():
+        return LayerSkipConfig(indices=[0], skip_attention=skip != "scores", skip_attention_scores=skip == "scores",
+                               skip_ff=skip == "block")
+
+    stock = _pipe().transformer
+    plain = _forward(stock)
+    apply_layer_skip(stock, skip_config())
+    ref = _forward(stock)
+    assert (ref - plain).abs().max() > 0.05                     # the skip changes this model's output
+
+    transformer = _pipe().transformer
+    if skip_first:
+        apply_layer_skip(transformer, skip_config())
+    session = videosparse.apply(transformer, videosparse.VedaConfig(density=1.0, tiling=(1, 4, 16), block=64,
+                                                                    dense_steps=0))["transformer"]
+    if not skip_first:
+        apply_layer_skip(transformer, skip_config())
+    torch.testing.assert_close(_forward(transformer), ref, rtol=0, atol=1e-5)
+    stats = session.stats()["layers"]
+    if skip == "scores":                                        # layer 0 ran the stock processor, layer 1 sparse
+        assert stats[0]["dense_calls"] == 1 and stats[0]["sparse_calls"] == 0
+        assert any("layer-skip" in reason for reason in stats[0]["fallbacks"])
+    else:                                                       # the hook returns the input, no attention runs
+        assert stats[0]["dense_calls"] == stats[0]["sparse_calls"] == 0
+    assert stats[1]["sparse_calls"] == 1
+
+    videosparse.remove(transformer)
+    torch.testing.assert_close(_forward(transformer), ref, rtol=0, atol=0)
+
+
+def test_layer_skip_on_an_unregistered_stock_processor_fails_as_stock_does():
+    """Where diffusers has no layer-skip metadata for the stock processor, registering the skip on the applied
+    model fails as on the stock one, naming the stock class (not videosparse's)."""
+    from diffusers.hooks import LayerSkipConfig, apply_layer_skip
+    from diffusers.hooks._helpers import AttentionProcessorRegistry
+    from diffusers.models.transformers import transformer_wan
+
+    if transformer_wan.WanAttnProcessor in AttentionProcessorRegistry._registry:
+        pytest.skip("this diffusers registers WanAttnProcessor")
+    config = LayerSkipConfig(indices=[0], skip_attention=False, skip_attention_scores=True, skip_ff=False)
+    with pytest.raises(ValueError, match="WanAttnProcessor'> not registered") as stock_error:
+        apply_layer_skip(_pipe().transformer, config)
+    transformer = _pipe().transformer
+    videosparse.apply(transformer, _config())
+    with pytest.raises(ValueError) as ours:
+        apply_layer_skip(transformer, config)
+    assert str(ours.value) == str(stock_error.value)

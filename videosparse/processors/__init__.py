@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..config import DenseConfig
+from .base import register_layer_skip
 from .context import (
     AttentionRecord,
     SparseSession,
@@ -124,6 +125,7 @@ def make_processors(transformer: torch.nn.Module, config, *, scheduler=None, pip
     modules = dict(transformer.named_modules())
     for layer, proc_name in enumerate(self_attn):
         procs[proc_name] = spec.processor_cls(session, layer, originals[proc_name])
+        register_layer_skip(type(procs[proc_name]))
         session.served.append(weakref.ref(modules[proc_name.rsplit(".processor", 1)[0]]))
         stock = type(procs[proc_name])._stock
         if type(originals[proc_name]) is not stock:

@@ -13,6 +13,7 @@ with attention over further keys (`merge_attention`).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -25,6 +26,48 @@ from .context import AttentionRecord, LayerStats, SparseSession, attention_dtype
 from .parallel import heads_to_seq, seq_to_heads, ulysses_shard
 
 logger = logging.getLogger("videosparse")
+
+SCORES_SKIPPED = "attention scores skipped (a diffusers layer-skip hook: perturbed-attention guidance)"
+
+
+def attention_scores_skipped() -> bool:
+    """True inside diffusers' `AttentionScoreSkipFunctionMode` (`LayerSkipConfig(skip_attention_scores=True)`, which
+    perturbed-attention guidance puts on its layers): the stock processors' attention then returns the values.
+    Traced by Dynamo (no graph break); False on a diffusers without layer-skip hooks."""
+    try:
+        from diffusers.hooks.layer_skip import AttentionScoreSkipFunctionMode
+    except ImportError:
+        return False
+    return any(isinstance(mode, AttentionScoreSkipFunctionMode)
+               for mode in torch.overrides._get_current_function_mode_stack())
+
+
+class _StockSkipMetadata:
+    """diffusers' layer-skip metadata (`AttentionProcessorRegistry`) of a sparse processor class: its stock class's,
+    looked up when a hook asks. A stock class registered after `apply` counts, and one diffusers never registered
+    fails as it does for the stock processor (naming the stock class)."""
+
+    def __init__(self, stock: type) -> None:
+        self.stock = stock
+
+    @property
+    def skip_processor_output_fn(self):
+        from diffusers.hooks._helpers import AttentionProcessorRegistry
+
+        return AttentionProcessorRegistry.get(self.stock).skip_processor_output_fn
+
+
+def register_layer_skip(processor_cls: type) -> None:
+    """Register `processor_cls` (a sparse processor class) in diffusers' `AttentionProcessorRegistry` with its stock
+    class's metadata, so that `apply_layer_skip` and the guiders (skip-layer, perturbed-attention) treat videosparse's
+    layers as they treat the stock ones. Idempotent; nothing on a diffusers without that registry."""
+    try:
+        from diffusers.hooks._helpers import AttentionProcessorRegistry
+    except ImportError:
+        return
+    registered = AttentionProcessorRegistry._registry
+    if processor_cls not in registered:
+        AttentionProcessorRegistry.register(processor_cls, _StockSkipMetadata(processor_cls._stock))
 
 
 def project_heads(x: torch.Tensor, heads: int, to_q, to_k, to_v, norm_q=None, norm_k=None):
@@ -90,6 +133,26 @@ class SparseAttentionMixin:
 
     _stock: type                       # the model's stock processor class
     timed_entry = "attend"             # the method holding a call's whole attention (what `AttentionTimer` times)
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        """A subclass's own `__call__` serves a call whose attention scores a diffusers layer-skip hook skips with
+        the stock processor (its attention then returns the values, as the hook means; counted as a dense call,
+        without a warning: the user asked for it)."""
+        super().__init_subclass__(**kwargs)
+        call = cls.__dict__.get("__call__")
+        if call is None:
+            return
+
+        @functools.wraps(call)          # (diffusers reads the processor's parameters from its signature)
+        def __call__(self, *args, **kwargs):
+            if attention_scores_skipped():
+                stats = self._stats()
+                stats.fallbacks.add(SCORES_SKIPPED)
+                stats.record_dense()
+                return self._stock.__call__(self, *args, **kwargs)
+            return call(self, *args, **kwargs)
+
+        cls.__call__ = __call__
 
     def __init__(self, session: SparseSession, layer: int, original=None) -> None:
         self._stock.__init__(self)
