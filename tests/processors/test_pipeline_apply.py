@@ -1111,3 +1111,33 @@ def test_pickling_an_applied_transformer_names_videosparse():
     assert copy.copy(session).method is session.method                   # a shallow copy, as before
     videosparse.remove(tr)
     torch.save(tr, io.BytesIO())
+
+
+def test_apply_names_a_transformer_slot_that_is_not_loaded(caplog):
+    """A modular pipeline made without its components holds None in its transformer slots: `apply` says they are not
+    loaded (it said the pipeline had no transformer component while listing one). One loaded of two experts is served
+    alone with a warning; a standard pipeline's optional transformer_2 left None (Wan 2.1) warns nothing."""
+    import logging
+
+    from diffusers.modular_pipelines import Wan22Blocks, WanBlocks
+
+    with pytest.raises(ValueError, match=r"WanModularPipeline's transformer is not loaded \(None\); load it first"):
+        videosparse.apply(WanBlocks().init_pipeline(), videosparse.SolConfig(density=0.3))
+    with pytest.raises(ValueError, match="transformer, transformer_2 are not loaded"):
+        videosparse.apply(Wan22Blocks().init_pipeline(), videosparse.SolConfig(density=0.3))
+
+    modular = Wan22Blocks().init_pipeline()
+    modular.update_components(transformer=build_tiny_wan_pipeline().transformer)
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        assert list(videosparse.apply(modular, videosparse.SolConfig(density=0.3))) == ["transformer"]
+    assert sum("transformer_2 is not loaded (None): only transformer served" in r.getMessage()
+               for r in caplog.records) == 1
+    videosparse.remove(modular)
+
+    caplog.clear()
+    pipe = build_tiny_wan_pipeline()
+    assert pipe.components["transformer_2"] is None
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        videosparse.apply(pipe, videosparse.SolConfig(density=0.3))
+    assert not any("not loaded" in r.getMessage() for r in caplog.records)
+    videosparse.remove(pipe)

@@ -72,10 +72,32 @@ def _transformers(obj) -> dict[str, torch.nn.Module]:
             module = _unwrap(comp)
             if all(module is not seen for seen in found.values()):   # one module in two slots: served once
                 found[name] = module
+    unloaded = sorted(name for name, comp in components.items() if name.startswith("transformer") and comp is None)
     if not found:
+        if unloaded:
+            raise ValueError(f"pipeline {type(obj).__name__}'s {_are_not_loaded(unloaded)}; load it first (a "
+                             "modular pipeline: pipe.load_components() or pipe.update_components(transformer=...)), "
+                             "then apply.")
         raise ValueError(f"pipeline {type(obj).__name__} has no transformer component "
                          f"(components: {sorted(components)}).")
+    if unloaded and _is_modular(obj):   # (a standard pipeline's optional transformer_2 is None for good: Wan 2.1)
+        logger.warning("videosparse: %s's %s: only %s served; one loaded later runs stock attention until "
+                       "videosparse.remove(pipe) and apply again.", type(obj).__name__, _are_not_loaded(unloaded),
+                       ", ".join(found))
     return found
+
+
+def _are_not_loaded(names: list[str]) -> str:
+    return f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} not loaded (None)"
+
+
+def _is_modular(pipeline) -> bool:
+    """Whether `pipeline` is a diffusers `ModularPipeline` (whose blocks expect each component they name)."""
+    try:
+        from diffusers.modular_pipelines import ModularPipeline
+    except ImportError:
+        return False
+    return isinstance(pipeline, ModularPipeline)
 
 
 def make_processors(transformer: torch.nn.Module, config, *, scheduler=None, pipeline=None,
