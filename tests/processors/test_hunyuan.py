@@ -121,7 +121,7 @@ def test_different_valid_lengths_run_in_one_call(caplog):
     with videosparse.processors.observe(tr, lambda r: text_lens.append(r.text_len)):
         observed = t.run(tr, inputs)
     assert sorted(set(text_lens)) == [5, 8] and torch.isfinite(observed).all()
-    assert session.stats()["sparse_calls"] == 2 + 2 * 2 + 2 * 2       # batch, items alone, observed: 2 layers x 2
+    assert session.stats()["sparse_calls"] == 2 + 2 * 2 + 2    # batch, items alone, observed (items: one call)
 
 
 def test_sol_and_token_replace_variant():

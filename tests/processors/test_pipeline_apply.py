@@ -1141,3 +1141,54 @@ def test_apply_names_a_transformer_slot_that_is_not_loaded(caplog):
         videosparse.apply(pipe, videosparse.SolConfig(density=0.3))
     assert not any("not loaded" in r.getMessage() for r in caplog.records)
     videosparse.remove(pipe)
+
+
+def test_a_call_interrupted_while_preparing_a_new_grid_leaves_no_trace():
+    """A call cancelled while the session prepares a new grid (here: the method's prepare raising KeyboardInterrupt,
+    as a request cancelled while the estimator moves to the GPU) left the layers on the new grid's layouts with the
+    old grid recorded as prepared: the next calls at the old grid gathered with the other grid's permutation (same
+    token count: silently 0.07 off; another count: ValueError). Now the next call equals a fresh session's."""
+    def forward(transformer, height, width):
+        g = torch.Generator().manual_seed(3)
+        latents, text = torch.randn(1, 4, 3, height, width, generator=g), torch.randn(1, 8, 32, generator=g)
+        with torch.no_grad():
+            return transformer(hidden_states=latents, timestep=torch.tensor([500]), encoder_hidden_states=text)[0]
+
+    config = videosparse.VedaConfig(density=0.3, tiling=(1, 4, 16), block=64, dense_steps=0)
+    fresh = build_tiny_wan_pipeline().transformer
+    videosparse.apply(fresh, config)
+    for height, width in ((24, 16), (16, 16)):                  # the old grid transposed, then another token count
+        transformer = build_tiny_wan_pipeline().transformer
+        session = videosparse.apply(transformer, config)["transformer"]
+        first = forward(transformer, 16, 24)
+        prepare = session.method.prepare
+
+        def cancelled(device):
+            raise KeyboardInterrupt
+        session.method.prepare = cancelled
+        with pytest.raises(KeyboardInterrupt):
+            forward(transformer, height, width)
+        session.method.prepare = prepare
+        assert torch.equal(forward(transformer, 16, 24), first)
+        assert torch.equal(forward(transformer, 16, 24), forward(fresh, 16, 24))
+
+
+def test_the_end_of_call_summary_is_built_only_when_logged(monkeypatch, caplog):
+    """The summary a pipeline call ends with (`logger.info`) reads every layer's counters and Sol's calibrations, a
+    host sync each: built only when the `videosparse` logger takes INFO (it was built after every call)."""
+    import logging
+
+    pipe = build_tiny_wan_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    session = videosparse.apply(pipe, videosparse.SolConfig(density=0.5, tiling=(1, 4, 16), block=64))["transformer"]
+    built = []
+    summary = session.summary
+    monkeypatch.setattr(session, "summary", lambda: built.append(1) or summary())
+    monkeypatch.setattr(session.method, "stats", lambda: pytest.fail("the summary read the method's stats"))
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        _run(pipe)
+    assert built == []
+    with caplog.at_level(logging.INFO, logger="videosparse"):
+        _run(pipe)
+    assert built == [1] and any("realised density" in r.getMessage() for r in caplog.records)
+    videosparse.remove(pipe)

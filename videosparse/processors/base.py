@@ -260,7 +260,8 @@ class SparseAttentionMixin:
         or a `HeadPairRope` (`videosparse.rope.apply_rope`); the sparse path fuses the rotation (and the KV heads'
         repeat) into the tile-order gather.
         text_len: the text tokens in q, k, v (default: the forward's, `context.text_len`).
-        item: the batch item that q, k, v hold when the forward's items are served one by one (for observers).
+        item: the batch item that q, k, v hold when the forward's items are served one by one (for observers; the
+            items count as one call in `stats()`, item 0's).
         return_lse: also return the rows' log-sum-exp, fp32 [B, S, H]; dense calls then run `dense_with_lse`
             (no attention mask, no context parallelism).
         return_kv: also return (k, v) [B, S, H, D] as the attention used them (rotated, KV heads repeated; on
@@ -312,7 +313,8 @@ class SparseAttentionMixin:
                 observer(record)
         stats = self._stats()
         if reason is not None:
-            stats.record_dense()
+            if not item:                # items served one by one count as the one layer call they make up
+                stats.record_dense()
             if return_lse:
                 return dense_with_lse(q, k, v, self._kernel_choice)
             if valid_keys is not None:
@@ -326,16 +328,16 @@ class SparseAttentionMixin:
             q, k, v = (seq_to_heads(x, shard) for x in (q, k, v))
             return heads_to_seq(self._sparse(q, k, v, text_len, rope, heads, group=shard.group), shard)
         return self._sparse(q, k, v, text_len, rope, return_lse=return_lse, groups=groups, return_kv=return_kv,
-                            valid_keys=valid_keys, skip_padded_queries=padded_rows == "zero")
+                            valid_keys=valid_keys, skip_padded_queries=padded_rows == "zero", new_call=not item)
 
     def _sparse(self, q, k, v, text_len: int, rope=None, heads: slice | None = None, return_lse: bool = False,
                 groups: int = 1, return_kv: bool = False, valid_keys: torch.Tensor | None = None,
-                skip_padded_queries: bool = False, group=None):
+                skip_padded_queries: bool = False, group=None, new_call: bool = True):
         """gather -> plan -> kernel -> scatter of q [B, S, H, D], k, v [B, S, H / groups, D] (the layer's heads
         `heads`, default all; the other heads on the ranks of the process group `group`); with `return_lse` also
         the rows' lse, fp32 [B, S, H]; with `return_kv` also the rotated, repeated k, v in tile order as
         [B, S, H, D] views; `valid_keys` as in `attend` (with `skip_padded_queries` the query tiles past it are not
-        computed)."""
+        computed); `new_call` as in `LayerStats.record_sparse`."""
         session = self.session
         layout, state = self.slot.layouts[text_len], self.slot.method_state
         if heads is not None:
@@ -353,7 +355,7 @@ class SparseAttentionMixin:
             query_tiles = (valid_keys.long() + plan.block_m - 1) // plan.block_m if skip_padded_queries else \
                 plan.kv_count.shape[-1]
             pairs = (plan.kv_count.shape[1] * query_tiles * key_tiles).sum()
-        self._stats().record_sparse(plan.kv_count, layout.num_tiles, pairs)
+        self._stats().record_sparse(plan.kv_count, layout.num_tiles, pairs, new_call=new_call)
         out = block_sparse_attention(qt, kt, vt, plan, backend=session.config.backend, validate=False,
                                      return_lse=return_lse)
         if return_lse:

@@ -72,21 +72,27 @@ class LayerStats:
             self.counts = torch.zeros(5, dtype=torch.int64, device=device)
         self.fallbacks: set[str] = set()
 
-    def record_sparse(self, kv_count: torch.Tensor, num_key_tiles: int, pairs: torch.Tensor | None = None) -> None:
+    def record_sparse(self, kv_count: torch.Tensor, num_key_tiles: int, pairs: torch.Tensor | None = None, *,
+                      new_call: bool = True) -> None:
         """Account one sparse call whose plan has these kv_count [B, H, Mq] (no sync): one Triton launch on CUDA
         in eager mode, else 7 small torch kernels (fused by torch.compile). The call's pairs are rows x
         num_key_tiles, or `pairs` (an int64 device scalar) when given (a call with padded keys: the pairs of its
-        valid tiles)."""
+        valid tiles). `new_call=False`: the tiles of a further batch item of a layer call already counted (items
+        served one by one), not one more call."""
         if pairs is not None:
             self.counts[3].add_(pairs)
             num_key_tiles = 0
         if self.counts.is_cuda and HAS_TRITON and not torch.compiler.is_compiling():
             from ..kernels.triton_counters import record_sparse_triton
 
-            return record_sparse_triton(self.counts, kv_count, num_key_tiles)
-        rows = kv_count.numel()
-        self.counts.add_(_call_increment(rows * num_key_tiles, self.counts.device))
-        self.counts[2::2].add_(torch.stack((kv_count.sum(dtype=torch.int64), kv_count.amax().to(torch.int64) * rows)))
+            record_sparse_triton(self.counts, kv_count, num_key_tiles)
+        else:
+            rows = kv_count.numel()
+            self.counts.add_(_call_increment(rows * num_key_tiles, self.counts.device))
+            self.counts[2::2].add_(torch.stack((kv_count.sum(dtype=torch.int64),
+                                                kv_count.amax().to(torch.int64) * rows)))
+        if not new_call:
+            self.counts[0].sub_(1)
 
     def record_dense(self) -> None:
         self.counts[1].add_(1)
@@ -346,6 +352,7 @@ class SparseSession:
         key = (grid, text_len, str(device), dtype, self.context.text_slot)
         if key == self._prepared_for:
             return
+        self._prepared_for = None       # until this one is done: a call interrupted in between prepares again
         info, method = self.info, self.method
         for layer in range(info.num_layers):
             stats = self.slot(layer).stats
@@ -405,6 +412,10 @@ class SparseSession:
     def stats(self) -> dict[str, Any]:
         """Per-layer and overall statistics (realised density, sparse/dense calls, the kernel backend the sparse calls
         ran on: None without any; per layer also the load balance and the reasons for dense calls)."""
+        return {**self._layer_totals(), "method": self.method.stats() if self.method is not None else {}}
+
+    def _layer_totals(self) -> dict[str, Any]:
+        """`stats()` without the method's own (Sol's calibrations: host syncs growing with the shapes served)."""
         layers = {i: s.as_dict() for i, s in sorted(self.layer_stats.items())}
         kept = sum(s["kept_pairs"] for s in layers.values())
         total = sum(s["total_pairs"] for s in layers.values())
@@ -416,11 +427,10 @@ class SparseSession:
             "density": kept / total if total else None,
             "kernel_backend": self.kernel_backend if any(s["sparse_calls"] for s in layers.values()) else None,
             "layers": layers,
-            "method": self.method.stats() if self.method is not None else {},
         }
 
     def summary(self) -> str:
-        s = self.stats()
+        s = self._layer_totals()
         dens = f"{s['density']:.3f}" if s["density"] is not None else "n/a"
         return (
             f"videosparse[{self.config.method}]: {s['transformer_calls']} transformer calls, "
@@ -931,7 +941,7 @@ class SparseContextHook(ModelHook):
 
     def reset_state(self, module):
         # called by diffusers at the end of every pipeline call (maybe_free_model_hooks)
-        if self.session.calls:
+        if self.session.calls and logger.isEnabledFor(logging.INFO):     # (the summary syncs with the device)
             logger.info(self.session.summary())
         self.state_manager.reset()
         self.session.timestep_counter.reset()
