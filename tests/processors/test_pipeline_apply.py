@@ -1192,3 +1192,66 @@ def test_the_end_of_call_summary_is_built_only_when_logged(monkeypatch, caplog):
         _run(pipe)
     assert built == [1] and any("realised density" in r.getMessage() for r in caplog.records)
     videosparse.remove(pipe)
+
+
+def test_a_backward_failing_while_it_sets_up_a_recompute_leaves_the_session_as_it_was(monkeypatch):
+    """Fault-injection find: the checkpointed recompute swapped the forward's layouts and counters into the layers
+    one by one before its `try`; an error there (an out-of-memory allocating the throwaway counters) left layer 0 on
+    the training forward's layouts under the teacher grid's prepared key (next teacher-grid forward 0.03 off), its
+    counters replaced, and the session marked recomputing for good."""
+    from videosparse.processors.context import SparseSession
+
+    config = videosparse.VedaConfig(density=0.4, tiling=(2, 4, 8), block=64, dense_steps=0, backend="reference")
+    g = torch.Generator().manual_seed(0)
+    student = dict(_tiny_forward_kwargs(), hidden_states=torch.randn(1, 4, 3, 16, 24, generator=g))
+    teacher = dict(student, hidden_states=torch.randn(1, 4, 3, 24, 16, generator=g))     # same token count
+
+    fresh = build_tiny_wan_pipeline().transformer
+    videosparse.apply(fresh, config)
+    with torch.no_grad():
+        expected = fresh(**teacher).sample
+
+    transformer = build_tiny_wan_pipeline().transformer
+    session = videosparse.apply(transformer, config)["transformer"]
+    transformer.enable_gradient_checkpointing()
+    loss = transformer(**student).sample.square().mean()
+    with torch.no_grad():
+        transformer(**teacher)
+    counts = [slot.stats.counts.clone() for slot in session.slots]
+    made = SparseSession.recompute_stats
+    calls = []
+
+    def second_fails(self, slot):
+        calls.append(slot)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("injected")
+        return made(self, slot)
+    monkeypatch.setattr(SparseSession, "recompute_stats", second_fails)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        loss.backward()
+    assert not session._recomputing
+    assert all(torch.equal(slot.stats.counts, kept) for slot, kept in zip(session.slots, counts))
+    with torch.no_grad():
+        assert torch.equal(transformer(**teacher).sample, expected)
+
+
+def test_apply_failing_at_its_last_step_leaves_the_pipeline_stock(monkeypatch):
+    """Fault-injection find: `apply`'s last steps (the experts' shared step counter, dynamo's recompile limit) ran
+    after the part that undoes a failed apply: an interrupt there left every transformer applied while `apply`
+    raised (and a retry said "already applied")."""
+    import videosparse.processors as processors
+
+    pipe = build_tiny_wan_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    ref = _run(pipe)
+
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(processors, "_raise_recompile_limit", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        videosparse.apply(pipe, videosparse.SolConfig(density=0.3))
+    assert videosparse.sessions(pipe) == {}
+    assert np.array_equal(_run(pipe), ref)
+    monkeypatch.undo()
+    videosparse.apply(pipe, videosparse.SolConfig(density=0.3))
+    videosparse.remove(pipe)

@@ -316,3 +316,36 @@ def test_tiling_search_refuses_bad_options(options, match):
 
     with pytest.raises(ValueError, match=match):
         TilingSearch(**{"density": 0.2, **options})
+
+
+def test_a_record_whose_scoring_fails_leaves_the_search_as_it_was(monkeypatch):
+    """Fault-injection find: `TilingSearch.add` narrowed the layer's allowed shapes by the record's grid before
+    scoring it, so a record that raised there (and was dropped) still narrowed the choice (6 shapes -> 1, another
+    tiling chosen from the same samples)."""
+    import videosparse.veda.tiling as tiling
+
+    def record(grid, seed):
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(1, math.prod(grid), 2, 16, generator=g) for _ in range(3))
+        return SimpleNamespace(layer=0, q=q, k=k, v=v, grid=grid, text_len=0, text_position="after", step=0,
+                               branch="cond", item=None, text_slot=False)
+
+    good = [record((4, 8, 8), seed) for seed in range(2)]
+    narrow = record((3, 8, 6), 9)              # a grid that pads most candidate shapes by more than 20%
+    clean = tiling.TilingSearch(density=0.25, block=64)
+    for rec in good:
+        clean.add(rec)
+    search = tiling.TilingSearch(density=0.25, block=64)
+    search.add(good[0])
+    scored = tiling.head_errors
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("injected")
+    monkeypatch.setattr(tiling, "head_errors", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        search.add(narrow)
+    monkeypatch.setattr(tiling, "head_errors", scored)
+    search.add(good[1])
+    assert search.allowed_per_layer == clean.allowed_per_layer and search.err_cnt == clean.err_cnt
+    assert search.votes == clean.votes and torch.equal(search.err_sum[0], clean.err_sum[0])
+    assert search.result().tiling.layers == clean.result().tiling.layers

@@ -265,14 +265,14 @@ def apply(pipe_or_transformer, config) -> dict[str, SparseSession]:
             applied.append(transformer)
             _keep_through_unfuse(transformer, procs)
             _set_attention_processors(transformer, procs)     # (diffusers' set_attn_processor empties the dict)
+        made = [getattr(t, SESSION_ATTR) for t in transformers.values()]
+        for session in made[1:]:        # experts that take turns in one call (Wan 2.2) count its steps together
+            session.timestep_counter = made[0].timestep_counter
+        _raise_recompile_limit()
     except BaseException:
         for transformer in applied:
             _restore(transformer)
         raise
-    made = [getattr(t, SESSION_ATTR) for t in transformers.values()]
-    for session in made[1:]:        # experts that take turns in one call (Wan 2.2) count its steps together
-        session.timestep_counter = made[0].timestep_counter
-    _raise_recompile_limit()
     return {name: getattr(t, SESSION_ATTR) for name, t in transformers.items()}
 
 

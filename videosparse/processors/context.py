@@ -486,13 +486,16 @@ class SparseSession:
         path the forward took); everything is put back on exit."""
         live = self.context, [slot.layouts for slot in self.slots], self.kernel_problem
         counters, observers = [slot.stats for slot in self.slots], self.observers
-        self.context, layouts, self.kernel_problem, watched = snapshot
-        outer, self._recomputing = self._recomputing, True
-        was_active, self.active = self.active, True     # a forward's recompute after `remove`: as the forward ran
-        for slot, kept in zip(self.slots, layouts):
-            slot.layouts, slot.stats = kept, self.recompute_stats(slot)
-        self.observers = [_ignore_record] * watched
+        outer, was_active = self._recomputing, self.active
+        context, layouts, kernel_problem, watched = snapshot
+        throwaway = [self.recompute_stats(slot) for slot in self.slots]    # (allocates: before anything changes)
         try:
+            self.context, self.kernel_problem = context, kernel_problem
+            self._recomputing = True
+            self.active = True                          # a forward's recompute after `remove`: as the forward ran
+            for slot, kept, stats in zip(self.slots, layouts, throwaway):
+                slot.layouts, slot.stats = kept, stats
+            self.observers = [_ignore_record] * watched
             yield
         finally:
             self.context, self.kernel_problem, self.observers = live[0], live[2], observers

@@ -328,19 +328,21 @@ class TilingSearch:
                 logger.warning("grid %s: every candidate pads by more than %.0f%%; keeping %s (%.1f%%)",
                                grid, 100 * self.max_padding, least, 100 * pads[least])
             allowed = [least]
-        prev = self.allowed_per_layer.get(layer)
-        self.allowed_per_layer[layer] = allowed if prev is None else [s for s in prev if s in allowed] or prev
         e = head_errors(rec.q, rec.k, rec.v, grid, shapes_all, density=self.density, block=self.block,
                         text_len=text_len, text_position=text_position, backend=self.backend,
                         text_slot=bool(getattr(rec, "text_slot", False)))                  # [n_shapes, H]
         H = e.shape[1]
-        self.heads_seen = H
         mask = torch.tensor([s in allowed for s in shapes_all], device=e.device)
         best = e.masked_fill(~mask[:, None], math.inf).argmin(0).tolist()
+        err_sum = self.err_sum.get(layer, torch.zeros_like(e)) + e
+        # (all that can fail is done: a record that raised above leaves the search as it was)
+        prev = self.allowed_per_layer.get(layer)
+        self.allowed_per_layer[layer] = allowed if prev is None else [s for s in prev if s in allowed] or prev
+        self.heads_seen = H
         votes = self.votes.setdefault(layer, [Counter() for _ in range(H)])
         for h in range(H):
             votes[h][shapes_all[best[h]]] += 1
-        self.err_sum[layer] = self.err_sum.get(layer, torch.zeros_like(e)) + e
+        self.err_sum[layer] = err_sum
         self.err_cnt[layer] = self.err_cnt.get(layer, 0) + 1
 
     def result(self, *, num_layers: int | None = None, num_heads: int | None = None,
