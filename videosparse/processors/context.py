@@ -639,9 +639,9 @@ class _RecomputeWithContext:
 def _processors_as(processors: list[tuple[torch.nn.Module, Any]]) -> Iterator[None]:
     """Within: each attention module holds the processor paired with it (those set since are put back on exit)."""
     changed = [(module, was, module.processor) for module, was in processors if module.processor is not was]
-    for module, was, _ in changed:
-        _set_processor(module, was)
     try:
+        for module, was, _ in changed:       # (inside: one that fails half-way is undone too)
+            _set_processor(module, was)
         yield
     finally:
         for module, _, now in changed:
