@@ -1126,13 +1126,24 @@ def test_apply_names_a_transformer_slot_that_is_not_loaded(caplog):
     with pytest.raises(ValueError, match="transformer, transformer_2 are not loaded"):
         videosparse.apply(Wan22Blocks().init_pipeline(), videosparse.SolConfig(density=0.3))
 
+    empty = Wan22Blocks().init_pipeline()
+    assert videosparse.sessions(empty) == {} and videosparse.remove(empty) == {}     # nothing applied: no error
+
     modular = Wan22Blocks().init_pipeline()
     modular.update_components(transformer=build_tiny_wan_pipeline().transformer)
+    config = videosparse.SolConfig(density=0.3)
+    with pytest.raises(ValueError, match=r"\['transformer'\]; its transformer_2 is not loaded \(None\): load it or "
+                                         "leave it out"):
+        videosparse.apply(modular, {"transformer": config, "transformer_2": config})
     with caplog.at_level(logging.WARNING, logger="videosparse"):
-        assert list(videosparse.apply(modular, videosparse.SolConfig(density=0.3))) == ["transformer"]
+        assert list(videosparse.apply(modular, config)) == ["transformer"]
+        with videosparse.processors.observe(modular, lambda record: None):
+            pass
+        assert list(videosparse.sessions(modular)) == ["transformer"]
+        videosparse.remove(modular)
+    # one warning, from the apply that served (not from the failed one, sessions, observe or remove)
     assert sum("transformer_2 is not loaded (None): only transformer served" in r.getMessage()
                for r in caplog.records) == 1
-    videosparse.remove(modular)
 
     caplog.clear()
     pipe = build_tiny_wan_pipeline()

@@ -58,9 +58,14 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
 
 def _transformers(obj) -> dict[str, torch.nn.Module]:
     """The transformers of a pipeline (transformer, transformer_2, ...) or the module itself, unwrapped
-    from torch.compile's wrapper."""
+    from torch.compile's wrapper; empty for a pipeline whose transformer slots are all None (not loaded)."""
+    return _transformer_slots(obj)[0]
+
+
+def _transformer_slots(obj) -> tuple[dict[str, torch.nn.Module], list[str]]:
+    """(`_transformers(obj)`, the names of the pipeline's transformer slots that hold None: not loaded)."""
     if isinstance(obj, torch.nn.Module):
-        return {"transformer": _unwrap(obj)}
+        return {"transformer": _unwrap(obj)}, []
     components = getattr(obj, "components", None)
     if not isinstance(components, dict):
         raise TypeError(
@@ -73,22 +78,10 @@ def _transformers(obj) -> dict[str, torch.nn.Module]:
             if all(module is not seen for seen in found.values()):   # one module in two slots: served once
                 found[name] = module
     unloaded = sorted(name for name, comp in components.items() if name.startswith("transformer") and comp is None)
-    if not found:
-        if unloaded:
-            raise ValueError(f"pipeline {type(obj).__name__}'s {_are_not_loaded(unloaded)}; load it first (a "
-                             "modular pipeline: pipe.load_components() or pipe.update_components(transformer=...)), "
-                             "then apply.")
+    if not found and not unloaded:
         raise ValueError(f"pipeline {type(obj).__name__} has no transformer component "
                          f"(components: {sorted(components)}).")
-    if unloaded and _is_modular(obj):   # (a standard pipeline's optional transformer_2 is None for good: Wan 2.1)
-        logger.warning("videosparse: %s's %s: only %s served; one loaded later runs stock attention until "
-                       "videosparse.remove(pipe) and apply again.", type(obj).__name__, _are_not_loaded(unloaded),
-                       ", ".join(found))
-    return found
-
-
-def _are_not_loaded(names: list[str]) -> str:
-    return f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} not loaded (None)"
+    return found, unloaded
 
 
 def _is_modular(pipeline) -> bool:
@@ -98,6 +91,15 @@ def _is_modular(pipeline) -> bool:
     except ImportError:
         return False
     return isinstance(pipeline, ModularPipeline)
+
+
+def _are_not_loaded(names: list[str]) -> str:
+    return f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} not loaded (None)"
+
+
+def _and_unloaded(names) -> str:
+    """For an error about the served transformers: the slots left out because they hold None, if any."""
+    return f"; its {_are_not_loaded(list(names))}: load it or leave it out" if names else ""
 
 
 def make_processors(transformer: torch.nn.Module, config, *, scheduler=None, pipeline=None,
@@ -247,10 +249,14 @@ def apply(pipe_or_transformer, config) -> dict[str, SparseSession]:
         >>> video = pipe("a cat surfing", num_frames=81).frames[0]                     # doctest: +SKIP
         >>> videosparse.remove(pipe)                                                   # doctest: +SKIP
     """
-    transformers = _transformers(pipe_or_transformer)
+    transformers, unloaded = _transformer_slots(pipe_or_transformer)
+    if not transformers:
+        raise ValueError(f"pipeline {type(pipe_or_transformer).__name__}'s {_are_not_loaded(unloaded)}; load it "
+                         "first (a modular pipeline: pipe.load_components() or pipe.update_components("
+                         "transformer=...)), then apply.")
     pipeline = pipe_or_transformer if hasattr(pipe_or_transformer, "scheduler") else None
     several = len(transformers) > 1
-    configs = _configs_by_component(config, transformers)
+    configs = _configs_by_component(config, transformers, unloaded)
     for name, transformer in transformers.items():  # check everything before touching anything
         model_spec(transformer)
         active = getattr(transformer, SESSION_ATTR, None)
@@ -273,10 +279,14 @@ def apply(pipe_or_transformer, config) -> dict[str, SparseSession]:
         for transformer in applied:
             _restore(transformer)
         raise
+    if unloaded and _is_modular(pipe_or_transformer):   # (a standard pipeline's transformer_2=None is for good)
+        logger.warning("videosparse: %s's %s: only %s served; one loaded later runs stock attention until "
+                       "videosparse.remove(pipe) and apply again.", type(pipe_or_transformer).__name__,
+                       _are_not_loaded(unloaded), ", ".join(transformers))
     return {name: getattr(t, SESSION_ATTR) for name, t in transformers.items()}
 
 
-def _configs_by_component(config, transformers: dict[str, torch.nn.Module]) -> dict[str, Any]:
+def _configs_by_component(config, transformers: dict[str, torch.nn.Module], unloaded=()) -> dict[str, Any]:
     """`apply`'s config for each transformer: the one config for all, or a dict's by component name (naming every
     transformer: the experts of one pipeline count their denoising steps together, so each gets the context hook;
     `DenseConfig()` keeps one dense). One Veda config whose estimator (or each of whose tuple of estimators) records
@@ -291,8 +301,8 @@ def _configs_by_component(config, transformers: dict[str, torch.nn.Module]) -> d
 
         if len(transformers) == 1:
             raise ValueError(f"estimator={estimator_label(estimators)} names {len(estimators)} estimators, one per "
-                             f"transformer of a pipeline; this one has one transformer ({next(iter(transformers))}): "
-                             "give it its one estimator.")
+                             f"transformer of a pipeline; this one has one transformer ({next(iter(transformers))}"
+                             f"{_and_unloaded(unloaded)}): give it its one estimator.")
         check_config(config)
         if not several and distilled_component(estimators) is None:   # saved before estimators recorded it: all
             return {name: config for name in transformers}
@@ -316,7 +326,8 @@ def _configs_by_component(config, transformers: dict[str, torch.nn.Module]) -> d
                             "to_dict() is read back by videosparse.config.config_from_dict).") from None
     if set(config) != set(transformers):
         raise ValueError(f"config names the components {sorted(map(str, config))}; give one config for each "
-                         f"transformer of this pipeline, {sorted(transformers)} (DenseConfig() keeps one dense).")
+                         f"transformer of this pipeline, {sorted(transformers)}{_and_unloaded(unloaded)} (DenseConfig() "
+                         "keeps one dense).")
     return {name: config[name] for name in transformers}
 
 
