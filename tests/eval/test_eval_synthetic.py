@@ -531,3 +531,25 @@ def test_synthetic_specs_are_checked_before_the_dense_forward(tmp_path, capsys, 
         run_synthetic(["wan-1.3b"], specs, str(out), device="cpu", frames=1, height=16, width=16, layers=1, warmup=0,
                       repeats=1, progress=False)
     assert not out.exists()
+
+
+def test_a_damaged_dense_output_is_measured_again(tmp_path, caplog):
+    """Fault-injection find: the dense output was written in place, so a run killed while writing it left a
+    truncated file beside a report that lists dense as done, and the next run that adds a method failed on it
+    (SafetensorError naming no file). It is written through a temporary file now, and one that cannot be read is
+    measured again with a warning naming it."""
+    import logging
+
+    kw = dict(device="cpu", frames=5, height=64, width=128, layers=1, warmup=0, repeats=1, progress=False)
+    veda = parse_method_specs(["veda@0.5:block=64:tiling=1x8x8"])
+    first = run_synthetic(["wan-1.3b"], veda, str(tmp_path), **kw)["synthetic"]["wan-1.3b"]["methods"]
+    saved = tmp_path / "dense_output_wan-1.3b.safetensors"
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+    saved.write_bytes(saved.read_bytes()[:100])                      # a half-written file
+    specs = parse_method_specs(["veda@0.5:block=64:tiling=1x8x8", "sol@0.5:block=64"])
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        again = run_synthetic(["wan-1.3b"], specs, str(tmp_path), **kw)["synthetic"]["wan-1.3b"]["methods"]
+    assert any(str(saved) in r.getMessage() and "runs again" in r.getMessage() for r in caplog.records)
+    assert again["dense"]["forward_s_all"] != first["dense"]["forward_s_all"]          # measured again
+    assert 0 < again["sol@0.5:block=64"]["output_rel_l2_vs_dense"] < 1.0
+    assert os.path.getsize(saved) > 100

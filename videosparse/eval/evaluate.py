@@ -53,7 +53,7 @@ from .attention import AttentionProbe, sample_steps
 from .generate import check_specs_apply, generate, write_video
 from .metrics import load_lpips, lpips_distance, psnr_per_frame, psnr_video, ssim_per_frame
 from .report import (REPORT_FORMAT, changed_keys, environment, load_report, render_markdown, save_report,
-                     timing_environment)
+                     timing_environment, write_atomic)
 from .spec import MethodSpec
 from .timing import AttentionTimer, pipeline_transformers
 
@@ -707,8 +707,7 @@ class Evaluation:
         self.report["artifacts"] = {"videos": videos, "plots": self.write_plots(summary),
                                     "report_md": "report.md", "report_json": "report.json"}
         self._save()
-        with open(os.path.join(self.out_dir, "report.md"), "w") as f:
-            f.write(render_markdown(self.report))
+        write_atomic(os.path.join(self.out_dir, "report.md"), render_markdown(self.report))
         return self.report
 
 

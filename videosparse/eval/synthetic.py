@@ -1069,7 +1069,11 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
     if dense_output_path and specs[0].label in done and os.path.exists(dense_output_path):
         from safetensors.torch import load_file
 
-        reference = load_file(dense_output_path, device=str(device))["dense_output"].float()
+        try:
+            reference = load_file(dense_output_path, device=str(device))["dense_output"].float()
+        except Exception as err:        # damaged (a run killed while writing it before writes were atomic): redo
+            logger.warning("%s cannot be read (%s); the dense forward runs again", dense_output_path, err)
+            done = {label: row for label, row in done.items() if label != specs[0].label}
     for spec in tqdm(specs, desc=f"synthetic {name}", disable=not progress, leave=False):
         if spec.label in done:
             result.methods[spec.label] = done[spec.label]
@@ -1090,7 +1094,10 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
                 from safetensors.torch import save_file
 
                 os.makedirs(os.path.dirname(os.path.abspath(dense_output_path)), exist_ok=True)
-                save_file({"dense_output": out.detach().contiguous().cpu()}, dense_output_path)
+                folder, file = os.path.split(os.path.abspath(dense_output_path))
+                tmp = os.path.join(folder, f".{file}.tmp")      # renamed over it: a killed write leaves no half file
+                save_file({"dense_output": out.detach().contiguous().cpu()}, tmp)
+                os.replace(tmp, dense_output_path)
         row["output_rel_l2_vs_dense"] = (
             None if reference is None
             else float((out.float() - reference).norm() / reference.norm().clamp_min(1e-30)))
@@ -1148,7 +1155,7 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
     """
     from .plots import plot_speedup_vs_density
     from .report import (REPORT_FORMAT, as_saved, changed_keys, environment, load_report, render_markdown,
-                         save_report, timing_environment)
+                         save_report, timing_environment, write_atomic)
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -1233,8 +1240,7 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
                   artifacts={"plots": plots, "report_md": "report.md", "report_json": "report.json"},
                   updated=time.strftime("%Y-%m-%dT%H:%M:%S"))
     save_report(report, path)
-    with open(os.path.join(out_dir, "report.md"), "w") as f:
-        f.write(render_markdown(report))
+    write_atomic(os.path.join(out_dir, "report.md"), render_markdown(report))
     return report
 
 
