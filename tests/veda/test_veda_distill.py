@@ -158,9 +158,15 @@ def test_killed_then_resumed_run_equals_uninterrupted(tmp_path, cache):
     # and resuming a finished run does no more steps, even after a kill cut the log's last line
     with open(out / "log.jsonl", "a") as f:
         f.write('{"step": 13, "lo')
+    # ... and cleans up after a kill in its last save's pruning, which a resume at the end never repeats
+    # (fault-injection find: a third checkpoint or an `.old_*` folder stayed for good)
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir())
+    shutil.copytree(out / "checkpoints" / kept[0], out / "checkpoints" / "step_00000001")
+    shutil.copytree(out / "checkpoints" / kept[0], out / "checkpoints" / ".old_step_00000002")
     again = run_distillation(cfg)
     assert again.global_step == 12 and again.resumed_from == out / "checkpoints" / "step_00000012"
     assert [h["step"] for h in again.history] == [h["step"] for h in ref.history]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == kept
     # a checkpoint of another configuration is not silently continued, and refusing it writes nothing: the run's
     # config (which a resume reads) and its samples stay as they were
     written = {p: p.read_bytes() for p in [out / "distill_config.json", *sorted((out / "cache").iterdir())]}
@@ -176,6 +182,7 @@ def test_killed_then_resumed_run_equals_uninterrupted(tmp_path, cache):
     state_file.write_text(json.dumps(state))
     assert run_distillation(cfg).resumed_from == out / "checkpoints" / "step_00000012"
     # resume=False starts afresh: the earlier run's checkpoints go (else they would outrank this run's)
+    # (each moved out of the checkpoints before it is deleted: a kill while deleting left a complete-looking one)
     fresh = run_distillation(make_cfg(out, resume=False, max_steps=4))
     assert fresh.resumed_from is None and fresh.global_step == 4
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000004"]

@@ -414,10 +414,16 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
         # a fresh start: an earlier run's checkpoints would outrank (and prune) this run's and be resumed later
         if accelerator.is_main_process:
             logger.info("resume=False: removing %d checkpoints of an earlier run in %s", len(found), ckpt_root)
-            for _, old in found:
-                shutil.rmtree(old, ignore_errors=True)
-        accelerator.wait_for_everyone()
+            for _, old in found:        # out of the checkpoints at once (a kill while deleting leaves none half-way)
+                os.replace(old, ckpt_root / f".old_{old.name}")
         found = []
+    if accelerator.is_main_process and ckpt_root.is_dir():
+        # what a run killed while saving or pruning left (its last save is never repeated by a resume at its end)
+        for _, old in found[:-cfg.keep_checkpoints]:
+            os.replace(old, ckpt_root / f".old_{old.name}")
+        found = found[-cfg.keep_checkpoints:]
+        _remove_leftovers(ckpt_root)
+    accelerator.wait_for_everyone()
     if found:
         resumed_from = found[-1][1]
         try:
