@@ -449,3 +449,18 @@ def test_a_spec_the_pipeline_refuses_is_named_before_any_cell(loaded, tmp_path):
     with pytest.raises(ValueError, match=r"method spec 'veda@0.5:dense_layers=7': dense_layers=\(7,\) names layers"):
         run_evaluation(loaded, settings, str(tmp_path / "ev"), progress=False)
     assert not (tmp_path / "ev").exists()
+
+
+def test_damaged_frames_of_a_finished_cell_name_the_file(tmp_path):
+    """Fault-injection find: a finished cell's frames damaged after they were written failed with numpy's message
+    naming no file; the error names it and says that deleting it computes the cell again."""
+    from types import SimpleNamespace
+
+    from videosparse.eval.evaluate import Evaluation
+
+    path = tmp_path / "cell.npy"
+    np.save(path, np.zeros((2, 8, 8, 3), np.float16))
+    path.write_bytes(path.read_bytes()[:-100])
+    owner = SimpleNamespace(_frames_path=lambda cid: str(path))
+    with pytest.raises(ValueError, match=f"the frames {path} of a finished cell cannot be read .*delete the file"):
+        Evaluation._frames(owner, "cell")

@@ -637,3 +637,14 @@ def test_search_output_block_and_padding_are_checked_by_type(tmp_path):
     for block in (np.int64(64), torch.tensor(64)):
         searched = TilingSearchConfig(output=out, block=block)
         assert searched.block == 64 and type(searched.block) is int
+
+
+def test_a_damaged_sample_is_named_with_what_to_delete(tmp_path):
+    """Fault-injection find: a capture sample damaged after it was written failed training with a bare
+    SafetensorError naming no file (and the prompt's .done marker keeps it from being captured again)."""
+    from videosparse.distill.train import TileSampleDataset
+
+    sample = tmp_path / "p00000_s000_cond.safetensors"
+    sample.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"q.0\"")
+    with pytest.raises(ValueError, match=re.escape(f"sample {sample} cannot be read") + ".*pNNNNN.done"):
+        TileSampleDataset([sample], num_layers=1)[0]

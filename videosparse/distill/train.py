@@ -67,7 +67,11 @@ class TileSampleDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         from safetensors.torch import load_file
 
-        t = load_file(str(self.files[i]))
+        try:
+            t = load_file(str(self.files[i]))
+        except Exception as e:      # damaged after it was written (writes are atomic): a disk fault, a power loss
+            raise ValueError(f"sample {self.files[i]} cannot be read ({type(e).__name__}: {e}); delete it and its "
+                             "prompt's .done marker (pNNNNN.done beside it) to capture that prompt again.") from None
         try:
             return {l: (t[f"q.{l}"], t[f"k.{l}"], t[f"heat.{l}"].float()) for l in range(self.num_layers)}
         except KeyError as e:

@@ -387,7 +387,12 @@ class Evaluation:
         return cid in self.report["cells"] and os.path.isfile(self._frames_path(cid))
 
     def _frames(self, cid: str) -> np.ndarray:
-        return np.load(self._frames_path(cid)).astype(np.float32)
+        path = self._frames_path(cid)
+        try:
+            return np.load(path).astype(np.float32)
+        except (OSError, ValueError) as e:      # damaged after it was written (writes are atomic)
+            raise ValueError(f"the frames {path} of a finished cell cannot be read ({e}); delete the file and run "
+                             "again to compute that cell again.") from None
 
     def _call(self, prompt: str) -> dict:
         return {**self.settings.call, "prompt": prompt}
