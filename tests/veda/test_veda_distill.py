@@ -162,7 +162,8 @@ def test_killed_then_resumed_run_equals_uninterrupted(tmp_path, cache):
     # (fault-injection find: a third checkpoint or an `.old_*` folder stayed for good)
     kept = sorted(p.name for p in (out / "checkpoints").iterdir())
     shutil.copytree(out / "checkpoints" / kept[0], out / "checkpoints" / "step_00000001")
-    shutil.copytree(out / "checkpoints" / kept[0], out / "checkpoints" / ".old_step_00000002")
+    # a pruned folder left over under the name that pruning step_00000001 takes
+    shutil.copytree(out / "checkpoints" / kept[0], out / "checkpoints" / ".old_step_00000001")
     again = run_distillation(cfg)
     assert again.global_step == 12 and again.resumed_from == out / "checkpoints" / "step_00000012"
     assert [h["step"] for h in again.history] == [h["step"] for h in ref.history]

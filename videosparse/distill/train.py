@@ -414,6 +414,8 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
     running_resumed = (0.0, 0)
     run_key = _run_key(cfg, files, accelerator.num_processes)
     found = _checkpoints(ckpt_root)
+    if accelerator.is_main_process and ckpt_root.is_dir():
+        _remove_leftovers(ckpt_root)    # what a kill while saving or pruning left (frees the .old_ names used below)
     if found and not cfg.resume:
         # a fresh start: an earlier run's checkpoints would outrank (and prune) this run's and be resumed later
         if accelerator.is_main_process:
@@ -422,7 +424,7 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
                 os.replace(old, ckpt_root / f".old_{old.name}")
         found = []
     if accelerator.is_main_process and ckpt_root.is_dir():
-        # what a run killed while saving or pruning left (its last save is never repeated by a resume at its end)
+        # the pruning a run killed in its last save left undone (a resume at its end never saves again)
         for _, old in found[:-cfg.keep_checkpoints]:
             os.replace(old, ckpt_root / f".old_{old.name}")
         found = found[-cfg.keep_checkpoints:]
