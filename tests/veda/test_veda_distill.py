@@ -649,3 +649,18 @@ def test_a_damaged_sample_is_named_with_what_to_delete(tmp_path):
     sample.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"q.0\"")
     with pytest.raises(ValueError, match=re.escape(f"sample {sample} cannot be read") + ".*pNNNNN.done"):
         TileSampleDataset([sample], num_layers=1)[0]
+
+
+def test_a_refused_resume_prunes_no_checkpoint(tmp_path, cache):
+    """Review find: the start pruned the checkpoints beyond `keep_checkpoints` before checking the newest, so a
+    resume refused for a damaged newest checkpoint (run with a smaller keep_checkpoints) had already deleted the one
+    before, which the error tells the user to resume from."""
+    out = with_cache(tmp_path / "run", cache)
+    run_distillation(make_cfg(out, keep_checkpoints=3))
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert len(saved) == 3
+    weights = next(p for p in (out / "checkpoints" / saved[-1]).iterdir() if p.suffix == ".safetensors")
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match="cannot be resumed.*resume from the checkpoint before it"):
+        run_distillation(make_cfg(out, keep_checkpoints=1))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == saved

@@ -422,13 +422,8 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
             logger.info("resume=False: removing %d checkpoints of an earlier run in %s", len(found), ckpt_root)
             for _, old in found:        # out of the checkpoints at once (a kill while deleting leaves none half-way)
                 os.replace(old, ckpt_root / f".old_{old.name}")
+            _remove_leftovers(ckpt_root)
         found = []
-    if accelerator.is_main_process and ckpt_root.is_dir():
-        # the pruning a run killed in its last save left undone (a resume at its end never saves again)
-        for _, old in found[:-cfg.keep_checkpoints]:
-            os.replace(old, ckpt_root / f".old_{old.name}")
-        found = found[-cfg.keep_checkpoints:]
-        _remove_leftovers(ckpt_root)
     accelerator.wait_for_everyone()
     if found:
         resumed_from = found[-1][1]
@@ -462,6 +457,12 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
         global_step, epoch, batches_done = st["global_step"], st["epoch"], st["batches_done"]
         running_resumed = (st.get("running_loss", 0.0), st.get("running_n", 0))   # the log window in progress
         logger.info("resumed from %s (step %d)", resumed_from, global_step)
+    if accelerator.is_main_process and found:
+        # the pruning a run killed in its last save left undone (a resume at its end never saves again); only once
+        # the newest was resumed: the error for a damaged one points to the checkpoint before it
+        for _, old in found[:-cfg.keep_checkpoints]:
+            os.replace(old, ckpt_root / f".old_{old.name}")
+        _remove_leftovers(ckpt_root)
     history = [h for h in _read_log(log_path) if h.get("step", global_step + 1) <= global_step]
     if accelerator.is_main_process:
         if resumed_from is None:        # a run from step 0: an earlier run's estimator must not sit beside its config

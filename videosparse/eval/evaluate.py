@@ -390,7 +390,7 @@ class Evaluation:
         path = self._frames_path(cid)
         try:
             return np.load(path).astype(np.float32)
-        except (OSError, ValueError) as e:      # damaged after it was written (writes are atomic)
+        except (OSError, ValueError, EOFError) as e:    # damaged after it was written (writes are atomic)
             raise ValueError(f"the frames {path} of a finished cell cannot be read ({e}); delete the file and run "
                              "again to compute that cell again.") from None
 
