@@ -312,11 +312,17 @@ def _save_checkpoint(accelerator, root: Path, state: dict[str, Any], keep: int) 
             json.dump(state, f)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        for _, old in _checkpoints(root)[:-keep]:     # out of the checkpoints at once, deleted just below
-            os.replace(old, root / f".old_{old.name}")
-        _remove_leftovers(root)
+        _retire(root, _checkpoints(root)[:-keep])
     accelerator.wait_for_everyone()
     return final
+
+
+def _retire(root: Path, checkpoints: list[tuple[int, Path]]) -> None:
+    """Delete `checkpoints` (`_checkpoints` entries): each out of the checkpoints at once (renamed `.old_*`: a kill
+    while deleting leaves none half-way), then deleted with whatever else a killed run left (`_remove_leftovers`)."""
+    for _, old in checkpoints:
+        os.replace(old, root / f".old_{old.name}")
+    _remove_leftovers(root)
 
 
 def _remove_leftovers(root: Path) -> None:
@@ -420,9 +426,7 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
         # a fresh start: an earlier run's checkpoints would outrank (and prune) this run's and be resumed later
         if accelerator.is_main_process:
             logger.info("resume=False: removing %d checkpoints of an earlier run in %s", len(found), ckpt_root)
-            for _, old in found:        # out of the checkpoints at once (a kill while deleting leaves none half-way)
-                os.replace(old, ckpt_root / f".old_{old.name}")
-            _remove_leftovers(ckpt_root)
+            _retire(ckpt_root, found)
         found = []
     accelerator.wait_for_everyone()
     if found:
@@ -460,9 +464,7 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
     if accelerator.is_main_process and found:
         # the pruning a run killed in its last save left undone (a resume at its end never saves again); only once
         # the newest was resumed: the error for a damaged one points to the checkpoint before it
-        for _, old in found[:-cfg.keep_checkpoints]:
-            os.replace(old, ckpt_root / f".old_{old.name}")
-        _remove_leftovers(ckpt_root)
+        _retire(ckpt_root, found[:-cfg.keep_checkpoints])
     history = [h for h in _read_log(log_path) if h.get("step", global_step + 1) <= global_step]
     if accelerator.is_main_process:
         if resumed_from is None:        # a run from step 0: an earlier run's estimator must not sit beside its config

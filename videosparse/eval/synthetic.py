@@ -66,6 +66,7 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -1093,11 +1094,11 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
             if dense_output_path:
                 from safetensors.torch import save_file
 
-                os.makedirs(os.path.dirname(os.path.abspath(dense_output_path)), exist_ok=True)
-                folder, file = os.path.split(os.path.abspath(dense_output_path))
-                tmp = os.path.join(folder, f".{file}.tmp")      # renamed over it: a killed write leaves no half file
-                save_file({"dense_output": out.detach().contiguous().cpu()}, tmp)
-                os.replace(tmp, dense_output_path)
+                saved = Path(dense_output_path).absolute()
+                saved.parent.mkdir(parents=True, exist_ok=True)
+                tmp = saved.with_name(f".{saved.name}.tmp")     # renamed over it: a killed write leaves no half file
+                save_file({"dense_output": out.detach().contiguous().cpu()}, str(tmp))
+                os.replace(tmp, saved)
         row["output_rel_l2_vs_dense"] = (
             None if reference is None
             else float((out.float() - reference).norm() / reference.norm().clamp_min(1e-30)))

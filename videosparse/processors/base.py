@@ -19,6 +19,11 @@ import logging
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
+try:
+    from diffusers.hooks.layer_skip import AttentionScoreSkipFunctionMode
+except ImportError:                     # a diffusers without layer-skip hooks
+    AttentionScoreSkipFunctionMode = None
+
 from ..kernels import block_sparse_attention
 from ..plan import dense_plan
 from ..rope import apply_rope
@@ -34,12 +39,8 @@ def attention_scores_skipped() -> bool:
     """True inside diffusers' `AttentionScoreSkipFunctionMode` (`LayerSkipConfig(skip_attention_scores=True)`, which
     perturbed-attention guidance puts on its layers): the stock processors' attention then returns the values.
     Traced by Dynamo (no graph break); False on a diffusers without layer-skip hooks."""
-    try:
-        from diffusers.hooks.layer_skip import AttentionScoreSkipFunctionMode
-    except ImportError:
-        return False
-    return any(isinstance(mode, AttentionScoreSkipFunctionMode)
-               for mode in torch.overrides._get_current_function_mode_stack())
+    return AttentionScoreSkipFunctionMode is not None and any(
+        isinstance(mode, AttentionScoreSkipFunctionMode) for mode in torch.overrides._get_current_function_mode_stack())
 
 
 class _StockSkipMetadata:
