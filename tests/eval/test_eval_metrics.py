@@ -245,3 +245,26 @@ def test_heatmap_scale_and_drawing_with_a_non_finite_cell(tmp_path):
     assert heatmap_top(error_matrices(attention)) == pytest.approx(0.2)
     assert heatmap_top({}) == 1e-6
     assert plot_error_heatmap(attention, str(tmp_path / "h.png")) == str(tmp_path / "h.png")
+
+
+def test_plots_are_saved_atomically(tmp_path, monkeypatch):
+    """The plots were saved in place: a run killed while saving one left a partial PNG. A save that fails now leaves
+    the figure before it whole and no temporary file, and names the path."""
+    import os
+
+    from videosparse.eval.plots import plot_quality_vs_density, plot_speedup_vs_density
+
+    summary = {"veda@0.1": {"family": "veda", "method": "veda@0.1", "realised_density": 0.1, "psnr_db": 30.0,
+                            "ssim": 0.9, "speedup_transformer": 2.0, "attention_work": 0.1}}
+    path = tmp_path / "q.png"
+    plot_quality_vs_density(summary, str(path))
+    before = path.read_bytes()
+    assert before.startswith(b"\x89PNG")
+
+    def fail(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError, match="q.png.*No space left"):
+        plot_speedup_vs_density(summary, 0.8, str(path))
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["q.png"]

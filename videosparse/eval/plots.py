@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 from collections import defaultdict
 
@@ -24,6 +25,19 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _save(fig, path: str, **kwargs) -> None:
+    """Save `fig` as PNG to `path` atomically (`videosparse.eval.report.write_atomic`: a run killed while saving leaves
+    the old figure whole, or none), and close it."""
+    from .report import write_atomic
+
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, format="png", dpi=110, **kwargs)
+    finally:
+        _pyplot().close(fig)
+    write_atomic(path, buffer.getvalue())
 
 
 def _finite(x) -> bool:
@@ -66,8 +80,7 @@ def plot_quality_vs_density(summary: dict, path: str, title: str = "") -> str:
             ax.legend(fontsize=8)
     fig.suptitle(title or "Quality vs density (dense = reference)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return path
 
 
@@ -125,8 +138,7 @@ def plot_error_heatmap(attention: dict, path: str) -> str:
     if image is not None:
         fig.colorbar(image, ax=list(axes[0]), label="relative L2 error vs dense")
     fig.suptitle("Attention output error per layer (sampled steps)")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    _save(fig, path, bbox_inches="tight")
     return path
 
 
@@ -158,6 +170,5 @@ def plot_speedup_vs_density(points: dict, attention_share: float | None, path: s
     ax.legend(fontsize=8)
     ax.set_title(title or "Speedup vs density")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return path

@@ -66,8 +66,8 @@ def writes_in_place(path: str | os.PathLike) -> bool:
         not os.path.isfile(real) or os.path.abspath(shown).startswith(("/dev/", "/proc/")))
 
 
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to `path` atomically: into a hidden temporary file beside it, then renamed over it, so that a write
+def write_atomic(path: str | os.PathLike, text: str | bytes) -> None:
+    """Write `text` (or bytes) to `path` atomically: into a hidden temporary file beside it, then renamed over it, so that a write
     stopped half-way leaves the old file whole; the temporary file goes when anything fails, and an OSError names
     `path`. Where `writes_in_place(path)` (a FIFO, /dev/null, /dev/stdout) it is written directly; a symlink is not
     replaced: its target is written."""
@@ -76,7 +76,10 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
     if stream is not None:          # through Python's stream: a reopened /dev/stdout would write at its own offset
         stream = getattr(sys, stream)
         stream.flush()
-        stream.write(text)
+        if isinstance(text, bytes):
+            stream.buffer.write(text)
+        else:
+            stream.write(text)
         stream.flush()
         return
     special = writes_in_place(shown)
@@ -86,7 +89,7 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
     try:
         if os.path.isdir(path):
             raise IsADirectoryError("it is a directory")
-        with open(tmp, "w") as f:
+        with open(tmp, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
         if not special:
             os.replace(tmp, path)
