@@ -272,6 +272,35 @@ def test_each_expert_takes_its_own_config_and_an_estimator_serves_only_its_compo
     videosparse.remove(pipe)
 
 
+def test_a_tiling_searched_on_one_expert_warns_for_the_other(tmp_path, caplog):
+    """A tiling file searched on one expert (`videosparse search-tiling --component transformer`) served both Wan 2.2
+    experts without a word; the expert it was not searched on now gets a warning naming it, once the apply served."""
+    import logging
+
+    from videosparse.veda.tiling import Tiling
+
+    pipe = _two_experts()
+    path = tmp_path / "tiling.json"
+    Tiling(((((1, 4, 16),) * 2),) * 2, block=64, meta={"model_class": "WanTransformer3DModel", "num_layers": 2,
+                                                      "num_heads": 2, "search_config": {"component": "transformer"}}
+           ).save(path)
+    config = videosparse.VedaConfig(density=0.5, block=64, tiling=str(path))
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        sessions = videosparse.apply(pipe, config)
+    warnings = [r.getMessage() for r in caplog.records if "searched on" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("videosparse: transformer_2 uses the tiling file")
+    assert "--component transformer_2" in warnings[0]
+    assert all(s.method.tiling is not None for s in sessions.values())
+    videosparse.remove(pipe)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="videosparse"):      # its own expert only: no warning
+        videosparse.apply(pipe, {"transformer": config, "transformer_2": dataclasses.replace(config, tiling=(1, 4, 16))})
+        videosparse.remove(pipe)
+        videosparse.apply(pipe.transformer_2, config)                   # one transformer: no component to compare
+        videosparse.remove(pipe.transformer_2)
+    assert "searched on" not in caplog.text
+
+
 def test_a_tuple_of_estimators_serves_each_expert_with_its_own(tmp_path, caplog):
     """`VedaConfig(estimator=(high, low))` (what `videosparse generate --estimator A B` and the spec
     `estimator=A,B` give): each expert gets the estimator distilled from it, in any order; two of one expert, one that

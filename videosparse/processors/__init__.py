@@ -279,11 +279,27 @@ def apply(pipe_or_transformer, config) -> dict[str, SparseSession]:
         for transformer in applied:
             _restore(transformer)
         raise
+    if several:
+        _warn_tilings_of_other_components(transformers)
     if unloaded and _is_modular(pipe_or_transformer):   # (a standard pipeline's transformer_2=None is for good)
         logger.warning("videosparse: %s's %s: only %s served; one loaded later runs stock attention until "
                        "videosparse.remove(pipe) and apply again.", type(pipe_or_transformer).__name__,
                        _are_not_loaded(unloaded), ", ".join(transformers))
     return {name: getattr(t, SESSION_ATTR) for name, t in transformers.items()}
+
+
+def _warn_tilings_of_other_components(transformers: dict[str, torch.nn.Module]) -> None:
+    """A warning for each transformer served with a tiling file searched on another component of its pipeline (the
+    tile shapes fit: Wan 2.2's experts share class and sizes, not their attention)."""
+    for name, transformer in transformers.items():
+        tiling = getattr(getattr(transformer, SESSION_ATTR).method, "tiling", None)
+        searched = getattr(tiling, "searched_component", None)
+        if searched is not None and searched != name:
+            path = getattr(transformer, SESSION_ATTR).config.tiling
+            logger.warning("videosparse: %s uses the tiling file %r searched on %s; its tile shapes fit, but were "
+                           "chosen for %s's attention. A tiling of its own: videosparse search-tiling --component %s, "
+                           "then a config by component, videosparse.apply(pipe, {%r: VedaConfig(tiling=...), ...}).",
+                           name, str(path), searched, searched, name, name)
 
 
 def _configs_by_component(config, transformers: dict[str, torch.nn.Module], unloaded=()) -> dict[str, Any]:

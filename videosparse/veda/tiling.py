@@ -94,6 +94,13 @@ class Tiling:
         if wrong:
             raise ValueError(f"tiling file {source!r} was searched for another model: " + ", ".join(wrong) + ".")
 
+    @property
+    def searched_component(self) -> str | None:
+        """The pipeline component the search ran on ("transformer", "transformer_2"), as its JSON records it."""
+        search = self.meta.get("search_config")
+        component = search.get("component") if isinstance(search, dict) else None
+        return component if isinstance(component, str) else None
+
     def to_dict(self) -> dict[str, Any]:
         return {"format": TILING_FORMAT, "version": TILING_VERSION, "block": self.block,
                 "layers": [[list(s) for s in heads] for heads in self.layers], **self.meta}
