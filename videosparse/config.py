@@ -338,7 +338,8 @@ class SolConfig(_BaseConfig):
     what ran before nor on what it is batched with).
 
     Args:
-        density (`float` or `None`): target fraction of key tiles computed exactly, in (0, 1].
+        density (`float` or `None`): target fraction of key tiles computed exactly, in (0, 1] (of all the tile
+            pairs computed, text tiles included; a padded prompt's pad tiles are not computed and do not count).
         tau (`float` or `None`): threshold in standard deviations above the mean proxy score.
         block (`int`, defaults to 128): tokens per tile, 128 or 64. The paper uses 64-token blocks;
             128 is the default here because the Hopper kernel runs 128x128 tiles 2.2x faster than

@@ -74,7 +74,8 @@ class SparseMethod:
         return self.config.tiling
 
     def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: HeadTiling, layer: int,
-             state: dict | None = None) -> Plan:
+             state: dict | None = None, valid_keys: torch.Tensor | None = None,
+             skip_padded_queries: bool = False) -> Plan:
         """The plan for one call.
 
         Args:
@@ -82,6 +83,8 @@ class SparseMethod:
             layout: the `HeadTiling` used to gather them (num_tiles, num_video_tiles, tile_len).
             layer: index of the self-attention layer (0-based).
             state: `layer_state(layer)`, passed by the processors (None: looked up from `layer`).
+            valid_keys, skip_padded_queries: the key padding the caller applies to the plan afterwards
+                (`Plan.with_valid_keys`), for a method whose target density counts the tiles computed (Sol's).
         """
         raise NotImplementedError
 

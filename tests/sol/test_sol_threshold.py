@@ -145,6 +145,26 @@ def test_calibration_within_001(density, kind, G):
     assert abs(got - max(density, floor)) <= 0.01, (got, density, floor)
 
 
+@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("density", [0.3, 0.5, 0.8])      # (the forced tiles alone: 0.24)
+def test_calibration_with_padded_key_tiles_counts_the_tiles_computed(density, skip):
+    """Review find: with padded text (HunyuanVideo, Mochi) the calibration counted all N x N tile pairs, padded text
+    tiles kept, while the plan drops them (`Plan.with_valid_keys`): density 0.3 gave 0.266 computed. Given the valid
+    key tiles, the calibrated density is that of the computed pairs, equal to the plan's after dropping them."""
+    B, H, Mv, G, block = 2, 3, 30, 4, 64
+    z = torch.randn(B, H, Mv, Mv, generator=torch.Generator().manual_seed(5)).masked_fill(band_mask(Mv, 1), math.inf)
+    valid_keys = torch.tensor([Mv * block + 70, Mv * block + 1], dtype=torch.int32)    # 2 and 1 valid text tiles
+    key_tiles = (valid_keys.long() + block - 1) // block
+    tau, realized = calibrate_tau(z, density, G, 1, valid_key_tiles=key_tiles, skip_padded_queries=skip)
+    plan = sol_plan_from_zscores(z, tau, G, block).with_valid_keys(valid_keys, skip)
+    query_tiles = key_tiles if skip else torch.full_like(key_tiles, Mv + G)
+    computed = plan.kv_count.sum().item() / (H * (query_tiles * key_tiles).sum().item())
+    assert abs(computed - realized.item()) < 1e-12
+    assert abs(computed - density) < 0.01, (computed, density)
+    with pytest.raises(ValueError, match=r"valid_key_tiles has shape \(3,\); expected \(2,\)"):
+        calibrate_tau(z, density, G, 1, valid_key_tiles=torch.ones(3, dtype=torch.long))
+
+
 def test_calibration_below_forced_density_keeps_only_forced_tiles():
     z = torch.randn(1, 2, 6, 6).masked_fill(band_mask(6, 1), float("inf"))
     tau, realized = calibrate_tau(z, 0.05, 1, band=1)

@@ -348,7 +348,7 @@ class SparseAttentionMixin:
         dtype = attention_dtype(qt.dtype, qt.device)
         if dtype != qt.dtype or dtype != kt.dtype or dtype != vt.dtype:     # under autocast, as SDPA casts
             qt, kt, vt = qt.to(dtype), kt.to(dtype), vt.to(dtype)
-        plan = session.method.plan(qt, kt, vt, layout, self.layer, state)
+        plan = session.method.plan(qt, kt, vt, layout, self.layer, state, valid_keys, skip_padded_queries)
         pairs = None
         if valid_keys is not None:      # the density counts pairs of valid tiles (padded tiles are not computed)
             plan = plan.with_valid_keys(valid_keys, skip_padded_queries)

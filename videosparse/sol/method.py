@@ -84,10 +84,10 @@ class SolMethod(SparseMethod):
         return {(layer, *shape): {"tau": float(tau), "density": float(realized)}
                 for layer, state in sorted(self.layer_states.items()) for shape, (tau, realized) in state.items()}
 
-    def tau(self, z: torch.Tensor, layout: HeadTiling, layer: int, key: tuple,
-            state: dict | None = None) -> torch.Tensor | float:
+    def tau(self, z: torch.Tensor, layout: HeadTiling, layer: int, key: tuple, state: dict | None = None,
+            valid_keys: torch.Tensor | None = None, skip_padded_queries: bool = False) -> torch.Tensor | float:
         """τ for this call: the configured one, or the one cached in the layer's state (calibrated on its
-        first call per shape `key`)."""
+        first call per shape `key`, over the tiles computed: those of `valid_keys` as in `plan`)."""
         cfg = self.config
         if cfg.tau is not None:
             return float(cfg.tau)
@@ -100,7 +100,9 @@ class SolMethod(SparseMethod):
             from ..processors.parallel import gather_heads
 
             z = gather_heads(z, state.group)
-        tau, realized = calibrate_tau(z, float(cfg.density), layout.num_global_tiles, cfg.band)
+        valid_key_tiles = None if valid_keys is None else (valid_keys.long() + self.block - 1) // self.block
+        tau, realized = calibrate_tau(z, float(cfg.density), layout.num_global_tiles, cfg.band,
+                                      valid_key_tiles=valid_key_tiles, skip_padded_queries=skip_padded_queries)
         tau, realized = tau.detach(), realized.detach()     # kept for the session: no hold on this call's graph
         state[key] = (tau, realized)
         return tau
@@ -127,7 +129,8 @@ class SolMethod(SparseMethod):
             )
 
     def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: HeadTiling, layer: int,
-             state: dict | None = None) -> Plan:
+             state: dict | None = None, valid_keys: torch.Tensor | None = None,
+             skip_padded_queries: bool = False) -> Plan:
         """The Sol plan for one attention call.
 
         Args:
@@ -135,6 +138,9 @@ class SolMethod(SparseMethod):
             layout: the `HeadTiling` that gathered them (num_video_tiles, num_global_tiles).
             layer: self-attention layer index.
             state: the layer's state dict (`layer_state(layer)`; the processors pass it).
+            valid_keys: int [B] or None: item b's keys at tile-order positions >= valid_keys[b] are padding, which
+                the caller drops from the plan (`Plan.with_valid_keys`, with `skip_padded_queries` the query tiles
+                past it too); a density calibration then counts only the tiles computed.
 
         Returns:
             `Plan` with block_m == block_n == config.block over N = ceil(S / block) tiles, and
@@ -154,7 +160,7 @@ class SolMethod(SparseMethod):
         q_mean, k_mean, v_sum, tile_len = tile_stats(q, k, v, block, backend=centroid_backend)
         z = routing_zscores(q_mean[:, :, :Mv], k_mean[:, :, :Mv], 1.0 / math.sqrt(D), cfg.band)
         key = (H, S, D, Mv, G, layout.grid)
-        tau = self.tau(z, layout, layer, key, state)
+        tau = self.tau(z, layout, layer, key, state, valid_keys, skip_padded_queries)
         plan = sol_plan_from_zscores(z, tau, G, block, width=N if packs_full_width(self.static_width, q) else None)
         if cfg.correction:
             plan = plan.with_correction(k_mean, v_sum, tile_len)

@@ -138,7 +138,8 @@ def forced_pairs(num_video_tiles: int, num_global_tiles: int, band: int) -> int:
 
 
 def calibrate_tau(
-    z: torch.Tensor, density: float, num_global_tiles: int, band: int, *, iters: int = 48
+    z: torch.Tensor, density: float, num_global_tiles: int, band: int, *, iters: int = 48,
+    valid_key_tiles: torch.Tensor | None = None, skip_padded_queries: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """τ whose plan density (globals and band included) is closest to `density`, by bisection.
 
@@ -153,6 +154,10 @@ def calibrate_tau(
         num_global_tiles: G, global tiles after the video tiles.
         band: the band used to build z (for the count of forced pairs).
         iters: bisection steps (48 halve any fp32 bracket down to adjacent floats).
+        valid_key_tiles: int [B] or None: item b's key tiles that hold a valid token (Mv <= K_b <= N; the plan's
+            `with_valid_keys` drops the others, padded text tiles). The density then counts what is computed: K_b
+            key tiles per query row, over N query rows, or K_b with `skip_padded_queries`.
+        skip_padded_queries: with `valid_key_tiles`, the query tiles past it are not computed either.
 
     Returns:
         tau: fp32 0-dim tensor on z's device, in the middle of the gap between the two finite scores
@@ -165,17 +170,26 @@ def calibrate_tau(
     _check_global_tiles(num_global_tiles)
     if z.dim() != 4 or z.shape[-1] != z.shape[-2]:
         raise ValueError(f"z must be [B, H, Mv, Mv]; got {tuple(z.shape)}.")
-    return _calibrate_tau_op(z, float(density), int(num_global_tiles), int(band), int(iters))
+    if valid_key_tiles is not None and valid_key_tiles.shape != (z.shape[0],):
+        raise ValueError(f"valid_key_tiles has shape {tuple(valid_key_tiles.shape)}; expected ({z.shape[0]},), one "
+                         "count per batch item.")
+    return _calibrate_tau_op(z, float(density), int(num_global_tiles), int(band), int(iters), valid_key_tiles,
+                             bool(skip_padded_queries))
 
 
 @torch.library.custom_op("videosparse::sol_calibrate_tau", mutates_args=())
-def _calibrate_tau_op(z: torch.Tensor, density: float, num_global_tiles: int, band: int,
-                      iters: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _calibrate_tau_op(z: torch.Tensor, density: float, num_global_tiles: int, band: int, iters: int,
+                      valid_key_tiles: torch.Tensor | None = None,
+                      skip_padded_queries: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`calibrate_tau` as one opaque node for torch.compile (its bisection loop runs eagerly, on the device)."""
     B, H, Mv, _ = z.shape
     N = Mv + num_global_tiles
-    forced = B * H * (N * N - Mv * Mv)                                    # global rows/cols
-    total = B * H * N * N
+    if valid_key_tiles is None:
+        total = B * H * N * N
+    else:               # pairs of computed tiles: K_b keys for each of N (or K_b) query rows (no host sync)
+        keys = valid_key_tiles.to(z.device, torch.float64)
+        total = H * (keys * (keys if skip_padded_queries else N)).sum()
+    forced = total - B * H * Mv * Mv                                      # global rows/cols
     target = density * total - forced                                    # video pairs wanted
     finite = torch.isfinite(z)
     big = torch.finfo(torch.float32).max
@@ -221,7 +235,7 @@ def _centre_in_gap(z: torch.Tensor, tau: torch.Tensor, finite: torch.Tensor) -> 
 
 
 @_calibrate_tau_op.register_fake
-def _(z, density, num_global_tiles, band, iters):
+def _(z, density, num_global_tiles, band, iters, valid_key_tiles=None, skip_padded_queries=False):
     return z.new_empty((), dtype=torch.float32), z.new_empty((), dtype=torch.float64)
 
 

@@ -148,7 +148,9 @@ class VedaMethod(SparseMethod):
         with torch.no_grad():
             return self.estimator(qf, kf, layer)
 
-    def plan(self, q, k, v, layout: HeadTiling, layer: int, state: dict | None = None) -> Plan:
+    def plan(self, q, k, v, layout: HeadTiling, layer: int, state: dict | None = None, valid_keys=None,
+             skip_padded_queries: bool = False) -> Plan:
+        # (top-k of the video key tiles per query tile: padded text tiles do not enter its density)
         scores = self.scores(q, k, layout, layer, state)
         # fp16 selection on CUDA: estimator logits are O(10), and the radix select runs over half the bits
         plan = topk_plan(scores, self.config.density, num_global_tiles=layout.num_global_tiles, block=self.block,
