@@ -68,9 +68,9 @@ def writes_in_place(path: str | os.PathLike) -> bool:
 
 def write_atomic(path: str | os.PathLike, text: str | bytes) -> None:
     """Write `text` (or bytes) to `path` atomically: into a hidden temporary file beside it, then renamed over it,
-    so that a write stopped half-way leaves the old file whole; the temporary file goes when anything fails, and an OSError names
-    `path`. Where `writes_in_place(path)` (a FIFO, /dev/null, /dev/stdout) it is written directly; a symlink is not
-    replaced: its target is written."""
+    so that a write stopped half-way leaves the old file whole; the temporary file goes when anything fails, and an
+    OSError names `path`. Where `writes_in_place(path)` (a FIFO, /dev/null, /dev/stdout) it is written directly; a
+    symlink is not replaced: its target is written."""
     shown = os.fspath(path)
     stream = _STANDARD_STREAMS.get(shown)
     if stream is not None:          # through Python's stream: a reopened /dev/stdout would write at its own offset
