@@ -1,10 +1,11 @@
 """Per-head tile shapes: the memory a layer's tiling keeps between calls and the time of its gathers and scatter
-(GPU), against keeping the [heads, tokens] orders (what `HeadTiling` kept until 2026-12-06).
+(GPU), against keeping the [heads, tokens] orders (what `HeadTiling` kept until 2026-12-06, and still keeps up to
+`videosparse.layout.KEEP_HEAD_ORDERS_BYTES`).
 
-`HeadTiling` now keeps one order per distinct tile shape ([shapes, S] int64, and its inverse) and expands the
-[heads, S] index for each gather and scatter. This times, at the real sizes, with half the heads in one shape and half
-in another: q's gather with Wan's RoPE fused (`rope_gather`), v's gather (no RoPE), the output's scatter, each with
-the expanded index and with a kept one, and checks that both give the same tensors.
+Past that size `HeadTiling` keeps one order per distinct tile shape ([shapes, S] int64, and its inverse) and
+expands the [heads, S] index for each gather and scatter. This times, at the real sizes, with half the heads in one
+shape and half in another: q's gather with Wan's RoPE fused (`rope_gather`), v's gather (no RoPE), the output's
+scatter, each with the expanded index and with a kept one, and checks that both give the same tensors.
 
     python scripts/bench_head_tiling.py            # -> benchmarks/head_tiling_h200.json
 """
@@ -57,6 +58,10 @@ def main(argv=None):
                 self._device_cache[("kept",)] = self.head_indices(device)      # (perm, inv), as before
             return self._device_cache[("kept",)][int(inverse)]
 
+    import videosparse.layout as layout_module
+
+    keep_bytes = layout_module.KEEP_HEAD_ORDERS_BYTES
+    layout_module.KEEP_HEAD_ORDERS_BYTES = 0            # `now` expands at every size (kept ones: `KeptOrders`)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/head_tiling_h200.json")
     args = ap.parse_args(argv)
@@ -83,6 +88,7 @@ def main(argv=None):
         step = {label: 2 * times[f"{label}_q_gather_rope_ms"] + times[f"{label}_v_gather_ms"]
                 + times[f"{label}_scatter_ms"] for label in ("expanded", "kept")}
         rows.append(dict(shape=name, tokens=S, heads=H, head_dim=D, tiles=[list(t) for t in TILES], same_outputs=same,
+                         package_keeps=2 * 8 * H * S <= keep_bytes,
                          **times, layer_ms_expanded=step["expanded"], layer_ms_kept=step["kept"],
                          added_ms_per_forward=layers * (step["expanded"] - step["kept"]),
                          saved_mb_per_forward_layers=layers * (times["kept_cached_mb"] - times["expanded_cached_mb"])))
@@ -94,8 +100,10 @@ def main(argv=None):
     Path(args.out).write_text(json.dumps(dict(
         what="per-head tile shapes (half the heads 4x4x8, half 2x8x8), bf16, batch 1: the index tensors a layer's "
              "HeadTiling keeps on the GPU and the time of its gathers (q with Wan's RoPE fused, v without) and "
-             "scatter, expanding the [heads, S] index from per-shape orders on each call ('expanded', the package) "
-             "vs keeping it ('kept', the former behaviour); layer_ms = 2 x q gather + v gather + scatter",
+             "scatter, expanding the [heads, S] index from per-shape orders on each call ('expanded', the package's "
+             "past KEEP_HEAD_ORDERS_BYTES) vs keeping it ('kept', the former behaviour; package_keeps: the package "
+             "keeps it at this size); "
+             "layer_ms = 2 x q gather + v gather + scatter",
         versions=versions(), device=torch.cuda.get_device_name(), rows=rows), indent=1))
 
 

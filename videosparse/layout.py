@@ -27,6 +27,9 @@ from .config import int_at_least
 from .rope import apply_rope, check_groups, rope_gather
 
 TEXT_POSITIONS = ("before", "after")
+#: A per-head tiling keeps its [heads, tokens] orders (perm and inverse, int64) up to this size (6.3 MB at Wan 1.3B
+#: 480P); larger ones (48 MB at Wan 14B 720P) keep one order per distinct tile shape and expand the index per call.
+KEEP_HEAD_ORDERS_BYTES = 16 * 2**20
 
 
 def _normal_tensors():
@@ -297,7 +300,7 @@ class HeadTiling:
         if self.uniform:
             self.first.indices(device)
         else:
-            self._shape_indices(device)
+            self._head_order(device)
 
     def select_heads(self, heads: slice) -> "HeadTiling":
         """The tiling of heads `heads` only (one rank's heads under Ulysses context parallelism), cached."""
@@ -328,9 +331,17 @@ class HeadTiling:
         return perm.index_select(0, row), inv.index_select(0, row)
 
     def _head_order(self, device: torch.device | str, inverse: bool = False) -> torch.Tensor:
-        """int64 [H, S]: `head_indices`' perm (or inv) alone, a transient tensor (24 MB at Wan 14B 720P)."""
+        """int64 [H, S]: `head_indices`' perm (or inv) alone. Kept (built outside any compiled graph by `warm`)
+        while the pair takes at most `KEEP_HEAD_ORDERS_BYTES`, else expanded for each call (24 MB at Wan 14B 720P:
+        1.6% more time in the gathers and scatter there, on an H100, benchmarks/head_tiling_h100.json)."""
         perm, inv, row = self._shape_indices(device)
-        return (inv if inverse else perm).index_select(0, row)
+        if 2 * perm.element_size() * len(self.tiles) * self.seq_len > KEEP_HEAD_ORDERS_BYTES:
+            return (inv if inverse else perm).index_select(0, row)
+        key = (_cache_key(device), "heads")
+        if key not in self._device_cache:
+            with _normal_tensors():
+                self._device_cache[key] = (perm.index_select(0, row), inv.index_select(0, row))
+        return self._device_cache[key][int(inverse)]
 
     def gather(self, x: torch.Tensor, rope=None, groups: int = 1) -> torch.Tensor:
         """(B, S, H / groups, D) original order -> (B, H, S, D) contiguous, each head in its own tile order
