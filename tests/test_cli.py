@@ -347,16 +347,30 @@ def test_evaluate_checks_the_files_its_specs_name_before_any_cell_runs(tmp_path,
     assert "prompts file" in capsys.readouterr().err and not out.exists()
 
 
-def test_prompt_files_hold_lines_or_a_json_list(tmp_path):
+def test_prompt_files_hold_lines_or_a_json_list_read_alike_by_every_command(tmp_path):
+    """Review find: `evaluate` read a JSON list only from a file named .json (a prompts.txt holding one ran its raw
+    text as one prompt) and skipped '#' lines, which `distill` and `search-tiling` took as prompts."""
     from videosparse.distill.config import read_prompts
+    from videosparse.eval.evaluate import load_prompts
 
-    lines, listed, broken = tmp_path / "p.txt", tmp_path / "p.json", tmp_path / "bad.json"
-    lines.write_text("a cat\n\n  a dog  \n")
+    lines, listed, broken = tmp_path / "p.txt", tmp_path / "p.txt.1", tmp_path / "bad.txt"
+    lines.write_text("# my prompts\na cat\n\n  a dog  \n  # not this one\n")
     listed.write_text('[\n  "a red circle moving left",\n  "a blue square moving up"\n]\n')
     broken.write_text('[cinematic] a cat surfing\n[anime] a dog running\n')    # lines that start with "["
-    assert read_prompts(str(lines)) == ["a cat", "a dog"]
-    assert read_prompts(str(listed)) == ["a red circle moving left", "a blue square moving up"]
-    assert read_prompts(str(broken)) == ["[cinematic] a cat surfing", "[anime] a dog running"]
+    for read in (read_prompts, load_prompts):
+        assert read(str(lines)) == ["a cat", "a dog"]
+        assert read(str(listed)) == ["a red circle moving left", "a blue square moving up"]
+        assert read(str(broken)) == ["[cinematic] a cat surfing", "[anime] a dog running"]
+    (tmp_path / "bad.json").write_text(broken.read_text())
+    (tmp_path / "dict.json").write_text('{"prompts": ["a cat"]}')
+    (tmp_path / "comments.txt").write_text("# a\n\n#b\n")
+    for read in (read_prompts, load_prompts):
+        with pytest.raises(ValueError, match="bad.json' is not valid JSON"):
+            read(str(tmp_path / "bad.json"))
+        with pytest.raises(ValueError, match="dict.json' holds a JSON dict; a JSON prompts file lists"):
+            read(str(tmp_path / "dict.json"))
+        with pytest.raises(ValueError, match="comments.txt' holds no prompt"):
+            read(str(tmp_path / "comments.txt"))
 
 
 def test_output_paths_seeds_and_method_files_are_checked_before_the_pipeline_loads(tmp_path, capsys, monkeypatch):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from ..config import _check_block, _plain_numbers, parse_tile
+from ..prompts import PROMPTS_FILE_FORMS, read_prompts_file
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
 CACHE_DTYPES = ("float32", "float16", "bfloat16")
@@ -149,8 +150,7 @@ def check_device(device: Any) -> None:
         raise ValueError(f"device={device!r} is not usable here ({reason}); use 'cpu'.") from None
 
 
-_PROMPT_FORMS = ("a text file with one prompt per line (blank lines skipped) or holding a JSON list of them, or a "
-                 "list of prompts (on the "
+_PROMPT_FORMS = (f"{PROMPTS_FILE_FORMS}, or a list of prompts (on the "
                  """command line a JSON list: --prompts '["a cat", "a dog"]'; one prompt: --prompts '["a cat"]')""")
 
 
@@ -171,28 +171,12 @@ def _bool_fields(cls) -> tuple[str, ...]:
 
 
 def read_prompts(prompts: Union[str, tuple[str, ...]]) -> list[str]:
-    """The prompt list: the tuple itself, or the non-empty lines of a text file."""
+    """The prompt list: the tuple itself, or the prompts of a file (`videosparse.prompts.read_prompts_file`)."""
     if isinstance(prompts, str):
         if not os.path.isfile(prompts):
             raise ValueError(f"prompts={prompts!r} is not a file; prompts must be {_PROMPT_FORMS}. "
                              "A plain string is read as a file path, never as a prompt.")
-        with open(prompts) as f:
-            text = f.read()
-        try:                                            # a JSON list of prompts in a file
-            listed = json.loads(text) if text.lstrip().startswith("[") else None
-        except json.JSONDecodeError:
-            listed = None                               # lines that start with "[" ("[anime] a dog running")
-        if isinstance(listed, list):                    # JSON: a list of prompts, or an error (never read as lines)
-            bad = [i for i, p in enumerate(listed) if not isinstance(p, str) or not p.strip()]
-            if not listed or bad:
-                what = "is empty" if not listed else f"has {listed[bad[0]]!r} at position {bad[0]}"
-                raise ValueError(f"prompts file {prompts!r} holds a JSON list that {what}; it must list one or "
-                                 "more prompts as non-empty strings.")
-            return [p.strip() for p in listed]
-        lines = [line.strip() for line in text.splitlines() if line.strip()]
-        if not lines:
-            raise ValueError(f"prompts file {prompts!r} holds no prompt.")
-        return lines
+        return read_prompts_file(prompts)
     return list(prompts)
 
 
@@ -483,7 +467,8 @@ def _cli_bool(text: str) -> bool:
 # flag help beyond "default: ..." for fields whose accepted values are not obvious
 _FIELD_HELP = {
     "model": "hub id or local directory; 'reference' (the shipped model, offline; None means it) or 'tiny'",
-    "prompts": """a text file with one prompt per line (blank lines skipped), or a JSON list of prompts: '["a cat", """
+    "prompts": """a text file with one prompt per line (blank and '#' lines skipped) or holding a JSON list, or a """
+               """JSON list of prompts: '["a cat", """
                """"a dog"]'; one prompt: '["a cat"]' (a plain string is read as a file path, never as a prompt)""",
     "tiling": "tile shape like 4x4x8 or [4,4,8] with pt*ph*pw = block, or a tiling JSON from `videosparse "
               "search-tiling`; None: VedaConfig's shape for the block (4x4x8 for 128, 4x4x4 for 64)",

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from ..processors import sessions as active_sessions
+from ..prompts import read_prompts_file
 from .attention import AttentionProbe, sample_steps
 from .generate import check_specs_apply, generate, write_video
 from .metrics import load_lpips, lpips_distance, psnr_per_frame, psnr_video, ssim_per_frame
@@ -73,26 +74,9 @@ CALL_KEYS_NOT_COMPARED = ("prompt",)
 
 
 def load_prompts(path: str | None, limit: int | None = None) -> list[str]:
-    """Prompts from a file (a JSON list of strings, or one prompt per line, '#' comments and blank
-    lines skipped), or the built-in list when `path` is None; the first `limit` of them."""
-    if path is None:
-        prompts = list(BUILTIN_PROMPTS)
-    else:
-        forms = "a text file with one prompt per line, or a .json file holding a list of strings"
-        try:
-            with open(path) as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"prompts file {path!r} cannot be read ({e}); give {forms}.") from None
-        if path.endswith(".json"):
-            try:
-                prompts = json.loads(text)
-            except ValueError as e:
-                raise ValueError(f"prompts file {path!r} is not valid JSON ({e}); give {forms}.") from None
-            if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-                raise ValueError(f"{path}: a prompts JSON must be a list of strings.")
-        else:
-            prompts = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    """Prompts from a file (`videosparse.prompts.read_prompts_file`: a JSON list of strings, or one prompt per line,
+    '#' comments and blank lines skipped), or the built-in list when `path` is None; the first `limit` of them."""
+    prompts = list(BUILTIN_PROMPTS) if path is None else read_prompts_file(path)
     if limit is not None:
         prompts = prompts[:limit]
     if not prompts:

@@ -1,0 +1,44 @@
+"""Prompts files, read one way by every command (`evaluate`, `search-tiling`, `distill`)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+#: What a prompts file may hold, for error messages and help texts.
+PROMPTS_FILE_FORMS = ("a text file with one prompt per line (blank lines and lines starting with '#' skipped) or "
+                      "holding a JSON list of them")
+
+
+def read_prompts_file(path: str | os.PathLike) -> list[str]:
+    """The prompts in the file at `path`: a JSON list of non-empty strings (any file name; a `.json` file must hold
+    one), else one prompt per line, stripped, blank lines and '#' comment lines skipped. A first line that starts
+    with "[" but is no JSON ("[anime] a dog running") is a prompt. ValueError naming the file for one that cannot
+    be read, holds no prompt, or a JSON value other than a list of non-empty strings."""
+    name = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"prompts file {name!r} cannot be read ({e}); give {PROMPTS_FILE_FORMS}.") from None
+    listed = None
+    if text.lstrip().startswith("[") or name.endswith(".json"):
+        try:
+            listed = json.loads(text)
+        except json.JSONDecodeError as e:
+            if name.endswith(".json"):
+                raise ValueError(f"prompts file {name!r} is not valid JSON ({e}); give {PROMPTS_FILE_FORMS}.") from None
+    if listed is not None:                      # JSON: a list of prompts, or an error (never read as lines)
+        bad = [i for i, p in enumerate(listed) if not isinstance(p, str) or not p.strip()] \
+            if isinstance(listed, list) else []
+        if not isinstance(listed, list) or not listed or bad:
+            what = (f"holds a JSON {type(listed).__name__}" if not isinstance(listed, list) else
+                    "holds a JSON list that is empty" if not listed else
+                    f"holds a JSON list that has {listed[bad[0]]!r} at position {bad[0]}")
+            raise ValueError(f"prompts file {name!r} {what}; a JSON prompts file lists one or more prompts as "
+                             "non-empty strings.")
+        return [p.strip() for p in listed]
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if not lines:
+        raise ValueError(f"prompts file {name!r} holds no prompt; give {PROMPTS_FILE_FORMS}.")
+    return lines
