@@ -60,7 +60,12 @@ def test_bad_arguments_exit_with_clear_error(capsys):
     for argv, msg in ((["--compile", "default", "--repeats", "5"],
                        "--repeats, --compile are only read by --synthetic speed runs"),
                       (["--synthetic", "wan-1.3b", "--seeds", "1"], "--seeds is only read by quality runs"),
-                      (["--synthetic", "wan-1.3b", "--model", "tiny"], "--model is only read by quality runs")):
+                      (["--synthetic", "wan-1.3b", "--model", "tiny"], "--model is only read by quality runs"),
+                      # review find: at their default values they were ignored
+                      (["--synthetic", "wan-1.3b", "--seeds", "0", "--fps", "8"],
+                       "--seeds, --fps are only read by quality runs"),
+                      (["--repeats", "3", "--warmup-forwards", "1"],
+                       "--repeats, --warmup-forwards are only read by --synthetic")):
         assert main(["evaluate", "--out", "/no/such/eval", *argv]) == 2, argv
         assert msg in capsys.readouterr().err, argv
 

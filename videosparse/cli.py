@@ -435,9 +435,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def given_options(parser: argparse.ArgumentParser, argv: list[str] | None) -> frozenset[str]:
+    """The destinations of the options `argv` gives, also where the value given equals the default: `argv` parsed
+    again with every default (of the parser and its subcommands) suppressed."""
+    saved = []
+
+    def suppress(p: argparse.ArgumentParser) -> None:
+        for action in p._actions:
+            saved.append((action, action.default))
+            action.default = argparse.SUPPRESS
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    saved.append((sub, dict(sub._defaults)))
+                    sub._defaults.clear()
+                    suppress(sub)
+
+    suppress(parser)
+    try:
+        return frozenset(vars(parser.parse_args(argv)))
+    finally:
+        for owner, default in saved:
+            if isinstance(owner, argparse.ArgumentParser):
+                owner._defaults.update(default)
+            else:
+                owner.default = default
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.given = given_options(parser, argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         return args.func(args)

@@ -85,10 +85,13 @@ def _check_mode_options(args: argparse.Namespace) -> None:
     """ValueError naming the options given that the chosen run (quality, or --synthetic) would not read."""
     from ..cli import build_parser
 
-    defaults = build_parser().parse_args(["evaluate"])
     other, mode = (QUALITY_ONLY, "quality runs (without --synthetic)") if args.synthetic else (
         SYNTHETIC_ONLY, "--synthetic speed runs")
-    given = [name for name in other if getattr(args, name, None) != getattr(defaults, name, None)]
+    if getattr(args, "given", None) is not None:        # (`cli.main` records the options given, at any value)
+        given = [name for name in other if name in args.given]
+    else:
+        defaults = build_parser().parse_args(["evaluate"])
+        given = [name for name in other if getattr(args, name, None) != getattr(defaults, name, None)]
     if given:
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
         one = len(given) == 1
