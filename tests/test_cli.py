@@ -878,3 +878,23 @@ def test_bench_readme_names_the_file_for_any_json_that_is_no_benchmark(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--readme", ""])
     assert exit_info.value.code == 2
+
+
+def test_generate_names_a_backend_that_cannot_run_here_before_any_step(tmp_path, capsys, monkeypatch):
+    """Review find: `generate --backend triton` on a CPU without the interpreter ran its dense steps, then failed at
+    the first sparse forward."""
+    from videosparse.eval import generate as generate_module
+    from videosparse.kernels._triton_utils import interpreter_active
+
+    if interpreter_active():
+        pytest.skip("under TRITON_INTERPRET=1 the Triton backend runs on the CPU")
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the pipeline ran before the backend was checked")
+
+    monkeypatch.setattr(generate_module, "generate", no_run)
+    monkeypatch.setattr(generate_module, "warm_up", no_run)
+    out = tmp_path / "v.mp4"
+    assert main(["generate", "--model", "tiny", "--backend", "triton", "--steps", "2", "--out", str(out)]) == 2
+    assert "backend='triton' cannot run this transformer's attention" in capsys.readouterr().err
+    assert not out.exists()

@@ -180,7 +180,8 @@ def slower_than_dense_note(speedup: float) -> str | None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from .eval.generate import MAX_FPS, check_call_flags, check_video_writer, generate, warm_up, write_video
+    from .eval.generate import (MAX_FPS, check_call_flags, check_config_applies, check_video_writer, generate,
+                                warm_up, write_video)
     from .eval.spec import check_config_files
     from .models.loading import check_size, load_pipeline, size_stub
 
@@ -237,6 +238,7 @@ def _run_generate(args: argparse.Namespace) -> int:
           f"{size}, {steps or 'default'} steps, seed {args.seed}")
     # on CUDA the first sparse forward compiles the kernels: an untimed short run of each arm first (on CPU nothing
     # compiles, and `videosparse evaluate` skips its warm-up there too)
+    check_config_applies(pipe, config, device)     # a --backend that cannot run here: before the dense steps
     warm = device.startswith("cuda")
     if warm:
         warm_up(pipe, config, call, seed=args.seed, device=device)

@@ -451,6 +451,22 @@ def test_a_spec_the_pipeline_refuses_is_named_before_any_cell(loaded, tmp_path):
     assert not (tmp_path / "ev").exists()
 
 
+def test_a_backend_that_cannot_run_here_is_named_before_any_cell(loaded, tmp_path, monkeypatch):
+    """Review find: a spec's kernel backend that cannot run the model's attention on the run's device (`triton` on a
+    CPU without the interpreter; `hopper` with fp32 on a GPU) failed at the first sparse forward, after the dense cell
+    and its report were written, with an error naming no spec."""
+    from videosparse.kernels._triton_utils import interpreter_active
+
+    if interpreter_active():
+        pytest.skip("under TRITON_INTERPRET=1 the Triton backend runs on the CPU")
+    settings = EvalSettings(parse_method_specs(["dense", "veda@0.5:backend=triton"]), BUILTIN_PROMPTS[:1], [0],
+                            dict(CALL), attn_cells=0)
+    with pytest.raises(ValueError, match=r"method spec 'veda@0.5:backend=triton': backend='triton' cannot run this "
+                                         r"transformer's attention \(torch.float32, .* on cpu\)"):
+        run_evaluation(loaded, settings, str(tmp_path / "ev"), progress=False)
+    assert not (tmp_path / "ev").exists()
+
+
 def test_damaged_frames_of_a_finished_cell_name_the_file(tmp_path):
     """Fault-injection find: a finished cell's frames damaged after they were written failed with numpy's message
     naming no file; the error names it and says that deleting it computes the cell again."""

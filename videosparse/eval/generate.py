@@ -70,19 +70,32 @@ def generate(pipe, config, call_kwargs: dict, seed: int = 0, device: str | None 
     return GenerationResult(frames, list(timer.times), wall, stats)
 
 
-def check_specs_apply(target, specs) -> None:
-    """Apply, then remove, each spec's config on `target` (a pipeline, or a transformer), so that a config the model
-    refuses (a dense layer it lacks, an estimator or a tiling file made for another model or block) is a ValueError
-    naming the spec before any cell runs, not after the dense one."""
+def check_specs_apply(target, specs, device: str | None = None) -> None:
+    """`check_config_applies` for each spec, so that a config the model refuses (a dense layer it lacks, an estimator
+    or a tiling file made for another model or block, with `device` a kernel backend that cannot run there) is a
+    ValueError naming the spec before any cell runs, not after the dense one."""
     import re
 
     for spec in specs:
         try:
-            apply(target, spec.config)
+            check_config_applies(target, spec.config, device)
         except ValueError as err:
             # the estimator names generate's --block; a method spec gives the block as :block=N
             raise ValueError(f"method spec {spec.label!r}: "
                              + re.sub(r"--block (\d+)", r"the spec's :block=\1", str(err))) from None
+
+
+def check_config_applies(target, config, device: str | None = None) -> None:
+    """Apply, then remove, `config` on `target` (a pipeline, or a transformer): a ValueError where the model refuses
+    it, and, given the `device` the run will use, where a kernel backend the config names cannot run the attention
+    there in the transformer's dtype (found otherwise at the first sparse forward, after the dense steps)."""
+    handle = apply(target, config)
+    try:
+        for name, session in handle.items() if device is not None else ():
+            if session.method is not None:
+                module = getattr(target, name) if hasattr(target, "components") else target
+                session.check_kernel(torch.device(device), next(module.parameters()).dtype)
+    finally:
         remove(target)
 
 

@@ -1060,7 +1060,7 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
     result.estimates["build_s"] = time.perf_counter() - t0
     from .generate import check_specs_apply
 
-    check_specs_apply(transformer, specs)        # a spec this model refuses: before the dense forward, nothing written
+    check_specs_apply(transformer, specs, str(device))   # a spec the model refuses: before the dense forward
     logger.info("synthetic %s: %.2fB params, grid %s (%d tokens), built in %.1f s", name, params / 1e9, setup.grid,
                 setup.tokens, result.estimates["build_s"])
     from tqdm.auto import tqdm

@@ -374,17 +374,26 @@ class SparseSession:
             for layer in range(info.num_layers):
                 self.slot(layer).layouts = {length: cache[length][layer] for length in lengths}
             method.prepare(device)
-            self._probe_args = (self.config.backend, device, dtype, info.num_heads, info.head_dim, method.block,
-                                getattr(self.config, "correction", False))
-            probe = probe_kernel(*self._probe_args)
-            if probe.problem is not None and self.config.backend != "auto":
-                raise ValueError(
-                    f"backend={self.config.backend!r} cannot run this transformer's attention ({dtype}, "
-                    f"{info.num_heads} heads x {info.head_dim}, {method.block}-token tiles, on {device}): "
-                    f"{probe.problem} Use backend='auto', which picks the fastest kernel that fits (the torch "
-                    "reference on CPU) and runs dense with a warning where none does.")
-            self.kernel_problem = probe.problem
+            self.kernel_problem = self.check_kernel(device, dtype)
+            self._probe_args = self._kernel_probe_args(device, dtype)
         self._prepared_for = key
+
+    def _kernel_probe_args(self, device, dtype: torch.dtype) -> tuple:
+        return (self.config.backend, device, dtype, self.info.num_heads, self.info.head_dim, self.method.block,
+                getattr(self.config, "correction", False))
+
+    def check_kernel(self, device: torch.device | str, dtype: torch.dtype) -> str | None:
+        """Why no fast kernel serves this transformer's attention in `dtype` on `device` (None: one does); a
+        ValueError for a kernel backend named in the config that cannot run it. Needs a sparse method."""
+        info, backend = self.info, self.config.backend
+        probe = probe_kernel(*self._kernel_probe_args(device, dtype))
+        if probe.problem is not None and backend != "auto":
+            raise ValueError(
+                f"backend={backend!r} cannot run this transformer's attention ({dtype}, {info.num_heads} heads x "
+                f"{info.head_dim}, {self.method.block}-token tiles, on {device}): {probe.problem} Use "
+                "backend='auto', which picks the fastest kernel that fits (the torch reference on CPU) and runs "
+                "dense with a warning where none does.")
+        return probe.problem
 
     def _build_layout(self, layer: int, grid: tuple[int, int, int], text_len: int, device,
                       shared: dict[tuple, HeadTiling]) -> HeadTiling:
