@@ -43,7 +43,7 @@ def evaluated(loaded, tmp_path_factory):
 
 def test_every_artifact_is_written(evaluated):
     out, settings, report = evaluated
-    assert report["run_stats"] == {"computed": 6 + 2, "skipped": 0}
+    assert report["run_stats"] == {"computed": 6, "skipped": 0, "attention_computed": 2, "attention_skipped": 0}
     for name in ("report.json", "report.md", "plots/quality_vs_density.png", "plots/attention_error_heatmap.png",
                  "plots/speedup_vs_density.png"):
         path = os.path.join(out, name)
@@ -108,12 +108,12 @@ def test_dense_frames_are_the_stock_pipeline_output(evaluated, loaded):
 def test_rerun_skips_done_cells_and_adds_new_ones(evaluated, loaded):
     out, settings, first = evaluated
     again = run_evaluation(loaded, settings, out, progress=False)
-    assert again["run_stats"] == {"computed": 0, "skipped": 8}
+    assert again["run_stats"] == {"computed": 0, "skipped": 6, "attention_computed": 0, "attention_skipped": 2}
     assert again["summary"]["sol@0.5"]["psnr_db"] == pytest.approx(first["summary"]["sol@0.5"]["psnr_db"])
     more = EvalSettings(parse_method_specs(METHODS + ["veda@0.25:block=64:tiling=1x8x8"]), BUILTIN_PROMPTS[:2], [0],
                         dict(CALL), attn_cells=0)
     grown = run_evaluation(loaded, more, out, progress=False)
-    assert grown["run_stats"] == {"computed": 2, "skipped": 6}
+    assert grown["run_stats"] == {"computed": 2, "skipped": 6, "attention_computed": 0, "attention_skipped": 0}
     assert grown["summary"]["veda@0.25:block=64:tiling=1x8x8"]["realised_density"] < 0.4
 
 
@@ -204,10 +204,11 @@ def test_other_attention_sampling_remeasures_only_the_attention(loaded, tmp_path
     run_evaluation(loaded, settings, str(tmp_path), progress=False)
     other = EvalSettings(settings.methods, settings.prompts, settings.seeds, dict(CALL), attn_steps=[1])
     report = run_evaluation(loaded, other, str(tmp_path), progress=False)
-    assert report["run_stats"] == {"computed": 1, "skipped": 2}          # 2 quality cells kept, 1 attention cell
+    assert report["run_stats"] == {"computed": 0, "skipped": 2, "attention_computed": 1,      # 2 quality cells kept
+                                   "attention_skipped": 0}
     assert [a["steps"] for a in report["attention"].values()] == [[1]]
     same = EvalSettings(settings.methods, settings.prompts, settings.seeds, dict(CALL), attn_steps=(1,))
-    assert run_evaluation(loaded, same, str(tmp_path), progress=False)["run_stats"]["computed"] == 0   # tuple == list
+    assert run_evaluation(loaded, same, str(tmp_path), progress=False)["run_stats"]["attention_computed"] == 0  # tuple
     for bad, match in ((dict(attn_steps=[5]), r"--attn-steps \[5\]"), (dict(attn_layers=[99]), r"--attn-layers \[99\]")):
         with pytest.raises(ValueError, match=match):
             run_evaluation(loaded, EvalSettings(settings.methods, settings.prompts, settings.seeds, dict(CALL), **bad),
@@ -350,7 +351,7 @@ def test_reruns_report_only_what_this_run_shows(loaded, tmp_path, monkeypatch):
     assert again._summarized_attention() == {}           # the first run's attention cell is not this run's sampling
     write([4, 4, 4])                                     # the same path, another tiling: its cells run again
     third = run_evaluation(loaded, settings(1, attn_cells=0, lpips=False), out, progress=False)
-    assert third["run_stats"] == {"computed": 1, "skipped": 1}
+    assert third["run_stats"] == {"computed": 1, "skipped": 1, "attention_computed": 0, "attention_skipped": 0}
     Evaluation(loaded, settings(1, attn_cells=0), out, overwrite=True, progress=False)     # stopped before a cell
     assert json.load(open(os.path.join(out, "report.json")))["cells"] == {}
 

@@ -215,7 +215,9 @@ def run_evaluate(args: argparse.Namespace) -> int:
           f"{call.get('num_frames')} frames {call.get('height')}x{call.get('width')}, "
           f"{call['num_inference_steps']} steps | out: {args.out}")
     report = run_evaluation(loaded, settings, args.out, overwrite=args.overwrite, progress=not args.no_progress)
-    print(f"cells computed {report['run_stats']['computed']}, skipped {report['run_stats']['skipped']}")
+    stats = report["run_stats"]
+    print(f"cells computed {stats['computed']}, skipped {stats['skipped']}; attention passes computed "
+          f"{stats['attention_computed']}, skipped {stats['attention_skipped']}")
     print(f"{'method':<36} {'density':>8} {'PSNR dB':>8} {'pooled':>7} {'SSIM':>7} {'attn err':>9} {'recall':>7} "
           f"{'speedup':>8} {'Amdahl':>7}  kernel")
     for label, s in report["summary"].items():

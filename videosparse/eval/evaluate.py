@@ -360,8 +360,10 @@ class Evaluation:
         self._lpips = None
         self._lpips_note: str | None = None
         self._contexts: dict = {}
-        self.computed = 0
+        self.computed = 0               # cells
         self.skipped = 0
+        self.attention_computed = 0     # attention-level passes
+        self.attention_skipped = 0
 
     # ---------------------------------------------------------------- helpers
     def _frames_path(self, cid: str) -> str:
@@ -500,7 +502,7 @@ class Evaluation:
                 cid = cell_id(spec, s.prompts[p], seed)
                 old = self.report["attention"].get(cid)
                 if old is not None and (old.get("steps"), old.get("layers")) == (steps, layers):
-                    self.skipped += 1
+                    self.attention_skipped += 1
                     bar.update(1)
                     continue
                 probes: dict[str, AttentionProbe] = {}
@@ -510,7 +512,7 @@ class Evaluation:
                     "method": spec.label, "prompt_index": p, "seed": seed, "steps": steps, "layers": layers,
                     "entries": {name: probe.entries for name, probe in probes.items()},
                 }
-                self.computed += 1
+                self.attention_computed += 1
                 self._save()
                 bar.update(1)
         bar.close()
@@ -714,7 +716,8 @@ def run_evaluation(loaded, settings: EvalSettings, out_dir: str, *, overwrite: b
     Returns:
         The report (as written to report.json, with non-finite floats as floats); its `summary` maps
         each method label to its means, medians, speedups and Amdahl estimates, and `run_stats` says how
-        many cells were computed and skipped.
+        many cells ("computed", "skipped") and attention-level passes ("attention_computed",
+        "attention_skipped") were run and found done.
     """
     loaded.pipe.set_progress_bar_config(disable=True)
     ev = Evaluation(loaded, settings, out_dir, overwrite=overwrite, progress=progress)
@@ -723,5 +726,6 @@ def run_evaluation(loaded, settings: EvalSettings, out_dir: str, *, overwrite: b
         if settings.attn_cells:
             ev.run_attention()
     report = ev.finish()
-    report["run_stats"] = {"computed": ev.computed, "skipped": ev.skipped}
+    report["run_stats"] = {"computed": ev.computed, "skipped": ev.skipped,
+                           "attention_computed": ev.attention_computed, "attention_skipped": ev.attention_skipped}
     return report
