@@ -127,6 +127,36 @@ def test_regional_compilation_compiles_one_block_for_every_layer():
     torch._dynamo.reset()
 
 
+def test_each_sol_density_does_not_compile_its_own_block():
+    """Review find: Sol's density went to the calibration custom op as a Python float, which Dynamo guards on; each
+    density a long-lived compiled transformer served (apply / remove with another density) compiled one more variant,
+    until the recompile limit, where regional fullgraph compilation raised. The density is now a tensor built
+    outside the graph: one graph serves every density, each calibrated to its own target."""
+    from diffusers import WanTransformer3DModel
+
+    t = _WanCase()
+    torch.manual_seed(0)
+    tr = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=t.head_dim, in_channels=4, out_channels=4,
+        text_dim=16, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=64).eval()
+    inputs = t.make_inputs(tr)
+    torch._dynamo.reset()
+    counters.clear()
+    tr.compile_repeated_blocks(fullgraph=True, backend="eager")
+    try:
+        for density in (0.3, 0.35, 0.4, 0.45, 0.5):
+            session = videosparse.apply(tr, videosparse.SolConfig(density=density, band=0, block=64,
+                                                                  tiling=(1, 4, 16), dense_steps=0))["transformer"]
+            with torch.no_grad():
+                tr(**inputs, return_dict=False)
+            assert all(abs(c["density"] - density) < 0.05 for c in session.method.calibrations().values())
+            videosparse.remove(tr)
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.gpu
 def test_inductor_on_cuda_matches_eager():
     """The GPU path under Inductor: the fused top-k, TripPool, tile centroids and the kernel run as custom ops

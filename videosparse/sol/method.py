@@ -8,7 +8,7 @@ import math
 import torch
 
 from ..config import SolConfig
-from ..layout import HeadTiling
+from ..layout import HeadTiling, _cache_key
 from ..method import ModelInfo, SparseMethod
 from ..plan import Plan
 from .centroids import tile_stats
@@ -64,6 +64,24 @@ class SolMethod(SparseMethod):
             raise TypeError(f"SolMethod needs a SolConfig; got {type(config).__name__}.")
         super().__init__(config, info)
         self._warned: set[int] = set()
+        self._density_tensors: dict[str, torch.Tensor] = {}
+
+    def prepare(self, device: torch.device | str) -> None:
+        """The density target as a tensor on `device`, built here, outside compiled graphs: passed as a Python float,
+        each density a process served compiled its own calibration graph (Dynamo guards on it), up to the recompile
+        limit."""
+        if self.config.density is not None:
+            self._density_on(device)
+
+    def release(self) -> None:
+        self._density_tensors.clear()
+
+    def _density_on(self, device: torch.device | str) -> torch.Tensor:
+        """fp64 0-dim: `config.density` on `device`, cached."""
+        key = _cache_key(device)
+        if key not in self._density_tensors:
+            self._density_tensors[key] = torch.tensor(float(self.config.density), dtype=torch.float64, device=key)
+        return self._density_tensors[key]
 
     def stats(self) -> dict:
         """Calibrated thresholds, keyed "layer L, H heads, S tokens, grid (T, H, W)" (see `calibrations`)."""
@@ -101,7 +119,7 @@ class SolMethod(SparseMethod):
 
             z = gather_heads(z, state.group)
         valid_key_tiles = None if valid_keys is None else (valid_keys.long() + self.block - 1) // self.block
-        tau, realized = calibrate_tau(z, float(cfg.density), layout.num_global_tiles, cfg.band,
+        tau, realized = calibrate_tau(z, self._density_on(z.device), layout.num_global_tiles, cfg.band,
                                       valid_key_tiles=valid_key_tiles, skip_padded_queries=skip_padded_queries)
         tau, realized = tau.detach(), realized.detach()     # kept for the session: no hold on this call's graph
         state[key] = (tau, realized)

@@ -138,7 +138,7 @@ def forced_pairs(num_video_tiles: int, num_global_tiles: int, band: int) -> int:
 
 
 def calibrate_tau(
-    z: torch.Tensor, density: float, num_global_tiles: int, band: int, *, iters: int = 48,
+    z: torch.Tensor, density: float | torch.Tensor, num_global_tiles: int, band: int, *, iters: int = 48,
     valid_key_tiles: torch.Tensor | None = None, skip_padded_queries: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """τ whose plan density (globals and band included) is closest to `density`, by bisection.
@@ -150,7 +150,8 @@ def calibrate_tau(
 
     Args:
         z: fp32 [B, H, Mv, Mv] from `routing_zscores` (band pairs already +inf).
-        density: target fraction of all tile pairs, in (0, 1].
+        density: target fraction of all tile pairs, in (0, 1]; or a 0-dim tensor of it on z's device, not checked
+            (under torch.compile a Python float is a constant of the graph: one graph per value).
         num_global_tiles: G, global tiles after the video tiles.
         band: the band used to build z (for the count of forced pairs).
         iters: bisection steps (48 halve any fp32 bracket down to adjacent floats).
@@ -165,20 +166,24 @@ def calibrate_tau(
         realized: fp64 0-dim tensor, the plan density at tau. If the target is below the forced density,
         tau is the largest fp32 value: only the forced (+inf) pairs are kept, on this input and any other.
     """
-    if not 0.0 < density <= 1.0:
-        raise ValueError(f"density={density} must lie in (0, 1].")
+    if not isinstance(density, torch.Tensor):
+        if not 0.0 < density <= 1.0:
+            raise ValueError(f"density={density} must lie in (0, 1].")
+        density = torch.tensor(float(density), dtype=torch.float64, device=z.device)
+    elif density.dim() != 0:
+        raise ValueError(f"density has shape {tuple(density.shape)}; a tensor density must be 0-dim.")
     _check_global_tiles(num_global_tiles)
     if z.dim() != 4 or z.shape[-1] != z.shape[-2]:
         raise ValueError(f"z must be [B, H, Mv, Mv]; got {tuple(z.shape)}.")
     if valid_key_tiles is not None and valid_key_tiles.shape != (z.shape[0],):
         raise ValueError(f"valid_key_tiles has shape {tuple(valid_key_tiles.shape)}; expected ({z.shape[0]},), one "
                          "count per batch item.")
-    return _calibrate_tau_op(z, float(density), int(num_global_tiles), int(band), int(iters), valid_key_tiles,
+    return _calibrate_tau_op(z, density, int(num_global_tiles), int(band), int(iters), valid_key_tiles,
                              bool(skip_padded_queries))
 
 
 @torch.library.custom_op("videosparse::sol_calibrate_tau", mutates_args=())
-def _calibrate_tau_op(z: torch.Tensor, density: float, num_global_tiles: int, band: int, iters: int,
+def _calibrate_tau_op(z: torch.Tensor, density: torch.Tensor, num_global_tiles: int, band: int, iters: int,
                       valid_key_tiles: torch.Tensor | None = None,
                       skip_padded_queries: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`calibrate_tau` as one opaque node for torch.compile (its bisection loop runs eagerly, on the device)."""
@@ -190,7 +195,7 @@ def _calibrate_tau_op(z: torch.Tensor, density: float, num_global_tiles: int, ba
         keys = valid_key_tiles.to(z.device, torch.float64)
         total = H * (keys * (keys if skip_padded_queries else N)).sum()
     forced = total - B * H * Mv * Mv                                      # global rows/cols
-    target = density * total - forced                                    # video pairs wanted
+    target = density.to(z.device, torch.float64) * total - forced        # video pairs wanted
     finite = torch.isfinite(z)
     big = torch.finfo(torch.float32).max
     hi = torch.where(finite, z, -big).amax() if z.numel() else torch.zeros((), device=z.device)
