@@ -689,8 +689,12 @@ def test_bench_subcommand_is_the_kernel_benchmark(tmp_path, capsys, monkeypatch)
 
     from videosparse.eval import kernel_bench
 
+    (tmp_path / "afile").write_text("")
     for bad, match in ((["--shapes", "huge"], "--shapes ['huge'] unknown"), (["--rounds", "0"], "--rounds 0"),
-                       (["--deadline-s", "nan"], "--deadline-s nan")):
+                       (["--deadline-s", "nan"], "--deadline-s nan"),
+                       # review find: an --out that cannot be written failed at the first save, after the checks
+                       (["--out", str(tmp_path)], "is a directory; give a JSON file path"),
+                       (["--out", str(tmp_path / "afile" / "b.json")], "afile' is a file; give a directory")):
         with pytest.raises(SystemExit) as exit_info:
             main(["bench", *bad])
         assert exit_info.value.code == 2 and match in capsys.readouterr().err

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 import traceback
@@ -618,6 +619,15 @@ def check_args(args: argparse.Namespace, error) -> None:
     for flag, value in (("--out", args.out), ("--readme", args.readme)):
         if value == "":
             error(f"{flag} is empty; give a JSON file path")
+    if args.readme is None:         # an --out that cannot be written: now, not after the correctness checks
+        from ..cli import check_output
+
+        try:
+            if os.path.isdir(args.out):
+                raise ValueError(f"--out {args.out!r} is a directory; give a JSON file path.")
+            check_output("--out", os.path.dirname(args.out) or ".", folder=True)    # (made with its parents)
+        except ValueError as err:
+            error(str(err))
 
 
 def parse_args(argv=None, default_out: str = "kernel_bench.json") -> argparse.Namespace:
