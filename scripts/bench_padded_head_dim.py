@@ -7,6 +7,7 @@ SDPA dense at the real head dim.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -50,4 +51,6 @@ def main(out="benchmarks/padded_head_dim_allegro_h200.json", B=1, H=24, S=79200,
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/padded_head_dim_allegro_h200.json", help="the JSON written")
+    main(parser.parse_args().out)

@@ -67,4 +67,7 @@ def main() -> dict[str, bool]:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()    # --help; no options
     main()

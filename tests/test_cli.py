@@ -902,3 +902,20 @@ def test_generate_names_a_backend_that_cannot_run_here_before_any_step(tmp_path,
     assert main(["generate", "--model", "tiny", "--backend", "triton", "--steps", "2", "--out", str(out)]) == 2
     assert "backend='triton' cannot run this transformer's attention" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_every_script_answers_help_without_running(monkeypatch, capsys):
+    """Review find: two scripts ignored every argument, --help included: one ran its probe, one would have run its
+    GPU benchmark and overwritten the shipped JSON. Each script's --help prints its usage and exits 0."""
+    import runpy
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))
+    names = sorted(p for p in scripts.glob("*.py") if not p.name.startswith("_"))
+    assert len(names) > 30
+    for path in names:
+        monkeypatch.setattr(sys, "argv", [str(path), "--help"])
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_path(str(path), run_name="__main__")
+        out = capsys.readouterr().out
+        assert exit_info.value.code in (0, None) and out.startswith("usage:"), (path.name, exit_info.value.code)
