@@ -132,7 +132,7 @@ def test_a_rerun_with_other_attention_sampling_summarises_only_its_own_cells(eva
         assert wider["summary"][label]["attention_samples"] == 2 * first["summary"][label]["attention_samples"]
         for key in ("attention_samples", "attn_rel_l2", "tile_recall"):
             assert again["summary"][label][key] == pytest.approx(first["summary"][label][key]), (label, key)
-    with pytest.raises(ValueError, match=r"attn_steps=\[\] samples nothing"):
+    with pytest.raises(ValueError, match=r"attn_steps=\[\] \(--attn-steps ''\) samples nothing"):
         dataclasses.replace(settings, attn_steps=[])
 
 

@@ -357,14 +357,15 @@ def test_tile_mismatch_hint_names_tiling_json_only_when_there_is_one(tmp_path):
     """An estimator trained with one fixed tile shape has no tiling.json: the error names the shape to pass."""
     make_est(tile_shapes=(8, 4, 4)).save_pretrained(tmp_path / "est")
     est = VedaEstimator.from_pretrained(tmp_path / "est")
-    with pytest.raises(ValueError, match=r"tiling=None.*VedaConfig\(tiling=\(8, 4, 4\)\)\)") as err:
+    with pytest.raises(ValueError, match=r"tiling=None.*VedaConfig\(tiling=\(8, 4, 4\)\) \(--tiling 8x4x4\)\)") as err:
         VedaMethod(VedaConfig(density=0.1, estimator=est, tiling=(4, 4, 8)), INFO)
     assert "tiling.json" not in str(err.value)
     (tmp_path / "est" / "tiling.json").write_text(json.dumps({"layers": est.tile_shapes}))   # the estimator's own
     with pytest.raises(ValueError, match=f"tiling={str(tmp_path / 'est' / 'tiling.json')!r}"):
         VedaMethod(VedaConfig(density=0.1, estimator=est, tiling=(4, 4, 8)), INFO)
     per_head = make_est(tile_shapes=[[(8, 4, 4), (2, 8, 8), (4, 4, 8)], (8, 4, 4)])
-    with pytest.raises(ValueError, match=r"tiling=None\), the default, to use the tile shapes .* trained with\)"):
+    with pytest.raises(ValueError,
+                       match=r"tiling=None\) \(no --tiling\), the default, to use the tile shapes .* trained with\)"):
         VedaMethod(VedaConfig(density=0.1, estimator=per_head, tiling=(4, 4, 8)), INFO)
 
 

@@ -207,7 +207,8 @@ def _refuse_other_run(cfg: DistillConfig, out: Path, tiles_for_layer, check_mode
         diff += _captures_differ(cfg, out, tiles_for_layer, check_model, captured)
     if diff:
         raise ValueError(f"checkpoint {found[-1][1]} was written by a different run (differs in {diff}); resume it "
-                         "with the same configuration, or use another output_dir (or resume=False). Nothing was "
+                         "with the same configuration, or use another output_dir (or resume=False; on the command line "
+                         "--output-dir, --resume false). Nothing was "
                          "written.")
 
 
@@ -452,7 +453,8 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
                     if "captures" in diff else "")
             raise ValueError(
                 f"checkpoint {resumed_from} was written by a different run (differs in {diff}{what}); resume it with "
-                "the same configuration, samples and process count, or use another output_dir (or resume=False)."
+                "the same configuration, samples and process count, or use another output_dir (or resume=False; "
+                "on the command line --output-dir, --resume false)."
             )
         try:
             accelerator.load_state(str(resumed_from))

@@ -136,7 +136,8 @@ class EvalSettings:
             raise ValueError(f"attn_cells={self.attn_cells} must be >= 0.")
         for name in ("attn_steps", "attn_layers"):
             if getattr(self, name) is not None and not len(getattr(self, name)):
-                raise ValueError(f"{name}=[] samples nothing: give at least one, or leave it out (None: the default).")
+                raise ValueError(f"{name}=[] (--{name.replace('_', '-')} '') samples nothing: give at least one, or "
+                                 "leave it out (None: the default).")
 
     def attention_sampling(self) -> tuple[list[tuple[int, int]], list[int], list[int] | None]:
         """The attention-level pass's (prompt index, seed) pairs, denoising steps and layers (None: all)."""

@@ -242,10 +242,12 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
 
     def _tiling_hint(self) -> str:
         """How to pass the tile shapes the estimator was trained with (for the mismatch error)."""
-        hint = "leave VedaConfig(tiling=None), the default, to use the tile shapes the estimator was trained with"
+        hint = ("leave VedaConfig(tiling=None) (no --tiling), the default, to use the tile shapes the estimator was "
+                "trained with")
         shapes = {tuple(s) for heads in self.tile_shapes for s in heads}
         if len(shapes) == 1:
-            hint += f", or pass VedaConfig(tiling={shapes.pop()})"
+            shape = shapes.pop()
+            hint += f", or pass VedaConfig(tiling={shape}) (--tiling {'x'.join(map(str, shape))})"
         tiling_file = os.path.join(self.source, "tiling.json") if self.source is not None else None
         if tiling_file is not None and os.path.isfile(tiling_file):
             try:                                    # named only when it holds the estimator's shapes (a tiling.json
@@ -254,7 +256,8 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
             except (OSError, ValueError, AttributeError):
                 same = False
             if same:
-                hint += f", or VedaConfig(tiling={tiling_file!r}) (the tiling it was distilled with)"
+                hint += (f", or VedaConfig(tiling={tiling_file!r}) (--tiling {tiling_file}: the tiling it was "
+                         "distilled with)")
         return hint
 
     # ------------------------------------------------------------------ hub mixin: safetensors only
