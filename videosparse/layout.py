@@ -333,7 +333,7 @@ class HeadTiling:
     def _head_order(self, device: torch.device | str, inverse: bool = False) -> torch.Tensor:
         """int64 [H, S]: `head_indices`' perm (or inv) alone. Kept (built outside any compiled graph by `warm`)
         while the pair takes at most `KEEP_HEAD_ORDERS_BYTES`, else expanded for each call (24 MB at Wan 14B 720P:
-        1.6% more time in the gathers and scatter there, on an H100, benchmarks/head_tiling_h100.json)."""
+        1.4% more time in the gathers and scatter there, on an H100, benchmarks/head_tiling_h100.json)."""
         perm, inv, row = self._shape_indices(device)
         if 2 * perm.element_size() * len(self.tiles) * self.seq_len > KEEP_HEAD_ORDERS_BYTES:
             return (inv if inverse else perm).index_select(0, row)
