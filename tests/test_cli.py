@@ -366,6 +366,10 @@ def test_prompt_files_hold_lines_or_a_json_list_read_alike_by_every_command(tmp_
         assert read(str(lines)) == ["a cat", "a dog"]
         assert read(str(listed)) == ["a red circle moving left", "a blue square moving up"]
         assert read(str(broken)) == ["[cinematic] a cat surfing", "[anime] a dog running"]
+    (tmp_path / "null.json").write_text("null")                 # (review find: read as the prompt "null")
+    for read in (read_prompts, load_prompts):
+        with pytest.raises(ValueError, match="null.json' holds a JSON null"):
+            read(str(tmp_path / "null.json"))
     (tmp_path / "bad.json").write_text(broken.read_text())
     (tmp_path / "dict.json").write_text('{"prompts": ["a cat"]}')
     (tmp_path / "comments.txt").write_text("# a\n\n#b\n")
@@ -693,7 +697,7 @@ def test_bench_subcommand_is_the_kernel_benchmark(tmp_path, capsys, monkeypatch)
     for bad, match in ((["--shapes", "huge"], "--shapes ['huge'] unknown"), (["--rounds", "0"], "--rounds 0"),
                        (["--deadline-s", "nan"], "--deadline-s nan"),
                        # review find: an --out that cannot be written failed at the first save, after the checks
-                       (["--out", str(tmp_path)], "is a directory; give a JSON file path"),
+                       (["--out", str(tmp_path)], "is a directory; give a file path"),
                        (["--out", str(tmp_path / "afile" / "b.json")], "afile' is a file; give a directory")):
         with pytest.raises(SystemExit) as exit_info:
             main(["bench", *bad])
@@ -708,8 +712,9 @@ def test_bench_subcommand_is_the_kernel_benchmark(tmp_path, capsys, monkeypatch)
     with pytest.raises(SystemExit, match="other.json: not a kernel benchmark JSON"):
         main(["bench", "--readme", str(tmp_path / "other.json")])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-        main(["bench", "--quick"])
+    for out in ("/dev/stdout", "/proc/self/fd/1", str(tmp_path / "new" / "k.json")):   # streams, a folder made
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            main(["bench", "--quick", "--out", out])
     script = load_script("bench_kernel")
     assert script.random_plan is kernel_bench.random_plan and script.kernel_bench is kernel_bench
 
@@ -919,3 +924,29 @@ def test_every_script_answers_help_without_running(monkeypatch, capsys):
             runpy.run_path(str(path), run_name="__main__")
         out = capsys.readouterr().out
         assert exit_info.value.code in (0, None) and out.startswith("usage:"), (path.name, exit_info.value.code)
+
+
+def test_the_early_kernel_check_asks_about_the_dtype_the_run_attends_in(tmp_path, monkeypatch):
+    """Review find: the check before the dense steps asked about the dtype of the transformer's first parameter: Wan's
+    scale_shift_table, kept in fp32 by diffusers in a bf16 model, so on a GPU every Triton backend was refused for a
+    run that attends in bf16."""
+    import videosparse
+    from diffusers import WanPipeline
+
+    from videosparse.eval.generate import check_config_applies
+    from videosparse.models.tiny_wan import build_tiny_wan_pipeline
+    from videosparse.processors.context import SparseSession
+
+    build_tiny_wan_pipeline().save_pretrained(tmp_path)
+    pipe = WanPipeline.from_pretrained(tmp_path, torch_dtype=torch.bfloat16)
+    assert next(pipe.transformer.parameters()).dtype == torch.float32          # (the fp32 table comes first)
+    asked = []
+    check = SparseSession.check_kernel
+    monkeypatch.setattr(SparseSession, "check_kernel", lambda self, device, dtype: (asked.append(dtype),
+                                                                                    check(self, device, dtype))[1])
+    config = videosparse.SolConfig(density=0.5, block=64, tiling=(1, 4, 16))
+    check_config_applies(pipe, config, "cpu")
+    videosparse.apply(pipe, config)
+    pipe(prompt="a cat", num_frames=5, height=32, width=32, num_inference_steps=1, output_type="latent")
+    videosparse.remove(pipe)
+    assert asked == [torch.bfloat16, torch.bfloat16]

@@ -226,6 +226,8 @@ def test_per_head_tiling_keeps_one_order_per_shape_not_per_head_when_large(large
     x = torch.randn(2, ht.seq_len, H, 8)
     y = ht.gather(x)
     assert torch.equal(ht.scatter(y), x) and torch.equal(ht.scatter(y.to(torch.float64)), x.to(torch.float64))
+    narrow = x[..., :3].contiguous()                   # 12-byte rows: the inverse order's gather, not the wide scatter
+    assert torch.equal(ht.scatter(ht.gather(narrow)), narrow)
     kept = [t for v in ht._device_cache.values() if isinstance(v, tuple) for t in v if torch.is_tensor(t)]
     per_head = 0 if large else 2 * H * ht.seq_len
     assert sum(t.numel() for t in kept) == 2 * 2 * ht.seq_len + H + per_head   # (perm, inv) of 2 shapes, rows

@@ -112,8 +112,10 @@ def check_output(flag: str, path: str, *, folder: bool = False) -> None:
         raise ValueError(f"{flag} {path!r} is a file; give a directory (made when missing).")
     if not folder and os.path.isdir(path):
         raise ValueError(f"{flag} {path!r} is a directory; give a file path.")
-    from .eval.report import writes_in_place
+    from .eval.report import STANDARD_STREAMS, writes_in_place
 
+    if not folder and path in STANDARD_STREAMS:     # written through sys.stdout / sys.stderr (a pipe too)
+        return
     if not folder and writes_in_place(path):        # a FIFO, a device, /dev/stdout
         if not os.access(path, os.W_OK):
             raise ValueError(f"{flag} {path!r} cannot be written (no write permission).")

@@ -21,18 +21,19 @@ def read_prompts_file(path: str | os.PathLike) -> list[str]:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"prompts file {name!r} cannot be read ({e}); give {PROMPTS_FILE_FORMS}.") from None
-    listed = None
+    listed, is_json = None, False
     if text.lstrip().startswith("[") or name.endswith(".json"):
         try:
-            listed = json.loads(text)
+            listed, is_json = json.loads(text), True
         except json.JSONDecodeError as e:
             if name.endswith(".json"):
                 raise ValueError(f"prompts file {name!r} is not valid JSON ({e}); give {PROMPTS_FILE_FORMS}.") from None
-    if listed is not None:                      # JSON: a list of prompts, or an error (never read as lines)
+    if is_json:                                 # JSON: a list of prompts, or an error (never read as lines)
         bad = [i for i, p in enumerate(listed) if not isinstance(p, str) or not p.strip()] \
             if isinstance(listed, list) else []
         if not isinstance(listed, list) or not listed or bad:
-            what = (f"holds a JSON {type(listed).__name__}" if not isinstance(listed, list) else
+            kind = "null" if listed is None else type(listed).__name__
+            what = (f"holds a JSON {kind}" if not isinstance(listed, list) else
                     "holds a JSON list that is empty" if not listed else
                     f"holds a JSON list that has {listed[bad[0]]!r} at position {bad[0]}")
             raise ValueError(f"prompts file {name!r} {what}; a JSON prompts file lists one or more prompts as "

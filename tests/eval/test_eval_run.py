@@ -452,6 +452,23 @@ def test_a_spec_the_pipeline_refuses_is_named_before_any_cell(loaded, tmp_path):
     assert not (tmp_path / "ev").exists()
 
 
+def test_an_estimator_given_another_tiling_names_the_specs_key(loaded, tmp_path):
+    """Review find: the estimator's tiling hint named generate's flags (--tiling 1x8x8), which evaluate refuses; an
+    evaluate spec names the spec's :tiling= key."""
+    from videosparse.processors import model_info, model_spec, self_attention_processors
+    from videosparse.veda import VedaEstimator
+
+    tr = loaded.pipe.transformer
+    info = model_info(tr, model_spec(tr), len(self_attention_processors(tr)))
+    VedaEstimator(info.model_class, info.num_layers, info.num_heads, info.head_dim, block=64,
+                  tile_shapes=(1, 8, 8)).save_pretrained(tmp_path / "est")
+    settings = EvalSettings(parse_method_specs(["dense", f"veda@0.5:block=64:tiling=2x4x8:estimator={tmp_path / 'est'}"]),
+                            BUILTIN_PROMPTS[:1], [0], dict(CALL), attn_cells=0)
+    with pytest.raises(ValueError, match=r"\(no :tiling=\).*\(the spec's :tiling=1x8x8\)") as err:
+        run_evaluation(loaded, settings, str(tmp_path / "ev"), progress=False)
+    assert "--tiling" not in str(err.value)
+
+
 def test_a_backend_that_cannot_run_here_is_named_before_any_cell(loaded, tmp_path, monkeypatch):
     """Review find: a spec's kernel backend that cannot run the model's attention on the run's device (`triton` on a
     CPU without the interpreter; `hopper` with fp32 on a GPU) failed at the first sparse forward, after the dense cell

@@ -351,7 +351,9 @@ class Evaluation:
                 f"{self.path} was made with other settings ({'; '.join(changed_keys(old.get('run_key'), key))}). "
                 "Use another output directory, or overwrite=True (--overwrite) to start afresh."
             )
-        check_specs_apply(self.pipe, settings.methods, self.device)     # a spec the model refuses: before the dense cell
+        # a spec the model refuses: before the dense cell (on the device the forwards run on: under model CPU
+        # offload the pipeline's own `device` is the CPU)
+        check_specs_apply(self.pipe, settings.methods, str(getattr(self.pipe, "_execution_device", self.pipe.device)))
         for sub in ("frames", "plots", "videos"):            # after the checks: a refused run leaves nothing behind
             os.makedirs(os.path.join(out_dir, sub), exist_ok=True)
         self.report: dict[str, Any] = old or {"format": REPORT_FORMAT, "mode": "quality", "cells": {}, "attention": {}}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -81,20 +82,33 @@ def check_specs_apply(target, specs, device: str | None = None) -> None:
             check_config_applies(target, spec.config, device)
         except ValueError as err:
             # the estimator names generate's --block; a method spec gives the block as :block=N
-            raise ValueError(f"method spec {spec.label!r}: "
-                             + re.sub(r"--block (\d+)", r"the spec's :block=\1", str(err))) from None
+            message = re.sub(r"--block (\d+)", r"the spec's :block=\1", str(err))
+            message = re.sub(r"\(--tiling ([^):]+)", r"(the spec's :tiling=\1", message.replace("(no --tiling)",
+                                                                                           "(no :tiling=)"))
+            raise ValueError(f"method spec {spec.label!r}: " + message) from None
 
 
 def check_config_applies(target, config, device: str | None = None) -> None:
     """Apply, then remove, `config` on `target` (a pipeline, or a transformer): a ValueError where the model refuses
     it, and, given the `device` the run will use, where a kernel backend the config names cannot run the attention
     there in the transformer's dtype (found otherwise at the first sparse forward, after the dense steps)."""
-    handle = apply(target, config)
+    videosparse_logger = logging.getLogger("videosparse")
+    level = videosparse_logger.level
+    videosparse_logger.setLevel(logging.ERROR)      # its warnings come from the apply that serves the run
+    try:
+        handle = apply(target, config)
+    finally:
+        videosparse_logger.setLevel(level)
     try:
         for name, session in handle.items() if device is not None else ():
             if session.method is not None:
                 module = getattr(target, name) if hasattr(target, "components") else target
-                session.check_kernel(torch.device(device), next(module.parameters()).dtype)
+                # the dtype of the hidden states the pipeline passes: the model's (diffusers' `dtype` skips the
+                # modules kept in fp32, such as Wan's scale_shift_table), as the attention sees it
+                hidden = getattr(module, "dtype", None)
+                if not isinstance(hidden, torch.dtype):
+                    hidden = next(module.parameters()).dtype
+                session.check_kernel(device, session.attention_dtype_for(hidden, device))
     finally:
         remove(target)
 

@@ -622,10 +622,15 @@ def check_args(args: argparse.Namespace, error) -> None:
     if args.readme is None:         # an --out that cannot be written: now, not after the correctness checks
         from ..cli import check_output
 
+        folder = os.path.dirname(args.out) or "."
         try:
-            if os.path.isdir(args.out):
-                raise ValueError(f"--out {args.out!r} is a directory; give a JSON file path.")
-            check_output("--out", os.path.dirname(args.out) or ".", folder=True)    # (made with its parents)
+            if os.path.isdir(folder) or os.path.exists(args.out):      # (a stream such as /dev/stdout included)
+                check_output("--out", args.out)
+            else:                                                       # its folder is made with its parents
+                try:
+                    check_output("--out", folder, folder=True)
+                except ValueError as err:
+                    raise ValueError(f"--out {args.out!r}: {str(err).split(': ', 1)[-1]}") from None
         except ValueError as err:
             error(str(err))
 

@@ -51,7 +51,7 @@ def from_jsonable(obj: Any) -> Any:
 
 
 # the paths that name this process's stdout / stderr (`write_atomic` writes them through sys.stdout / sys.stderr)
-_STANDARD_STREAMS = {f"{prefix}{fd}": name for fd, name in ((1, "stdout"), (2, "stderr"))
+STANDARD_STREAMS = {f"{prefix}{fd}": name for fd, name in ((1, "stdout"), (2, "stderr"))
                      for prefix in ("/dev/fd/", "/proc/self/fd/")} | {"/dev/stdout": "stdout", "/dev/stderr": "stderr"}
 
 
@@ -72,7 +72,7 @@ def write_atomic(path: str | os.PathLike, text: str | bytes) -> None:
     OSError names `path`. Where `writes_in_place(path)` (a FIFO, /dev/null, /dev/stdout) it is written directly; a
     symlink is not replaced: its target is written."""
     shown = os.fspath(path)
-    stream = _STANDARD_STREAMS.get(shown)
+    stream = STANDARD_STREAMS.get(shown)
     if stream is not None:          # through Python's stream: a reopened /dev/stdout would write at its own offset
         stream = getattr(sys, stream)
         stream.flush()

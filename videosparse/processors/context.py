@@ -378,6 +378,11 @@ class SparseSession:
             self._probe_args = self._kernel_probe_args(device, dtype)
         self._prepared_for = key
 
+    def attention_dtype_for(self, hidden_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+        """The dtype attention sees in a forward on `device` whose hidden states are `hidden_dtype` (the served
+        layers' projection dtype, as SDPA casts it)."""
+        return attention_dtype(_projection_dtype(self, hidden_dtype), torch.device(device))
+
     def _kernel_probe_args(self, device, dtype: torch.dtype) -> tuple:
         return (self.config.backend, device, dtype, self.info.num_heads, self.info.head_dim, self.method.block,
                 getattr(self.config, "correction", False))
@@ -803,7 +808,7 @@ class SparseContextHook(ModelHook):
             device, dtype = hidden.device, hidden.dtype
         else:                                       # no hidden_states (Cosmos 3 embeds token ids): the model's own
             device, dtype = module.device, module.dtype
-        dtype = attention_dtype(_projection_dtype(session, dtype), torch.device(device))  # what attention sees
+        dtype = session.attention_dtype_for(dtype, device)          # what attention sees
         # the layouts' index tensors are cached for later calls: made as normal tensors even under inference_mode
         # (an inference tensor saved for backward breaks a later forward that records autograd)
         with torch.inference_mode(False):

@@ -142,7 +142,8 @@ class SolMethod(SparseMethod):
             self._warned.add(layer)
             logger.warning(
                 "Sol layer %d: target density %.3f is below the density of the always-exact tiles "
-                "(band=%d, %d global tiles of %d) %.3f; only those are kept.",
+                "(band=%d, %d global tiles of %d) %.3f; only those are kept (with every text token valid: the pad "
+                "tiles of a padded prompt are not computed, which lowers it).",
                 layer, cfg.density, cfg.band, G, N, floor,
             )
 
