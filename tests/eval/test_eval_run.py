@@ -462,8 +462,8 @@ def test_an_estimator_given_another_tiling_names_the_specs_key(loaded, tmp_path)
     info = model_info(tr, model_spec(tr), len(self_attention_processors(tr)))
     VedaEstimator(info.model_class, info.num_layers, info.num_heads, info.head_dim, block=64,
                   tile_shapes=(1, 8, 8)).save_pretrained(tmp_path / "est")
-    settings = EvalSettings(parse_method_specs(["dense", f"veda@0.5:block=64:tiling=2x4x8:estimator={tmp_path / 'est'}"]),
-                            BUILTIN_PROMPTS[:1], [0], dict(CALL), attn_cells=0)
+    spec = f"veda@0.5:block=64:tiling=2x4x8:estimator={tmp_path / 'est'}"
+    settings = EvalSettings(parse_method_specs(["dense", spec]), BUILTIN_PROMPTS[:1], [0], dict(CALL), attn_cells=0)
     with pytest.raises(ValueError, match=r"\(no :tiling=\).*\(the spec's :tiling=1x8x8\)") as err:
         run_evaluation(loaded, settings, str(tmp_path / "ev"), progress=False)
     assert "--tiling" not in str(err.value)
