@@ -1295,3 +1295,29 @@ def test_apply_failing_at_its_last_step_leaves_the_pipeline_stock(monkeypatch):
     monkeypatch.undo()
     videosparse.apply(pipe, videosparse.SolConfig(density=0.3))
     videosparse.remove(pipe)
+
+
+def test_an_estimator_recording_no_component_serves_both_experts_with_a_warning_and_errors_name_the_expert(
+        tmp_path, caplog):
+    """Review finds: an estimator saved before estimators recorded their component, given alone, served both Wan 2.2
+    experts with no word (the README said it was refused); a mismatch error on a pipeline named neither the
+    estimator nor the expert that refused it."""
+    import logging
+
+    from videosparse.veda import VedaEstimator
+
+    pipe = _two_experts()
+    VedaEstimator("WanTransformer3DModel", 2, 2, 64, block=64, tile_shapes=(1, 4, 16)).save_pretrained(tmp_path / "old")
+    old = videosparse.VedaConfig(density=0.5, block=64, estimator=str(tmp_path / "old"))
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        sessions = videosparse.apply(pipe, old)
+    assert "records no component" in caplog.text
+    assert "serves every transformer: transformer, transformer_2" in caplog.text
+    assert all(s.method.estimator is not None for s in sessions.values())
+    videosparse.remove(pipe)
+    VedaEstimator("WanTransformer3DModel", 2, 2, 64, block=64, tile_shapes=(2, 4, 8),
+                  component="transformer_2").save_pretrained(tmp_path / "low")
+    config = videosparse.VedaConfig(density=0.5, block=64, tiling=(1, 4, 16), estimator=str(tmp_path / "low"))
+    with pytest.raises(ValueError, match=r"^transformer_2: the estimator '.*low' does not match"):
+        videosparse.apply(pipe, config)
+    assert videosparse.sessions(pipe) == {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import math
 
 import pytest
@@ -443,3 +444,64 @@ def test_from_pretrained_refuses_a_config_without_its_tiles_or_with_unknown_fiel
     est.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="hold non-finite values in proj_k"):
         VedaEstimator.from_pretrained(tmp_path)
+
+
+def test_an_estimator_loaded_at_a_revision_or_from_a_cache_dir_reloads_from_its_config(tmp_path, monkeypatch):
+    """Review finds: an estimator loaded from the hub at revision 'v2' recorded only its hub id, so its config's
+    to_dict reloaded the main revision's weights, and one loaded from a cache_dir could not be reloaded; a model class
+    given as the class itself, or a numpy init_std, were saved wrongly."""
+    import numpy as np
+    from diffusers import WanTransformer3DModel
+    from huggingface_hub import constants
+
+    from videosparse.config import VedaConfig, config_from_dict
+    from videosparse.veda.estimator import load_estimator
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    repo = tmp_path / "hub" / "models--owner--est"
+    torch.manual_seed(0)
+    for ref, commit in (("main", "a" * 40), ("v2", "b" * 40)):      # an offline hub cache with two revisions
+        VedaEstimator("WanTransformer3DModel", 2, 3, 32, init_std=0.3).save_pretrained(repo / "snapshots" / commit)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    v2 = VedaEstimator.from_pretrained("owner/est", revision="v2")
+    assert v2.source == "owner/est@v2"
+    reloaded = load_estimator(config_from_dict(VedaConfig(density=0.2, estimator=v2).to_dict()).estimator)
+    main = load_estimator("owner/est")
+    assert torch.equal(reloaded.proj_q, v2.proj_q) and not torch.equal(reloaded.proj_q, main.proj_q)
+    other_cache = tmp_path / "elsewhere"
+    (other_cache / "models--owner--est").parent.mkdir()
+    import shutil
+
+    shutil.copytree(repo, other_cache / "models--owner--est")
+    cached = VedaEstimator.from_pretrained("owner/est", cache_dir=other_cache)
+    assert os.path.isdir(cached.source) and torch.equal(load_estimator(cached.source).proj_q, cached.proj_q)
+    est = VedaEstimator(WanTransformer3DModel, 1, 1, 8, init_std=np.float32(0.25))
+    est.save_pretrained(tmp_path / "est")
+    back = VedaEstimator.from_pretrained(tmp_path / "est")
+    assert back.model_class == "WanTransformer3DModel" and back.init_std == 0.25
+    for bad in (None, ""):
+        with pytest.raises(ValueError, match="model_class=.* must be the name of the transformer class"):
+            VedaEstimator(bad, 1, 1, 8)
+
+
+def test_a_hub_id_that_cannot_be_reached_is_asked_for_once(monkeypatch):
+    """Review find: every failed hub lookup ran twice (our config check swallowed the error, then the mixin asked
+    again), so a mistyped local folder took two rounds of huggingface_hub's retries (46 s offline) to fail."""
+    import huggingface_hub.hub_mixin as hub_mixin
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    import videosparse.veda.estimator as estimator_module
+
+    calls = []
+
+    def unreachable(*args, **kwargs):
+        calls.append(kwargs.get("filename"))
+        raise LocalEntryNotFoundError("no network")
+
+    monkeypatch.setattr(estimator_module, "hf_hub_download", unreachable)
+    monkeypatch.setattr(hub_mixin, "hf_hub_download", unreachable)
+    with pytest.raises(ValueError, match="estimator='runs/est': no such local directory"):
+        estimator_module.load_estimator("runs/est")
+    assert calls == ["config.json"]

@@ -136,7 +136,12 @@ def make_processors(transformer: torch.nn.Module, config, *, scheduler=None, pip
         raise ValueError(f"dense_layers={config.dense_layers!r} names layers {beyond}, but this "
                          f"{type(transformer).__name__}{where} has {len(self_attn)} self-attention layers "
                          f"(0..{len(self_attn) - 1}).")
-    method = make_method(config, info)
+    try:
+        method = make_method(config, info)
+    except ValueError as err:
+        if name is None:
+            raise
+        raise ValueError(f"{name}: {err}") from None        # which transformer of the pipeline refused it
     distilled_from = getattr(getattr(method, "estimator", None), "component", None)
     if name is not None and distilled_from is not None and distilled_from != name:
         # two experts of one pipeline (Wan 2.2) share the class and sizes, not their attention
@@ -321,6 +326,11 @@ def _configs_by_component(config, transformers: dict[str, torch.nn.Module], unlo
                              f"{_and_unloaded(unloaded)}): give it its one estimator.")
         check_config(config)
         if not several and distilled_component(estimators) is None:   # saved before estimators recorded it: all
+            logger.warning("videosparse: the estimator %s records no component (saved before estimators recorded the "
+                           "one they were distilled from), so it serves every transformer: %s. One estimator per "
+                           "transformer: VedaConfig(estimator=(%s)), or a dict of configs by component.",
+                           estimator_label(estimators), ", ".join(transformers),
+                           ", ".join(f"<{name}'s>" for name in transformers))
             return {name: config for name in transformers}
         # (its config.json: the weights load once, per transformer)
         served = estimators_by_component(estimators if several else (estimators,), list(transformers))

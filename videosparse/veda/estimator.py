@@ -110,8 +110,9 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
         proj_q, proj_k: fp32 [num_layers, num_heads, 3*D, D].
 
     Attributes:
-        source (`str` or `None`): the path or hub id `from_pretrained` loaded it from (`None` when built in
-            memory); `VedaConfig.to_dict` writes it, so stats and reports name the estimator that ran.
+        source (`str` or `None`): the path or hub id `from_pretrained` loaded it from ("owner/name@revision" for a
+            revision; the snapshot folder for a `cache_dir`; `None` when built in memory); `VedaConfig.to_dict` writes
+            it, so stats and reports name the estimator that ran, and `load_estimator` loads it again.
 
     Example:
         >>> from videosparse.veda import VedaEstimator
@@ -133,7 +134,14 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
         if (isinstance(init_std, bool) or not isinstance(init_std, numbers.Real) or not math.isfinite(init_std)
                 or init_std < 0):
             raise ValueError(f"init_std={init_std!r} must be a finite number >= 0.")
-        self.model_class = str(model_class)
+        if isinstance(model_class, type):           # the class itself: by its name, as the config.json records it
+            model_class = model_class.__name__
+        if not isinstance(model_class, str) or not model_class:
+            raise ValueError(f"model_class={model_class!r} must be the name of the transformer class it serves (e.g. "
+                             "'WanTransformer3DModel').")
+        self.model_class = model_class
+        if isinstance(self._hub_mixin_config, dict):
+            self._hub_mixin_config["model_class"] = model_class
         self.num_layers, self.num_heads, self.head_dim, self.block = num_layers, num_heads, head_dim, block
         self.tile_shapes = _normalize_tiles(tile_shapes, num_layers, num_heads)
         for layer, heads in enumerate(self.tile_shapes):
@@ -146,6 +154,8 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
             shapes = {tuple(s) for heads in self.tile_shapes for s in heads}
             self._hub_mixin_config["tile_shapes"] = list(shapes.pop()) if len(shapes) == 1 else self.tile_shapes
         self.init_std = float(init_std)
+        if isinstance(self._hub_mixin_config, dict):
+            self._hub_mixin_config["init_std"] = self.init_std       # (a numpy float would be saved as the default)
         if density is not None and (isinstance(density, bool) or not isinstance(density, numbers.Real)
                                     or not 0 < density <= 1):
             raise ValueError(f"density={density!r} must be a number in (0, 1] (the density it was distilled for) or "
@@ -237,7 +247,7 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
                     )
                     break
         if bad:
-            raise ValueError("this VedaEstimator does not match the transformer it is used with: "
+            raise ValueError(f"the estimator {estimator_label(self)} does not match the transformer it is used with: "
                              + "; ".join(bad) + ".")
 
     def _tiling_hint(self) -> str:
@@ -308,7 +318,14 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
         if bad:     # NaN scores are never chosen: only each query tile's own tile would run, silently
             raise ValueError(f"the weights {model_file!r} of estimator {model_id!r} hold non-finite values in "
                              f"{', '.join(bad)} (a diverged distillation); distill it again.")
-        model.source = model_id
+        # what names it in reports and reloads it from a config's to_dict: the snapshot folder of a cache given
+        # (the default cache is found again), the revision of a hub id (as "owner/name@revision")
+        if os.path.isdir(model_id):
+            model.source = model_id
+        elif cache_dir is not None:
+            model.source = os.path.dirname(model_file)
+        else:
+            model.source = model_id if revision is None else f"{model_id}@{revision}"
         model.eval()
         return model.to(map_location)
 
@@ -333,11 +350,15 @@ def _config_file(path: str, hub_kwargs: dict[str, Any]) -> str | None:
     if os.path.isdir(path):
         config = os.path.join(path, "config.json")
         return config if os.path.isfile(config) else None
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
     try:
         return hf_hub_download(repo_id=path, filename="config.json", **{
             k: hub_kwargs[k] for k in ("revision", "cache_dir", "force_download", "token", "local_files_only")
             if k in hub_kwargs})
-    except Exception:                   # not there, or no hub
+    except EntryNotFoundError as err:   # a repository without one; any other failure (no such repository, not
+        if isinstance(err, LocalEntryNotFoundError):       # cached offline, no network) is raised now: the mixin
+            raise                                          # would only try the same lookup again
         return None
 
 
@@ -346,7 +367,16 @@ def distilled_component(source: Any) -> str | None:
     without loading its weights; None where it records none (saved before estimators recorded it) or has no config."""
     if isinstance(source, VedaEstimator):
         return source.component
-    config = _config_file(os.fspath(source), {}) if isinstance(source, (str, os.PathLike)) else None
+    config = None
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        repo, revision = split_revision(path)
+        if not os.path.isdir(path) and not _HUB_ID.fullmatch(repo):
+            return None                 # (no estimator: loading it says so)
+        try:
+            config = _config_file(repo, {} if revision is None else {"revision": revision})
+        except Exception as err:        # the same error load_estimator gives, before the weights are asked for
+            raise _hub_load_error(path, err) from err
     if config is None:
         return None
     _check_estimator_config(config)
@@ -408,6 +438,20 @@ def _check_estimator_config(config: str) -> None:
             + f"; save_pretrained and `videosparse distill` write {list(_SAVED_FIELDS)} (and init_std, density).")
 
 
+def split_revision(path: str) -> tuple[str, str | None]:
+    """("owner/name", "revision") of a hub id written "owner/name@revision" (as `VedaEstimator.source` names one
+    loaded at a revision), else (path, None); an existing local path is never split."""
+    repo, sep, revision = path.rpartition("@")
+    if sep and revision and _HUB_ID.fullmatch(repo) and not os.path.exists(path):
+        return repo, revision
+    return path, None
+
+
+def _hub_load_error(path: str, err: Exception) -> ValueError:
+    return ValueError(f"estimator={path!r}: no such local directory (from {os.getcwd()!r}), and as a hub id it cannot "
+                      f"be loaded ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}).")
+
+
 def load_estimator(source: Any) -> VedaEstimator:
     """A `VedaEstimator` from an object, a local directory or a hub id (safetensors only)."""
     if isinstance(source, VedaEstimator):
@@ -419,15 +463,15 @@ def load_estimator(source: Any) -> VedaEstimator:
         elif os.path.isfile(os.path.expanduser(path)):
             raise ValueError(f"estimator={path!r} is a file; give the directory `videosparse distill` or "
                              "`VedaEstimator.save_pretrained` wrote (config.json and model.safetensors).")
-        elif not _HUB_ID.fullmatch(path):
+        elif not _HUB_ID.fullmatch(split_revision(path)[0]):
             raise ValueError(f"estimator={path!r} is neither an existing directory nor a hub id (owner/name).")
         else:       # "runs/est" is a hub id in form, and a local folder the user may have meant
             from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
+            repo, revision = split_revision(path)
             try:
-                return VedaEstimator.from_pretrained(path)
+                return VedaEstimator.from_pretrained(repo, revision=revision)
             except (LocalEntryNotFoundError, RepositoryNotFoundError, HfHubHTTPError) as err:
-                raise ValueError(f"estimator={path!r}: no such local directory (from {os.getcwd()!r}), and as a hub "
-                                 f"id it cannot be loaded ({type(err).__name__}: {str(err).splitlines()[0]}).") from err
+                raise _hub_load_error(path, err) from err
         return VedaEstimator.from_pretrained(path)
     raise TypeError(f"estimator={source!r} must be a VedaEstimator, a directory or a hub id.")
