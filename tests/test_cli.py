@@ -376,7 +376,7 @@ def test_prompt_files_hold_lines_or_a_json_list_read_alike_by_every_command(tmp_
     for read in (read_prompts, load_prompts):
         with pytest.raises(ValueError, match="bad.json' is not valid JSON"):
             read(str(tmp_path / "bad.json"))
-        with pytest.raises(ValueError, match="dict.json' holds a JSON dict; a JSON prompts file lists"):
+        with pytest.raises(ValueError, match="dict.json' holds a JSON object; a JSON prompts file lists"):
             read(str(tmp_path / "dict.json"))
         with pytest.raises(ValueError, match="comments.txt' holds no prompt"):
             read(str(tmp_path / "comments.txt"))
@@ -698,7 +698,7 @@ def test_bench_subcommand_is_the_kernel_benchmark(tmp_path, capsys, monkeypatch)
                        (["--deadline-s", "nan"], "--deadline-s nan"),
                        # review find: an --out that cannot be written failed at the first save, after the checks
                        (["--out", str(tmp_path)], "is a directory; give a file path"),
-                       (["--out", str(tmp_path / "afile" / "b.json")], "afile' is a file; give a directory")):
+                       (["--out", str(tmp_path / "afile" / "b.json")], "afile' is a file, not a folder.")):
         with pytest.raises(SystemExit) as exit_info:
             main(["bench", *bad])
         assert exit_info.value.code == 2 and match in capsys.readouterr().err
@@ -712,9 +712,12 @@ def test_bench_subcommand_is_the_kernel_benchmark(tmp_path, capsys, monkeypatch)
     with pytest.raises(SystemExit, match="other.json: not a kernel benchmark JSON"):
         main(["bench", "--readme", str(tmp_path / "other.json")])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for out in ("/dev/stdout", "/proc/self/fd/1", str(tmp_path / "new" / "k.json")):   # streams, a folder made
-        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):                      # (its folder is made)
+        main(["bench", "--quick", "--out", str(tmp_path / "new" / "k.json")])
+    for out in ("/dev/stdout", "/proc/self/fd/1", str(tmp_path / "new") + "/"):     # rewritten after each step
+        with pytest.raises(SystemExit):
             main(["bench", "--quick", "--out", out])
+        assert "is no regular file: the benchmark writes its JSON again" in capsys.readouterr().err
     script = load_script("bench_kernel")
     assert script.random_plan is kernel_bench.random_plan and script.kernel_bench is kernel_bench
 

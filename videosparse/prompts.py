@@ -10,6 +10,9 @@ PROMPTS_FILE_FORMS = ("a text file with one prompt per line (blank lines and lin
                       "holding a JSON list of them")
 
 
+_JSON_KINDS = {type(None): "null", dict: "object", str: "string", int: "number", float: "number", bool: "boolean"}
+
+
 def read_prompts_file(path: str | os.PathLike) -> list[str]:
     """The prompts in the file at `path`: a JSON list of non-empty strings (any file name; a `.json` file must hold
     one), else one prompt per line, stripped, blank lines and '#' comment lines skipped. A first line that starts
@@ -32,10 +35,9 @@ def read_prompts_file(path: str | os.PathLike) -> list[str]:
         bad = [i for i, p in enumerate(listed) if not isinstance(p, str) or not p.strip()] \
             if isinstance(listed, list) else []
         if not isinstance(listed, list) or not listed or bad:
-            kind = "null" if listed is None else type(listed).__name__
-            what = (f"holds a JSON {kind}" if not isinstance(listed, list) else
+            what = (f"holds a JSON {_JSON_KINDS.get(type(listed), 'value')}" if not isinstance(listed, list) else
                     "holds a JSON list that is empty" if not listed else
-                    f"holds a JSON list that has {listed[bad[0]]!r} at position {bad[0]}")
+                    f"holds a JSON list that has {json.dumps(listed[bad[0]])} at position {bad[0]}")
             raise ValueError(f"prompts file {name!r} {what}; a JSON prompts file lists one or more prompts as "
                              "non-empty strings.")
         return [p.strip() for p in listed]

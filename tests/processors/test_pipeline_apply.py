@@ -1315,6 +1315,12 @@ def test_an_estimator_recording_no_component_serves_both_experts_with_a_warning_
     assert "serves every transformer: transformer, transformer_2" in caplog.text
     assert all(s.method.estimator is not None for s in sessions.values())
     videosparse.remove(pipe)
+    caplog.clear()
+    (tmp_path / "empty").mkdir()
+    for missing in (tmp_path / "nothing", tmp_path / "empty"):      # not an estimator: refused, no warning first
+        with caplog.at_level(logging.WARNING, logger="videosparse"), pytest.raises(ValueError):
+            videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, block=64, estimator=str(missing)))
+    assert "records no component" not in caplog.text
     VedaEstimator("WanTransformer3DModel", 2, 2, 64, block=64, tile_shapes=(2, 4, 8),
                   component="transformer_2").save_pretrained(tmp_path / "low")
     config = videosparse.VedaConfig(density=0.5, block=64, tiling=(1, 4, 16), estimator=str(tmp_path / "low"))

@@ -480,7 +480,7 @@ def test_prompt_files_holding_a_bad_json_list_and_empty_prompts_are_refused(tmp_
     from videosparse.distill.config import read_prompts
 
     for text, what in (("[]", "is empty"), ('["a", 3]', "has 3 at position 1"),
-                       ('[\n  "a red circle",\n  ""\n]\n', "has '' at position 1")):
+                       ('[\n  "a red circle",\n  ""\n]\n', 'has "" at position 1')):
         path = tmp_path / "p.txt"
         path.write_text(text)
         with pytest.raises(ValueError, match=f"holds a JSON list that {what}"):

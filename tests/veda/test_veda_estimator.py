@@ -505,3 +505,19 @@ def test_a_hub_id_that_cannot_be_reached_is_asked_for_once(monkeypatch):
     with pytest.raises(ValueError, match="estimator='runs/est': no such local directory"):
         estimator_module.load_estimator("runs/est")
     assert calls == ["config.json"]
+
+
+def test_a_revision_is_split_at_the_first_at_sign_and_a_local_folder_named_like_the_hub_id_is_refused(
+        tmp_path, monkeypatch):
+    """Review finds: a recorded 'owner/est@v2' loaded a local folder 'owner/est' (huggingface_hub takes a folder
+    before the hub and ignores the revision), and a revision holding '@' was split at the wrong '@'."""
+    from videosparse.veda.estimator import split_revision
+
+    monkeypatch.chdir(tmp_path)
+    assert split_revision("owner/est@feat@x") == ("owner/est", "feat@x")
+    assert split_revision("owner/est") == ("owner/est", None)
+    (tmp_path / "local@v2").mkdir()
+    assert split_revision("local@v2") == ("local@v2", None)                    # an existing path is never split
+    (tmp_path / "owner" / "est").mkdir(parents=True)
+    with pytest.raises(ValueError, match="names revision 'v2' of the hub id 'owner/est', but a local folder"):
+        split_revision("owner/est@v2")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -92,13 +91,7 @@ def check_config_applies(target, config, device: str | None = None) -> None:
     """Apply, then remove, `config` on `target` (a pipeline, or a transformer): a ValueError where the model refuses
     it, and, given the `device` the run will use, where a kernel backend the config names cannot run the attention
     there in the transformer's dtype (found otherwise at the first sparse forward, after the dense steps)."""
-    videosparse_logger = logging.getLogger("videosparse")
-    level = videosparse_logger.level
-    videosparse_logger.setLevel(logging.ERROR)      # its warnings come from the apply that serves the run
-    try:
-        handle = apply(target, config)
-    finally:
-        videosparse_logger.setLevel(level)
+    handle = apply(target, config)      # (its warnings come again from the apply that serves the run)
     try:
         for name, session in handle.items() if device is not None else ():
             if session.method is not None:

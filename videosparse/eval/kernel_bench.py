@@ -622,15 +622,25 @@ def check_args(args: argparse.Namespace, error) -> None:
     if args.readme is None:         # an --out that cannot be written: now, not after the correctness checks
         from ..cli import check_output
 
-        folder = os.path.dirname(args.out) or "."
+        from ..distill.config import cannot_make_files_in
+        from .report import STANDARD_STREAMS, writes_in_place
+
+        out, folder = args.out, os.path.dirname(args.out) or "."
         try:
-            if os.path.isdir(folder) or os.path.exists(args.out):      # (a stream such as /dev/stdout included)
-                check_output("--out", args.out)
+            if out in STANDARD_STREAMS or writes_in_place(out) or out.endswith(("/", os.sep)):
+                raise ValueError(f"--out {out!r} is no regular file: the benchmark writes its JSON again after each "
+                                 "step; give a JSON file path.")
+            if os.path.isdir(folder) or os.path.exists(out):
+                check_output("--out", out)
             else:                                                       # its folder is made with its parents
-                try:
-                    check_output("--out", folder, folder=True)
-                except ValueError as err:
-                    raise ValueError(f"--out {args.out!r}: {str(err).split(': ', 1)[-1]}") from None
+                existing = folder
+                while not os.path.exists(existing):
+                    existing = os.path.dirname(existing) or "."
+                if not os.path.isdir(existing):
+                    raise ValueError(f"--out {out!r} cannot be written: {existing!r} is a file, not a folder.")
+                if (why := cannot_make_files_in(existing)) is not None:
+                    raise ValueError(f"--out {out!r} cannot be written: no folder can be made in {existing!r} "
+                                     f"({why}).")
         except ValueError as err:
             error(str(err))
 

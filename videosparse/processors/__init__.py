@@ -318,7 +318,8 @@ def _configs_by_component(config, transformers: dict[str, torch.nn.Module], unlo
         several = isinstance(estimators, tuple)
         if estimators is None or (len(transformers) == 1 and not several):
             return {name: config for name in transformers}
-        from ..veda.estimator import distilled_component, estimator_label, estimators_by_component
+        from ..veda.estimator import (distilled_component, estimator_label, estimators_by_component,
+                                      records_no_component)
 
         if len(transformers) == 1:
             raise ValueError(f"estimator={estimator_label(estimators)} names {len(estimators)} estimators, one per "
@@ -326,11 +327,12 @@ def _configs_by_component(config, transformers: dict[str, torch.nn.Module], unlo
                              f"{_and_unloaded(unloaded)}): give it its one estimator.")
         check_config(config)
         if not several and distilled_component(estimators) is None:   # saved before estimators recorded it: all
-            logger.warning("videosparse: the estimator %s records no component (saved before estimators recorded the "
-                           "one they were distilled from), so it serves every transformer: %s. One estimator per "
-                           "transformer: VedaConfig(estimator=(%s)), or a dict of configs by component.",
-                           estimator_label(estimators), ", ".join(transformers),
-                           ", ".join(f"<{name}'s>" for name in transformers))
+            if records_no_component(estimators):     # (not one that is not there: its loading says so)
+                logger.warning("videosparse: the estimator %s records no component (saved before estimators "
+                               "recorded the one they were distilled from), so it serves every transformer: %s. One "
+                               "estimator per transformer: VedaConfig(estimator=(%s)), or a dict of configs by "
+                               "component.", estimator_label(estimators), ", ".join(transformers),
+                               ", ".join(f"<{name}'s>" for name in transformers))
             return {name: config for name in transformers}
         # (its config.json: the weights load once, per transformer)
         served = estimators_by_component(estimators if several else (estimators,), list(transformers))

@@ -362,6 +362,25 @@ def _config_file(path: str, hub_kwargs: dict[str, Any]) -> str | None:
         return None
 
 
+def records_no_component(source: Any) -> bool:
+    """Whether the estimator `source` (object, directory or hub id) has a config that names no component (saved
+    before estimators recorded it); False for one that names one, and for a source with no config to read (its
+    loading says what is wrong)."""
+    if isinstance(source, VedaEstimator):
+        return source.component is None
+    if not isinstance(source, (str, os.PathLike)):
+        return False
+    path = os.fspath(source)
+    try:
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+            return False
+        if not os.path.isdir(path) and not _HUB_ID.fullmatch(split_revision(path)[0]):
+            return False
+        return distilled_component(source) is None
+    except ValueError:
+        return False
+
+
 def distilled_component(source: Any) -> str | None:
     """The pipeline component an estimator (object, directory or hub id) was distilled from, from its config.json
     without loading its weights; None where it records none (saved before estimators recorded it) or has no config."""
@@ -440,11 +459,15 @@ def _check_estimator_config(config: str) -> None:
 
 def split_revision(path: str) -> tuple[str, str | None]:
     """("owner/name", "revision") of a hub id written "owner/name@revision" (as `VedaEstimator.source` names one
-    loaded at a revision), else (path, None); an existing local path is never split."""
-    repo, sep, revision = path.rpartition("@")
-    if sep and revision and _HUB_ID.fullmatch(repo) and not os.path.exists(path):
-        return repo, revision
-    return path, None
+    loaded at a revision; a hub id holds no "@", a revision may), else (path, None); an existing local path is never
+    split. A ValueError where a local folder named like the hub id would be loaded in place of that revision."""
+    repo, sep, revision = path.partition("@")
+    if not (sep and revision and _HUB_ID.fullmatch(repo) and not os.path.exists(path)):
+        return path, None
+    if os.path.isdir(repo):         # huggingface_hub would load the folder and ignore the revision
+        raise ValueError(f"estimator={path!r} names revision {revision!r} of the hub id {repo!r}, but a local folder "
+                         f"{repo!r} is there, which would be loaded instead; move it, or give the folder itself.")
+    return repo, revision
 
 
 def _hub_load_error(path: str, err: Exception) -> ValueError:
@@ -466,12 +489,13 @@ def load_estimator(source: Any) -> VedaEstimator:
         elif not _HUB_ID.fullmatch(split_revision(path)[0]):
             raise ValueError(f"estimator={path!r} is neither an existing directory nor a hub id (owner/name).")
         else:       # "runs/est" is a hub id in form, and a local folder the user may have meant
-            from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+            from huggingface_hub.errors import (HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
+                                                RepositoryNotFoundError)
 
             repo, revision = split_revision(path)
             try:
                 return VedaEstimator.from_pretrained(repo, revision=revision)
-            except (LocalEntryNotFoundError, RepositoryNotFoundError, HfHubHTTPError) as err:
+            except (LocalEntryNotFoundError, RepositoryNotFoundError, HfHubHTTPError, HFValidationError) as err:
                 raise _hub_load_error(path, err) from err
         return VedaEstimator.from_pretrained(path)
     raise TypeError(f"estimator={source!r} must be a VedaEstimator, a directory or a hub id.")
