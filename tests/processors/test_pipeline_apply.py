@@ -1327,3 +1327,28 @@ def test_an_estimator_recording_no_component_serves_both_experts_with_a_warning_
     with pytest.raises(ValueError, match=r"^transformer_2: the estimator '.*low' does not match"):
         videosparse.apply(pipe, config)
     assert videosparse.sessions(pipe) == {}
+
+
+def test_the_early_check_of_a_config_warns_nothing_the_apply_that_serves_warns_once(tmp_path, caplog):
+    """Review find: `generate` and `evaluate` check a config by applying and removing it before the run, and each of
+    apply's warnings came twice (a first fix muted the shared logger's level, which two threads could leave at
+    ERROR); the check's own records are dropped for its thread alone."""
+    import logging
+
+    from videosparse.eval.generate import check_config_applies
+    from videosparse.veda import VedaEstimator
+
+    pipe = _two_experts()
+    VedaEstimator("WanTransformer3DModel", 2, 2, 64, block=64, tile_shapes=(1, 4, 16),
+                  component="transformer_2").save_pretrained(tmp_path / "low")
+    config = videosparse.VedaConfig(density=0.5, block=64, estimator=str(tmp_path / "low"))
+    level = logging.getLogger("videosparse").level
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        check_config_applies(pipe, config, "cpu")
+        assert "untrained" not in caplog.text and videosparse.sessions(pipe) == {}
+        videosparse.apply(pipe, config)
+    assert caplog.text.count("score their tiles untrained") == 1
+    names = [n for n in logging.Logger.manager.loggerDict if n.startswith("videosparse")]
+    assert not any(logging.getLogger(n).filters for n in names)
+    assert logging.getLogger("videosparse").level == level
+    videosparse.remove(pipe)

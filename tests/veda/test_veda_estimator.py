@@ -519,5 +519,5 @@ def test_a_revision_is_split_at_the_first_at_sign_and_a_local_folder_named_like_
     (tmp_path / "local@v2").mkdir()
     assert split_revision("local@v2") == ("local@v2", None)                    # an existing path is never split
     (tmp_path / "owner" / "est").mkdir(parents=True)
-    with pytest.raises(ValueError, match="names revision 'v2' of the hub id 'owner/est', but a local folder"):
+    with pytest.raises(ValueError, match="read as revision 'v2' of the hub id 'owner/est', the local folder"):
         split_revision("owner/est@v2")

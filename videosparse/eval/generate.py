@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Sequence
@@ -87,11 +89,38 @@ def check_specs_apply(target, specs, device: str | None = None) -> None:
             raise ValueError(f"method spec {spec.label!r}: " + message) from None
 
 
+class _ThisThread(logging.Filter):
+    """Drops the records logged by the thread that made it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.thread
+
+
+@contextlib.contextmanager
+def _quiet_this_thread():
+    """The `videosparse` loggers' records of this thread dropped inside (other threads' kept; no level changed)."""
+    mute = _ThisThread()
+    names = ["videosparse"] + [n for n in list(logging.Logger.manager.loggerDict) if n.startswith("videosparse.")]
+    loggers = [logging.getLogger(n) for n in names]
+    for each in loggers:        # (a logger's filters see only its own records, not its children's)
+        each.addFilter(mute)
+    try:
+        yield
+    finally:
+        for each in loggers:
+            each.removeFilter(mute)
+
+
 def check_config_applies(target, config, device: str | None = None) -> None:
     """Apply, then remove, `config` on `target` (a pipeline, or a transformer): a ValueError where the model refuses
     it, and, given the `device` the run will use, where a kernel backend the config names cannot run the attention
     there in the transformer's dtype (found otherwise at the first sparse forward, after the dense steps)."""
-    handle = apply(target, config)      # (its warnings come again from the apply that serves the run)
+    with _quiet_this_thread():          # its warnings come from the apply that serves the run
+        handle = apply(target, config)
     try:
         for name, session in handle.items() if device is not None else ():
             if session.method is not None:

@@ -623,11 +623,14 @@ def check_args(args: argparse.Namespace, error) -> None:
         from ..cli import check_output
 
         from ..distill.config import cannot_make_files_in
-        from .report import STANDARD_STREAMS, writes_in_place
+        from .report import STANDARD_STREAMS
 
         out, folder = args.out, os.path.dirname(args.out) or "."
+        real = os.path.realpath(out)
+        stream = out in STANDARD_STREAMS or (os.path.exists(out) and not os.path.isfile(real)
+                                             and not os.path.isdir(real) and real != os.devnull)
         try:
-            if out in STANDARD_STREAMS or writes_in_place(out) or out.endswith(("/", os.sep)):
+            if stream or out.endswith(("/", os.sep)):
                 raise ValueError(f"--out {out!r} is no regular file: the benchmark writes its JSON again after each "
                                  "step; give a JSON file path.")
             if os.path.isdir(folder) or os.path.exists(out):

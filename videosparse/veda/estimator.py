@@ -372,12 +372,16 @@ def records_no_component(source: Any) -> bool:
         return False
     path = os.fspath(source)
     try:
-        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        repo, revision = (path, None) if os.path.isdir(path) else split_revision(path)
+        if not os.path.isdir(repo) and not _HUB_ID.fullmatch(repo):
             return False
-        if not os.path.isdir(path) and not _HUB_ID.fullmatch(split_revision(path)[0]):
+        config = _config_file(repo, {} if revision is None else {"revision": revision})
+        if config is None:
             return False
-        return distilled_component(source) is None
-    except ValueError:
+        _check_estimator_config(config)
+        with open(config) as f:
+            return json.load(f).get("component") is None
+    except Exception:               # (not readable: the estimator's loading names the problem)
         return False
 
 
@@ -465,8 +469,9 @@ def split_revision(path: str) -> tuple[str, str | None]:
     if not (sep and revision and _HUB_ID.fullmatch(repo) and not os.path.exists(path)):
         return path, None
     if os.path.isdir(repo):         # huggingface_hub would load the folder and ignore the revision
-        raise ValueError(f"estimator={path!r} names revision {revision!r} of the hub id {repo!r}, but a local folder "
-                         f"{repo!r} is there, which would be loaded instead; move it, or give the folder itself.")
+        raise ValueError(f"estimator={path!r} is no local folder; read as revision {revision!r} of the hub id "
+                         f"{repo!r}, the local folder {repo!r} would be loaded instead (huggingface_hub takes a folder "
+                         "first): move it, or give the folder itself.")
     return repo, revision
 
 
