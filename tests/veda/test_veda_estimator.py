@@ -521,3 +521,15 @@ def test_a_revision_is_split_at_the_first_at_sign_and_a_local_folder_named_like_
     (tmp_path / "owner" / "est").mkdir(parents=True)
     with pytest.raises(ValueError, match="read as revision 'v2' of the hub id 'owner/est', the local folder"):
         split_revision("owner/est@v2")
+
+
+def test_an_estimator_folder_under_home_is_found_through_a_tilde(tmp_path, monkeypatch):
+    """Review find: `load_estimator('~/est')` with an existing ~/est said it was neither a directory nor a hub id (the
+    file check expanded '~', the folder check did not)."""
+    from videosparse.veda.estimator import distilled_component, load_estimator
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    VedaEstimator("WanTransformer3DModel", 1, 1, 8, component="transformer_2").save_pretrained(tmp_path / "est")
+    assert load_estimator("~/est").num_layers == 1 and distilled_component("~/est") == "transformer_2"
+    with pytest.raises(ValueError, match="is a file; give the directory"):
+        load_estimator("~/est/config.json")

@@ -370,7 +370,7 @@ def records_no_component(source: Any) -> bool:
         return source.component is None
     if not isinstance(source, (str, os.PathLike)):
         return False
-    path = os.fspath(source)
+    path = _local(os.fspath(source))
     try:
         repo, revision = (path, None) if os.path.isdir(path) else split_revision(path)
         if not os.path.isdir(repo) and not _HUB_ID.fullmatch(repo):
@@ -392,7 +392,7 @@ def distilled_component(source: Any) -> str | None:
         return source.component
     config = None
     if isinstance(source, (str, os.PathLike)):
-        path = os.fspath(source)
+        path = _local(os.fspath(source))
         repo, revision = split_revision(path)
         if not os.path.isdir(path) and not _HUB_ID.fullmatch(repo):
             return None                 # (no estimator: loading it says so)
@@ -461,6 +461,15 @@ def _check_estimator_config(config: str) -> None:
             + f"; save_pretrained and `videosparse distill` write {list(_SAVED_FIELDS)} (and init_std, density).")
 
 
+def _local(path: str) -> str:
+    """`path` with a leading "~" expanded where that names something on disk (a hub id never starts with "~")."""
+    if path.startswith("~"):
+        expanded = os.path.expanduser(path)
+        if os.path.exists(expanded):
+            return expanded
+    return path
+
+
 def split_revision(path: str) -> tuple[str, str | None]:
     """("owner/name", "revision") of a hub id written "owner/name@revision" (as `VedaEstimator.source` names one
     loaded at a revision; a hub id holds no "@", a revision may), else (path, None); an existing local path is never
@@ -485,10 +494,10 @@ def load_estimator(source: Any) -> VedaEstimator:
     if isinstance(source, VedaEstimator):
         return source
     if isinstance(source, (str, os.PathLike)):
-        path = os.fspath(source)
+        path = _local(os.fspath(source))
         if os.path.isdir(path):
             _check_estimator_dir(path)
-        elif os.path.isfile(os.path.expanduser(path)):
+        elif os.path.isfile(path):
             raise ValueError(f"estimator={path!r} is a file; give the directory `videosparse distill` or "
                              "`VedaEstimator.save_pretrained` wrote (config.json and model.safetensors).")
         elif not _HUB_ID.fullmatch(split_revision(path)[0]):
