@@ -99,12 +99,12 @@ def check_model(model: str | None) -> None:
                          "pipeline directory, a hub id like Wan-AI/Wan2.1-T2V-1.3B-Diffusers, 'reference' or 'tiny'.")
 
 
-def check_output(flag: str, path: str, *, folder: bool = False) -> None:
+def check_output(flag: str, path: str, *, folder: bool = False, parents: bool = False) -> None:
     """ValueError naming `flag`, before any work, when the output `path` (a file; with `folder`, a directory made
     with its parents when missing) cannot be written: an empty path, a directory given for a file or a file for a
     folder, a file's folder missing, a part of the path that is a file, or a folder in which no file can be made
     (read-only, not ours, /proc). An existing file that is no regular file (a FIFO, /dev/null) is written in place:
-    it only has to be writable."""
+    it only has to be writable. `parents`: a file's missing folders are made with it (where they can be)."""
     what = "directory" if folder else "file"
     if not path:
         raise ValueError(f"{flag} is empty; give a {what} path.")
@@ -125,7 +125,7 @@ def check_output(flag: str, path: str, *, folder: bool = False) -> None:
         existing = os.path.dirname(existing) or "."
     if not os.path.isdir(existing):
         raise ValueError(f"{flag} {path!r} cannot be written: {existing!r} is a file, not a folder.")
-    if not folder and existing != home:
+    if not folder and existing != home and not parents:
         raise ValueError(f"{flag} {path!r}: the folder {home!r} does not exist.")
     why = cannot_make_files_in(existing)
     if why is not None:

@@ -621,11 +621,9 @@ def check_args(args: argparse.Namespace, error) -> None:
             error(f"{flag} is empty; give a JSON file path")
     if args.readme is None:         # an --out that cannot be written: now, not after the correctness checks
         from ..cli import check_output
-
-        from ..distill.config import cannot_make_files_in
         from .report import STANDARD_STREAMS
 
-        out, folder = args.out, os.path.dirname(args.out) or "."
+        out = args.out
         real = os.path.realpath(out)
         stream = out in STANDARD_STREAMS or (os.path.exists(out) and not os.path.isfile(real)
                                              and not os.path.isdir(real) and real != os.devnull)
@@ -633,17 +631,7 @@ def check_args(args: argparse.Namespace, error) -> None:
             if stream or out.endswith(("/", os.sep)):
                 raise ValueError(f"--out {out!r} is no regular file: the benchmark writes its JSON again after each "
                                  "step; give a JSON file path.")
-            if os.path.isdir(folder) or os.path.exists(out):
-                check_output("--out", out)
-            else:                                                       # its folder is made with its parents
-                existing = folder
-                while not os.path.exists(existing):
-                    existing = os.path.dirname(existing) or "."
-                if not os.path.isdir(existing):
-                    raise ValueError(f"--out {out!r} cannot be written: {existing!r} is a file, not a folder.")
-                if (why := cannot_make_files_in(existing)) is not None:
-                    raise ValueError(f"--out {out!r} cannot be written: no folder can be made in {existing!r} "
-                                     f"({why}).")
+            check_output("--out", out, parents=True)                # (its folder is made with its parents)
         except ValueError as err:
             error(str(err))
 

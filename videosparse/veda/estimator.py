@@ -362,6 +362,27 @@ def _config_file(path: str, hub_kwargs: dict[str, Any]) -> str | None:
         return None
 
 
+def _estimator_config(source: str | os.PathLike) -> str | None:
+    """The checked config.json of the estimator directory or hub id `source` (None: no such directory and no hub id
+    in form, or a hub repository without one); a hub lookup that fails raises `load_estimator`'s ValueError."""
+    path = _local(os.fspath(source))
+    repo, revision = split_revision(path)
+    if not os.path.isdir(path) and not _HUB_ID.fullmatch(repo):
+        return None                     # (no estimator: loading it says so)
+    try:
+        config = _config_file(repo, {} if revision is None else {"revision": revision})
+    except Exception as err:            # the same error load_estimator gives, before the weights are asked for
+        raise _hub_load_error(path, err) from err
+    if config is not None:
+        _check_estimator_config(config)
+    return config
+
+
+def _recorded_component(config: str) -> str | None:
+    with open(config) as f:
+        return json.load(f).get("component")
+
+
 def records_no_component(source: Any) -> bool:
     """Whether the estimator `source` (object, directory or hub id) has a config that names no component (saved
     before estimators recorded it); False for one that names one, and for a source with no config to read (its
@@ -370,17 +391,9 @@ def records_no_component(source: Any) -> bool:
         return source.component is None
     if not isinstance(source, (str, os.PathLike)):
         return False
-    path = _local(os.fspath(source))
     try:
-        repo, revision = (path, None) if os.path.isdir(path) else split_revision(path)
-        if not os.path.isdir(repo) and not _HUB_ID.fullmatch(repo):
-            return False
-        config = _config_file(repo, {} if revision is None else {"revision": revision})
-        if config is None:
-            return False
-        _check_estimator_config(config)
-        with open(config) as f:
-            return json.load(f).get("component") is None
+        config = _estimator_config(source)
+        return config is not None and _recorded_component(config) is None
     except Exception:               # (not readable: the estimator's loading names the problem)
         return False
 
@@ -390,21 +403,8 @@ def distilled_component(source: Any) -> str | None:
     without loading its weights; None where it records none (saved before estimators recorded it) or has no config."""
     if isinstance(source, VedaEstimator):
         return source.component
-    config = None
-    if isinstance(source, (str, os.PathLike)):
-        path = _local(os.fspath(source))
-        repo, revision = split_revision(path)
-        if not os.path.isdir(path) and not _HUB_ID.fullmatch(repo):
-            return None                 # (no estimator: loading it says so)
-        try:
-            config = _config_file(repo, {} if revision is None else {"revision": revision})
-        except Exception as err:        # the same error load_estimator gives, before the weights are asked for
-            raise _hub_load_error(path, err) from err
-    if config is None:
-        return None
-    _check_estimator_config(config)
-    with open(config) as f:
-        return json.load(f).get("component")
+    config = _estimator_config(source) if isinstance(source, (str, os.PathLike)) else None
+    return None if config is None else _recorded_component(config)
 
 
 def estimator_label(estimator: Any) -> str:
@@ -495,18 +495,18 @@ def load_estimator(source: Any) -> VedaEstimator:
         return source
     if isinstance(source, (str, os.PathLike)):
         path = _local(os.fspath(source))
+        repo, revision = split_revision(path)
         if os.path.isdir(path):
             _check_estimator_dir(path)
         elif os.path.isfile(path):
             raise ValueError(f"estimator={path!r} is a file; give the directory `videosparse distill` or "
                              "`VedaEstimator.save_pretrained` wrote (config.json and model.safetensors).")
-        elif not _HUB_ID.fullmatch(split_revision(path)[0]):
+        elif not _HUB_ID.fullmatch(repo):
             raise ValueError(f"estimator={path!r} is neither an existing directory nor a hub id (owner/name).")
         else:       # "runs/est" is a hub id in form, and a local folder the user may have meant
             from huggingface_hub.errors import (HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
                                                 RepositoryNotFoundError)
 
-            repo, revision = split_revision(path)
             try:
                 return VedaEstimator.from_pretrained(repo, revision=revision)
             except (LocalEntryNotFoundError, RepositoryNotFoundError, HfHubHTTPError, HFValidationError) as err:
