@@ -838,6 +838,23 @@ def test_evaluate_refuses_flags_it_would_ignore(tmp_path, capsys, monkeypatch):
     assert not os.path.exists(out)
 
 
+def test_attention_sampling_flags_are_checked_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """--attn-steps '' (nothing sampled), a negative index, or a step past --steps failed only after the pipeline
+    loaded (minutes for a real model)."""
+    _no_load(monkeypatch)
+    out = str(tmp_path / "ev")
+    for argv, msg in ((["--attn-steps", ""], "'' samples nothing"), (["--attn-layers", ","], "',' samples nothing"),
+                      (["--attn-steps", "0,-1"], "holds [-1]: indices count from 0")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["evaluate", *argv, "--out", out])
+        assert exit_.value.code == 2 and msg in capsys.readouterr().err, argv
+    assert main(["evaluate", "--steps", "4", "--attn-steps", "1,4,7", "--out", out]) == 2
+    assert "--attn-steps [4, 7]: the run has --steps 4 denoising steps (0..3)" in capsys.readouterr().err
+    with pytest.raises(_Loaded):                    # the last step is taken
+        main(["evaluate", "--steps", "4", "--attn-steps", "3", "--out", out])
+    assert not os.path.exists(out)
+
+
 def test_a_spec_the_model_refuses_is_named_before_the_dense_cell(tmp_path, capsys):
     """Review 51 (d02): a dense layer the model lacks, or an estimator distilled at block 64 used at the default 128,
     failed after the dense cell was written (ev/ half made), the estimator's message naming generate's --block."""
@@ -954,3 +971,27 @@ def test_the_early_kernel_check_asks_about_the_dtype_the_run_attends_in(tmp_path
     pipe(prompt="a cat", num_frames=5, height=32, width=32, num_inference_steps=1, output_type="latent")
     videosparse.remove(pipe)
     assert asked == [torch.bfloat16, torch.bfloat16]
+
+
+def test_an_estimator_and_a_tiling_that_disagree_are_named_before_the_load(tmp_path, capsys, monkeypatch):
+    """generate --estimator E --tiling T with T's tile shapes not those E was distilled with (or T searched for
+    another model) failed only once the transformer had loaded."""
+    from videosparse.veda import VedaEstimator
+    from videosparse.veda.tiling import Tiling
+
+    _no_load(monkeypatch)
+    VedaEstimator("WanTransformer3DModel", 2, 2, 64, block=64, tile_shapes=(1, 4, 16)).save_pretrained(tmp_path / "e")
+    meta = {"model_class": "WanTransformer3DModel", "num_layers": 2, "num_heads": 2}
+    Tiling((((1, 4, 16),) * 2,) * 2, 64, meta).save(tmp_path / "same.json")
+    Tiling((((1, 4, 16), (2, 2, 16)),) * 2, 64, meta).save(tmp_path / "other.json")
+    Tiling((((1, 4, 16),) * 2,) * 3, 64, {**meta, "num_layers": 3}).save(tmp_path / "deeper.json")
+    base = ["generate", "--estimator", str(tmp_path / "e"), "--block", "64", "--out", str(tmp_path / "v.mp4")]
+    for tiling, msg in (("2x2x16", "--estimator '%s' with --tiling (2, 2, 16): " % (tmp_path / "e")),
+                        (str(tmp_path / "other.json"), "tile shapes of layer 0: estimator was distilled with"),
+                        (str(tmp_path / "deeper.json"), "are for other models: tiling file")):
+        assert main([*base, "--tiling", tiling]) == 2, tiling
+        assert msg in capsys.readouterr().err, tiling
+    for tiling in ("1x4x16", str(tmp_path / "same.json")):   # the estimator's own shapes are taken
+        with pytest.raises(_Loaded):
+            main([*base, "--tiling", tiling])
+    assert not (tmp_path / "v.mp4").exists()

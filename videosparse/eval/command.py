@@ -24,10 +24,17 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _ints(text: str) -> list[int]:
+    """A comma-separated list of at least one index >= 0 (a step or a layer); argparse's error otherwise."""
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated integers, e.g. 0,4,9") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} samples nothing: give at least one index, e.g. 0,4,9, or leave the "
+                                         "flag out (its default)")
+    if negative := [x for x in values if x < 0]:
+        raise argparse.ArgumentTypeError(f"{text!r} holds {negative}: indices count from 0")
+    return values
 
 
 def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
@@ -168,6 +175,9 @@ def run_evaluate(args: argparse.Namespace) -> int:
                                                           ("--attn-layers", args.attn_layers)) if v is not None]):
         raise ValueError(f"{' and '.join(given)} choose what the attention-level pass samples; --attn-cells 0 skips "
                          "that pass, so this run would ignore them. Drop them, or give --attn-cells 1 or more.")
+    if args.steps is not None and (beyond := [t for t in args.attn_steps or () if t >= args.steps]):
+        raise ValueError(f"--attn-steps {beyond}: the run has --steps {args.steps} denoising steps "
+                         f"(0..{args.steps - 1}).")
     if args.prompt and args.prompts:
         raise ValueError(f"--prompt and --prompts {args.prompts} exclude each other: give the prompts one way.")
     if args.prompt:

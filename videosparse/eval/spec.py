@@ -184,21 +184,45 @@ def check_config_files(config, name: Callable[[str], str] = str) -> None:
     from ..veda.estimator import estimators_by_component, load_estimator
     from ..veda.tiling import load_tiling
 
+    loaded = {}
     for field, load in (("tiling", lambda path: load_tiling(path, config.block)), ("estimator", load_estimator)):
         values = getattr(config, field, None)
         for value in values if isinstance(values, tuple) and field == "estimator" else (values,):
             if isinstance(value, (str, os.PathLike)):
                 try:
-                    load(value)
+                    loaded[field] = load(value)
                 except (OSError, ValueError) as err:
                     several = (" (of the estimators, one per transformer, that the commas separate)"
                                if values is not value else "")
                     raise ValueError(f"{name(field)} {os.fspath(value)!r}{several}: {err}") from None
+    if "estimator" in loaded and not isinstance(config.estimator, tuple) and getattr(config, "tiling", None):
+        _check_estimator_tiles(config, loaded["estimator"], loaded.get("tiling"), name)
     if isinstance(getattr(config, "estimator", None), tuple):   # one per transformer: each records its own
         try:
             estimators_by_component(config.estimator)
         except ValueError as err:
             raise ValueError(f"{name('estimator')}: {err}") from None
+
+
+def _check_estimator_tiles(config, estimator, tiling, name: Callable[[str], str]) -> None:
+    """ValueError naming both flags when `config.tiling` (a tiling file, loaded as `tiling`, or one shape) gives
+    other tile shapes than `estimator` was distilled with: the transformer would refuse the pair once loaded."""
+    if tiling is None:
+        shape = tuple(config.tiling)
+        tiling_layers = [[shape] * estimator.num_heads] * estimator.num_layers
+    else:
+        try:
+            tiling.check_model(estimator.model_class, estimator.num_layers, estimator.num_heads,
+                               os.fspath(config.tiling))
+        except ValueError as err:
+            raise ValueError(f"{name('tiling')} and {name('estimator')} {os.fspath(config.estimator)!r} (distilled "
+                             f"for {estimator.model_class}) are for other models: {err}") from None
+        tiling_layers = tiling.layers
+    try:
+        estimator.check_compatible(block=config.block, tile_shapes=tiling_layers)
+    except ValueError as err:
+        raise ValueError(f"{name('estimator')} {os.fspath(config.estimator)!r} with {name('tiling')} "
+                         f"{os.fspath(config.tiling) if tiling is not None else config.tiling}: {err}") from None
 
 
 def check_spec_files(specs: list[MethodSpec]) -> None:
