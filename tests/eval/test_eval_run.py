@@ -499,3 +499,31 @@ def test_damaged_frames_of_a_finished_cell_name_the_file(tmp_path):
         path.write_bytes(damaged)
         with pytest.raises(ValueError, match=f"the frames {path} of a finished cell cannot be read .*delete the file"):
             Evaluation._frames(owner, "cell")
+
+
+def test_files_are_synced_to_disk_before_the_rename_publishes_them(tmp_path, monkeypatch):
+    """A rename alone may reach the disk before the data it publishes (a power loss could leave an empty file under
+    the final name); `replace_durably` fsyncs the file, or a folder's files and folders, before the rename, and the
+    rename's folder after it. `write_atomic`, checkpoints and the distillation's writes go through it."""
+    from videosparse.distill.config import DistillConfig
+    from videosparse.eval.report import replace_durably, write_atomic
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                  real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", os.fspath(b))), real_replace(a, b))[1])
+    write_atomic(tmp_path / "r.json", "{}")
+    assert events == [("fsync", str(tmp_path / ".r.json.tmp")), ("replace", str(tmp_path / "r.json")),
+                      ("fsync", str(tmp_path))]
+    events.clear()
+    (tmp_path / ".ckpt" / "sub").mkdir(parents=True)
+    for name in ("a.safetensors", "sub/b.bin"):
+        (tmp_path / ".ckpt" / name).write_bytes(b"x")
+    replace_durably(tmp_path / ".ckpt", tmp_path / "ckpt")
+    synced = {path for kind, path in events[:-2] if kind == "fsync"}
+    assert synced == {str(tmp_path / ".ckpt" / p) for p in ("a.safetensors", "sub/b.bin", "sub", ".")}, events
+    assert events[-2:] == [("replace", str(tmp_path / "ckpt")), ("fsync", str(tmp_path))]
+    events.clear()
+    DistillConfig(model="tiny").save(tmp_path / "distill_config.json")
+    assert [kind for kind, _ in events] == ["fsync", "replace", "fsync"]

@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..eval.report import replace_durably
 from ..layout import head_tiling
 from ..method import ModelInfo
 from ..veda.teacher import teacher_heat
@@ -182,14 +183,14 @@ def write_sample(path: Path, layers: dict[int, tuple[torch.Tensor, ...]], meta: 
         tensors[f"heat.{layer}"] = heat.contiguous()
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(tensors, str(tmp), metadata={k: json.dumps(v) for k, v in meta.items()})
-    os.replace(tmp, path)
+    replace_durably(tmp, path)
 
 
 def _atomic_json(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+    replace_durably(tmp, path)
 
 
 def capture_settings(cfg: CaptureConfig) -> dict:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from ..config import _check_block, _plain_numbers, parse_tile
+from ..eval.report import replace_durably
 from ..prompts import PROMPTS_FILE_FORMS, read_prompts_file
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
@@ -200,7 +201,7 @@ class _JsonConfig:
         tmp = f"{os.fspath(path)}.tmp"
         with open(tmp, "w") as f:
             json.dump(self.to_dict(), f, indent=1)
-        os.replace(tmp, path)
+        replace_durably(tmp, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike):

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..eval.report import from_jsonable, to_jsonable
+from ..eval.report import from_jsonable, replace_durably, to_jsonable
 from ..method import ModelInfo
 from ..models.loading import check_component
 from ..veda.estimator import VedaEstimator
@@ -312,7 +312,7 @@ def _save_checkpoint(accelerator, root: Path, state: dict[str, Any], keep: int) 
         with open(tmp / TRAINER_STATE, "w") as f:
             json.dump(state, f)
         shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        replace_durably(tmp, final)
         _retire(root, _checkpoints(root)[:-keep])
     accelerator.wait_for_everyone()
     return final
@@ -476,7 +476,7 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
         tmp = log_path.with_name(f".{log_path.name}.tmp")
         with open(tmp, "w") as f:
             f.writelines(json.dumps(to_jsonable(h), allow_nan=False) + "\n" for h in history)
-        os.replace(tmp, log_path)
+        replace_durably(tmp, log_path)
 
     progress = tqdm(total=total_steps, initial=global_step, desc="distill",
                     disable=not accelerator.is_local_main_process)
@@ -664,14 +664,14 @@ def _save_final(estimator: VedaEstimator, out: Path, cfg: DistillConfig, metrics
     if card is not None:
         (tmp / "README.md").write_text(card)            # instead of huggingface_hub's placeholder card
     for name in os.listdir(tmp):
-        os.replace(tmp / name, out / name)
+        replace_durably(tmp / name, out / name)
     shutil.rmtree(tmp, ignore_errors=True)
     if isinstance(cfg.tiling, str) and Path(cfg.tiling).resolve() != (out / "tiling.json").resolve():
         shutil.copyfile(cfg.tiling, out / ".tiling.json.tmp")
-        os.replace(out / ".tiling.json.tmp", out / "tiling.json")
+        replace_durably(out / ".tiling.json.tmp", out / "tiling.json")
     with open(out / ".metrics.json.tmp", "w") as f:
         json.dump(to_jsonable(metrics), f, indent=1, allow_nan=False)       # strict JSON: nan as "nan"
-    os.replace(out / ".metrics.json.tmp", out / "metrics.json")
+    replace_durably(out / ".metrics.json.tmp", out / "metrics.json")
 
 
 def run_distillation(cfg: DistillConfig, *, step_callback: Callable[[int, dict[str, Any]], None] | None = None
@@ -740,7 +740,7 @@ def run_distillation(cfg: DistillConfig, *, step_callback: Callable[[int, dict[s
                 # failed before the capture began (`check_model`): the earlier run's estimator stays, with its config
                 tmp = out / ".distill_config.json.tmp"
                 tmp.write_bytes(old_config)
-                os.replace(tmp, out / "distill_config.json")
+                replace_durably(tmp, out / "distill_config.json")
             _undo_empty_start(out, new_folder, new_config)
         raise
     train_files, val_files = split_by_prompt(files, cfg.val_fraction, cfg.seed)

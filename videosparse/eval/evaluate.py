@@ -53,8 +53,8 @@ from ..prompts import read_prompts_file
 from .attention import AttentionProbe, sample_steps
 from .generate import check_specs_apply, generate, write_video
 from .metrics import load_lpips, lpips_distance, psnr_per_frame, psnr_video, ssim_per_frame
-from .report import (REPORT_FORMAT, changed_keys, environment, load_report, render_markdown, save_report,
-                     timing_environment, write_atomic)
+from .report import (REPORT_FORMAT, changed_keys, environment, load_report, render_markdown, replace_durably,
+                     save_report, timing_environment, write_atomic)
 from .spec import MethodSpec
 from .timing import AttentionTimer, pipeline_transformers
 
@@ -424,7 +424,7 @@ class Evaluation:
         path = self._frames_path(cid)
         tmp = f"{path[:-len('.npy')]}.tmp.npy"             # then renamed: a kill leaves no truncated frames
         np.save(tmp, stored)
-        os.replace(tmp, path)
+        replace_durably(tmp, path)
         timer = timers[0]
         density, work = work_fraction(result.stats)
         cell = {

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..processors import apply, remove
+from .report import replace_durably
 from .timing import TransformerTimer, pipeline_transformers
 
 
@@ -223,7 +224,7 @@ def write_video(frames: np.ndarray, path: str, fps: int = 8) -> str:
         # ffmpeg reports a file it cannot open on stderr and imageio returns as if it wrote it (a directory, ...)
         if not os.path.isfile(written) or os.path.getsize(written) == 0:
             raise OSError(f"the video {path!r} was not written (ffmpeg could not write it: see its message above).")
-        os.replace(written, path)
+        replace_durably(written, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)

@@ -50,6 +50,39 @@ def from_jsonable(obj: Any) -> Any:
     return obj
 
 
+def sync_to_disk(path: str | os.PathLike) -> None:
+    """fsync a file, or every file under a folder and the folders themselves, so that their bytes are on the disk
+    before a rename publishes them (`replace_durably`). A folder whose file system takes no fsync is skipped."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        _fsync(path, os.O_RDONLY)
+        return
+    for root, _, files in os.walk(path):
+        for name in files:
+            _fsync(os.path.join(root, name), os.O_RDONLY)
+        _fsync(root, os.O_RDONLY, folder=True)
+
+
+def _fsync(path: str, flags: int, folder: bool = False) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not folder:                              # some file systems refuse fsync on a folder (EINVAL)
+            raise
+    finally:
+        os.close(fd)
+
+
+def replace_durably(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """`os.replace(src, dst)` for a file or folder just written: its bytes are synced first and the rename itself
+    after (its folder synced), so a power loss leaves the old `dst` or the whole new one, never an empty or partial
+    file under the final name (a rename alone may reach the disk before the data)."""
+    sync_to_disk(src)
+    os.replace(src, dst)
+    _fsync(os.path.dirname(os.path.abspath(os.fspath(dst))), os.O_RDONLY, folder=True)
+
+
 # the paths that name this process's stdout / stderr (`write_atomic` writes them through sys.stdout / sys.stderr)
 STANDARD_STREAMS = {f"{prefix}{fd}": name for fd, name in ((1, "stdout"), (2, "stderr"))
                      for prefix in ("/dev/fd/", "/proc/self/fd/")} | {"/dev/stdout": "stdout", "/dev/stderr": "stderr"}
@@ -92,7 +125,7 @@ def write_atomic(path: str | os.PathLike, text: str | bytes) -> None:
         with open(tmp, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
         if not special:
-            os.replace(tmp, path)
+            replace_durably(tmp, path)
     except OSError as err:
         raise OSError(f"{shown!r} could not be written: {err.strerror or err}") from err
     finally:

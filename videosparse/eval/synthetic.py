@@ -71,6 +71,7 @@ from typing import Any, Callable
 
 import torch
 
+from .report import replace_durably
 from .spec import MethodSpec
 from .timing import AttentionTimer, TransformerTimer, profile_sdpa
 
@@ -1098,7 +1099,7 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
                 saved.parent.mkdir(parents=True, exist_ok=True)
                 tmp = saved.with_name(f".{saved.name}.tmp")     # renamed over it: a killed write leaves no half file
                 save_file({"dense_output": out.detach().contiguous().cpu()}, str(tmp))
-                os.replace(tmp, saved)
+                replace_durably(tmp, saved)
         row["output_rel_l2_vs_dense"] = (
             None if reference is None
             else float((out.float() - reference).norm() / reference.norm().clamp_min(1e-30)))

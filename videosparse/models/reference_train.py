@@ -37,6 +37,7 @@ from .reference import (
     encode_text,
     transformer_input,
 )
+from ..eval.report import replace_durably
 from .reference_data import check_travel, clip_batch
 
 logger = logging.getLogger(__name__)
@@ -263,7 +264,7 @@ def _truncate_log(path: str, step: int) -> None:
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             f.writelines(kept)
-        os.replace(tmp, path)
+        replace_durably(tmp, path)
 
 
 def _log_entry(line: str) -> dict | None:
@@ -363,7 +364,7 @@ def write_sample_grid(frames: torch.Tensor, path: str, cols: int = 2) -> None:
     big = grid.repeat_interleave(3, 1).repeat_interleave(3, 2).numpy()
     tmp = path + ".tmp.gif"
     iio.imwrite(tmp, big, duration=125, loop=0)
-    os.replace(tmp, path)
+    replace_durably(tmp, path)
 
 
 def export_pipeline(transformer, text_encoder, tokenizer, export_dir: str, dtype: torch.dtype,
@@ -406,7 +407,7 @@ def export_pipeline(transformer, text_encoder, tokenizer, export_dir: str, dtype
     if os.path.exists(export_dir):
         shutil.rmtree(old, ignore_errors=True)
         os.rename(export_dir, old)
-    os.rename(tmp, export_dir)
+    replace_durably(tmp, export_dir)
     shutil.rmtree(old, ignore_errors=True)
     return export_dir
 
@@ -511,10 +512,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 old = f"{tmp}.old"
                 shutil.rmtree(old, ignore_errors=True)
                 os.rename(final, old)
-                os.rename(tmp, final)
+                replace_durably(tmp, final)
                 shutil.rmtree(old, ignore_errors=True)
             else:
-                os.rename(tmp, final)
+                replace_durably(tmp, final)
             for stale in _checkpoints(cfg.output_dir)[:-cfg.keep_checkpoints]:
                 shutil.rmtree(stale, ignore_errors=True)
         accelerator.wait_for_everyone()
