@@ -362,6 +362,12 @@ def test_validation_names_the_entry_and_helpers_refuse_a_short_key_count():
             plan.to_dense_mask(n)
     with pytest.raises(ValueError, match="num_key_tiles=2, but a row of the plan keeps 4 tiles"):
         plan.density(2)
+    k_mean = torch.zeros(1, 2, 5, 64)               # review 54: density(0) took the 5 tiles of tile_len instead
+    with_len = plan.with_correction(k_mean, k_mean, torch.full((5,), 128))
+    assert with_len.density() == 0.8
+    for n in (0, -1, 2.5):
+        with pytest.raises(ValueError, match=f"num_key_tiles={n} must be an int >= 1"):
+            with_len.density(n)
     empty = Plan(torch.zeros(1, 0, 4, 1, dtype=torch.int32), torch.zeros(1, 0, 4, dtype=torch.int32))
     with pytest.raises(ValueError, match="no query-tile rows"):
         empty.density(4)

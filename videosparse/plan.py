@@ -67,9 +67,12 @@ class Plan:
 
     def density(self, num_key_tiles: int | None = None) -> float:
         """Realised tile density: kept (query tile, key tile) pairs / all pairs."""
-        nk = num_key_tiles or self.num_key_tiles
-        if nk <= 0:
+        if num_key_tiles is None and self.num_key_tiles <= 0:
             raise ValueError("density() needs num_key_tiles when the plan carries no tile_len.")
+        nk = self.num_key_tiles if num_key_tiles is None else num_key_tiles
+        if isinstance(nk, bool) or not isinstance(nk, numbers.Integral) or nk < 1:
+            raise ValueError(f"num_key_tiles={num_key_tiles!r} must be an int >= 1 (the key tiles every row counts "
+                             "against; None: the plan's tile_len's).")
         if not self.kv_count.numel():
             raise ValueError(f"the plan has no query-tile rows (kv_count {tuple(self.kv_count.shape)}): no density.")
         most = int(self.kv_count.max())
@@ -126,9 +129,12 @@ class Plan:
             order = None
         return replace(self, kv_count=count, valid_keys=valid_keys, order=order)
 
-    def validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, *, where: str = "") -> None:
-        """Check the plan against q, k (B, H, S, D); raise ValueError naming tensor, shape and expectation (TypeError
-        for a field that is no tensor)."""
+    def check_structure(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, *,
+                        where: str = "") -> None:
+        """The checks of `validate` that read only metadata (types, dtypes, shapes, devices; no host sync), so they
+        run on every call, `validate=False` and torch.compile included: a plan whose shapes do not fit q, k would
+        make a kernel write past its output or leave rows unwritten. ValueError (TypeError for a field that is no
+        tensor) naming tensor, shape and expectation."""
         at = f" ({where})" if where else ""
         for name in ("kv_index", "kv_count", "k_mean", "v_sum", "tile_len", "valid_keys", "order"):
             value = getattr(self, name)
@@ -153,10 +159,48 @@ class Plan:
             )
         if tuple(self.kv_count.shape) != (B, H, Mq):
             raise ValueError(f"kv_count has shape {tuple(self.kv_count.shape)}; expected ({B}, {H}, {Mq}){at}.")
-        kmax = self.kv_index.shape[3]
         for name, t in (("kv_index", self.kv_index), ("kv_count", self.kv_count)):
             if t.device != q.device:
                 raise ValueError(f"{name} is on {t.device}, q is on {q.device}{at}.")
+        if self.has_correction:
+            if self.k_mean is None or self.v_sum is None or self.tile_len is None:
+                missing = [n for n in ("k_mean", "v_sum", "tile_len") if getattr(self, n) is None]
+                raise ValueError(f"correction needs k_mean, v_sum and tile_len together; {missing} missing{at}.")
+            for name, t in (("k_mean", self.k_mean), ("v_sum", self.v_sum)):
+                if tuple(t.shape) != (B, H, Nk, D):
+                    raise ValueError(f"{name} has shape {tuple(t.shape)}; expected ({B}, {H}, {Nk}, {D}){at}.")
+            if tuple(self.tile_len.shape) != (Nk,):
+                raise ValueError(f"tile_len has shape {tuple(self.tile_len.shape)}; expected ({Nk},){at}.")
+            if self.tile_len.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"tile_len must be int32 or int64 (tokens per key tile); got {self.tile_len.dtype}"
+                                 f"{at}.")
+            for name, t in (("k_mean", self.k_mean), ("v_sum", self.v_sum)):
+                if not t.is_floating_point():
+                    raise ValueError(f"{name} must be a floating-point tensor; got {t.dtype}{at}.")
+            for name, t in (("k_mean", self.k_mean), ("v_sum", self.v_sum), ("tile_len", self.tile_len)):
+                if t.device != q.device:
+                    raise ValueError(f"{name} is on {t.device}, q is on {q.device}{at}.")
+        if self.valid_keys is not None:
+            vk = self.valid_keys
+            if vk.dtype != torch.int32 or tuple(vk.shape) != (B,) or vk.device != q.device:
+                raise ValueError(f"valid_keys must be int32 [{B}] on {q.device}; got {vk.dtype} {tuple(vk.shape)} "
+                                 f"on {vk.device}{at}.")
+        if self.order is not None:
+            n = B * H * Mq
+            if self.order.dtype != torch.int32 or tuple(self.order.shape) != (n,) or self.order.device != q.device:
+                raise ValueError(f"order must be int32 [{n}] on {q.device} (a permutation of the B*H*Mq rows); got "
+                                 f"{self.order.dtype} {tuple(self.order.shape)} on {self.order.device}{at}.")
+
+    def validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, *, where: str = "") -> None:
+        """Check the plan against q, k (B, H, S, D): `check_structure`, then its values (index range and order,
+        counts, finite centroids, valid keys, the order a permutation; these read the plan on the host); raise
+        ValueError naming tensor, shape and expectation (TypeError for a field that is no tensor)."""
+        self.check_structure(q, k, v, where=where)
+        at = f" ({where})" if where else ""
+        B, H, S, D = q.shape
+        Sk = k.shape[2]
+        Mq, Nk = math.ceil(S / self.block_m), math.ceil(Sk / self.block_n)
+        kmax = self.kv_index.shape[3]
         if kmax > Nk:
             raise ValueError(f"kv_index has Kmax={kmax} > number of key tiles {Nk}{at}.")
         if bool((self.kv_count < 0).any()) or bool((self.kv_count > kmax).any()):
@@ -178,25 +222,8 @@ class Plan:
                                  f"{m}] has {int(idx[b, h, m, j])} then {int(idx[b, h, m, j + 1])} at entries {j}, "
                                  f"{j + 1}{at}.")
         if self.has_correction:
-            if self.k_mean is None or self.v_sum is None or self.tile_len is None:
-                missing = [n for n in ("k_mean", "v_sum", "tile_len") if getattr(self, n) is None]
-                raise ValueError(f"correction needs k_mean, v_sum and tile_len together; {missing} missing{at}.")
-            for name, t in (("k_mean", self.k_mean), ("v_sum", self.v_sum)):
-                if tuple(t.shape) != (B, H, Nk, D):
-                    raise ValueError(f"{name} has shape {tuple(t.shape)}; expected ({B}, {H}, {Nk}, {D}){at}.")
-            if tuple(self.tile_len.shape) != (Nk,):
-                raise ValueError(f"tile_len has shape {tuple(self.tile_len.shape)}; expected ({Nk},){at}.")
-            if self.tile_len.dtype not in (torch.int32, torch.int64):
-                raise ValueError(f"tile_len must be int32 or int64 (tokens per key tile); got {self.tile_len.dtype}"
-                                 f"{at}.")
-            for name, t in (("k_mean", self.k_mean), ("v_sum", self.v_sum)):
-                if not t.is_floating_point():
-                    raise ValueError(f"{name} must be a floating-point tensor; got {t.dtype}{at}.")
-            for name, t in (("k_mean", self.k_mean), ("v_sum", self.v_sum), ("tile_len", self.tile_len)):
-                if t.device != q.device:
-                    raise ValueError(f"{name} is on {t.device}, q is on {q.device}{at}.")
             counted = None          # centroids of tiles that start past an item's valid keys are never read
-            if self.valid_keys is not None and tuple(self.valid_keys.shape) == (B,):    # else an error below
+            if self.valid_keys is not None:
                 starts = torch.arange(Nk, device=q.device) * self.block_n
                 counted = (starts < self.valid_keys.to(q.device).long()[:, None])[:, None, :].expand(B, H, Nk)
             for name, t in (("k_mean", self.k_mean), ("v_sum", self.v_sum), ("tile_len", self.tile_len)):
@@ -215,9 +242,6 @@ class Plan:
                                      f"last of {Sk} keys {Sk - (Nk - 1) * self.block_n}){at}.")
         if self.valid_keys is not None:
             vk = self.valid_keys
-            if vk.dtype != torch.int32 or tuple(vk.shape) != (B,) or vk.device != q.device:
-                raise ValueError(f"valid_keys must be int32 [{B}] on {q.device}; got {vk.dtype} {tuple(vk.shape)} "
-                                 f"on {vk.device}{at}.")
             if B and (int(vk.min()) < 1 or int(vk.max()) > Sk):
                 raise ValueError(f"valid_keys values must lie in [1, Sk={Sk}]; got range [{int(vk.min())}, "
                                  f"{int(vk.max())}]{at}.")
@@ -227,9 +251,6 @@ class Plan:
                                  "Plan.with_valid_keys drops them.")
         if self.order is not None:
             n = B * H * Mq
-            if self.order.dtype != torch.int32 or tuple(self.order.shape) != (n,) or self.order.device != q.device:
-                raise ValueError(f"order must be int32 [{n}] on {q.device} (a permutation of the B*H*Mq rows); got "
-                                 f"{self.order.dtype} {tuple(self.order.shape)} on {self.order.device}{at}.")
             seen = torch.bincount(self.order.long().clamp(0, n), minlength=n + 1)[:n]
             if n and (int(self.order.min()) < 0 or not bool((seen == 1).all())):
                 raise ValueError(f"order is not a permutation of 0..{n - 1}{at}.")

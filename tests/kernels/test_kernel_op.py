@@ -269,3 +269,31 @@ def test_a_second_derivative_is_refused_not_silently_incomplete(path):
         gq, = torch.autograd.grad(loss(q, k, v), q, create_graph=True)
         torch.autograd.grad(gq.square().sum(), k)
     assert torch.autograd.grad(loss(q, k, v), q)[0].shape == q.shape       # a first derivative as before
+
+
+def test_a_plan_of_other_shapes_is_refused_with_validate_off_and_under_compile():
+    """Review 54: with validate=False, and under torch.compile (where validate is skipped), no plan check ran: a plan
+    built for another batch, length or head count (or an order of another length, centroids of another shape) made
+    the Triton kernel write past its output (a crash in the interpreter) or leave rows unwritten. The metadata checks
+    (`Plan.check_structure`) run on every call."""
+    import dataclasses
+
+    from videosparse.plan import dense_plan
+
+    q, k, v = (torch.randn(1, 2, 100, 64) for _ in range(3))
+    k_mean, v_sum, tile_len = tile_centroids_torch(k, v, 32)
+    right = dense_plan(1, 2, 100, 32, 32)
+    wrong = {"batch": (dense_plan(2, 2, 100, 32, 32), "kv_index has shape (2, 2, 4, 4); expected (1, 2, 4, Kmax)"),
+             "length": (dense_plan(1, 2, 200, 32, 32), "expected (1, 2, 4, Kmax)"),
+             "heads": (dense_plan(1, 1, 100, 32, 32), "expected (1, 2, 4, Kmax)"),
+             "order": (dataclasses.replace(right, order=right.order[:-1]), "order must be int32 [8]"),
+             "centroids": (right.with_correction(k_mean[:, :1], v_sum[:, :1], tile_len),
+                           "k_mean has shape (1, 1, 4, 64); expected (1, 2, 4, 64)")}
+    compiled = torch.compile(lambda q, k, v, plan: block_sparse_attention(q, k, v, plan, backend="reference"),
+                             backend="aot_eager", fullgraph=True)
+    for plan, msg in wrong.values():
+        with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+            block_sparse_attention(q, k, v, plan, backend="reference", validate=False)
+        with pytest.raises(ValueError, match="compiled call"):
+            compiled(q, k, v, plan)
+    torch.testing.assert_close(compiled(q, k, v, right), block_sparse_attention(q, k, v, right, validate=False))

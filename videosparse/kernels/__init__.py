@@ -53,10 +53,12 @@ def block_sparse_attention(
         scale: softmax scale, default 1/sqrt(D).
         return_lse: also return the fp32 row log-sum-exp [B, H, S].
         backend: "auto", "triton" or "reference" (or a registered backend name).
-        validate: check the plan against the inputs first (ValueError on any mismatch; this reads the plan's
-            tensors on the host, so it is skipped while torch.compile traces the call). Turn off in hot loops once
-            a plan is known to be good; the checks of q, k, v themselves and of `scale` (metadata only) run
-            either way.
+        validate: check the plan's values against the inputs first (`Plan.validate`: ValueError on any mismatch;
+            this reads the plan's tensors on the host, so it is skipped while torch.compile traces the call). Turn
+            off in hot loops once a plan is known to be good: indices and counts are then trusted. The checks that
+            read only metadata run either way, compiled too (`Plan.check_structure`: the plan's shapes, dtypes and
+            devices against q, k; and q, k, v themselves and `scale`), so a plan built for another batch, length
+            or head count is an error, never a write out of bounds.
 
     Returns:
         out [B, H, S, D] in q's dtype, and lse when `return_lse`. Where autograd records q, k, v or the plan's
@@ -74,8 +76,11 @@ def block_sparse_attention(
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a videosparse.plan.Plan (e.g. from dense_plan, plan_from_mask or topk_plan); "
                         f"got {type(plan).__name__}.")
-    if validate and not torch.compiler.is_compiling():
-        plan.validate(q, k, v)
+    if not torch.compiler.is_compiling():       # compiled: the op checks the structure when it runs (ops.py)
+        if validate:
+            plan.validate(q, k, v)
+        else:
+            plan.check_structure(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _softmax_scale(scale)
     plan = plan.with_index_slot()       # Kmax = 0: one unused column keeps every kernel's index reads in bounds
     if torch.compiler.is_compiling():
