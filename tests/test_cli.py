@@ -995,3 +995,16 @@ def test_an_estimator_and_a_tiling_that_disagree_are_named_before_the_load(tmp_p
         with pytest.raises(_Loaded):
             main([*base, "--tiling", tiling])
     assert not (tmp_path / "v.mp4").exists()
+
+
+def test_compare_dense_psnr_is_the_one_evaluate_reports(tmp_path, monkeypatch):
+    """Review 54: `generate --compare-dense` compared fp32 frames where `evaluate` compares the frames it stores,
+    rounded to fp16 (64.91 against 64.60 dB for the same two videos of the tiny model)."""
+    from videosparse.eval import metrics
+
+    seen = []
+    real = metrics.psnr_video
+    monkeypatch.setattr(metrics, "psnr_video", lambda a, b: (seen.append((a.dtype, b.dtype)), real(a, b))[1])
+    assert main(["generate", "--frames", "5", "--height", "32", "--width", "32", "--steps", "1", "--density", "0.5",
+                 "--tiling", "1x4x16", "--block", "64", "--out", str(tmp_path / "v.mp4"), "--compare-dense"]) == 0
+    assert seen == [(np.float16, np.float16)]

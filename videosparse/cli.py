@@ -277,12 +277,15 @@ def _run_generate(args: argparse.Namespace) -> int:
             warm_up(pipe, None, call, seed=args.seed, device=device)
         dense = generate(pipe, None, call, seed=args.seed, device=device)
         dense_step = dense.transformer_total_s / (steps or max(1, len(dense.transformer_s)))
+        import numpy as np
+
         from .eval.metrics import psnr_video
 
         # the dense arm is the pipeline's own processors (videosparse not applied), same seed and call
         summary["dense"] = {"arm": "stock processors", "wall_s": dense.wall_s, "transformer_s_per_step": dense_step,
                             "speedup": dense_step / per_step,
-                            "psnr_db": psnr_video(result.frames, dense.frames)}   # as `videosparse evaluate`
+                            # as `videosparse evaluate`, which stores (and compares) frames rounded to fp16
+                            "psnr_db": psnr_video(result.frames.astype(np.float16), dense.frames.astype(np.float16))}
         print(f"dense: {dense_step * 1000:.1f} ms per {unit} -> speedup {dense_step / per_step:.2f}x; "
               f"PSNR vs dense {summary['dense']['psnr_db']:.2f} dB"
               + (" (each arm after an untimed warm-up run)" if warm else ""))

@@ -56,6 +56,12 @@ def test_every_artifact_is_written(evaluated):
     for label in METHODS:
         assert f"`{label}`" in md
     assert "Amdahl est." in md and "LPIPS" in md and "pooled PSNR" in md
+    from videosparse.eval.report import render_markdown
+
+    row = next(iter(report["summary"]))         # review 54: the requested density was rounded to 2 digits
+    for density in (0.125, 0.004):
+        report["summary"][row]["nominal_density"] = density
+        assert f"| `{row}` | {density} |" in render_markdown(report)
 
 
 def test_report_json_holds_every_number(evaluated):

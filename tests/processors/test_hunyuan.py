@@ -196,3 +196,42 @@ def test_random_grids_and_text_lengths(seed):
     inputs = t.make_inputs(tr, valid=(rng.randint(1, TEXT), rng.randint(1, TEXT)))
     inputs["hidden_states"] = torch.randn(2, 4, frames, height, width, generator=torch.Generator().manual_seed(seed))
     check_any_grid(t, tr, inputs, tiling, label=(frames, height, width, tiling))
+
+
+@pytest.mark.parametrize("config", ["dense", "veda"])
+def test_the_attention_timer_times_the_padded_text_rows(config):
+    """Review 54: under DenseConfig the padded text rows attend in a call of their own outside `attend`, which was
+    all `AttentionTimer` timed, so the dense arm's attention time (and the share, the Amdahl bound) left them out
+    while a sparse arm's one call held them. The family's timed entry holds every attention call of a layer."""
+    from videosparse.eval.timing import AttentionTimer
+
+    t, tr = _tiny()
+    inputs = t.make_inputs(tr, valid=(5,))                 # 5 of 8 text tokens valid
+    videosparse.apply(tr, videosparse.DenseConfig() if config == "dense" else
+                      videosparse.VedaConfig(density=0.5, tiling=t.tiling, block=t.block))
+    procs = [p for p in tr.attn_processors.values() if hasattr(p, "attend_text_prefix")]
+    depth, untimed, attention_calls = [0], [], []
+    timer = AttentionTimer([tr])
+    with timer(), torch.no_grad():
+        for p in procs:                                    # inside the timer's wrapper: depth > 0 while it times
+            timed, dense = getattr(p, p.timed_entry), p._dense
+
+            def entry(*args, _timed=timed, **kwargs):
+                depth[0] += 1
+                try:
+                    return _timed(*args, **kwargs)
+                finally:
+                    depth[0] -= 1
+
+            def counted(q, *args, _dense=dense, **kwargs):
+                (attention_calls if depth[0] else untimed).append(q.shape[1])
+                return _dense(q, *args, **kwargs)
+
+            setattr(p, p.timed_entry, entry)
+            p._dense = counted
+        t.run(tr, inputs)
+        for p in procs:
+            del p._dense
+    videosparse.remove(tr)
+    assert len(timer.attention_s) == len(procs) and not untimed, untimed
+    assert config == "veda" or attention_calls       # dense: the valid prefix's call and the padded rows' call

@@ -254,6 +254,19 @@ def _fmt(value: Any, digits: int = 3, suffix: str = "") -> str:
     return f"{value}{suffix}"
 
 
+def _fmt_density(value: Any) -> str:
+    """A requested density as given (0.125, 0.004, 1), not rounded to a fixed number of digits."""
+    return f"{value:g}" if isinstance(value, float) and math.isfinite(value) else _fmt(value)
+
+
+def _calls_per_forward(row: dict) -> str:
+    """"sparse/dense" attention calls per forward (the session counts the warm-up forwards too)."""
+    n = row.get("calls_counted_forwards")
+    if not n:                                       # a report written before the count was kept: totals
+        return f"{row.get('sparse_calls')}/{row.get('dense_calls')} (all forwards)"
+    return "/".join(f"{row.get(k, 0) / n:g}" for k in ("sparse_calls", "dense_calls"))
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -300,7 +313,7 @@ def _quality_markdown(report: dict) -> list[str]:
     summary = report.get("summary", {})
     rows = []
     for label, s in summary.items():
-        rows.append([f"`{label}`", _fmt(s.get("nominal_density"), 2), _fmt(s.get("realised_density")),
+        rows.append([f"`{label}`", _fmt_density(s.get("nominal_density")), _fmt(s.get("realised_density")),
                      _fmt(s.get("attention_work")), _psnr_cell(s), _fmt(s.get("psnr_db_pooled"), 2),
                      _fmt(s.get("ssim"), 4),
                      _fmt(s.get("lpips"), 4), _fmt(s.get("attn_rel_l2_common", s.get("attn_rel_l2")), 4),
@@ -369,10 +382,10 @@ def _synthetic_markdown(report: dict) -> list[str]:
                          _fmt(r.get("attention_s"), 3), _fmt(r.get("plan_s"), 3),
                          _fmt(100 * r["attention_share"] if r.get("attention_share") is not None else None, 1, "%"),
                          _fmt(r.get("speedup"), 2, "x"), _fmt(r.get("amdahl_bound"), 2, "x"),
-                         _fmt(r.get("speedup_attention"), 2, "x"), f"{r.get('sparse_calls')}/{r.get('dense_calls')}",
+                         _fmt(r.get("speedup_attention"), 2, "x"), _calls_per_forward(r),
                          _fmt(r.get("output_rel_l2_vs_dense"), 4), r.get("kernel_backend") or "–"])
         lines += _table(["method", "realised density", "forward s", "attention s", "plan s", "attn share",
-                         "speedup", "Amdahl est.", "attention speedup", "sparse/dense calls",
+                         "speedup", "Amdahl est.", "attention speedup", "sparse/dense calls per forward",
                          "output rel L2", "kernel"], rows)
         bound = model.get("amdahl_bound_free_attention")
         timed = next(iter(model.get("methods", {}).values()), {}).get("attention_timed")

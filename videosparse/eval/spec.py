@@ -82,10 +82,15 @@ class MethodSpec:
     def family(self) -> str:
         """The label without its density, its other items sorted: the methods that one quality-vs-density line
         joins ('veda:density=0.1:block=64' and 'veda@0.3:block=64' are one family)."""
-        head, _, rest = self.label.partition(":")
-        name = head.split("@", 1)[0]
-        items = sorted(item for item in rest.split(":") if item and not item.startswith("density="))
-        return ":".join([name, *items])
+        return label_family(self.label)
+
+
+def label_family(label: str) -> str:
+    """A spec label without its density, its other items sorted (`MethodSpec.family`)."""
+    head, _, rest = label.partition(":")
+    name = head.split("@", 1)[0]
+    items = sorted(item for item in rest.split(":") if item and not item.startswith("density="))
+    return ":".join([name, *items])
 
 
 _FORMS = {"density": "a number in (0, 1]", "tau": "a number (standard deviations)", "block": "an int (128 or 64)",

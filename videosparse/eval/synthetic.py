@@ -72,7 +72,7 @@ from typing import Any, Callable
 import torch
 
 from .report import replace_durably
-from .spec import MethodSpec
+from .spec import MethodSpec, label_family
 from .timing import AttentionTimer, TransformerTimer, profile_sdpa
 
 logger = logging.getLogger("videosparse")
@@ -993,6 +993,7 @@ def time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeat
         "realised_density": stats["density"] if spec.method != "dense" else 1.0,
         "attention_work": (stats["dense_calls"] + kept) / calls if calls else 1.0,
         "sparse_calls": stats["sparse_calls"], "dense_calls": stats["dense_calls"],
+        "calls_counted_forwards": warmup_forwards(warmup, compile_mode) + repeats,      # warm-up ones included
         "layer_density": [l["density"] for l in layers],
         "load_balance": [l["load_balance"] for l in layers],
         "fallbacks": sorted({r for l in layers for r in l["fallbacks"]}),
@@ -1142,6 +1143,21 @@ def summarize_synthetic(result: SyntheticResult, dtype: torch.dtype, warmup: int
     }
 
 
+def beyond_bound_notes(sections: dict[str, dict], slack: float = 1.05) -> list[str]:
+    """A note for each method whose measured speedup exceeds, by more than `slack`, the bound of its model with
+    attention costing nothing: no sparse attention can do that, so its times are noise (other load, clocks)."""
+    notes = []
+    for name, section in sections.items():
+        bound = section.get("amdahl_bound_free_attention")
+        for label, row in section.get("methods", {}).items():
+            speedup, times = row.get("speedup"), row.get("forward_s_all") or []
+            if bound and speedup and speedup > slack * bound:
+                spread = f" (its timed forwards took {min(times):.3g} to {max(times):.3g} s)" if times else ""
+                notes.append(f"{name} {label}: speedup {speedup:.2f}x above {bound:.2f}x, the bound with attention "
+                             f"free{spread}: noisy timings, not a speedup sparse attention can give.")
+    return notes
+
+
 def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, device: str | None = None,
                   dtype: torch.dtype | None = None, frames: int | None = None, height: int | None = None,
                   width: int | None = None, layers: int | None = None, warmup: int = 1, repeats: int = 3,
@@ -1222,8 +1238,8 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
     plots = []
     os.makedirs(os.path.join(out_dir, "plots"), exist_ok=True)
     for name, section in report["synthetic"].items():
-        points = {label: dict(row, family=row["config"]["method"] if label != "dense" else "dense",
-                              method=row["config"]["method"]) for label, row in section["methods"].items()}
+        points = {label: dict(row, family=label_family(label), method=row["config"]["method"])
+                  for label, row in section["methods"].items()}
         plot = os.path.join(out_dir, "plots", f"speedup_vs_density_{name}.png")
         plot_speedup_vs_density(points, section["dense_attention_share"], plot,
                                 f"{name}: transformer forward speedup", y_key="speedup")
@@ -1235,6 +1251,7 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
                      "speed.")
     if compile_mode == "aot_eager":
         notes.append("compile mode aot_eager checks that the model traces; its times are not a compiled speed.")
+    notes += beyond_bound_notes(report["synthetic"])
     fallbacks = sorted({f for s in report["synthetic"].values() for r in s["methods"].values() for f in r["fallbacks"]})
     if fallbacks:
         notes.append("Some attention calls fell back to dense: " + "; ".join(fallbacks))

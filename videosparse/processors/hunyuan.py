@@ -47,6 +47,8 @@ class _HunyuanFamilySparseAttention(SparseAttentionMixin):
     """
 
     _padded_rows = "attend"            # what the stock masked call gives the padded text rows (attend_text_prefix)
+    # a call's whole attention, dense configs' padded text rows (served outside `attend`) and Motif's reorder included
+    timed_entry = "_attend_joint"
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         stock = (attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
