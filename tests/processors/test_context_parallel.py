@@ -109,6 +109,12 @@ def _rank(rank: int, world: int, port: int) -> None:
                 assert taus[0] == taus[1] and len(taus[0]) == 2, (rank, taus)
             stats = sessions(tr)["transformer"].stats()
             assert stats["sparse_calls"] == 2 and stats["dense_calls"] == 0, (name, stats)
+            # review 54: each rank counts the plans of its own heads; all_ranks=True gives the model's density
+            whole, alone = sessions(tr)["transformer"].stats(all_ranks=True), sessions(single)["transformer"].stats()
+            assert whole["density"] == alone["density"] and whole["sparse_calls"] == 2, (name, whole, alone)
+            assert [v["kept_pairs"] for v in whole["layers"].values()] == \
+                [v["kept_pairs"] for v in alone["layers"].values()], name
+            assert sessions(single)["transformer"].stats(all_ranks=True) == alone      # no parallelism: the same
             assert not any(layer["fallbacks"] for layer in stats["layers"].values()), (name, stats)
             if apply_first:
                 _check_compiled(tr, inputs, out)
@@ -171,6 +177,36 @@ def _ltx_rank(rank: int, world: int, port: int) -> None:
             videosparse.remove(tr)
     finally:
         dist.destroy_process_group()
+
+
+def _helios_rank(rank: int, world: int, port: int) -> None:
+    """Helios amplifies its history keys, the first rows of the sequence: under Ulysses each rank projects its own
+    1/P of the rows, so the history rows are those of the whole sequence's history that fall in its shard (stock
+    diffusers counts them from the shard's length, scaling none: 0.28 rel L2 off the single-process output)."""
+    import torch.distributed as dist
+    from test_helios import helios_inputs, tiny_helios
+
+    torch.accelerator.device_count = lambda: 1
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        inputs = helios_inputs()
+        config = videosparse.SolConfig(tau=0.5, block=64, band=0)
+        single = tiny_helios(num_layers=40)             # diffusers' Helios `_cp_plan` names blocks 0..39
+        videosparse.apply(single, config)
+        ref = _forward(single, inputs)
+        tr = _parallel(tiny_helios(num_layers=40), config, False, world)
+        out = _forward(tr, inputs)
+        assert sessions(tr)["transformer"].stats()["sparse_calls"] == 40
+        assert float((out - ref).norm() / ref.norm()) < 1e-5
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ulysses_helios_scales_the_history_keys_of_each_shard():
+    pytest.importorskip("torch.distributed")
+    if not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed has no gloo backend")
+    mp.spawn(_helios_rank, args=(2, _free_port()), nprocs=2, join=True)
 
 
 def test_ulysses_ltx_runs_sparse_whichever_comes_first():

@@ -963,7 +963,7 @@ def time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeat
                 _sync(device)
                 forward.append(time.perf_counter() - t0)
             plan = [None]
-            stats = session.stats()         # before the profiled forward: every row counts the same forwards
+            stats = session.stats(all_ranks=True)   # before the profiled forward: every row counts the same forwards
             attention = [None]
             if sdpa_keys is not None:
                 prof = profile_sdpa(lambda: model(**inputs), sdpa_keys, device)
@@ -982,7 +982,7 @@ def time_method(transformer, inputs: dict, spec: MethodSpec, warmup: int, repeat
                 forward.append(ttimer.times[-1])
                 attention.append(atimer.attention_total)
                 plan.append(atimer.plan_total)
-            stats = session.stats()
+            stats = session.stats(all_ranks=True)   # context parallel (bench_context_parallel.py): all heads
     layers = stats["layers"].values()
     kept = sum((l["density"] or 0.0) * l["sparse_calls"] for l in layers)
     calls = stats["sparse_calls"] + stats["dense_calls"]

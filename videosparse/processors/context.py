@@ -97,10 +97,20 @@ class LayerStats:
     def record_dense(self) -> None:
         self.counts[1].add_(1)
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, group=None) -> dict[str, Any]:
         """Counts, realised density and load balance (longest row over mean row, weighted by each call's kept
-        pairs); syncs the host."""
-        sparse, dense, kept, total, widest = (int(c) for c in self.counts.tolist())
+        pairs); syncs the host. With a process `group` (context parallelism: each rank counts the plans of its own
+        heads) the tile pairs are summed over its ranks, a collective; the call counts, the same on every rank, are
+        this rank's, and the load balance weighs each rank's longest row."""
+        counts = self.counts
+        if group is not None:
+            import torch.distributed as dist
+
+            counts = counts.clone()
+            pairs = counts[2:].contiguous()
+            dist.all_reduce(pairs, group=group)
+            counts[2:] = pairs
+        sparse, dense, kept, total, widest = (int(c) for c in counts.tolist())
         return {
             "sparse_calls": sparse,
             "dense_calls": dense,
@@ -423,14 +433,29 @@ class SparseSession:
         compile on) is not reported after that."""
         return probe_kernel(*self._probe_args).backend if self._probe_args is not None else None
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, *, all_ranks: bool = False) -> dict[str, Any]:
         """Per-layer and overall statistics (realised density, sparse/dense calls, the kernel backend the sparse calls
-        ran on: None without any; per layer also the load balance and the reasons for dense calls)."""
-        return {**self._layer_totals(), "method": self.method.stats() if self.method is not None else {}}
+        ran on: None without any; per layer also the load balance and the reasons for dense calls).
 
-    def _layer_totals(self) -> dict[str, Any]:
+        Under context parallelism each rank plans and counts its own heads, so the densities are this rank's;
+        `all_ranks=True` sums the tile pairs over the Ulysses group, giving the model's density (a collective: every
+        rank of the group must call it). Without context parallelism it changes nothing."""
+        group = self._ulysses_group() if all_ranks else None
+        return {**self._layer_totals(group), "method": self.method.stats() if self.method is not None else {}}
+
+    def _ulysses_group(self):
+        """The process group of the served layers' Ulysses context parallelism, or None without it."""
+        from .parallel import UlyssesShard, ulysses_shard
+
+        for ref in self.served:
+            shard = ulysses_shard(getattr(getattr(ref(), "processor", None), "_parallel_config", None))
+            if isinstance(shard, UlyssesShard):
+                return shard.group
+        return None
+
+    def _layer_totals(self, group=None) -> dict[str, Any]:
         """`stats()` without the method's own (Sol's calibrations: host syncs growing with the shapes served)."""
-        layers = {i: s.as_dict() for i, s in sorted(self.layer_stats.items())}
+        layers = {i: s.as_dict(group) for i, s in sorted(self.layer_stats.items())}
         kept = sum(s["kept_pairs"] for s in layers.values())
         total = sum(s["total_pairs"] for s in layers.values())
         return {

@@ -28,6 +28,7 @@ import torch
 from diffusers.models.transformers import transformer_helios
 
 from .context import forward_arg, patch_tokens
+from .parallel import UlyssesShard, ulysses_shard
 from .wan import _WanFamilySparseAttention
 
 MASK_REASON = ("an attention mask was given (Helios passes none; a causal or block mask is not served); the call keeps "
@@ -66,13 +67,24 @@ class HeliosSparseAttnProcessor(_WanFamilySparseAttention, transformer_helios.He
             query = transformer_helios.apply_rotary_emb_transposed(query, rotary_emb)
             key = transformer_helios.apply_rotary_emb_transposed(key, rotary_emb)
         if attn.is_amplify_history:
-            history = hidden_states.shape[1] - original_context_length
+            history = self._local_history(hidden_states.shape[1], original_context_length)
             if history > 0:
                 scale = 1.0 + torch.sigmoid(attn.history_key_scale) * (attn.max_scale - 1.0)
                 if attn.history_scale_mode == "per_head":
                     scale = scale.view(1, 1, -1, 1)
                 key = torch.cat([key[:, :history] * scale, key[:, history:]], dim=1)
         return query, key, value, None
+
+
+    def _local_history(self, rows: int, video_tokens: int) -> int:
+        """How many of this call's `rows` (the first ones) are history tokens: all rows but the video's
+        `video_tokens`; under Ulysses context parallelism the rows are this rank's contiguous 1/P of the sequence,
+        so the history rows are those of the whole sequence's history that fall in it (stock diffusers subtracts the
+        video from the shard's length, scaling no history key on any rank: 0.28 rel L2 off the single-GPU output)."""
+        shard = ulysses_shard(getattr(self, "_parallel_config", None))
+        if not isinstance(shard, UlyssesShard):
+            return rows - video_tokens
+        return min(max(rows * shard.world - video_tokens - shard.rank * rows, 0), rows)
 
 
 def helios_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:

@@ -39,7 +39,7 @@ def ulysses_shard(parallel_config) -> UlyssesShard | str | None:
     if (cp.ring_degree or 1) > 1:
         return f"ring attention (context parallelism with ring_degree={cp.ring_degree}) splits the keys across ranks"
     if getattr(cp, "ulysses_anything", False):
-        return "ulysses_anything context parallelism splits the sequence unevenly"
+        return "ulysses_anything context parallelism may split the sequence unevenly"
     if (cp.ulysses_degree or 1) <= 1:
         return None
     return UlyssesShard(cp._ulysses_mesh.get_group(), cp.ulysses_degree, cp._ulysses_local_rank)
