@@ -212,6 +212,23 @@ def _attach(transformer: torch.nn.Module, session: SparseSession, spec) -> None:
     register_context_hook(transformer, session, spec.grid_fn, spec.step_timestep)
     setattr(transformer, SESSION_ATTR, session)
     setattr(transformer, _SNAPSHOT_ATTR, snapshot)
+    _LIVE_SESSIONS.add(session)
+
+
+# the sessions applied and not removed (a transformer dropped without `remove` drops its session from the set)
+_LIVE_SESSIONS: "weakref.WeakSet[SparseSession]" = weakref.WeakSet()
+
+
+def _release_module_caches() -> None:
+    """Empty the module-level tensor caches the sparse path shares between sessions (work orders, top-k constants,
+    counter increments: up to ~30 MB on the device of the last forward at Wan 14B sizes) once no session is
+    applied, so that `remove` frees what videosparse holds."""
+    from .. import plan
+    from . import context
+
+    if not any(session.active for session in _LIVE_SESSIONS):
+        for cache in (plan._ORDERS, plan._TOPK_CONSTANTS, context._INCREMENTS):
+            cache.clear()
 
 
 def _detach(transformer: torch.nn.Module) -> None:
@@ -410,6 +427,8 @@ def _restore(transformer: torch.nn.Module) -> SparseSession | None:
     _set_attention_processors(transformer, restored)
     _detach(transformer)
     session.release()
+    _LIVE_SESSIONS.discard(session)
+    _release_module_caches()
     return session
 
 
