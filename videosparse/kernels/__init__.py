@@ -61,7 +61,8 @@ def block_sparse_attention(
             or head count is an error, never a write out of bounds.
 
     Returns:
-        out [B, H, S, D] in q's dtype, and lse when `return_lse`. Where autograd records q, k, v or the plan's
+        out [B, H, S, D] in q's dtype, and lse when `return_lse` (a row that attends to nothing, its plan listing no
+        key tile and carrying no correction: out 0, lse -inf). Where autograd records q, k, v or the plan's
         centroids, both carry a backward that recomputes the probabilities (O(S*D) memory): the Triton kernels'
         after a Triton forward that they take, else the torch reference's.
 
