@@ -976,6 +976,8 @@ def test_the_early_kernel_check_asks_about_the_dtype_the_run_attends_in(tmp_path
 def test_an_estimator_and_a_tiling_that_disagree_are_named_before_the_load(tmp_path, capsys, monkeypatch):
     """generate --estimator E --tiling T with T's tile shapes not those E was distilled with (or T searched for
     another model) failed only once the transformer had loaded."""
+    from videosparse import VedaConfig
+    from videosparse.eval.spec import check_config_files
     from videosparse.veda import VedaEstimator
     from videosparse.veda.tiling import Tiling
 
@@ -995,6 +997,14 @@ def test_an_estimator_and_a_tiling_that_disagree_are_named_before_the_load(tmp_p
         with pytest.raises(_Loaded):
             main([*base, "--tiling", tiling])
     assert not (tmp_path / "v.mp4").exists()
+    assert "(the estimator's: 2)" in str(pytest.raises(ValueError, check_config_files, VedaConfig(
+        density=0.5, block=64, estimator=str(tmp_path / "e"), tiling=str(tmp_path / "deeper.json"))).value)
+    # an evaluate spec: the hints name the spec's own fields, not generate's flags (which evaluate does not take)
+    for spec, msg in ((f"veda:estimator={tmp_path / 'e'}:tiling=2x2x16:block=64", "(the spec's :tiling=1x4x16)"),
+                      (f"veda:estimator={tmp_path / 'e'}:tiling=1x8x16", "or the spec's :block=64")):
+        assert main(["evaluate", "--methods", spec, "--out", str(tmp_path / "ev")]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "--tiling" not in err and "--block" not in err, err
 
 
 def test_compare_dense_psnr_is_the_one_evaluate_reports(tmp_path, monkeypatch):

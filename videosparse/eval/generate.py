@@ -77,17 +77,13 @@ def check_specs_apply(target, specs, device: str | None = None) -> None:
     """`check_config_applies` for each spec, so that a config the model refuses (a dense layer it lacks, an estimator
     or a tiling file made for another model or block, with `device` a kernel backend that cannot run there) is a
     ValueError naming the spec before any cell runs, not after the dense one."""
-    import re
+    from .spec import in_spec_terms
 
     for spec in specs:
         try:
             check_config_applies(target, spec.config, device)
         except ValueError as err:
-            # the estimator names generate's --block; a method spec gives the block as :block=N
-            message = re.sub(r"--block (\d+)", r"the spec's :block=\1", str(err))
-            message = re.sub(r"\(--tiling ([^):]+)", r"(the spec's :tiling=\1", message.replace("(no --tiling)",
-                                                                                           "(no :tiling=)"))
-            raise ValueError(f"method spec {spec.label!r}: " + message) from None
+            raise ValueError(f"method spec {spec.label!r}: " + in_spec_terms(str(err))) from None
 
 
 class _ThisThread(logging.Filter):

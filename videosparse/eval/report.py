@@ -50,25 +50,36 @@ def from_jsonable(obj: Any) -> Any:
     return obj
 
 
+_FILE_FLAGS = os.O_RDWR if os.name == "nt" else os.O_RDONLY     # Windows fsyncs only a descriptor open for writing
+
+
 def sync_to_disk(path: str | os.PathLike) -> None:
     """fsync a file, or every file under a folder and the folders themselves, so that their bytes are on the disk
     before a rename publishes them (`replace_durably`). A folder whose file system takes no fsync is skipped."""
     path = os.fspath(path)
     if not os.path.isdir(path):
-        _fsync(path, os.O_RDONLY)
+        _fsync(path, _FILE_FLAGS)
         return
     for root, _, files in os.walk(path):
         for name in files:
-            _fsync(os.path.join(root, name), os.O_RDONLY)
+            _fsync(os.path.join(root, name), _FILE_FLAGS)
         _fsync(root, os.O_RDONLY, folder=True)
 
 
 def _fsync(path: str, flags: int, folder: bool = False) -> None:
-    fd = os.open(path, flags)
+    """fsync `path`; for a folder best-effort (some file systems refuse fsync on one, EINVAL, and a folder that may
+    be written but not listed, or any folder on Windows, cannot be opened): its files are what must reach the disk,
+    and a rename already done is not reported as a failed write."""
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        if folder:
+            return
+        raise
     try:
         os.fsync(fd)
     except OSError:
-        if not folder:                              # some file systems refuse fsync on a folder (EINVAL)
+        if not folder:
             raise
     finally:
         os.close(fd)

@@ -220,14 +220,22 @@ def _check_estimator_tiles(config, estimator, tiling, name: Callable[[str], str]
             tiling.check_model(estimator.model_class, estimator.num_layers, estimator.num_heads,
                                os.fspath(config.tiling))
         except ValueError as err:
+            why = str(err).replace("the model's", "the estimator's")
             raise ValueError(f"{name('tiling')} and {name('estimator')} {os.fspath(config.estimator)!r} (distilled "
-                             f"for {estimator.model_class}) are for other models: {err}") from None
+                             f"for {estimator.model_class}) are for other models: {why}") from None
         tiling_layers = tiling.layers
     try:
         estimator.check_compatible(block=config.block, tile_shapes=tiling_layers)
     except ValueError as err:
         raise ValueError(f"{name('estimator')} {os.fspath(config.estimator)!r} with {name('tiling')} "
                          f"{os.fspath(config.tiling) if tiling is not None else config.tiling}: {err}") from None
+
+
+def in_spec_terms(message: str) -> str:
+    """A config error's hints in a method spec's terms: the estimator's and the tiling's messages name generate's
+    flags (--block 64, --tiling 1x4x16, no --tiling), which a spec gives as :block=64, :tiling=1x4x16."""
+    message = re.sub(r"--block (\d+)", r"the spec's :block=\1", message)
+    return re.sub(r"\(--tiling ([^):]+)", r"(the spec's :tiling=\1", message.replace("(no --tiling)", "(no :tiling=)"))
 
 
 def check_spec_files(specs: list[MethodSpec]) -> None:
@@ -237,7 +245,7 @@ def check_spec_files(specs: list[MethodSpec]) -> None:
         try:
             check_config_files(spec.config)
         except ValueError as e:
-            raise ValueError(f"method spec {spec.label!r}: {e}") from None
+            raise ValueError(f"method spec {spec.label!r}: {in_spec_terms(str(e))}") from None
 
 
 def parse_method_specs(texts: list[str], *, backend: str | None = None) -> list[MethodSpec]:

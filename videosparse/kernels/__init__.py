@@ -57,8 +57,9 @@ def block_sparse_attention(
             this reads the plan's tensors on the host, so it is skipped while torch.compile traces the call). Turn
             off in hot loops once a plan is known to be good: indices and counts are then trusted. The checks that
             read only metadata run either way, compiled too (`Plan.check_structure`: the plan's shapes, dtypes and
-            devices against q, k; and q, k, v themselves and `scale`), so a plan built for another batch, length
-            or head count is an error, never a write out of bounds.
+            devices against q, k; and q, k, v themselves and `scale`), so a plan built for another batch, query
+            length or head count is an error, never a write out of bounds (one for a longer key sequence is caught
+            when its Kmax or centroids show it; its indices are trusted).
 
     Returns:
         out [B, H, S, D] in q's dtype, and lse when `return_lse` (a row that attends to nothing, its plan listing no
