@@ -504,6 +504,16 @@ def test_a_hub_model_that_cannot_be_fetched_names_the_way_out(monkeypatch):
                                       "'tiny'"):
         load_pipeline("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "cpu")
 
+    def with_trace_hint(*args, **kwargs):          # diffusers' text points to a stack trace the CLI does not print
+        raise OSError("Cannot load model wan-1.3b: not cached. Please check out the root cause in the stacktrace "
+                      "above.")
+
+    monkeypatch.setattr(diffusers.DiffusionPipeline, "from_pretrained", with_trace_hint)
+    with pytest.raises(OSError) as err:             # review 54: a synthetic model's name suggested `hf download`
+        load_pipeline("wan-1.3b", "cpu")
+    assert "stacktrace" not in str(err.value) and "hf download" not in str(err.value)
+    assert "'wan-1.3b' names a random-weight model of `videosparse evaluate --synthetic`" in str(err.value)
+
 
 def test_a_call_flag_the_pipeline_does_not_take_is_named_after_the_load(tmp_path, capsys, monkeypatch):
     """Review find: --guidance-scale given to HunyuanVideo15Pipeline (no such parameter) was a TypeError traceback from

@@ -133,8 +133,9 @@ class Plan:
                         where: str = "") -> None:
         """The checks of `validate` that read only metadata (types, dtypes, shapes, devices; no host sync), so they
         run on every call, `validate=False` and torch.compile included: a plan whose shapes do not fit q, k would
-        make a kernel write past its output or leave rows unwritten. The indices are not read: a plan for more key
-        tiles than k has passes unless its Kmax or centroids show it. ValueError (TypeError for a field that is no
+        make a kernel write past its output or leave rows unwritten. The counts and indices are not read (a row's
+        entries past its count may hold anything, so Kmax may exceed k's tiles): a plan for more key tiles than k
+        has passes unless its centroids show it. ValueError (TypeError for a field that is no
         tensor) naming tensor, shape and expectation."""
         at = f" ({where})" if where else ""
         for name in ("kv_index", "kv_count", "k_mean", "v_sum", "tile_len", "valid_keys", "order"):
@@ -163,8 +164,6 @@ class Plan:
         for name, t in (("kv_index", self.kv_index), ("kv_count", self.kv_count)):
             if t.device != q.device:
                 raise ValueError(f"{name} is on {t.device}, q is on {q.device}{at}.")
-        if self.kv_index.shape[3] > Nk:
-            raise ValueError(f"kv_index has Kmax={self.kv_index.shape[3]} > number of key tiles {Nk}{at}.")
         if self.has_correction:
             if self.k_mean is None or self.v_sum is None or self.tile_len is None:
                 missing = [n for n in ("k_mean", "v_sum", "tile_len") if getattr(self, n) is None]
@@ -204,6 +203,8 @@ class Plan:
         Sk = k.shape[2]
         Mq, Nk = math.ceil(S / self.block_m), math.ceil(Sk / self.block_n)
         kmax = self.kv_index.shape[3]
+        if kmax > Nk:
+            raise ValueError(f"kv_index has Kmax={kmax} > number of key tiles {Nk}{at}.")
         if bool((self.kv_count < 0).any()) or bool((self.kv_count > kmax).any()):
             raise ValueError(f"kv_count values must lie in [0, Kmax={kmax}]; got range "
                              f"[{int(self.kv_count.min())}, {int(self.kv_count.max())}]{at}.")

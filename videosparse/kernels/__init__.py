@@ -58,8 +58,8 @@ def block_sparse_attention(
             off in hot loops once a plan is known to be good: indices and counts are then trusted. The checks that
             read only metadata run either way, compiled too (`Plan.check_structure`: the plan's shapes, dtypes and
             devices against q, k; and q, k, v themselves and `scale`), so a plan built for another batch, query
-            length or head count is an error, never a write out of bounds (one for a longer key sequence is caught
-            when its Kmax or centroids show it; its indices are trusted).
+            length or head count is an error, never a write out of bounds (its counts and indices are trusted: one
+            for a longer key sequence is caught only when it carries centroids).
 
     Returns:
         out [B, H, S, D] in q's dtype, and lse when `return_lse` (a row that attends to nothing, its plan listing no

@@ -177,7 +177,16 @@ def load_pipeline(model: str | None = None, device: str | None = None,
                         os.path.isfile(os.path.join(folder, "model_index.json")) else
                         "is a pipeline folder with a component missing or damaged (see above)")
                 raise OSError(f"{err}\n{model!r} {what}; give the folder `save_pretrained` wrote, or a hub id.") from err
-            raise OSError(f"{err}\n{model!r} could not be loaded: download it first (`hf download {model}` where "
+            from ..eval.synthetic import SYNTHETIC_MODELS
+
+            # diffusers' text points to a stack trace the CLI does not print
+            said = str(err).replace(" Please check out the root cause in the stacktrace above.", "")
+            if model in SYNTHETIC_MODELS:
+                raise OSError(f"{said}\n{model!r} names a random-weight model of `videosparse evaluate --synthetic`, "
+                              "which has no pipeline to run: give a hub id such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers "
+                              "or a local pipeline folder; the models that need no download are 'reference' and "
+                              "'tiny'.") from err
+            raise OSError(f"{said}\n{model!r} could not be loaded: download it first (`hf download {model}` where "
                           "there is network, then run with HF_HUB_OFFLINE=1) or pass a local directory; the models "
                           "that need no download are 'reference' and 'tiny'.") from err
         loaded = LoadedPipeline(pipe, model, pipeline_call_defaults(pipe))

@@ -276,10 +276,19 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
         """huggingface_hub's `from_pretrained` (a local directory or a hub id); a config.json that is no JSON object,
         lacks a field or holds an unknown one raises a ValueError naming it (huggingface_hub would raise its own
         errors, or fill the field with the constructor's default and drop the unknown one), from the hub too."""
-        config = _config_file(os.fspath(pretrained_model_name_or_path), kwargs)
-        if config is not None:          # (without one, every constructor argument is given)
-            _check_estimator_config(config)
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        from huggingface_hub.errors import (HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
+                                            RepositoryNotFoundError)
+
+        name = os.fspath(pretrained_model_name_or_path)
+        try:
+            config = _config_file(name, kwargs)
+            if config is not None:          # (without one, every constructor argument is given)
+                _check_estimator_config(config)
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except (LocalEntryNotFoundError, RepositoryNotFoundError, HfHubHTTPError, HFValidationError) as err:
+            if os.path.isdir(name):
+                raise
+            raise _hub_load_error(name, err) from err     # a mistyped folder: name it, not the hub's connection
 
     @classmethod
     def _from_pretrained(cls, *, model_id: str, revision: str | None, cache_dir: str | Path | None,
