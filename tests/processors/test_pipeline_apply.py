@@ -87,6 +87,17 @@ def test_remove_of_the_last_session_empties_the_shared_caches(monkeypatch):
     _run(first)
     assert all(caches)
     videosparse.remove(first)
+    # a session its caller keeps (for its stats) after dropping its pipeline serves nothing: it does not hold them
+    import gc
+
+    kept = videosparse.apply(second, config)
+    _run(second)
+    del second, pipe
+    gc.collect()
+    videosparse.apply(first, config)
+    _run(first)
+    videosparse.remove(first)
+    assert kept["transformer"].active and not any(caches)
 
 
 def test_step_index_from_scheduler_when_pipeline_gives_none():

@@ -226,7 +226,8 @@ def _release_module_caches() -> None:
     from .. import plan
     from . import context
 
-    if not any(session.active for session in _LIVE_SESSIONS):
+    # a session whose transformer is gone serves nothing, even while its caller keeps it (for its stats)
+    if not any(session.active and any(ref() is not None for ref in session.served) for session in _LIVE_SESSIONS):
         for cache in (plan._ORDERS, plan._TOPK_CONSTANTS, context._INCREMENTS):
             cache.clear()
 

@@ -288,7 +288,8 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
         except (LocalEntryNotFoundError, RepositoryNotFoundError, HfHubHTTPError, HFValidationError) as err:
             if os.path.isdir(name):
                 raise
-            raise _hub_load_error(name, err) from err     # a mistyped folder: name it, not the hub's connection
+            shown = f"{name}@{kwargs['revision']}" if kwargs.get("revision") else name
+            raise _hub_load_error(shown, err) from err    # a mistyped folder: name it, not the hub's connection
 
     @classmethod
     def _from_pretrained(cls, *, model_id: str, revision: str | None, cache_dir: str | Path | None,
