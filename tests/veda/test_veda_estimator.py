@@ -268,6 +268,8 @@ def test_estimator_paths_that_hold_no_estimator_are_clear_errors(tmp_path):
         VedaEstimator.from_pretrained("my_runs/est")                                  # gave the hub's bare error
     with pytest.raises(ValueError, match="estimator='my_runs/est@v2': no such local directory"):    # with its revision
         load_estimator("my_runs/est@v2")
+    with pytest.raises(ValueError, match=r"estimator='\./my_runs/est': no such local directory"):  # a path takes none
+        VedaEstimator.from_pretrained("./my_runs/est", revision="v2")
     with pytest.raises(ValueError, match="has no config.json or model.safetensors"):
         load_estimator(tmp_path)
     (tmp_path / "tiling.json").write_text("{}")             # a file where the directory belongs: said so

@@ -288,7 +288,8 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
         except (LocalEntryNotFoundError, RepositoryNotFoundError, HfHubHTTPError, HFValidationError) as err:
             if os.path.isdir(name):
                 raise
-            shown = f"{name}@{kwargs['revision']}" if kwargs.get("revision") else name
+            # the revision belongs to a hub id; a path the hub refused never took it
+            shown = f"{name}@{kwargs['revision']}" if kwargs.get("revision") and _HUB_ID.fullmatch(name) else name
             raise _hub_load_error(shown, err) from err    # a mistyped folder: name it, not the hub's connection
 
     @classmethod
