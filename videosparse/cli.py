@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .config import BACKENDS, DenseConfig, SolConfig, VedaConfig, parse_dense_steps, parse_layers, parse_tile
@@ -277,8 +278,6 @@ def _run_generate(args: argparse.Namespace) -> int:
             warm_up(pipe, None, call, seed=args.seed, device=device)
         dense = generate(pipe, None, call, seed=args.seed, device=device)
         dense_step = dense.transformer_total_s / (steps or max(1, len(dense.transformer_s)))
-        import numpy as np
-
         from .eval.metrics import psnr_video
 
         # the dense arm is the pipeline's own processors (videosparse not applied), same seed and call

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..eval.report import replace_durably
 from .reference import (
     DEFAULT_GUIDANCE_SCALE,
     DEFAULT_HEIGHT,
@@ -37,7 +38,6 @@ from .reference import (
     encode_text,
     transformer_input,
 )
-from ..eval.report import replace_durably
 from .reference_data import check_travel, clip_batch
 
 logger = logging.getLogger(__name__)

@@ -204,6 +204,10 @@ def _set_attention_processors(transformer: torch.nn.Module, procs: dict[str, Any
         modules[name.rsplit(".processor", 1)[0]].processor = proc
 
 
+# the sessions applied and not removed (a transformer dropped without `remove` drops its session from the set)
+_LIVE_SESSIONS: "weakref.WeakSet[SparseSession]" = weakref.WeakSet()
+
+
 def _attach(transformer: torch.nn.Module, session: SparseSession, spec) -> None:
     snapshot = {
         "had_registry": hasattr(transformer, "_diffusers_hook"),
@@ -213,10 +217,6 @@ def _attach(transformer: torch.nn.Module, session: SparseSession, spec) -> None:
     setattr(transformer, SESSION_ATTR, session)
     setattr(transformer, _SNAPSHOT_ATTR, snapshot)
     _LIVE_SESSIONS.add(session)
-
-
-# the sessions applied and not removed (a transformer dropped without `remove` drops its session from the set)
-_LIVE_SESSIONS: "weakref.WeakSet[SparseSession]" = weakref.WeakSet()
 
 
 def _release_module_caches() -> None:

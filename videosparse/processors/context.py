@@ -107,9 +107,7 @@ class LayerStats:
             import torch.distributed as dist
 
             counts = counts.clone()
-            pairs = counts[2:].contiguous()
-            dist.all_reduce(pairs, group=group)
-            counts[2:] = pairs
+            dist.all_reduce(counts[2:], group=group)       # (a contiguous view: reduced in place)
         sparse, dense, kept, total, widest = (int(c) for c in counts.tolist())
         return {
             "sparse_calls": sparse,

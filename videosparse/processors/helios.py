@@ -75,7 +75,6 @@ class HeliosSparseAttnProcessor(_WanFamilySparseAttention, transformer_helios.He
                 key = torch.cat([key[:, :history] * scale, key[:, history:]], dim=1)
         return query, key, value, None
 
-
     def _local_history(self, rows: int, video_tokens: int) -> int:
         """How many of this call's `rows` (the first ones) are history tokens: all rows but the video's
         `video_tokens`; under Ulysses context parallelism the rows are this rank's contiguous 1/P of the sequence,
