@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..eval.report import replace_durably
+from ..eval.report import replace_durably, write_atomic
 from ..layout import head_tiling
 from ..method import ModelInfo
 from ..veda.teacher import teacher_heat
@@ -187,10 +187,7 @@ def write_sample(path: Path, layers: dict[int, tuple[torch.Tensor, ...]], meta: 
 
 
 def _atomic_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    replace_durably(tmp, path)
+    write_atomic(path, json.dumps(data, indent=1))
 
 
 def capture_settings(cfg: CaptureConfig) -> dict:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..eval.report import from_jsonable, replace_durably, to_jsonable
+from ..eval.report import from_jsonable, replace_durably, to_jsonable, write_atomic
 from ..method import ModelInfo
 from ..models.loading import check_component
 from ..veda.estimator import VedaEstimator
@@ -473,10 +473,7 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
             for name in _FINAL_FILES:
                 (out / name).unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
-        tmp = log_path.with_name(f".{log_path.name}.tmp")
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(to_jsonable(h), allow_nan=False) + "\n" for h in history)
-        replace_durably(tmp, log_path)
+        write_atomic(log_path, "".join(json.dumps(to_jsonable(h), allow_nan=False) + "\n" for h in history))
 
     progress = tqdm(total=total_steps, initial=global_step, desc="distill",
                     disable=not accelerator.is_local_main_process)
@@ -669,9 +666,7 @@ def _save_final(estimator: VedaEstimator, out: Path, cfg: DistillConfig, metrics
     if isinstance(cfg.tiling, str) and Path(cfg.tiling).resolve() != (out / "tiling.json").resolve():
         shutil.copyfile(cfg.tiling, out / ".tiling.json.tmp")
         replace_durably(out / ".tiling.json.tmp", out / "tiling.json")
-    with open(out / ".metrics.json.tmp", "w") as f:
-        json.dump(to_jsonable(metrics), f, indent=1, allow_nan=False)       # strict JSON: nan as "nan"
-    replace_durably(out / ".metrics.json.tmp", out / "metrics.json")
+    write_atomic(out / "metrics.json", json.dumps(to_jsonable(metrics), indent=1, allow_nan=False))   # nan as "nan"
 
 
 def run_distillation(cfg: DistillConfig, *, step_callback: Callable[[int, dict[str, Any]], None] | None = None
@@ -738,9 +733,7 @@ def run_distillation(cfg: DistillConfig, *, step_callback: Callable[[int, dict[s
         if accelerator.is_main_process:
             if old_config is not None and (out / "model.safetensors").exists():
                 # failed before the capture began (`check_model`): the earlier run's estimator stays, with its config
-                tmp = out / ".distill_config.json.tmp"
-                tmp.write_bytes(old_config)
-                replace_durably(tmp, out / "distill_config.json")
+                write_atomic(out / "distill_config.json", old_config)
             _undo_empty_start(out, new_folder, new_config)
         raise
     train_files, val_files = split_by_prompt(files, cfg.val_fraction, cfg.seed)
