@@ -123,6 +123,43 @@ def test_tile_shapes_may_be_numpy_ints():
             VedaConfig(tiling=bad)
 
 
+def test_a_default_tile_shape_follows_the_block_through_replace():
+    """A config that left the tile shape to its default keeps it unset, so `dataclasses.replace` to the other block
+    size gives that block's default (it raised about a 4x4x8 the user never set: review 55); a shape given stays."""
+    import dataclasses
+
+    for cfg in (SolConfig(density=0.2), VedaConfig(density=0.2)):
+        small = dataclasses.replace(cfg, block=64)
+        assert small.tiling is None and dataclasses.replace(small, block=128) == cfg
+    assert SolConfig(density=0.2).tile_shape == (4, 4, 8) and SolConfig(density=0.2, block=64).tile_shape == (4, 4, 4)
+    assert config_from_dict(SolConfig(density=0.2).to_dict()) == SolConfig(density=0.2)
+    with pytest.raises(ValueError, match=r"tile shape \(4, 4, 8\) has pt\*ph\*pw = 128"):
+        dataclasses.replace(SolConfig(density=0.2, tiling=(4, 4, 8)), block=64)
+
+
+def test_tile_shapes_may_be_numpy_arrays_or_tensors_and_an_empty_tiling_is_refused_at_once():
+    """Review 55: a 1-D array of three ints is the shape (a TypeError before); `tiling=""` failed only at apply as a
+    missing file; a tiling search's numpy shape budget is an int."""
+    np = pytest.importorskip("numpy")
+    from videosparse.veda import TilingSearch
+
+    assert VedaConfig(tiling=np.array([4, 4, 8])) == VedaConfig(tiling=(4, 4, 8))
+    assert SolConfig(density=0.1, tiling=torch.tensor([2, 8, 8])).tiling == (2, 8, 8)
+    with pytest.raises(ValueError, match="three positive ints"):
+        VedaConfig(tiling=np.array([4.0, 4.0, 8.0]))
+    for empty in ("", "  "):
+        with pytest.raises(ValueError, match="must be a tile shape like 4x4x8, the path of a tiling JSON"):
+            VedaConfig(tiling=empty)
+    assert TilingSearch(density=0.3, max_shapes_per_layer=np.int64(1)).max_shapes_per_layer == 1
+
+
+def test_the_lazily_imported_api_is_listed_by_dir():
+    """Review 55: `apply`, `remove`, ... are imported on first use and were missing from `dir(videosparse)`."""
+    import videosparse
+
+    assert {"apply", "remove", "sessions", "observe", "processors", "VedaConfig"} <= set(dir(videosparse))
+
+
 def test_tile_shapes_may_be_written_as_the_cli_writes_them():
     """"4x4x8" is the shape (4, 4, 8) for both methods, as `--tiling 4x4x8` is; any other string is Veda's tiling
     JSON path; a wrong product is caught at construction either way."""

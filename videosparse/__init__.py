@@ -25,3 +25,8 @@ def __getattr__(name):
         module = importlib.import_module(".processors", __name__)
         return module if name == "processors" else getattr(module, name)
     raise AttributeError(f"module 'videosparse' has no attribute {name!r}")
+
+
+def __dir__():
+    """The lazily imported API too (tab completion, `dir(videosparse)`)."""
+    return sorted(set(globals()) | set(__all__))

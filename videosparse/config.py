@@ -16,7 +16,7 @@ import numbers
 import operator
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from collections.abc import Mapping
 from typing import Any, ClassVar, Union
 
@@ -32,6 +32,7 @@ BLOCK_SIZES = (64, 128)
 MAX_BAND = 2**63 - 1
 
 TileShape = tuple[int, int, int]
+DEFAULT_TILES: dict[int, TileShape] = {128: (4, 4, 8), 64: (4, 4, 4)}   # block -> the tile shape when none is given
 
 # what `to_dict` writes for an estimator object that was built in memory (no path or hub id to load it from)
 IN_MEMORY_ESTIMATOR = "<in-memory"
@@ -121,11 +122,14 @@ def _is_int(value: Any) -> bool:
 
 
 def parse_tile(text: Any) -> Any:
-    """'4x4x8' (any case of x) -> (4, 4, 8); anything else is returned as it is (a shape, or a tiling JSON path)."""
+    """'4x4x8' (any case of x) -> (4, 4, 8); a 1-D numpy array or tensor -> a tuple of its elements; anything else is
+    returned as it is (a shape, or a tiling JSON path)."""
     if isinstance(text, str):
         parts = "".join(text.split()).lower().split("x")      # '4 x 4 x 8' too
         if len(parts) == 3 and all(p.isascii() and p.isdigit() for p in parts):
             return tuple(int(p) for p in parts)
+    if getattr(text, "ndim", None) == 1 and hasattr(text, "tolist"):     # numpy / torch: its elements, checked after
+        return tuple(text.tolist())
     return text
 
 
@@ -324,6 +328,9 @@ class VedaConfig(_BaseConfig):
             raise TypeError(f"tiling={self.tiling!r} must be a tile shape (pt, ph, pw) or a path to a tiling JSON.")
         elif isinstance(self.tiling, os.PathLike):      # as to_dict writes it: equal to its dict round trip
             object.__setattr__(self, "tiling", os.fspath(self.tiling))
+        if isinstance(self.tiling, str) and not self.tiling.strip():
+            raise ValueError(f"tiling={self.tiling!r} must be a tile shape like 4x4x8, the path of a tiling JSON from "
+                             "`videosparse search-tiling`, or None.")
         object.__setattr__(self, "dense_layers", _dense_schedule(self.dense_steps, _layers(self.dense_layers)))
         _flag(self, "correction")
         _check_backend(self.backend)
@@ -344,7 +351,9 @@ class SolConfig(_BaseConfig):
         block (`int`, defaults to 128): tokens per tile, 128 or 64. The paper uses 64-token blocks;
             128 is the default here because the Hopper kernel runs 128x128 tiles 2.2x faster than
             64x64 ones at the same density (benchmarks/sol_plan_h200.json).
-        tiling (`tuple[int, int, int]`): the 3D tile shape, pt*ph*pw == block (or the string "4x4x8").
+        tiling (`tuple[int, int, int]` or `None`): the 3D tile shape, pt*ph*pw == block (or the string "4x4x8");
+            `None` (default): 4x4x8 for block 128, 4x4x4 for 64 (`tile_shape` gives the one that runs), so
+            `dataclasses.replace(config, block=64)` of a default config stays valid.
         band (`int`, defaults to 1): key tiles with |i - j| <= band are always exact.
         correction (`bool`, defaults to True): zero-order correction for skipped tiles.
         dense_steps, dense_layers, backend: as in `VedaConfig` (dense_steps defaults to 0.2 here too).
@@ -359,7 +368,7 @@ class SolConfig(_BaseConfig):
     density: float | None = None
     tau: float | None = None
     block: int = 128
-    tiling: TileShape = field(default=None)  # type: ignore[assignment]
+    tiling: TileShape | None = None
     band: int = 1
     correction: bool = True
     dense_steps: int | float = 0.2
@@ -381,20 +390,24 @@ class SolConfig(_BaseConfig):
             raise ValueError(f"tau={self.tau!r} must be a finite number within the float range (standard deviations "
                              "above the mean score).")
         _check_block(self.block)
-        if self.tiling is None:
-            object.__setattr__(self, "tiling", (4, 4, 4) if self.block == 64 else (4, 4, 8))
-        tiling = parse_tile(self.tiling)
-        if isinstance(tiling, (str, os.PathLike)):
-            raise ValueError(f"tiling={tiling!r}: sol takes one tile shape like 4x4x8, three positive ints "
-                             "(pt, ph, pw) with pt*ph*pw = block, not a tiling file; only veda reads a tiling JSON "
-                             "from search-tiling.")
-        object.__setattr__(self, "tiling", _check_tile(tiling, self.block))
+        if self.tiling is not None:
+            tiling = parse_tile(self.tiling)
+            if isinstance(tiling, (str, os.PathLike)):
+                raise ValueError(f"tiling={tiling!r}: sol takes one tile shape like 4x4x8, three positive ints "
+                                 "(pt, ph, pw) with pt*ph*pw = block, not a tiling file; only veda reads a tiling "
+                                 "JSON from search-tiling.")
+            object.__setattr__(self, "tiling", _check_tile(tiling, self.block))
         if isinstance(self.band, bool) or not isinstance(self.band, int) or not 0 <= self.band <= MAX_BAND:
             raise ValueError(f"band={self.band!r} must be an int in [0, {MAX_BAND}] (the int64 range of the tile "
                              "index math; any band >= the number of video tiles already keeps every tile).")
         object.__setattr__(self, "dense_layers", _dense_schedule(self.dense_steps, _layers(self.dense_layers)))
         _flag(self, "correction")
         _check_backend(self.backend)
+
+    @property
+    def tile_shape(self) -> TileShape:
+        """The (pt, ph, pw) every head runs: `tiling`, or the block's default when it is `None`."""
+        return self.tiling if self.tiling is not None else DEFAULT_TILES[self.block]
 
 
 CONFIG_CLASSES: dict[str, type[_BaseConfig]] = {c.method: c for c in (DenseConfig, VedaConfig, SolConfig)}

@@ -71,7 +71,7 @@ class SparseMethod:
 
     def tile_shapes(self, layer: int, num_heads: int) -> tuple[int, int, int] | Sequence[tuple[int, int, int]]:
         """One (pt, ph, pw) for every head of `layer`, or one per head."""
-        return self.config.tiling
+        return self.config.tile_shape
 
     def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: HeadTiling, layer: int,
              state: dict | None = None, valid_keys: torch.Tensor | None = None,

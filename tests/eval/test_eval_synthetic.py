@@ -306,6 +306,8 @@ def test_cli_prints_compiled_rows(tmp_path, capsys):
         torch.set_num_threads(n)
     out = capsys.readouterr().out
     assert rc == 0 and "veda@0.5:block=64:tiling=1x8x8" in out and "attention   – s" in out
+    # the calls of one forward (one block), as the report's table gives them, not the warm-up and timed ones summed
+    assert "sparse/dense calls per forward 1/0" in out and "sparse/dense calls per forward 0/1" in out
     assert "(timed in a profiled forward)" in out
 
 

@@ -1,5 +1,6 @@
 import copy
 import dataclasses
+import pickle
 
 import numpy as np
 import pytest
@@ -1122,10 +1123,13 @@ def test_sol_keeps_no_autograd_graph_in_its_calibrated_threshold():
     videosparse.remove(tr)
 
 
-def test_a_forward_on_meta_tensors_runs_for_shapes():
-    """Shape inference / FLOP counting on the meta device (review find: the autocast query raised there)."""
+@pytest.mark.parametrize("config", [videosparse.VedaConfig(density=0.5, dense_steps=0),
+                                    videosparse.SolConfig(tau=0.5, dense_steps=0)], ids=["veda", "sol_tau"])
+def test_a_forward_on_meta_tensors_runs_for_shapes(config):
+    """Shape inference / FLOP counting on the meta device (review find: the autocast query raised there; review 55:
+    Sol at a fixed tau read its plan's widest row back, which meta tensors cannot give: it packs to the full width)."""
     tr = build_tiny_wan_pipeline().transformer
-    videosparse.apply(tr, videosparse.VedaConfig(density=0.5, dense_steps=0))
+    videosparse.apply(tr, config)
     tr.to("meta")
     kw = {k: v.to("meta") for k, v in _tiny_forward_kwargs().items()}
     with torch.no_grad():
@@ -1180,6 +1184,9 @@ def test_pickling_an_applied_transformer_names_videosparse():
     assert copy.copy(session).method is session.method                   # a shallow copy, as before
     videosparse.remove(tr)
     torch.save(tr, io.BytesIO())
+    with pytest.raises(TypeError, match=r"nor its SparseSession: .* pickle session.stats\(\)"):
+        pickle.dumps(session)                   # the session itself, removed or not: what to pickle instead
+    assert pickle.loads(pickle.dumps(session.stats())) == session.stats()
 
 
 def test_apply_names_a_transformer_slot_that_is_not_loaded(caplog):

@@ -388,6 +388,38 @@ def test_estimator_tile_shapes_may_be_numpy_ints(tmp_path):
     assert VedaEstimator.from_pretrained(tmp_path / "est2").density == 0.25
 
 
+def test_estimator_sizes_may_be_numpy_ints_and_block_64_takes_its_own_default_tiles(tmp_path):
+    """Review 55: numpy sizes were refused ("must be a positive int") and block=64 without tile_shapes raised about
+    the 4x4x8 of block 128; the repr names what it serves and where it came from."""
+    np = pytest.importorskip("numpy")
+    est = VedaEstimator("WanTransformer3DModel", np.int64(2), np.int32(3), 64, block=np.int64(64))
+    assert (est.num_layers, est.num_heads, est.block) == (2, 3, 64) and type(est.num_layers) is int
+    assert est.layer_tiles(0) == [(4, 4, 4)] * 3 and VedaEstimator("WanTransformer3DModel", 2, 3, 32).layer_tiles(0)[0] == (4, 4, 8)
+    est.save_pretrained(tmp_path / "est")
+    saved = json.loads((tmp_path / "est" / "config.json").read_text())
+    assert (saved["num_layers"], saved["num_heads"], saved["block"], saved["tile_shapes"]) == (2, 3, 64, [4, 4, 4])
+    assert repr(est) == "VedaEstimator(WanTransformer3DModel, 2 layers x 3 heads x 64, block=64, source=None)"
+    assert f"source={os.fspath(tmp_path / 'est')!r}" in repr(VedaEstimator.from_pretrained(tmp_path / "est"))
+    for bad in (np.float64(2.0), True, 0):
+        with pytest.raises(ValueError, match="num_layers=.* must be a positive int"):
+            VedaEstimator("WanTransformer3DModel", bad, 3, 64)
+
+
+def test_an_estimator_object_with_non_finite_weights_is_refused_at_apply():
+    """Review 55: from_pretrained refused NaN weights, an estimator object passed to VedaConfig ran them (NaN scores
+    are never chosen: each query tile kept only its own tile, at any density)."""
+    import videosparse
+    from videosparse.models.tiny_wan import build_tiny_wan_pipeline
+
+    transformer = build_tiny_wan_pipeline().transformer
+    est = make_est(num_heads=2, head_dim=64, block=64, tile_shapes=(1, 4, 16))
+    with torch.no_grad():
+        est.proj_k[1, 0, 3, 2] = float("inf")
+    with pytest.raises(ValueError, match="estimator 'built in memory' holds non-finite values in proj_k"):
+        videosparse.apply(transformer, VedaConfig(density=0.5, estimator=est, block=64))
+    assert not videosparse.sessions(transformer)                # nothing half-applied
+
+
 def test_kl_loss_with_nothing_valid_is_zero_even_with_masked_columns():
     """Review find: with col_valid masking a column and no valid row, the 'zero' was -inf * 0 = NaN."""
     logits = torch.randn(1, 2, 3, 4, requires_grad=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-from ..config import _check_block, _plain_numbers, parse_tile
+from ..config import DEFAULT_TILES, _check_block, _plain_numbers, parse_tile
 from ..eval.report import replace_durably
 from ..prompts import PROMPTS_FILE_FORMS, read_prompts_file
 
@@ -49,8 +49,6 @@ def _refuse_file_parent(name: str, path: str) -> None:
 
 def _tiling(value: Any, block: int) -> Any:
     if value is None:                                   # the shape VedaConfig runs without a tiling: per block
-        from ..veda.method import DEFAULT_TILES
-
         return DEFAULT_TILES[block]
     value = parse_tile(value)                           # "4x4x8", as the CLI writes it
     if isinstance(value, (str, os.PathLike)):

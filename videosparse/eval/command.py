@@ -16,6 +16,7 @@ import os
 import torch
 
 from ..config import BACKENDS
+from .report import calls_per_forward
 from .spec import check_spec_files, parse_method_specs
 from .synthetic import SYNTHETIC_MODELS, default_synthetic_specs
 
@@ -275,6 +276,6 @@ def _run_synthetic(args: argparse.Namespace) -> int:
             # compiled sparse rows have no attention/plan time (the graph hides the processors): "-"
             print(f"  {label:<28} density {_f(r['realised_density'], 6)}  forward {r['forward_s']:.3f} s  "
                   f"attention {_f(r['attention_s'], 3)} s (plan {_f(r['plan_s'], 3)})  speedup {r['speedup']:.2f}x  "
-                  f"Amdahl est. {r['amdahl_bound']:.2f}x  sparse/dense calls {r['sparse_calls']}/{r['dense_calls']}"
+                  f"Amdahl est. {r['amdahl_bound']:.2f}x  sparse/dense calls per forward {calls_per_forward(r)}"
                   + (f"  kernel {r['kernel_backend']}" if r.get("kernel_backend") else ""))
     return _print_notes(report, args.out)

@@ -270,7 +270,7 @@ def _fmt_density(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) and math.isfinite(value) else _fmt(value)
 
 
-def _calls_per_forward(row: dict) -> str:
+def calls_per_forward(row: dict) -> str:
     """"sparse/dense" attention calls per forward (the session counts the warm-up forwards too)."""
     n = row.get("calls_counted_forwards")
     if not n:                                       # a report written before the count was kept: totals
@@ -393,7 +393,7 @@ def _synthetic_markdown(report: dict) -> list[str]:
                          _fmt(r.get("attention_s"), 3), _fmt(r.get("plan_s"), 3),
                          _fmt(100 * r["attention_share"] if r.get("attention_share") is not None else None, 1, "%"),
                          _fmt(r.get("speedup"), 2, "x"), _fmt(r.get("amdahl_bound"), 2, "x"),
-                         _fmt(r.get("speedup_attention"), 2, "x"), _calls_per_forward(r),
+                         _fmt(r.get("speedup_attention"), 2, "x"), calls_per_forward(r),
                          _fmt(r.get("output_rel_l2_vs_dense"), 4), r.get("kernel_backend") or "–"])
         lines += _table(["method", "realised density", "forward s", "attention s", "plan s", "attn share",
                          "speedup", "Amdahl est.", "attention speedup", "sparse/dense calls per forward",

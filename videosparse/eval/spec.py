@@ -142,7 +142,7 @@ def parse_method_spec(text: str, *, backend: str | None = None) -> MethodSpec:
         >>> spec = parse_method_spec("sol@0.2:band=0")
         >>> spec.config == SolConfig(density=0.2, band=0)
         True
-        >>> spec.config.block, spec.config.tiling, spec.config.dense_steps       # the config's defaults
+        >>> spec.config.block, spec.config.tile_shape, spec.config.dense_steps       # the config's defaults
         (128, (4, 4, 8), 0.2)
     """
     # blanks around the separators go; inside a value (a path with a space) they stay

@@ -293,7 +293,8 @@ class SparseSession:
     def __reduce_ex__(self, protocol):
         # pickling met a weak reference (to the pipeline, the modules) with a message that does not name videosparse
         raise TypeError("a transformer with videosparse applied cannot be pickled (torch.save(model), "
-                        "multiprocessing): call videosparse.remove(...) first, or save its state_dict().")
+                        "multiprocessing), nor its SparseSession: call videosparse.remove(...) on the transformer "
+                        "first, or save its state_dict(); for a session's numbers, pickle session.stats() (a dict).")
 
     def __copy__(self):
         new = object.__new__(type(self))

@@ -261,7 +261,9 @@ def pack_mask(mask: torch.Tensor, block_m: int, block_n: int, *, width: int | No
         raise ValueError(f"mask must be bool [B, H, M, N]; got {mask.dtype} {tuple(mask.shape)}.")
     B, H, M, N = mask.shape
     count = mask.sum(-1, dtype=torch.int32)
-    if width is None:
+    if width is None and mask.device.type == "meta":    # no values to read: the full width (shapes only)
+        width = max(N, 1)
+    elif width is None:
         width = max(int(count.max()), 1) if count.numel() else 1
     elif width < 1 or width > N:
         raise ValueError(f"width={width} must lie in [1, N={N}] (N = number of key tiles).")

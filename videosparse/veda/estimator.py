@@ -37,7 +37,7 @@ import torch
 from huggingface_hub import PyTorchModelHubMixin, hf_hub_download
 from torch import nn
 
-from ..config import BLOCK_SIZES, parse_tile
+from ..config import BLOCK_SIZES, DEFAULT_TILES, parse_tile
 
 DEFAULT_INIT_STD = 1e-4
 SAFETENSORS_NAME = "model.safetensors"
@@ -99,7 +99,7 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
         head_dim (`int`): D.
         block (`int`, defaults to 128): tokens per tile.
         tile_shapes: the tile shapes the features were pooled with: one (pt, ph, pw), or per layer a
-            shape or a list of one shape per head.
+            shape or a list of one shape per head; `None` (default): 4x4x8 for block 128, 4x4x4 for 64.
         init_std (`float`, defaults to 1e-4): std of the N(0, std^2) init of P_q, P_k (see the module
             docstring for why std and not variance).
         density (`float`, optional): the density it was distilled for (informational).
@@ -122,13 +122,17 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
     """
 
     def __init__(self, model_class: str, num_layers: int, num_heads: int, head_dim: int, block: int = 128,
-                 tile_shapes: Any = (4, 4, 8), init_std: float = DEFAULT_INIT_STD, density: float | None = None,
+                 tile_shapes: Any = None, init_std: float = DEFAULT_INIT_STD, density: float | None = None,
                  component: str | None = None):
         super().__init__()
-        for name, value in (("num_layers", num_layers), ("num_heads", num_heads), ("head_dim", head_dim),
-                            ("block", block)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        sizes = {"num_layers": num_layers, "num_heads": num_heads, "head_dim": head_dim, "block": block}
+        for name, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int.")
+            sizes[name] = int(value)                # numpy ints as Python ints (the saved config.json too)
+            if isinstance(self._hub_mixin_config, dict):
+                self._hub_mixin_config[name] = sizes[name]
+        num_layers, num_heads, head_dim, block = sizes.values()
         if block not in BLOCK_SIZES:         # an estimator for a block no config takes could never be used
             raise ValueError(f"block={block!r} is not supported; choose one of {BLOCK_SIZES} (VedaConfig's blocks).")
         if (isinstance(init_std, bool) or not isinstance(init_std, numbers.Real) or not math.isfinite(init_std)
@@ -143,7 +147,8 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
         if isinstance(self._hub_mixin_config, dict):
             self._hub_mixin_config["model_class"] = model_class
         self.num_layers, self.num_heads, self.head_dim, self.block = num_layers, num_heads, head_dim, block
-        self.tile_shapes = _normalize_tiles(tile_shapes, num_layers, num_heads)
+        self.tile_shapes = _normalize_tiles(DEFAULT_TILES[block] if tile_shapes is None else tile_shapes, num_layers,
+                                            num_heads)
         for layer, heads in enumerate(self.tile_shapes):
             for h, s in enumerate(heads):
                 if len(s) != 3 or min(s) < 1 or math.prod(s) != block:
@@ -171,6 +176,11 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
         shape = (num_layers, num_heads, 3 * head_dim, head_dim)
         self.proj_q = nn.Parameter(torch.randn(shape) * self.init_std)
         self.proj_k = nn.Parameter(torch.randn(shape) * self.init_std)
+
+    def extra_repr(self) -> str:
+        """What the estimator serves and where it came from (printed by `repr`, so configs and messages name it)."""
+        return (f"{self.model_class}, {self.num_layers} layers x {self.num_heads} heads x {self.head_dim}, "
+                f"block={self.block}, source={self.source!r}")
 
     # ------------------------------------------------------------------ inference / training math
     def project(self, feat: torch.Tensor, layer: int, which: str) -> torch.Tensor:
@@ -325,8 +335,8 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
         except (safetensors.SafetensorError, RuntimeError, OSError) as e:
             raise ValueError(f"the weights {model_file!r} of estimator {model_id!r} cannot be loaded into the "
                              f"estimator its config.json describes ({' '.join(str(e).split())[:300]}).") from None
-        bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
-        if bad:     # NaN scores are never chosen: only each query tile's own tile would run, silently
+        bad = _non_finite(model)
+        if bad:
             raise ValueError(f"the weights {model_file!r} of estimator {model_id!r} hold non-finite values in "
                              f"{', '.join(bad)} (a diverged distillation); distill it again.")
         # what names it in reports and reloads it from a config's to_dict: the snapshot folder of a cache given
@@ -500,9 +510,20 @@ def _hub_load_error(path: str, err: Exception) -> ValueError:
                       f"be loaded ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}).")
 
 
+def _non_finite(model: VedaEstimator) -> list[str]:
+    """Names of the parameters holding NaN or inf: its scores would never be chosen, so only each query tile's own
+    tile would run, silently."""
+    return [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+
+
 def load_estimator(source: Any) -> VedaEstimator:
-    """A `VedaEstimator` from an object, a local directory or a hub id (safetensors only)."""
+    """A `VedaEstimator` from an object, a local directory or a hub id (safetensors only); ValueError for weights
+    that hold NaN or inf."""
     if isinstance(source, VedaEstimator):
+        bad = _non_finite(source)
+        if bad:
+            raise ValueError(f"estimator {source.source or 'built in memory'!r} holds non-finite values in "
+                             f"{', '.join(bad)} (a diverged distillation or a failed update); distill it again.")
         return source
     if isinstance(source, (str, os.PathLike)):
         path = _local(os.fspath(source))

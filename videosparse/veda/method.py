@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from ..config import DEFAULT_TILES, TileShape
 from ..layout import HeadTiling
 from ..method import ModelInfo, SparseMethod
 from ..plan import Plan, row_budget_list, topk_plan
@@ -19,9 +20,6 @@ from .tiling import Tiling, load_tiling
 from .trippool import trippool_qk
 
 logger = logging.getLogger(__name__)
-
-TileShape = tuple[int, int, int]
-DEFAULT_TILES: dict[int, TileShape] = {128: (4, 4, 8), 64: (4, 4, 4)}   # block -> shape without estimator/tiling
 
 
 def mean_pooled_logits(qf: torch.Tensor, kf: torch.Tensor) -> torch.Tensor:

@@ -297,11 +297,11 @@ class TilingSearch:
         if isinstance(max_padding, bool) or not isinstance(max_padding, numbers.Real) or not 0 <= max_padding < 1:
             raise ValueError(f"max_padding={max_padding!r} must be a number in [0, 1) (the share of padded tokens a "
                              "shape may add).")
-        if isinstance(max_shapes_per_layer, bool) or not isinstance(max_shapes_per_layer, int) or \
+        if isinstance(max_shapes_per_layer, bool) or not isinstance(max_shapes_per_layer, numbers.Integral) or \
                 max_shapes_per_layer < 1:
             raise ValueError(f"max_shapes_per_layer={max_shapes_per_layer!r} must be an int >= 1.")
-        self.density, self.block, self.backend = density, block, backend
-        self.max_padding, self.max_shapes_per_layer = max_padding, max_shapes_per_layer
+        self.density, self.block, self.backend = float(density), int(block), backend
+        self.max_padding, self.max_shapes_per_layer = float(max_padding), int(max_shapes_per_layer)
         self.err_sum: dict[int, torch.Tensor] = {}          # layer -> [n_shapes, H] summed errors
         self.err_cnt: dict[int, int] = {}
         self.votes: dict[int, list[Counter]] = {}
