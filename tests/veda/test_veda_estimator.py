@@ -394,7 +394,8 @@ def test_estimator_sizes_may_be_numpy_ints_and_block_64_takes_its_own_default_ti
     np = pytest.importorskip("numpy")
     est = VedaEstimator("WanTransformer3DModel", np.int64(2), np.int32(3), 64, block=np.int64(64))
     assert (est.num_layers, est.num_heads, est.block) == (2, 3, 64) and type(est.num_layers) is int
-    assert est.layer_tiles(0) == [(4, 4, 4)] * 3 and VedaEstimator("WanTransformer3DModel", 2, 3, 32).layer_tiles(0)[0] == (4, 4, 8)
+    assert est.layer_tiles(0) == [(4, 4, 4)] * 3
+    assert VedaEstimator("WanTransformer3DModel", 2, 3, 32).layer_tiles(0)[0] == (4, 4, 8)
     est.save_pretrained(tmp_path / "est")
     saved = json.loads((tmp_path / "est" / "config.json").read_text())
     assert (saved["num_layers"], saved["num_heads"], saved["block"], saved["tile_shapes"]) == (2, 3, 64, [4, 4, 4])
