@@ -653,6 +653,81 @@ def test_a_sharing_pipelines_steps_after_calls_that_ended_early(monkeypatch):
     videosparse.remove(pipe)
 
 
+def test_the_timestep_counter_tells_a_new_call_after_a_single_stray_timestep():
+    """Review 55: with one timestep seen (a warm-up forward, a call that died after its first step), a call starting
+    above it was read as a rising schedule: steps 1, 0, 1, 2 (one more dense step, the rest one off). The direction
+    the family is known to have, or the one earlier calls had, decides now; a schedule that runs the other way than
+    assumed goes on counting from its third forward."""
+    from videosparse.processors.context import TimestepCounter
+
+    def steps(counter, timesteps, expected=0):
+        return [counter.step(torch.tensor(t), expected) for t in timesteps]
+
+    falling, rising = [1000, 1000, 750, 750, 500, 500], [0, 250, 500, 750]       # guidance pairs share a step
+    counter = TimestepCounter()
+    assert steps(counter, [500] + falling, -1) == [0, 0, 0, 1, 1, 2, 2]             # was [0, 1, 1, 0, 0, 1, 1]
+    assert steps(counter, [400], -1) == [3]             # a call that starts below: the same call (documented)
+    counter.reset()
+    assert counter.learned == -1 and steps(counter, [600] + falling) == [0, 0, 0, 1, 1, 2, 2]   # learned, no prior
+    assert steps(TimestepCounter(), [500] + falling) == [0, 1, 1, 0, 0, 1, 1]       # nothing to go by: as before
+    counter = TimestepCounter()
+    assert steps(counter, rising, -1) == [0, 0, 2, 3]    # assumed falling: only the second forward read as step 0
+    counter.reset()
+    assert counter.learned == 1 and steps(counter, rising, -1) == [0, 1, 2, 3]
+    counter.step(torch.tensor(900.0), 1)
+    counter.forget()
+    assert (counter.learned, counter.last, counter.count) == (0, None, 0)
+
+
+def test_a_sharing_pipelines_first_call_after_a_single_stray_timestep(monkeypatch):
+    """Review 55 (a service): a `from_pipe` pipeline with its own scheduler counts its steps by timestep; after a
+    first request that died after its first step, or a warm-up forward at t=500, the next request ran one more dense
+    step and its output differed (up to 1.6e-2) from the same request run first."""
+    import types
+
+    import diffusers.pipelines.wan.pipeline_wan_video2video as v2v
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanVideoToVideoPipeline
+    from PIL import Image
+
+    monkeypatch.setattr(v2v, "ftfy", types.SimpleNamespace(fix_text=lambda text: text), raising=False)
+    call = dict(prompt="a red circle", height=64, width=96, output_type="latent", max_sequence_length=16,
+                guidance_scale=1.0, num_inference_steps=4)
+    video = [Image.fromarray((np.random.RandomState(i).rand(64, 96, 3) * 255).astype("uint8")) for i in range(5)]
+
+    def setup():
+        pipe = build_tiny_wan_pipeline()
+        session = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64,
+                                                                 dense_steps=2))["transformer"]
+        other = WanVideoToVideoPipeline.from_pipe(pipe, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+        other.set_progress_bar_config(disable=True)
+        return pipe, other, session
+
+    def request(other, session, **kw):
+        session.reset_stats()
+        out = other(video=video, **call, **kw, generator=torch.Generator().manual_seed(0)).frames
+        layer = session.stats()["layers"][0]
+        return out, (layer["dense_calls"], layer["sparse_calls"])
+
+    def dies_first(pipeline, i, t, kwargs):
+        raise RuntimeError("client went away")
+
+    pipe, other, session = setup()
+    fresh, counts = request(other, session, strength=1.0)
+    assert counts == (2, 2)
+    pipe, other, session = setup()
+    with pytest.raises(RuntimeError, match="client went away"):
+        request(other, session, strength=0.5, callback_on_step_end=dies_first)
+    again, counts = request(other, session, strength=1.0)
+    assert counts == (2, 2) and torch.equal(again, fresh)               # was (3, 1)
+    pipe, other, session = setup()
+    with torch.no_grad():                                               # a warm-up forward outside any call
+        pipe.transformer(hidden_states=torch.randn(1, 4, 2, 8, 12), timestep=torch.tensor([500.0]),
+                         encoder_hidden_states=torch.randn(1, 16, 32))
+    again, counts = request(other, session, strength=1.0)
+    assert counts == (2, 2) and torch.equal(again, fresh)
+    videosparse.remove(pipe)
+
+
 @pytest.mark.parametrize("enable_before_apply", [True, False])
 def test_gradient_checkpointing_recomputes_each_block_with_its_forwards_context(enable_before_apply):
     """Review find (fine-tuning): with diffusers' gradient checkpointing the blocks rerun in backward, and the

@@ -213,7 +213,7 @@ def _attach(transformer: torch.nn.Module, session: SparseSession, spec) -> None:
         "had_registry": hasattr(transformer, "_diffusers_hook"),
         "had_forward_attr": "forward" in transformer.__dict__,
     }
-    register_context_hook(transformer, session, spec.grid_fn, spec.step_timestep)
+    register_context_hook(transformer, session, spec.grid_fn, spec.step_timestep, spec.timestep_direction)
     setattr(transformer, SESSION_ATTR, session)
     setattr(transformer, _SNAPSHOT_ATTR, snapshot)
     _LIVE_SESSIONS.add(session)

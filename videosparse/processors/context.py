@@ -209,32 +209,54 @@ class AttentionRecord:
 class TimestepCounter:
     """Step index by counting the distinct timesteps of a pipeline call (two forwards of a step, the guidance
     branches, share one). It starts again at 0 at the end of the call (`reset`), and when the timestep moves against
-    the direction of the call's schedule so far (falling for most, rising for Mochi's), which within one denoising
-    loop it never does: a new call after one that ended early by an exception, when it starts on the other side of
-    where that one stopped. `apply` gives the transformers of one pipeline one counter (Wan 2.2's two experts take
-    turns within a call); transformers set up with neither a pipeline nor a scheduler share `BARE_TIMESTEP_COUNTER`."""
+    the direction of the schedule (falling for most, rising for Mochi's), which within one denoising loop it never
+    does: a new call after one that ended early by an exception, when it starts on the other side of where that one
+    stopped. Before the call's own first move shows its direction, the counter assumes the one of the calls that
+    ended normally, else the one the model family is known to have (`ModelSpec.timestep_direction`): so a call after a
+    single stray timestep (a warm-up forward, or a call that died after its first step) that starts above it counts
+    from 0 on a falling schedule. A call whose next move confirms the direction that first move had (a schedule
+    that runs the other way than assumed) continues the count: only its second forward was read as a new step 0.
+    `apply` gives the transformers of one pipeline one counter (Wan 2.2's two experts take turns within a call);
+    transformers set up with neither a pipeline nor a scheduler share `BARE_TIMESTEP_COUNTER`."""
 
     def __init__(self) -> None:
         self.last: float | None = None       # this call's latest timestep
         self.count = 0
-        self.direction = 0                   # its schedule's direction: -1 falling, +1 rising
+        self.direction = 0                   # this call's schedule's direction: -1 falling, +1 rising, 0 not yet seen
+        self.learned = 0                     # the direction of the calls that ended normally (kept by `reset`)
+        self.doubted = 0                     # a first move taken as a new call against the assumed direction ...
+        self.count_before = 0                # ... and the count it restarted from (given back if the call confirms it)
 
-    def step(self, t) -> int:
-        """The step index of a forward at timestep `t` (the noisiest entry of a per-token timestep)."""
+    def step(self, t, expected: int = 0) -> int:
+        """The step index of a forward at timestep `t` (the noisiest entry of a per-token timestep); `expected`: the
+        schedule direction the caller knows its model family to have (-1 / +1), 0 when it does not know it."""
         value = float(torch.as_tensor(t).detach().flatten().max())
         if self.last is not None and value != self.last:
             move = 1 if value > self.last else -1
-            if self.direction and move != self.direction:
-                self.count, self.direction = 0, 0
+            assumed = self.learned or expected
+            if self.direction and move != self.direction:           # against the call's own direction: a new call
+                self.count, self.direction, self.doubted = 0, 0, 0
+            elif not self.direction and self.doubted and move == self.doubted:
+                # the move taken as a new call was the schedule's own direction: the count goes on from before it
+                self.count, self.direction, self.doubted = self.count_before + self.count, move, 0
+            elif not self.direction and assumed and move != assumed and not self.doubted:
+                self.count_before, self.count, self.doubted = self.count, 0, move
             else:
-                self.direction = move
+                self.direction, self.doubted = move, 0
         if value != self.last:
             self.last = value
             self.count += 1
         return self.count - 1
 
     def reset(self) -> None:
-        self.last, self.count, self.direction = None, 0, 0
+        """The end of a pipeline call: the next forward is step 0; the call's direction is kept as learned."""
+        self.learned = self.direction or self.learned
+        self.last, self.count, self.direction, self.doubted, self.count_before = None, 0, 0, 0, 0
+
+    def forget(self) -> None:
+        """A new setup: nothing carried over, the learned direction included."""
+        self.reset()
+        self.learned = 0
 
 
 BARE_TIMESTEP_COUNTER = TimestepCounter()   # of every session without a pipeline or scheduler (see SparseSession)
@@ -279,7 +301,7 @@ class SparseSession:
         # pipeline and no scheduler, share one: Wan 2.2's experts set up one by one take turns in a call (each
         # counting alone, the second restarted the count, and with it the dense steps, when it took over)
         if scheduler is None and pipeline is None:
-            BARE_TIMESTEP_COUNTER.reset()         # a new setup: nothing carried over from an earlier one's calls
+            BARE_TIMESTEP_COUNTER.forget()        # a new setup: nothing carried over from an earlier one's calls
             self.timestep_counter = BARE_TIMESTEP_COUNTER
         else:
             self.timestep_counter = TimestepCounter()
@@ -715,11 +737,12 @@ class SparseContextHook(ModelHook):
 
     _is_stateful = True
 
-    def __init__(self, session: SparseSession, grid_fn, step_timestep=None) -> None:
+    def __init__(self, session: SparseSession, grid_fn, step_timestep=None, timestep_direction: int = 0) -> None:
         super().__init__()
         self.session = session
         self.grid_fn = grid_fn
         self.step_timestep = step_timestep   # ModelSpec.step_timestep: None reads the forward's timestep
+        self.timestep_direction = timestep_direction    # ModelSpec.timestep_direction (what counting may assume)
         self.state_manager = StateManager(_BranchState)
         self._timestep_position = 1          # set from the model's forward signature on the first call
         self._warned_unknown_steps = False
@@ -883,7 +906,7 @@ class SparseContextHook(ModelHook):
              forward_arg(args, kwargs, "timestep", self._timestep_position))
         counted = getattr(scheduler, "step_index", None)          # advanced by each scheduler.step() of this call
         if t is not None and self._other_driver(scheduler, timesteps, counted):
-            return self.session.timestep_counter.step(t), num_steps
+            return self.session.timestep_counter.step(t, self.timestep_direction), num_steps
         if num_steps is None and timesteps is not None and len(timesteps):
             num_steps = len(timesteps)
         if t is not None and timesteps is not None and len(timesteps):
@@ -919,7 +942,7 @@ class SparseContextHook(ModelHook):
             if t is not None and (getattr(self.session.config, "dense_steps", 0) or self.session.observers):
                 # no scheduler: by timestep, which also starts again after a call that raised (reading it syncs
                 # the host once a forward, so only where a dense-step schedule or an observer needs the step)
-                return self.session.timestep_counter.step(t), num_steps
+                return self.session.timestep_counter.step(t, self.timestep_direction), num_steps
             state = self.state_manager.get_state()
             state.calls += 1
             return state.calls - 1, num_steps
@@ -953,7 +976,7 @@ class SparseContextHook(ModelHook):
         entry until the last one has started, so the schedule says nothing): the loop's iteration, counted by the
         sum of the per-frame timesteps (it falls at every iteration; the guidance branches share it), of
         `iterations` (which a fractional dense_steps takes)."""
-        return self.session.timestep_counter.step(torch.as_tensor(t).detach().double().sum()), iterations
+        return self.session.timestep_counter.step(torch.as_tensor(t).detach().double().sum(), -1), iterations
 
     def _other_driver(self, scheduler, timesteps, counted) -> bool:
         """Whether another pipeline than the one given to `apply` drives this call (one made with `from_pipe`, sharing
@@ -983,7 +1006,7 @@ class SparseContextHook(ModelHook):
     def reset_state(self, module):
         # called by diffusers at the end of every pipeline call (maybe_free_model_hooks)
         if self.session.calls and logger.isEnabledFor(logging.INFO):     # (the summary syncs with the device)
-            logger.info(self.session.summary())
+            logger.info("pipeline call ended; since apply or reset_stats(): %s", self.session.summary())
         self.state_manager.reset()
         self.session.timestep_counter.reset()
         self._note_stale_counter()
@@ -1005,7 +1028,7 @@ class SparseContextHook(ModelHook):
 
 
 def register_context_hook(transformer: torch.nn.Module, session: SparseSession, grid_fn,
-                          step_timestep=None) -> None:
+                          step_timestep=None, timestep_direction: int = 0) -> None:
     """Register the context hook in the transformer's diffusers hook registry.
 
     With accelerate's offload hook already on the transformer (`enable_model_cpu_offload` before `apply`), the context
@@ -1014,7 +1037,7 @@ def register_context_hook(transformer: torch.nn.Module, session: SparseSession, 
     and would drop a hook wrapped around the outside.
     """
     registry = HookRegistry.check_if_exists_or_initialize(transformer)
-    hook = SparseContextHook(session, grid_fn, step_timestep)
+    hook = SparseContextHook(session, grid_fn, step_timestep, timestep_direction)
     offload = getattr(transformer, "_hf_hook", None) is not None and "_old_forward" in transformer.__dict__
     outer = transformer.__dict__.get("forward")
     if offload:

@@ -29,6 +29,10 @@ class ModelSpec:
         step_timestep: (transformer, forward args, kwargs) -> the timestep of the generated video, which counts the
             denoising steps where no scheduler says the step; None takes the forward's `timestep` (its noisiest
             entry). MiniMax-H3 passes the distinct timesteps of all its rows, conditions pinned near the clean end.
+        timestep_direction: -1 where that timestep falls through the denoising loop of every pipeline of the class,
+            +1 where it rises (Mochi), 0 (default) where it is not known: a step counted by timestep then takes the
+            direction of the calls that ended normally. It tells a new call from the next step of one whose single
+            earlier timestep (a warm-up forward, a call that died after its first step) is the only one seen.
     """
 
     processor_cls: type | Callable
@@ -37,6 +41,7 @@ class ModelSpec:
     text_position: str | None = None
     attention_shape: Callable | None = None
     step_timestep: Callable | None = None
+    timestep_direction: int = 0
 
 
 _MODEL_SPECS: dict[type, Callable[[], ModelSpec]] = {}
@@ -104,11 +109,16 @@ def _register_builtin_models() -> None:
         WanVACETransformer3DModel,
     )
 
+    # Wan 2.1 / 2.2 (and VACE, video-to-video), SkyReels V2 (its diffusion forcing too, per frame), Wan-Animate and
+    # ChronoEdit: every pipeline of these classes runs its timesteps from the noisiest down (flow matching, 1000 -> 0)
+    WAN_TIMESTEPS_FALL = -1
+
     def wan_spec() -> ModelSpec:
         # Wan 2.1 / 2.2 and VACE (whose vace_blocks' attn1 are self-attention over the same grid too)
         from .wan import WanSparseAttnProcessor, wan_grid
 
-        return ModelSpec(WanSparseAttnProcessor, lambda name, m: name.endswith("attn1"), wan_grid)
+        return ModelSpec(WanSparseAttnProcessor, lambda name, m: name.endswith("attn1"), wan_grid,
+                         timestep_direction=WAN_TIMESTEPS_FALL)
 
     register_model(WanTransformer3DModel, wan_spec)
     register_model(WanVACETransformer3DModel, wan_spec)
@@ -116,7 +126,8 @@ def _register_builtin_models() -> None:
     def skyreels_v2_spec() -> ModelSpec:
         from .wan import SkyReelsV2SparseAttnProcessor, wan_grid
 
-        return ModelSpec(SkyReelsV2SparseAttnProcessor, lambda name, m: name.endswith("attn1"), wan_grid)
+        return ModelSpec(SkyReelsV2SparseAttnProcessor, lambda name, m: name.endswith("attn1"), wan_grid,
+                         timestep_direction=WAN_TIMESTEPS_FALL)
 
     register_model(SkyReelsV2Transformer3DModel, skyreels_v2_spec)
 
@@ -125,7 +136,8 @@ def _register_builtin_models() -> None:
 
         # blocks.<i>.attn1 only: attn2 (text / image cross-attention) and the face adapter's cross-attention to the
         # motion tokens (face_adapter.<j>, WanAnimateFaceBlockAttnProcessor) keep their stock processors
-        return ModelSpec(WanAnimateSparseAttnProcessor, blocks_attn1("blocks."), wan_grid)
+        return ModelSpec(WanAnimateSparseAttnProcessor, blocks_attn1("blocks."), wan_grid,
+                         timestep_direction=WAN_TIMESTEPS_FALL)
 
     register_model(WanAnimateTransformer3DModel, wan_animate_spec)
 
@@ -144,7 +156,8 @@ def _register_builtin_models() -> None:
         from .wan import ChronoEditSparseAttnProcessor, wan_grid
 
         # blocks.<i>.attn1 only: attn2 (text + CLIP image context) keeps its stock processor
-        return ModelSpec(ChronoEditSparseAttnProcessor, blocks_attn1("blocks."), wan_grid)
+        return ModelSpec(ChronoEditSparseAttnProcessor, blocks_attn1("blocks."), wan_grid,
+                         timestep_direction=WAN_TIMESTEPS_FALL)
 
     register_model(ChronoEditTransformer3DModel, chronoedit_spec)
 
