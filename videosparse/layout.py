@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 
 from .config import int_at_least
+from .kernels.autograd import carries_tangent
 from .rope import apply_rope, check_groups, rope_gather
 
 TEXT_POSITIONS = ("before", "after")
@@ -222,10 +223,11 @@ def _wide_view(x: torch.Tensor) -> torch.Tensor | None:
     The token gather/scatter moves whole D-vectors; with 16-byte elements torch's index kernels move
     8 bf16 values per element instead of one (~3x faster on the H200 at Wan sizes). Eager only:
     under torch.compile Inductor writes its own gather kernel and complex dtypes would get in its way.
-    Not while autograd records x: the dtype-changing view is not differentiable and would cut the graph.
+    Not while autograd records x, nor when forward-mode AD gives it a tangent: the dtype-changing view is not
+    differentiable and would cut the graph (drop the tangent).
     """
     if (torch.compiler.is_compiling() or x.stride(-1) != 1 or x.is_complex()
-            or (x.requires_grad and torch.is_grad_enabled())):
+            or (x.requires_grad and torch.is_grad_enabled()) or carries_tangent(x)):
         return None
     try:
         return x.view(torch.complex128)

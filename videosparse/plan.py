@@ -273,10 +273,12 @@ class Plan:
 
 
 def _cached(cache: dict, key: tuple, build):
-    """cache[key], built by build() on a miss; the cache is emptied once it holds 64 entries."""
+    """cache[key], built by build() on a miss; the cache is emptied once it holds 64 entries. Built as normal tensors
+    even under inference_mode: a later call that records autograd keeps them for its backward (a plan's `order`)."""
     hit = cache.get(key)
     if hit is None:
-        hit = build()
+        with torch.inference_mode(False):
+            hit = build()
         if len(cache) >= 64:
             cache.clear()
         cache[key] = hit

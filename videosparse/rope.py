@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from .config import int_at_least
+from .kernels.autograd import carries_tangent
 
 ROPE_BACKENDS = ("auto", "triton", "torch")
 
@@ -174,6 +175,9 @@ def _fused_reason(x: torch.Tensor, style: str, freqs_cos: torch.Tensor, freqs_si
     half = D // 2
     if x.requires_grad and torch.is_grad_enabled():
         return "autograd records x and the fused kernel has no backward pass (the torch path has one)"
+    if carries_tangent(x, freqs_cos, freqs_sin):
+        return "forward-mode AD gives x or the tables a tangent, which the fused kernel would drop (the torch path " \
+            "carries it)"
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"x is {x.dtype}; the fused kernel computes in fp32 and takes fp16, bf16 or fp32"
     if isinstance(sections, bool) or not isinstance(sections, int) or sections < 1 or D % (2 * sections):

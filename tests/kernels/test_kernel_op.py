@@ -247,6 +247,32 @@ def test_the_op_keeps_no_out_or_lse_for_the_reference_backward(compiled):
         assert rel_err(got, w) < 1e-5
 
 
+@pytest.mark.parametrize("correction", [False, True])
+def test_the_plan_is_kept_through_the_saved_tensor_hooks(correction):
+    """Review 55: the eager autograd Function kept the plan (index, count, centroids, order) as a ctx attribute, out
+    of reach of the saved-tensor hooks that activation checkpointing (and `save_on_cpu`) use to drop or move what a
+    backward keeps: it stayed alive between the forward and its backward. Every plan tensor goes through them now,
+    and the gradients are unchanged."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 300, 32, generator=g, requires_grad=True) for _ in range(3))
+    base = random_plan(1, 2, 300, 64, 64, 0.5, seed=4)
+
+    def loss_of():
+        plan = base.with_correction(*tile_centroids_torch(k, v, 64)) if correction else base
+        return block_sparse_attention(q, k, v, plan, backend="reference").square().sum(), plan
+
+    want = torch.autograd.grad(loss_of()[0], (q, k, v))
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t.clone(), lambda t: t):
+        loss, plan = loss_of()
+    kept = {t.untyped_storage().data_ptr() for t in packed}
+    names = ["kv_index", "kv_count"] + (["k_mean", "v_sum", "tile_len"] if correction else [])
+    for name in names:
+        assert getattr(plan, name).untyped_storage().data_ptr() in kept, name
+    for got, w in zip(torch.autograd.grad(loss, (q, k, v)), want):
+        assert torch.equal(got, w)
+
+
 @pytest.mark.parametrize("path", ["eager", "op"])
 def test_a_second_derivative_is_refused_not_silently_incomplete(path):
     """Review find: a gradient penalty, `autograd.grad(penalty, k)` after `autograd.grad(loss, q, create_graph=True)`,

@@ -728,6 +728,48 @@ def test_a_sharing_pipelines_first_call_after_a_single_stray_timestep(monkeypatc
     videosparse.remove(pipe)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_the_whole_transformer_call_reruns_the_forward_as_it_ran(reentrant):
+    """Review 55: torch.utils.checkpoint around the whole transformer call reran the forward in backward as a new call
+    (transformer_calls 1 -> 2, sparse calls twice), and with use_reentrant=True (a forward without grad, read as a
+    sampling step) and an integer dense_steps the loss came from dense attention and the gradients from sparse (1.8e-2
+    off). The rerun now keeps the forward's context: the same loss and gradients as calling the same decisions
+    without checkpointing, counted once."""
+    import torch.utils.checkpoint as ckpt
+
+    pipe = build_tiny_wan_pipeline()            # (with its scheduler: a forward without grad is read as a step)
+    tr = pipe.transformer
+    session = videosparse.apply(pipe, videosparse.VedaConfig(density=0.5, dense_steps=2, block=64,
+                                                             tiling=(1, 4, 16)))["transformer"]
+    kw = _tiny_forward_kwargs()
+    x = kw["hidden_states"].clone().requires_grad_()     # (a reentrant checkpoint needs an input that records)
+
+    def forward(latents):
+        return tr(**{**kw, "hidden_states": latents}).sample
+
+    def step(run):
+        tr.zero_grad()
+        session.reset_stats()
+        out = run(x)
+        out.square().mean().backward()
+        return out.detach(), [p.grad.clone() for p in tr.blocks[0].attn1.parameters()], session.stats()
+
+    out, grads, stats = step(lambda h: ckpt.checkpoint(forward, h, use_reentrant=reentrant))
+    assert stats["transformer_calls"] == 1 and stats["sparse_calls"] + stats["dense_calls"] == 2     # 2 layers
+    if reentrant:       # its forward runs without grad: a sampling step (step 0 of the timestep count), dense
+        assert stats["dense_calls"] == 2
+
+        def forward(latents):                   # the same decision for a forward that records: a dense step 0
+            with tr.cache_context("cond", step_index=0, num_inference_steps=4):
+                return tr(**{**kw, "hidden_states": latents}).sample
+    want, want_grads, want_stats = step(forward)
+    assert (want_stats["sparse_calls"], want_stats["dense_calls"]) == (stats["sparse_calls"], stats["dense_calls"])
+    assert stats["sparse_calls"] == (0 if reentrant else 2) and torch.equal(out, want)
+    for got, expected in zip(grads, want_grads):
+        assert torch.equal(got, expected)
+    videosparse.remove(tr)
+
+
 @pytest.mark.parametrize("enable_before_apply", [True, False])
 def test_gradient_checkpointing_recomputes_each_block_with_its_forwards_context(enable_before_apply):
     """Review find (fine-tuning): with diffusers' gradient checkpointing the blocks rerun in backward, and the

@@ -12,14 +12,17 @@ forward, the torch reference's row loop otherwise.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
 from ..plan import Plan
-from .autograd import RecomputingAttention, records_gradient
+from .autograd import RecomputingAttention, carries_tangent, records_gradient
 from .dispatch import check_inputs, register_backend, select_backend
 from .reference import reference_attention
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["block_sparse_attention", "reference_attention", "register_backend", "select_backend"]
 
@@ -91,12 +94,30 @@ def block_sparse_attention(
 
         out, lse = run_op(q, k, v, plan, scale, backend)
         return (out, lse) if return_lse else out
+    if carries_tangent(q, k, v, plan.k_mean, plan.v_sum):
+        # forward-mode AD (a JVP): no kernel carries tangents; the torch reference differentiates in both modes (and
+        # records reverse-mode gradients too, by autograd through its row loop)
+        _note_forward_ad(backend)
+        out, lse = reference_attention(q, k, v, plan, scale, return_lse=True)
+        return (out, lse) if return_lse else out
     impl = select_backend(q, k, v, plan, backend)
     if records_gradient(q, k, v, plan):
         # the backend's forward, a backward that recomputes the probabilities (the kernels have none of their own)
         out, lse = RecomputingAttention.apply(q, k, v, plan.k_mean, plan.v_sum, plan, scale, impl)
         return (out, lse) if return_lse else out
     return impl(q, k, v, plan, scale, return_lse)
+
+
+_FORWARD_AD_NOTED: list[bool] = [False]
+
+
+def _note_forward_ad(backend: str) -> None:
+    """Say once per process that forward-mode AD runs the torch reference attention (slower than the kernels)."""
+    if not _FORWARD_AD_NOTED[0]:
+        _FORWARD_AD_NOTED[0] = True
+        logger.warning("videosparse: forward-mode AD (a JVP) carries tangents through the sparse attention on the "
+                       "torch reference path (backend=%r is used for the calls without tangents): correct, slower "
+                       "than the kernels.", backend)
 
 
 def _softmax_scale(scale) -> float:

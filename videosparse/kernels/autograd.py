@@ -9,6 +9,8 @@ reference_attention_backward`: any device, dtype and head dim).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..plan import Plan
@@ -20,6 +22,31 @@ def records_gradient(q, k, v, plan: Plan) -> bool:
     """Whether autograd records a gradient for any of q, k, v or the plan's centroids."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                            for t in (q, k, v, plan.k_mean, plan.v_sum))
+
+
+def carries_tangent(*tensors) -> bool:
+    """Whether forward-mode AD (`torch.autograd.forward_ad`, a JVP) carries a tangent on any of `tensors` (None
+    skipped). The kernels and the layouts' fast paths drop tangents: such calls take the torch paths, which carry
+    them. Cheap when no dual level is open (the usual case)."""
+    from torch.autograd import forward_ad
+
+    if forward_ad._current_level < 0 or torch.compiler.is_compiling():
+        return False
+    return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
+def refuse_functorch_transforms() -> None:
+    """RuntimeError inside a `torch.func` transform (grad, jvp, vmap, ...): the sparse path counts its calls in the
+    session's device counters in place, which functorch refuses with an error that does not name videosparse, and
+    its kernels have no transform rules. `torch.autograd.forward_ad` serves JVPs, `backward()` gradients."""
+    if torch.compiler.is_compiling():
+        return
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        raise RuntimeError(
+            "videosparse's sparse attention does not run under torch.func transforms (grad, jvp, vmap, ...). For a "
+            "JVP (consistency distillation) use torch.autograd.forward_ad.dual_level() / make_dual, which the "
+            "sparse path carries (through the torch reference attention); for gradients, loss.backward(); or run "
+            "such steps with the stock processors (videosparse.remove(...)).")
 
 
 def refuse_double_backward() -> None:
@@ -76,6 +103,9 @@ def _attention_backward(q, k, v, out, lse, plan: Plan, scale: float, d_out, d_ls
     return tuple(None if g is None else g[..., :D] for g in grads)
 
 
+_PLAN_TENSORS = tuple(f.name for f in dataclasses.fields(Plan) if f.name not in ("block_m", "block_n"))
+
+
 class RecomputingAttention(torch.autograd.Function):
     """Block-sparse attention whose backward recomputes the probabilities (no S^2 state kept for it).
 
@@ -90,16 +120,19 @@ class RecomputingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, k_mean, v_sum, plan: Plan, scale: float, run):
         out, lse = run(q, k, v, plan, scale, True)
         ctx.head_dim = kernel_head_dim(q, plan, run)
-        ctx.save_for_backward(q, k, v, *((out, lse) if ctx.head_dim else ()))
-        ctx.plan, ctx.scale = plan, scale             # the plan holds k_mean, v_sum for the backward
+        # the plan's tensors through save_for_backward too (not as a ctx attribute): activation checkpointing's
+        # saved-tensor hooks then drop them between the forward and its backward as they drop q, k, v
+        ctx.save_for_backward(q, k, v, out if ctx.head_dim else None, lse if ctx.head_dim else None,
+                              *(getattr(plan, name) for name in _PLAN_TENSORS))
+        ctx.blocks, ctx.scale = (plan.block_m, plan.block_n), scale
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
         refuse_double_backward()
-        q, k, v, *outputs = ctx.saved_tensors
-        out, lse = outputs if ctx.head_dim else (None, None)
-        dq, dk, dv, d_k_mean, d_v_sum = attention_backward(q, k, v, out, lse, ctx.plan, ctx.scale, d_out, d_lse,
+        q, k, v, out, lse, *plan_tensors = ctx.saved_tensors
+        plan = Plan(**dict(zip(_PLAN_TENSORS, plan_tensors)), block_m=ctx.blocks[0], block_n=ctx.blocks[1])
+        dq, dk, dv, d_k_mean, d_v_sum = attention_backward(q, k, v, out, lse, plan, ctx.scale, d_out, d_lse,
                                                            ctx.head_dim)
         return (dq, dk, dv, d_k_mean if ctx.needs_input_grad[3] else None,
                 d_v_sum if ctx.needs_input_grad[4] else None, None, None, None)

@@ -25,6 +25,7 @@ except ImportError:                     # a diffusers without layer-skip hooks
     AttentionScoreSkipFunctionMode = None
 
 from ..kernels import block_sparse_attention
+from ..kernels.autograd import refuse_functorch_transforms
 from ..plan import dense_plan
 from ..rope import apply_rope
 from .context import AttentionRecord, LayerStats, SparseSession, attention_dtype
@@ -339,6 +340,7 @@ class SparseAttentionMixin:
         the rows' lse, fp32 [B, S, H]; with `return_kv` also the rotated, repeated k, v in tile order as
         [B, S, H, D] views; `valid_keys` as in `attend` (with `skip_padded_queries` the query tiles past it are not
         computed); `new_call` as in `LayerStats.record_sparse`."""
+        refuse_functorch_transforms()
         session = self.session
         layout, state = self.slot.layouts[text_len], self.slot.method_state
         if heads is not None:

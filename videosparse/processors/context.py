@@ -527,10 +527,11 @@ class SparseSession:
         if not self._warned_unmanaged_recompute:
             self._warned_unmanaged_recompute = True
             logger.warning(
-                "videosparse: a block is recomputed in backward by activation checkpointing other than diffusers' "
-                "(transformer.enable_gradient_checkpointing()): it attends with the grid, text lengths and layouts "
-                "of the latest transformer forward, so run no other forward between a forward and its backward "
-                "there, or use enable_gradient_checkpointing, which keeps each block's own.")
+                "videosparse: a block (or the whole transformer) is recomputed in backward by activation "
+                "checkpointing other than diffusers' (transformer.enable_gradient_checkpointing()): it attends with "
+                "the grid, text lengths, layouts and dense / sparse step of the latest transformer forward, so run "
+                "no other forward between a forward and its backward there, or use enable_gradient_checkpointing, "
+                "which keeps each block's own.")
         return True
 
     def snapshot(self) -> tuple:
@@ -796,6 +797,13 @@ class SparseContextHook(ModelHook):
                 "diffusers' hooks do not survive deepcopy, so its forward would run the original's weights. Call "
                 "videosparse.remove(...) on the original before copying it, then videosparse.apply(...) to each."
             )
+        if _graph_task() != -1 and torch.is_grad_enabled() and not self.session._recomputing:
+            # the whole forward rerun, recording gradients, inside a backward: activation checkpointing around the
+            # transformer call (a forward that a backward hook or an adjoint method runs, without grad as backward
+            # passes run, is a forward of its own). It keeps the latest forward's context and decisions (a
+            # reentrant checkpoint ran that forward without grad, as a sampling step, and the rerun must attend as
+            # it did), and its processors count it as a recompute, not a call (`unmanaged_recompute`)
+            return
         if torch.is_grad_enabled() and self._checkpointing:
             self._wrap_checkpointing()
         session, ctx = self.session, self.session.context

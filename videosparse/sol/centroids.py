@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from ..kernels.autograd import carries_tangent
 from ..layout import tile_lengths
 from ..plan import check_block
 from ..veda.trippool import interpreting
@@ -57,9 +58,10 @@ CENTROID_BACKENDS = ("auto", "triton", "torch", "reference")
 
 
 def _records_gradient(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether autograd records k or v: then the centroids come from torch (differentiable, so the correction's
-    gradients reach k and v), whatever the backend (the Triton kernel has no backward)."""
-    return torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
+    """Whether autograd records k or v, or forward-mode AD gives them a tangent: then the centroids come from torch
+    (differentiable, so the correction's gradients and tangents reach k and v), whatever the backend (the Triton
+    kernel has neither)."""
+    return (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)) or carries_tangent(k, v)
 
 
 def _use_triton(x: torch.Tensor, backend: str) -> bool:
