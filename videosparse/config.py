@@ -352,8 +352,9 @@ class SolConfig(_BaseConfig):
             128 is the default here because the Hopper kernel runs 128x128 tiles 2.2x faster than
             64x64 ones at the same density (benchmarks/sol_plan_h200.json).
         tiling (`tuple[int, int, int]` or `None`): the 3D tile shape, pt*ph*pw == block (or the string "4x4x8");
-            `None` (default): 4x4x8 for block 128, 4x4x4 for 64 (`tile_shape` gives the one that runs), so
-            `dataclasses.replace(config, block=64)` of a default config stays valid.
+            `None` (default): 4x4x8 for block 128, 4x4x4 for 64 (`tile_shape` gives the one that runs; the
+            default given explicitly is stored as `None`), so `dataclasses.replace(config, block=64)` of a config
+            with the default shape stays valid.
         band (`int`, defaults to 1): key tiles with |i - j| <= band are always exact.
         correction (`bool`, defaults to True): zero-order correction for skipped tiles.
         dense_steps, dense_layers, backend: as in `VedaConfig` (dense_steps defaults to 0.2 here too).
@@ -396,7 +397,9 @@ class SolConfig(_BaseConfig):
                 raise ValueError(f"tiling={tiling!r}: sol takes one tile shape like 4x4x8, three positive ints "
                                  "(pt, ph, pw) with pt*ph*pw = block, not a tiling file; only veda reads a tiling "
                                  "JSON from search-tiling.")
-            object.__setattr__(self, "tiling", _check_tile(tiling, self.block))
+            tiling = _check_tile(tiling, self.block)
+            # the block's default given explicitly (as `to_dict` writes it) is the default: one config, one identity
+            object.__setattr__(self, "tiling", None if tiling == DEFAULT_TILES[self.block] else tiling)
         if isinstance(self.band, bool) or not isinstance(self.band, int) or not 0 <= self.band <= MAX_BAND:
             raise ValueError(f"band={self.band!r} must be an int in [0, {MAX_BAND}] (the int64 range of the tile "
                              "index math; any band >= the number of video tiles already keeps every tile).")
@@ -408,6 +411,13 @@ class SolConfig(_BaseConfig):
     def tile_shape(self) -> TileShape:
         """The (pt, ph, pw) every head runs: `tiling`, or the block's default when it is `None`."""
         return self.tiling if self.tiling is not None else DEFAULT_TILES[self.block]
+
+    def to_dict(self) -> dict[str, Any]:
+        """As `_BaseConfig.to_dict`, with the tile shape that runs (so reports name it, and their cell ids stay those of
+        configs written before `tiling=None` meant the default)."""
+        out = super().to_dict()
+        out["tiling"] = list(self.tile_shape)
+        return out
 
 
 CONFIG_CLASSES: dict[str, type[_BaseConfig]] = {c.method: c for c in (DenseConfig, VedaConfig, SolConfig)}

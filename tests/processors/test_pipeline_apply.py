@@ -8,6 +8,7 @@ import torch
 
 import videosparse
 from videosparse.models.tiny_wan import build_tiny_wan_pipeline
+from videosparse.processors.context import CONTEXT_HOOK
 
 from helpers import NoAutogradBackend, gradient_free_centroid_kernel
 
@@ -644,7 +645,11 @@ def test_a_sharing_pipelines_steps_after_calls_that_ended_early(monkeypatch):
     assert dense_and_sparse_forwards(run_other) == (5, 0)          # the stale step 1 (documented)
     assert dense_and_sparse_forwards(run_other) == (2, 3)          # was (5, 0) until the applied pipeline ran
     assert dense_and_sparse_forwards(lambda: pipe(**call)) == (2, 3)
-    # a schedule that rises within a call (Mochi's, inverted sigmas) is one call, not a new call at every step
+    # a schedule that rises within a call (Mochi's, inverted sigmas) is one call, not a new call at every step: on
+    # a family whose direction is not known (the Wan family's is falling, so here it is forgotten)
+    hook = pipe.transformer._diffusers_hook.get_hook(CONTEXT_HOOK)
+    monkeypatch.setattr(hook, "timestep_direction", 0)
+    session.timestep_counter.forget()
     other.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, invert_sigmas=True)
     assert dense_and_sparse_forwards(run_other) == (2, 3)
     with pytest.raises(RuntimeError, match="client went away"):
@@ -670,10 +675,18 @@ def test_the_timestep_counter_tells_a_new_call_after_a_single_stray_timestep():
     counter.reset()
     assert counter.learned == -1 and steps(counter, [600] + falling) == [0, 0, 0, 1, 1, 2, 2]   # learned, no prior
     assert steps(TimestepCounter(), [500] + falling) == [0, 1, 1, 0, 0, 1, 1]       # nothing to go by: as before
+    # two requests that died after their first step, then a whole one, on a family known to fall (the review of
+    # this change: the confirmation below read the two rises as a rising schedule, [2, 2, 0, 0, 1, 2])
     counter = TimestepCounter()
-    assert steps(counter, rising, -1) == [0, 0, 2, 3]    # assumed falling: only the second forward read as step 0
+    assert steps(counter, [700, 900] + falling, -1) == [0, 0, 0, 0, 1, 1, 2, 2]
+    # only assumed (learned from falling calls, the family unknown): a rising schedule goes on counting from its
+    # third forward, and is learned
+    counter = TimestepCounter()
+    steps(counter, falling)
     counter.reset()
-    assert counter.learned == 1 and steps(counter, rising, -1) == [0, 1, 2, 3]
+    assert steps(counter, rising) == [0, 0, 2, 3]
+    counter.reset()
+    assert counter.learned == 1 and steps(counter, rising) == [0, 1, 2, 3]
     counter.step(torch.tensor(900.0), 1)
     counter.forget()
     assert (counter.learned, counter.last, counter.count) == (0, None, 0)

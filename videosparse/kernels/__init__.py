@@ -88,17 +88,18 @@ def block_sparse_attention(
             plan.check_structure(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _softmax_scale(scale)
     plan = plan.with_index_slot()       # Kmax = 0: one unused column keeps every kernel's index reads in bounds
+    if carries_tangent(q, k, v, plan.k_mean, plan.v_sum):
+        # forward-mode AD (a JVP): no kernel carries tangents; the torch reference differentiates in both modes (and
+        # records reverse-mode gradients too, by autograd through its row loop), eagerly and compiled
+        if not torch.compiler.is_compiling():
+            _note_forward_ad(backend)
+        out, lse = reference_attention(q, k, v, plan, scale, return_lse=True)
+        return (out, lse) if return_lse else out
     if torch.compiler.is_compiling():
         # one opaque node for torch.compile (see ops.py); the backend is chosen when it runs
         from .ops import run_op
 
         out, lse = run_op(q, k, v, plan, scale, backend)
-        return (out, lse) if return_lse else out
-    if carries_tangent(q, k, v, plan.k_mean, plan.v_sum):
-        # forward-mode AD (a JVP): no kernel carries tangents; the torch reference differentiates in both modes (and
-        # records reverse-mode gradients too, by autograd through its row loop)
-        _note_forward_ad(backend)
-        out, lse = reference_attention(q, k, v, plan, scale, return_lse=True)
         return (out, lse) if return_lse else out
     impl = select_backend(q, k, v, plan, backend)
     if records_gradient(q, k, v, plan):

@@ -26,12 +26,15 @@ def records_gradient(q, k, v, plan: Plan) -> bool:
 
 def carries_tangent(*tensors) -> bool:
     """Whether forward-mode AD (`torch.autograd.forward_ad`, a JVP) carries a tangent on any of `tensors` (None
-    skipped). The kernels and the layouts' fast paths drop tangents: such calls take the torch paths, which carry
-    them. Cheap when no dual level is open (the usual case)."""
+    skipped). The kernels, their custom ops and the layouts' fast paths drop tangents: such calls take the torch
+    paths, which carry them. While torch.compile traces, where tangents cannot be looked at, any open dual level
+    counts (Dynamo guards on the level). Cheap when no dual level is open (the usual case)."""
     from torch.autograd import forward_ad
 
-    if forward_ad._current_level < 0 or torch.compiler.is_compiling():
+    if forward_ad._current_level < 0:
         return False
+    if torch.compiler.is_compiling():
+        return True
     return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 

@@ -211,11 +211,12 @@ class TimestepCounter:
     branches, share one). It starts again at 0 at the end of the call (`reset`), and when the timestep moves against
     the direction of the schedule (falling for most, rising for Mochi's), which within one denoising loop it never
     does: a new call after one that ended early by an exception, when it starts on the other side of where that one
-    stopped. Before the call's own first move shows its direction, the counter assumes the one of the calls that
-    ended normally, else the one the model family is known to have (`ModelSpec.timestep_direction`): so a call after a
-    single stray timestep (a warm-up forward, or a call that died after its first step) that starts above it counts
-    from 0 on a falling schedule. A call whose next move confirms the direction that first move had (a schedule
-    that runs the other way than assumed) continues the count: only its second forward was read as a new step 0.
+    stopped. Before the call's own first move shows its direction, the counter takes the one the model family is
+    known to have (`ModelSpec.timestep_direction`: a move against it always starts a new call), else assumes the one
+    of the calls that ended normally: so a call after a single stray timestep (a warm-up forward, or a call that
+    died after its first step) that starts above it counts from 0 on a falling schedule. Where it only assumed, a
+    call whose next move confirms the direction of that first move (a schedule that runs the other way than the
+    earlier calls') continues the count: only its second forward was read as a new step 0.
     `apply` gives the transformers of one pipeline one counter (Wan 2.2's two experts take turns within a call);
     transformers set up with neither a pipeline nor a scheduler share `BARE_TIMESTEP_COUNTER`."""
 
@@ -233,13 +234,18 @@ class TimestepCounter:
         value = float(torch.as_tensor(t).detach().flatten().max())
         if self.last is not None and value != self.last:
             move = 1 if value > self.last else -1
-            assumed = self.learned or expected
-            if self.direction and move != self.direction:           # against the call's own direction: a new call
-                self.count, self.direction, self.doubted = 0, 0, 0
-            elif not self.direction and self.doubted and move == self.doubted:
+            if self.direction:
+                if move != self.direction:                      # against the call's own direction: a new call
+                    self.count, self.direction = 0, 0
+            elif expected:                                      # the family's schedules never move the other way
+                if move != expected:
+                    self.count, self.doubted = 0, 0
+                else:
+                    self.direction = move
+            elif self.doubted and move == self.doubted:
                 # the move taken as a new call was the schedule's own direction: the count goes on from before it
                 self.count, self.direction, self.doubted = self.count_before + self.count, move, 0
-            elif not self.direction and assumed and move != assumed and not self.doubted:
+            elif self.learned and move != self.learned and not self.doubted:
                 self.count_before, self.count, self.doubted = self.count, 0, move
             else:
                 self.direction, self.doubted = move, 0
