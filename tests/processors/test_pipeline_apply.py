@@ -687,6 +687,11 @@ def test_the_timestep_counter_tells_a_new_call_after_a_single_stray_timestep():
     assert steps(counter, rising) == [0, 0, 2, 3]
     counter.reset()
     assert counter.learned == 1 and steps(counter, rising) == [0, 1, 2, 3]
+    # the documented limit of the learned direction: two stray timesteps below a falling call read as a rise
+    counter = TimestepCounter()
+    steps(counter, falling)
+    counter.reset()
+    assert steps(counter, [700, 900] + falling) == [0, 0, 2, 2, 0, 0, 1, 1]
     counter.step(torch.tensor(900.0), 1)
     counter.forget()
     assert (counter.learned, counter.last, counter.count) == (0, None, 0)

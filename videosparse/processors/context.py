@@ -216,7 +216,9 @@ class TimestepCounter:
     of the calls that ended normally: so a call after a single stray timestep (a warm-up forward, or a call that
     died after its first step) that starts above it counts from 0 on a falling schedule. Where it only assumed, a
     call whose next move confirms the direction of that first move (a schedule that runs the other way than the
-    earlier calls') continues the count: only its second forward was read as a new step 0.
+    earlier calls') continues the count: only its second forward was read as a new step 0. Timesteps alone cannot
+    tell that from two stray timesteps in a row below the next call's first (two requests that died after their
+    first step): without a family direction, that call then counts from 2 until its first fall starts it again.
     `apply` gives the transformers of one pipeline one counter (Wan 2.2's two experts take turns within a call);
     transformers set up with neither a pipeline nor a scheduler share `BARE_TIMESTEP_COUNTER`."""
 
