@@ -235,3 +235,20 @@ def test_per_head_tiling_keeps_one_order_per_shape_not_per_head_when_large(large
     assert perm.shape == inv.shape == (H, ht.seq_len)
     for h, t in enumerate(ht.tiles):
         assert torch.equal(perm[h], ht.layouts[t].perm) and torch.equal(inv[h], ht.layouts[t].inv)
+
+
+def test_a_tensor_subclass_is_gathered_without_the_wide_view():
+    """Review 55: optimum-quanto's quantized activations (W8A8) are a tensor subclass that views its int8 payload
+    under the 16-byte reinterpretation while reporting float32: the gathered q came back with a quarter of its head
+    dim. Subclasses take the plain index path, which keeps their own semantics."""
+    from videosparse.layout import _wide_view
+
+    class Tagged(torch.Tensor):
+        pass
+
+    x = torch.randn(1, 40, 2, 8)
+    tagged = x.as_subclass(Tagged)
+    assert _wide_view(x.transpose(1, 2)) is not None and _wide_view(tagged.transpose(1, 2)) is None
+    layout = head_tiling((2, 4, 5), (1, 2, 4), 2, 8, 0)
+    out = layout.gather(tagged)
+    assert isinstance(out, Tagged) and torch.equal(out.as_subclass(torch.Tensor), layout.gather(x))

@@ -224,9 +224,10 @@ def _wide_view(x: torch.Tensor) -> torch.Tensor | None:
     8 bf16 values per element instead of one (~3x faster on the H200 at Wan sizes). Eager only:
     under torch.compile Inductor writes its own gather kernel and complex dtypes would get in its way.
     Not while autograd records x, nor when forward-mode AD gives it a tangent: the dtype-changing view is not
-    differentiable and would cut the graph (drop the tangent).
+    differentiable and would cut the graph (drop the tangent). Plain tensors only: a tensor subclass (a quantized
+    activation, optimum-quanto's W8A8) may view its payload instead and report another shape.
     """
-    if (torch.compiler.is_compiling() or x.stride(-1) != 1 or x.is_complex()
+    if (torch.compiler.is_compiling() or type(x) is not torch.Tensor or x.stride(-1) != 1 or x.is_complex()
             or (x.requires_grad and torch.is_grad_enabled()) or carries_tangent(x)):
         return None
     try:

@@ -280,3 +280,30 @@ def test_layer_skip_on_an_unregistered_stock_processor_fails_as_stock_does():
     with pytest.raises(ValueError) as ours:
         apply_layer_skip(transformer, config)
     assert str(ours.value) == str(stock_error.value)
+
+
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.float16])
+def test_layerwise_casting_to_16_bit_storage_attends_in_its_compute_dtype(storage):
+    """Review 55: with 16-bit storage and fp32 compute, the dtype the kernel was chosen for was the storage dtype (the
+    Linear weights' between calls) while q, k, v came in fp32: on CUDA the probe passed for bf16 and every sparse call
+    fell through to the torch reference. The hook's compute dtype is the one attention sees."""
+    import videosparse.processors.base as base
+
+    seen = []
+    kernel = base.block_sparse_attention
+
+    def spy(q, *args, **kwargs):
+        seen.append(q.dtype)
+        return kernel(q, *args, **kwargs)
+
+    pipe = _pipe()
+    pipe.transformer.enable_layerwise_casting(storage_dtype=storage, compute_dtype=torch.float32)
+    session = videosparse.apply(pipe, _config())["transformer"]
+    base.block_sparse_attention = spy
+    try:
+        pipe(**{**KW, "num_inference_steps": 2}, generator=torch.Generator().manual_seed(0))
+    finally:
+        base.block_sparse_attention = kernel
+    assert set(seen) == {torch.float32}
+    assert session.attention_dtype_for(torch.float32, "cpu") == torch.float32
+    videosparse.remove(pipe)

@@ -32,6 +32,7 @@ from ..plan import HAS_TRITON
 logger = logging.getLogger("videosparse")
 
 CONTEXT_HOOK = "videosparse_context"
+_LAYERWISE_CASTING_HOOK = "layerwise_casting"     # the name diffusers' enable_layerwise_casting registers its hook by
 
 
 def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -47,10 +48,16 @@ def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 def _projection_dtype(session: "SparseSession", dtype: torch.dtype) -> torch.dtype:
     """The dtype q, k, v come out of the served layers' projections in for a forward whose hidden states are `dtype`:
     their Linear weights' where those are floats of 16 bits or more (MiniMax-H3 keeps its input projection in fp32
-    and takes fp32 rows into bf16 blocks), else `dtype` (8-bit storage of layerwise casting computes in the
-    hidden states' dtype; quantized weights are no float)."""
+    and takes fp32 rows into bf16 blocks), else `dtype` (quantized weights are no float); under diffusers' layerwise
+    casting the hook's compute dtype (the weights hold the storage dtype between calls: bf16 storage computing in
+    fp32 gives fp32 q, k, v)."""
     attn = next((m for ref in session.served[:1] if (m := ref()) is not None), None)
     linear = next((m for m in attn.modules() if isinstance(m, torch.nn.Linear)), None) if attn is not None else None
+    registry = getattr(linear, "_diffusers_hook", None)
+    casting = registry.get_hook(_LAYERWISE_CASTING_HOOK) if registry is not None else None
+    compute = getattr(casting, "compute_dtype", None)
+    if isinstance(compute, torch.dtype):
+        return compute
     weight = getattr(linear, "weight", None)
     if isinstance(weight, torch.Tensor) and weight.dtype.is_floating_point and weight.dtype.itemsize >= 2:
         return weight.dtype
