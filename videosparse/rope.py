@@ -175,6 +175,8 @@ def _fused_reason(x: torch.Tensor, style: str, freqs_cos: torch.Tensor, freqs_si
     half = D // 2
     if x.requires_grad and torch.is_grad_enabled():
         return "autograd records x and the fused kernel has no backward pass (the torch path has one)"
+    if type(x) is not torch.Tensor:
+        return f"x is a {type(x).__name__} (a tensor subclass, e.g. quantized activations), not a plain tensor"
     if carries_tangent(x, freqs_cos, freqs_sin):
         return "forward-mode AD gives x or the tables a tangent, which the fused kernel would drop (the torch path " \
             "carries it)"

@@ -1,6 +1,7 @@
-"""Forward-mode AD (JVPs, as continuous-time consistency distillation takes them through the transformer) and torch.func
-transforms on the sparse path (review 55: the layouts' fast gather and every kernel dropped the tangents silently,
-3.3e-2 off the stock JVP at density 1; torch.func.grad failed inside the stats counters with functorch's words).
+"""Inputs no kernel serves correctly: forward-mode AD (JVPs, as continuous-time consistency distillation takes them
+through the transformer), tensor subclasses, and torch.func transforms on the sparse path (review 55: the layouts'
+fast gather and every kernel dropped the tangents silently, 3.3e-2 off the stock JVP at density 1; torch.func.grad
+failed inside the stats counters with functorch's words).
 
 The kernels are stood in for on the CPU by a backend with no autograd of its own and a gradient-free centroid
 "kernel" (`helpers.NoAutogradBackend`, `helpers.gradient_free_centroid_kernel`), as on CUDA."""
@@ -65,6 +66,22 @@ def test_a_jvp_through_the_kernel_equals_the_one_of_the_torch_reference(kernel_s
     assert rel_err(t_out, want_tout) < 1e-10 and rel_err(t_lse, want_tlse) < 1e-10
     assert kernel_stand_in.calls == 0
     block_sparse_attention(q, k, v, plan, backend="auto")   # without tangents: the kernel (the reference is for AD)
+    assert kernel_stand_in.calls == 1
+
+
+def test_a_tensor_subclass_takes_the_torch_reference(kernel_stand_in):
+    """Quantized activations come as tensor subclasses (optimum-quanto's W8A8): a kernel would read their storage, not
+    their values (review 55). They run on the torch reference, through the subclass's own ops."""
+    class Tagged(torch.Tensor):
+        pass
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 200, 32, generator=g) for _ in range(3))
+    plan = random_plan(1, 2, 200, 64, 64, 0.5, seed=1)
+    want = reference_attention(q, k, v, plan, 32 ** -0.5)
+    got = block_sparse_attention(q.as_subclass(Tagged), k, v, plan, backend="auto")
+    assert kernel_stand_in.calls == 0 and torch.equal(got.as_subclass(torch.Tensor), want)
+    block_sparse_attention(q, k, v, plan, backend="auto")
     assert kernel_stand_in.calls == 1
 
 

@@ -95,6 +95,11 @@ def block_sparse_attention(
             _note_forward_ad(backend)
         out, lse = reference_attention(q, k, v, plan, scale, return_lse=True)
         return (out, lse) if return_lse else out
+    if not torch.compiler.is_compiling() and any(type(t) is not torch.Tensor for t in (q, k, v)):
+        # a tensor subclass (quantized activations): the kernels would read its storage, not its values; the torch
+        # reference goes through its own ops
+        out, lse = reference_attention(q, k, v, plan, scale, return_lse=True)
+        return (out, lse) if return_lse else out
     if torch.compiler.is_compiling():
         # one opaque node for torch.compile (see ops.py); the backend is chosen when it runs
         from .ops import run_op
