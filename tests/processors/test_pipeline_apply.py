@@ -1534,3 +1534,34 @@ def test_the_early_check_of_a_config_warns_nothing_the_apply_that_serves_warns_o
     assert not any(logging.getLogger(n).filters for n in names)
     assert logging.getLogger("videosparse").level == level
     videosparse.remove(pipe)
+
+
+def test_quantized_activations_reach_the_kernel_as_plain_tensors(monkeypatch):
+    """Review 55: optimum-quanto's W8A8 projections return a tensor subclass that holds an int8 payload (the gather's
+    16-byte view took its payload: a quarter of the head dim); on CUDA the Triton plan builders and kernels read
+    storage. A subclass that dequantizes enters the sparse path as its plain values."""
+    import videosparse.processors.base as base
+
+    class Quantized(torch.Tensor):
+        dequantized = 0
+
+        def dequantize(self):
+            Quantized.dequantized += 1
+            return self.as_subclass(torch.Tensor).clone()
+
+    tr = build_tiny_wan_pipeline().transformer
+    kw = _tiny_forward_kwargs()
+    with torch.no_grad():
+        want = tr(**kw).sample
+    for block in tr.blocks:
+        for name in ("to_q", "to_k", "to_v"):
+            linear = getattr(block.attn1, name)
+            monkeypatch.setattr(linear, "forward", lambda x, f=linear.forward: f(x).as_subclass(Quantized))
+    seen, kernel = [], base.block_sparse_attention
+    monkeypatch.setattr(base, "block_sparse_attention", lambda q, *a, **k: seen.append(type(q)) or kernel(q, *a, **k))
+    videosparse.apply(tr, videosparse.VedaConfig(density=1.0, dense_steps=0, block=64, tiling=(1, 4, 16)))
+    with torch.no_grad():
+        got = tr(**kw).sample
+    videosparse.remove(tr)
+    assert seen == [torch.Tensor] * 2 and Quantized.dequantized == 6
+    assert (got.as_subclass(torch.Tensor) - want).abs().max() < 1e-5

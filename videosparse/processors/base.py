@@ -102,6 +102,16 @@ def project_joint_outputs(attn, hidden_states: torch.Tensor, encoder_hidden_stat
     return hidden_states, encoder_hidden_states
 
 
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    """x as a plain tensor of its values where it is a tensor subclass that dequantizes (optimum-quanto's quantized
+    activations, W8A8): the plan builders' and the attention kernels' Triton code reads a tensor's storage, which for
+    such a subclass holds its int8 payload. Plain tensors, and everything while torch.compile traces, as they are."""
+    if type(x) is torch.Tensor or torch.compiler.is_compiling() or not hasattr(x, "dequantize"):
+        return x
+    plain = x.dequantize()
+    return plain if type(plain) is torch.Tensor else x
+
+
 def dense_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto"):
     """Full attention of q [B, S, H, D] over k, v [B, Sk, H, D] (diffusers' layout) on videosparse's kernel with a
     dense plan: (out [B, S, H, D] in q's dtype, lse fp32 [B, S, H], natural-log row log-sum-exp)."""
@@ -341,6 +351,7 @@ class SparseAttentionMixin:
         [B, S, H, D] views; `valid_keys` as in `attend` (with `skip_padded_queries` the query tiles past it are not
         computed); `new_call` as in `LayerStats.record_sparse`."""
         refuse_functorch_transforms()
+        q, k, v = _plain(q), _plain(k), _plain(v)
         session = self.session
         layout, state = self.slot.layouts[text_len], self.slot.method_state
         if heads is not None:
