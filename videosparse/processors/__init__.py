@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import sys
+import threading
 import types
 import weakref
 from collections.abc import Mapping
@@ -206,6 +207,7 @@ def _set_attention_processors(transformer: torch.nn.Module, procs: dict[str, Any
 
 # the sessions applied and not removed (a transformer dropped without `remove` drops its session from the set)
 _LIVE_SESSIONS: "weakref.WeakSet[SparseSession]" = weakref.WeakSet()
+_LIVE_SESSIONS_LOCK = threading.Lock()      # apply / remove in other threads change the set while one reads it
 
 
 def _attach(transformer: torch.nn.Module, session: SparseSession, spec) -> None:
@@ -216,7 +218,8 @@ def _attach(transformer: torch.nn.Module, session: SparseSession, spec) -> None:
     register_context_hook(transformer, session, spec.grid_fn, spec.step_timestep, spec.timestep_direction)
     setattr(transformer, SESSION_ATTR, session)
     setattr(transformer, _SNAPSHOT_ATTR, snapshot)
-    _LIVE_SESSIONS.add(session)
+    with _LIVE_SESSIONS_LOCK:
+        _LIVE_SESSIONS.add(session)
 
 
 def _release_module_caches() -> None:
@@ -227,7 +230,9 @@ def _release_module_caches() -> None:
     from . import context
 
     # a session whose transformer is gone serves nothing, even while its caller keeps it (for its stats)
-    if not any(session.active and any(ref() is not None for ref in session.served) for session in _LIVE_SESSIONS):
+    with _LIVE_SESSIONS_LOCK:
+        live = list(_LIVE_SESSIONS)
+    if not any(session.active and any(ref() is not None for ref in session.served) for session in live):
         for cache in (plan._ORDERS, plan._TOPK_CONSTANTS, context._INCREMENTS):
             cache.clear()
 
@@ -428,7 +433,8 @@ def _restore(transformer: torch.nn.Module) -> SparseSession | None:
     _set_attention_processors(transformer, restored)
     _detach(transformer)
     session.release()
-    _LIVE_SESSIONS.discard(session)
+    with _LIVE_SESSIONS_LOCK:
+        _LIVE_SESSIONS.discard(session)
     _release_module_caches()
     return session
 
