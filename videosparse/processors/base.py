@@ -106,7 +106,7 @@ def _plain(x: torch.Tensor) -> torch.Tensor:
     """x as a plain tensor of its values where it is a tensor subclass that dequantizes (optimum-quanto's quantized
     activations, W8A8): the plan builders' and the attention kernels' Triton code reads a tensor's storage, which for
     such a subclass holds its int8 payload. Plain tensors, and everything while torch.compile traces, as they are."""
-    if type(x) is torch.Tensor or torch.compiler.is_compiling() or not hasattr(x, "dequantize"):
+    if type(x) is torch.Tensor or torch.compiler.is_compiling() or type(x).dequantize is torch.Tensor.dequantize:
         return x
     plain = x.dequantize()
     return plain if type(plain) is torch.Tensor else x

@@ -17,7 +17,6 @@ import functools
 import inspect
 import logging
 import math
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -228,8 +227,7 @@ class TimestepCounter:
     tell that from two stray timesteps in a row below the next call's first (two requests that died after their
     first step): without a family direction, that call then counts from 2 until its first fall starts it again.
     `apply` gives the transformers of one pipeline one counter (Wan 2.2's two experts take turns within a call);
-    transformers set up with neither a pipeline nor a scheduler share `BARE_TIMESTEP_COUNTER` (one count per
-    thread)."""
+    transformers set up with neither a pipeline nor a scheduler share `BARE_TIMESTEP_COUNTER`."""
 
     def __init__(self) -> None:
         self.last: float | None = None       # this call's latest timestep
@@ -276,34 +274,7 @@ class TimestepCounter:
         self.learned = 0
 
 
-class _ThreadTimestepCounter:
-    """A `TimestepCounter` per thread, behind one object: the counter of every session set up without a pipeline or
-    scheduler. The transformers one thread runs (Wan 2.2's two experts, taking turns within a call) share a count;
-    pipelines run by other threads at the same time keep theirs apart."""
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def _counter(self) -> TimestepCounter:
-        counter = getattr(self._local, "counter", None)
-        if counter is None:
-            counter = self._local.counter = TimestepCounter()
-        return counter
-
-    def step(self, t, expected: int = 0) -> int:
-        return self._counter().step(t, expected)
-
-    def reset(self) -> None:
-        self._counter().reset()
-
-    def forget(self) -> None:
-        self._counter().forget()
-
-    def __getattr__(self, name: str):           # last, count, direction, learned: this thread's
-        return getattr(self._counter(), name)
-
-
-BARE_TIMESTEP_COUNTER = _ThreadTimestepCounter()   # of every session without a pipeline or scheduler (SparseSession)
+BARE_TIMESTEP_COUNTER = TimestepCounter()   # of every session without a pipeline or scheduler (see SparseSession)
 
 
 class SparseSession:
