@@ -70,8 +70,10 @@ class SparseMethod:
         return self.config.block
 
     def tile_shapes(self, layer: int, num_heads: int) -> tuple[int, int, int] | Sequence[tuple[int, int, int]]:
-        """One (pt, ph, pw) for every head of `layer`, or one per head."""
-        return self.config.tile_shape
+        """One (pt, ph, pw) for every head of `layer`, or one per head: the config's `tile_shape` (its tiling with the
+        block's default filled in), or its `tiling` for a config without one."""
+        shape = getattr(self.config, "tile_shape", None)
+        return shape if shape is not None else self.config.tiling
 
     def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: HeadTiling, layer: int,
              state: dict | None = None, valid_keys: torch.Tensor | None = None,
