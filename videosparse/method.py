@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from .config import DEFAULT_TILES
 from .layout import HeadTiling
 from .plan import Plan
 
@@ -71,9 +72,11 @@ class SparseMethod:
 
     def tile_shapes(self, layer: int, num_heads: int) -> tuple[int, int, int] | Sequence[tuple[int, int, int]]:
         """One (pt, ph, pw) for every head of `layer`, or one per head: the config's `tile_shape` (its tiling with the
-        block's default filled in), or its `tiling` for a config without one."""
+        block's default filled in), or, for a config without one, its `tiling` (the block's default where None)."""
         shape = getattr(self.config, "tile_shape", None)
-        return shape if shape is not None else self.config.tiling
+        if shape is None:
+            shape = self.config.tiling
+        return shape if shape is not None else DEFAULT_TILES[self.block]
 
     def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: HeadTiling, layer: int,
              state: dict | None = None, valid_keys: torch.Tensor | None = None,

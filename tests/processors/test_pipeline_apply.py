@@ -1568,4 +1568,3 @@ def test_quantized_activations_reach_the_kernel_as_plain_tensors(monkeypatch):
     # a subclass without a dequantize of its own is left as it is (Tensor.dequantize of a float tensor would cast it)
     tagged = torch.randn(2, 3, dtype=torch.bfloat16).as_subclass(type("Tagged", (torch.Tensor,), {}))
     assert base._plain(tagged) is tagged
-

@@ -210,3 +210,21 @@ def test_veda_hybrid_adds_dispatched_correction(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip((plan.k_mean, plan.v_sum, plan.tile_len), ref))
     plain = VedaMethod(VedaConfig(density=0.3, block=64, tiling=(1, 4, 16)), INFO).plan(q, k, v, layout, 0)
     assert not plain.has_correction and torch.equal(plain.kv_index, plan.kv_index)
+
+
+def test_a_method_of_the_users_own_takes_its_configs_tiling_or_the_blocks_default():
+    """`SparseMethod.tile_shapes` for a config without `tile_shape` (a method of the user's own): its `tiling`, and the
+    block's default where that is None, as the built-in configs read it."""
+    import dataclasses
+
+    from videosparse.method import ModelInfo, SparseMethod
+
+    @dataclasses.dataclass(frozen=True)
+    class MyConfig:
+        block: int = 128
+        tiling: tuple | None = None
+
+    info = ModelInfo("WanTransformer3DModel", 2, 2, 64, (1, 2, 2))
+    assert SparseMethod(MyConfig(), info).tile_shapes(0, 2) == (4, 4, 8)
+    assert SparseMethod(MyConfig(block=64), info).tile_shapes(0, 2) == (4, 4, 4)
+    assert SparseMethod(MyConfig(tiling=(2, 8, 8)), info).tile_shapes(0, 2) == (2, 8, 8)
