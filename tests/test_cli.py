@@ -285,7 +285,7 @@ def test_evaluate_refuses_prompt_and_prompts_together(tmp_path, capsys):
 def test_distill_block_64_takes_vedas_default_tile_shape():
     from videosparse.distill import DistillConfig
     from videosparse.distill.config import config_from_namespace
-    from videosparse.veda.method import DEFAULT_TILES
+    from videosparse.config import DEFAULT_TILES
 
     p = build_parser()
     cfg = config_from_namespace(p.parse_args(["distill", "--block", "64"]), DistillConfig)

@@ -71,12 +71,9 @@ class SparseMethod:
         return self.config.block
 
     def tile_shapes(self, layer: int, num_heads: int) -> tuple[int, int, int] | Sequence[tuple[int, int, int]]:
-        """One (pt, ph, pw) for every head of `layer`, or one per head: the config's `tile_shape` (its tiling with the
-        block's default filled in), or, for a config without one, its `tiling` (the block's default where None)."""
-        shape = getattr(self.config, "tile_shape", None)
-        if shape is None:
-            shape = self.config.tiling
-        return shape if shape is not None else DEFAULT_TILES[self.block]
+        """One (pt, ph, pw) for every head of `layer`, or one per head: the config's `tiling`, the block's default where
+        it is None (what `SolConfig.tile_shape` gives)."""
+        return self.config.tiling if self.config.tiling is not None else DEFAULT_TILES[self.block]
 
     def plan(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: HeadTiling, layer: int,
              state: dict | None = None, valid_keys: torch.Tensor | None = None,

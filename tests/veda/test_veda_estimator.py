@@ -353,7 +353,7 @@ def test_the_callers_estimator_is_left_as_it_was_through_apply():
 
 def test_default_tiling_rule_is_the_documented_one():
     """VedaConfig's docstring states the tile shape used without an estimator or tiling, per block size."""
-    from videosparse.veda.method import DEFAULT_TILES
+    from videosparse.config import DEFAULT_TILES
 
     for block, shape in DEFAULT_TILES.items():
         assert f"{shape} for block={block}" in " ".join(VedaConfig.__doc__.split())

@@ -88,16 +88,13 @@ def block_sparse_attention(
             plan.check_structure(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _softmax_scale(scale)
     plan = plan.with_index_slot()       # Kmax = 0: one unused column keeps every kernel's index reads in bounds
-    if carries_tangent(q, k, v, plan.k_mean, plan.v_sum):
-        # forward-mode AD (a JVP): no kernel carries tangents; the torch reference differentiates in both modes (and
-        # records reverse-mode gradients too, by autograd through its row loop), eagerly and compiled
-        if not torch.compiler.is_compiling():
+    # inputs no kernel serves correctly take the torch reference: forward-mode AD (a JVP; it differentiates in both
+    # modes, eagerly and compiled), and tensor subclasses (quantized activations: a kernel would read their storage,
+    # not their values; the reference goes through their own ops)
+    tangent = carries_tangent(q, k, v, plan.k_mean, plan.v_sum)
+    if tangent or (not torch.compiler.is_compiling() and any(type(t) is not torch.Tensor for t in (q, k, v))):
+        if tangent and not torch.compiler.is_compiling():
             _note_forward_ad(backend)
-        out, lse = reference_attention(q, k, v, plan, scale, return_lse=True)
-        return (out, lse) if return_lse else out
-    if not torch.compiler.is_compiling() and any(type(t) is not torch.Tensor for t in (q, k, v)):
-        # a tensor subclass (quantized activations): the kernels would read its storage, not its values; the torch
-        # reference goes through its own ops
         out, lse = reference_attention(q, k, v, plan, scale, return_lse=True)
         return (out, lse) if return_lse else out
     if torch.compiler.is_compiling():

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from ..config import DEFAULT_TILES, TileShape
+from ..config import TileShape
 from ..layout import HeadTiling
 from ..method import ModelInfo, SparseMethod
 from ..plan import Plan, row_budget_list, topk_plan
@@ -80,7 +80,7 @@ class VedaMethod(SparseMethod):
             return self.tiling.tiles_for(layer, num_heads)
         if self._estimator_tiles is not None:
             return self._estimator_tiles[layer]
-        return self.config.tiling if self.config.tiling is not None else DEFAULT_TILES[self.block]
+        return super().tile_shapes(layer, num_heads)
 
     def head_shapes(self, layer: int, num_heads: int) -> list[TileShape]:
         """The tile shape of every head of `layer`."""
