@@ -18,7 +18,7 @@ The MLPs are a probe, not a shipped estimator form.
     python scripts/veda_capacity_probe.py --work-dir outputs/veda_report --out benchmarks/veda_capacity_probe.json
 
 More data: `--train-cache` reads the training samples from another capture, e.g. the every-step one of
-`videosparse distill` on the same 32 prompts (README, "Quality on the reference model": `veda-reference/cache`);
+`videosparse distill` on the same 32 prompts (docs/results.md, "Quality": `veda-reference/cache`);
 `--prompts N` and `--steps-per-prompt K` take its first N prompts and K of each prompt's steps (drawn as the
 capture draws them, `--step-seed` its seed). With seed 0 and 2 steps that is exactly the 128 samples
 `veda_report.py` trains on, so sizes compare on the same prompts and noise:

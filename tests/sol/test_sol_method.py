@@ -153,7 +153,7 @@ def test_plans_on_cuda_are_full_width_and_equal_tight_ones():
 @pytest.mark.parametrize("correction", [False, True])
 def test_sol_hot_path_on_cuda_never_syncs_the_host(correction):
     """After the calibrating first call, a Sol plan and its kernel call queue GPU work only: a host sync per
-    layer left the H200 idle for a fifth of an eager Wan 1.3B forward (README, "Sol without host syncs")."""
+    layer left the H200 idle for a fifth of an eager Wan 1.3B forward (docs/results.md, "Sol without host syncs")."""
     layout = head_tiling((8, 16, 16), (4, 4, 8), 2, block=128)
     q, k, v = (t.cuda().bfloat16() for t in _inputs(layout, D=128))
     method = SolMethod(SolConfig(block=128, density=0.3, correction=correction), ModelInfo(

@@ -203,7 +203,7 @@ class _RankState:
 def packs_full_width(static_width: bool | None, q: torch.Tensor) -> bool:
     """Whether `SolMethod.plan` packs the plan for q to the full width (see `SolMethod.static_width`). The tight
     width's host sync, with one more that is gone too, left the H200 idle for 24% of an eager Wan 1.3B forward
-    (README, "Sol without host syncs")."""
+    (docs/results.md, "Sol without host syncs")."""
     if torch.compiler.is_compiling():
         return True
     if static_width is not None:
