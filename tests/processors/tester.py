@@ -254,8 +254,8 @@ class ProcessorTesterMixin:
     def test_gpu_sparse_layers_never_sync_the_host_in_videosparse(self, method):
         """After a warm-up forward (kernels compiled, Sol calibrated, per-shape tensors cached) the sparse layers
         only queue GPU work in videosparse's code: a host sync per layer lets the GPU idle while the host catches
-        up (24% of an eager Wan 1.3B Sol forward before, docs/results.md, "Sol without host syncs"). Not counted: syncs in
-        diffusers' own code, and the context hook's once-per-forward reading of the geometry that some families
+        up (24% of an eager Wan 1.3B Sol forward before, docs/results.md, "Sol without host syncs"). Not counted:
+        syncs in diffusers' own code, and the context hook's once-per-forward reading of the geometry that some families
         pass as tensors (positions, coordinates, masks), before the forward's first kernel."""
         config_class = videosparse.VedaConfig if method == "veda" else videosparse.SolConfig
         tr = self.to_cuda_bf16(self.make_transformer())
