@@ -29,7 +29,7 @@ def test_pipeline_apply_remove_bit_identical_and_steps_seen():
     with videosparse.processors.observe(pipe, lambda r: steps.append((r.step, r.branch))):
         sparse = _run(pipe)
     assert {s for s, _ in steps} == {0, 1, 2} and {b for _, b in steps} == {"cond", "uncond"}
-    assert videosparse.sessions(pipe) == handle          # the top-level names of the README
+    assert videosparse.sessions(pipe) == handle          # the top-level API (README, docs/usage.md)
     stats = handle["transformer"].stats()
     assert stats["transformer_calls"] == 6
     assert stats["dense_calls"] == 2 * 2 and stats["sparse_calls"] == 2 * 2 * 2   # 2 layers, cond+uncond
@@ -601,7 +601,7 @@ def test_a_sharing_pipelines_steps_after_calls_that_ended_early(monkeypatch):
     scheduler was reset only when a call ended normally, so the call after one that raised skipped its dense steps;
     it restarts now when the timestep rises. A call of the applied pipeline that died left its scheduler's counter
     mid-schedule, and every later call of the other pipeline read that stale step (all dense here): from the end of
-    the next call on, that counter is known stale (only that first call reads it, as the README says)."""
+    the next call on, that counter is known stale (only that first call reads it, as docs/usage.md says)."""
     import types
 
     import diffusers.pipelines.wan.pipeline_wan_video2video as v2v
@@ -866,10 +866,10 @@ def test_training_forwards_run_sparse_and_leave_the_pipelines_step_count_alone(c
 
 
 def test_gradient_checkpointing_with_compiled_blocks_compiles_whole_and_gives_the_eager_gradients():
-    """The recipe the README gives for torch.compile with diffusers' gradient checkpointing: regional compilation
+    """The recipe docs/usage.md gives for torch.compile with diffusers' gradient checkpointing: regional compilation
     (`compile_repeated_blocks(fullgraph=True)`) of an applied Wan, checkpointing on: no graph break, two training
     steps with the eager gradients and call counts (a whole-model compile instead breaks the graph at every block,
-    which then runs eagerly: a review find, left so, see the README)."""
+    which then runs eagerly: a review find, left so, see docs/usage.md)."""
     from torch._dynamo.utils import counters
 
     def run(compiled):
