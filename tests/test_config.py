@@ -24,6 +24,8 @@ def test_round_trip(cfg):
         (lambda: SolConfig(density=0.3, block=64.0), "block=64.0"),
         (lambda: VedaConfig(dense_steps=-1), "dense_steps=-1"),
         (lambda: VedaConfig(dense_steps=1.5), "dense_steps=1.5"),
+        # 1.0 as a fraction would be every step: refused, the int 1 is one step (mutation testing: `<=` survived)
+        (lambda: VedaConfig(dense_steps=1.0), r"dense_steps=1.0 as a float .* \[0, 1\); pass an int"),
         (lambda: VedaConfig(dense_layers=(-2,)), "dense_layers"),
         (lambda: VedaConfig(backend="cuda"), "backend='cuda'"),
         (lambda: SolConfig(), "exactly one of density or tau"),
@@ -32,6 +34,7 @@ def test_round_trip(cfg):
         (lambda: config_from_dict({"method": "magic"}), "method='magic'"),
         (lambda: config_from_dict({"method": "veda", "bogus": 1}), "bogus"),
         (lambda: config_from_dict({"method": "veda", "version": "1"}), "version='1'"),
+        (lambda: config_from_dict({"method": "veda", "version": 99}), "config version 99 is newer than this"),
         (lambda: VedaConfig(dense_layers=3), "dense_layers=3"),
         (lambda: VedaConfig(dense_layers=None), "dense_layers=None"),
         (lambda: VedaConfig(dense_layers={0: 1}), r"dense_layers=\{0: 1\}"),

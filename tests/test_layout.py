@@ -80,6 +80,9 @@ def test_head_tilings_refuse_what_they_cannot_serve():
     "expanded size" error for a wrong token or head count."""
     ht = head_tiling((4, 4, 4), [(1, 4, 4), (4, 4, 1), (1, 4, 4), (4, 4, 1)], 4, 16)
     assert ht.select_heads(slice(1, 3)).tiles == ((4, 4, 1), (1, 4, 4))
+    assert ht.select_heads(slice(1, 4)).tiles == ((4, 4, 1), (1, 4, 4), (4, 4, 1))     # cached per slice, not per start
+    with pytest.raises(ValueError, match="tiling names 3 tile shapes but the layer has 4 heads"):
+        head_tiling((4, 4, 4), [(1, 4, 4), (4, 4, 1), (1, 4, 4)], 4, 16)
     with pytest.raises(ValueError, match="contiguous run of heads"):
         ht.select_heads(slice(0, 4, 2))
     for shape in ((1, 4, ht.seq_len - 1, 8), (1, 3, ht.seq_len, 8)):

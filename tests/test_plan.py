@@ -107,6 +107,10 @@ def test_validate_rejects_bad_plans():
         good.validate(torch.zeros(1, 2, 600, 16), q)
     with pytest.raises(ValueError, match="int32"):
         Plan(good.kv_index.long(), good.kv_count, 128, 128).validate(q, q)
+    # more key-tile slots than key tiles (3 here): refused by name, though the kernels read only kv_count slots
+    wide = Plan(torch.zeros(1, 2, 3, 4, dtype=torch.int32), torch.ones(1, 2, 3, dtype=torch.int32), 128, 128)
+    with pytest.raises(ValueError, match=r"Kmax=4 > number of key tiles 3"):
+        wide.validate(q, q)
 
 
 def test_topk_plan_builds_no_host_tensors_after_the_first_call(monkeypatch):

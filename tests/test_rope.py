@@ -25,6 +25,7 @@ CASES = {
                              False),
     "half-strided-x": (2, (2, 4, 9), (2, 4, 4), 2, 32, "float32", "float32", True),
     "interleaved-gqa": (1, (3, 5, 7), (2, 4, 4), 4, 32, "float16", "float32", False),
+    "interleaved-any-tables": (2, (3, 5, 7), ((2, 4, 4), (4, 4, 2)), 2, 32, "float32", "float32", False),
     "pairs-text-after": (2, (3, 5, 7), (2, 4, 4), 2, 32, "bfloat16", "float32", False),
     "pairs-text-before-heads-tiled": (1, (4, 6, 5), ((2, 4, 4), (4, 4, 2)), 2, 64, "float16", "float32", True),
     "pairs-all-rows-gqa": (1, (3, 4, 5), (2, 4, 4), 4, 16, "float32", "float64", False),
@@ -35,7 +36,8 @@ CASES = {
 }
 # name: (style, output heads per head of x, text rows before / after the rotated rows) where not ("interleaved", 1)
 VARIANTS = {"half-gqa-heads-tiled": ("half", 2, 0, 0), "half-strided-x": ("half", 1, 0, 0),
-            "interleaved-gqa": ("interleaved", 4, 0, 0), "pairs-text-after": ("pairs", 1, 0, 37),
+            "interleaved-gqa": ("interleaved", 4, 0, 0), "interleaved-any-tables": ("interleaved_any", 1, 0, 0),
+            "pairs-text-after": ("pairs", 1, 0, 37),
             "pairs-text-before-heads-tiled": ("pairs", 1, 21, 0), "pairs-all-rows-gqa": ("pairs", 2, 0, 0),
             "head-pairs-text-after-heads-tiled": ("head_pairs", 1, 0, 19),
             "head-pairs-gqa-strided-x": ("head_pairs", 2, 0, 0), "half-3-sections-d96-heads-tiled": ("half3", 1, 0, 0),
@@ -95,8 +97,8 @@ def _run_case(name: str) -> dict:
         x, cos, sin = _inputs(*args, half=True)
         rope, tables = HalfRope(cos, sin, sections=3), HalfRope(cos.float(), sin.float(), sections=3)
         layout = _layout(grid, tiles, H)
-    else:
-        x, cos, sin = _inputs(*args, half=style == "half")
+    else:              # "interleaved_any": tables whose two columns of a pair differ (Wan's repeat each value)
+        x, cos, sin = _inputs(*args, half=style in ("half", "interleaved_any"))
         rope = HalfRope(cos, sin) if style == "half" else (cos, sin)
         tables = HalfRope(cos.float(), sin.float()) if style == "half" else (cos.float(), sin.float())
         layout = _layout(grid, tiles, H)
@@ -165,7 +167,9 @@ def test_half_rope_and_repeated_heads_in_the_cpu_gather():
 
 
 def test_apply_interleaved_rope_rotates_pairs():
-    """Pair (x0, x1) by angle a -> (x0 cos a - x1 sin a, x0 sin a + x1 cos a); norms are kept."""
+    """Pair (x0, x1) by angle a -> (x0 cos a - x1 sin a, x0 sin a + x1 cos a); norms are kept. With tables whose two
+    columns of a pair differ (Wan's repeat each value), cos comes from the even and sin from the odd columns, as in
+    diffusers' WanAttnProcessor (mutation testing: reading sin from the even columns survived with Wan's tables)."""
     from videosparse.rope import apply_interleaved_rope
 
     x, cos, sin = _inputs(1, (2, 2, 2), 3, 8, torch.float64, torch.float64, False, 1)
@@ -174,6 +178,11 @@ def test_apply_interleaved_rope_rotates_pairs():
     torch.testing.assert_close(out[..., 0::2], x[..., 0::2] * c - x[..., 1::2] * s)
     torch.testing.assert_close(out[..., 1::2], x[..., 0::2] * s + x[..., 1::2] * c)
     torch.testing.assert_close(out.unflatten(-1, (-1, 2)).norm(dim=-1), x.unflatten(-1, (-1, 2)).norm(dim=-1))
+    x, cos, sin = _inputs(1, (2, 2, 2), 3, 8, torch.float64, torch.float64, False, 2, half=True)   # any tables
+    out = apply_interleaved_rope(x, cos, sin)
+    c, s = cos[..., 0::2], sin[..., 1::2]
+    torch.testing.assert_close(out[..., 0::2], x[..., 0::2] * c - x[..., 1::2] * s)
+    torch.testing.assert_close(out[..., 1::2], x[..., 0::2] * s + x[..., 1::2] * c)
 
 
 def test_rope_gather_dispatch_and_errors():
@@ -196,6 +205,11 @@ def test_rope_gather_dispatch_and_errors():
         rope_gather(x, perm, PairRope(cos[0, :6, 0], sin[0, :6, 0], 3), backend="triton")
     with pytest.raises(ValueError, match=r"PairRope covers rows \[3, 9\) but x has 8 rows"):
         apply_rope(x, PairRope(cos[0, :6, 0], sin[0, :6, 0], 3))
+    # a negative start (a slice from the end would rotate other rows, or none, without a word): both paths refuse it
+    with pytest.raises(ValueError, match=r"PairRope covers rows \[-2, 4\) but x has 8 rows"):
+        apply_rope(x, PairRope(cos[0, :6, 0], sin[0, :6, 0], -2))
+    with pytest.raises(ValueError, match=r"freqs_cos has shape \(6, 8\), not \(R, 8\) with -2 \+ R <= 8"):
+        rope_gather(x, perm, PairRope(cos[0, :6, 0], sin[0, :6, 0], -2), backend="triton")
     with pytest.raises(ValueError, match="sections=3 does not split head dim 8"):
         apply_rope(x, HalfRope(cos, sin, sections=3))
     with pytest.raises(ValueError, match="sections=3 does not split head dim 8"):
@@ -342,6 +356,11 @@ def test_tables_on_copies_host_tables_once_while_they_come_back_unchanged():
     first = tables_on((cos, sin), "meta")
     assert all(t.device.type == "meta" for t in first)
     assert all(a is b for a, b in zip(tables_on((cos, sin), "meta"), first))      # the next layers: the same copy
+    # the same tables for another device (a model split over two GPUs; cpu:0 is not the tables' `cpu`): not the
+    # copy made for the first (mutation testing: a cache keyed without the device survived)
+    other = tables_on((cos, sin), torch.device("cpu", 0))
+    assert all(t.device.type == "cpu" for t in other) and torch.equal(other[0], cos)
+    first = tables_on((cos, sin), "meta")
     cos.add_(1)                                                                     # modified in place: copied again
     again = tables_on((cos, sin), "meta")
     assert not any(a is b for a, b in zip(again, first))

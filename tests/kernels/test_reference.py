@@ -229,6 +229,9 @@ def test_valid_keys_are_checked():
     skipped = plan.with_valid_keys(torch.tensor([300, 100], dtype=torch.int32), skip_padded_queries=True)
     assert skipped.kv_count[0].eq(5).all() and skipped.kv_count[1].tolist() == [[2, 2, 0, 0, 0]] * 2
     assert plan.order is not None and capped.order is plan.order and skipped.order is None     # rows emptied: resort
+    # a limit on a tile boundary: the tile that starts at it holds no valid query either (mutation testing)
+    edge = plan.with_valid_keys(torch.tensor([300, 128], dtype=torch.int32), skip_padded_queries=True)
+    assert edge.kv_count[1].tolist() == [[2, 2, 0, 0, 0]] * 2
     out, lse = block_sparse_attention(q, q, q, skipped, return_lse=True)
     ref = block_sparse_attention(q, q, q, capped)
     assert torch.equal(out[1, :, :128], ref[1, :, :128]) and bool((out[1, :, 128:] == 0).all())

@@ -572,3 +572,21 @@ def test_an_estimator_folder_under_home_is_found_through_a_tilde(tmp_path, monke
     assert load_estimator("~/est").num_layers == 1 and distilled_component("~/est") == "transformer_2"
     with pytest.raises(ValueError, match="is a file; give the directory"):
         load_estimator("~/est/config.json")
+
+
+def test_a_target_density_below_the_forced_tiles_warns_once_per_tile_count(caplog):
+    """Every query tile keeps its own tile and the global (text) tiles are always kept: a target below what they
+    already make warns once per tile count, never for a dense layer (mutation testing: an inverted threshold that
+    silenced the warning survived)."""
+    import logging
+
+    info = ModelInfo("X", 1, 2, 64, (1, 2, 2))
+    layout = head_tiling((2, 16, 16), (4, 4, 8), 2, text_len=256)     # 4 video + 2 text tiles: 24 of 36 pairs
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        method = VedaMethod(VedaConfig(density=0.05), info)
+        for _ in range(2):
+            method.on_layout(0, layout)
+        VedaMethod(VedaConfig(density=0.05, dense_layers=(0,)), info).on_layout(0, layout)
+        VedaMethod(VedaConfig(density=0.9), info).on_layout(0, layout)
+    warned = [r.getMessage() for r in caplog.records if "cannot be lower" in r.getMessage()]
+    assert len(warned) == 1 and "target density 0.05 gives 0.667" in warned[0], warned

@@ -349,3 +349,23 @@ def test_a_record_whose_scoring_fails_leaves_the_search_as_it_was(monkeypatch):
     assert search.allowed_per_layer == clean.allowed_per_layer and search.err_cnt == clean.err_cnt
     assert search.votes == clean.votes and torch.equal(search.err_sum[0], clean.err_sum[0])
     assert search.result().tiling.layers == clean.result().tiling.layers
+
+
+def test_a_layer_seen_at_several_grids_keeps_only_the_shapes_every_grid_allows():
+    """The shapes a layer may take are those no grid it was seen at excludes for padding (mutation testing: keeping
+    the last grid's list instead chose (4, 4, 4) for a head though it pads the first grid, 1 frame, by 75%)."""
+    from videosparse.veda.tiling import TilingSearch
+
+    g = torch.Generator().manual_seed(0)
+
+    def rec(grid):
+        S = grid[0] * grid[1] * grid[2]
+        q, k, v = (torch.randn(1, S, 2, 16, generator=g) for _ in range(3))
+        return SimpleNamespace(layer=0, grid=grid, q=q, k=k, v=v)
+
+    search = TilingSearch(density=0.3, block=64, candidates=[(4, 4, 4), (1, 8, 8)], backend="reference")
+    search.add(rec((1, 16, 16)))      # (4, 4, 4) pads the one frame to four: excluded here
+    search.add(rec((4, 8, 8)))        # both fit this one
+    res = search.result()
+    assert res.candidates[0] == [(1, 8, 8)]
+    assert res.tiling.layers[0] == ((1, 8, 8), (1, 8, 8))
