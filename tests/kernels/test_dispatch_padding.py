@@ -73,3 +73,37 @@ def test_register_backend_by_name_only(monkeypatch):
     assert select_backend(q, q, q, random_plan(1, 1, 10, 64, 64, 1.0), "named_only").name == "reference"
     dispatch.register_backend("named_only", get_backend("reference"))      # registered again for auto: it joins
     assert dispatch.AUTO_ORDER.index("named_only") == dispatch.AUTO_ORDER.index("reference") - 1
+
+
+def test_auto_pads_a_head_dim_only_for_backends_in_its_own_order(monkeypatch):
+    """On CUDA, `auto` runs a head dim the kernels do not take zero-padded on one of its own Triton backends; a
+    backend registered by name only ("hopper", which returned NaN rows under preemption on the H200) stays out,
+    padded or not (mutation testing: taking any Triton backend survived). Fakes stand in for CUDA tensors here."""
+    import types
+
+    from videosparse.kernels import dispatch
+    from videosparse.plan import dense_plan
+
+    class FakeCuda:                  # shape and device of a CUDA tensor: all that the choice reads
+        shape = (1, 2, 100, 96)
+        device = types.SimpleNamespace(type="cuda")
+
+        def new_empty(self, *size):
+            return types.SimpleNamespace(shape=size, device=self.device)
+
+    class Fake:
+        def __init__(self, name, takes_d128):
+            self.name, self.takes_d128 = name, takes_d128
+
+        def not_supported_reasons(self, q, k, v, plan):
+            return [] if self.takes_d128 and q.shape[-1] == 128 else ["head dim"]
+
+    monkeypatch.setitem(dispatch._REGISTRY, "in_auto", Fake("in_auto", False))
+    monkeypatch.setitem(dispatch._REGISTRY, "by_name_only", Fake("by_name_only", True))
+    monkeypatch.setattr(dispatch, "AUTO_ORDER", ["in_auto", "reference"])
+    monkeypatch.setattr(dispatch, "TRITON_BACKENDS", ["in_auto", "by_name_only"])
+    q = FakeCuda()
+    assert dispatch.select_backend(q, q, q, dense_plan(1, 2, 100)).name == "reference"
+    assert dispatch.select_backend(q, q, q, dense_plan(1, 2, 100), backend="triton").name == "by_name_only+pad128"
+    monkeypatch.setitem(dispatch._REGISTRY, "in_auto", Fake("in_auto", True))
+    assert dispatch.select_backend(q, q, q, dense_plan(1, 2, 100)).name == "in_auto+pad128"

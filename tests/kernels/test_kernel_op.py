@@ -92,6 +92,25 @@ def test_a_kernel_without_a_backward_trains_with_the_reference_backward(forward_
         assert not block_sparse_attention(q, k, v, p, backend=forward_only_backend).requires_grad
 
 
+def test_centroids_alone_requiring_grad_get_gradients_through_a_kernel(forward_only_backend):
+    """Frozen q, k, v with learned centroids (only k_mean / v_sum require grad): a backend without autograd of its
+    own still records the call and gives the reference backend's centroid gradients (mutation testing: checking only
+    q, k, v for requires_grad left the output without a grad_fn, and backward raised)."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 256, 64, generator=g) for _ in range(3))
+    k_mean, v_sum, tile_len = tile_centroids_torch(k, v, 64)
+    p = random_plan(1, 2, 256, 64, 64, 0.3, seed=3)
+    grads = {}
+    for backend in (forward_only_backend, "reference"):
+        km, vs = k_mean.clone().requires_grad_(), v_sum.clone().requires_grad_()
+        out = block_sparse_attention(q, k, v, p.with_correction(km, vs, tile_len), backend=backend)
+        assert out.requires_grad
+        out.square().sum().backward()
+        grads[backend] = (km.grad, vs.grad)
+    for got, want in zip(grads[forward_only_backend], grads["reference"]):
+        assert got is not None and rel_err(got, want) < 1e-6
+
+
 @pytest.mark.parametrize("backend,correction", [("reference", True), ("auto", True), ("reference", False),
                                                 ("forward_only_probe", True)])
 def test_gradients_through_the_op_under_compile(backend, correction, request):
@@ -107,9 +126,10 @@ def test_gradients_through_the_op_under_compile(backend, correction, request):
 
     def f(q, k, v):
         plan = p.with_correction(*tile_centroids_torch(k, v, 128)) if correction else p
-        out, lse = block_sparse_attention(q, k, v, plan, return_lse=True, validate=False, backend=backend)
+        out, lse = block_sparse_attention(q, k, v, plan, return_lse=True, validate=False, backend=backend, scale=0.3)
         return out.square().sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()
 
+    # a scale of the caller's (not 1/sqrt(D)): the op's backward must take it (mutation testing: it survived)
     want = torch.autograd.grad(f(q, k, v), (q, k, v))
     torch._dynamo.reset()
     got = torch.autograd.grad(torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v), (q, k, v))

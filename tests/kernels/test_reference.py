@@ -97,6 +97,12 @@ def test_bad_inputs_are_rejected():
         block_sparse_attention(q, q[:, :1], q[:, :1], plan, validate=False)
     with pytest.raises(ValueError, match="dtypes differ"):
         block_sparse_attention(q, q.half(), q.half(), plan, validate=False)
+    # another head dim in k and v, or k and v on another device: named, before any kernel reads them
+    with pytest.raises(ValueError, match=r"shapes do not match: q \(1, 2, 100, 64\), k \(1, 2, 100, 32\)"):
+        block_sparse_attention(q, q[..., :32], q[..., :32], plan, validate=False)
+    meta = q.to("meta")
+    with pytest.raises(ValueError, match="q, k, v are on different devices: cpu, meta, meta"):
+        block_sparse_attention(q, meta, meta, plan, validate=False)
     # a scale <= 0 too: the kernels take a row's running max as max(q.k) x scale (at -3 the Triton kernel gave NaN)
     for bad in ("0.1", float("nan"), float("inf"), torch.ones(2), 0.0, -3.0, torch.tensor(-0.125)):
         with pytest.raises(ValueError, match="scale=.* must be a finite number > 0"):

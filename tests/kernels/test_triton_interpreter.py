@@ -211,7 +211,25 @@ def _run_prep_case(name: str) -> dict:
     }
 
 
+AUTO_ON_CPU = "auto-on-cpu"
+
+
+def _run_auto_on_cpu_case() -> dict:
+    """What `backend="auto"` picks for CPU inputs in a process with the interpreter on (a test or dev process):
+    the torch reference, for a head dim the kernels take and one they would take zero-padded."""
+    from videosparse.kernels import select_backend
+    from videosparse.plan import dense_plan
+
+    picks = {}
+    for D in (64, 96):
+        q = torch.randn(1, 2, 128, D)
+        picks[str(D)] = select_backend(q, q, q, dense_plan(1, 2, 128, 64, 64)).name
+    return {"picks": picks}
+
+
 def _run_case(name: str) -> dict:
+    if name == AUTO_ON_CPU:
+        return _run_auto_on_cpu_case()
     if name in PREP_CASES:
         return _run_prep_case(name)
     if name in SPLIT_CASES:
@@ -313,7 +331,7 @@ def _child_main(names: list[str]) -> None:
 # ---------------------------------------------------------------- parent side (pytest)
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    return run_interpreter_cases(Path(__file__).resolve(), [*CASES, *PREP_CASES, *SPLIT_CASES])
+    return run_interpreter_cases(Path(__file__).resolve(), [*CASES, *PREP_CASES, *SPLIT_CASES, AUTO_ON_CPU])
 
 
 def _tolerance(dtype: str, ref_rel_err: float) -> float:
@@ -367,6 +385,15 @@ def test_tail_split_parts_merge_to_the_whole_items(interpreter_results, name):
     for impl in ("triton", "torch"):
         assert res[impl]["rel_err"] < 1e-5 and res[impl]["lse_err"] < 1e-4, res
         assert res[impl]["lse_inf_match"], res
+
+
+def test_auto_on_cpu_takes_the_reference_even_with_the_interpreter_on(interpreter_results):
+    """The interpreter is for tests: `backend="auto"` on CPU inputs stays on the torch reference in a process that
+    has it on, padded head dims included (mutation testing: dropping either check survived, as the test below runs
+    without the interpreter)."""
+    res = interpreter_results.get(AUTO_ON_CPU)
+    assert res is not None and "error" not in res, res
+    assert res["picks"] == {"64": "reference", "96": "reference"}, res
 
 
 def test_triton_on_cpu_without_interpreter_gives_reasons():

@@ -1568,3 +1568,45 @@ def test_quantized_activations_reach_the_kernel_as_plain_tensors(monkeypatch):
     # a subclass without a dequantize of its own is left as it is (Tensor.dequantize of a float tensor would cast it)
     tagged = torch.randn(2, 3, dtype=torch.bfloat16).as_subclass(type("Tagged", (torch.Tensor,), {}))
     assert base._plain(tagged) is tagged
+
+
+def test_a_dtype_change_between_forwards_asks_the_kernel_probe_again(monkeypatch):
+    """On a GPU the kernels take fp16 / bf16, not fp32: an fp32 forward runs dense; after the model is cast to bf16
+    the next forward must ask again and run sparse (mutation testing: a per-shape cache without the dtype kept the
+    fp32 answer, every layer dense, silently). The probe answers here with the GPU's dtype rule."""
+    from videosparse.kernels.probe import KernelProbe
+    from videosparse.processors import context
+
+    def half_only(backend, device, dtype, *rest):
+        return KernelProbe("reference", None if dtype == torch.bfloat16 else f"no kernel for {dtype}")
+
+    monkeypatch.setattr(context, "probe_kernel", half_only)
+    tr = build_tiny_wan_pipeline().transformer
+    session = videosparse.apply(tr, videosparse.VedaConfig(density=0.5, block=64, dense_steps=0))["transformer"]
+    kw = _tiny_forward_kwargs()
+    with torch.no_grad():
+        tr(**kw)
+        first = session.stats()
+        session.reset_stats()
+        tr.to(torch.bfloat16)
+        tr(**{name: t.bfloat16() if t.is_floating_point() else t for name, t in kw.items()})
+    second = session.stats()
+    assert (first["sparse_calls"], first["dense_calls"]) == (0, 2), first
+    assert (second["sparse_calls"], second["dense_calls"]) == (2, 0), second
+
+
+def test_reset_stats_starts_every_count_again():
+    """`reset_stats` zeroes the transformer calls with the layers' counts (mutation testing: a stale
+    transformer_calls survived, and `summary()` reported it)."""
+    tr = build_tiny_wan_pipeline().transformer
+    session = videosparse.apply(tr, videosparse.VedaConfig(density=0.5, block=64, dense_steps=0))["transformer"]
+    with torch.no_grad():
+        for _ in range(3):
+            tr(**_tiny_forward_kwargs())
+    assert session.stats()["transformer_calls"] == 3
+    session.reset_stats()
+    stats = session.stats()
+    assert stats["transformer_calls"] == 0 and stats["sparse_calls"] == stats["dense_calls"] == 0, stats
+    with torch.no_grad():
+        tr(**_tiny_forward_kwargs())
+    assert session.stats()["transformer_calls"] == 1

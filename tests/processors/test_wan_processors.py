@@ -209,3 +209,65 @@ def test_gpu_sparse_forward_has_no_host_sync():
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()
              and "prototype" not in str(w.message).lower()]
     assert syncs == [], syncs
+
+
+def test_processors_kept_after_remove_run_stock_also_after_a_checkpointed_backward():
+    """`remove` marks the session removed: processors the user kept (the native form's dict, set again) run the stock
+    attention, also after a gradient-checkpointed backward that recomputes a block after `remove` (mutation testing:
+    a session left active, or made active again by the recompute, raised KeyError in the kept processors)."""
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint
+
+    from videosparse.models.tiny_wan import build_tiny_wan_pipeline
+
+    tr = build_tiny_wan_pipeline().transformer
+    g = torch.Generator().manual_seed(0)
+    kw = dict(hidden_states=torch.randn(1, 4, 3, 32, 32, generator=g), timestep=torch.tensor([500]),
+              encoder_hidden_states=torch.randn(1, 8, tr.config.text_dim, generator=g))
+    with torch.no_grad():
+        stock = tr(**kw).sample
+    procs = videosparse.processors(tr, videosparse.VedaConfig(density=0.3, dense_steps=0, block=64))
+    tr.set_attn_processor(dict(procs))
+    with torch.no_grad():
+        tr(**kw)
+    session = sessions(tr)["transformer"]
+    videosparse.remove(tr)
+    assert not session.active
+    tr.set_attn_processor(dict(procs))
+    with torch.no_grad():
+        assert torch.equal(tr(**kw).sample, stock)
+    tr = build_tiny_wan_pipeline().transformer
+    tr.enable_gradient_checkpointing(partial(checkpoint, use_reentrant=False))
+    session = videosparse.apply(tr, videosparse.VedaConfig(density=0.3, dense_steps=0, block=64))["transformer"]
+    kept = dict(videosparse.processors.attention_processors(tr))
+    pred = tr(**kw).sample
+    videosparse.remove(tr)
+    pred.square().mean().backward()                # the blocks recomputed after remove
+    assert not session.active
+    tr.set_attn_processor(kept)
+    with torch.no_grad():
+        assert torch.equal(tr(**kw).sample, stock)
+
+
+def test_a_sequence_that_does_not_fit_the_grid_runs_dense_and_says_why():
+    """A call whose token count is not the grid's (plus text) cannot be laid out in tiles: it runs the dense path,
+    recorded per layer, never a layout error (mutation testing: checking only longer sequences survived)."""
+    from videosparse.models.tiny_wan import build_tiny_wan_pipeline
+    from videosparse.processors import attention_processors
+
+    tr = build_tiny_wan_pipeline().transformer
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.3, block=64, dense_steps=0))
+    session = sessions(tr)["transformer"]
+    grid = (2, 8, 8)                                  # 128 video tokens
+    session.context.grid, session.context.text_len = grid, 0
+    session.prepare(grid, 0, torch.device("cpu"), torch.float32)
+    proc = next(p for p in attention_processors(tr).values() if hasattr(p, "attend"))
+    D, H = tr.config.attention_head_dim, tr.config.num_attention_heads
+    g = torch.Generator().manual_seed(0)
+    for seq in (120, 136):                            # 8 tokens short of the grid, 8 past it
+        q, k, v = (torch.randn(1, seq, H, D, generator=g) for _ in range(3))
+        assert torch.equal(proc.attend(q, k, v), proc._dense(q, k, v, None))
+    fallbacks = session.stats()["layers"][0]["fallbacks"]
+    assert any("sequence length 120 does not match grid (2, 8, 8)" in f for f in fallbacks), fallbacks
+    assert any("sequence length 136 does not match grid (2, 8, 8)" in f for f in fallbacks), fallbacks
