@@ -1028,3 +1028,41 @@ def test_compare_dense_psnr_is_the_one_evaluate_reports(tmp_path, monkeypatch):
     assert main(["generate", "--frames", "5", "--height", "32", "--width", "32", "--steps", "1", "--density", "0.5",
                  "--tiling", "1x4x16", "--block", "64", "--out", str(tmp_path / "v.mp4"), "--compare-dense"]) == 0
     assert seen == [(np.float16, np.float16)]
+
+
+def test_sol_without_density_or_tau_uses_the_documented_density(capsys):
+    """Mutation testing: `generate --method sol` must default to density 0.15, as its --density help and the README
+    say (only the Veda default, 0.1, was tested)."""
+    assert method_config(build_parser().parse_args(["generate", "--method", "sol"])) == SolConfig(density=0.15)
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "(default 0.1 veda / 0.15 sol)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_compare_dense_times_steps_by_transformer_time_and_speedup_is_dense_over_sparse(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """Mutation testing: `generate` reads the time per step from the transformer forwards (not the wall clock, which
+    holds the text encoder and the VAE), and --compare-dense's speedup is dense time / sparse time; both arms are
+    faked with known times (sparse 0.1 s per forward, dense 0.3 s, 4 forwards in 2 steps)."""
+    from videosparse.eval import generate as generate_module
+    from videosparse.eval.generate import GenerationResult
+
+    rng = np.random.default_rng(0)
+    frames = {arm: rng.uniform(0.2, 0.8, (5, 32, 32, 3)).astype(np.float32) for arm in ("sparse", "dense")}
+    stats = {"transformer": {"density": 0.5, "sparse_calls": 4, "dense_calls": 0, "kernel_backend": "reference"}}
+
+    def fake_generate(pipe, config, call, seed=0, device=None):
+        if config is None:
+            return GenerationResult(frames["dense"], [0.3] * 4, 20.0, None)
+        return GenerationResult(frames["sparse"], [0.1] * 4, 9.0, stats)
+
+    monkeypatch.setattr(generate_module, "generate", fake_generate)
+    js = tmp_path / "s.json"
+    assert main(["generate", "--frames", "5", "--height", "32", "--width", "32", "--steps", "2", "--density", "0.5",
+                 "--out", str(tmp_path / "v.mp4"), "--json", str(js), "--compare-dense"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(js.read_text())
+    assert summary["transformer_s_per_step"] == pytest.approx(0.2) and summary["timed_per"] == "step"
+    assert summary["dense"]["transformer_s_per_step"] == pytest.approx(0.6)
+    assert summary["dense"]["speedup"] == pytest.approx(3.0) and summary["wall_s"] == 9.0
+    assert "200.0 ms transformer time per step" in out and "600.0 ms per step -> speedup 3.00x" in out

@@ -268,3 +268,49 @@ def test_plots_are_saved_atomically(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="q.png.*No space left"):
         plot_speedup_vs_density(summary, 0.8, str(path))
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["q.png"]
+
+
+def test_attention_probe_divides_the_calls_error_by_the_dense_output(monkeypatch):
+    """Mutation testing: the headline per-call attn rel L2 must be ||sparse - dense|| / ||dense|| (as the per-head
+    values), not divided by ||sparse||; the probe's own sparse and dense outputs are caught and the number recomputed."""
+    import videosparse
+    from videosparse.eval import attention
+    from videosparse.eval.attention import AttentionProbe
+    from videosparse.models.tiny_wan import build_tiny_wan_pipeline
+    from videosparse.processors import observe
+
+    outputs = {}
+    real_sparse, real_dense = attention.block_sparse_attention, attention.dense_attention_tile_mass
+    monkeypatch.setattr(attention, "block_sparse_attention",
+                        lambda *a, **kw: outputs.setdefault("sparse", real_sparse(*a, **kw)))
+    monkeypatch.setattr(attention, "dense_attention_tile_mass",
+                        lambda *a, **kw: outputs.setdefault("dense", real_dense(*a, **kw)))
+    torch.manual_seed(0)
+    tr = build_tiny_wan_pipeline().transformer
+    kw = dict(hidden_states=torch.randn(1, 4, 3, 16, 24, generator=torch.Generator().manual_seed(0)),
+              timestep=torch.tensor([500]), encoder_hidden_states=torch.randn(1, 8, 32))
+    session = videosparse.apply(tr, videosparse.SolConfig(density=0.2, dense_steps=0, block=64, tiling=(1, 8, 8)))
+    probe = AttentionProbe(session["transformer"], layers=[0])
+    with observe(tr, probe), torch.no_grad():
+        tr(**kw)
+    videosparse.remove(tr)
+    (entry,) = probe.entries
+    sparse, dense = outputs["sparse"].double(), outputs["dense"][0].double()
+    assert entry["sparse"] and float((sparse - dense).norm() / sparse.norm()) > 1.05 * entry["rel_l2"]
+    assert entry["rel_l2"] == pytest.approx(float((sparse - dense).norm() / dense.norm()), rel=1e-4)
+    assert min(entry["rel_l2_per_head"]) - 1e-6 <= entry["rel_l2"] <= max(entry["rel_l2_per_head"]) + 1e-6
+
+
+def test_tile_recall_leaves_out_rows_that_keep_every_tile():
+    """Mutation testing: rows that keep every tile (text or global rows) have no choice to get right; averaged in,
+    two full rows turned the recall of two wrong video rows from 0 into 0.5."""
+    mass = torch.arange(6, 0, -1, dtype=torch.float32).expand(1, 1, 4, 6).contiguous()
+    mask = torch.zeros(1, 1, 4, 6, dtype=torch.bool)
+    mask[0, 0, :2, 4:] = True               # video rows: the two smallest of six tiles (the oracle keeps 0 and 1)
+    mask[0, 0, 2:] = True                   # text rows: every tile
+    assert tile_recall(plan_from_mask(mask, 64, 64), mass)["recall"] == 0.0
+    mask[0, 0, 0, :2] = True                # one video row keeps the oracle's two tiles
+    mask[0, 0, 0, 4:] = False
+    mask[0, 0, 1, [0, 5]] = True            # the other: one right, one wrong of its two
+    mask[0, 0, 1, 4] = False
+    assert tile_recall(plan_from_mask(mask, 64, 64), mass)["recall"] == pytest.approx(0.75)

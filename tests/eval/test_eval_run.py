@@ -540,3 +540,97 @@ def test_files_are_synced_to_disk_before_the_rename_publishes_them(tmp_path, mon
                         if os.path.isdir(path) else real_open(path, flags, *a))
     write_atomic(tmp_path / "r.json", '{"x": 1}')
     assert (tmp_path / "r.json").read_text() == '{"x": 1}'
+
+
+def _summarized(times: dict[str, list[tuple[float, float, float]]], work: dict[str, float]) -> dict[str, dict]:
+    """`Evaluation.summarize` over hand-made cells: label -> one (wall_s, transformer_total_s, attention_s) per prompt,
+    and each method's attention work (no pipeline runs)."""
+    from videosparse.eval.evaluate import Evaluation
+
+    specs = parse_method_specs(list(times))
+    prompts = [f"prompt {i}" for i in range(len(next(iter(times.values()))))]
+    cells = {}
+    for spec in specs:
+        for prompt, (wall, transformer, attention) in zip(prompts, times[spec.label]):
+            cells[cell_id(spec, prompt, 0)] = {
+                "wall_s": wall, "transformer_total_s": transformer, "attention_s": attention, "plan_s": 0.1,
+                "psnr_db": math.inf if spec.is_dense else 30.0, "ssim": 1.0, "lpips": None,
+                "realised_density": None if spec.is_dense else 0.5, "attention_work": work[spec.label]}
+    ev = Evaluation.__new__(Evaluation)
+    ev.settings = EvalSettings(specs, prompts, [0], {"num_inference_steps": 10}, attn_cells=0)
+    ev.report = {"cells": cells, "attention": {}}
+    return ev.summarize()
+
+
+def test_speedups_are_dense_over_method_and_amdahl_uses_the_dense_attention_share():
+    """Mutation testing: the speedups were not checked to be dense time / method time, the Amdahl estimate to be
+    1 / ((1 - f) + f * work) (1 for dense), nor the dense attention share f to be over transformer (not wall) time."""
+    s = _summarized({"dense": [(15.0, 10.0, 4.0)] * 3, "sol@0.5": [(12.0, 8.0, 2.0)] * 3},
+                    {"dense": 1.0, "sol@0.5": 0.6})
+    dense, sol = s["dense"], s["sol@0.5"]
+    assert dense["attention_share"] == pytest.approx(0.4) and sol["attention_share"] == pytest.approx(0.25)
+    assert sol["speedup_transformer"] == pytest.approx(10.0 / 8.0) and sol["speedup_e2e"] == pytest.approx(15.0 / 12.0)
+    assert sol["speedup_attention"] == pytest.approx(2.0)
+    assert dense["speedup_transformer"] == dense["speedup_e2e"] == dense["speedup_attention"] == pytest.approx(1.0)
+    assert dense["amdahl_bound"] == pytest.approx(1.0)
+    assert sol["amdahl_bound"] == pytest.approx(1.0 / (0.6 + 0.4 * 0.6))                     # 1.19x
+    assert dense["amdahl_bound_free_attention"] == sol["amdahl_bound_free_attention"] == pytest.approx(1.0 / 0.6)
+
+
+def test_summary_times_are_medians_over_the_cells():
+    """Mutation testing: every test had at most 2 cells per method, where median and mean agree; one slow dense cell
+    of three (16 s against 10 s) must not move the transformer time, the speedup or the attention share."""
+    s = _summarized({"dense": [(15.0, 10.0, 4.0), (15.0, 10.0, 4.0), (30.0, 16.0, 10.0)],
+                     "sol@0.5": [(12.0, 8.0, 2.0), (13.0, 8.0, 2.0), (12.0, 14.0, 2.0)]},
+                    {"dense": 1.0, "sol@0.5": 0.6})
+    dense, sol = s["dense"], s["sol@0.5"]
+    assert (dense["wall_s"], dense["transformer_s"], dense["attention_s"]) == (15.0, 10.0, 4.0)
+    assert (sol["wall_s"], sol["transformer_s"], sol["attention_s"]) == (12.0, 8.0, 2.0)
+    assert sol["speedup_transformer"] == pytest.approx(1.25) and dense["attention_share"] == pytest.approx(0.4)
+    assert dense["transformer_s_range"] == [10.0, 16.0]
+
+
+def test_work_fraction_counts_dense_calls_and_weighs_densities_by_sparse_calls():
+    """Mutation testing: the attention work (what Amdahl and `generate` use) left out dense-scheduled calls, and the
+    realised density of two transformers (Wan 2.2's experts) was their plain mean, not weighted by sparse calls."""
+    from videosparse.eval.evaluate import work_fraction
+
+    # 16 sparse calls at 0.25 and 4 dense-scheduled ones: density 0.25, work (4 + 16 * 0.25) / 20
+    assert work_fraction({"transformer": {"density": 0.25, "sparse_calls": 16, "dense_calls": 4}}) == \
+        pytest.approx((0.25, 0.4))
+    two = {"transformer": {"density": 0.2, "sparse_calls": 30, "dense_calls": 0},
+           "transformer_2": {"density": 0.6, "sparse_calls": 10, "dense_calls": 10}}
+    density, work = work_fraction(two)
+    assert density == pytest.approx((0.2 * 30 + 0.6 * 10) / 40)                     # 0.3, not 0.4
+    assert work == pytest.approx((10 + 0.2 * 30 + 0.6 * 10) / 50)
+    assert work_fraction(None) == (None, 1.0)
+
+
+def test_a_cells_ssim_is_the_mean_over_its_frames(monkeypatch):
+    """Mutation testing: the cell's SSIM as the median over frames hides frames that broke (2 of 5 here)."""
+    from types import SimpleNamespace
+
+    from videosparse.eval import evaluate
+    from videosparse.eval.evaluate import Evaluation
+
+    monkeypatch.setattr(evaluate, "ssim_per_frame", lambda a, b: [1.0, 1.0, 1.0, 0.5, 0.25])
+    ev = Evaluation.__new__(Evaluation)
+    ev._lpips, ev._lpips_note, ev.settings = None, None, SimpleNamespace(lpips=False)
+    video = np.full((5, 16, 16, 3), 0.5, np.float32)
+    quality = ev._quality(video, video)
+    assert quality["ssim"] == pytest.approx(0.75) and quality["ssim_per_frame"] == [1.0, 1.0, 1.0, 0.5, 0.25]
+
+
+def test_report_md_shows_the_common_step_attention_means_and_the_dense_share_in_percent():
+    """Mutation testing: report.md's attn rel L2 and tile recall columns must be the means at the common steps that
+    their caption names (not the all-steps means), and the dense attention share a percentage (40.0%, not 0.4%)."""
+    from videosparse.eval.report import render_markdown
+
+    summary = {"dense": {"attention_share": 0.4, "amdahl_bound_free_attention": 1.0 / 0.6},
+               "sol@0.5": {"attn_rel_l2": 0.30, "attn_rel_l2_common": 0.12, "tile_recall": 0.6,
+                           "tile_recall_common": 0.8, "attn_common_steps": [4, 9], "attn_steps": [0, 4, 9]}}
+    md = render_markdown({"summary": summary})
+    cells = [c.strip() for c in next(line for line in md.splitlines() if line.startswith("| `sol@0.5` |")).split("|")]
+    assert "0.1200" in cells and "0.800" in cells and "0.3000" not in cells and "0.600" not in cells, cells
+    assert "Dense attention is 40.0% of transformer time: with attention free the transformer could run at most " \
+           "1.67x faster" in md

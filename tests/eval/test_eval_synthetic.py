@@ -573,3 +573,82 @@ def test_a_speedup_above_the_attention_free_bound_is_flagged():
     assert len(notes) == 1 and notes[0].startswith("wan-1.3b veda@0.25: speedup 1.43x above 1.05x") and "2.61 to 3.92" \
         in notes[0]
     assert not beyond_bound_notes({"m": {"amdahl_bound_free_attention": None, "methods": section["methods"]}})
+
+
+def _small_wan():
+    """Two Wan 1.3B blocks at 5 frames 128x128 on CPU (2x8x8 tokens: two 1x8x8 tiles) and their inputs."""
+    setup = synthetic_setup("wan-1.3b", frames=5, height=128, width=128, layers=2)
+    return build_transformer(setup, torch.device("cpu"), torch.float32), make_inputs(setup, torch.device("cpu"),
+                                                                                     torch.float32)
+
+
+def test_synthetic_times_are_medians_of_the_timed_forwards_without_the_warm_up(monkeypatch):
+    """Mutation testing: the warm-up forwards (cold compile, Sol calibration) were once counted among the timed ones,
+    and a mean of 3 repeats (1, 1, 4 s) is not their median (1 s); the timers are faked with those readings."""
+    from contextlib import contextmanager
+
+    from videosparse.eval import synthetic
+    from videosparse.eval.spec import parse_method_spec
+    from videosparse.eval.synthetic import time_method
+
+    readings = {"forward": [1.0, 1.0, 4.0], "attention": [0.5, 0.5, 2.0], "plan": [0.1, 0.1, 0.4]}
+
+    def read(key):                      # a timed forward beyond the 3 repeats reads 9 s
+        return readings[key].pop(0) if readings[key] else 9.0
+
+    class FakeTransformerTimer:
+        def __init__(self, transformers):
+            self.times = []
+
+        @contextmanager
+        def __call__(self):
+            yield self
+            self.times.append(read("forward"))
+
+    class FakeAttentionTimer(FakeTransformerTimer):
+        @contextmanager
+        def __call__(self):
+            yield self
+            self.attention_total, self.plan_total = read("attention"), read("plan")
+
+    monkeypatch.setattr(synthetic, "TransformerTimer", FakeTransformerTimer)
+    monkeypatch.setattr(synthetic, "AttentionTimer", FakeAttentionTimer)
+    model, inputs = _small_wan()
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    spec = parse_method_spec("veda@0.5:block=64:tiling=1x8x8")
+    row, _ = time_method(model, inputs, spec, warmup=1, repeats=3)
+    assert len(forwards) == 4 and row["calls_counted_forwards"] == 4
+    assert row["forward_s_all"] == [1.0, 1.0, 4.0] and row["attention_s_all"] == [0.5, 0.5, 2.0]
+    assert (row["forward_s"], row["attention_s"], row["plan_s"]) == (1.0, 0.5, 0.1)
+
+
+def test_synthetic_attention_work_counts_the_dense_layers_calls():
+    """Mutation testing: the attention work (what the Amdahl estimate uses) must count the calls of `dense_layers` as
+    full work: one dense and one sparse layer at density d do (1 + d) / 2 of dense attention, not d / 2."""
+    from videosparse.eval.spec import parse_method_spec
+    from videosparse.eval.synthetic import time_method
+
+    model, inputs = _small_wan()
+    spec = parse_method_spec("veda@0.5:block=64:tiling=1x8x8:dense_layers=0")
+    row, _ = time_method(model, inputs, spec, warmup=0, repeats=1)
+    assert (row["sparse_calls"], row["dense_calls"]) == (1, 1)
+    density = row["layer_density"][1]
+    assert density == pytest.approx(0.5) and row["realised_density"] == pytest.approx(density)
+    assert row["attention_work"] == pytest.approx((1 + density) / 2)
+
+
+def test_synthetic_speedup_is_dense_over_method_time_and_amdahl_uses_the_dense_share():
+    """Mutation testing: only the dense speedup (1) was checked; a method at 6 s against dense's 10 s is 1.67x, and
+    with dense attention half the forward and work 0.1 the Amdahl estimate is 1 / (0.5 + 0.5 * 0.1)."""
+    from videosparse.eval.synthetic import SyntheticResult, summarize_synthetic
+
+    result = SyntheticResult("wan-1.3b", synthetic_setup("wan-1.3b", 9, 128, 256, 1), {})
+    result.methods = {"dense": {"forward_s": 10.0, "attention_s": 5.0, "attention_work": 1.0},
+                      "veda@0.1": {"forward_s": 6.0, "attention_s": 1.0, "attention_work": 0.1}}
+    section = summarize_synthetic(result, torch.bfloat16, 1, 3)
+    dense, veda = section["methods"]["dense"], section["methods"]["veda@0.1"]
+    assert veda["speedup"] == pytest.approx(10.0 / 6.0) and veda["speedup_attention"] == pytest.approx(5.0)
+    assert dense["speedup"] == dense["amdahl_bound"] == pytest.approx(1.0)
+    assert veda["amdahl_bound"] == pytest.approx(1.0 / (0.5 + 0.5 * 0.1))
+    assert section["dense_attention_share"] == pytest.approx(0.5) and veda["attention_share"] == pytest.approx(1 / 6)

@@ -170,3 +170,37 @@ def test_attention_clock_records_on_the_tensors_gpu(monkeypatch):
     gpu1 = torch.device("cuda", 1)
     clock.stop(gpu1, clock.start(gpu1))
     assert recorded == [("stream of", gpu1)] * 2
+
+
+def test_attention_and_plan_timers_bracket_the_calls_they_time(monkeypatch):
+    """Mutation testing: a timer whose clock stopped before the call (attention or plan) read ~10 us, which the
+    `0 < attention_s < transformer_s` checks still passed; with every attention call made 30 ms slower (15 ms of them
+    in its plan), the timers read at least that, and no more than the forward's time."""
+    from videosparse import VedaConfig
+    from videosparse.eval.synthetic import build_transformer, make_inputs, method_applied, synthetic_setup
+    from videosparse.eval.timing import AttentionTimer, TransformerTimer
+
+    setup = synthetic_setup("wan-1.3b", frames=5, height=64, width=128, layers=2)
+    model = build_transformer(setup, torch.device("cpu"), torch.float32)
+    inputs = make_inputs(setup, torch.device("cpu"), torch.float32)
+    config = VedaConfig(density=0.5, block=64, tiling=(1, 8, 8), dense_steps=0)
+
+    def slowed(fn, seconds):
+        def slow(*args, **kwargs):
+            time.sleep(seconds)
+            return fn(*args, **kwargs)
+        return slow
+
+    with method_applied(model, config), torch.no_grad():
+        procs = AttentionTimer._processors(model)
+        for proc in procs:
+            monkeypatch.setattr(proc, proc.timed_entry, slowed(getattr(proc, proc.timed_entry), 0.015))
+        method = procs[0].session.method
+        monkeypatch.setattr(method, "plan", slowed(method.plan, 0.015))
+        ttimer, atimer = TransformerTimer([model]), AttentionTimer([model])
+        with ttimer(), atimer():
+            model(**inputs)
+    assert len(atimer.attention_s) == len(atimer.plan_s) == 2 and atimer.layers == [0, 1]
+    assert all(p >= 0.015 for p in atimer.plan_s) and all(a >= 0.03 for a in atimer.attention_s)
+    assert all(p < a for p, a in zip(atimer.plan_s, atimer.attention_s))
+    assert 0.06 <= atimer.attention_total < ttimer.total

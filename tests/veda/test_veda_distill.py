@@ -664,3 +664,176 @@ def test_a_refused_resume_prunes_no_checkpoint(tmp_path, cache):
     with pytest.raises(ValueError, match="cannot be resumed.*resume from the checkpoint before it"):
         run_distillation(make_cfg(out, keep_checkpoints=1))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == saved
+
+
+def _trainer_state(out: Path, step: int) -> dict:
+    return json.loads((out / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").read_text())
+
+
+def test_a_run_stopped_after_an_epoch_end_checkpoint_resumes_in_the_next_epoch(tmp_path, cache):
+    """A checkpoint taken at the end of an epoch records the next epoch (batches_done 0), so a run stopped after it
+    and resumed ends with the uninterrupted run's weights instead of repeating the finished epoch (mutation testing:
+    the kill/resume test above only resumes from a mid-epoch checkpoint)."""
+    full = with_cache(tmp_path / "full", cache)
+    run_distillation(make_cfg(full, log_every=4, checkpoint_every=8))       # 8 samples: step 8 ends epoch 0
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_10(step, metrics):
+        if step == 10:
+            raise Stop
+
+    out = with_cache(tmp_path / "cut", cache)
+    with pytest.raises(Stop):
+        run_distillation(make_cfg(out, log_every=4, checkpoint_every=8), step_callback=stop_at_10)
+    state = _trainer_state(out, 8)
+    assert (state["global_step"], state["epoch"], state["batches_done"]) == (8, 1, 0)
+    res = run_distillation(make_cfg(out, log_every=4, checkpoint_every=8))
+    assert res.resumed_from == out / "checkpoints" / "step_00000008" and res.global_step == 12
+    a, b = VedaEstimator.from_pretrained(full), VedaEstimator.from_pretrained(out)
+    assert torch.equal(a.proj_q, b.proj_q) and torch.equal(a.proj_k, b.proj_k)
+
+
+def test_gradient_accumulation_takes_that_many_samples_per_step_and_every_sample_of_an_epoch(tmp_path, cache,
+                                                                                               monkeypatch):
+    """gradient_accumulation_steps=k: every optimizer step takes k samples, and an epoch whose sample count k does
+    not divide still trains on every sample, its last step on the rest (mutation testing: the Accelerator dropping
+    the setting, or the steps per epoch floored)."""
+    from videosparse.distill import train
+
+    forwards = []
+    real_forward = train.DistillObjective.forward
+
+    def forward(self, sample):
+        forwards.append(1)
+        return real_forward(self, sample)
+
+    monkeypatch.setattr(train.DistillObjective, "forward", forward)
+    out = with_cache(tmp_path / "ga2", cache)
+    res = run_distillation(make_cfg(out, max_steps=2, gradient_accumulation_steps=2, log_every=1, checkpoint_every=2))
+    assert res.global_step == 2 and len(forwards) == 4                     # 2 steps x 2 samples
+    state = _trainer_state(out, 2)
+    assert (state["epoch"], state["batches_done"]) == (0, 4)
+    forwards.clear()
+    out = with_cache(tmp_path / "ga3", cache)
+    res = run_distillation(make_cfg(out, max_steps=None, epochs=1, gradient_accumulation_steps=3, log_every=1,
+                                    checkpoint_every=3))
+    assert res.global_step == 3 and len(forwards) == 8                     # 8 samples: 3 + 3 + 2
+    assert [h["step"] for h in res.history] == [1, 2, 3]
+    state = _trainer_state(out, 3)
+    assert (state["epoch"], state["batches_done"]) == (1, 0)               # the epoch ran to its end
+
+
+def test_final_metrics_are_computed_on_the_validation_split_they_name(tmp_path, cache):
+    """With val_fraction set, metrics.json's trained and untrained numbers are those of the held-out prompts'
+    samples, as its "split": "val" says, not of the training samples (mutation testing)."""
+    from videosparse.distill.capture import split_by_prompt
+    from videosparse.distill.train import evaluate_estimator
+
+    out = with_cache(tmp_path / "run", cache)
+    res = run_distillation(make_cfg(out, max_steps=4, val_fraction=0.5))
+    train_files, val_files = split_by_prompt(sorted((out / "cache").glob("p*_s*.safetensors")), 0.5, seed=3)
+    assert len(train_files) == len(val_files) == 4
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["split"] == "val" and metrics["trained"]["num_samples"] == 4
+    expected = evaluate_estimator(VedaEstimator.from_pretrained(out), val_files, 2, 0.3)
+    for key in ("kl", "recall", "heat_recall"):
+        assert metrics["trained"][key] == pytest.approx(expected[key], rel=1e-5), key
+    assert res.metrics["untrained_mean_pool"]["num_samples"] == 4
+    assert "Evaluation on the val samples" in (out / "README.md").read_text()
+
+
+def test_the_untrained_baseline_is_a_zero_initialised_estimator(tmp_path, cache):
+    """metrics.json's and the model card's untrained numbers are those of the mean-pooled q·k scores, which a
+    zero-initialised estimator computes (mutation testing: the baseline's logits transposed, key tiles as rows)."""
+    from videosparse.distill.train import evaluate_estimator
+
+    out = with_cache(tmp_path / "run", cache)
+    run_distillation(make_cfg(out, max_steps=2))
+    metrics = json.loads((out / "metrics.json").read_text())
+    zero = VedaEstimator("WanTransformer3DModel", 2, 2, 64, block=128, tile_shapes=(4, 4, 8), init_std=0.0)
+    expected = evaluate_estimator(zero, sorted((out / "cache").glob("p*_s*.safetensors")), 2, 0.3)
+    untrained = metrics["untrained_mean_pool"]
+    for key in ("kl", "recall", "recall_offdiag", "heat_recall"):
+        assert untrained[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+    card = (out / "README.md").read_text()
+    assert f"(untrained, mean-pooled q·k: {expected['kl']:.4f})" in card
+    assert f"(untrained: {expected['recall']:.3f})" in card
+
+
+def test_the_heat_is_stored_in_the_cache_dtype(tmp_path):
+    """cache_dtype="bfloat16": the captured teacher heat is stored as bfloat16, the dtype the done-marker records
+    (mutation testing: heat always stored fp32 while the marker and the run key said bfloat16)."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    run_distillation(make_cfg(out, prompts=PROMPTS[:1], num_inference_steps=1, num_frames=9, height=128, width=128,
+                              cache_dtype="bfloat16", max_steps=1))
+    files = sorted((out / "cache").glob("p*_s*.safetensors"))
+    assert files
+    assert json.loads((out / "cache" / "p00000.done").read_text())["heat_dtype"] == "bfloat16"
+    for f in files:
+        t = load_file(str(f))
+        assert t["heat.0"].dtype == t["heat.1"].dtype == torch.bfloat16, f.name
+        assert t["q.0"].dtype == torch.float32                            # the features stay fp32
+
+
+def test_sampled_steps_cover_every_step_and_differ_between_prompts():
+    """steps_per_prompt: each prompt samples that many distinct denoising steps out of all of them (the last one
+    included), reproducibly from (seed, prompt index), and prompts get their own steps (mutation testing)."""
+    from videosparse.distill.capture import sample_steps
+
+    picks = [sample_steps(4, 2, 0, i) for i in range(40)]
+    assert all(len(p) == 2 and p == sorted(set(p)) and set(p) <= set(range(4)) for p in picks)
+    assert set().union(*map(set, picks)) == {0, 1, 2, 3}                  # the last step is sampled too
+    assert len({tuple(p) for p in picks}) > 1                             # not one choice for every prompt
+    assert picks == [sample_steps(4, 2, 0, i) for i in range(40)]
+    assert sample_steps(4, None, 0, 0) == sample_steps(4, 9, 0, 0) == [0, 1, 2, 3]
+
+
+def test_capture_samples_each_prompts_own_steps_with_its_own_seed(tmp_path, monkeypatch):
+    """With steps_per_prompt, prompt i's samples are those of `sample_steps(..., seed, i)` and its pipeline noise is
+    seeded with seed + i, as CaptureConfig documents (mutation testing: one seed or one step choice for every
+    prompt)."""
+    from videosparse.distill.capture import capture_to_cache, sample_steps
+    from videosparse.models.tiny_wan import build_tiny_wan_pipeline
+
+    seeds = []
+    pipe_class = type(build_tiny_wan_pipeline())
+    real_call = pipe_class.__call__
+
+    def call(self, prompt, *args, generator=None, **kwargs):
+        seeds.append(generator.initial_seed())
+        return real_call(self, prompt, *args, generator=generator, **kwargs)
+
+    monkeypatch.setattr(pipe_class, "__call__", call)
+    seed = 1
+    assert sample_steps(3, 1, seed, 0) != sample_steps(3, 1, seed, 1)     # so a shared choice would show
+    cfg = make_cfg(tmp_path / "unused", num_inference_steps=3, steps_per_prompt=1, num_frames=9, height=128,
+                   width=128, seed=seed, guidance_scale=1.0)
+    files, _ = capture_to_cache(cfg.capture_config(), tmp_path / "cache", lambda layer, heads: cfg.tiling,
+                                block=cfg.block)
+    assert seeds == [seed, seed + 1]
+    for i in range(2):
+        steps = sorted(int(f.name.split("_")[1][1:]) for f in files if f.name.startswith(f"p{i:05d}_"))
+        assert steps == sample_steps(3, 1, seed, i), i
+
+
+def test_the_sample_order_changes_between_epochs_and_depends_only_on_seed_and_epoch():
+    """EpochShuffleSampler: each epoch is a permutation of the samples that depends only on (seed, epoch), so a resume
+    repeats it, and the order changes from one epoch to the next (mutation testing: the same order every epoch)."""
+    from videosparse.distill.train import EpochShuffleSampler
+
+    def orders(seed: int) -> list[list[int]]:
+        sampler = EpochShuffleSampler(8, seed)
+        out = []
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            out.append(list(sampler))
+        return out
+
+    first = orders(3)
+    assert all(sorted(o) == list(range(8)) for o in first)
+    assert len({tuple(o) for o in first}) == 3
+    assert orders(3) == first and orders(4) != first

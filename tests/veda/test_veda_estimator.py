@@ -590,3 +590,18 @@ def test_a_target_density_below_the_forced_tiles_warns_once_per_tile_count(caplo
         VedaMethod(VedaConfig(density=0.9), info).on_layout(0, layout)
     warned = [r.getMessage() for r in caplog.records if "cannot be lower" in r.getMessage()]
     assert len(warned) == 1 and "target density 0.05 gives 0.667" in warned[0], warned
+
+
+def test_offdiagonal_recall_counts_only_the_oracles_offdiagonal_tiles():
+    """4 tiles at density 0.5: the oracle keeps the diagonal and one more tile per row. The estimator finds that
+    tile in rows 0 and 1 only, so it recalls 2 of the oracle's 4 off-diagonal tiles (and 6 of its 8 tiles); the
+    forced diagonal is not in the off-diagonal denominator (mutation testing)."""
+    heat = torch.full((4, 4), 0.1)
+    best = torch.tensor([1, 2, 3, 0])
+    heat[torch.arange(4), best] = 0.5
+    heat.fill_diagonal_(0.3)
+    scores = torch.zeros(4, 4)
+    scores[torch.arange(4), torch.tensor([1, 2, 0, 1])] = 1.0           # rows 2 and 3 pick a wrong tile
+    r = tile_recall(scores[None, None], heat[None, None], 0.5)
+    assert r["recall"] == pytest.approx(6 / 8) and r["recall_offdiag"] == pytest.approx(2 / 4)
+    assert r["heat_recall_offdiag"] == pytest.approx((0.5 + 0.5 + 0.1 + 0.1) / (4 * 0.5))

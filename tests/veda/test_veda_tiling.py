@@ -369,3 +369,32 @@ def test_a_layer_seen_at_several_grids_keeps_only_the_shapes_every_grid_allows()
     res = search.result()
     assert res.candidates[0] == [(1, 8, 8)]
     assert res.tiling.layers[0] == ((1, 8, 8), (1, 8, 8))
+
+
+def test_search_tiling_observes_each_prompts_sampled_steps_with_its_own_seed(monkeypatch):
+    """With steps_per_prompt, the search scores prompt i's records of `sample_steps(..., seed, i)` only, and prompt
+    i's noise is seeded with seed + i, as CaptureConfig documents (mutation testing: the step filter dropped, or one
+    seed for every prompt)."""
+    from videosparse.distill import TilingSearchConfig
+    from videosparse.distill.capture import load_capture_pipeline, sample_steps
+    from videosparse.distill.search import observe_sampled_records
+
+    seed = 1
+    cfg = TilingSearchConfig(model="tiny", prompts=("a red circle", "a blue square"), num_inference_steps=3,
+                             steps_per_prompt=1, num_frames=9, height=128, width=128, guidance_scale=1.0, seed=seed,
+                             output="unused.json")
+    assert sample_steps(3, 1, seed, 0) != sample_steps(3, 1, seed, 1)
+    pipe, call_kwargs = load_capture_pipeline(cfg)
+    seeds, steps = [], []
+    real_call = type(pipe).__call__
+
+    def call(self, prompt, *args, generator=None, **kwargs):
+        seeds.append(generator.initial_seed())
+        steps.append(set())
+        return real_call(self, prompt, *args, generator=generator, **kwargs)
+
+    monkeypatch.setattr(type(pipe), "__call__", call)
+    n = observe_sampled_records(cfg, pipe, call_kwargs, lambda record: steps[-1].add(record.step))
+    assert seeds == [seed, seed + 1]
+    assert steps == [set(sample_steps(3, 1, seed, i)) for i in range(2)]
+    assert n == 2 * 2                                                     # 1 step x 2 layers, per prompt
