@@ -1577,10 +1577,10 @@ def test_a_dtype_change_between_forwards_asks_the_kernel_probe_again(monkeypatch
     from videosparse.kernels.probe import KernelProbe
     from videosparse.processors import context
 
-    def half_only(backend, device, dtype, *rest):
+    def bf16_only(backend, device, dtype, *rest):
         return KernelProbe("reference", None if dtype == torch.bfloat16 else f"no kernel for {dtype}")
 
-    monkeypatch.setattr(context, "probe_kernel", half_only)
+    monkeypatch.setattr(context, "probe_kernel", bf16_only)
     tr = build_tiny_wan_pipeline().transformer
     session = videosparse.apply(tr, videosparse.VedaConfig(density=0.5, block=64, dense_steps=0))["transformer"]
     kw = _tiny_forward_kwargs()

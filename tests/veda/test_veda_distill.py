@@ -177,7 +177,7 @@ def test_killed_then_resumed_run_equals_uninterrupted(tmp_path, cache):
         run_distillation(make_cfg(out, prompts=("a green triangle moving right", "a blue square moving up")))
     assert {p: p.read_bytes() for p in written} == written
     # a checkpoint written before the capture check (no "captures" in its run key) still resumes
-    state_file = out / "checkpoints" / "step_00000012" / "trainer_state.json"
+    state_file = _state_file(out, 12)
     state = json.loads(state_file.read_text())
     del state["run"]["captures"]
     state_file.write_text(json.dumps(state))
@@ -216,7 +216,7 @@ def test_a_run_of_the_version_before_the_heat_dtype_was_recorded_resumes_without
         old = json.loads(marker.read_text())
         del old["heat_dtype"]
         marker.write_text(json.dumps(old))
-    state_file = out / "checkpoints" / "step_00000004" / "trainer_state.json"
+    state_file = _state_file(out, 4)
     state = json.loads(state_file.read_text())
     del state["run"]["cache_dtype"]
     for capture in state["run"]["captures"]:
@@ -666,8 +666,13 @@ def test_a_refused_resume_prunes_no_checkpoint(tmp_path, cache):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == saved
 
 
+def _state_file(out: Path, step: int) -> Path:
+    """The trainer_state.json of the run's checkpoint at `step`."""
+    return out / "checkpoints" / f"step_{step:08d}" / "trainer_state.json"
+
+
 def _trainer_state(out: Path, step: int) -> dict:
-    return json.loads((out / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").read_text())
+    return json.loads(_state_file(out, step).read_text())
 
 
 def test_a_run_stopped_after_an_epoch_end_checkpoint_resumes_in_the_next_epoch(tmp_path, cache):
