@@ -596,6 +596,124 @@ def test_a_pipeline_sharing_the_transformer_counts_its_own_steps(monkeypatch):
     videosparse.remove(pipe2)
 
 
+@pytest.mark.parametrize("config,video_to_video", [
+    (videosparse.VedaConfig(density=0.3, tiling=(1, 4, 16), block=64, dense_steps=0.4), False),
+    (videosparse.SolConfig(density=0.3, band=0, tiling=(1, 4, 16), block=64, dense_steps=2), False),
+    (videosparse.VedaConfig(density=0.3, tiling=(1, 4, 16), block=64, dense_steps=2), True)],
+    ids=["veda", "sol", "veda-v2v"])
+def test_pipelines_sharing_the_transformer_run_at_once_from_threads(config, video_to_video, monkeypatch):
+    """diffusers' server example: one pipeline loaded, a `from_pipe` pipeline with a scheduler of its own per request,
+    requests served from a thread pool at once. Two such calls of other resolutions and step counts, stepping in
+    lockstep from two threads, give what each gives alone, and their dense steps are theirs: before, the second
+    attended with the first's layouts (0.016 off, layers dense on a grid mismatch), read the other's cache context
+    and shared its step count (11 dense forwards for 8). WanPipeline gives the step in its cache context; the
+    video-to-video pipeline gives none, so there each call counts its own steps by timestep."""
+    import threading
+    import types
+
+    import diffusers.pipelines.wan.pipeline_wan_video2video as v2v
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanVideoToVideoPipeline
+    from PIL import Image
+
+    monkeypatch.setattr(v2v, "ftfy", types.SimpleNamespace(fix_text=lambda text: text), raising=False)
+    torch.set_num_threads(1)
+    pipe = build_tiny_wan_pipeline()
+    session = videosparse.apply(pipe, config)["transformer"]
+    requests = [dict(height=64, width=96, num_frames=5, num_inference_steps=5),
+                dict(height=96, width=64, num_frames=9, num_inference_steps=7)]
+    lockstep = min(r["num_inference_steps"] for r in requests)
+
+    def call(i, barrier=None):
+        kind, extra, parts = WanPipeline, dict(requests[i]), {}
+        if video_to_video:
+            kind, frames = WanVideoToVideoPipeline, extra.pop("num_frames")
+            extra.update(strength=1.0, video=[Image.fromarray((np.random.RandomState(f).rand(
+                extra["height"], extra["width"], 3) * 255).astype("uint8")) for f in range(frames)])
+            parts["vae"] = copy.deepcopy(pipe.vae)    # (diffusers' Wan VAE keeps its causal cache in the module)
+        request = kind.from_pipe(pipe, scheduler=FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config),
+                                 **parts)
+        request.set_progress_bar_config(disable=True)
+
+        def in_step(pipeline, step, t, kwargs):
+            if barrier is not None and step < lockstep:
+                barrier.wait(timeout=120)
+            return kwargs
+        return request(prompt="a red circle", negative_prompt="blue", output_type="latent", max_sequence_length=16,
+                       generator=torch.Generator().manual_seed(i), callback_on_step_end=in_step, **extra).frames
+
+    def forwards(run):
+        session.reset_stats()
+        out = run()
+        layer = session.stats()["layers"][0]
+        return out, (layer["dense_calls"], layer["sparse_calls"])
+
+    alone = [forwards(lambda i=i: call(i)) for i in range(2)]
+    barrier, outs, errors = threading.Barrier(2), {}, []
+
+    def serve(i):
+        try:
+            outs[i] = call(i, barrier)
+        except BaseException as err:       # (the other thread must not wait at the barrier for this one)
+            errors.append(err)
+            barrier.abort()
+
+    def together():
+        threads = [threading.Thread(target=serve, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    _, counts = forwards(together)
+    assert not errors, errors
+    for i in range(2):
+        assert torch.equal(outs[i], alone[i][0]), (i, float((outs[i] - alone[i][0]).abs().max()))
+    assert counts == tuple(map(sum, zip(*(c for _, c in alone)))), (counts, [c for _, c in alone])
+    videosparse.remove(pipe)
+
+
+def test_remove_waits_for_a_forward_in_flight_in_another_thread():
+    """`remove` from one thread while another thread's forward is in flight takes effect after that forward: the
+    forward runs sparse to its end (before, its later layers ran stock) and the next forward runs stock."""
+    import threading
+    import time
+
+    pipe = build_tiny_wan_pipeline()
+    tr = pipe.transformer
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(hidden_states=torch.randn(1, 4, 2, 8, 12, generator=g), timestep=torch.tensor([500.0]),
+                  encoder_hidden_states=torch.randn(1, 8, 32, generator=g), return_dict=False)
+    with torch.no_grad():
+        stock = tr(**inputs)[0]
+    session = videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=(1, 4, 16), block=64,
+                                                           dense_steps=0))["transformer"]
+    with torch.no_grad():
+        sparse = tr(**inputs)[0]
+    assert not torch.equal(sparse, stock)
+    entered, order, out = threading.Event(), [], {}
+
+    def slow_first_layer(record):
+        if record.layer == 0:
+            entered.set()
+            time.sleep(0.3)
+
+    def forward():
+        with torch.no_grad():
+            out["y"] = tr(**inputs)[0]
+        order.append("forward")
+
+    with videosparse.observe(tr, slow_first_layer):
+        thread = threading.Thread(target=forward)
+        thread.start()
+        assert entered.wait(timeout=60)
+        videosparse.remove(tr)
+        order.append("remove")
+        thread.join()
+    assert order == ["forward", "remove"]
+    assert torch.equal(out["y"], sparse) and session.stats()["sparse_calls"] == 2 * 2
+    with torch.no_grad():
+        assert torch.equal(tr(**inputs)[0], stock)
+
+
 def test_a_sharing_pipelines_steps_after_calls_that_ended_early(monkeypatch):
     """Review finds (a service: requests that die mid-way): the step counter of a `from_pipe` pipeline with its own
     scheduler was reset only when a call ended normally, so the call after one that raised skipped its dense steps;

@@ -412,6 +412,11 @@ def _restore(transformer: torch.nn.Module) -> SparseSession | None:
     session = getattr(transformer, SESSION_ATTR, None)
     if session is None:
         return None
+    with session.forward_lock:          # after a forward in flight in another thread
+        return _restore_locked(transformer, session)
+
+
+def _restore_locked(transformer: torch.nn.Module, session: SparseSession) -> SparseSession:
     session.active = False
     saved = getattr(transformer, "original_attn_processors", None)
     if isinstance(saved, dict):       # a fuse's saved processors (before or after apply): videosparse's leave them

@@ -17,6 +17,7 @@ import functools
 import inspect
 import logging
 import math
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -226,8 +227,9 @@ class TimestepCounter:
     earlier calls') continues the count: only its second forward was read as a new step 0. Timesteps alone cannot
     tell that from two stray timesteps in a row below the next call's first (two requests that died after their
     first step): without a family direction, that call then counts from 2 until its first fall starts it again.
-    `apply` gives the transformers of one pipeline one counter (Wan 2.2's two experts take turns within a call);
-    transformers set up with neither a pipeline nor a scheduler share `BARE_TIMESTEP_COUNTER`."""
+    `apply` gives the transformers of one pipeline one set of counters, one per thread (`ThreadTimestepCounters`; Wan
+    2.2's two experts take turns within a call); transformers set up with neither a pipeline nor a scheduler share
+    `BARE_TIMESTEP_COUNTER`."""
 
     def __init__(self) -> None:
         self.last: float | None = None       # this call's latest timestep
@@ -274,7 +276,46 @@ class TimestepCounter:
         self.learned = 0
 
 
-BARE_TIMESTEP_COUNTER = TimestepCounter()   # of every session without a pipeline or scheduler (see SparseSession)
+class ThreadTimestepCounters:
+    """One `TimestepCounter` per thread, behind the counter's interface (`step`, `reset`, `forget`): a pipeline call
+    runs in one thread, so pipelines that share a transformer (`from_pipe`, each with a scheduler of its own, as
+    diffusers' server example makes one per request) count the steps of their calls apart when they run at once,
+    and the end of one call (`reset`) restarts only its own count. The direction learned from the calls that ended
+    normally is shared: a thread's first call starts from it."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self.learned = 0
+
+    @property
+    def current(self) -> TimestepCounter:
+        """The calling thread's counter."""
+        counter = getattr(self._local, "counter", None)
+        if counter is None:
+            counter = self._local.counter = TimestepCounter()
+            counter.learned = self.learned
+        return counter
+
+    def step(self, t, expected: int = 0) -> int:
+        return self.current.step(t, expected)
+
+    def reset(self) -> None:
+        counter = self.current
+        counter.reset()
+        self.learned = counter.learned
+
+    def forget(self) -> None:
+        """A new setup: every thread's count and the learned direction dropped."""
+        self._local = threading.local()
+        self.learned = 0
+
+    def __deepcopy__(self, memo):
+        new = memo[id(self)] = ThreadTimestepCounters()    # (a thread-local cannot be copied) the counts start over
+        new.learned = self.learned
+        return new
+
+
+BARE_TIMESTEP_COUNTER = ThreadTimestepCounters()   # of every session without a pipeline or scheduler (SparseSession)
 
 
 class SparseSession:
@@ -319,13 +360,17 @@ class SparseSession:
             BARE_TIMESTEP_COUNTER.forget()        # a new setup: nothing carried over from an earlier one's calls
             self.timestep_counter = BARE_TIMESTEP_COUNTER
         else:
-            self.timestep_counter = TimestepCounter()
+            self.timestep_counter = ThreadTimestepCounters()
         self.forward_graph_task = -1              # the autograd graph task the latest transformer forward ran in
         self._warned_unmanaged_recompute = False
         self.active = True                        # False once removed: processors kept elsewhere then run dense
         # weak refs to the attention modules of the served layers: one holding a processor of another session or
         # none (fuse_qkv_projections or set_attn_processor after apply) is warned about once
         self.served: list[weakref.ref] = []
+        # held through every transformer forward (`SparseContextHook.new_forward`) and by `remove`: the context and
+        # layouts above are those of one forward, so forwards from several threads (pipelines sharing the
+        # transformer) take turns; reentrant, for a forward run from inside one (a callback, a recompute)
+        self.forward_lock = threading.RLock()
 
     def __reduce_ex__(self, protocol):
         # pickling met a weak reference (to the pipeline, the modules) with a message that does not name videosparse
@@ -340,9 +385,10 @@ class SparseSession:
 
     def __deepcopy__(self, memo):
         # copy.deepcopy goes through __reduce_ex__ too: copy the attributes as it would (a copied transformer then
-        # refuses to run, see `SparseContextHook._update`)
+        # refuses to run, see `SparseContextHook.pre_forward`)
         new = memo[id(self)] = self.__copy__()
-        new.__dict__ = copy.deepcopy(self.__dict__, memo)
+        new.__dict__ = copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "forward_lock"}, memo)
+        new.forward_lock = threading.RLock()
         return new
 
     def release(self) -> None:
@@ -592,6 +638,40 @@ def _ignore_record(record: AttentionRecord) -> None:
     """An observer that does nothing (`SparseSession.recomputing`)."""
 
 
+class _ThreadStateManager(StateManager):
+    """diffusers' `StateManager` with the cache context and the per-branch states kept per thread: a pipeline sets
+    the context (`cache_context("cond", step_index=i, ...)`) on the shared transformer's hooks before each forward,
+    so with pipelines sharing the transformer in several threads another call's context would otherwise be the one
+    read (its branch and step); `reset` at the end of a call clears the calling thread's."""
+
+    def __init__(self, state_cls) -> None:
+        self._local = threading.local()
+        super().__init__(state_cls)
+
+    @property
+    def _context(self):
+        return getattr(self._local, "context", None)
+
+    @_context.setter
+    def _context(self, context) -> None:
+        self._local.context = context
+
+    @property
+    def _state_cache(self) -> dict:
+        states = getattr(self._local, "states", None)
+        if states is None:
+            states = self._local.states = {}
+        return states
+
+    @_state_cache.setter
+    def _state_cache(self, states: dict) -> None:
+        self._local.states = states
+
+    def __deepcopy__(self, memo):
+        new = memo[id(self)] = _ThreadStateManager(self._state_cls)    # (a thread-local cannot be copied)
+        return new
+
+
 class _BranchState(BaseState):
     """Per cache-context (cond/uncond) state: forward calls seen in this pipeline call."""
 
@@ -697,7 +777,7 @@ class _RecomputeWithContext:
         if not self._ran:
             self._ran = True
             return fn(*args, **kwargs)
-        with self._session.recomputing(self._snapshot), _processors_as(self._processors):
+        with self._session.forward_lock, self._session.recomputing(self._snapshot), _processors_as(self._processors):
             return fn(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
@@ -759,7 +839,7 @@ class SparseContextHook(ModelHook):
         self.grid_fn = grid_fn
         self.step_timestep = step_timestep   # ModelSpec.step_timestep: None reads the forward's timestep
         self.timestep_direction = timestep_direction    # ModelSpec.timestep_direction (what counting may assume)
-        self.state_manager = StateManager(_BranchState)
+        self.state_manager = _ThreadStateManager(_BranchState)
         self._timestep_position = 1          # set from the model's forward signature on the first call
         self._warned_unknown_steps = False
         self._warned_all_dense = False
@@ -794,8 +874,24 @@ class SparseContextHook(ModelHook):
                 owner._gradient_checkpointing_func = _CheckpointingWithContext(func, self.session)
 
     def pre_forward(self, module, *args, **kwargs):
-        self._update(module, args, kwargs)
+        if module is not self._module():
+            _refuse_copy(module)
+        link = self.fn_ref
+        if id(link.forward) != id(self.entry):      # (`id`: Dynamo traces this compare, not `is not` on partials)
+            # diffusers' `remove_hook` of a hook registered before ours (a cache disabled after apply) points the
+            # next hook's `forward`, ours, at the forward it wrapped: that one goes inside `new_forward` instead
+            link.original_forward, link.forward = link.forward, self.entry
         return args, kwargs
+
+    @torch.compiler.disable(recursive=False)
+    def new_forward(self, module, *args, **kwargs):
+        """The transformer's forward (the registry's `original_forward`) with the session's `forward_lock` held and
+        the context of this forward recorded first (`_update`): forwards from several threads take turns, each
+        with its own grid, layouts and step. Not traced (`torch.compile` compiles the forward it calls on its own
+        frame), so the lock works under compile too."""
+        with self.session.forward_lock:
+            self._update(module, args, kwargs)
+            return self.fn_ref.original_forward(*args, **kwargs)
 
     @torch.compiler.disable
     def _update(self, module, args, kwargs) -> None:
@@ -804,14 +900,6 @@ class SparseContextHook(ModelHook):
         Runs eagerly: under `torch.compile(transformer)` this is the one graph break (at the top of
         the forward); the processors then read only plain flags, so steps do not recompile.
         """
-        if module is not self._module():
-            # diffusers' hook registry wraps `forward` in closures that `copy.deepcopy` shares with the original, so
-            # a copy's forward would run the original's weights and session: refuse it rather than answer wrongly
-            raise RuntimeError(
-                f"this {type(module).__name__} is a copy (copy.deepcopy) of a transformer with videosparse applied; "
-                "diffusers' hooks do not survive deepcopy, so its forward would run the original's weights. Call "
-                "videosparse.remove(...) on the original before copying it, then videosparse.apply(...) to each."
-            )
         if _graph_task() != -1 and torch.is_grad_enabled() and not self.session._recomputing:
             # the whole forward rerun, recording gradients, inside a backward: activation checkpointing around the
             # transformer call (a forward that a backward hook or an adjoint method runs, without grad as backward
@@ -1027,7 +1115,11 @@ class SparseContextHook(ModelHook):
         return isinstance(counted, int) and counted >= len(timesteps)
 
     def reset_state(self, module):
-        # called by diffusers at the end of every pipeline call (maybe_free_model_hooks)
+        # called by diffusers at the end of every pipeline call (maybe_free_model_hooks); the calling thread's counts
+        with self.session.forward_lock:
+            return self._reset_state(module)
+
+    def _reset_state(self, module):
         if self.session.calls and logger.isEnabledFor(logging.INFO):     # (the summary syncs with the device)
             logger.info("pipeline call ended; since apply or reset_stats(): %s", self.session.summary())
         self.state_manager.reset()
@@ -1050,6 +1142,29 @@ class SparseContextHook(ModelHook):
             self._stale_counter = (weakref.ref(scheduler), weakref.ref(timesteps), counted)
 
 
+@torch.compiler.disable
+def _refuse_copy(module) -> None:
+    """diffusers' hook registry wraps `forward` in closures that `copy.deepcopy` shares with the original, so a copy's
+    forward would run the original's weights and session (the registry's link calls the original's `new_forward`,
+    bound to the original): refuse it rather than answer wrongly."""
+    raise RuntimeError(
+        f"this {type(module).__name__} is a copy (copy.deepcopy) of a transformer with videosparse applied; "
+        "diffusers' hooks do not survive deepcopy, so its forward would run the original's weights. Call "
+        "videosparse.remove(...) on the original before copying it, then videosparse.apply(...) to each.")
+
+
+def _run_untraced(fn) -> None:
+    """Have Dynamo run `fn`'s own frame (not what it calls) as is, decided once per code object rather than
+    converting the frame again at every call (torch.compiler.disable(recursive=False) alone reconverts it, one
+    lookup per transformer forward); a no-op where this torch has no `skip_code`."""
+    skip_code = getattr(getattr(torch._dynamo, "eval_frame", None), "skip_code", None)
+    if skip_code is not None:
+        skip_code(inspect.unwrap(fn).__code__)
+
+
+_run_untraced(SparseContextHook.new_forward)
+
+
 def register_context_hook(transformer: torch.nn.Module, session: SparseSession, grid_fn,
                           step_timestep=None, timestep_direction: int = 0) -> None:
     """Register the context hook in the transformer's diffusers hook registry.
@@ -1068,6 +1183,7 @@ def register_context_hook(transformer: torch.nn.Module, session: SparseSession, 
         transformer.forward = transformer._old_forward
     try:
         registry.register_hook(hook, CONTEXT_HOOK)
+        hook.entry = hook.fn_ref.forward          # the registry's partial of `new_forward` (`pre_forward` keeps it)
     finally:
         hook.installed_forward = transformer.__dict__.get("forward")     # the registry's wrapper around our hook
         if offload:
@@ -1123,6 +1239,7 @@ def remove_context_hook(transformer: torch.nn.Module) -> bool:
     link = registry._fn_refs[index]
     link.pre_forward, link.post_forward = _pass_through_pre, _pass_through_post
     before = link.original_forward if link.original_forward is not None else link.forward
+    link.forward, link.original_forward = before, None          # the link calls past `new_forward` from now on
     if not last:
         nxt = registry._fn_refs[index + 1]
         if nxt.forward is ours:
