@@ -846,6 +846,7 @@ class SparseContextHook(ModelHook):
         self._warned_training = False
         self._warned_replaced = False
         self._checkpointing: list[torch.nn.Module] = []     # set in `initialize_hook`
+        self.entry = None       # the registry's partial of `new_forward` (`register_context_hook` sets it)
         # (scheduler, its timesteps, step_index) as weak references and a value, recorded when a pipeline call ended
         # while the applied pipeline's scheduler was mid-schedule, or had no step counter: a counter its aborted call
         # left, or a finished schedule (`_other_driver`)
@@ -1183,7 +1184,7 @@ def register_context_hook(transformer: torch.nn.Module, session: SparseSession, 
         transformer.forward = transformer._old_forward
     try:
         registry.register_hook(hook, CONTEXT_HOOK)
-        hook.entry = hook.fn_ref.forward          # the registry's partial of `new_forward` (`pre_forward` keeps it)
+        hook.entry = hook.fn_ref.forward          # (`pre_forward` keeps it there)
     finally:
         hook.installed_forward = transformer.__dict__.get("forward")     # the registry's wrapper around our hook
         if offload:
