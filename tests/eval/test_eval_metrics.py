@@ -314,3 +314,50 @@ def test_tile_recall_leaves_out_rows_that_keep_every_tile():
     mask[0, 0, 1, [0, 5]] = True            # the other: one right, one wrong of its two
     mask[0, 0, 1, 4] = False
     assert tile_recall(plan_from_mask(mask, 64, 64), mass)["recall"] == pytest.approx(0.75)
+
+
+def test_psnr_is_the_mean_of_the_frames_psnr():
+    """Mutation find: psnr() took the median of the per-frame values and no test noticed; with frames at 20, 26.02
+    and 40 dB the mean (28.67) and the median (26.02) differ."""
+    ref = np.full((3, 16, 16, 3), 0.5)
+    video = ref + np.array([0.1, 0.05, 0.01])[:, None, None, None]
+    per_frame = psnr_per_frame(video, ref)
+    np.testing.assert_allclose(per_frame, [20.0, 10 * math.log10(1 / 0.0025), 40.0], atol=1e-4)
+    assert psnr(video, ref) == pytest.approx(float(np.mean(per_frame)), abs=1e-6)
+    assert psnr(video, ref) == pytest.approx((20.0 + 10 * math.log10(400) + 40.0) / 3, abs=1e-4)
+
+
+def test_ssim_compares_the_colour_channels():
+    """Mutation find: ssim() on the grey mean of the channels gave 1.0 for a video with its channels reversed (same
+    mean, different colours); it compares RGB, as ssim_per_frame does, and is the mean of the per-frame values."""
+    ref = np.random.default_rng(0).random((2, 16, 16, 3))
+    swapped = ref[..., ::-1].copy()
+    assert ssim(swapped, ref) < 0.9
+    assert ssim(swapped, ref) == pytest.approx(float(np.mean(ssim_per_frame(swapped, ref))), abs=1e-6)
+    video = np.clip(ref + 0.1 * np.random.default_rng(1).standard_normal(ref.shape), 0, 1)
+    assert ssim(video, ref) == pytest.approx(float(np.mean(ssim_per_frame(video, ref))), abs=1e-6)
+
+
+def test_lpips_gets_both_videos_scaled_to_minus_one_one():
+    """Mutation find: LPIPS expects inputs in [-1, 1]; a video passed in [0, 1] went unnoticed, since the tests only
+    covered lpips being unavailable. A stub model records what it is given."""
+    from videosparse.eval.metrics import lpips_distance
+
+    seen = []
+
+    class Stub(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, x, y):
+            seen.append((x.clone(), y.clone()))
+            return (x - y).abs().mean((1, 2, 3))
+
+    video = np.linspace(0, 1, 2 * 8 * 8 * 3).reshape(2, 8, 8, 3)
+    reference = video[::-1].copy()
+    value = lpips_distance(Stub(), video, reference)
+    (x, y), = seen
+    torch.testing.assert_close(x, torch.as_tensor(video).permute(0, 3, 1, 2).float() * 2 - 1)
+    torch.testing.assert_close(y, torch.as_tensor(reference).permute(0, 3, 1, 2).float() * 2 - 1)
+    assert value == pytest.approx(float((x - y).abs().mean()), rel=1e-6)

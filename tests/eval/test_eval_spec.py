@@ -104,3 +104,21 @@ def test_several_estimators_one_per_transformer(tmp_path, monkeypatch):
     for text in ("veda:estimator=runs/high,", "veda:estimator=a,,b"):
         with pytest.raises(ValueError, match="several separated by single commas"):
             parse_method_spec(text)
+
+
+@pytest.mark.parametrize("word, value", [("on", True), ("true", True), ("yes", True), ("1", True), ("YES", True),
+                                         ("off", False), ("false", False), ("no", False), ("0", False)])
+def test_every_spelling_of_a_switch_maps_to_its_value(word, value):
+    """Mutation find: `correction=yes` was read as off and no test noticed; every spelling the error message
+    offers maps onto the value it names."""
+    assert parse_method_spec(f"veda@0.1:correction={word}").config.correction is value
+    assert parse_method_spec(f"sol@0.1:correction={word}").config.correction is value
+
+
+def test_a_tau_only_sol_spec_has_no_nominal_density():
+    """Mutation find: a Sol spec with a fixed tau and no density reported 1.0, which plots it at dense's density;
+    it has none and reports nan (a Sol spec with a density still reports it)."""
+    import math
+
+    assert math.isnan(parse_method_spec("sol:tau=1.5").density)
+    assert parse_method_spec("sol@0.3").density == 0.3

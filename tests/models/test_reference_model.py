@@ -526,3 +526,22 @@ def test_load_pipeline_refuses_pickled_weights(tmp_path):
     build_tiny_wan_pipeline(num_layers=1).save_pretrained(tmp_path, safe_serialization=False)
     with pytest.raises(OSError, match="safetensors files only"):
         load_pipeline(str(tmp_path), "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".pth", ".ckpt"])
+def test_load_pipeline_names_pickled_weights_of_any_suffix(tmp_path, suffix):
+    """Mutation find: only `.bin` pickles were recognised, so a folder of `.pt` / `.pth` / `.ckpt` pickles (a converted
+    checkpoint) was refused as "a component missing or damaged"; it is named as safetensors-only, as a `.bin` is."""
+    from videosparse.models.loading import load_pipeline
+    from videosparse.models.tiny_wan import build_tiny_wan_pipeline
+
+    build_tiny_wan_pipeline(num_layers=1).save_pretrained(tmp_path, safe_serialization=False)
+    renamed = 0
+    for root, _, names in os.walk(tmp_path):
+        for name in names:
+            if name.endswith(".bin"):
+                os.rename(os.path.join(root, name), os.path.join(root, name[:-4] + suffix))
+                renamed += 1
+    assert renamed
+    with pytest.raises(OSError, match="safetensors files only"):
+        load_pipeline(str(tmp_path), "cpu", torch.float32)

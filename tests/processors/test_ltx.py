@@ -1,4 +1,6 @@
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -139,6 +141,56 @@ def test_not_one_grid_runs_stock_with_one_warning(case, caplog):
         inputs["video_coords"] = torch.cat([grid_coords, shifted])
         expected = "differ across the batch"
     assert_runs_stock_with_one_warning(t, tr, inputs, expected, caplog)
+
+
+def test_a_masked_attn1_call_runs_stock_with_one_warning(caplog):
+    """Mutation find: the sparse path ignored an `attention_mask` given to attn1 (the model gives it none, a direct
+    call may): the output differed from stock by 0.1 and nothing was said. The call runs the stock processor with the
+    mask, warned once, counted dense."""
+    t = TestLTXProcessors()
+    tr = t.make_transformer()
+    videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=t.tiling, block=t.block))
+    t.run(tr, t.make_inputs(tr))                      # records the grid
+    session = sessions(tr)["transformer"]
+    before = session.stats()
+    attn = tr.transformer_blocks[0].attn1
+    x = torch.randn(1, 378, 2 * t.head_dim, generator=torch.Generator().manual_seed(2))
+    mask = torch.zeros(1, 1, 1, 378)
+    mask[..., 200:] = -1e4                            # additive key mask: the last 178 keys off
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="videosparse"):
+        out = [attn.processor(attn, x, attention_mask=mask) for _ in range(2)]
+        ref = LTXVideoAttnProcessor()(attn, x, attention_mask=mask)
+    assert torch.equal(out[0], ref) and torch.equal(out[1], ref)
+    assert sum("an attention mask was given" in r.getMessage() for r in caplog.records) == 1
+    after = session.stats()
+    assert after["sparse_calls"] == before["sparse_calls"] and after["dense_calls"] == before["dense_calls"] + 2
+
+
+def test_video_coords_changed_in_place_are_checked_again(caplog):
+    """Mutation find: the check of `video_coords` is cached per tensor; keyed on the tensor alone (not its version
+    counter), coordinates edited in place into no grid kept the stale grid and the forward ran sparse on it. After the
+    edit the check names the problem and the forward runs stock, warned once per layer."""
+    from videosparse.processors.ltx import coords_grid
+
+    coords = _video_coords(LATENT)
+    S = LATENT[0] * LATENT[1] * LATENT[2]
+    assert coords_grid(coords, S) == (LATENT, None)
+    t = TestLTXProcessors()
+    tr = t.make_transformer()
+    inputs = dict(t.make_inputs(tr), num_frames=None, height=None, width=None, rope_interpolation_scale=None,
+                  video_coords=coords)
+    videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=t.tiling, block=t.block))
+    t.run(tr, inputs)
+    assert sessions(tr)["transformer"].stats()["sparse_calls"] == t.num_layers
+    order = torch.randperm(S, generator=torch.Generator().manual_seed(3))
+    coords.copy_(coords[:, :, order].clone())          # in place: the same tensor, no longer a time-major grid
+    grid, problem = coords_grid(coords, S)
+    assert grid is None and "do not form one time-major" in problem
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        t.run(tr, inputs, step=1)
+    stats = sessions(tr)["transformer"].stats()
+    assert stats["sparse_calls"] == t.num_layers and stats["dense_calls"] == t.num_layers
+    assert sum("do not form one time-major" in r.getMessage() for r in caplog.records) == t.num_layers
 
 
 def test_model_info_of_published_configs():

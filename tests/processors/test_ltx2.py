@@ -174,6 +174,41 @@ def test_perturbed_call_equals_stock(all_perturbed):
         assert torch.equal(out, ref)
 
 
+def test_a_zero_perturbation_mask_skips_attention():
+    """Mutation find: with `all_perturbed` unset, an all-zero `perturbation_mask` (every item perturbed) must skip the
+    attention as stock does (its output is the values, bit for bit, either way): no attention call is made or
+    counted, and no observer record is made; a mask with one unperturbed item still attends."""
+    t = TestLTX2GatedPerturbedProcessors()
+    tr = t.make_transformer()
+    inputs = {k: torch.cat([v, v]) if torch.is_tensor(v) else v for k, v in t.make_inputs(tr).items()}
+    videosparse.apply(tr, videosparse.VedaConfig(density=1.0, tiling=t.tiling, block=t.block))
+    t.run(tr, inputs)                                          # records the grid, builds the layouts
+    session = sessions(tr)["transformer"]
+    attn = tr.transformer_blocks[0].attn1
+    hidden = torch.randn(2, 378, 128, generator=torch.Generator().manual_seed(3))
+    rope = tr.rope(inputs["video_coords"])
+    for mask, calls in ((torch.zeros(2, 1, 1), 0), (torch.tensor([0.0, 1.0])[:, None, None], 1)):
+        before, records = session.stats()["sparse_calls"], []
+        with torch.no_grad(), videosparse.observe(tr, records.append):
+            out = attn.processor(attn, hidden, None, None, rope, None, mask, None)
+            ref = LTX2PerturbedAttnProcessor()(attn, hidden, None, None, rope, None, mask, None)
+        assert session.stats()["sparse_calls"] - before == calls and len(records) == calls
+        assert (out - ref).abs().max() <= 1e-5
+
+
+def test_size_grid_is_the_ceil_of_size_over_patch():
+    """Mutation find: the grid from the latent sizes must count the patches `prepare_video_coords` lays out, a
+    partial patch included (ceil of size / patch); floored, a patch-2 model at odd latent sizes ran dense with "not
+    the 3 x 6 x 17 patches". The released models use patch 1, where both agree."""
+    tr = tiny_ltx2(num_layers=1, patch_size=2, in_channels=4 * CHANNELS, out_channels=4 * CHANNELS)
+    F, H, W = 3, 13, 35                                        # 3 x ceil(13 / 2) x ceil(35 / 2) = 3 x 7 x 18
+    coords = tr.rope.prepare_video_coords(1, F, H, W, "cpu", fps=25.0)
+    assert coords.shape[2] == 378
+    hidden = torch.zeros(1, 378, 4 * CHANNELS)
+    assert ltx2_grid(tr, (), dict(hidden_states=hidden, video_coords=coords)) == ((3, 7, 18), 0, None)
+    assert ltx2_grid(tr, (), dict(hidden_states=hidden, num_frames=F, height=H, width=W)) == ((3, 7, 18), 0, None)
+
+
 def test_video_coords_give_the_grid_of_the_sizes():
     """A forward with video_coords only (the DFR pipelines) records the grid of one with num_frames/height/width only,
     and so does one with both (LTX2Pipeline); each runs sparse and equals stock at density 1."""

@@ -69,3 +69,41 @@ def test_a_failed_built_in_registration_is_tried_again(monkeypatch):
     monkeypatch.setattr(registry, "_register_builtin_models", real)     # the real one registers through
     registry._load_builtins()                                           # register_model: no deadlock on the lock
     assert registry._BUILTINS_LOADED == [True]
+
+
+def test_a_subclass_of_a_supported_transformer_is_served_as_its_parent():
+    """Mutation find: `register_model` promises that subclasses are served (the lookup walks the class's MRO); a
+    lookup of the exact class only called `class MyWan(WanTransformer3DModel)` "not supported", and no test noticed."""
+    from diffusers import WanTransformer3DModel
+
+    from videosparse.processors.wan import WanSparseAttnProcessor
+
+    class MyWan(WanTransformer3DModel):
+        pass
+
+    tr = MyWan(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=8, freq_dim=8,
+               ffn_dim=8, num_layers=2)
+    procs = videosparse.processors(tr, videosparse.DenseConfig())
+    try:
+        served = {name: type(p) for name, p in procs.items() if name.endswith("attn1.processor")}
+        assert list(served.values()) == [WanSparseAttnProcessor] * 2
+        assert videosparse.sessions(tr)["transformer"].info.model_class == "MyWan"
+    finally:
+        videosparse.remove(tr)
+
+
+@pytest.mark.parametrize("patch_size_t, patch", [(None, (1, 2, 2)), (2, (2, 2, 2))])
+def test_the_reported_patch_takes_the_temporal_patch_of_an_int_patch_config(patch_size_t, patch):
+    """Mutation find: the model info (written as `patch_size` to evaluate's report, and read by the methods) took
+    the temporal patch as 1 for configs with an int `patch_size` and a `patch_size_t` (CogVideoX 1.5: 2 x 2 x 2)."""
+    from diffusers import CogVideoXTransformer3DModel
+
+    tr = CogVideoXTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=32,
+        text_embed_dim=16, num_layers=1, sample_width=36, sample_height=14, sample_frames=9, patch_size=2,
+        patch_size_t=patch_size_t, max_text_seq_length=8, use_rotary_positional_embeddings=True)
+    videosparse.processors(tr, videosparse.DenseConfig())
+    try:
+        assert videosparse.sessions(tr)["transformer"].info.patch_size == patch
+    finally:
+        videosparse.remove(tr)

@@ -162,6 +162,28 @@ def test_other_masks_run_dense_with_one_warning(caplog):
     assert sum("attention mask" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_an_additive_key_mask_runs_dense_as_stock(caplog):
+    """Mutation find: a float (additive) [B, 1, 1, S] key mask was taken as the forward's boolean one, which turned
+    its 0 / -inf entries into padded / valid text (inverted): a direct processor call with it differed from stock
+    by 0.03. It runs dense with the mask as given, equal to `MotifVideoAttnProcessor2_0`, warned once."""
+    t, tr = _tiny()
+    inputs = t.make_inputs(tr)
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=t.tiling, block=t.block))
+    t.run(tr, inputs)                                  # records the grid and the 6 valid text tokens
+    attn = tr.transformer_blocks[0].attn
+    video = GRID[0] * GRID[1] * GRID[2]
+    g = torch.Generator().manual_seed(2)
+    x, text = torch.randn(1, video, 128, generator=g), torch.randn(1, TEXT, 128, generator=g)
+    keep = torch.cat([torch.ones(1, video, dtype=torch.bool), inputs["encoder_attention_mask"]], dim=1)
+    mask = torch.zeros(1, 1, 1, video + TEXT).masked_fill(~keep[:, None, None], float("-inf"))
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="videosparse"):
+        out = attn.processor(attn, x, text, mask, None)
+        ref = MotifVideoAttnProcessor2_0()(attn, x, text, mask, None)
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r, atol=1e-6, rtol=0)
+    assert sum("attention mask" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_image_and_text_tokens_served_as_global_tiles(caplog):
     """I2V: the SigLIP image tokens and the valid text tokens are the extra tokens after the video."""
     t, tr = _tiny(image_embed_dim=IMAGE_DIM)
