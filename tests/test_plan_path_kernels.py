@@ -22,6 +22,7 @@ CASES = {
     "ties": (1, 2, 12, 0, None, "ties"),                # integer scores: the lower column wins a boundary tie
     "fp16-scores": (1, 1, 10, 0, 0.5, "fp16"),
     "signed-zeros": (1, 2, 12, 0, None, "zeros"),       # -0.0 ties +0.0: the lower column still wins
+    "narrow-width": (1, 2, 10, 0, None, "narrow"),      # width 4 < max(budget): rows keep their best 4 tiles
 }
 
 
@@ -127,8 +128,14 @@ def _run_case(name: str) -> dict:
     else:
         budget = torch.tensor(row_budget_list(density, M, M))
     width = int(budget.max()) if G == 0 else M + G
+    kept = budget.tolist()
+    if extra == "narrow":
+        # Mutation find: a width below max(budget) caps every row at width - G tiles (diagonal included) and
+        # nothing is written past a row's width columns; before only width == max(budget) + G was run
+        width = 4
+        kept = [min(b, width - G) for b in kept]
     idx, cnt = topk_rows_triton(s, budget, width, G)
-    ref_idx, ref_cnt = reference_rows(s, budget.tolist(), width, G)
+    ref_idx, ref_cnt = reference_rows(s, kept, width, G)
     res = {"rows_match_reference": bool(torch.equal(idx, ref_idx) and torch.equal(cnt, ref_cnt))}
     if density is not None and extra != "fp16":
         want = topk_plan(s, density, num_global_tiles=G)              # the torch path (CPU)
@@ -143,8 +150,8 @@ def _run_case(name: str) -> dict:
 
 
 def test_topk_and_work_order_kernels_refuse_bad_arguments_before_launch():
-    from videosparse.kernels.triton_topk import topk_rows_triton
-    from videosparse.kernels.triton_work_order import balanced_order
+    from videosparse.kernels.triton_topk import MAX_TILES, topk_rows_triton
+    from videosparse.kernels.triton_work_order import MAX_PROGRAMS, balanced_order
 
     s, budget = torch.zeros(1, 1, 4, 4), torch.full((4,), 2)
     for args, match in (((budget, 5, 0), "width=5 must be in \\[1, 4\\]"),
@@ -156,11 +163,19 @@ def test_topk_and_work_order_kernels_refuse_bad_arguments_before_launch():
             topk_rows_triton(s, *args)
     with pytest.raises(ValueError, match="scores \\(4, 4\\) must be"):
         topk_rows_triton(s[0, 0], budget, 2)
+    # Mutation find: rows of more than MAX_TILES video tiles are refused by name (meta tensors: no memory)
+    big = torch.empty(1, 1, MAX_TILES + 1, MAX_TILES + 1, device="meta")
+    with pytest.raises(ValueError, match=f"scores \\(1, 1, {MAX_TILES + 1}, {MAX_TILES + 1}\\) .*Mv <= {MAX_TILES}"):
+        topk_rows_triton(big, torch.empty(MAX_TILES + 1, dtype=torch.int32, device="meta"), 1)
     base = torch.arange(6, dtype=torch.int32)
     with pytest.raises(ValueError, match="cost \\(5 entries on cpu\\) must have one entry per row of base \\(6"):
         balanced_order(base, torch.ones(5, dtype=torch.int32), 2)
     with pytest.raises(ValueError, match="cost_offset=-1 must be >= 0"):
         balanced_order(base, torch.ones(6, dtype=torch.int32), 2, cost_offset=-1)
+    # Mutation find: a program count outside [1, MAX_PROGRAMS] is refused, not divided by or launched
+    for programs in (0, -1, MAX_PROGRAMS + 1):
+        with pytest.raises(ValueError, match=f"programs must be in \\[1, {MAX_PROGRAMS}\\]; got {programs}"):
+            balanced_order(base, torch.ones(6, dtype=torch.int32), programs)
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ CASES = {
     "pairs-all-rows-gqa": (1, (3, 4, 5), (2, 4, 4), 4, 16, "float32", "float64", False),
     "head-pairs-text-after-heads-tiled": (2, (3, 5, 7), ((2, 4, 4), (4, 4, 2)), 2, 32, "bfloat16", "float32", False),
     "head-pairs-gqa-strided-x": (1, (3, 4, 5), (2, 4, 4), 4, 64, "float16", "float32", True),
+    "head-pairs-shared-tables": (1, (3, 4, 5), (2, 4, 4), 3, 32, "float32", "float32", False),
     "half-3-sections-d96-heads-tiled": (1, (3, 5, 7), ((2, 4, 4), (4, 4, 2)), 2, 96, "bfloat16", "float32", False),
     "half-3-sections-d48-strided-x": (2, (2, 4, 9), (2, 4, 4), 2, 48, "float32", "float32", True),
 }
@@ -41,6 +42,7 @@ VARIANTS = {"half-gqa-heads-tiled": ("half", 2, 0, 0), "half-strided-x": ("half"
             "pairs-text-before-heads-tiled": ("pairs", 1, 21, 0), "pairs-all-rows-gqa": ("pairs", 2, 0, 0),
             "head-pairs-text-after-heads-tiled": ("head_pairs", 1, 0, 19),
             "head-pairs-gqa-strided-x": ("head_pairs", 2, 0, 0), "half-3-sections-d96-heads-tiled": ("half3", 1, 0, 0),
+            "head-pairs-shared-tables": ("head_pairs_shared", 1, 0, 0),
             "half-3-sections-d48-strided-x": ("half3", 1, 0, 0)}
 
 
@@ -87,9 +89,12 @@ def _run_case(name: str) -> dict:
         rope, tables = PairRope(cos, sin, before), PairRope(cos.float(), sin.float(), before)
         layout = head_tiling(grid, tiles, H, block=32, text_len=before + after,
                              text_position="before" if before else "after")
-    elif style == "head_pairs":    # Mochi: one angle per pair and head of x, for the video rows (text after)
-        x, _, _ = _pair_inputs(*args, 0, after)
-        angle = torch.randn(x.shape[1] - after, x.shape[2], D // 2, generator=torch.Generator().manual_seed(3)) * 3
+    elif style in ("head_pairs", "head_pairs_shared"):   # Mochi: one angle per pair and head of x, for the video
+        x, _, _ = _pair_inputs(*args, 0, after)            # rows (text after); Kandinsky: [R, 1, D/2], all heads
+        # Mutation find: shared tables must be read with head stride 0 (the stride of their size-1 head dim moved
+        # head h >= 1 onto another row's angles); every other case had per-head tables
+        heads = 1 if style == "head_pairs_shared" else x.shape[2]
+        angle = torch.randn(x.shape[1] - after, heads, D // 2, generator=torch.Generator().manual_seed(3)) * 3
         cos, sin = angle.cos().to(getattr(torch, fdtype)), angle.sin().to(getattr(torch, fdtype))
         rope, tables = HeadPairRope(cos, sin), HeadPairRope(cos.float(), sin.float())
         layout = head_tiling(grid, tiles, H, block=32, text_len=after)

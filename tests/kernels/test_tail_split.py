@@ -50,3 +50,13 @@ def test_work_units_cut_each_split_item_into_consecutive_runs():
     assert n.tolist() == [9, 7, 5, 1, 1, 1, 0, 0, 0]
     assert last.tolist() == [1, 1, 1, 0, 0, 1, 0, 0, 1]
     assert slot.tolist() == [-1, -1, -1, 0, 1, 2, 3, 4, 5]
+
+
+def test_a_split_that_saves_exactly_the_gate_is_taken():
+    """Mutation find: the gate is "fewer than min_saved_tiles: no split", so a split saving exactly the gate runs.
+    182 items on 132 SMs leave 50 (2 parts); Kmax 32 in 2 parts saves 16 tiles, the d128 gate (2048 / 128)."""
+    from videosparse.kernels.tail_split import AUTO_MIN_SAVED, tail_split
+
+    assert AUTO_MIN_SAVED / 128 == 16
+    assert tail_split(182, 132, 32, AUTO_MIN_SAVED / 128) == (132, 2)
+    assert tail_split(182, 132, 32, 16.5) == (182, 1)     # just over the gate: no split

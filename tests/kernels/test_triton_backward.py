@@ -31,6 +31,10 @@ CASES = {
     "bf16-d64-m64n128-corr": (2, 1, 300, 300, 64, 64, 128, 0.4, "bfloat16", True, ""),
     # 69 key tiles: two blocks of centroids for `_bwd_centroids` (the second partial), query tiles in two splits
     "fp32-d64-m64n32-many-centroids-corr": (1, 1, 2200, 2200, 64, 64, 32, 0.1, "float32", True, "valid"),
+    # Mutation find: an item with valid_keys 0 (an unvalidated plan, as under validate=False / torch.compile) has
+    # rows of lse -inf even with the correction; both the dq and the key-side kernels must give them P = 0 (finite,
+    # zero gradients as in the reference), not exp2(-inf - -inf) = NaN
+    "fp32-d64-b64-item-without-keys-corr": (2, 1, 200, 200, 64, 64, 64, 0.5, "float32", True, "no-keys"),
 }
 TOL = {"float32": 1e-5, "float16": 3e-3, "bfloat16": 2e-2}
 
@@ -62,6 +66,8 @@ def _inputs(name):
         plan = plan.with_valid_keys(torch.tensor([Sk - 37, Sk // 2][:B], dtype=torch.int32), False)
     if extra == "poisoned-centroids":
         plan = plan.with_valid_keys(torch.tensor([Sk - 64, Sk // 2 - 32][:B], dtype=torch.int32), False)
+    if extra == "no-keys":
+        plan = plan.with_valid_keys(torch.tensor([0, Sk], dtype=torch.int32))
     if extra.startswith("poisoned"):
         for b, limit in enumerate(plan.valid_keys.tolist()):
             k[b, :, limit:], v[b, :, limit:] = float("nan"), float("inf")
@@ -95,6 +101,8 @@ def _run_case(name: str) -> dict:
             for b, lim in enumerate(plan.valid_keys.tolist()):
                 want[i][b, :, lim:] = 0         # the reference's too (0 * NaN aside, they are 0 there)
     res["errors"] = [rel_err(a.double(), b) for a, b in zip(got, want) if b is not None]
+    if CASES[name][-1] == "no-keys":        # item 0 attends to nothing: no gradient reaches its queries
+        res["no_keys_dq_zero"] = bool((got[0][0] == 0).all())
     return res
 
 
@@ -222,7 +230,7 @@ def test_triton_backward_matches_the_reference_backward(results, name):
     dtype, correction = CASES[name][8], CASES[name][9]
     assert res["finite"]
     assert res["dtypes"] == [f"torch.{dtype}"] * 3 + (["torch.float32"] * 2 if correction else [])
-    assert res.get("past_zero", True)
+    assert res.get("past_zero", True) and res.get("no_keys_dq_zero", True)
     assert len(res["errors"]) == (5 if correction else 3)
     for err in res["errors"]:
         assert err < TOL[dtype], res["errors"]

@@ -35,7 +35,14 @@ CASES = {
     # q rows 14M elements apart (a [B, S, H, D] q at S * H * D past 2**31): the row offsets pass 2**31 from row
     # 154 on; computed in int32 they wrapped and the kernel read out of bounds (a segfault here)
     "generic-fp16-huge-row-stride": (1, 1, 160, 160, 64, 64, 64, 0.5, "float16", False, "generic", "huge-row-stride"),
+    # Mutation find: rows 20M elements apart in 128-row tiles: the offsets of rows within one query tile pass 2**31
+    # from row 108 on (the case above stays below: 64 x 14M), so the launcher must make q contiguous first
+    "generic-fp16-huge-tile-stride": (1, 1, 160, 160, 64, 128, 128, 0.5, "float16", False, "generic",
+                                      "huge-tile-stride"),
     "generic-fp32-no-index-columns": (1, 2, 300, 300, 64, 64, 64, 0.3, "float32", False, "generic", "kmax0"),
+    # Mutation find: q and k x 4 (logits of std 16): the running max must be taken of the scaled logits, else
+    # exp2 underflows and rows come out 0 with lse -inf (moderate logits hid it; x 8 would pass the fp32 lse bound)
+    "generic-fp32-large-logits": (1, 2, 200, 200, 64, 64, 64, 0.5, "float32", False, "generic", "large-logits"),
     # 128x128 tiles at head dim 64 (4 warps): each key tile in two steps of 64 keys (`default_key_chunk`); at head
     # dim 128 (8 warps) whole tiles
     "generic-bf16-d64-b128-odd": (2, 2, 300, 300, 64, 128, 128, 0.5, "bfloat16", False, "generic", ""),
@@ -248,9 +255,11 @@ def _run_case(name: str) -> dict:
         q, k, v = (torch.randn(B, n, H, D, generator=g).to(dtype).transpose(1, 2) for n in (S, Sk, Sk))
     else:
         q, k, v = (torch.randn(B, H, n, D, generator=g).to(dtype) for n in (S, Sk, Sk))
-    if extra == "huge-row-stride":      # ~4.5 GB of address space, a few pages of it touched
-        row = 14_000_000
+    if extra.startswith("huge-"):   # ~4.5 / 6.4 GB of address space (not committed), a few pages of it touched
+        row = 14_000_000 if extra == "huge-row-stride" else 20_000_000
         q = torch.empty((S - 1) * row + D, dtype=dtype).as_strided((B, H, S, D), (0, 0, row, 1)).copy_(q)
+    if extra == "large-logits":
+        q, k = q * 4, k * 4
     if extra == "dense":
         plan = dense_plan(B, H, S, bm, bn)
     else:

@@ -30,15 +30,16 @@ CASES = {
     "teacher-fp32-lse-given": ("teacher", 1, 2, 257, 64, 128, "float32", "lse"),
     "teacher-bf16-video-tiles": ("teacher", 1, 2, 333, 64, 64, "bfloat16", "num_tiles=4"),
     "teacher-fp16-d32-b32": ("teacher", 1, 1, 100, 32, 32, "float16", ""),
+    "teacher-fp32-fewer-keys": ("teacher", 1, 2, 300, 32, 64, "float32", "sk=130"),   # 5 query, 3 key tiles
 }
 
 
 def naive_heat(q: torch.Tensor, k: torch.Tensor, block: int, n: int | None = None) -> torch.Tensor:
-    """fp64 heat from the full S x S probability matrix: max over each tile pair."""
+    """fp64 heat from the full S x Sk probability matrix: max over each tile pair (the tiles both sides have)."""
     q, k = q.double(), k.double()
     B, H, S, D = q.shape
     p = torch.softmax((q @ k.transpose(-1, -2)) / math.sqrt(D), -1)
-    M = math.ceil(S / block)
+    M = min(math.ceil(S / block), math.ceil(k.shape[2] / block))
     n = n or M
     out = torch.zeros(B, H, n, n, dtype=torch.float64)
     for i in range(n):
@@ -70,6 +71,8 @@ def _run_case(name: str) -> dict:
         q, k = (torch.randn(B, S, H, D, generator=g).to(dtype).transpose(1, 2) for _ in range(2))
     else:
         q, k = (torch.randn(B, H, S, D, generator=g).mul(2.0).to(dtype) for _ in range(2))
+    if extra.startswith("sk="):                 # fewer keys than queries: heat over the key side's tiles
+        k = k[:, :, :int(extra[3:])]
     n = int(extra.split("=")[1]) if extra.startswith("num_tiles") else None
     if kind == "trippool":
         qf, kf = trippool_qk(q, k, block, n, backend="triton")
@@ -83,9 +86,9 @@ def _run_case(name: str) -> dict:
         _, lse = block_sparse_attention(q.float(), k.float(), v, dense_plan(B, H, S, block, block), return_lse=True)
     heat = teacher_heat(q, k, block, lse=lse, num_tiles=n, backend="triton")
     ref = teacher_heat_torch(q, k, block, lse=lse, num_tiles=n)
+    m = n or min(math.ceil(S / block), math.ceil(k.shape[2] / block))
     return {"max_abs": float((heat - ref).abs().max()), "scale": float(ref.max()),
-            "dtype_ok": heat.dtype == torch.float32,
-            "shape_ok": tuple(heat.shape) == (B, H, n or math.ceil(S / block), n or math.ceil(S / block))}
+            "dtype_ok": heat.dtype == torch.float32, "shape_ok": tuple(heat.shape) == (B, H, m, m)}
 
 
 def _child_main(names: list[str]) -> None:
@@ -122,6 +125,20 @@ def test_torch_teacher_equals_full_softmax_definition(S, block, D):
     # the video-tile restriction keeps the LSE over all keys
     sub = teacher_heat_torch(q, k, block, num_tiles=2)
     torch.testing.assert_close(sub.double(), ref[:, :, :2, :2], rtol=1e-5, atol=1e-7)
+
+
+def test_torch_teacher_with_fewer_keys_than_queries_equals_the_definition():
+    """Mutation find: the heat covers the tiles both sides have (Sk < S: the key side's); only S == Sk was run."""
+    from videosparse.veda.teacher import teacher_heat, teacher_num_tiles
+
+    assert teacher_num_tiles(300, 130, 64, None) == 3
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 2, 300, 16, generator=g) * 2, torch.randn(1, 2, 130, 16, generator=g) * 2
+    heat = teacher_heat(q, k, 64, backend="torch")
+    assert heat.shape == (1, 2, 3, 3)
+    torch.testing.assert_close(heat.double(), naive_heat(q, k, 64), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match=r"num_tiles=4 must lie in \[1, 3\]"):
+        teacher_heat(q, k, 64, num_tiles=4, backend="torch")
 
 
 def test_torch_teacher_uses_given_lse():
@@ -195,3 +212,12 @@ def test_teacher_and_trippool_refuse_bad_lse_shapes_and_blocks():
             trippool_qk(q, q, block, backend="torch")
         with pytest.raises(ValueError, match=f"block={block} must be a positive int"):
             trippool_torch(q, block)
+    # Mutation finds: a bool block is no tile size (True == 1 gave 1-token tiles), and num_tiles outside
+    # [1, ceil(S / block)] is refused (more than there are silently gave them all, 0 an empty tensor)
+    with pytest.raises(ValueError, match="block=True must be a positive int"):
+        trippool_torch(q, True)
+    with pytest.raises(ValueError, match="block=True must be a positive int"):
+        teacher_heat(q, q, True, backend="torch")
+    for n in (0, 3, -1):
+        with pytest.raises(ValueError, match=rf"num_tiles={n} must lie in \[1, 2\] for S=100, block=64"):
+            trippool_torch(q, 64, n)
