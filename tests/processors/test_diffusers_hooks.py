@@ -185,6 +185,28 @@ def test_a_root_hook_between_offload_and_apply_comes_off_without_recursion(hook_
     assert session.calls - calls == BRANCHES * STEPS and getattr(pipe.transformer, "_hf_hook", None) is not None
 
 
+def test_a_root_hook_removed_just_before_remove_leaves_the_stock_forward():
+    """A root hook (a cache) -> apply -> that hook removed -> remove, with no forward in between: diffusers' remove_hook
+    points our link's forward past the removed hook, and our own removal then put back the forward saved at apply,
+    the removed hook's wrapper (review find of the lock change: the context hook's new_forward keeps the wrapped
+    forward as the link's original_forward). The transformer runs stock, and its registry is empty."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    class Doubling(ModelHook):
+        def post_forward(self, module, output):
+            return (output[0] * 2,) + tuple(output[1:])
+
+    transformer = build_tiny_wan_pipeline().transformer
+    stock = _forward(transformer)
+    registry = HookRegistry.check_if_exists_or_initialize(transformer)
+    registry.register_hook(Doubling(), "user_root_hook")
+    assert torch.equal(_forward(transformer), stock * 2)
+    videosparse.apply(transformer, videosparse.DenseConfig())
+    registry.remove_hook("user_root_hook")
+    videosparse.remove(transformer)
+    assert torch.equal(_forward(transformer), stock) and transformer._diffusers_hook._hook_order == []
+
+
 def test_remove_under_a_hook_with_its_own_forward_leaves_nothing_once_that_hook_goes():
     """apply -> a hook with its own new_forward (FasterCache's denoiser hook) -> remove -> disable_cache: the
     transformer's forward is its own method again, as without videosparse (review find: the hook kept our pass-through

@@ -877,12 +877,16 @@ class SparseContextHook(ModelHook):
     def pre_forward(self, module, *args, **kwargs):
         if module is not self._module():
             _refuse_copy(module)
+        self.mend_link()
+        return args, kwargs
+
+    def mend_link(self) -> None:
+        """diffusers' `remove_hook` of a hook registered before ours (a cache disabled after apply) points the next
+        hook's `forward`, ours, at the forward it wrapped: that one goes inside `new_forward` instead (before every
+        forward, and before our own removal)."""
         link = self.fn_ref
         if id(link.forward) != id(self.entry):      # (`id`: Dynamo traces this compare, not `is not` on partials)
-            # diffusers' `remove_hook` of a hook registered before ours (a cache disabled after apply) points the
-            # next hook's `forward`, ours, at the forward it wrapped: that one goes inside `new_forward` instead
             link.original_forward, link.forward = link.forward, self.entry
-        return args, kwargs
 
     @torch.compiler.disable(recursive=False)
     def new_forward(self, module, *args, **kwargs):
@@ -898,8 +902,8 @@ class SparseContextHook(ModelHook):
     def _update(self, module, args, kwargs) -> None:
         """Record grid, branch and step; decide whether this step is sparse; prepare layouts.
 
-        Runs eagerly: under `torch.compile(transformer)` this is the one graph break (at the top of
-        the forward); the processors then read only plain flags, so steps do not recompile.
+        Runs eagerly, from `new_forward`: under `torch.compile(transformer)` that is the one graph break (at the
+        top of the forward); the processors then read only plain flags, so steps do not recompile.
         """
         if _graph_task() != -1 and torch.is_grad_enabled() and not self.session._recomputing:
             # the whole forward rerun, recording gradients, inside a backward: activation checkpointing around the
@@ -1231,6 +1235,8 @@ def remove_context_hook(transformer: torch.nn.Module) -> bool:
     if hook is None:
         return False
     ours = getattr(hook, "installed_forward", None)
+    if hook.entry is not None:
+        hook.mend_link()
     index = registry._hook_order.index(CONTEXT_HOOK)
     last = index == len(registry._hook_order) - 1
     holder = transformer.__dict__.get("forward") if last else registry._fn_refs[index + 1].forward
