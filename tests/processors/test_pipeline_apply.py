@@ -714,6 +714,61 @@ def test_remove_waits_for_a_forward_in_flight_in_another_thread():
         assert torch.equal(tr(**inputs)[0], stock)
 
 
+@pytest.mark.parametrize("wrapped", ["plain", "offload", "wrapper"])
+def test_a_forward_waiting_for_the_lock_runs_stock_after_remove(wrapped):
+    """Thread A's forward is in flight, thread B's waits for the transformer's lock, and `remove` runs in between
+    (here from A's forward, so the order is fixed): B runs stock. Review find: with the hook wrapped after apply
+    (accelerate's offload before apply, or a wrapper on forward after it) B called a None forward (TypeError), and
+    otherwise it ran the removed session's bookkeeping (layouts rebuilt, calls counted, a false warning)."""
+    import threading
+    import time
+
+    pipe = build_tiny_wan_pipeline()
+    tr = pipe.transformer
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(hidden_states=torch.randn(1, 4, 2, 8, 12, generator=g), timestep=torch.tensor([500.0]),
+                  encoder_hidden_states=torch.randn(1, 8, 32, generator=g), return_dict=False)
+    with torch.no_grad():
+        stock = tr(**inputs)[0]
+    if wrapped == "offload":
+        pipe.enable_model_cpu_offload(device="cpu")
+    session = videosparse.apply(pipe, videosparse.VedaConfig(density=0.3, tiling=(1, 4, 16), block=64,
+                                                             dense_steps=0))["transformer"]
+    if wrapped == "wrapper":
+        inner = tr.forward
+        tr.forward = lambda *args, **kwargs: inner(*args, **kwargs)
+    b_started, outs, errors = threading.Event(), {}, {}
+
+    def remove_at_the_output(module, args, output):
+        if threading.current_thread().name == "A":
+            b_started.wait(30)
+            time.sleep(0.5)            # B waits for the lock by now (if not, it simply starts after the remove)
+            videosparse.remove(pipe)
+
+    tr.proj_out.register_forward_hook(remove_at_the_output)
+
+    def run(name):
+        try:
+            with torch.no_grad():
+                outs[name] = tr(**inputs)[0]
+        except BaseException as err:
+            errors[name] = err
+
+    first = threading.Thread(target=run, args=("A",), name="A")
+    first.start()
+    time.sleep(0.2)
+    second = threading.Thread(target=run, args=("B",), name="B")
+    second.start()
+    b_started.set()
+    first.join()
+    second.join()
+    assert not errors, errors
+    assert torch.equal(outs["B"], stock) and session.calls == 1
+    assert all(not slot.layouts for slot in session.slots)        # the removed session's layouts stay released
+    with torch.no_grad():
+        assert torch.equal(tr(**inputs)[0], stock)
+
+
 def test_a_sharing_pipelines_steps_after_calls_that_ended_early(monkeypatch):
     """Review finds (a service: requests that die mid-way): the step counter of a `from_pipe` pipeline with its own
     scheduler was reset only when a call ended normally, so the call after one that raised skipped its dense steps;

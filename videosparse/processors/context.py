@@ -895,8 +895,14 @@ class SparseContextHook(ModelHook):
         with its own grid, layouts and step. Not traced (`torch.compile` compiles the forward it calls on its own
         frame), so the lock works under compile too."""
         with self.session.forward_lock:
+            link = self.fn_ref
+            if not self.session.active:
+                # `remove` ran while this forward waited for the lock: the forward the link leads to now, stock (the
+                # pass-through of `remove_context_hook` moved it to `forward`; diffusers' `remove_hook` left it)
+                inner = link.original_forward if link.original_forward is not None else link.forward
+                return inner(*args, **kwargs)
             self._update(module, args, kwargs)
-            return self.fn_ref.original_forward(*args, **kwargs)
+            return link.original_forward(*args, **kwargs)
 
     @torch.compiler.disable
     def _update(self, module, args, kwargs) -> None:
