@@ -714,6 +714,30 @@ def test_remove_waits_for_a_forward_in_flight_in_another_thread():
         assert torch.equal(tr(**inputs)[0], stock)
 
 
+def test_an_observer_that_removes_videosparse_leaves_its_call_stock():
+    """`remove` from an observer, inside the forward it observes (the same thread holds the lock): the observed call
+    runs dense and the later layers stock, so the whole call equals stock. It raised KeyError before (the observed
+    layer went on to its released layouts); review find."""
+    pipe = build_tiny_wan_pipeline()
+    tr = pipe.transformer
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(hidden_states=torch.randn(1, 4, 2, 8, 12, generator=g), timestep=torch.tensor([500.0]),
+                  encoder_hidden_states=torch.randn(1, 8, 32, generator=g), return_dict=False)
+    with torch.no_grad():
+        stock = tr(**inputs)[0]
+    videosparse.apply(pipe, videosparse.VedaConfig(density=0.3, tiling=(1, 4, 16), block=64, dense_steps=0))
+    removed = []
+
+    def remove_at_the_first_layer(record):
+        if record.layer == 0:
+            removed.append(videosparse.remove(pipe))
+
+    with videosparse.observe(tr, remove_at_the_first_layer), torch.no_grad():
+        out = tr(**inputs)[0]
+    assert len(removed) == 1 and videosparse.sessions(pipe) == {}
+    assert torch.equal(out, stock)
+
+
 @pytest.mark.parametrize("wrapped", ["plain", "offload", "wrapper"])
 def test_a_forward_waiting_for_the_lock_runs_stock_after_remove(wrapped):
     """Thread A's forward is in flight, thread B's waits for the transformer's lock, and `remove` runs in between

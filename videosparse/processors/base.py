@@ -323,6 +323,8 @@ class SparseAttentionMixin:
                                      ctx.step, ctx.branch, item, reason, ctx.text_slot)
             for observer in session.observers:
                 observer(record)
+            if reason is None and not session.active:       # an observer called `remove`: this call runs dense too
+                reason = "removed"
         stats = self._stats()
         if reason is not None:
             if not item:                # items served one by one count as the one layer call they make up
