@@ -267,7 +267,10 @@ class ProcessorTesterMixin:
         assert sessions(tr)["transformer"].stats()["sparse_calls"] > 0
         videosparse.remove(tr)
         hook = re.compile(r"processors/context\.py:\d+:_update$")
-        ours = [" <- ".join(f) for f in sites if f and not any(hook.match(frame) for frame in f)]
+        # innermost package frame the hook's new_forward: the sync is in the model's own code, which it calls
+        model = re.compile(r"processors/context\.py:\d+:new_forward$")
+        ours = [" <- ".join(f) for f in sites
+                if f and not model.match(f[0]) and not any(hook.match(frame) for frame in f)]
         assert not ours, ours
 
     def test_bad_config_type(self):

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
-from diffusers.hooks.hooks import BaseState, StateManager
+from diffusers.hooks.hooks import BaseState, HookFunctionReference, StateManager
 
 from ..kernels.probe import probe_kernel
 from ..layout import HeadTiling, head_tiling
@@ -846,7 +846,6 @@ class SparseContextHook(ModelHook):
         self._warned_training = False
         self._warned_replaced = False
         self._checkpointing: list[torch.nn.Module] = []     # set in `initialize_hook`
-        self.entry = None       # the registry's partial of `new_forward` (`register_context_hook` sets it)
         # (scheduler, its timesteps, step_index) as weak references and a value, recorded when a pipeline call ended
         # while the applied pipeline's scheduler was mid-schedule, or had no step counter: a counter its aborted call
         # left, or a finished schedule (`_other_driver`)
@@ -877,16 +876,7 @@ class SparseContextHook(ModelHook):
     def pre_forward(self, module, *args, **kwargs):
         if module is not self._module():
             _refuse_copy(module)
-        self.mend_link()
         return args, kwargs
-
-    def mend_link(self) -> None:
-        """diffusers' `remove_hook` of a hook registered before ours (a cache disabled after apply) points the next
-        hook's `forward`, ours, at the forward it wrapped: that one goes inside `new_forward` instead (before every
-        forward, and before our own removal)."""
-        link = self.fn_ref
-        if id(link.forward) != id(self.entry):      # (`id`: Dynamo traces this compare, not `is not` on partials)
-            link.original_forward, link.forward = link.forward, self.entry
 
     @torch.compiler.disable(recursive=False)
     def new_forward(self, module, *args, **kwargs):
@@ -1153,6 +1143,40 @@ class SparseContextHook(ModelHook):
             self._stale_counter = (weakref.ref(scheduler), weakref.ref(timesteps), counted)
 
 
+class _ContextLink(HookFunctionReference):
+    """The registry's link of the context hook: while the hook is installed its `forward` stays the hook's
+    `new_forward` (`entry`). diffusers' `remove_hook` of a hook registered before ours (a cache disabled after apply)
+    points the next link's `forward`, ours, at the forward that hook wrapped: here that sets the forward `new_forward`
+    wraps (`original_forward`) instead, so the lock and the context stay in the chain. `release` (our removal by
+    `remove_context_hook`'s pass-through) makes it a plain link to `forward`."""
+
+    entry = None
+    _forward = None
+
+    @property
+    def forward(self):
+        return self.entry if self.entry is not None else self._forward
+
+    @forward.setter
+    def forward(self, fn) -> None:
+        if self.entry is not None:
+            self.original_forward = fn
+        else:
+            self._forward = fn
+
+    @classmethod
+    def adopt(cls, link: HookFunctionReference) -> "_ContextLink":
+        """Turn the registry's link (its `forward` the registry's partial of `new_forward`) into this class."""
+        entry = link.__dict__.pop("forward")
+        link.__class__ = cls
+        link.entry = entry
+        return link
+
+    def release(self, forward) -> None:
+        self.entry, self.original_forward = None, None
+        self._forward = forward
+
+
 @torch.compiler.disable
 def _refuse_copy(module) -> None:
     """diffusers' hook registry wraps `forward` in closures that `copy.deepcopy` shares with the original, so a copy's
@@ -1194,7 +1218,7 @@ def register_context_hook(transformer: torch.nn.Module, session: SparseSession, 
         transformer.forward = transformer._old_forward
     try:
         registry.register_hook(hook, CONTEXT_HOOK)
-        hook.entry = hook.fn_ref.forward          # (`pre_forward` keeps it there)
+        _ContextLink.adopt(hook.fn_ref)
     finally:
         hook.installed_forward = transformer.__dict__.get("forward")     # the registry's wrapper around our hook
         if offload:
@@ -1241,8 +1265,6 @@ def remove_context_hook(transformer: torch.nn.Module) -> bool:
     if hook is None:
         return False
     ours = getattr(hook, "installed_forward", None)
-    if hook.entry is not None:
-        hook.mend_link()
     index = registry._hook_order.index(CONTEXT_HOOK)
     last = index == len(registry._hook_order) - 1
     holder = transformer.__dict__.get("forward") if last else registry._fn_refs[index + 1].forward
@@ -1252,7 +1274,7 @@ def remove_context_hook(transformer: torch.nn.Module) -> bool:
     link = registry._fn_refs[index]
     link.pre_forward, link.post_forward = _pass_through_pre, _pass_through_post
     before = link.original_forward if link.original_forward is not None else link.forward
-    link.forward, link.original_forward = before, None          # the link calls past `new_forward` from now on
+    link.release(before)                                        # the link calls past `new_forward` from now on
     if not last:
         nxt = registry._fn_refs[index + 1]
         if nxt.forward is ours:
