@@ -671,19 +671,25 @@ def test_pipelines_sharing_the_transformer_run_at_once_from_threads(config, vide
     videosparse.remove(pipe)
 
 
+def _tiny_pipe_inputs_and_stock():
+    """(tiny Wan pipeline, its transformer, forward kwargs of a 2 x 4 x 6 grid, the stock output) for the tests of
+    forwards from several threads."""
+    pipe = build_tiny_wan_pipeline()
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(hidden_states=torch.randn(1, 4, 2, 8, 12, generator=g), timestep=torch.tensor([500.0]),
+                  encoder_hidden_states=torch.randn(1, 8, 32, generator=g), return_dict=False)
+    with torch.no_grad():
+        stock = pipe.transformer(**inputs)[0]
+    return pipe, pipe.transformer, inputs, stock
+
+
 def test_remove_waits_for_a_forward_in_flight_in_another_thread():
     """`remove` from one thread while another thread's forward is in flight takes effect after that forward: the
     forward runs sparse to its end (before, its later layers ran stock) and the next forward runs stock."""
     import threading
     import time
 
-    pipe = build_tiny_wan_pipeline()
-    tr = pipe.transformer
-    g = torch.Generator().manual_seed(0)
-    inputs = dict(hidden_states=torch.randn(1, 4, 2, 8, 12, generator=g), timestep=torch.tensor([500.0]),
-                  encoder_hidden_states=torch.randn(1, 8, 32, generator=g), return_dict=False)
-    with torch.no_grad():
-        stock = tr(**inputs)[0]
+    pipe, tr, inputs, stock = _tiny_pipe_inputs_and_stock()
     session = videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=(1, 4, 16), block=64,
                                                            dense_steps=0))["transformer"]
     with torch.no_grad():
@@ -718,13 +724,7 @@ def test_an_observer_that_removes_videosparse_leaves_its_call_stock():
     """`remove` from an observer, inside the forward it observes (the same thread holds the lock): the observed call
     runs dense and the later layers stock, so the whole call equals stock. It raised KeyError before (the observed
     layer went on to its released layouts); review find."""
-    pipe = build_tiny_wan_pipeline()
-    tr = pipe.transformer
-    g = torch.Generator().manual_seed(0)
-    inputs = dict(hidden_states=torch.randn(1, 4, 2, 8, 12, generator=g), timestep=torch.tensor([500.0]),
-                  encoder_hidden_states=torch.randn(1, 8, 32, generator=g), return_dict=False)
-    with torch.no_grad():
-        stock = tr(**inputs)[0]
+    pipe, tr, inputs, stock = _tiny_pipe_inputs_and_stock()
     videosparse.apply(pipe, videosparse.VedaConfig(density=0.3, tiling=(1, 4, 16), block=64, dense_steps=0))
     removed = []
 
@@ -747,13 +747,7 @@ def test_a_forward_waiting_for_the_lock_runs_stock_after_remove(wrapped):
     import threading
     import time
 
-    pipe = build_tiny_wan_pipeline()
-    tr = pipe.transformer
-    g = torch.Generator().manual_seed(0)
-    inputs = dict(hidden_states=torch.randn(1, 4, 2, 8, 12, generator=g), timestep=torch.tensor([500.0]),
-                  encoder_hidden_states=torch.randn(1, 8, 32, generator=g), return_dict=False)
-    with torch.no_grad():
-        stock = tr(**inputs)[0]
+    pipe, tr, inputs, stock = _tiny_pipe_inputs_and_stock()
     if wrapped == "offload":
         pipe.enable_model_cpu_offload(device="cpu")
     session = videosparse.apply(pipe, videosparse.VedaConfig(density=0.3, tiling=(1, 4, 16), block=64,
