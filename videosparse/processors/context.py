@@ -885,14 +885,9 @@ class SparseContextHook(ModelHook):
         with its own grid, layouts and step. Not traced (`torch.compile` compiles the forward it calls on its own
         frame), so the lock works under compile too."""
         with self.session.forward_lock:
-            link = self.fn_ref
-            if not self.session.active:
-                # `remove` ran while this forward waited for the lock: the forward the link leads to now, stock (the
-                # pass-through of `remove_context_hook` moved it to `forward`; diffusers' `remove_hook` left it)
-                inner = link.original_forward if link.original_forward is not None else link.forward
-                return inner(*args, **kwargs)
-            self._update(module, args, kwargs)
-            return link.original_forward(*args, **kwargs)
+            if self.session.active:         # else `remove` ran while this forward waited for the lock: stock
+                self._update(module, args, kwargs)
+            return self.fn_ref.wrapped(*args, **kwargs)
 
     @torch.compiler.disable
     def _update(self, module, args, kwargs) -> None:
@@ -1172,6 +1167,11 @@ class _ContextLink(HookFunctionReference):
         link.entry = entry
         return link
 
+    @property
+    def wrapped(self):
+        """The forward this link leads to past `new_forward` (`forward` itself once `release`d)."""
+        return self.original_forward if self.original_forward is not None else self.forward
+
     def release(self, forward) -> None:
         self.entry, self.original_forward = None, None
         self._forward = forward
@@ -1198,6 +1198,7 @@ def _run_untraced(fn) -> None:
 
 
 _run_untraced(SparseContextHook.new_forward)
+_run_untraced(_ContextLink.wrapped.fget)            # (called from new_forward's frame)
 
 
 def register_context_hook(transformer: torch.nn.Module, session: SparseSession, grid_fn,
@@ -1273,7 +1274,7 @@ def remove_context_hook(transformer: torch.nn.Module) -> bool:
         return False
     link = registry._fn_refs[index]
     link.pre_forward, link.post_forward = _pass_through_pre, _pass_through_post
-    before = link.original_forward if link.original_forward is not None else link.forward
+    before = link.wrapped
     link.release(before)                                        # the link calls past `new_forward` from now on
     if not last:
         nxt = registry._fn_refs[index + 1]
