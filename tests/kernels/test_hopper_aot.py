@@ -21,6 +21,10 @@ SHARED_LIMIT = 232448  # bytes of shared memory per block on sm_90
 PINNED_PTXAS = pinned_ptxas()     # the SASS schedule checks hold for the pinned Triton's ptxas (see helpers)
 schedule_check = pytest.mark.skipif(not PINNED_PTXAS, reason=f"SASS schedule of Triton 3.6's ptxas; this is "
                                                               f"Triton {triton.__version__}")
+# the Gluon kernel compiles on Triton 3.6 and newer; on older ones its backend declines (test below)
+TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
+gluon_compiles = pytest.mark.skipif(TRITON_VERSION < (3, 6), reason=f"the Gluon kernel needs Triton 3.6 or newer; "
+                                                                   f"this is Triton {triton.__version__}")
 
 # (head_dim, dtype, block_m, block_n, centroids, mask_last, merge[, has_limit: a plan with valid_keys])
 VARIANTS = {
@@ -120,6 +124,7 @@ GLUON_VARIANTS = {
 }
 
 
+@gluon_compiles
 @pytest.mark.parametrize("name", list(GLUON_VARIANTS))
 def test_gluon_kernel_compiles_with_two_consumer_warpgroups_tma_and_wgmma(name, tmp_path):
     pytest.importorskip("triton.experimental.gluon")
@@ -141,6 +146,7 @@ def test_gluon_kernel_compiles_with_two_consumer_warpgroups_tma_and_wgmma(name, 
     assert _check_spills(k.asm["cubin"], tmp_path, allowed=64 if d == 128 else 0) == 2
 
 
+@gluon_compiles
 def test_gluon_kernel_stores_outputs_with_tma():
     """The default schedule (two Q buffers) writes outputs with TMA stores from shared memory and waits for them
     to read it; register stores (tma_store=False) and one Q buffer have none."""
@@ -200,6 +206,42 @@ def test_gluon_backend_falls_back_when_a_newer_triton_cannot_compile_it(monkeypa
         warnings.simplefilter("error")
         assert backend(q, q, q, plan, 0.1, False) == "generic ran"
     assert gluon_hopper.BACKEND.compile_failure is None       # the registry's instance is untouched
+
+
+def test_gluon_backend_declines_on_a_triton_older_than_it_compiles_on(monkeypatch):
+    """Gluon before Triton 3.6 (3.5 comes with torch 2.9) has no device-side TMA descriptors: the kernel does not
+    compile there, and its first call raised CompilationError (its fallback was only for newer Tritons). Now the
+    backend declines with a reason, warning once where it would have served the inputs (on sm_90), so auto and
+    backend="triton" run the generic Triton kernel."""
+    import warnings
+
+    import torch
+
+    pytest.importorskip("triton.experimental.gluon")
+    from videosparse.kernels import dispatch, gluon_hopper, triton_hopper
+    from videosparse.plan import dense_plan
+
+    monkeypatch.setattr(gluon_hopper.GluonHopperBackend, "warned_old_triton", False)
+    monkeypatch.setattr(triton_hopper, "_hopper_available", lambda device: True)     # as on an sm_90 GPU
+    backend, plan = gluon_hopper.GluonHopperBackend(), dense_plan(1, 2, 300)
+    q = torch.randn(1, 2, 300, 128, dtype=torch.bfloat16)
+    monkeypatch.setattr(gluon_hopper, "triton_version", lambda: gluon_hopper.OLDEST_TRITON)
+    assert backend.not_supported_reasons(q, q, q, plan) == []
+    monkeypatch.setattr(gluon_hopper, "triton_version", lambda: (3, 5))
+    with pytest.warns(RuntimeWarning, match=r"Gluon Hopper kernel needs Triton 3\.6 or newer .*this is Triton "
+                                            r".*generic Triton kernel runs instead"):
+        why = backend.not_supported_reasons(q, q, q, plan)
+    assert len(why) == 1 and "needs Triton 3.6 or newer" in why[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                  # once
+        assert backend.not_supported_reasons(q, q, q, plan) == why
+        # inputs it declines anyway (fp32) give the reason without a warning
+        assert len(backend.not_supported_reasons(q.float(), q.float(), q.float(), plan)) == 2
+    generic = dispatch.get_backend("triton_generic")
+    monkeypatch.setattr(generic, "not_supported_reasons", lambda *args: [])        # as on a GPU
+    assert dispatch.select_backend(q, q, q, plan, backend="triton") is generic
+    with pytest.raises(ValueError, match=r"gluon_hopper: needs Triton 3\.6 or newer"):
+        dispatch.select_backend(q, q, q, plan, backend="gluon_hopper")
 
 
 def test_gluon_backend_declines_correction_bias_rows_past_tma_coordinates():

@@ -188,9 +188,9 @@ def launch_signature(arg_names, pointers: dict, values: dict, constants: dict) -
     Triton's own rule (an integer == 1 folded in as a constant, a multiple of 16 marked divisible by 16);
     `constants` {name: value} constexpr. Used by the ahead-of-time compiles, so that their PTX / SASS is what a
     launch with such arguments runs (without the hints the code differs: other loads, more registers)."""
-    from triton._C.libtriton import native_specialize_impl
     from triton.backends.nvidia.compiler import CUDABackend
 
+    specialize = _value_specializer(CUDABackend)
     constants = dict(constants)
     signature, attrs = {}, {}
     for i, name in enumerate(arg_names):
@@ -199,7 +199,7 @@ def launch_signature(arg_names, pointers: dict, values: dict, constants: dict) -
         elif name in pointers:
             signature[name], attrs[(i,)] = pointers[name], CUDABackend.parse_attr("D")
         elif name in values:
-            kind, hint = native_specialize_impl(CUDABackend, values[name], False, True, True)
+            kind, hint = specialize(values[name])
             signature[name] = kind
             if kind == "constexpr":
                 constants[name] = values[name]
@@ -208,6 +208,18 @@ def launch_signature(arg_names, pointers: dict, values: dict, constants: dict) -
         else:
             raise ValueError(f"argument {name!r}: no pointer type, value or constant given")
     return signature, constants, attrs
+
+
+def _value_specializer(backend):
+    """value -> (type, hint) by the rule Triton's JIT applies to a launch argument (is_const False, specialize
+    and align on): Triton >= 3.6 has it in C++, Triton 3.5 (torch 2.9's) in Python."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+    except ImportError:                                   # Triton < 3.6
+        from triton.runtime.jit import create_specialize_impl
+        impl = create_specialize_impl(backend.get_arg_specialization)
+        return lambda value: impl(value, False, True, True)
+    return lambda value: native_specialize_impl(backend, value, False, True, True)
 
 
 def launch_dims(q: torch.Tensor, k: torch.Tensor, plan: Plan, programs: int | None = None):

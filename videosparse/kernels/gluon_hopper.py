@@ -65,6 +65,8 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 # the newest Triton this kernel was compiled and run on (GPU tests, timings); Gluon's API has changed every release
 NEWEST_CHECKED_TRITON = (3, 9)
+# the oldest it compiles on: Gluon before 3.6 (3.5 is torch 2.9's) has no device-side TMA descriptors
+OLDEST_TRITON = (3, 6)
 
 
 @gluon.constexpr_function
@@ -799,11 +801,21 @@ class GluonHopperBackend(HopperBackend):
     # and the call that found it ran the generic Triton kernel (not the Triton Hopper one: see triton_hopper.py on
     # preemption)
     compile_failure: str | None = None
+    warned_old_triton = False
 
     def not_supported_reasons(self, q, k, v, plan: Plan) -> list[str]:
         why = super().not_supported_reasons(q, k, v, plan)
         if self.compile_failure is not None:
             why.append(self.compile_failure)
+        if triton_version() < OLDEST_TRITON:
+            old = (f"needs Triton {'.'.join(map(str, OLDEST_TRITON))} or newer (Gluon's device-side TMA descriptors); "
+                   f"this is Triton {triton.__version__}")
+            if not why and not GluonHopperBackend.warned_old_triton:      # it would have served these inputs
+                GluonHopperBackend.warned_old_triton = True
+                warnings.warn(f"videosparse: the Gluon Hopper kernel {old}, so the generic Triton kernel runs instead "
+                              "(about 1.4x the time on the H200); a newer torch brings a newer Triton.",
+                              RuntimeWarning, stacklevel=2)
+            why.append(old)
         if (plan.block_m, plan.block_n) != (BLOCK_M, 128):
             why.append(f"tiles {plan.block_m}x{plan.block_n} are not 128x128")
         elif plan.has_correction:      # the loader stages the bias rows by 1D TMA boxes (int32 coordinates)
