@@ -73,12 +73,23 @@ def overlap_per_loop(ops: list[str]) -> list[int]:
     return counts
 
 
+def triton_ptxas(tools: Path, arch: str = "sm_90a") -> Path:
+    """The ptxas Triton itself runs for `arch` ("sm_90a", "sm_80"): Triton 3.9 ships a second, newer one for sm_90
+    and up, whose PTX version the first cannot read; before it (Triton 3.5: one ptxas) `tools / "ptxas"`."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        return Path(get_ptxas(int(re.sub(r"\D", "", arch))).path)
+    except (ImportError, AttributeError, RuntimeError, TypeError):
+        return tools / "ptxas"
+
+
 def ptxas_notes(ptx: str, tools: Path, arch: str = "sm_90a") -> list[str]:
-    """ptxas -v's lines on performance losses, spills and registers for the PTX, assembled for `arch`."""
+    """ptxas -v's lines on performance losses, spills and registers for the PTX, assembled for `arch` by the
+    ptxas Triton runs for it."""
     with tempfile.TemporaryDirectory() as d:
         src, out = Path(d) / "k.ptx", Path(d) / "k.cubin"
         src.write_text(ptx)
-        res = subprocess.run([str(tools / "ptxas"), f"-arch={arch}", "-v", str(src), "-o", str(out)],
+        res = subprocess.run([str(triton_ptxas(tools, arch)), f"-arch={arch}", "-v", str(src), "-o", str(out)],
                              capture_output=True, text=True)
     lines = (res.stdout + res.stderr).splitlines()
     return [line.strip() for line in lines if re.search(r"Performance Loss|spill|Used \d+ registers", line)]

@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
-from helpers import pinned_ptxas
+from helpers import load_script, pinned_ptxas
 
 triton = pytest.importorskip("triton")
 
@@ -27,11 +28,8 @@ def kernels():
 
 
 def ptxas_usage(ptx: str, tmp_path) -> dict:
-    try:    # the ptxas Triton itself runs for sm_90 (Triton 3.9 ships a second, newer one for it)
-        from triton.backends.nvidia.compiler import get_ptxas
-        ptxas = get_ptxas(90).path
-    except (ImportError, AttributeError, RuntimeError):
-        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    ptxas = str(load_script("inspect_gluon_sass").triton_ptxas(tools, "sm_90a"))  # Triton 3.9 has one for sm_90
     if not os.path.isfile(ptxas):
         pytest.skip("triton ships no ptxas here")
     src = tmp_path / "k.ptx"
