@@ -30,6 +30,14 @@ def pinned_ptxas() -> bool:
     return triton.__version__.startswith("3.6.")
 
 
+def gluon_compiles() -> bool:
+    """Whether the installed Triton compiles the Gluon Hopper kernel: 3.6 and newer (Gluon before 3.6, torch 2.9's
+    3.5, has no device-side TMA descriptors, and the backend declines there)."""
+    import triton
+
+    return tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in fp64."""
     out, ref = out.double(), ref.double()

@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import load_script, pinned_ptxas
+from helpers import gluon_compiles, load_script, pinned_ptxas
 
 triton = pytest.importorskip("triton")
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"   # ptxas, cuobjdump (ship with triton)
@@ -21,10 +21,9 @@ SHARED_LIMIT = 232448  # bytes of shared memory per block on sm_90
 PINNED_PTXAS = pinned_ptxas()     # the SASS schedule checks hold for the pinned Triton's ptxas (see helpers)
 schedule_check = pytest.mark.skipif(not PINNED_PTXAS, reason=f"SASS schedule of Triton 3.6's ptxas; this is "
                                                               f"Triton {triton.__version__}")
-# the Gluon kernel compiles on Triton 3.6 and newer; on older ones its backend declines (test below)
-TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
-gluon_compiles = pytest.mark.skipif(TRITON_VERSION < (3, 6), reason=f"the Gluon kernel needs Triton 3.6 or newer; "
-                                                                   f"this is Triton {triton.__version__}")
+# the Gluon kernel compiles on Triton 3.6 and newer (on older ones its backend declines: test below)
+needs_gluon_compile = pytest.mark.skipif(not gluon_compiles(), reason=f"the Gluon kernel needs Triton 3.6 or "
+                                                                        f"newer; this is Triton {triton.__version__}")
 
 # (head_dim, dtype, block_m, block_n, centroids, mask_last, merge[, has_limit: a plan with valid_keys])
 VARIANTS = {
@@ -124,7 +123,7 @@ GLUON_VARIANTS = {
 }
 
 
-@gluon_compiles
+@needs_gluon_compile
 @pytest.mark.parametrize("name", list(GLUON_VARIANTS))
 def test_gluon_kernel_compiles_with_two_consumer_warpgroups_tma_and_wgmma(name, tmp_path):
     pytest.importorskip("triton.experimental.gluon")
@@ -146,7 +145,7 @@ def test_gluon_kernel_compiles_with_two_consumer_warpgroups_tma_and_wgmma(name, 
     assert _check_spills(k.asm["cubin"], tmp_path, allowed=64 if d == 128 else 0) == 2
 
 
-@gluon_compiles
+@needs_gluon_compile
 def test_gluon_kernel_stores_outputs_with_tma():
     """The default schedule (two Q buffers) writes outputs with TMA stores from shared memory and waits for them
     to read it; register stores (tma_store=False) and one Q buffer have none."""
