@@ -227,6 +227,9 @@ def test_gluon_backend_declines_on_a_triton_older_than_it_compiles_on(monkeypatc
     monkeypatch.setattr(gluon_hopper, "triton_version", lambda: gluon_hopper.OLDEST_TRITON)
     assert backend.not_supported_reasons(q, q, q, plan) == []
     monkeypatch.setattr(gluon_hopper, "triton_version", lambda: (3, 5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # inputs it declines anyway (64 x 64 tiles): the reason, no warning
+        assert len(backend.not_supported_reasons(q, q, q, dense_plan(1, 2, 300, 64, 64))) == 2
     with pytest.warns(RuntimeWarning, match=r"Gluon Hopper kernel needs Triton 3\.6 or newer .*this is Triton "
                                             r".*generic Triton kernel runs instead"):
         why = backend.not_supported_reasons(q, q, q, plan)
@@ -234,8 +237,6 @@ def test_gluon_backend_declines_on_a_triton_older_than_it_compiles_on(monkeypatc
     with warnings.catch_warnings():
         warnings.simplefilter("error")                  # once
         assert backend.not_supported_reasons(q, q, q, plan) == why
-        # inputs it declines anyway (fp32) give the reason without a warning
-        assert len(backend.not_supported_reasons(q.float(), q.float(), q.float(), plan)) == 2
     generic = dispatch.get_backend("triton_generic")
     monkeypatch.setattr(generic, "not_supported_reasons", lambda *args: [])        # as on a GPU
     assert dispatch.select_backend(q, q, q, plan, backend="triton") is generic

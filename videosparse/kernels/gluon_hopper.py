@@ -807,6 +807,14 @@ class GluonHopperBackend(HopperBackend):
         why = super().not_supported_reasons(q, k, v, plan)
         if self.compile_failure is not None:
             why.append(self.compile_failure)
+        if (plan.block_m, plan.block_n) != (BLOCK_M, 128):
+            why.append(f"tiles {plan.block_m}x{plan.block_n} are not 128x128")
+        elif plan.has_correction:      # the loader stages the bias rows by 1D TMA boxes (int32 coordinates)
+            # key tiles from the plan, not k: PaddedHeadDim asks with a one-token stand-in of k
+            items, ncp = plan.kv_index[..., 0].numel(), -(-plan.k_mean.shape[2] // 128) * 128
+            if items * ncp >= 2 ** 31:
+                why.append(f"the correction's bias rows ({items} items x {ncp} chunk columns) exceed the 2^31 "
+                           "elements a TMA coordinate reaches")
         if triton_version() < OLDEST_TRITON:
             old = (f"needs Triton {'.'.join(map(str, OLDEST_TRITON))} or newer (Gluon's device-side TMA descriptors); "
                    f"this is Triton {triton.__version__}")
@@ -816,14 +824,6 @@ class GluonHopperBackend(HopperBackend):
                               "(about 1.4x the time on the H200); a newer torch brings a newer Triton.",
                               RuntimeWarning, stacklevel=2)
             why.append(old)
-        if (plan.block_m, plan.block_n) != (BLOCK_M, 128):
-            why.append(f"tiles {plan.block_m}x{plan.block_n} are not 128x128")
-        elif plan.has_correction:      # the loader stages the bias rows by 1D TMA boxes (int32 coordinates)
-            # key tiles from the plan, not k: PaddedHeadDim asks with a one-token stand-in of k
-            items, ncp = plan.kv_index[..., 0].numel(), -(-plan.k_mean.shape[2] // 128) * 128
-            if items * ncp >= 2 ** 31:
-                why.append(f"the correction's bias rows ({items} items x {ncp} chunk columns) exceed the 2^31 "
-                           "elements a TMA coordinate reaches")
         return why
 
     def __call__(self, q, k, v, plan: Plan, scale: float, return_lse: bool):
