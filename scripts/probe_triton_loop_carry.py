@@ -18,6 +18,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
+from videosparse.kernels._triton_utils import COMPILE_OPTIONS
+
 
 @gluon.jit
 def _bound_only(X, Y, N):
@@ -54,7 +56,8 @@ def _no_inner_loop(X, Y, N):
 def carried(fn) -> bool:
     """Whether `m` is an iter_arg of fn's outer loop in the sm_90 TTGIR."""
     src = GluonASTSource(fn, {"X": "*i32", "Y": "*i32", "N": "i32"}, {})
-    ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1)).asm["ttgir"]
+    options = dict(num_warps=1, **COMPILE_OPTIONS)
+    ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ttgir"]
     outer = next(line for line in ttgir.splitlines() if "scf.for" in line)
     return "= %m" in outer
 
