@@ -31,11 +31,13 @@ def pinned_ptxas() -> bool:
 
 
 def gluon_compiles() -> bool:
-    """Whether the installed Triton compiles the Gluon Hopper kernel: 3.6 and newer (Gluon before 3.6, torch 2.9's
-    3.5, has no device-side TMA descriptors, and the backend declines there)."""
-    import triton
-
-    return tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6)
+    """Whether the installed Triton compiles the Gluon Hopper kernel (`gluon_hopper.OLDEST_TRITON` and newer: Gluon
+    before 3.6, torch 2.9's 3.5, has no device-side TMA descriptors, and the backend declines there)."""
+    try:
+        from videosparse.kernels.gluon_hopper import OLDEST_TRITON, triton_version
+    except ImportError:                         # no Gluon in this Triton at all
+        return False
+    return triton_version() >= OLDEST_TRITON
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -1172,9 +1172,11 @@ class _ContextLink(HookFunctionReference):
         """The forward this link leads to past `new_forward` (`forward` itself once `release`d)."""
         return self.original_forward if self.original_forward is not None else self.forward
 
-    def release(self, forward) -> None:
-        self.entry, self.original_forward = None, None
-        self._forward = forward
+    def release(self):
+        """Make this a plain link to the forward past `new_forward` (`wrapped`), and return that forward."""
+        forward = self.wrapped
+        self.entry, self.original_forward, self._forward = None, None, forward
+        return forward
 
 
 @torch.compiler.disable
@@ -1274,8 +1276,7 @@ def remove_context_hook(transformer: torch.nn.Module) -> bool:
         return False
     link = registry._fn_refs[index]
     link.pre_forward, link.post_forward = _pass_through_pre, _pass_through_post
-    before = link.wrapped
-    link.release(before)                                        # the link calls past `new_forward` from now on
+    before = link.release()                                     # the link calls past `new_forward` from now on
     if not last:
         nxt = registry._fn_refs[index + 1]
         if nxt.forward is ours:
