@@ -163,6 +163,24 @@ def test_tile_shapes_may_be_numpy_arrays_or_tensors_and_an_empty_tiling_is_refus
     assert TilingSearch(density=0.3, max_shapes_per_layer=np.int64(1)).max_shapes_per_layer == 1
 
 
+def test_a_tile_shape_with_the_wrong_number_of_sizes_is_refused_at_once_and_errors_name_the_field(tmp_path,
+                                                                                                   monkeypatch):
+    """Review 59: VedaConfig(tiling="4x4") was taken as a tiling file's path and failed only at apply ("tiling file
+    '4x4' does not exist"); a tile shape's errors did not name the field."""
+    for text in ("4x4", "4 x 4 x 8 x 1", "16"):
+        with pytest.raises(ValueError, match="must be a tile shape like 4x4x8, the path of a tiling JSON"):
+            VedaConfig(tiling=text)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "4x4").write_text("{}")          # a file of that name is a path like any other
+    assert VedaConfig(tiling="4x4").tiling == "4x4"
+    assert VedaConfig(tiling="tilings/wan.json").tiling == "tilings/wan.json"     # checked at apply
+    for cls, extra in ((VedaConfig, {}), (SolConfig, {"density": 0.1})):
+        with pytest.raises(ValueError, match=r"^tiling: tile shape \(4, 4, 4\) has pt\*ph\*pw = 64"):
+            cls(tiling=(4, 4, 4), **extra)
+        with pytest.raises(ValueError, match=r"^tiling: tile shape \(0, 4, 32\) must be three positive ints"):
+            cls(tiling=(0, 4, 32), **extra)
+
+
 def test_the_lazily_imported_api_is_listed_by_dir():
     """Review 55: `apply`, `remove`, ... are imported on first use and were missing from `dir(videosparse)`."""
     import videosparse

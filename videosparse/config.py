@@ -153,6 +153,21 @@ def parse_layers(text: str) -> tuple[int, ...]:
         raise ValueError(f"layers {text!r} must be comma-separated layer indices (e.g. 0,3).") from None
 
 
+def _named_tile_check(tile: Any, block: int) -> TileShape:
+    """`_check_tile` for a config's `tiling` field: its errors name the field."""
+    try:
+        return _check_tile(tile, block)
+    except ValueError as err:
+        raise ValueError(f"tiling: {err}") from None
+
+
+def _malformed_tile_text(text: str) -> bool:
+    """Whether `text` reads as a tile shape with the wrong number of sizes ('4x4', '4x4x8x1') and names no file: as a
+    tiling path it could only fail later, at `apply`."""
+    parts = "".join(text.split()).lower().split("x")
+    return all(p.isascii() and p.isdigit() for p in parts) and len(parts) != 3 and not os.path.exists(text)
+
+
 def _check_tile(tile: Any, block: int) -> TileShape:
     if not (isinstance(tile, (tuple, list)) and len(tile) == 3 and all(_is_int(t) and t > 0 for t in tile)):
         raise ValueError(f"tile shape {tile!r} must be three positive ints (pt, ph, pw).")
@@ -323,12 +338,12 @@ class VedaConfig(_BaseConfig):
         _check_block(self.block)
         object.__setattr__(self, "tiling", parse_tile(self.tiling))
         if isinstance(self.tiling, (tuple, list)):
-            object.__setattr__(self, "tiling", _check_tile(self.tiling, self.block))
+            object.__setattr__(self, "tiling", _named_tile_check(self.tiling, self.block))
         elif self.tiling is not None and not isinstance(self.tiling, (str, os.PathLike)):
             raise TypeError(f"tiling={self.tiling!r} must be a tile shape (pt, ph, pw) or a path to a tiling JSON.")
         elif isinstance(self.tiling, os.PathLike):      # as to_dict writes it: equal to its dict round trip
             object.__setattr__(self, "tiling", os.fspath(self.tiling))
-        if isinstance(self.tiling, str) and not self.tiling.strip():
+        if isinstance(self.tiling, str) and (not self.tiling.strip() or _malformed_tile_text(self.tiling)):
             raise ValueError(f"tiling={self.tiling!r} must be a tile shape like 4x4x8, the path of a tiling JSON from "
                              "`videosparse search-tiling`, or None.")
         object.__setattr__(self, "dense_layers", _dense_schedule(self.dense_steps, _layers(self.dense_layers)))
@@ -397,7 +412,7 @@ class SolConfig(_BaseConfig):
                 raise ValueError(f"tiling={tiling!r}: sol takes one tile shape like 4x4x8, three positive ints "
                                  "(pt, ph, pw) with pt*ph*pw = block, not a tiling file; only veda reads a tiling "
                                  "JSON from search-tiling.")
-            tiling = _check_tile(tiling, self.block)
+            tiling = _named_tile_check(tiling, self.block)
             # the block's default given explicitly (as `to_dict` writes it) is the default: one config, one identity
             object.__setattr__(self, "tiling", None if tiling == DEFAULT_TILES[self.block] else tiling)
         if isinstance(self.band, bool) or not isinstance(self.band, int) or not 0 <= self.band <= MAX_BAND:
