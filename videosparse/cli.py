@@ -175,11 +175,11 @@ def slower_than_dense_note(speedup: float) -> str | None:
     """What `generate --compare-dense` adds when the sparse arm was the slower one, else None."""
     if speedup >= 1.0:
         return None
-    return ("note: sparse attention was slower than dense here: at this size attention is too small a part of a step "
-            "for skipping tiles to pay (kernel launches, plan building and the rest of the model dominate; the "
-            "default model's default video is 4,096 tokens x 3 heads, the models this package is for run 30,000 to "
-            "120,000 tokens). Speed at real sizes: `videosparse evaluate --synthetic wan-1.3b` on a GPU (README, "
-            "Results).")
+    return ("note: sparse attention was slower than dense here. Each arm ran once, so on a busy machine this can be "
+            "noise; otherwise, at this size attention is too small a part of a step for skipping tiles to pay "
+            "(kernel launches, plan building and the rest of the model dominate; the default model's default video "
+            "is 4,096 tokens x 3 heads, the models this package is for run 30,000 to 120,000 tokens). Speed at real "
+            "sizes: `videosparse evaluate --synthetic wan-1.3b` on a GPU (README, Results).")
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -239,10 +239,11 @@ def _run_generate(args: argparse.Namespace) -> int:
     size = f"{call.get('height', 'default')}x{call.get('width', 'default')}"
     print(f"model: {loaded.name} | method: {config.to_dict()} | {call.get('num_frames', 'default')} frames "
           f"{size}, {steps or 'default'} steps, seed {args.seed}")
-    # on CUDA the first sparse forward compiles the kernels: an untimed short run of each arm first (on CPU nothing
-    # compiles, and `videosparse evaluate` skips its warm-up there too)
+    # on CUDA the first sparse forward compiles the kernels: an untimed short run of each arm first. On the CPU
+    # nothing compiles, but the first forwards of a process run slower (allocator, thread pool): with
+    # --compare-dense the first arm read 0.67-0.89x of the second with dense in both, so both arms warm up there too
     check_config_applies(pipe, config, device)     # a --backend that cannot run here: before the dense steps
-    warm = device.startswith("cuda")
+    warm = device.startswith("cuda") or args.compare_dense
     if warm:
         warm_up(pipe, config, call, seed=args.seed, device=device)
     result = generate(pipe, config, call, seed=args.seed, device=device)

@@ -155,9 +155,12 @@ class Plan:
                 f"kv_index/kv_count must be int32; got {self.kv_index.dtype}/{self.kv_count.dtype}{at}."
             )
         if self.kv_index.dim() != 4 or tuple(self.kv_index.shape[:3]) != (B, H, Mq):
+            # q given as (B, S, H, D), the layout of diffusers' attention dispatch: the plan's heads sit at dim 2
+            transposed = self.kv_index.dim() == 4 and tuple(self.kv_index.shape[:2]) == (B, S) != (B, H)
             raise ValueError(
                 f"kv_index has shape {tuple(self.kv_index.shape)}; expected ({B}, {H}, {Mq}, Kmax) for "
-                f"q {tuple(q.shape)} and block_m={self.block_m}{at}."
+                f"q {tuple(q.shape)} and block_m={self.block_m}{at}. q, k, v are (B, H, S, D)"
+                + ("; q looks like (B, S, H, D): pass q.transpose(1, 2) (and k, v)." if transposed else ".")
             )
         if tuple(self.kv_count.shape) != (B, H, Mq):
             raise ValueError(f"kv_count has shape {tuple(self.kv_count.shape)}; expected ({B}, {H}, {Mq}){at}.")

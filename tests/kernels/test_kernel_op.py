@@ -317,6 +317,18 @@ def test_a_second_derivative_is_refused_not_silently_incomplete(path):
     assert torch.autograd.grad(loss(q, k, v), q)[0].shape == q.shape       # a first derivative as before
 
 
+def test_q_in_the_heads_last_layout_is_named_in_the_error():
+    """Review 59: q, k, v given as (B, S, H, D) (diffusers' dispatch layout) failed with a kv_index shape message that
+    did not say the layout the kernel takes."""
+    from videosparse.plan import dense_plan
+
+    q = torch.randn(1, 256, 2, 64)
+    with pytest.raises(ValueError, match=r"q looks like \(B, S, H, D\): pass q.transpose\(1, 2\)"):
+        block_sparse_attention(q, q, q, dense_plan(1, 2, 256))
+    with pytest.raises(ValueError, match=r"q, k, v are \(B, H, S, D\)\.$"):        # another mismatch: no such hint
+        block_sparse_attention(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), dense_plan(1, 3, 256))
+
+
 def test_a_plan_of_other_shapes_is_refused_with_validate_off_and_under_compile():
     """Review 54: with validate=False, and under torch.compile (where validate is skipped), no plan check ran: a plan
     built for another batch, length or head count (or an order of another length, centroids of another shape) made

@@ -52,8 +52,8 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
                         "the cells already measured and refuses a report made with other settings)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     q = p.add_argument_group("quality run")
-    q.add_argument("--prompts", default=None, help="prompts file (one per line, '#' comments skipped, or a JSON list); "
-                   "default built-in")
+    q.add_argument("--prompts", default=None, help="prompts file (one per line, '#' comments skipped, or a JSON list), "
+                   """or a JSON list of prompts: '["a cat", "a dog"]'; default built-in""")
     q.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable; instead of --prompts)")
     q.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     q.add_argument("--seeds", type=int, nargs="+", default=[0])

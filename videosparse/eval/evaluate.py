@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from ..processors import sessions as active_sessions
-from ..prompts import read_prompts_file
+from ..prompts import read_prompts_arg
 from .attention import AttentionProbe, sample_steps
 from .generate import check_specs_apply, generate, write_video
 from .metrics import load_lpips, lpips_distance, psnr_per_frame, psnr_video, ssim_per_frame
@@ -75,8 +75,9 @@ CALL_KEYS_NOT_COMPARED = ("prompt",)
 
 def load_prompts(path: str | None, limit: int | None = None) -> list[str]:
     """Prompts from a file (`videosparse.prompts.read_prompts_file`: a JSON list of strings, or one prompt per line,
-    '#' comments and blank lines skipped), or the built-in list when `path` is None; the first `limit` of them."""
-    prompts = list(BUILTIN_PROMPTS) if path is None else read_prompts_file(path)
+    '#' comments and blank lines skipped), an inline JSON list (`read_prompts_arg`), or the built-in list when `path`
+    is None; the first `limit` of them."""
+    prompts = list(BUILTIN_PROMPTS) if path is None else read_prompts_arg(path)
     if limit is not None:
         prompts = prompts[:limit]
     if not prompts:

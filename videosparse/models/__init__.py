@@ -1,6 +1,7 @@
 """videosparse.models: model builders (the trained reference model, the tiny random Wan pipeline).
 
-`load_reference_pipeline` and `ReferenceVideoPipeline` are imported lazily (they need diffusers).
+`load_reference_pipeline`, `ReferenceVideoPipeline` and `build_tiny_wan_pipeline` are imported lazily (they need
+diffusers).
 """
 
 _LAZY = {
@@ -8,6 +9,7 @@ _LAZY = {
     "build_reference_pipeline": "reference",
     "ReferenceVideoPipeline": "reference",
     "REFERENCE_CALL_DEFAULTS": "reference",
+    "build_tiny_wan_pipeline": "tiny_wan",
 }
 
 __all__ = list(_LAZY)
