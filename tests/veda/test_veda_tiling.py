@@ -116,6 +116,9 @@ def test_unsearched_layers_take_an_allowed_shape_and_the_json_is_strict(tmp_path
 
     data = json.loads(path.read_text(), parse_constant=refuse)
     assert data["summary"]["mean_rel_err_single"]["8x4x4"] == "inf"
+    # and the summary says why (review 59: "inf" came with no reason): 8 frames of a 4-frame grid pad it by 50%
+    assert "8x4x4" in data["summary"]["shapes_over_max_padding"]
+    assert "4x4x8" not in data["summary"]["shapes_over_max_padding"]
     assert load_tiling(path, 128).layers == res.tiling.layers
 
 

@@ -397,6 +397,8 @@ class TilingSearch:
             "best_single_shape": best_single,
             "mean_rel_err_best_single": singles[best_single],
             "num_samples": self.num_samples,
+            # why a shape's mean_rel_err_single is inf: it pads a searched layer's grid past max_padding there
+            "shapes_over_max_padding": [name for name, err in singles.items() if math.isinf(err)],
         }
         summary["searched_vs_best_single"] = (summary["mean_rel_err_searched"]
                                               / max(summary["mean_rel_err_best_single"], 1e-30))
