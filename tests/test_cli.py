@@ -1081,3 +1081,17 @@ def test_compare_dense_times_steps_by_transformer_time_and_speedup_is_dense_over
     assert summary["dense"]["speedup"] == pytest.approx(3.0) and summary["wall_s"] == 9.0
     assert "200.0 ms transformer time per step" in out and "600.0 ms per step -> speedup 3.00x" in out
     assert warm_ups == ["sparse", "dense"] and "(each arm after an untimed warm-up run)" in out
+
+
+def test_ctrl_c_ends_a_command_without_a_traceback(monkeypatch, capsys):
+    """Review 59: Ctrl-C in `evaluate` printed a KeyboardInterrupt traceback; now one line that says whether a rerun
+    resumes, exit status 130 (the shell's for SIGINT)."""
+    from videosparse.eval import command
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(command, "run_evaluate", interrupted)
+    assert main(["evaluate", "--out", "nowhere"]) == 130
+    assert capsys.readouterr().err.strip() == ("interrupted; the same command run again resumes from the cells "
+                                               "already measured")

@@ -478,6 +478,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as err:        # bad input, or a file or folder that is not there
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:                   # Ctrl-C: no traceback; what was saved stays (written atomically)
+        resumes = {"evaluate": "the cells already measured",
+                   "distill": "the samples captured and the last checkpoint"}.get(args.command)
+        print("interrupted" + (f"; the same command run again resumes from {resumes}" if resumes else ""),
+              file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
