@@ -6,8 +6,9 @@
     videosparse.remove(pipe)
 
 The diffusers-native form: `pipe.transformer.set_attn_processor(videosparse.processors(pipe.transformer, cfg))`.
-`apply`, `remove`, `sessions`, `observe` and `processors` are imported on first use, so `import videosparse`
-does not import diffusers; so is `VedaEstimator` (the trained estimator, `videosparse.veda.VedaEstimator`).
+`apply`, `remove`, `sessions`, `observe`, `processors`, `VedaEstimator` (the trained estimator of
+`videosparse.veda`) and the subpackages (`videosparse.models`, ...) are imported on first use, so
+`import videosparse` does not import diffusers.
 """
 
 import importlib as _importlib
@@ -36,4 +37,4 @@ def __getattr__(name):
 
 def __dir__():
     """The lazily imported API too (tab completion, `dir(videosparse)`)."""
-    return sorted({name for name in globals() if not name.startswith("_")} | set(__all__) | {"__version__"})
+    return sorted({name for name in globals() if not name.startswith("_")} | set(__all__) | set(_SUBPACKAGES))
