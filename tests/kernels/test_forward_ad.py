@@ -155,3 +155,25 @@ def test_torch_func_transforms_are_refused_by_name():
     assert loss(x).isfinite()                       # the session still serves plain calls
     videosparse.remove(tr)
     assert torch.func.grad(loss)(x).shape == x.shape
+
+
+def test_the_kernel_entry_names_grad_and_vmap_and_runs_jvp():
+    """Review 59: torch.func.grad / vmap called on `block_sparse_attention` itself (no processors) failed with
+    functorch's words (an autograd.Function without setup_context; a BatchedTensor's storage); torch.func.jvp runs
+    there and equals forward-mode AD through the reference."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 100, 32, generator=g, dtype=torch.float64) for _ in range(3))
+    plan = random_plan(1, 2, 100, 32, 32, 0.5)
+
+    def attend(q):
+        return block_sparse_attention(q, k[:1], v[:1], plan)
+
+    with pytest.raises(RuntimeError, match=r"does not run under torch.func.grad \(vjp, jacrev\).*backward\(\)"):
+        torch.func.grad(lambda q: attend(q).square().sum())(q[:1])
+    with pytest.raises(RuntimeError, match=r"does not run under torch.func.vmap \(jacfwd, hessian\).*dim 0"):
+        torch.func.vmap(lambda q: attend(q[None])[0])(q)
+    tangent = torch.randn(q[:1].shape, generator=g, dtype=torch.float64)
+    _, jvp_out = torch.func.jvp(attend, (q[:1],), (tangent,))
+    _, expected = torch.func.jvp(lambda q: reference_attention(q, k[:1], v[:1], plan, q.shape[-1] ** -0.5), (q[:1],),
+                                 (tangent,))
+    assert rel_err(jvp_out, expected) < 1e-12

@@ -18,7 +18,7 @@ import math
 import torch
 
 from ..plan import Plan
-from .autograd import RecomputingAttention, carries_tangent, records_gradient
+from .autograd import RecomputingAttention, carries_tangent, records_gradient, refuse_grad_and_vmap
 from .dispatch import check_inputs, register_backend, select_backend
 from .reference import reference_attention
 
@@ -78,6 +78,7 @@ def block_sparse_attention(
         >>> out = block_sparse_attention(q, k, v, dense_plan(1, 2, 300))
     """
     check_inputs(q, k, v)
+    refuse_grad_and_vmap()
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a videosparse.plan.Plan (e.g. from dense_plan, plan_from_mask or topk_plan); "
                         f"got {type(plan).__name__}.")

@@ -52,6 +52,24 @@ def refuse_functorch_transforms() -> None:
             "such steps with the stock processors (videosparse.remove(...)).")
 
 
+def refuse_grad_and_vmap() -> None:
+    """RuntimeError naming the alternatives where `block_sparse_attention` itself runs under `torch.func.grad` (vjp,
+    jacrev) or `vmap` (jacfwd, hessian): its autograd Function and kernels have no functorch rules, and functorch's
+    own errors name neither. `torch.func.jvp` runs (on the torch reference, as forward-mode AD does)."""
+    if torch.compiler.is_compiling():
+        return
+    top = torch._C._functorch.peek_interpreter_stack()
+    if top is None:
+        return
+    kind = top.key()
+    if kind in (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Vmap):
+        name = "grad (vjp, jacrev)" if kind == torch._C._functorch.TransformType.Grad else "vmap (jacfwd, hessian)"
+        raise RuntimeError(
+            f"videosparse's block_sparse_attention does not run under torch.func.{name}: for gradients call "
+            "backward() or torch.autograd.grad on its output; for a batch, stack the inputs along dim 0 (B); "
+            "torch.func.jvp and torch.autograd.forward_ad run (on the torch reference path).")
+
+
 def refuse_double_backward() -> None:
     """RuntimeError in a backward that records its own graph (`create_graph=True`: gradient penalties, gradgradcheck):
     the gradients are computed outside autograd, so a second derivative through them would silently lack the
