@@ -1,7 +1,9 @@
+import dataclasses
 
 import pytest
 import torch
 
+from videosparse.kernels import block_sparse_attention
 from videosparse.plan import Plan, dense_plan, plan_from_mask, row_budgets, topk_plan
 
 from helpers import random_plan
@@ -107,10 +109,19 @@ def test_validate_rejects_bad_plans():
         good.validate(torch.zeros(1, 2, 600, 16), q)
     with pytest.raises(ValueError, match="int32"):
         Plan(good.kv_index.long(), good.kv_count, 128, 128).validate(q, q)
-    # more key-tile slots than key tiles (3 here): refused by name, though the kernels read only kv_count slots
-    wide = Plan(torch.zeros(1, 2, 3, 4, dtype=torch.int32), torch.ones(1, 2, 3, dtype=torch.int32), 128, 128)
-    with pytest.raises(ValueError, match=r"Kmax=4 > number of key tiles 3"):
-        wide.validate(q, q)
+    # more key-tile slots than key tiles (3 here), as a plan packed at a fixed width for a longer sequence: the
+    # kernels read only kv_count slots, so it is valid (review 59: validate refused it, while the docstrings said the
+    # slots past the count are ignored) and runs as the trimmed plan; a count past the key tiles is refused
+    wide = Plan(torch.zeros(1, 2, 3, 5, dtype=torch.int32), torch.ones(1, 2, 3, dtype=torch.int32), 128, 128)
+    wide.kv_index[..., :3] = torch.arange(3, dtype=torch.int32)
+    wide = dataclasses.replace(wide, kv_count=torch.tensor([[[2, 3, 1], [3, 3, 0]]], dtype=torch.int32))
+    wide.validate(q, q)
+    trimmed = dataclasses.replace(wide, kv_index=wide.kv_index[..., :3].contiguous())
+    x = torch.randn(1, 2, 300, 16, generator=torch.Generator().manual_seed(0))     # (the kernels: interpreter tests)
+    torch.testing.assert_close(block_sparse_attention(x, x, x, wide), block_sparse_attention(x, x, x, trimmed),
+                               rtol=0, atol=0)
+    with pytest.raises(ValueError, match="strictly increasing"):     # 4 distinct tiles of 3 cannot be
+        dataclasses.replace(wide, kv_count=torch.full((1, 2, 3), 4, dtype=torch.int32)).validate(q, q)
 
 
 def test_topk_plan_builds_no_host_tensors_after_the_first_call(monkeypatch):

@@ -40,6 +40,9 @@ CASES = {
     "generic-fp16-huge-tile-stride": (1, 1, 160, 160, 64, 128, 128, 0.5, "float16", False, "generic",
                                       "huge-tile-stride"),
     "generic-fp32-no-index-columns": (1, 2, 300, 300, 64, 64, 64, 0.3, "float32", False, "generic", "kmax0"),
+    # review 59: Kmax past the key tiles is valid (validate refused it); the slots past each count are never read
+    "generic-fp32-wide-plan-corr": (2, 2, 300, 300, 64, 64, 64, 0.5, "float32", True, "generic", "wide"),
+    "hopper-fp32-wide-plan-corr": (1, 2, 300, 300, 64, 64, 64, 0.5, "float32", True, "hopper", "wide"),
     # Mutation find: q and k x 4 (logits of std 16): the running max must be taken of the scaled logits, else
     # exp2 underflows and rows come out 0 with lse -inf (moderate logits hid it; x 8 would pass the fp32 lse bound)
     "generic-fp32-large-logits": (1, 2, 200, 200, 64, 64, 64, 0.5, "float32", False, "generic", "large-logits"),
@@ -268,6 +271,11 @@ def _run_case(name: str) -> dict:
         count = plan.kv_count.clone()
         count[:, :, ::2] = 0
         plan = Plan(plan.kv_index, count, bm, bn)
+    if extra == "wide":      # more index columns than key tiles (a plan packed at a fixed width), junk past counts
+        junk = torch.full((*plan.kv_count.shape, plan.kv_index.shape[-1] + 4), 7777, dtype=torch.int32)
+        junk[..., :plan.kv_index.shape[-1]] = plan.kv_index
+        plan = Plan(junk, plan.kv_count, bm, bn)
+        assert plan.kv_index.shape[-1] > math.ceil(Sk / bn)
     if extra == "kmax0":     # no index columns at all (partial last key tile: its reads must stay in bounds)
         plan = Plan(plan.kv_index[..., :0].contiguous(), torch.zeros_like(plan.kv_count), bm, bn)
     if extra == "valid-past-keys":
