@@ -478,7 +478,8 @@ def topk_plan(
 
     Args:
         scores: float [B, H, Mv, Nv] (Mv == Nv), score of key tile j for query tile i over the video
-            tiles. Entries of -inf mark columns that may never be chosen (empty/pad tiles).
+            tiles. Entries of -inf mark columns that may never be chosen (empty/pad tiles), except the forced
+            diagonal, which every row keeps whatever its score.
         density: fraction of video key tiles per row, in (0, 1]; per-row budgets from `row_budgets`.
             The diagonal tile is forced and counted in the budget.
         num_global_tiles: tiles after the video tiles (text); every video row keeps them, and their

@@ -453,3 +453,21 @@ def test_reference_backend_gradients_on_the_gpu(dtype, correction):
         grads.append([t.grad.double().cpu() for t in (q, k, v)])
     for got, want in zip(*grads):
         assert rel_err(got, want) < 3e-2
+
+
+def test_auto_says_once_when_it_runs_the_reference_on_the_gpu(caplog):
+    """Review 59: fp32 inputs (or a head dim past 128) on CUDA ran the torch reference under "auto" without a word."""
+    import logging
+
+    from videosparse.kernels import _REFERENCE_ON_CUDA_NOTED, block_sparse_attention, reference_attention
+
+    _REFERENCE_ON_CUDA_NOTED.clear()
+    q, k, v = (torch.randn(1, 2, 300, 64, device="cuda") for _ in range(3))
+    plan = random_plan(1, 2, 300, 128, 128, 0.5, device="cuda")
+    with caplog.at_level(logging.WARNING, logger="videosparse.kernels"):
+        out = block_sparse_attention(q, k, v, plan)
+        block_sparse_attention(q, k, v, plan)
+        block_sparse_attention(q.half(), k.half(), v.half(), plan)            # a kernel serves: no word
+    said = [r.getMessage() for r in caplog.records if "found no kernel" in r.getMessage()]
+    assert len(said) == 1 and "torch.float32, head dim 64, 128x128 tiles" in said[0]
+    torch.testing.assert_close(out, reference_attention(q, k, v, plan, 64 ** -0.5), rtol=0, atol=0)

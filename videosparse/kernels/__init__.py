@@ -19,7 +19,7 @@ import torch
 
 from ..plan import Plan
 from .autograd import RecomputingAttention, carries_tangent, records_gradient, refuse_grad_and_vmap
-from .dispatch import check_inputs, register_backend, select_backend
+from .dispatch import check_inputs, get_backend, register_backend, select_backend
 from .reference import reference_attention
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,8 @@ def block_sparse_attention(
         q: [B, H, S, D]; k, v: [B, H, Sk, D], contiguous; bf16/fp16 on GPU (fp32/fp64 on the
             reference path). The Triton kernels take D in {64, 128}; other D below 128 run on them zero-padded
             to the next (`dispatch.PaddedHeadDim`).
-        plan: a `videosparse.plan.Plan` (with optional zero-order correction tensors).
+        plan: a `videosparse.plan.Plan` (with optional zero-order correction tensors; the Triton kernels take its
+            fp32 centroids rounded to q's dtype for their GEMMs, the reference keeps fp32: lse ~5e-5 apart in fp16).
         scale: softmax scale, default 1/sqrt(D).
         return_lse: also return the fp32 row log-sum-exp [B, H, S].
         backend: "auto", "triton" or "reference" (or a registered backend name).
@@ -105,6 +106,8 @@ def block_sparse_attention(
         out, lse = run_op(q, k, v, plan, scale, backend)
         return (out, lse) if return_lse else out
     impl = select_backend(q, k, v, plan, backend)
+    if backend == "auto" and q.is_cuda and impl is get_backend("reference"):
+        _note_reference_on_cuda(q, plan)
     if records_gradient(q, k, v, plan):
         # the backend's forward, a backward that recomputes the probabilities (the kernels have none of their own)
         out, lse = RecomputingAttention.apply(q, k, v, plan.k_mean, plan.v_sum, plan, scale, impl)
@@ -113,6 +116,19 @@ def block_sparse_attention(
 
 
 _FORWARD_AD_NOTED: list[bool] = [False]
+_REFERENCE_ON_CUDA_NOTED: set[tuple] = set()
+
+
+def _note_reference_on_cuda(q: torch.Tensor, plan: Plan) -> None:
+    """Say once per (dtype, head dim, tile sizes) that "auto" found no kernel on a GPU and runs the torch reference
+    (the processors never get here: they run such layers dense, with their own warning)."""
+    key = (q.dtype, q.shape[-1], plan.block_m, plan.block_n)
+    if key not in _REFERENCE_ON_CUDA_NOTED:
+        _REFERENCE_ON_CUDA_NOTED.add(key)
+        logger.warning("videosparse: backend='auto' found no kernel for %s, head dim %d, %dx%d tiles on %s and runs "
+                       "the torch reference attention (correct, much slower). The kernels take bf16 / fp16, head dims "
+                       "up to 128 and 16- to 128-token tiles; backend='triton' raises with what each one lacks.",
+                       q.dtype, q.shape[-1], plan.block_m, plan.block_n, q.device)
 
 
 def _note_forward_ad(backend: str) -> None:

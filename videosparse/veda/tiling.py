@@ -257,7 +257,7 @@ def search_tiling(
             `grid` (T, H, W), and optionally `text_len`, `text_position` (e.g. the records of
             `videosparse.processors.observe`).
         density (`float`): target fraction of video key tiles per query tile.
-        block (`int`, defaults to 128): tokens per tile.
+        block (`int`, defaults to 128): tokens per tile, 64 or 128 (the blocks the configs take).
         num_layers, num_heads: the model's; default the largest layer index seen + 1 and the heads of
             the samples. Layers never seen take, for every head, the shape the seen layers chose most often.
         candidates: default `candidate_shapes(block)`.
