@@ -43,6 +43,9 @@ def _backends():
     (5000, 128, torch.bfloat16, "empty", True),
     (16380, 128, torch.bfloat16, "valid", True),       # a key-padding limit per item (Plan.valid_keys)
     (9000, 64, torch.float16, "valid", False),
+    # key limits where the keys end on a tile boundary (mutation find, session 59: the Gluon kernel's last-tile mask
+    # switched on only for a partial last tile went unseen)
+    (16384, 128, torch.bfloat16, "valid", False),
 ])
 def test_kernel_matches_reference_at_real_size(backend, S, D, dtype, plan_kind, correction):
     _check_backend(backend, S, D, dtype, plan_kind, correction)
@@ -226,7 +229,10 @@ def test_gluon_tail_split_matches_whole_items(S, D, plan_kind, correction, progr
 
     outs, parts = {}, []
 
+    run_inputs = []
+
     def run(q, k, v, plan, split):
+        run_inputs.append((q, k, v, plan))
         sms = programs or torch.cuda.get_device_properties(q.device).multi_processor_count
         parts.append(tail_split(plan.kv_count.numel(), sms, plan.kv_index.shape[-1])[1])
         outs[split] = gluon_attention(q, k, v, plan, D ** -0.5, return_lse=True, split_tail=split,
@@ -240,6 +246,11 @@ def test_gluon_tail_split_matches_whole_items(S, D, plan_kind, correction, progr
     finite = torch.isfinite(outs[False][1])
     assert torch.equal(torch.isfinite(outs[True][1]), finite)
     assert float((outs[True][1][finite] - outs[False][1][finite]).abs().max()) < 1e-3
+    # without return_lse the parts still need theirs to be combined (mutation find, session 59: parts that stored
+    # their LSE only when asked for one went unseen)
+    q, k, v, plan = run_inputs[0]
+    alone = gluon_attention(q, k, v, plan, D ** -0.5, split_tail=True, num_programs=programs)
+    assert torch.equal(alone, outs[True][0])
 
 
 _GPU_LOAD = """
