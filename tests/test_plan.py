@@ -112,9 +112,9 @@ def test_validate_rejects_bad_plans():
     # more key-tile slots than key tiles (3 here), as a plan packed at a fixed width for a longer sequence: the
     # kernels read only kv_count slots, so it is valid (review 59: validate refused it, while the docstrings said the
     # slots past the count are ignored) and runs as the trimmed plan; a count past the key tiles is refused
-    wide = Plan(torch.zeros(1, 2, 3, 5, dtype=torch.int32), torch.ones(1, 2, 3, dtype=torch.int32), 128, 128)
-    wide.kv_index[..., :3] = torch.arange(3, dtype=torch.int32)
-    wide = dataclasses.replace(wide, kv_count=torch.tensor([[[2, 3, 1], [3, 3, 0]]], dtype=torch.int32))
+    index = torch.zeros(1, 2, 3, 5, dtype=torch.int32)
+    index[..., :3] = torch.arange(3, dtype=torch.int32)
+    wide = Plan(index, torch.tensor([[[2, 3, 1], [3, 3, 0]]], dtype=torch.int32), 128, 128)
     wide.validate(q, q)
     trimmed = dataclasses.replace(wide, kv_index=wide.kv_index[..., :3].contiguous())
     x = torch.randn(1, 2, 300, 16, generator=torch.Generator().manual_seed(0))     # (the kernels: interpreter tests)

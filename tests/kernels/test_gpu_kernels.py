@@ -227,9 +227,7 @@ def test_gluon_tail_split_matches_whole_items(S, D, plan_kind, correction, progr
     from videosparse.kernels.gluon_hopper import gluon_attention
     from videosparse.kernels.tail_split import tail_split
 
-    outs, parts = {}, []
-
-    run_inputs = []
+    outs, parts, run_inputs = {}, [], []
 
     def run(q, k, v, plan, split):
         run_inputs.append((q, k, v, plan))
