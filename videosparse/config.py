@@ -121,11 +121,16 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _tile_text_parts(text: str) -> list[str]:
+    """'4 x 4 X 8' -> ['4', '4', '8']: the sizes of a tile shape written as text, not yet checked."""
+    return "".join(text.split()).lower().split("x")
+
+
 def parse_tile(text: Any) -> Any:
     """'4x4x8' (any case of x) -> (4, 4, 8); a 1-D numpy array or tensor -> a tuple of its elements; anything else is
     returned as it is (a shape, or a tiling JSON path)."""
     if isinstance(text, str):
-        parts = "".join(text.split()).lower().split("x")      # '4 x 4 x 8' too
+        parts = _tile_text_parts(text)
         if len(parts) == 3 and all(p.isascii() and p.isdigit() for p in parts):
             return tuple(int(p) for p in parts)
     if getattr(text, "ndim", None) == 1 and hasattr(text, "tolist"):     # numpy / torch: its elements, checked after
@@ -164,7 +169,7 @@ def _named_tile_check(tile: Any, block: int) -> TileShape:
 def _malformed_tile_text(text: str) -> bool:
     """Whether `text` reads as a tile shape with the wrong number of sizes ('4x4', '4x4x8x1') and names no file: as a
     tiling path it could only fail later, at `apply`."""
-    parts = "".join(text.split()).lower().split("x")
+    parts = _tile_text_parts(text)
     return all(p.isascii() and p.isdigit() for p in parts) and len(parts) != 3 and not os.path.exists(text)
 
 

@@ -38,13 +38,20 @@ def carries_tangent(*tensors) -> bool:
     return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
+def _functorch_transform():
+    """The innermost `torch.func` transform the call runs under (a `TransformType`), or None (also while torch.compile
+    traces, which handles transforms itself)."""
+    if torch.compiler.is_compiling():
+        return None
+    top = torch._C._functorch.peek_interpreter_stack()
+    return None if top is None else top.key()
+
+
 def refuse_functorch_transforms() -> None:
     """RuntimeError inside a `torch.func` transform (grad, jvp, vmap, ...): the sparse path counts its calls in the
     session's device counters in place, which functorch refuses with an error that does not name videosparse, and
     its kernels have no transform rules. `torch.autograd.forward_ad` serves JVPs, `backward()` gradients."""
-    if torch.compiler.is_compiling():
-        return
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    if _functorch_transform() is not None:
         raise RuntimeError(
             "videosparse's sparse attention does not run under torch.func transforms (grad, jvp, vmap, ...). For a "
             "JVP (consistency distillation) use torch.autograd.forward_ad.dual_level() / make_dual, which the "
@@ -56,14 +63,9 @@ def refuse_grad_and_vmap() -> None:
     """RuntimeError naming the alternatives where `block_sparse_attention` itself runs under `torch.func.grad` (vjp,
     jacrev) or `vmap` (jacfwd, hessian): its autograd Function and kernels have no functorch rules, and functorch's
     own errors name neither. `torch.func.jvp` runs (on the torch reference, as forward-mode AD does)."""
-    if torch.compiler.is_compiling():
-        return
-    top = torch._C._functorch.peek_interpreter_stack()
-    if top is None:
-        return
-    kind = top.key()
-    if kind in (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Vmap):
-        name = "grad (vjp, jacrev)" if kind == torch._C._functorch.TransformType.Grad else "vmap (jacfwd, hessian)"
+    kind, transforms = _functorch_transform(), torch._C._functorch.TransformType
+    if kind in (transforms.Grad, transforms.Vmap):
+        name = "grad (vjp, jacrev)" if kind == transforms.Grad else "vmap (jacfwd, hessian)"
         raise RuntimeError(
             f"videosparse's block_sparse_attention does not run under torch.func.{name}: for gradients call "
             "backward() or torch.autograd.grad on its output; for a batch, stack the inputs along dim 0 (B); "
