@@ -1,6 +1,7 @@
 """SolMethod: plans through the method interface, τ caching, configs, and the Veda hybrid."""
 
 import logging
+import math
 
 import pytest
 import torch
@@ -228,3 +229,16 @@ def test_a_method_of_the_users_own_takes_its_configs_tiling_or_the_blocks_defaul
     assert SparseMethod(MyConfig(), info).tile_shapes(0, 2) == (4, 4, 8)
     assert SparseMethod(MyConfig(block=64), info).tile_shapes(0, 2) == (4, 4, 4)
     assert SparseMethod(MyConfig(tiling=(2, 8, 8)), info).tile_shapes(0, 2) == (2, 8, 8)
+
+
+@pytest.mark.parametrize("density, expected", [(1.0, -math.inf), (1e-4, math.inf)])
+def test_calibrations_report_the_sentinel_thresholds_as_infinities(density, expected):
+    """Every tile kept (density 1) or only the always-exact ones (a density under the band's floor): τ sits at the
+    float32 limit inside, which the report gives as -inf / +inf, not as 3.4e38."""
+    layout = head_tiling((8, 16, 16), (4, 4, 4), 2, block=64)
+    method = SolMethod(SolConfig(block=64, density=density), INFO)
+    q, k, v = _inputs(layout)
+    plan = method.plan(q, k, v, layout, layer=0)
+    (cal,) = method.calibrations().values()
+    assert cal["tau"] == expected
+    assert cal["density"] == pytest.approx(plan.density(layout.num_tiles), abs=1e-12)

@@ -842,3 +842,18 @@ def test_the_sample_order_changes_between_epochs_and_depends_only_on_seed_and_ep
     assert all(sorted(o) == list(range(8)) for o in first)
     assert len({tuple(o) for o in first}) == 3
     assert orders(3) == first and orders(4) != first
+
+
+def test_more_steps_per_prompt_than_a_call_has_warns_and_samples_every_step(tmp_path, caplog):
+    """steps_per_prompt above the call's step count cannot be met: every step is sampled, and the load says so
+    (it was taken silently)."""
+    import logging
+
+    from videosparse.distill.capture import load_capture_pipeline, sample_steps
+
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        _, call_kwargs = load_capture_pipeline(make_cfg(tmp_path, steps_per_prompt=5))
+        load_capture_pipeline(make_cfg(tmp_path, steps_per_prompt=2))
+    warned = [r.getMessage() for r in caplog.records if "steps_per_prompt" in r.getMessage()]
+    assert warned == ["steps_per_prompt=5 is more than the 2 denoising steps of a call: every step is sampled."]
+    assert sample_steps(int(call_kwargs["num_inference_steps"]), 5, 0, 0) == [0, 1]

@@ -588,8 +588,12 @@ def test_a_target_density_below_the_forced_tiles_warns_once_per_tile_count(caplo
             method.on_layout(0, layout)
         VedaMethod(VedaConfig(density=0.05, dense_layers=(0,)), info).on_layout(0, layout)
         VedaMethod(VedaConfig(density=0.9), info).on_layout(0, layout)
+        one_tile = head_tiling((4, 4, 8), (4, 4, 8), 2, text_len=64)    # 1 video + 1 text tile: "tile", not "tiles"
+        VedaMethod(VedaConfig(density=0.05), info).on_layout(0, one_tile)
     warned = [r.getMessage() for r in caplog.records if "cannot be lower" in r.getMessage()]
-    assert len(warned) == 1 and "target density 0.05 gives 0.667" in warned[0], warned
+    assert len(warned) == 2 and "target density 0.05 gives 0.667" in warned[0], warned
+    assert "4 video tiles" in warned[0] and "2 global tiles" in warned[0], warned
+    assert "1 video tile (" in warned[1] and "1 global tile (" in warned[1], warned
 
 
 def test_offdiagonal_recall_counts_only_the_oracles_offdiagonal_tiles():

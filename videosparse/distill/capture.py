@@ -68,6 +68,10 @@ def load_capture_pipeline(cfg: CaptureConfig, device: str | torch.device | None 
             defaults[name] = value
     if hasattr(pipe, "set_progress_bar_config"):
         pipe.set_progress_bar_config(disable=True)
+    steps = defaults.get("num_inference_steps")
+    if cfg.steps_per_prompt is not None and steps is not None and cfg.steps_per_prompt > int(steps):
+        logger.warning("steps_per_prompt=%d is more than the %d denoising steps of a call: every step is sampled.",
+                       cfg.steps_per_prompt, int(steps))
     return pipe, defaults
 
 

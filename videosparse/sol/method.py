@@ -97,9 +97,10 @@ class SolMethod(SparseMethod):
     def calibrations(self) -> dict[tuple, dict[str, float]]:
         """Calibrated τ and the density it gave on its calibration call, per (layer, H, S, D, Mv, G, grid).
 
-        Converts to Python floats (a host sync): for reports, not for the hot path.
+        Converts to Python floats (a host sync): for reports, not for the hot path. A τ at the float32 limit is
+        reported as +inf (no finite score passed: only the always-exact tiles are kept) or -inf (every tile passed).
         """
-        return {(layer, *shape): {"tau": float(tau), "density": float(realized)}
+        return {(layer, *shape): {"tau": _report_tau(tau), "density": float(realized)}
                 for layer, state in sorted(self.layer_states.items()) for shape, (tau, realized) in state.items()}
 
     def tau(self, z: torch.Tensor, layout: HeadTiling, layer: int, key: tuple, state: dict | None = None,
@@ -209,3 +210,10 @@ def packs_full_width(static_width: bool | None, q: torch.Tensor) -> bool:
     if static_width is not None:
         return static_width
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _report_tau(tau: torch.Tensor) -> float:
+    """A calibrated τ as a Python float, its float32-limit sentinels (see `threshold._centre_in_gap`) as ±inf."""
+    value = float(tau)
+    limit = float(torch.finfo(torch.float32).max)
+    return math.copysign(math.inf, value) if abs(value) >= limit else value

@@ -100,9 +100,9 @@ class VedaMethod(SparseMethod):
         if floor > 1.25 * self.config.density:
             self._warned_floors.add((Mv, G))
             logger.warning(
-                "Veda: target density %.3g gives %.3f on this input: %d video tiles (every query tile keeps at least "
-                "its own) and %d global tiles (text or conditions, always kept); the realised density cannot be lower.",
-                self.config.density, floor, Mv, G)
+                "Veda: target density %.3g gives %.3f on this input: %d video tile%s (every query tile keeps at least "
+                "its own) and %d global tile%s (text or conditions, always kept); the realised density cannot be "
+                "lower.", self.config.density, floor, Mv, "" if Mv == 1 else "s", G, "" if G == 1 else "s")
 
     def prepare(self, device: torch.device | str) -> None:
         """Move the estimator to `device` and give every layer's state its weights (see `scores`)."""
