@@ -398,3 +398,23 @@ def test_validate_names_a_field_that_is_no_tensor():
                          ("order", [0, 1, 2, 3])):
         with pytest.raises(TypeError, match=f"Plan.{field} must be a tensor"):
             replace(plan, **{field: value}).validate(q, q, q)
+
+
+def test_structure_check_refuses_k_and_v_that_do_not_fit_q_or_each_other():
+    """Code review find: `check_structure` took v and never read it, and the custom op, called directly, checked no
+    more: a v with fewer keys than k reached the kernels (the reference failed in a reshape; a Triton kernel would
+    read past v's end). The metadata check now names the shapes, on the op's path too."""
+    q = torch.randn(1, 2, 300, 64)
+    k = torch.randn(1, 2, 300, 64)
+    plan = dense_plan(1, 2, 300)
+    for kk, vv in ((k, k[:, :, :150]), (k[:, :1], k[:, :1]), (k[..., :32], k[..., :32])):
+        with pytest.raises(ValueError, match=r"shapes do not match: q \(1, 2, 300, 64\), k"):
+            plan.validate(q, kk, vv)
+        with pytest.raises(ValueError, match="shapes do not match"):
+            plan.check_structure(q, kk, vv)
+    import videosparse.kernels.ops  # noqa: F401  (registers the op)
+
+    with pytest.raises(ValueError, match="shapes do not match"):
+        torch.ops.videosparse.block_sparse_attention(q, k, k[:, :, :150], plan.kv_index, plan.kv_count, 128, 128,
+                                                     None, None, None, None, None, 0.125, "reference")
+    plan.validate(q, k, k.clone())                     # v may be any tensor of k's shape

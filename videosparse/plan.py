@@ -133,7 +133,8 @@ class Plan:
                         where: str = "") -> None:
         """The checks of `validate` that read only metadata (types, dtypes, shapes, devices; no host sync), so they
         run on every call, `validate=False` and torch.compile included: a plan whose shapes do not fit q, k would
-        make a kernel write past its output or leave rows unwritten. The counts and indices are not read (a row's
+        make a kernel write past its output or leave rows unwritten, and k, v of other shapes than the plan's q
+        (B, H, D) and each other read past their ends. The counts and indices are not read (a row's
         entries past its count may hold anything, so Kmax may exceed k's tiles): a plan for more key tiles than k
         has passes unless its centroids show it. ValueError (TypeError for a field that is no
         tensor) naming tensor, shape and expectation."""
@@ -145,6 +146,9 @@ class Plan:
                 raise TypeError(f"Plan.{name} must be {allowed}; got {type(value).__name__}{at}.")
         if q.dim() != 4 or k.dim() != 4:
             raise ValueError(f"q and k must be (B, H, S, D); got q {tuple(q.shape)}, k {tuple(k.shape)}{at}.")
+        if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3] or (v is not None and v.shape != k.shape):
+            got = f"q {tuple(q.shape)}, k {tuple(k.shape)}" + (f", v {tuple(v.shape)}" if v is not None else "")
+            raise ValueError(f"shapes do not match: {got}; expected q (B, H, S, D) and k, v (B, H, Sk, D){at}.")
         check_block("block_m", self.block_m)
         check_block("block_n", self.block_n)
         B, H, S, D = q.shape
@@ -480,7 +484,7 @@ def topk_plan(
         scores: float [B, H, Mv, Nv] (Mv == Nv), score of key tile j for query tile i over the video
             tiles. Entries of -inf mark columns that may never be chosen (empty/pad tiles), except the forced
             diagonal, which every row keeps whatever its score.
-        density: fraction of video key tiles per row, in (0, 1]; per-row budgets from `row_budgets`.
+        density: fraction of video key tiles per row, in (0, 1]; per-row budgets from `row_budget_list`.
             The diagonal tile is forced and counted in the budget.
         num_global_tiles: tiles after the video tiles (text); every video row keeps them, and their
             rows attend to every tile.

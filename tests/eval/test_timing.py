@@ -204,3 +204,27 @@ def test_attention_and_plan_timers_bracket_the_calls_they_time(monkeypatch):
     assert all(p >= 0.015 for p in atimer.plan_s) and all(a >= 0.03 for a in atimer.attention_s)
     assert all(p < a for p, a in zip(atimer.plan_s, atimer.attention_s))
     assert 0.06 <= atimer.attention_total < ttimer.total
+
+
+def test_one_transformer_in_two_slots_is_timed_once_per_call():
+    """Code review find: a pipeline whose transformer_2 is its transformer (one expert for both noise levels, which
+    `apply` serves once) was listed twice, so the timers hooked it twice: two forward times and two attention times
+    per call, and `generate` printed twice the time per step. Also with the compiled wrapper in one slot."""
+    import videosparse
+    from videosparse.eval.timing import AttentionTimer, TransformerTimer, pipeline_transformers
+    from videosparse.models import build_tiny_wan_pipeline
+
+    pipe = build_tiny_wan_pipeline()
+    pipe.register_modules(transformer_2=pipe.transformer)
+    assert pipeline_transformers(pipe) == [pipe.transformer]
+    pipe.register_modules(transformer_2=torch.compile(pipe.transformer, backend="eager"))
+    assert pipeline_transformers(pipe) == [pipe.transformer]
+    pipe.register_modules(transformer_2=pipe.transformer)
+    videosparse.apply(pipe, videosparse.DenseConfig())
+    inputs = dict(hidden_states=torch.randn(1, 4, 2, 16, 16), timestep=torch.tensor([500]),
+                  encoder_hidden_states=torch.randn(1, 8, 32))
+    forward, attention = TransformerTimer(pipeline_transformers(pipe)), AttentionTimer(pipeline_transformers(pipe))
+    with torch.no_grad(), forward(), attention():
+        pipe.transformer(**inputs)
+    assert len(forward.times) == 1
+    assert attention.layers == list(range(pipe.transformer.config.num_layers))

@@ -224,7 +224,7 @@ def test_sol_plan_path_compiles_with_gradients_on_q_alone():
     def step(q, k, v):
         q_mean, k_mean, v_sum, tile_len = tile_stats(q, k, v, 32)
         z = routing_zscores(q_mean, k_mean, 1 / 8, 1)
-        tau, _ = calibrate_tau(z, 0.5, 0, 1)
+        tau, _ = calibrate_tau(z, 0.5, 0)
         plan = sol_plan_from_zscores(z, tau, 0, 32, width=z.shape[-1]).with_correction(k_mean, v_sum, tile_len)
         return block_sparse_attention(q, k, v, plan, validate=False).square().sum()
 

@@ -138,7 +138,7 @@ def test_calibration_within_001(density, kind, G):
         q, k, _ = structured_qkv(B, H, N, block, D, seed=1)
     qm, km = tile_means_torch(q, block), tile_centroids_torch(k, k, block)[0]
     z = routing_zscores(qm, km, 1 / math.sqrt(D), band=1)
-    tau, realized = calibrate_tau(z, density, G, band=1)
+    tau, realized = calibrate_tau(z, density, G)
     got = _plan_density(z, tau, G)
     floor = forced_pairs(N, G, 1) / (N + G) ** 2
     assert abs(got - realized.item()) < 1e-12
@@ -155,19 +155,19 @@ def test_calibration_with_padded_key_tiles_counts_the_tiles_computed(density, sk
     z = torch.randn(B, H, Mv, Mv, generator=torch.Generator().manual_seed(5)).masked_fill(band_mask(Mv, 1), math.inf)
     valid_keys = torch.tensor([Mv * block + 70, Mv * block + 1], dtype=torch.int32)    # 2 and 1 valid text tiles
     key_tiles = (valid_keys.long() + block - 1) // block
-    tau, realized = calibrate_tau(z, density, G, 1, valid_key_tiles=key_tiles, skip_padded_queries=skip)
+    tau, realized = calibrate_tau(z, density, G, valid_key_tiles=key_tiles, skip_padded_queries=skip)
     plan = sol_plan_from_zscores(z, tau, G, block).with_valid_keys(valid_keys, skip)
     query_tiles = key_tiles if skip else torch.full_like(key_tiles, Mv + G)
     computed = plan.kv_count.sum().item() / (H * (query_tiles * key_tiles).sum().item())
     assert abs(computed - realized.item()) < 1e-12
     assert abs(computed - density) < 0.01, (computed, density)
     with pytest.raises(ValueError, match=r"valid_key_tiles has shape \(3,\); expected \(2,\)"):
-        calibrate_tau(z, density, G, 1, valid_key_tiles=torch.ones(3, dtype=torch.long))
+        calibrate_tau(z, density, G, valid_key_tiles=torch.ones(3, dtype=torch.long))
 
 
 def test_calibration_below_forced_density_keeps_only_forced_tiles():
     z = torch.randn(1, 2, 6, 6).masked_fill(band_mask(6, 1), float("inf"))
-    tau, realized = calibrate_tau(z, 0.05, 1, band=1)
+    tau, realized = calibrate_tau(z, 0.05, 1)
     plan_mask = sol_mask(z, tau, 1)
     forced = torch.ones(7, 7, dtype=torch.bool)
     forced[:6, :6] = band_mask(6, 1)
@@ -191,7 +191,7 @@ def test_calibrated_tau_sits_in_the_middle_of_its_gap(density):
     (density 1) or above (below the forced density) τ is -/+ the largest float, for any later input too."""
     torch.manual_seed(3)
     z = routing_zscores(torch.randn(2, 3, 40, 32), torch.randn(2, 3, 40, 32), 0.2, band=1)
-    tau, realized = calibrate_tau(z, density, 1, band=1)
+    tau, realized = calibrate_tau(z, density, 1)
     finite = z[torch.isfinite(z)]
     kept, left = finite[finite > tau], finite[finite <= tau]
     assert abs(_plan_density(z, tau, 1) - realized.item()) < 1e-12
@@ -210,14 +210,14 @@ def test_calibrated_tau_sits_in_the_middle_of_its_gap(density):
 
 def test_calibration_density_one_and_bad_density():
     z = torch.randn(1, 2, 10, 10)
-    tau, realized = calibrate_tau(z, 1.0, 0, band=0)
+    tau, realized = calibrate_tau(z, 1.0, 0)
     assert (z > tau).all() and realized.item() == 1.0
     # every centroid equal (zero variance): the density target is still reachable
     z0 = routing_zscores(torch.randn(1, 2, 10, 8), torch.ones(1, 2, 10, 8), 0.125, band=0)
-    tau0, realized0 = calibrate_tau(z0, 1.0, 0, band=0)
+    tau0, realized0 = calibrate_tau(z0, 1.0, 0)
     assert (z0 > tau0).all() and realized0.item() == 1.0
     with pytest.raises(ValueError, match="density=0"):
-        calibrate_tau(z, 0.0, 0, band=0)
+        calibrate_tau(z, 0.0, 0)
 
 
 def test_routing_scores_shift_by_threshold_mean():
@@ -262,8 +262,8 @@ def test_zscores_keep_their_tiles_at_extreme_input_scales(which, factor):
 def test_threshold_helpers_refuse_a_negative_global_tile_count_and_a_non_square_z():
     z = torch.zeros(1, 2, 5, 5)
     for call in (lambda: sol_mask(z, 0.0, -1), lambda: forced_pairs(5, -1, 0),
-                 lambda: calibrate_tau(z, 0.5, -2, 0), lambda: sol_plan_from_zscores(z, 0.0, -1, 64)):
+                 lambda: calibrate_tau(z, 0.5, -2), lambda: sol_plan_from_zscores(z, 0.0, -1, 64)):
         with pytest.raises(ValueError, match="num_global_tiles=-[12] must be an int >= 0"):
             call()
     with pytest.raises(ValueError, match="z must be \\[B, H, Mv, Mv\\]; got \\(1, 2, 5, 4\\)"):
-        calibrate_tau(z[..., :4], 0.5, 0, 0)
+        calibrate_tau(z[..., :4], 0.5, 0)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-from ..config import DEFAULT_TILES, _check_block, _plain_numbers, parse_tile
+from ..config import DEFAULT_TILES, _check_block, _named_tile_check, _plain_numbers, parse_tile
 from ..eval.report import replace_durably
 from ..prompts import PROMPTS_FILE_FORMS, read_prompts_file
 
@@ -53,11 +53,8 @@ def _tiling(value: Any, block: int) -> Any:
     value = parse_tile(value)                           # "4x4x8", as the CLI writes it
     if isinstance(value, (str, os.PathLike)):
         return os.fspath(value)
-    if isinstance(value, (list, tuple)) and len(value) == 3 and all(
-            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
-        if value[0] * value[1] * value[2] != block:
-            raise ValueError(f"tiling={tuple(value)} has pt*ph*pw != block={block}.")
-        return tuple(value)
+    if isinstance(value, (list, tuple)):
+        return _named_tile_check(value, block)          # VedaConfig's check: numpy ints too, the product named
     raise ValueError(f"tiling={value!r} must be (pt, ph, pw) with product block={block}, or a tiling JSON path.")
 
 

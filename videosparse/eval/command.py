@@ -51,6 +51,9 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
                    help="start afresh: discard report.json in --out and run every cell again (without it a rerun keeps "
                         "the cells already measured and refuses a report made with other settings)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--frames", type=int, default=None, help="video frames (both runs; default: the model's)")
+    p.add_argument("--height", type=int, default=None, help="video height in pixels (both runs; default: the model's)")
+    p.add_argument("--width", type=int, default=None, help="video width in pixels (both runs; default: the model's)")
     q = p.add_argument_group("quality run")
     q.add_argument("--prompts", default=None, help="prompts file (one per line, '#' comments skipped, or a JSON list), "
                    """or a JSON list of prompts: '["a cat", "a dog"]'; default built-in""")
@@ -58,9 +61,6 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     q.add_argument("--seeds", type=int, nargs="+", default=[0])
     q.add_argument("--steps", type=int, default=None, help="denoising steps")
-    q.add_argument("--frames", type=int, default=None)
-    q.add_argument("--height", type=int, default=None)
-    q.add_argument("--width", type=int, default=None)
     q.add_argument("--guidance-scale", type=float, default=None)
     q.add_argument("--negative-prompt", default=None)
     q.add_argument("--attn-steps", type=_ints, default=None, help="steps sampled at attention level (default: 3 spread)")

@@ -31,7 +31,6 @@ import triton.language as tl
 from ..plan import Plan, work_order
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 # finite "minus infinity" for the running max: keeps exp2(m_old - m_new) free of inf - inf
 NEG_BIG = tl.constexpr(-1.0e30)
 

@@ -120,7 +120,7 @@ class SolMethod(SparseMethod):
 
             z = gather_heads(z, state.group)
         valid_key_tiles = None if valid_keys is None else (valid_keys.long() + self.block - 1) // self.block
-        tau, realized = calibrate_tau(z, self._density_on(z.device), layout.num_global_tiles, cfg.band,
+        tau, realized = calibrate_tau(z, self._density_on(z.device), layout.num_global_tiles,
                                       valid_key_tiles=valid_key_tiles, skip_padded_queries=skip_padded_queries)
         tau, realized = tau.detach(), realized.detach()     # kept for the session: no hold on this call's graph
         state[key] = (tau, realized)

@@ -138,7 +138,7 @@ def forced_pairs(num_video_tiles: int, num_global_tiles: int, band: int) -> int:
 
 
 def calibrate_tau(
-    z: torch.Tensor, density: float | torch.Tensor, num_global_tiles: int, band: int, *, iters: int = 48,
+    z: torch.Tensor, density: float | torch.Tensor, num_global_tiles: int, *, iters: int = 48,
     valid_key_tiles: torch.Tensor | None = None, skip_padded_queries: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """τ whose plan density (globals and band included) is closest to `density`, by bisection.
@@ -149,11 +149,10 @@ def calibrate_tau(
     count(lo) >= target > count(hi), and returns whichever end lands closer to the target.
 
     Args:
-        z: fp32 [B, H, Mv, Mv] from `routing_zscores` (band pairs already +inf).
+        z: fp32 [B, H, Mv, Mv] from `routing_zscores` (band pairs already +inf: they count as kept at any τ).
         density: target fraction of all tile pairs, in (0, 1]; or a 0-dim tensor of it on z's device, not checked
             (under torch.compile a Python float is a constant of the graph: one graph per value).
         num_global_tiles: G, global tiles after the video tiles.
-        band: the band used to build z (for the count of forced pairs).
         iters: bisection steps (48 halve any fp32 bracket down to adjacent floats).
         valid_key_tiles: int [B] or None: item b's key tiles that hold a valid token (Mv <= K_b <= N; the plan's
             `with_valid_keys` drops the others, padded text tiles). The density then counts what is computed: K_b
@@ -178,12 +177,12 @@ def calibrate_tau(
     if valid_key_tiles is not None and valid_key_tiles.shape != (z.shape[0],):
         raise ValueError(f"valid_key_tiles has shape {tuple(valid_key_tiles.shape)}; expected ({z.shape[0]},), one "
                          "count per batch item.")
-    return _calibrate_tau_op(z, density, int(num_global_tiles), int(band), int(iters), valid_key_tiles,
+    return _calibrate_tau_op(z, density, int(num_global_tiles), int(iters), valid_key_tiles,
                              bool(skip_padded_queries))
 
 
 @torch.library.custom_op("videosparse::sol_calibrate_tau", mutates_args=())
-def _calibrate_tau_op(z: torch.Tensor, density: torch.Tensor, num_global_tiles: int, band: int, iters: int,
+def _calibrate_tau_op(z: torch.Tensor, density: torch.Tensor, num_global_tiles: int, iters: int,
                       valid_key_tiles: torch.Tensor | None = None,
                       skip_padded_queries: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`calibrate_tau` as one opaque node for torch.compile (its bisection loop runs eagerly, on the device)."""
@@ -240,7 +239,7 @@ def _centre_in_gap(z: torch.Tensor, tau: torch.Tensor, finite: torch.Tensor) -> 
 
 
 @_calibrate_tau_op.register_fake
-def _(z, density, num_global_tiles, band, iters, valid_key_tiles=None, skip_padded_queries=False):
+def _(z, density, num_global_tiles, iters, valid_key_tiles=None, skip_padded_queries=False):
     return z.new_empty((), dtype=torch.float32), z.new_empty((), dtype=torch.float64)
 
 
