@@ -232,7 +232,8 @@ def _estimator(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class _BaseConfig:
-    """Fields every sparse method shares: the dense schedule and the kernel backend."""
+    """What every config shares: its method name and the dict / JSON round trip. (Each sparse method's config
+    declares its own dense schedule and kernel backend fields.)"""
 
     method: ClassVar[str] = ""
 

@@ -87,6 +87,9 @@ class Plan:
                                 if isinstance(t := getattr(self, f.name), torch.Tensor)})
 
     def with_correction(self, k_mean: torch.Tensor, v_sum: torch.Tensor, tile_len: torch.Tensor) -> "Plan":
+        """This plan with the zero-order correction's tile statistics: k_mean [B, H, Nk, D] (each key tile's mean
+        key) and v_sum [B, H, Nk, D] (its value sum), floating point, and tile_len int32 or int64 [Nk] (its tokens);
+        see `videosparse.sol.centroids.tile_stats`."""
         return replace(self, k_mean=k_mean, v_sum=v_sum, tile_len=tile_len)
 
     def with_index_slot(self) -> "Plan":

@@ -327,6 +327,11 @@ class SparseSession:
         context: the `CallContext` of the current forward.
         slots: one `LayerSlot` per self-attention layer (layout, counters, dense flag, method state).
         layer_stats: `LayerStats` per self-attention layer index (a view of the slots).
+        observers: callables that `videosparse.observe` registered, given each attention call's `AttentionRecord`.
+        calls: transformer forwards seen (`reset_stats` restarts the count).
+        active: False once `remove` took the session off its transformer.
+        served: weak references to the transformers the session serves.
+        forward_lock: held through each forward, so that threads sharing the transformer take turns.
     """
 
     # how many valid text lengths keep their layouts cached (at least the current forward's): the prompt and the

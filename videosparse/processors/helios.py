@@ -34,7 +34,8 @@ from .wan import _WanFamilySparseAttention
 MASK_REASON = ("an attention mask was given (Helios passes none; a causal or block mask is not served); the call keeps "
                "the stock processor")
 
-# (name, kernel of the forward's `pad_for_3d_conv` before the patch embedding, or None) of the history parts
+# (name, kernel of the forward's `pad_for_3d_conv` before the patch embedding or None, the patch embedding's
+# attribute) of the history parts
 _HISTORY = (("short", None, "patch_short"), ("mid", (2, 4, 4), "patch_mid"), ("long", (4, 8, 8), "patch_long"))
 
 

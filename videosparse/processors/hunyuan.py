@@ -139,7 +139,7 @@ def hunyuan_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | tupl
     they differ, `valid_text_length`).
 
     The valid text length is `encoder_attention_mask.sum(1)` (diffusers' own definition of the valid
-    prefix); it syncs the host once per forward.
+    prefix), kept on the device (a `PaddedText`; no host sync here).
     """
     text = forward_arg(args, kwargs, "encoder_hidden_states", 2)
     mask = forward_arg(args, kwargs, "encoder_attention_mask", 3)
@@ -150,7 +150,7 @@ def hunyuan_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | tupl
 def hunyuan15_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | tuple[int, ...]]:
     """As `hunyuan_grid`, for HunyuanVideo 1.5, whose text is [image; ByT5; Qwen] tokens reordered valid-first:
     the valid length is the sum of the Qwen and ByT5 masks, plus the image tokens unless `image_embeds` is all
-    zeros (text-to-video, where the forward masks them out)."""
+    zeros (text-to-video, where the forward masks them out; reading that syncs the host once per forward)."""
     text = forward_arg(args, kwargs, "encoder_hidden_states", 2)
     mask = forward_arg(args, kwargs, "encoder_attention_mask", 3)
     text_2 = forward_arg(args, kwargs, "encoder_hidden_states_2", 5)

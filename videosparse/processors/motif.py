@@ -72,7 +72,7 @@ class MotifVideoSparseAttnProcessor(_HunyuanFamilySparseAttention, MotifVideoAtt
 
 def motif_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | tuple[int, ...]]:
     """Video grid after patching and the valid [image; text] tokens of this forward (one count per batch item when
-    they differ): the image tokens and `encoder_attention_mask.sum(1)` (syncs the host once per forward)."""
+    they differ): the image tokens and `encoder_attention_mask.sum(1)` (kept on the device: no host sync here)."""
     text = forward_arg(args, kwargs, "encoder_hidden_states", 2)
     mask = forward_arg(args, kwargs, "encoder_attention_mask", 3)
     image = forward_arg(args, kwargs, "image_embeds", 4)

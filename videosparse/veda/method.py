@@ -148,7 +148,18 @@ class VedaMethod(SparseMethod):
 
     def plan(self, q, k, v, layout: HeadTiling, layer: int, state: dict | None = None, valid_keys=None,
              skip_padded_queries: bool = False) -> Plan:
-        # (top-k of the video key tiles per query tile: padded text tiles do not enter its density)
+        """The Veda plan of one attention call: per (batch, head, query tile), the top-k video key tiles by the
+        estimator's scores (`scores`), each query tile's own tile and the global tiles always kept.
+
+        Args:
+            q, k, v: [B, H, S, D] in tile order (bf16 / fp16 / fp32); v is read only for the correction.
+            layout: the `HeadTiling` that gathered them; layer: the self-attention layer index; state: its state.
+            valid_keys, skip_padded_queries: not read (padded text tiles do not enter the top-k's density; the
+                processors add the key limit to the plan).
+
+        Returns:
+            `Plan` over Mv + G tiles of `block` tokens.
+        """
         scores = self.scores(q, k, layout, layer, state)
         # fp16 selection on CUDA: estimator logits are O(10), and the radix select runs over half the bits
         plan = topk_plan(scores, self.config.density, num_global_tiles=layout.num_global_tiles, block=self.block,
