@@ -25,7 +25,7 @@ from diffusers.models.embeddings import apply_rotary_emb_allegro
 
 from ..rope import HalfRope
 from .base import SparseAttentionMixin
-from .context import forward_arg
+from .context import forward_arg, patched_grid
 
 
 class AllegroSparseAttnProcessor(SparseAttentionMixin, AllegroAttnProcessor2_0):
@@ -79,5 +79,4 @@ def allegro_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
     joint text."""
     hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
     _, _, F, H, W = hidden_states.shape
-    p = module.config.patch_size
-    return (F // module.config.patch_size_t, H // p, W // p), 0
+    return patched_grid(module, F, H, W), 0

@@ -11,7 +11,7 @@ from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
 
 from ..rope import PairRope, apply_rope, tables_on
 from .base import SparseAttentionMixin, project_heads
-from .context import forward_arg
+from .context import forward_arg, patched_grid
 
 
 class CogVideoXSparseAttnProcessor(SparseAttentionMixin, CogVideoXAttnProcessor2_0):
@@ -62,5 +62,4 @@ def cogvideox_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
     hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
     text = forward_arg(args, kwargs, "encoder_hidden_states", 1)
     _, F, _, H, W = hidden_states.shape
-    p, pt = module.config.patch_size, getattr(module.config, "patch_size_t", None) or 1
-    return (F // pt, H // p, W // p), text.shape[1]
+    return patched_grid(module, F, H, W), text.shape[1]

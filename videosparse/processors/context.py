@@ -752,6 +752,16 @@ class PaddedText:
         return lengths[0] if len(set(lengths)) == 1 else lengths
 
 
+def patched_grid(module, frames: int, height: int, width: int) -> tuple[int, int, int]:
+    """The token grid of a latent of frames x height x width after the transformer's patch embedding: each size
+    floor-divided by its patch size from `module.config` (`registry.patch_size_of`: pt is 1 where the config patches
+    no time)."""
+    from .registry import patch_size_of
+
+    pt, ph, pw = patch_size_of(module.config)
+    return frames // pt, height // ph, width // pw
+
+
 def valid_text_length(valid: torch.Tensor | None, total: int) -> int | PaddedText:
     """The text tokens of a forward from the per-item valid lengths [B] (None = all `total` valid): `total`, or a
     `PaddedText` (no host sync here)."""

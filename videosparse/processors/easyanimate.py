@@ -25,7 +25,7 @@ from diffusers.models.transformers.transformer_easyanimate import (
 
 from .base import SparseAttentionMixin, project_heads, project_joint_outputs, project_text_heads
 from .cogvideox import rope_after_text
-from .context import forward_arg
+from .context import forward_arg, patched_grid
 
 
 class EasyAnimateSparseAttnProcessor(SparseAttentionMixin, EasyAnimateAttnProcessor2_0):
@@ -68,5 +68,4 @@ def easyanimate_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
     text = forward_arg(args, kwargs, "encoder_hidden_states", 3)
     text_t5 = forward_arg(args, kwargs, "encoder_hidden_states_t5", 4)
     _, _, F, H, W = hidden_states.shape
-    p = module.config.patch_size
-    return (F, H // p, W // p), text.shape[1] + (text_t5.shape[1] if text_t5 is not None else 0)
+    return patched_grid(module, F, H, W), text.shape[1] + (text_t5.shape[1] if text_t5 is not None else 0)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers import transformer_helios
 
-from .context import forward_arg, patch_tokens
+from .context import forward_arg, patch_tokens, patched_grid
 from .parallel import UlyssesShard, ulysses_shard
 from .wan import _WanFamilySparseAttention
 
@@ -92,8 +92,7 @@ def helios_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
     video (served as joint text before it): each part given with its frame indices, as the forward counts it."""
     hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
     _, _, F, H, W = hidden_states.shape
-    pt, ph, pw = module.config.patch_size
-    return (F // pt, H // ph, W // pw), _history_tokens(module, args, kwargs)
+    return patched_grid(module, F, H, W), _history_tokens(module, args, kwargs)
 
 
 def _history_tokens(module, args, kwargs) -> int:

@@ -35,7 +35,7 @@ from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVid
 
 from ..rope import PairRope, apply_rope
 from .base import SparseAttentionMixin, project_heads, project_joint_outputs, project_text_heads
-from .context import PaddedText, forward_arg, patch_tokens, valid_text_length
+from .context import PaddedText, forward_arg, patch_tokens, patched_grid, valid_text_length
 
 
 class _HunyuanFamilySparseAttention(SparseAttentionMixin):
@@ -202,5 +202,4 @@ def _video_grid(module, args, kwargs) -> tuple[int, int, int]:
     """Token grid after patching of hidden_states (B, C, F, H, W)."""
     hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
     _, _, F, H, W = hidden_states.shape
-    p, pt = module.config.patch_size, module.config.patch_size_t
-    return (F // pt, H // p, W // p)
+    return patched_grid(module, F, H, W)

@@ -52,7 +52,7 @@ from diffusers.models.transformers.transformer_kandinsky6 import Kandinsky6AttnP
 
 from ..rope import HeadPairRope
 from .base import SparseAttentionMixin, project_heads
-from .context import forward_arg
+from .context import forward_arg, patched_grid
 
 NABLA_REASON = ("the model's own NABLA sparse attention is configured (attention_type='nabla', sparse_params given), "
                 "which reorders the tokens into 8 x 8 blocks; it keeps the stock processor")
@@ -148,8 +148,7 @@ def kandinsky_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
     no joint text (Kandinsky 5 and 6)."""
     hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
     _, T, H, W, _ = hidden_states.shape
-    pt, ph, pw = module.config.patch_size
-    return (T // pt, H // ph, W // pw), 0
+    return patched_grid(module, T, H, W), 0
 
 
 def kandinsky_attention_shape(config) -> tuple[int, int]:

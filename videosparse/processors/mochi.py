@@ -27,7 +27,7 @@ from diffusers.models.attention_processor import MochiAttnProcessor2_0
 
 from ..rope import HeadPairRope
 from .base import SparseAttentionMixin, project_heads, project_joint_outputs, project_text_heads
-from .context import forward_arg, valid_text_length
+from .context import forward_arg, patched_grid, valid_text_length
 
 
 class MochiSparseAttnProcessor(SparseAttentionMixin, MochiAttnProcessor2_0):
@@ -81,8 +81,7 @@ def mochi_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | N
     text = forward_arg(args, kwargs, "encoder_hidden_states", 1)
     mask = forward_arg(args, kwargs, "encoder_attention_mask", 3)
     _, _, frames, height, width = hidden_states.shape
-    p = module.config.patch_size
-    grid, total = (frames, height // p, width // p), text.shape[1]
+    grid, total = patched_grid(module, frames, height, width), text.shape[1]
     if mask is None:
         return grid, total, None
     keep = mask != 0

@@ -358,7 +358,7 @@ def model_spec(transformer: torch.nn.Module) -> ModelSpec:
     raise ValueError(f"transformer class {name} is not supported; supported: {supported}.")
 
 
-def _patch_size(cfg) -> tuple[int, int, int]:
+def patch_size_of(cfg) -> tuple[int, int, int]:
     """(pt, ph, pw) from a config's `patch_size` (3-tuple, 2-tuple, or int with `patch_size_t`), or its spatial
     `latent_patch_size` (Cosmos 3)."""
     p = cfg.patch_size if hasattr(cfg, "patch_size") else int(cfg.latent_patch_size)
@@ -374,7 +374,7 @@ def model_info(transformer: torch.nn.Module, spec: ModelSpec, num_layers: int) -
         heads, head_dim = spec.attention_shape(cfg)
     else:
         heads, head_dim = int(cfg.num_attention_heads), int(cfg.attention_head_dim)
-    patch = _patch_size(cfg)
+    patch = patch_size_of(cfg)
     return ModelInfo(type(transformer).__name__, num_layers, heads, head_dim, patch, spec.text_position)
 
 

@@ -57,7 +57,7 @@ from diffusers.models.transformers import (
 
 from ..rope import apply_interleaved_rope
 from .base import SparseAttentionMixin, dense_with_lse, merge_attention
-from .context import forward_arg
+from .context import forward_arg, patched_grid
 
 
 class _WanFamilySparseAttention(SparseAttentionMixin):
@@ -228,8 +228,7 @@ def wan_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
     """Video grid after patching from the forward's hidden_states (B, C, F, H, W); no joint text."""
     hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
     _, _, F, H, W = hidden_states.shape
-    pt, ph, pw = module.config.patch_size
-    return (F // pt, H // ph, W // pw), 0
+    return patched_grid(module, F, H, W), 0
 
 
 def wan_animate2_rope(freqs: torch.Tensor, grid: tuple[int, int, int], stride: int = 1):
@@ -254,8 +253,7 @@ def wan_animate2_grid(module, args, kwargs):
     generation frames, `origin_area` pixels / 256 tokens per frame; else stock's zero padding counts as keys)."""
     hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
     _, F, H, W = hidden_states[0].shape
-    pt, ph, pw = module.config.patch_size
-    grid = (F // pt, H // ph, W // pw)
+    grid = patched_grid(module, F, H, W)
     if len({tuple(u.shape[1:]) for u in hidden_states}) > 1:
         return grid, 0, "Wan-Animate-2's batch items have grids of different sizes; the call keeps the stock processor"
     if forward_arg(args, kwargs, "kv_cache_mode", 5) != "cached":
@@ -282,5 +280,4 @@ def anyflow_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
     """Video grid after patching from AnyFlow's hidden_states (B, F, C, H, W), frames first; no joint text."""
     hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
     _, F, _, H, W = hidden_states.shape
-    pt, ph, pw = module.config.patch_size
-    return (F // pt, H // ph, W // pw), 0
+    return patched_grid(module, F, H, W), 0
