@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from videosparse.eval.attention import sample_steps
+from videosparse.eval.attention import spread_steps
 from videosparse.eval.metrics import (dense_attention_tile_mass, load_lpips, psnr, psnr_per_frame, psnr_video,
                                       relative_l2, ssim, ssim_per_frame, tile_recall)
 from videosparse.eval.report import from_jsonable, to_jsonable
@@ -107,12 +107,12 @@ def test_tile_recall_against_constructed_oracle():
     assert tile_recall(plan_from_mask(full, 64, 64), mass)["recall"] == 1.0
 
 
-def test_sample_steps():
-    assert sample_steps(10, 3) == [0, 4, 9] or sample_steps(10, 3) == [0, 5, 9]
-    assert sample_steps(2, 3) == [0, 1]
-    assert sample_steps(1, 3) == [0]
+def test_spread_steps():
+    assert spread_steps(10, 3) == [0, 4, 9] or spread_steps(10, 3) == [0, 5, 9]
+    assert spread_steps(2, 3) == [0, 1]
+    assert spread_steps(1, 3) == [0]
     with pytest.raises(ValueError):
-        sample_steps(0)
+        spread_steps(0)
 
 
 def test_report_json_is_strict_and_round_trips_infinity():

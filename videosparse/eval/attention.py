@@ -32,7 +32,7 @@ from .metrics import dense_attention_tile_mass, relative_l2, tile_recall
 logger = logging.getLogger("videosparse")
 
 
-def sample_steps(num_steps: int, count: int = 3) -> list[int]:
+def spread_steps(num_steps: int, count: int = 3) -> list[int]:
     """`count` denoising steps spread evenly over [0, num_steps - 1] (first and last included)."""
     if num_steps < 1:
         raise ValueError(f"num_steps={num_steps} must be >= 1.")

@@ -50,7 +50,7 @@ import torch
 
 from ..processors import sessions as active_sessions
 from ..prompts import read_prompts_arg
-from .attention import AttentionProbe, sample_steps
+from .attention import AttentionProbe, spread_steps
 from .generate import check_specs_apply, generate, write_video
 from .metrics import load_lpips, lpips_distance, psnr_per_frame, psnr_video, ssim_per_frame
 from .report import (REPORT_FORMAT, changed_keys, environment, load_report, render_markdown, replace_durably,
@@ -143,7 +143,7 @@ class EvalSettings:
     def attention_sampling(self) -> tuple[list[tuple[int, int]], list[int], list[int] | None]:
         """The attention-level pass's (prompt index, seed) pairs, denoising steps and layers (None: all)."""
         pairs = [(p, seed) for p in range(len(self.prompts)) for seed in self.seeds][: self.attn_cells]
-        steps = list(self.attn_steps) if self.attn_steps is not None else sample_steps(self.call["num_inference_steps"],
+        steps = list(self.attn_steps) if self.attn_steps is not None else spread_steps(self.call["num_inference_steps"],
                                                                                        3)
         return pairs, steps, None if self.attn_layers is None else list(self.attn_layers)
 

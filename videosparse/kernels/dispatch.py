@@ -40,7 +40,7 @@ class _ReferenceBackend:
         return reference_attention(q, k, v, plan, scale, return_lse)
 
 
-PADDED_HEAD_DIMS = (64, 128)    # head dims the Triton kernels take; others below 128 run zero-padded to the next
+KERNEL_HEAD_DIMS = (64, 128)    # head dims the Triton kernels take; others below 128 run zero-padded to the next
 
 
 @dataclass(frozen=True)
@@ -162,8 +162,8 @@ def _padded_backend(q, k, v, plan: Plan, backend: str) -> PaddedHeadDim | None:
     order, that takes the inputs zero-padded to the next head dim they do (`PaddedHeadDim`); None otherwise. "auto"
     asks only on CUDA (on CPU the reference serves any head dim)."""
     D = q.shape[-1]
-    target = next((d for d in PADDED_HEAD_DIMS if d > D), None)
-    if D in PADDED_HEAD_DIMS or target is None or (backend == "auto" and q.device.type != "cuda"):
+    target = next((d for d in KERNEL_HEAD_DIMS if d > D), None)
+    if D in KERNEL_HEAD_DIMS or target is None or (backend == "auto" and q.device.type != "cuda"):
         return None
     for name in TRITON_BACKENDS:
         if backend == "auto" and name not in AUTO_ORDER:     # a backend registered out of auto ("hopper") stays out

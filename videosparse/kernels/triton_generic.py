@@ -23,8 +23,8 @@ import triton.language as tl
 from ..plan import Plan
 from ._triton_utils import (COMPILE_OPTIONS, LOG2E, NEG_BIG, correction_inputs, finish_rows, interpreter_active,
                             key_limit, launch_dims, launch_signature, softmax_step, stride_arg_names, on_input_device)
+from .dispatch import KERNEL_HEAD_DIMS
 
-SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BLOCKS = (16, 32, 64, 128)
 
 
@@ -259,8 +259,8 @@ class GenericBackend:
         allowed = (torch.float16, torch.bfloat16) + ((torch.float32,) if INTERPRETED or q.device.type == "cpu" else ())
         if q.dtype not in allowed:
             why.append(f"dtype {q.dtype} not in {allowed}")
-        if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-            why.append(f"head dim {q.shape[-1]} not in {SUPPORTED_HEAD_DIMS}")
+        if q.shape[-1] not in KERNEL_HEAD_DIMS:
+            why.append(f"head dim {q.shape[-1]} not in {KERNEL_HEAD_DIMS}")
         if plan.block_m not in SUPPORTED_BLOCKS or plan.block_n not in SUPPORTED_BLOCKS:
             why.append(f"tiles {plan.block_m}x{plan.block_n} not in {SUPPORTED_BLOCKS}")
         return why

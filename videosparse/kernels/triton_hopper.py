@@ -47,8 +47,8 @@ import triton.language as tl
 from ..plan import Plan, device_programs
 from ._triton_utils import (COMPILE_OPTIONS, LOG2E, NEG_BIG, aot_seq_len, correction_inputs, finish_rows, key_limit,
                             launch_dims, launch_signature, partial_state, softmax_step, on_input_device)
+from .dispatch import KERNEL_HEAD_DIMS
 
-SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BLOCKS = (64, 128)
 
 
@@ -331,8 +331,8 @@ class HopperBackend:
             why.append(f"needs a CUDA GPU of compute capability 9.x (q is on {q.device})")
         if q.dtype not in (torch.float16, torch.bfloat16):
             why.append(f"dtype {q.dtype} is not fp16/bf16")
-        if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-            why.append(f"head dim {q.shape[-1]} not in {SUPPORTED_HEAD_DIMS}")
+        if q.shape[-1] not in KERNEL_HEAD_DIMS:
+            why.append(f"head dim {q.shape[-1]} not in {KERNEL_HEAD_DIMS}")
         if plan.block_m not in SUPPORTED_BLOCKS or plan.block_n not in SUPPORTED_BLOCKS:
             why.append(f"tiles {plan.block_m}x{plan.block_n} not in {SUPPORTED_BLOCKS}")
         for name, t in (("q", q), ("k", k), ("v", v)):

@@ -130,8 +130,6 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int.")
             sizes[name] = int(value)                # numpy ints as Python ints (the saved config.json too)
-            if isinstance(self._hub_mixin_config, dict):
-                self._hub_mixin_config[name] = sizes[name]
         num_layers, num_heads, head_dim, block = sizes.values()
         if block not in BLOCK_SIZES:         # an estimator for a block no config takes could never be used
             raise ValueError(f"block={block!r} is not supported; choose one of {BLOCK_SIZES} (VedaConfig's blocks).")
@@ -144,8 +142,6 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
             raise ValueError(f"model_class={model_class!r} must be the name of the transformer class it serves (e.g. "
                              "'WanTransformer3DModel').")
         self.model_class = model_class
-        if isinstance(self._hub_mixin_config, dict):
-            self._hub_mixin_config["model_class"] = model_class
         self.num_layers, self.num_heads, self.head_dim, self.block = num_layers, num_heads, head_dim, block
         self.tile_shapes = _normalize_tiles(DEFAULT_TILES[block] if tile_shapes is None else tile_shapes, num_layers,
                                             num_heads)
@@ -154,25 +150,24 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
                 if len(s) != 3 or min(s) < 1 or math.prod(s) != block:
                     raise ValueError(f"tile_shapes[{layer}][{h}]={s} must be (pt, ph, pw) of positive ints with "
                                      f"pt*ph*pw == block={block}.")
-        # the config save_pretrained writes gets plain ints (the mixin drops numpy ones and would save the default)
-        if isinstance(self._hub_mixin_config, dict):
-            shapes = {tuple(s) for heads in self.tile_shapes for s in heads}
-            self._hub_mixin_config["tile_shapes"] = list(shapes.pop()) if len(shapes) == 1 else self.tile_shapes
         self.init_std = float(init_std)
-        if isinstance(self._hub_mixin_config, dict):
-            self._hub_mixin_config["init_std"] = self.init_std       # (a numpy float would be saved as the default)
         if density is not None and (isinstance(density, bool) or not isinstance(density, numbers.Real)
                                     or not 0 < density <= 1):
             raise ValueError(f"density={density!r} must be a number in (0, 1] (the density it was distilled for) or "
                              "None.")
         self.density = None if density is None else float(density)
-        if isinstance(self._hub_mixin_config, dict):
-            self._hub_mixin_config["density"] = self.density        # a numpy float would be saved as null
         if component is not None and (not isinstance(component, str) or not component):
             raise ValueError(f"component={component!r} must be the pipeline component it was distilled from (e.g. "
                              "'transformer_2') or None.")
         self.component = component
         self.source: str | None = None
+        # the config save_pretrained writes gets the checked values as plain Python numbers (the mixin drops numpy
+        # ones and would save the default, or null for a numpy density) and one tile shape where all heads share it
+        if isinstance(self._hub_mixin_config, dict):
+            shapes = {tuple(s) for heads in self.tile_shapes for s in heads}
+            self._hub_mixin_config.update(
+                sizes, model_class=model_class, init_std=self.init_std, density=self.density,
+                tile_shapes=list(shapes.pop()) if len(shapes) == 1 else self.tile_shapes)
         shape = (num_layers, num_heads, 3 * head_dim, head_dim)
         self.proj_q = nn.Parameter(torch.randn(shape) * self.init_std)
         self.proj_k = nn.Parameter(torch.randn(shape) * self.init_std)
