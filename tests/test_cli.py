@@ -1095,3 +1095,50 @@ def test_ctrl_c_ends_a_command_without_a_traceback(monkeypatch, capsys):
     assert main(["evaluate", "--out", "nowhere"]) == 130
     assert capsys.readouterr().err.strip() == ("interrupted; the same command run again resumes from the cells "
                                                "already measured")
+
+
+def test_a_prompts_file_whose_name_starts_with_a_bracket_is_read_as_the_file(tmp_path, monkeypatch):
+    """Mutation find: `--prompts` is an inline JSON list only where it starts with "[" and names no file; with the
+    file check dropped, a prompts file named "[v2] prompts.txt" was parsed as (broken) inline JSON and refused."""
+    from videosparse.eval.evaluate import load_prompts
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "[v2] prompts.txt").write_text("a cat\na dog\n")
+    (tmp_path / "[1].json").write_text('["a red circle"]')        # a file that is an inline list's text too
+    assert load_prompts("[v2] prompts.txt") == ["a cat", "a dog"]
+    assert load_prompts("[1].json") == ["a red circle"]
+
+
+def test_a_json_prompt_list_refuses_a_prompt_of_blanks_only(tmp_path):
+    """Mutation find: a prompt of only spaces in a JSON list (inline or in a file) must be refused like "" (a check
+    of `not p` instead of `not p.strip()` let it through as an empty prompt after stripping)."""
+    from videosparse.distill.config import read_prompts
+    from videosparse.eval.evaluate import load_prompts
+
+    with pytest.raises(ValueError, match=r"""--prompts '\["a cat", "   "\]' holds a JSON list that has "   " at """
+                                         "position 1"):
+        load_prompts('["a cat", "   "]')
+    path = tmp_path / "p.json"
+    path.write_text('["a cat", "\\t "]')
+    for read in (read_prompts, load_prompts):
+        with pytest.raises(ValueError, match=r'p.json\' holds a JSON list that has "\\t " at position 1'):
+            read(str(path))
+
+
+def test_ctrl_c_in_distill_names_its_resume_and_other_commands_only_stop(monkeypatch, capsys):
+    """Mutation find: only evaluate's Ctrl-C line was tested; distill's (its samples and checkpoint resume) could
+    lose its words (a misspelt key), and a command that resumes nothing (generate, search-tiling) could claim a
+    resume ("resumes from None", or a default text)."""
+    from videosparse import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    for name in ("_run_distill", "_run_generate", "_run_search_tiling"):
+        monkeypatch.setattr(cli, name, interrupted)
+    assert main(["distill", "--output-dir", "nowhere"]) == 130
+    assert capsys.readouterr().err.strip() == ("interrupted; the same command run again resumes from the samples "
+                                               "captured and the last checkpoint")
+    for argv in (["generate"], ["search-tiling", "--output", "nowhere.json"]):
+        assert main(argv) == 130, argv
+        assert capsys.readouterr().err.strip() == "interrupted", argv

@@ -266,3 +266,18 @@ def test_a_band_past_the_tile_count_keeps_meaning_all_and_an_absurd_one_is_refus
     assert SolConfig(tau=1.0, band=2**63 - 1).band == 2**63 - 1 and SolConfig(density=0.2, band=10**6).band == 10**6
     with pytest.raises(ValueError, match=r"band=99999999999999999999 must be an int in \[0, 9223372036854775807\]"):
         parse_method_spec("sol@0.5:band=99999999999999999999")
+
+
+def test_dir_lists_the_subpackages_before_their_import_and_no_private_names():
+    """Mutation find: dir(videosparse) must name the subpackages in a fresh process, before any is imported (the
+    in-process test sees them as imported modules either way), and none of the module's private helpers
+    (_importlib, _SUBPACKAGES) or dunders other than __version__."""
+    code = ("import sys, videosparse; names = dir(videosparse); "
+            "assert 'videosparse.models' not in sys.modules; "
+            "print(sorted(n for n in ('distill', 'eval', 'kernels', 'models', 'sol', 'veda') if n in names)); "
+            "print(sorted(n for n in names if n.startswith('_')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    listed, private = out.stdout.strip().splitlines()
+    assert listed == "['distill', 'eval', 'kernels', 'models', 'sol', 'veda']"
+    assert private == "['__version__']"

@@ -355,3 +355,45 @@ def test_a_plan_of_other_shapes_is_refused_with_validate_off_and_under_compile()
         with pytest.raises(ValueError, match="compiled call"):
             compiled(q, k, v, plan)
     torch.testing.assert_close(compiled(q, k, v, right), block_sparse_attention(q, k, v, right, validate=False))
+
+
+def test_a_plan_for_other_query_tiles_is_not_taken_for_the_heads_last_layout():
+    """Mutation find: the (B, S, H, D) hint needs the plan's dim 1 to match q's dim 2 *and* differ from q's heads; a
+    q with as many tokens as heads and a plan of the right heads but other query tiles got the transpose hint."""
+    from videosparse.plan import dense_plan
+
+    q = torch.randn(1, 4, 4, 64)                   # B, H, S = 1, 4, 4: one query tile, the plan has 2
+    with pytest.raises(ValueError, match=r"kv_index has shape \(1, 4, 2, 2\); .* q, k, v are \(B, H, S, D\)\.$"):
+        block_sparse_attention(q, q, q, dense_plan(1, 4, 256))
+
+
+def test_auto_on_the_cpu_says_nothing_of_the_gpu_reference(caplog):
+    """Mutation find: the note that "auto" found no kernel is for a GPU (on the CPU the reference is the path, not a
+    fallback); dropping the q.is_cuda check said it on every CPU call."""
+    import logging
+
+    from videosparse.kernels import _REFERENCE_ON_CUDA_NOTED
+
+    _REFERENCE_ON_CUDA_NOTED.clear()
+    q, k, v = (torch.randn(1, 2, 300, 64) for _ in range(3))
+    with caplog.at_level(logging.WARNING, logger="videosparse.kernels"):
+        block_sparse_attention(q, k, v, random_plan(1, 2, 300, 128, 128, 0.5))
+    assert not [r for r in caplog.records if "found no kernel" in r.getMessage()]
+    assert not _REFERENCE_ON_CUDA_NOTED
+
+
+def test_the_reference_on_gpu_note_is_said_once_per_head_dim(caplog):
+    """Mutation find: the note is once per (dtype, head dim, tiles); a key without the head dim said nothing for a
+    second head dim (the GPU test uses one). The helper is called directly: it only formats and remembers."""
+    import logging
+
+    from videosparse.kernels import _REFERENCE_ON_CUDA_NOTED, _note_reference_on_cuda
+
+    _REFERENCE_ON_CUDA_NOTED.clear()
+    plan = random_plan(1, 2, 300, 128, 128, 0.5)
+    with caplog.at_level(logging.WARNING, logger="videosparse.kernels"):
+        for D in (64, 64, 192, 64, 192):
+            _note_reference_on_cuda(torch.randn(1, 2, 300, D), plan)
+    said = [r.getMessage() for r in caplog.records if "found no kernel" in r.getMessage()]
+    assert len(said) == 2 and "head dim 64, 128x128" in said[0] and "head dim 192, 128x128" in said[1], said
+    _REFERENCE_ON_CUDA_NOTED.clear()

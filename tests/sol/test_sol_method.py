@@ -242,3 +242,17 @@ def test_calibrations_report_the_sentinel_thresholds_as_infinities(density, expe
     (cal,) = method.calibrations().values()
     assert cal["tau"] == expected
     assert cal["density"] == pytest.approx(plan.density(layout.num_tiles), abs=1e-12)
+
+
+def test_calibrations_report_finite_thresholds_as_they_are():
+    """Mutation find: only τ at the float32 limit is reported as ±inf; a finite τ past another format's range
+    (fp16's 65504) is reported as is (a limit read from fp16 turned 1e5 into inf)."""
+    method = SolMethod(SolConfig(block=64, density=0.2), INFO)
+    limit = torch.finfo(torch.float32).max
+    for tau in (1e5, -1e5, 0.25, 1e30):
+        method.layer_state(0)[("shape", tau)] = (torch.tensor(tau), torch.tensor(0.2, dtype=torch.float64))
+    method.layer_state(0)[("shape", "limit")] = (torch.tensor(limit), torch.tensor(0.0, dtype=torch.float64))
+    cal = method.calibrations()
+    for tau in (1e5, -1e5, 0.25, 1e30):
+        assert cal[(0, "shape", tau)]["tau"] == float(torch.tensor(tau)), tau
+    assert cal[(0, "shape", "limit")]["tau"] == float("inf")

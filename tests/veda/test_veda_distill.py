@@ -859,3 +859,26 @@ def test_more_steps_per_prompt_than_a_call_has_warns_and_samples_every_step(tmp_
     warned = [r.getMessage() for r in caplog.records if "steps_per_prompt" in r.getMessage()]
     assert warned == ["steps_per_prompt=5 is more than the 2 denoising steps of a call: every step is sampled."]
     assert sample_steps(int(call_kwargs["num_inference_steps"]), 5, 0, 0) == [0, 1]
+
+
+def test_steps_per_prompt_with_no_known_step_count_loads_without_a_word(tmp_path, monkeypatch, caplog):
+    """Mutation find: a pipeline whose __call__ gives no num_inference_steps default (and a config that sets none)
+    leaves the step count to the pipeline; steps_per_prompt is then not compared (dropping the `steps is not None`
+    check raised a TypeError from int(None) at load)."""
+    import logging
+
+    from videosparse.distill.capture import load_capture_pipeline
+    from videosparse.models import loading
+
+    real = loading.load_pipeline
+
+    def without_steps(*args, **kwargs):
+        loaded = real(*args, **kwargs)
+        loaded.defaults.pop("num_inference_steps", None)
+        return loaded
+
+    monkeypatch.setattr(loading, "load_pipeline", without_steps)
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        _, call_kwargs = load_capture_pipeline(make_cfg(tmp_path, num_inference_steps=None, steps_per_prompt=5))
+    assert "num_inference_steps" not in call_kwargs
+    assert not [r for r in caplog.records if "steps_per_prompt" in r.getMessage()]

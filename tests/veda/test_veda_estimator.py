@@ -609,3 +609,18 @@ def test_offdiagonal_recall_counts_only_the_oracles_offdiagonal_tiles():
     r = tile_recall(scores[None, None], heat[None, None], 0.5)
     assert r["recall"] == pytest.approx(6 / 8) and r["recall_offdiag"] == pytest.approx(2 / 4)
     assert r["heat_recall_offdiag"] == pytest.approx((0.5 + 0.5 + 0.1 + 0.1) / (4 * 0.5))
+
+
+def test_the_floor_warning_counts_video_and_global_tiles_each_by_its_own_number(caplog):
+    """Mutation find: the floor warning's plurals were tested only where both counts agree (4 and 2, 1 and 1); the
+    global tiles' "s" taken from the video tile count passed. 4 video tiles beside 1 text tile, and the reverse."""
+    import logging
+
+    info = ModelInfo("X", 1, 2, 64, (1, 2, 2))
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        VedaMethod(VedaConfig(density=0.05), info).on_layout(0, head_tiling((2, 16, 16), (4, 4, 8), 2, text_len=128))
+        VedaMethod(VedaConfig(density=0.05), info).on_layout(0, head_tiling((4, 4, 8), (4, 4, 8), 2, text_len=256))
+    warned = [r.getMessage() for r in caplog.records if "cannot be lower" in r.getMessage()]
+    assert len(warned) == 2, warned
+    assert "4 video tiles (" in warned[0] and "1 global tile (" in warned[0], warned
+    assert "1 video tile (" in warned[1] and "2 global tiles (" in warned[1], warned

@@ -401,3 +401,33 @@ def test_search_tiling_observes_each_prompts_sampled_steps_with_its_own_seed(mon
     assert seeds == [seed, seed + 1]
     assert steps == [set(sample_steps(3, 1, seed, i)) for i in range(2)]
     assert n == 2 * 2                                                     # 1 step x 2 layers, per prompt
+
+
+def test_tiling_search_refuses_a_max_padding_of_one():
+    """Mutation find: max_padding is a share of padded tokens in [0, 1); 1.0 (every token padding) must be refused
+    like -1.0 (a bound of <= 1 let it through)."""
+    from videosparse.veda.tiling import TilingSearch
+
+    with pytest.raises(ValueError, match=r"max_padding=1.0 must be a number in \[0, 1\)"):
+        TilingSearch(density=0.2, max_padding=1.0)
+    assert TilingSearch(density=0.2, max_padding=0.99).max_padding == 0.99
+
+
+def test_a_grid_of_exactly_one_tile_is_scored_not_warned(caplog):
+    """Mutation find: only grids with fewer video tokens than one tile are left out (warned as such); a grid of
+    exactly `block` tokens is scored like any other (a `<=` took it as too small, with a warning that it holds fewer
+    tokens than one tile)."""
+    import logging
+
+    from videosparse.veda.tiling import TilingSearch
+
+    grid = (2, 8, 8)                                      # 128 tokens: one 128-token tile
+    q, k, v = (torch.randn(1, 128 + 40, 2, 32) for _ in range(3))
+    rec = SimpleNamespace(layer=0, q=q, k=k, v=v, grid=grid, text_len=40, text_position="after", step=0,
+                          branch="cond", item=None, text_slot=False)
+    search = TilingSearch(density=0.5)
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        search.add(rec)
+    assert not any("fewer video tokens than one" in r.getMessage() for r in caplog.records)
+    assert search.err_cnt == {0: 1}
+    assert search.result().tiling.layers[0][0] in search.shapes
