@@ -136,11 +136,11 @@ class Plan:
                         where: str = "") -> None:
         """The checks of `validate` that read only metadata (types, dtypes, shapes, devices; no host sync), so they
         run on every call, `validate=False` and torch.compile included: a plan whose shapes do not fit q, k would
-        make a kernel write past its output or leave rows unwritten, and k, v of other shapes than the plan's q
-        (B, H, D) and each other read past their ends. The counts and indices are not read (a row's
-        entries past its count may hold anything, so Kmax may exceed k's tiles): a plan for more key tiles than k
-        has passes unless its centroids show it. ValueError (TypeError for a field that is no
-        tensor) naming tensor, shape and expectation."""
+        make a kernel write past its output or leave rows unwritten, and a k or v whose batch, heads or head dim
+        differ from q's, or that differ from each other, would be read past its end. The counts and indices are not
+        read (a row's entries past its count may hold anything, so Kmax may exceed k's tiles): a plan for more key
+        tiles than k has passes unless its centroids show it. ValueError (TypeError for a field that is no tensor)
+        naming tensor, shape and expectation."""
         at = f" ({where})" if where else ""
         for name in ("kv_index", "kv_count", "k_mean", "v_sum", "tile_len", "valid_keys", "order"):
             value = getattr(self, name)

@@ -34,7 +34,7 @@ def block_sparse_attention_op(
     """(out [B, H, S, D] in q's dtype, lse fp32 [B, H, S]) for the plan given by its tensors."""
     # an index slot as the public function gives: a plan with no index columns (Kmax 0) read out of bounds
     plan = Plan(kv_index, kv_count, block_m, block_n, k_mean, v_sum, tile_len, order, valid_keys).with_index_slot()
-    check_inputs(q, k, v)                                   # the op called directly skips the public function's
+    check_inputs(q, k, v)               # as the public function does: the op may also be called directly
     plan.check_structure(q, k, v, where="compiled call")    # traced, the public function could not check it
     impl = select_backend(q, k, v, plan, backend)
     out, lse = impl(q, k, v, plan, scale, True)

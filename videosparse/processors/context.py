@@ -29,6 +29,7 @@ from diffusers.hooks.hooks import BaseState, HookFunctionReference, StateManager
 from ..kernels.probe import probe_kernel
 from ..layout import HeadTiling, head_tiling
 from ..plan import HAS_TRITON
+from .registry import patch_size_of
 
 logger = logging.getLogger("videosparse")
 
@@ -756,8 +757,6 @@ def patched_grid(module, frames: int, height: int, width: int) -> tuple[int, int
     """The token grid of a latent of frames x height x width after the transformer's patch embedding: each size
     floor-divided by its patch size from `module.config` (`registry.patch_size_of`: pt is 1 where the config patches
     no time)."""
-    from .registry import patch_size_of
-
     pt, ph, pw = patch_size_of(module.config)
     return frames // pt, height // ph, width // pw
 
