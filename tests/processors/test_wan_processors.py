@@ -271,3 +271,31 @@ def test_a_sequence_that_does_not_fit_the_grid_runs_dense_and_says_why():
     fallbacks = session.stats()["layers"][0]["fallbacks"]
     assert any("sequence length 120 does not match grid (2, 8, 8)" in f for f in fallbacks), fallbacks
     assert any("sequence length 136 does not match grid (2, 8, 8)" in f for f in fallbacks), fallbacks
+
+
+def test_the_forward_arguments_are_read_by_name_whatever_their_position():
+    """Code review find: the grid functions read positional arguments at positions written in the code (about 45,
+    matching diffusers 0.42.1), so a forward whose parameters diffusers reordered would be misread. The hook now
+    names the positional arguments from the forward's signature first: a subclass whose forward takes the timestep
+    first, called positionally, gets the grid of its hidden states and the output of a keyword call."""
+    from videosparse.models import build_tiny_wan_pipeline
+    from videosparse.processors.context import args_by_name
+
+    class TimestepFirst(WanTransformer3DModel):
+        def forward(self, timestep, hidden_states, encoder_hidden_states, **kwargs):
+            return super().forward(hidden_states, timestep, encoder_hidden_states, **kwargs)
+
+    base = build_tiny_wan_pipeline().transformer
+    model = TimestepFirst.from_config(base.config)
+    model.load_state_dict(base.state_dict())
+    videosparse.apply(model, videosparse.VedaConfig(density=0.5, block=64, tiling=(1, 8, 8), dense_steps=0))
+    x, t, text = torch.randn(1, 4, 2, 16, 16), torch.tensor([500]), torch.randn(1, 8, 32)
+    with torch.no_grad():
+        positional = model(t, x, text).sample
+        keywords = model(hidden_states=x, timestep=t, encoder_hidden_states=text).sample
+    torch.testing.assert_close(positional, keywords, rtol=0, atol=0)
+    assert sessions(model)["transformer"].context.grid == (2, 8, 8)
+    assert args_by_name(TimestepFirst.forward, (t, x), {"return_dict": True}) == (
+        (), {"timestep": t, "hidden_states": x, "return_dict": True})
+    assert args_by_name(TimestepFirst.forward, (t, x, text, 7), {}) == ((7,), {"timestep": t, "hidden_states": x,
+                                                                           "encoder_hidden_states": text})

@@ -699,6 +699,34 @@ def parameter_position(forward, name: str, default: int) -> int:
     return params.index(name) - 1 if name in params else default
 
 
+@functools.lru_cache(maxsize=None)
+def _positional_names(forward) -> tuple[str, ...]:
+    """The names of a module forward's positional parameters after self, in order (empty when its signature cannot
+    be read). Read once per forward."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return ()
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = []
+    for param in params:
+        if param.kind not in positional:
+            break
+        names.append(param.name)
+    return tuple(names)
+
+
+def args_by_name(forward, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A forward call's arguments with the positional ones moved to keywords by the names `forward`'s signature
+    gives them: (the positional arguments left, those past its named parameters; the keywords). So `forward_arg`
+    finds each argument by its name whatever its position, and a position that diffusers moves is not misread."""
+    names = _positional_names(forward)
+    if not args or not names:
+        return args, kwargs
+    n = min(len(args), len(names))
+    return args[n:], {**dict(zip(names[:n], args[:n])), **kwargs}
+
+
 def forward_arg(args: tuple, kwargs: dict, name: str, index: int):
     """Argument `name` of a transformer forward, given by keyword or at position `index` (None if absent)."""
     return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
@@ -923,6 +951,7 @@ class SparseContextHook(ModelHook):
         if not self._warned_replaced:
             self._warn_replaced_processors()
         session.forward_graph_task = _graph_task()
+        args, kwargs = args_by_name(type(module).forward, args, kwargs)     # read below by name, not position
         found = self.grid_fn(module, args, kwargs)
         ctx.grid, ctx.text_len, ctx.text_valid = found[0], found[1], None
         ctx.text_slot = isinstance(ctx.text_len, PaddedText)
