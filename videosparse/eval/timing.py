@@ -56,17 +56,12 @@ class TransformerTimer:
 
 
 def pipeline_transformers(pipe) -> list[torch.nn.Module]:
-    """The pipeline's transformer components (transformer, transformer_2, ...), each module once: one module in two
-    slots (also compiled in one of them) would be timed twice per call. A `torch.compile` wrapper is kept as given
-    (the timers' hooks go around the compiled call)."""
-    from ..processors import _unwrap
+    """The pipeline's transformer components (transformer, transformer_2, ...), each module once, as `apply` serves
+    them (`processors._transformers`): one module in two slots (also compiled in one of them) would be timed twice
+    per call. A `torch.compile` wrapper is kept as given (the timers' hooks go around the compiled call)."""
+    from ..processors import _transformers
 
-    found: list[torch.nn.Module] = []
-    for name, comp in pipe.components.items():
-        if name.startswith("transformer") and isinstance(comp, torch.nn.Module) and \
-                all(_unwrap(comp) is not _unwrap(seen) for seen in found):
-            found.append(comp)
-    return found
+    return [pipe.components[name] for name in _transformers(pipe)]
 
 
 class _Clock:

@@ -689,17 +689,6 @@ class _BranchState(BaseState):
 
 
 @functools.lru_cache(maxsize=None)
-def parameter_position(forward, name: str, default: int) -> int:
-    """Position of parameter `name` among a module forward's positional arguments (after self); `default` when it
-    has none. Read from the signature once per (forward, name)."""
-    try:
-        params = list(inspect.signature(forward).parameters)
-    except (TypeError, ValueError):
-        return default
-    return params.index(name) - 1 if name in params else default
-
-
-@functools.lru_cache(maxsize=None)
 def _positional_names(forward) -> tuple[str, ...]:
     """The names of a module forward's positional parameters after self, in order (empty when its signature cannot
     be read). Read once per forward."""
@@ -714,6 +703,13 @@ def _positional_names(forward) -> tuple[str, ...]:
             break
         names.append(param.name)
     return tuple(names)
+
+
+def parameter_position(forward, name: str, default: int) -> int:
+    """Position of parameter `name` among a module forward's positional arguments (after self); `default` when it
+    has none (`_positional_names`)."""
+    names = _positional_names(forward)
+    return names.index(name) if name in names else default
 
 
 def args_by_name(forward, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -882,7 +878,6 @@ class SparseContextHook(ModelHook):
         self.step_timestep = step_timestep   # ModelSpec.step_timestep: None reads the forward's timestep
         self.timestep_direction = timestep_direction    # ModelSpec.timestep_direction (what counting may assume)
         self.state_manager = _ThreadStateManager(_BranchState)
-        self._timestep_position = 1          # set from the model's forward signature on the first call
         self._warned_unknown_steps = False
         self._warned_all_dense = False
         self._warned_training = False
@@ -894,7 +889,6 @@ class SparseContextHook(ModelHook):
         self._stale_counter: tuple | None = None
 
     def initialize_hook(self, module):
-        self._timestep_position = parameter_position(type(module).forward, "timestep", default=1)
         self._module = weakref.ref(module)
         # the modules diffusers' `enable_gradient_checkpointing` gives a checkpointing function (the transformer)
         self._checkpointing = [m for m in module.modules() if hasattr(m, "gradient_checkpointing")]
@@ -1053,7 +1047,7 @@ class SparseContextHook(ModelHook):
             # does not move the step count of a pipeline call either
             return None, None
         t = (self.step_timestep(self._module(), args, kwargs) if self.step_timestep is not None else
-             forward_arg(args, kwargs, "timestep", self._timestep_position))
+             forward_arg(args, kwargs, "timestep", 1))       # (named by `_update`: the position is a fallback)
         counted = getattr(scheduler, "step_index", None)          # advanced by each scheduler.step() of this call
         if t is not None and self._other_driver(scheduler, timesteps, counted):
             return self.session.timestep_counter.step(t, self.timestep_direction), num_steps

@@ -34,7 +34,7 @@ from diffusers.models.transformers.transformer_ltx2 import (
 )
 
 from .base import SparseAttentionMixin
-from .context import forward_arg, parameter_position, sequence_length
+from .context import forward_arg, sequence_length
 from .ltx import coords_grid
 
 _ROTATIONS = {"interleaved": apply_interleaved_rotary_emb, "split": apply_split_rotary_emb}
@@ -149,8 +149,8 @@ def ltx2_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | No
     video tile attends to them, and they to every tile). Any other sequence runs dense; the grid returned then is
     (1, 1, S), only to keep the layouts well-formed.
     """
-    def arg(name: str, default: int):
-        return forward_arg(args, kwargs, name, parameter_position(type(module).forward, name, default))
+    def arg(name: str, default: int):       # (the hook named the positional arguments: the position is a fallback)
+        return forward_arg(args, kwargs, name, default)
 
     seq_len = sequence_length(module, arg("hidden_states", 0))      # all ranks' tokens under context parallelism
     video_coords = arg("video_coords", 15)
