@@ -13,7 +13,6 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .config import BACKENDS, DenseConfig, SolConfig, VedaConfig, parse_dense_steps, parse_layers, parse_tile
@@ -183,8 +182,8 @@ def slower_than_dense_note(speedup: float) -> str | None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from .eval.generate import (MAX_FPS, check_call_flags, check_config_applies, check_video_writer, generate,
-                                warm_up, write_video)
+    from .eval.generate import (MAX_FPS, check_call_flags, check_config_applies, check_video_writer, dense_comparison,
+                                generate, warm_up, work_fraction, write_video)
     from .eval.spec import check_config_files
     from .models.loading import check_size, load_pipeline, size_stub
 
@@ -253,7 +252,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         path, video_error = None, err
     # time per denoising step, or per transformer forward where the call names no step count
     unit = "step" if steps else "transformer forward"
-    per_step = result.transformer_total_s / (steps or max(1, len(result.transformer_s)))
+    per_step = result.seconds_per_step(steps)
     frames, height, width = result.frames.shape[:3]
     if call.get("num_frames") not in (None, frames):
         print(f"note: the pipeline made {frames} frames ({call['num_frames']} asked; its frame counts are stepped)")
@@ -265,11 +264,8 @@ def _run_generate(args: argparse.Namespace) -> int:
                "image": args.image, "video": path, "frames": frames, "height": height, "width": width,
                "wall_s": result.wall_s, "transformer_s_per_step": per_step, "timed_per": unit, "stats": result.stats,
                "environment": environment(device)}
-    from .eval.evaluate import work_fraction
-
     density, work = work_fraction(result.stats)              # pooled over every transformer (Wan 2.2: both)
-    kernels = sorted({c.get("kernel_backend") for c in (result.stats or {}).values()
-                      if c.get("kernel_backend") and c.get("sparse_calls")})
+    kernels = result.kernels
     print(f"{config.method}: {per_step * 1000:.1f} ms transformer time per {unit}, {result.wall_s:.1f} s in all"
           + (f", realised density {density:.3f} (attention work {work:.2f} of dense, dense steps included)"
              if density is not None else "")
@@ -277,23 +273,15 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.compare_dense:
         if warm:
             warm_up(pipe, None, call, seed=args.seed, device=device)
-        dense = generate(pipe, None, call, seed=args.seed, device=device)
-        dense_step = dense.transformer_total_s / (steps or max(1, len(dense.transformer_s)))
-        from .eval.metrics import psnr_video
-
         # the dense arm is the pipeline's own processors (videosparse not applied), same seed and call
-        summary["dense"] = {"arm": "stock processors", "wall_s": dense.wall_s, "transformer_s_per_step": dense_step,
-                            "speedup": dense_step / per_step,
-                            # as `videosparse evaluate`, which stores (and compares) frames rounded to fp16
-                            "psnr_db": psnr_video(result.frames.astype(np.float16), dense.frames.astype(np.float16))}
-        print(f"dense: {dense_step * 1000:.1f} ms per {unit} -> speedup {dense_step / per_step:.2f}x; "
-              f"PSNR vs dense {summary['dense']['psnr_db']:.2f} dB"
-              + (" (each arm after an untimed warm-up run)" if warm else ""))
-        ran_sparse = any(c.get("sparse_calls") for c in (result.stats or {}).values())
-        if not ran_sparse:
+        dense = summary["dense"] = dense_comparison(result, generate(pipe, None, call, seed=args.seed, device=device),
+                                                    steps)
+        print(f"dense: {dense['transformer_s_per_step'] * 1000:.1f} ms per {unit} -> speedup {dense['speedup']:.2f}x; "
+              f"PSNR vs dense {dense['psnr_db']:.2f} dB" + (" (each arm after an untimed warm-up run)" if warm else ""))
+        if not result.ran_sparse:
             print("note: no attention call ran sparse in this run (the method, or its dense steps / layers, kept "
                   "every call dense), so the two arms differ only by noise.")
-        elif note := slower_than_dense_note(round(dense_step / per_step, 2)):    # as printed: 0.996 reads 1.00x
+        elif note := slower_than_dense_note(round(dense["speedup"], 2)):    # as printed: 0.996 reads 1.00x
             print(note)
     if video_error is not None:
         summary["video_error"] = f"{type(video_error).__name__}: {video_error}"

@@ -593,7 +593,7 @@ def test_summary_times_are_medians_over_the_cells():
 def test_work_fraction_counts_dense_calls_and_weighs_densities_by_sparse_calls():
     """Mutation testing: the attention work (what Amdahl and `generate` use) left out dense-scheduled calls, and the
     realised density of two transformers (Wan 2.2's experts) was their plain mean, not weighted by sparse calls."""
-    from videosparse.eval.evaluate import work_fraction
+    from videosparse.eval.generate import work_fraction
 
     # 16 sparse calls at 0.25 and 4 dense-scheduled ones: density 0.25, work (4 + 16 * 0.25) / 20
     assert work_fraction({"transformer": {"density": 0.25, "sparse_calls": 16, "dense_calls": 4}}) == \

@@ -51,7 +51,7 @@ import torch
 from ..processors import sessions as active_sessions
 from ..prompts import read_prompts_arg
 from .attention import AttentionProbe, spread_steps
-from .generate import check_specs_apply, generate, write_video
+from .generate import check_specs_apply, generate, work_fraction, write_video
 from .metrics import load_lpips, lpips_distance, psnr_per_frame, psnr_video, ssim_per_frame
 from .report import (REPORT_FORMAT, changed_keys, environment, load_report, render_markdown, replace_durably,
                      save_report, timing_environment, write_atomic)
@@ -286,25 +286,6 @@ def _by_step(entries: list[dict], key: str) -> dict[str, float | None]:
     """{step: mean of key over the entries of that step} (string keys, as JSON keeps them)."""
     return {str(step): _mean_of([e for e in entries if e["step"] == step], key)
             for step in sorted({e["step"] for e in entries})}
-
-
-def work_fraction(stats: dict | None) -> tuple[float | None, float]:
-    """(realised density of the sparse calls, attention work vs dense incl. dense calls) over all components."""
-    if not stats:
-        return None, 1.0
-    kept = dense_calls = sparse_calls = 0.0
-    densities = []
-    for comp in stats.values():
-        d = comp.get("density")
-        sparse_calls += comp["sparse_calls"]
-        dense_calls += comp["dense_calls"]
-        if d is not None:
-            densities.append((float(d), comp["sparse_calls"]))
-            kept += float(d) * comp["sparse_calls"]
-    calls = sparse_calls + dense_calls
-    density = sum(d * n for d, n in densities) / sum(n for _, n in densities) if densities and sparse_calls else None
-    work = (dense_calls + kept) / calls if calls else 1.0
-    return density, work
 
 
 def _layer_densities(stats: dict | None) -> dict[str, list[float | None]]:

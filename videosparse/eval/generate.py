@@ -32,6 +32,53 @@ class GenerationResult:
     def transformer_total_s(self) -> float:
         return float(sum(self.transformer_s))
 
+    def seconds_per_step(self, steps: int | None) -> float:
+        """Transformer seconds per denoising step of a call of `steps` steps; per transformer forward where the call
+        names no step count (`steps` None)."""
+        return self.transformer_total_s / (steps or max(1, len(self.transformer_s)))
+
+    @property
+    def kernels(self) -> list[str]:
+        """The kernel backends that served at least one sparse call, sorted."""
+        return sorted({c.get("kernel_backend") for c in (self.stats or {}).values()
+                       if c.get("kernel_backend") and c.get("sparse_calls")})
+
+    @property
+    def ran_sparse(self) -> bool:
+        """Whether any attention call ran sparse (False where the dense steps / layers kept every call dense)."""
+        return any(c.get("sparse_calls") for c in (self.stats or {}).values())
+
+
+def work_fraction(stats: dict | None) -> tuple[float | None, float]:
+    """(realised density of the sparse calls, attention work vs dense incl. dense calls) over all components."""
+    if not stats:
+        return None, 1.0
+    kept = dense_calls = sparse_calls = 0.0
+    densities = []
+    for comp in stats.values():
+        d = comp.get("density")
+        sparse_calls += comp["sparse_calls"]
+        dense_calls += comp["dense_calls"]
+        if d is not None:
+            densities.append((float(d), comp["sparse_calls"]))
+            kept += float(d) * comp["sparse_calls"]
+    calls = sparse_calls + dense_calls
+    density = sum(d * n for d, n in densities) / sum(n for _, n in densities) if densities and sparse_calls else None
+    work = (dense_calls + kept) / calls if calls else 1.0
+    return density, work
+
+
+def dense_comparison(sparse: GenerationResult, dense: GenerationResult, steps: int | None) -> dict:
+    """The dense arm of `generate --compare-dense` against the sparse one (same call and seed): its wall time and
+    transformer time per step, the sparse arm's speedup over it, and the sparse video's PSNR against it in dB (frames
+    rounded to fp16 first, as `evaluate` stores and compares them; inf where they are equal)."""
+    from .metrics import psnr_video
+
+    dense_step = dense.seconds_per_step(steps)
+    return {"arm": "stock processors", "wall_s": dense.wall_s, "transformer_s_per_step": dense_step,
+            "speedup": dense_step / sparse.seconds_per_step(steps),
+            "psnr_db": psnr_video(sparse.frames.astype(np.float16), dense.frames.astype(np.float16))}
+
 
 def generate(pipe, config, call_kwargs: dict, seed: int = 0, device: str | None = None, *,
              instruments: Sequence[Callable[[object], ContextManager]] = (),
