@@ -594,7 +594,7 @@ def test_an_interrupted_video_or_summary_leaves_the_old_files_whole(tmp_path, ca
     encode or write left a truncated file where the old one was; both go to a temporary file and a rename now."""
     import diffusers.utils
 
-    from videosparse.eval import report
+    from videosparse import _io
 
     out, js = tmp_path / "v.mp4", tmp_path / "s.json"
     out.write_bytes(b"old video")
@@ -612,7 +612,7 @@ def test_an_interrupted_video_or_summary_leaves_the_old_files_whole(tmp_path, ca
             raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(diffusers.utils, "export_to_video", killed_encode)
-    monkeypatch.setattr(report, "to_jsonable", lambda summary: {"model": "x", "stats": Unwritable()})
+    monkeypatch.setattr(_io, "to_jsonable", lambda summary: {"model": "x", "stats": Unwritable()})
     assert main(["generate", "--frames", "5", "--height", "64", "--width", "64", "--steps", "2",
                  "--out", str(out), "--json", str(js)]) == 2
     assert "No space left on device" in capsys.readouterr().err

@@ -255,3 +255,16 @@ def test_a_tensor_subclass_is_gathered_without_the_wide_view():
     layout = head_tiling((2, 4, 5), (1, 2, 4), 2, 8, 0)
     out = layout.gather(tagged)
     assert isinstance(out, Tagged) and torch.equal(out.as_subclass(torch.Tensor), layout.gather(x))
+
+
+def test_layout_and_rope_import_no_kernel_module():
+    """Imports flow one way (STYLE §4: config / layout / plan below the kernels): importing the layouts and RoPE, in a
+    fresh process, loads nothing of `videosparse.kernels` (they once took `carries_tangent` from kernels.autograd)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, videosparse.layout, videosparse.rope; "
+            "print(sorted(m for m in sys.modules if m.startswith(('videosparse.kernels', 'videosparse.eval'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .config import BACKENDS, DenseConfig, SolConfig, VedaConfig, parse_dense_steps, parse_layers, parse_tile
-from .distill.config import cannot_make_files_in, check_device, check_seed
+from ._run_checks import cannot_make_files_in, check_device, check_seed
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # containers diffusers' export_to_video (imageio + ffmpeg) writes
@@ -112,7 +112,7 @@ def check_output(flag: str, path: str, *, folder: bool = False, parents: bool = 
         raise ValueError(f"{flag} {path!r} is a file; give a directory (made when missing).")
     if not folder and os.path.isdir(path):
         raise ValueError(f"{flag} {path!r} is a directory; give a file path.")
-    from .eval.report import STANDARD_STREAMS, writes_in_place
+    from ._io import STANDARD_STREAMS, writes_in_place
 
     if not folder and path in STANDARD_STREAMS:     # written through sys.stdout / sys.stderr (a pipe too)
         return
@@ -288,7 +288,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     else:
         print(f"video written to {path}")
     if args.json:
-        from .eval.report import to_jsonable, write_atomic
+        from ._io import to_jsonable, write_atomic
 
         text = json.dumps(to_jsonable(summary), indent=2, default=str)       # inf PSNR as "inf": strict JSON
         try:

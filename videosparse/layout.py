@@ -23,8 +23,8 @@ from typing import Sequence
 
 import torch
 
+from ._autodiff import carries_tangent
 from .config import int_at_least
-from .kernels.autograd import carries_tangent
 from .rope import apply_rope, check_groups, rope_gather
 
 TEXT_POSITIONS = ("before", "after")

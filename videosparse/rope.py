@@ -26,8 +26,8 @@ from typing import NamedTuple
 
 import torch
 
+from ._autodiff import carries_tangent
 from .config import int_at_least
-from .kernels.autograd import carries_tangent
 
 ROPE_BACKENDS = ("auto", "triton", "torch")
 

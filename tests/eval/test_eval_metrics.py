@@ -10,7 +10,7 @@ import torch
 from videosparse.eval.attention import spread_steps
 from videosparse.eval.metrics import (dense_attention_tile_mass, load_lpips, psnr, psnr_per_frame, psnr_video,
                                       relative_l2, ssim, ssim_per_frame, tile_recall)
-from videosparse.eval.report import from_jsonable, to_jsonable
+from videosparse._io import from_jsonable, to_jsonable
 from videosparse.plan import plan_from_mask
 
 

@@ -408,7 +408,7 @@ def test_a_summary_to_dev_stdout_lands_among_the_rest_of_stdout(tmp_path):
     import sys
 
     log = tmp_path / "log.txt"
-    code = ("from videosparse.eval.report import write_atomic\nprint('before', flush=True)\n"
+    code = ("from videosparse._io import write_atomic\nprint('before', flush=True)\n"
             "write_atomic('/dev/stdout', '{\"summary\": 1}\\n')\nprint('after')\n")
     with open(log, "w") as out:
         subprocess.run([sys.executable, "-c", code], stdout=out, check=True,
@@ -511,8 +511,8 @@ def test_files_are_synced_to_disk_before_the_rename_publishes_them(tmp_path, mon
     """A rename alone may reach the disk before the data it publishes (a power loss could leave an empty file under
     the final name); `replace_durably` fsyncs the file, or a folder's files and folders, before the rename, and the
     rename's folder after it. `write_atomic`, checkpoints and the distillation's writes go through it."""
+    from videosparse._io import replace_durably, write_atomic
     from videosparse.distill.config import DistillConfig
-    from videosparse.eval.report import replace_durably, write_atomic
 
     events = []
     real_fsync, real_replace = os.fsync, os.replace

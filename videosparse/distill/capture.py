@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..eval.report import replace_durably, write_atomic
+from .._io import replace_durably, write_atomic
 from ..layout import head_tiling
 from ..method import ModelInfo
 from ..veda.teacher import teacher_heat

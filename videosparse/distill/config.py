@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, Union
 
 from ..config import DEFAULT_TILES, _check_block, _named_tile_check, _plain_numbers, parse_tile
-from ..eval.report import replace_durably
+from .._io import replace_durably
+from .._run_checks import check_device
 from ..prompts import PROMPTS_FILE_FORMS, read_prompts_file
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
@@ -101,49 +102,8 @@ def _indices(name: str, value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
-# the seeds torch's generators take; distill and search-tiling seeds (accelerate's set_seed: numpy's range)
+# the seeds distill and search-tiling take (accelerate's set_seed: numpy's range)
 RUN_SEED_MAX = 2 ** 32 - 1
-SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
-
-
-def check_seed(flag: str, seed: int) -> None:
-    """ValueError for a seed torch.Generator.manual_seed cannot take."""
-    if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
-        raise ValueError(f"{flag} {seed} is out of the range torch's generators take [{SEED_RANGE[0]}, "
-                         f"{SEED_RANGE[1]}].")
-
-
-def cannot_make_files_in(folder: str | os.PathLike) -> str | None:
-    """Why no file can be made in the existing folder `folder` (read-only, not ours, /proc), or None: a throwaway
-    file is made and removed, since os.access says yes to root there."""
-    import tempfile
-
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            return None
-    except OSError as err:
-        return str(err.strerror or err)
-
-
-def check_device(device: Any) -> None:
-    """ValueError unless `device` is None or a torch device this machine has (cuda needs a GPU)."""
-    if device is None:
-        return
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device={device!r} is not a torch device; use 'cuda', 'cuda:1' or 'cpu'.") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r}: torch sees no CUDA GPU here; use 'cpu'.")
-    if dev.type == "meta":
-        raise ValueError(f"device={device!r} holds no data; use 'cuda' or 'cpu'.")
-    try:
-        torch.empty(0, device=dev)
-    except (RuntimeError, AssertionError, ImportError) as err:
-        reason = str(err).splitlines()[0].split(". ")[0][:160]
-        raise ValueError(f"device={device!r} is not usable here ({reason}); use 'cpu'.") from None
 
 
 _PROMPT_FORMS = (f"{PROMPTS_FILE_FORMS}, or a list of prompts (on the "

@@ -14,10 +14,11 @@ from typing import Any, Callable
 
 import torch
 
+from .._run_checks import cannot_make_files_in
 from ..models.loading import check_component
 from ..veda.tiling import TilingSearch, TilingSearchResult
 from .capture import load_capture_pipeline, sample_steps, transformer_info
-from .config import TilingSearchConfig, cannot_make_files_in, read_prompts
+from .config import TilingSearchConfig, read_prompts
 
 logger = logging.getLogger(__name__)
 

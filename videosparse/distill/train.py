@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..eval.report import from_jsonable, replace_durably, to_jsonable, write_atomic
+from .._io import from_jsonable, replace_durably, to_jsonable, write_atomic
 from ..method import ModelInfo
 from ..models.loading import check_component
 from ..veda.estimator import VedaEstimator

@@ -163,7 +163,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     from .evaluate import EvalSettings, load_prompts, run_evaluation
 
     specs = _method_specs(args, DEFAULT_METHODS)
-    from ..distill.config import check_seed
+    from .._run_checks import check_seed
 
     for seed in args.seeds:
         check_seed("--seeds", seed)

@@ -53,8 +53,9 @@ from ..prompts import read_prompts_arg
 from .attention import AttentionProbe, spread_steps
 from .generate import check_specs_apply, generate, work_fraction, write_video
 from .metrics import load_lpips, lpips_distance, psnr_per_frame, psnr_video, ssim_per_frame
-from .report import (REPORT_FORMAT, changed_keys, environment, load_report, render_markdown, replace_durably,
-                     save_report, timing_environment, write_atomic)
+from .._io import replace_durably, write_atomic
+from .report import (REPORT_FORMAT, changed_keys, environment, load_report, render_markdown, save_report,
+                     timing_environment)
 from .spec import MethodSpec
 from .timing import AttentionTimer, pipeline_transformers
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..processors import apply, remove
-from .report import replace_durably
+from .._io import replace_durably
 from .timing import TransformerTimer, pipeline_transformers
 
 

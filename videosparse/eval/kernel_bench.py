@@ -555,9 +555,9 @@ def render_variants(results) -> str:
 
 
 def write_json(path, results) -> None:
-    """Write `results` to `path` atomically (`videosparse.eval.report.write_atomic`: a temporary file beside it, then
+    """Write `results` to `path` atomically (`videosparse._io.write_atomic`: a temporary file beside it, then
     a rename): a run stopped mid-write leaves the JSON of the step before."""
-    from .report import write_atomic
+    from .._io import write_atomic
 
     write_atomic(path, json.dumps(results, indent=1))
 
@@ -621,7 +621,7 @@ def check_args(args: argparse.Namespace, error) -> None:
             error(f"{flag} is empty; give a JSON file path")
     if args.readme is None:         # an --out that cannot be written: now, not after the correctness checks
         from ..cli import check_output
-        from .report import STANDARD_STREAMS
+        from .._io import STANDARD_STREAMS
 
         out = args.out
         real = os.path.realpath(out)

@@ -28,9 +28,9 @@ def _pyplot():
 
 
 def _save(fig, path: str, **kwargs) -> None:
-    """Save `fig` as PNG to `path` atomically (`videosparse.eval.report.write_atomic`: a run killed while saving leaves
+    """Save `fig` as PNG to `path` atomically (`videosparse._io.write_atomic`: a run killed while saving leaves
     the old figure whole, or none), and close it."""
-    from .report import write_atomic
+    from .._io import write_atomic
 
     buffer = io.BytesIO()
     try:

@@ -71,7 +71,7 @@ from typing import Any, Callable
 
 import torch
 
-from .report import replace_durably
+from .._io import replace_durably
 from .spec import MethodSpec, label_family
 from .timing import AttentionTimer, TransformerTimer, profile_sdpa
 
@@ -1172,8 +1172,9 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
         The report dict ("synthetic": model name -> section from `summarize_synthetic`).
     """
     from .plots import plot_speedup_vs_density
+    from .._io import write_atomic
     from .report import (REPORT_FORMAT, as_saved, changed_keys, environment, load_report, render_markdown,
-                         save_report, timing_environment, write_atomic)
+                         save_report, timing_environment)
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)

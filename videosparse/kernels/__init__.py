@@ -17,8 +17,9 @@ import math
 
 import torch
 
+from .._autodiff import carries_tangent
 from ..plan import Plan
-from .autograd import RecomputingAttention, carries_tangent, records_gradient, refuse_grad_and_vmap
+from .autograd import RecomputingAttention, records_gradient, refuse_grad_and_vmap
 from .dispatch import check_inputs, get_backend, register_backend, select_backend
 from .reference import reference_attention
 

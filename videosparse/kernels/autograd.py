@@ -24,20 +24,6 @@ def records_gradient(q, k, v, plan: Plan) -> bool:
                                            for t in (q, k, v, plan.k_mean, plan.v_sum))
 
 
-def carries_tangent(*tensors) -> bool:
-    """Whether forward-mode AD (`torch.autograd.forward_ad`, a JVP) carries a tangent on any of `tensors` (None
-    skipped). The kernels, their custom ops and the layouts' fast paths drop tangents: such calls take the torch
-    paths, which carry them. While torch.compile traces, where tangents cannot be looked at, any open dual level
-    counts (Dynamo guards on the level). Cheap when no dual level is open (the usual case)."""
-    from torch.autograd import forward_ad
-
-    if forward_ad._current_level < 0:
-        return False
-    if torch.compiler.is_compiling():
-        return True
-    return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
-
-
 def _functorch_transform():
     """The innermost `torch.func` transform the call runs under (a `TransformType`), or None (also while torch.compile
     traces, which handles transforms itself)."""

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..eval.report import replace_durably
+from .._io import replace_durably
 from .reference import (
     DEFAULT_GUIDANCE_SCALE,
     DEFAULT_HEIGHT,

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..kernels.autograd import carries_tangent
+from .._autodiff import carries_tangent
 from ..layout import tile_lengths
 from ..plan import check_block
 from ..veda.trippool import interpreting

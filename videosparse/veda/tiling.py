@@ -27,7 +27,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ..config import BLOCK_SIZES, _check_block, _check_tile, _is_int
-from ..eval.report import to_jsonable, write_atomic
+from .._io import to_jsonable, write_atomic
 from ..kernels import block_sparse_attention
 from ..layout import TileLayout
 from ..plan import topk_plan
@@ -106,7 +106,7 @@ class Tiling:
                 "layers": [[list(s) for s in heads] for heads in self.layers], **self.meta}
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the JSON atomically (`videosparse.eval.report.write_atomic`: temp file + rename)."""
+        """Write the JSON atomically (`videosparse._io.write_atomic`: temp file + rename)."""
         write_atomic(path, json.dumps(to_jsonable(self.to_dict()), indent=1, allow_nan=False))  # strict: inf as "inf"
 
 
