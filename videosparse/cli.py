@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from .config import BACKENDS, DenseConfig, SolConfig, VedaConfig, parse_dense_steps, parse_layers, parse_tile
+from .config import (BACKENDS, DEFAULT_DENSITY, DenseConfig, SolConfig, VedaConfig, parse_dense_steps, parse_layers,
+                     parse_tile)
 from ._run_checks import cannot_make_files_in, check_device, check_seed
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -37,7 +38,8 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     """Arguments that describe one attention method (shared by every subcommand that applies one)."""
     p.add_argument("--method", default="veda", choices=["veda", "sol", "dense"], help="attention method")
     p.add_argument("--density", type=float, default=None,
-                   help="fraction of key tiles kept (default 0.1 veda / 0.15 sol)")
+                   help=f"fraction of key tiles kept (default {DEFAULT_DENSITY['veda']} veda / "
+                        f"{DEFAULT_DENSITY['sol']} sol)")
     p.add_argument("--tau", type=float, default=None, help="sol: threshold in std devs (instead of --density)")
     p.add_argument("--estimator", nargs="+", default=None, metavar="DIR_OR_HUB_ID",
                    help="veda: trained estimator directory or hub id; on a pipeline of several transformers (Wan "
@@ -79,11 +81,11 @@ def method_config(args: argparse.Namespace):
     if args.method == "dense":
         return DenseConfig()
     if args.method == "veda":
-        return VedaConfig(density=args.density if args.density is not None else 0.1, estimator=args.estimator,
-                          **optional)
+        return VedaConfig(density=args.density if args.density is not None else DEFAULT_DENSITY["veda"],
+                          estimator=args.estimator, **optional)
     if args.tau is not None:
         return SolConfig(tau=args.tau, density=args.density, **optional)   # both given: SolConfig says so
-    return SolConfig(density=args.density if args.density is not None else 0.15, **optional)
+    return SolConfig(density=args.density if args.density is not None else DEFAULT_DENSITY["sol"], **optional)
 
 
 def check_model(model: str | None) -> None:

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
-import operator
 import os
-import sys
 from dataclasses import dataclass
 from collections.abc import Mapping
 from typing import Any, ClassVar, Union
+
+from .validation import TileShape, as_scalar, check_density, check_finite, check_tile, is_int, plain_numbers
 
 CONFIG_VERSION = 1
 
@@ -31,26 +30,14 @@ BLOCK_SIZES = (64, 128)
 # overflows; a band at or past the number of video tiles already forces every tile
 MAX_BAND = 2**63 - 1
 
-TileShape = tuple[int, int, int]
 DEFAULT_TILES: dict[int, TileShape] = {128: (4, 4, 8), 64: (4, 4, 4)}   # block -> the tile shape when none is given
+
+# the density a method runs at when none is given (the CLI and the evaluation's method specs)
+DEFAULT_DENSITY = {"veda": 0.1, "sol": 0.15}
+_DENSITY_MEANS = "the fraction of key tiles computed exactly"
 
 # what `to_dict` writes for an estimator object that was built in memory (no path or hub id to load it from)
 IN_MEMORY_ESTIMATOR = "<in-memory"
-
-
-def _plain_numbers(config, names: tuple[str, ...]) -> None:
-    """numpy / torch scalars in the fields `names` become Python int / float (so that checks, `to_dict` and
-    JSON see plain numbers); bools and non-numbers are left for the field checks to reject."""
-    for name in names:
-        value = _scalar(getattr(config, name))
-        if not isinstance(value, bool) and type(value) not in (int, float) and isinstance(value, numbers.Real):
-            value = int(value) if isinstance(value, numbers.Integral) else float(value)
-        object.__setattr__(config, name, value)
-
-
-def _scalar(value: Any) -> Any:
-    """A 0-dim torch tensor or numpy array as the Python number it holds; anything else as it is."""
-    return value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value
 
 
 def _layers(value: Any) -> tuple[int, ...]:
@@ -58,12 +45,12 @@ def _layers(value: Any) -> tuple[int, ...]:
     if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__") or getattr(value, "ndim", None) == 0:
         raise TypeError(f"dense_layers={value!r} must be a tuple or list of self-attention layer indices, "
                         "e.g. (0,) or [0, 29].")
-    return tuple(int(v) if _is_int(v) else v for v in map(_scalar, value))
+    return tuple(int(v) if is_int(v) else v for v in map(as_scalar, value))
 
 
 def _flag(config, name: str) -> None:
     """A bool field: numpy's bool and a 0-dim bool tensor become the Python bool; anything else is a TypeError."""
-    value = _scalar(getattr(config, name))
+    value = as_scalar(getattr(config, name))
     if type(value).__name__ == "bool_" and type(value).__module__ == "numpy":
         value = bool(value)
     if not isinstance(value, bool):
@@ -71,8 +58,9 @@ def _flag(config, name: str) -> None:
     object.__setattr__(config, name, value)
 
 
-def _check_block(block: Any) -> None:
-    if not _is_int(block) or block not in BLOCK_SIZES:
+def check_supported_block(block: Any) -> None:
+    """ValueError unless `block` is one of the block sizes the configs take (`BLOCK_SIZES`)."""
+    if not is_int(block) or block not in BLOCK_SIZES:
         raise ValueError(f"block={block!r} is not supported; choose one of the ints {BLOCK_SIZES}.")
 
 
@@ -96,29 +84,6 @@ def _dense_schedule(dense_steps: int | float, dense_layers: tuple[int, ...]) -> 
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
             raise ValueError(f"dense_layers={dense_layers!r} must hold layer indices, ints >= 0; got {layer!r}.")
     return tuple(sorted(set(dense_layers)))
-
-
-def _check_density(name: str, density: float) -> None:
-    # (compared as it is: float() of an int past the float range raises OverflowError)
-    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
-        raise ValueError(f"{name}={density!r} must be a number in (0, 1] (the fraction of key tiles computed exactly).")
-
-
-def int_at_least(value: Any, low: int, name: str, what: str) -> int:
-    """`value` as a Python int >= low (numpy and 0-dim torch integers taken; floats and bools refused), or a
-    ValueError naming it ("<name>=<value> must be an int >= <low> (<what>).")."""
-    try:
-        value_int = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        value_int = None
-    if value_int is None or value_int < low:
-        raise ValueError(f"{name}={value!r} must be an int >= {low} ({what}).")
-    return value_int
-
-
-def _is_int(value: Any) -> bool:
-    """An integer-like value (int, a numpy integer: any `numbers.Integral`), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _tile_text_parts(text: str) -> list[str]:
@@ -159,9 +124,9 @@ def parse_layers(text: str) -> tuple[int, ...]:
 
 
 def _named_tile_check(tile: Any, block: int) -> TileShape:
-    """`_check_tile` for a config's `tiling` field: its errors name the field."""
+    """`check_tile` for a config's `tiling` field: its errors name the field."""
     try:
-        return _check_tile(tile, block)
+        return check_tile(tile, block)
     except ValueError as err:
         raise ValueError(f"tiling: {err}") from None
 
@@ -171,17 +136,6 @@ def _malformed_tile_text(text: str) -> bool:
     tiling path it could only fail later, at `apply`."""
     parts = _tile_text_parts(text)
     return all(p.isascii() and p.isdigit() for p in parts) and len(parts) != 3 and not os.path.exists(text)
-
-
-def _check_tile(tile: Any, block: int) -> TileShape:
-    if not (isinstance(tile, (tuple, list)) and len(tile) == 3 and all(_is_int(t) and t > 0 for t in tile)):
-        raise ValueError(f"tile shape {tile!r} must be three positive ints (pt, ph, pw).")
-    if tile[0] * tile[1] * tile[2] != block:
-        raise ValueError(
-            f"tile shape {tuple(tile)} has pt*ph*pw = {tile[0] * tile[1] * tile[2]}, but the block size is {block}; "
-            f"the product must equal the block size ({BLOCK_SIZES} allowed)."
-        )
-    return tuple(int(t) for t in tile)
 
 
 def _estimator_entry(estimator: Any) -> str:
@@ -328,7 +282,7 @@ class VedaConfig(_BaseConfig):
 
     method: ClassVar[str] = "veda"
 
-    density: float = 0.1
+    density: float = DEFAULT_DENSITY["veda"]
     estimator: Union[str, os.PathLike, Any, None] = None
     tiling: Union[TileShape, str, os.PathLike, None] = None
     block: int = 128
@@ -338,10 +292,10 @@ class VedaConfig(_BaseConfig):
     backend: str = "auto"
 
     def __post_init__(self) -> None:
-        _plain_numbers(self, ("density", "block", "dense_steps"))
-        _check_density("density", self.density)
+        plain_numbers(self, ("density", "block", "dense_steps"))
+        check_density("density", self.density, _DENSITY_MEANS)
         object.__setattr__(self, "estimator", _estimator(self.estimator))
-        _check_block(self.block)
+        check_supported_block(self.block)
         object.__setattr__(self, "tiling", parse_tile(self.tiling))
         if isinstance(self.tiling, (tuple, list)):
             object.__setattr__(self, "tiling", _named_tile_check(self.tiling, self.block))
@@ -398,20 +352,17 @@ class SolConfig(_BaseConfig):
     backend: str = "auto"
 
     def __post_init__(self) -> None:
-        _plain_numbers(self, ("density", "tau", "block", "band", "dense_steps"))
+        plain_numbers(self, ("density", "tau", "block", "band", "dense_steps"))
         if (self.density is None) == (self.tau is None):
             raise ValueError(
                 f"SolConfig needs exactly one of density or tau; got density={self.density!r}, tau={self.tau!r}."
             )
         if self.density is not None:
-            _check_density("density", self.density)
+            check_density("density", self.density, _DENSITY_MEANS)
         if self.tau is not None and (isinstance(self.tau, bool) or not isinstance(self.tau, (int, float))):
             raise TypeError(f"tau={self.tau!r} must be a number (standard deviations above the mean score).")
-        if self.tau is not None and not (math.isfinite(self.tau) if isinstance(self.tau, float)
-                                         else abs(self.tau) <= sys.float_info.max):     # an int past the float range
-            raise ValueError(f"tau={self.tau!r} must be a finite number within the float range (standard deviations "
-                             "above the mean score).")
-        _check_block(self.block)
+        check_finite("tau", self.tau, optional=True, what="standard deviations above the mean score")
+        check_supported_block(self.block)
         if self.tiling is not None:
             tiling = parse_tile(self.tiling)
             if isinstance(tiling, (str, os.PathLike)):

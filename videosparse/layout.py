@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import operator
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Sequence
@@ -24,7 +23,7 @@ from typing import Sequence
 import torch
 
 from ._autodiff import carries_tangent
-from .config import int_at_least
+from .validation import check_tile, int_at_least, int_triple, one_per_head
 from .rope import apply_rope, check_groups, rope_gather
 
 TEXT_POSITIONS = ("before", "after")
@@ -106,11 +105,7 @@ class TileLayout:
     def __post_init__(self) -> None:
         grid = _grid(self.grid)
         block = int_at_least(self.block, 1, "block", "tokens per tile")
-        tile = _int_triple(self.tile)
-        if tile is None or min(tile) < 1 or math.prod(tile) != block:
-            raise ValueError(
-                f"tile={self.tile!r} must be three positive ints whose product equals block={self.block}."
-            )
+        tile = check_tile(self.tile, block, "tile")
         text_len = int_at_least(self.text_len, 0, "text_len", "text tokens in the sequence")
         if self.text_position not in TEXT_POSITIONS:
             raise ValueError(f"text_position={self.text_position!r} must be one of {TEXT_POSITIONS}.")
@@ -265,7 +260,7 @@ class HeadTiling:
 
     def __post_init__(self) -> None:
         try:
-            tiles = tuple(_int_triple(t) for t in self.tiles)
+            tiles = tuple(int_triple(t) for t in self.tiles)
         except TypeError:
             raise ValueError(f"tiles={self.tiles!r} must be one (pt, ph, pw) per head.") from None
         if any(t is None or min(t) < 1 for t in tiles):
@@ -387,20 +382,9 @@ class HeadTiling:
         return torch.gather(y, 2, inv[None, :, :, None].expand(B, H, S, D)).transpose(1, 2)
 
 
-def _int_triple(values) -> tuple[int, int, int] | None:
-    """`values` as three Python ints (numpy and 0-dim tensor integers taken too), or None when it is not three
-    integers (a float such as 2.7 is refused, not truncated; so is a bool)."""
-    try:
-        if len(values) != 3 or any(isinstance(v, bool) for v in values):
-            return None
-        return tuple(operator.index(v) for v in values)
-    except TypeError:
-        return None
-
-
 def _grid(values) -> tuple[int, int, int]:
     """`values` as the (T, H, W) of a video grid, or a ValueError naming it."""
-    grid = _int_triple(values)
+    grid = int_triple(values)
     if grid is None or min(grid) < 1:
         raise ValueError(f"grid={values!r} must be three positive ints (T, H, W).")
     return grid
@@ -416,11 +400,5 @@ def head_tiling(
     text_slot: bool = False,
 ) -> HeadTiling:
     """A `HeadTiling` from one shape for all heads or one shape per head."""
-    one = _int_triple(tiles) if len(tiles) == 3 else None
-    if one is not None:
-        per_head = (one,) * num_heads
-    else:
-        per_head = tuple(tiles)     # HeadTiling checks each shape
-        if len(per_head) != num_heads:
-            raise ValueError(f"tiling names {len(per_head)} tile shapes but the layer has {num_heads} heads.")
+    per_head = tuple(one_per_head(tiles, num_heads))     # HeadTiling checks each shape
     return HeadTiling(grid, per_head, block, text_len, text_position, text_slot)

@@ -34,11 +34,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-
-def check_block(name: str, value) -> None:
-    """ValueError unless `value` is a positive int (tokens per tile)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int (tokens per tile).")
+from .validation import check_block
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from ._autodiff import carries_tangent
-from .config import int_at_least
+from .validation import int_at_least
 
 ROPE_BACKENDS = ("auto", "triton", "torch")
 

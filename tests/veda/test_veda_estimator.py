@@ -171,7 +171,7 @@ def test_estimator_config_validation():
     assert make_est(tile_shapes="4x4x8").layer_tiles(1) == [(4, 4, 8)] * 3     # the string form VedaConfig takes
     assert make_est(tile_shapes=["8x4x4", ["4x4x8", (8, 4, 4), "2x8x8"]]).layer_tiles(1) == [(4, 4, 8), (8, 4, 4),
                                                                                            (2, 8, 8)]
-    with pytest.raises(ValueError, match=r"tile_shapes\[0\]\[0\]=\[-4, -4, 8\] must be \(pt, ph, pw\) of positive"):
+    with pytest.raises(ValueError, match=r"tile_shapes\[0\]\[0\]=\[-4, -4, 8\] must be three positive ints"):
         make_est(tile_shapes=(-4, -4, 8))
     with pytest.raises(ValueError, match=r"tile_shapes=\(4, 4, 8.0\) names 3 layers; expected one \(pt, ph, pw\)"):
         make_est(tile_shapes=(4, 4, 8.0))

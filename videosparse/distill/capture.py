@@ -91,13 +91,6 @@ def transformer_info(transformer: torch.nn.Module) -> ModelInfo:
         return next(iter(sessions(transformer).values())).info
 
 
-def per_head_shapes(tiles: Any, num_heads: int) -> list[TileShape]:
-    """One shape, or one per head -> a list of one (pt, ph, pw) per head."""
-    if len(tiles) == 3 and all(isinstance(v, int) for v in tiles):
-        return [tuple(tiles)] * num_heads  # type: ignore[list-item]
-    return [tuple(t) for t in tiles]  # type: ignore[misc]
-
-
 # ------------------------------------------------------------------------------------ observer
 class TileFeatureCapture:
     """Observer turning attention records into (TripPool q, TripPool k, teacher heat) per layer.

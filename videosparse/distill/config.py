@@ -12,33 +12,27 @@ import dataclasses
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-from ..config import DEFAULT_TILES, _check_block, _named_tile_check, _plain_numbers, parse_tile
+from ..config import DEFAULT_TILES, _named_tile_check, check_supported_block, parse_tile
 from .._io import replace_durably
 from .._run_checks import check_device
 from ..prompts import PROMPTS_FILE_FORMS, read_prompts_file
+from ..validation import bool_word, check_density, check_finite, int_at_least, plain_numbers
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
 CACHE_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}.")
-
-
-def _optional_positive_int(name: str, value: Any) -> None:
-    if value is not None:
-        _positive_int(name, value)
-
-
-def _density(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ValueError(f"{name}={value!r} must be a number in (0, 1].")
+def _int_fields(config, names: tuple[str, ...], minimum: int = 1, *, optional: bool = False) -> None:
+    """Each field of `names` an int >= minimum (numpy and 0-dim torch ints taken and stored as Python ints, so the
+    config stays JSON-safe); None passes where `optional`."""
+    for name in names:
+        value = getattr(config, name)
+        if not (optional and value is None):
+            object.__setattr__(config, name, int_at_least(value, minimum, name))
 
 
 def _refuse_file_parent(name: str, path: str) -> None:
@@ -63,19 +57,6 @@ def _tiling(value: Any, block: int) -> Any:
 # guiders' identifiers), and "default" for a forward outside any
 BRANCHES = ("cond", "uncond", "cond_uncond", "uncond_modality", "uncond_stg", "pred_cond", "pred_uncond",
             "pred_cond_skip", "pred_cond_seg", "pred_cond_stg", "pred_cond_modality", "default")
-
-
-def _finite(name: str, value: Any, minimum: float, *, strict: bool = False, optional: bool = False) -> None:
-    """ValueError unless value is a finite real >= minimum (> minimum when strict; None allowed when optional)."""
-    if optional and value is None:
-        return
-    # (an int past the float range is refused here: math.isfinite would raise OverflowError on it)
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
-          and (math.isfinite(value) if isinstance(value, float) else abs(value) <= sys.float_info.max)
-          and (value > minimum if strict else value >= minimum))
-    if not ok:
-        raise ValueError(f"{name}={value!r} must be a finite number {'>' if strict else '>='} {minimum:g}"
-                         + (" or None." if optional else "."))
 
 
 def _names(name: str, value: Any) -> tuple[str, ...]:
@@ -211,16 +192,15 @@ class CaptureConfig(_JsonConfig):
             raise ValueError(f"component={self.component!r} must be the name of the pipeline's transformer "
                              "('transformer', 'transformer_2').")
         object.__setattr__(self, "prompts", _prompts(self.prompts))
-        for name in ("num_inference_steps", "num_frames", "height", "width", "steps_per_prompt"):
-            _optional_positive_int(name, getattr(self, name))
+        _int_fields(self, ("num_inference_steps", "num_frames", "height", "width", "steps_per_prompt"), optional=True)
         if self.branches is not None:
             object.__setattr__(self, "branches", _names("branches", self.branches))
             unknown = [b for b in self.branches if b not in BRANCHES]
             if unknown:
                 raise ValueError(f"branches={list(self.branches)!r}: {unknown} are not branch names the pipelines use; "
                                  f"choose from {BRANCHES} (diffusers' guidance branches, 'default' outside any).")
-        _finite("guidance_scale", self.guidance_scale, 0.0, optional=True)
-        _positive_int("seed", self.seed, minimum=0)
+        check_finite("guidance_scale", self.guidance_scale, 0.0, optional=True)
+        _int_fields(self, ("seed",), minimum=0)
         if self.seed > RUN_SEED_MAX:
             raise ValueError(f"seed={self.seed} must lie in [0, 2**32 - 1] (accelerate's set_seed takes no more; "
                              "prompt i is generated with seed + i).")
@@ -294,25 +274,24 @@ class DistillConfig(CaptureConfig):
         if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
             raise ValueError(f"output_dir={self.output_dir!r} is a file; give a directory (made when missing).")
         _refuse_file_parent("output_dir", self.output_dir)
-        _density("density", self.density)
-        _plain_numbers(self, ("block",))                # numpy / 0-dim torch ints as ints, as VedaConfig takes them
-        _check_block(self.block)                        # 128.0 too: as VedaConfig, not after the model load
+        check_density("density", self.density)
+        plain_numbers(self, ("block",))                 # numpy / 0-dim torch ints as ints, as VedaConfig takes them
+        check_supported_block(self.block)                        # 128.0 too: as VedaConfig, not after the model load
         object.__setattr__(self, "tiling", _tiling(self.tiling, self.block))
         if isinstance(self.tiling, str):                # a missing or malformed file: now, not after the capture
             from ..veda.tiling import load_tiling
 
             load_tiling(self.tiling, self.block)
-        _positive_int("epochs", self.epochs)
-        _optional_positive_int("max_steps", self.max_steps)
-        _finite("learning_rate", self.learning_rate, 0.0, strict=True)
-        _finite("weight_decay", self.weight_decay, 0.0)
-        _positive_int("warmup_steps", self.warmup_steps, minimum=0)
-        _positive_int("gradient_accumulation_steps", self.gradient_accumulation_steps)
+        _int_fields(self, ("epochs",))
+        _int_fields(self, ("max_steps",), optional=True)
+        check_finite("learning_rate", self.learning_rate, 0.0, strict=True)
+        check_finite("weight_decay", self.weight_decay, 0.0)
+        _int_fields(self, ("warmup_steps",), minimum=0)
+        _int_fields(self, ("gradient_accumulation_steps",))
         if self.mixed_precision not in MIXED_PRECISION:
             raise ValueError(f"mixed_precision={self.mixed_precision!r} must be one of {MIXED_PRECISION}.")
-        for name in ("checkpoint_every", "keep_checkpoints", "log_every"):
-            _positive_int(name, getattr(self, name))
-        _finite("init_std", self.init_std, 0.0)
+        _int_fields(self, ("checkpoint_every", "keep_checkpoints", "log_every"))
+        check_finite("init_std", self.init_std, 0.0)
         if self.cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"cache_dtype={self.cache_dtype!r} must be one of {CACHE_DTYPES}.")
         if isinstance(self.val_fraction, bool) or not isinstance(self.val_fraction, (int, float)) or \
@@ -368,13 +347,13 @@ class TilingSearchConfig(CaptureConfig):
             raise ValueError(f"output={self.output!r} must be the path of the tiling JSON file to write, not a "
                              "directory.")
         _refuse_file_parent("output", self.output)
-        _density("density", self.density)
-        _plain_numbers(self, ("block",))
-        _check_block(self.block)
+        check_density("density", self.density)
+        plain_numbers(self, ("block",))
+        check_supported_block(self.block)
         if isinstance(self.max_padding, bool) or not isinstance(self.max_padding, (int, float)) or \
                 not 0 <= self.max_padding < 1:
             raise ValueError(f"max_padding={self.max_padding!r} must lie in [0, 1).")
-        _positive_int("max_shapes_per_layer", self.max_shapes_per_layer)
+        _int_fields(self, ("max_shapes_per_layer",))
         if self.layers is not None:
             object.__setattr__(self, "layers", _indices("layers", self.layers))
         if self.backend not in ("auto", "triton", "reference"):
@@ -409,15 +388,13 @@ def _cli_prompts(text: str) -> Any:
     return _cli_value(text) if text.lstrip().startswith("[") else text
 
 
-_TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
-
-
 def _cli_bool(text: str) -> bool:
-    """A bool flag's value: true/yes/1 or false/no/0 in any case; anything else is an argparse error."""
-    word = text.strip().lower()
-    if word in _TRUE or word in _FALSE:
-        return word in _TRUE
-    raise argparse.ArgumentTypeError(f"{text!r} is not a bool; use true or false (also yes/no, 1/0; any case).")
+    """A bool flag's value (`videosparse.validation.bool_word`: true/false, on/off, yes/no, 1/0 in any case); anything
+    else is an argparse error."""
+    try:
+        return bool_word(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 # flag help beyond "default: ..." for fields whose accepted values are not obvious
@@ -438,7 +415,7 @@ def add_config_arguments(parser, cls) -> None:
     overrides a `--config` value too), else as numbers in Python's spelling (`.1`, `5.`), else taken as strings;
     text fields (paths, hub ids, names: `--output-dir 2024`, `--model reference`) are taken as given (`null`:
     None), and `--prompts` is a JSON list when it starts with '[' (`'["a cat", "a dog"]'`), else a file path; bool
-    fields take true/false, yes/no or 1/0 (any case) and nothing else.
+    fields take true/false, on/off, yes/no or 1/0 (any case) and nothing else.
     """
     source = ("a tiling JSON search-tiling wrote, which records its settings" if cls is TilingSearchConfig
               else "a run's distill_config.json")
@@ -451,7 +428,8 @@ def add_config_arguments(parser, cls) -> None:
         if f.name in bools:                             # strict: "False" must not become a truthy string
             parser.add_argument(flag, dest=f.name, type=_cli_bool, nargs="?", const=True, default=argparse.SUPPRESS,
                                 metavar="{true,false}",
-                                help=f"true or false (also yes/no, 1/0); {flag} alone: true; default: {f.default!r}")
+                                help=f"true or false (also on/off, yes/no, 1/0); {flag} alone: true; "
+                                     f"default: {f.default!r}")
         elif f.name in _FIELD_HELP:
             parser.add_argument(flag, dest=f.name, type=parse, default=argparse.SUPPRESS,
                                 help=f"{_FIELD_HELP[f.name]}; default: {f.default!r}")

@@ -32,13 +32,14 @@ from torch import nn
 from .._io import from_jsonable, replace_durably, to_jsonable, write_atomic
 from ..method import ModelInfo
 from ..models.loading import check_component
+from ..validation import one_per_head
 from ..veda.estimator import VedaEstimator
 from ..veda.losses import tile_kl_loss, tile_recall
 from ..veda.method import mean_pooled_logits
 from ..veda.tiling import load_tiling
 from ..veda.trippool import triton_unavailable
 from .capture import (MODEL_INFO_FILE, capture_key, capture_settings, capture_to_cache, held_out_prompts, model_info,
-                      per_head_shapes, split_by_prompt)
+                      split_by_prompt)
 from .config import DistillConfig, read_prompts
 
 logger = logging.getLogger(__name__)
@@ -363,7 +364,7 @@ def layer_tiles(tiling: Any, num_layers: int, num_heads: int, block: int) -> lis
     if isinstance(tiling, str):
         t = load_tiling(tiling, block)
         return [list(t.tiles_for(l, num_heads)) for l in range(num_layers)]
-    return [per_head_shapes(tuple(tiling), num_heads) for _ in range(num_layers)]
+    return [one_per_head(tiling, num_heads) for _ in range(num_layers)]
 
 
 def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, *, accelerator=None,

@@ -42,11 +42,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..config import CONFIG_CLASSES, DenseConfig, SolConfig, VedaConfig, parse_dense_steps, parse_layers, parse_tile
+from ..config import (CONFIG_CLASSES, DEFAULT_DENSITY, DenseConfig, SolConfig, VedaConfig, parse_dense_steps,
+                      parse_layers, parse_tile)
+from ..validation import BOOL_WORDS, bool_word
 
-DEFAULT_DENSITY = {"veda": 0.1, "sol": 0.15}
-
-_BOOL = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
 _NAME_RE = re.compile(r"^(?P<name>[a-z]+)(@(?P<density>[^:]+))?(?P<rest>(:.*)?)$")
 
 
@@ -94,7 +93,7 @@ def label_family(label: str) -> str:
 
 
 _FORMS = {"density": "a number in (0, 1]", "tau": "a number (standard deviations)", "block": "an int (128 or 64)",
-          "band": "an int >= 0", "correction": f"one of {'/'.join(_BOOL)}",
+          "band": "an int >= 0", "correction": f"one of {'/'.join(BOOL_WORDS)}",
           "estimator": "a directory or hub id, or several separated by single commas (one per transformer)"}
 
 
@@ -109,9 +108,7 @@ def _parse_value(key: str, text: str, spec: str) -> Any:
         if key == "dense_layers":
             return parse_layers(text)
         if key == "correction":
-            if text.lower() not in _BOOL:
-                raise ValueError
-            return _BOOL[text.lower()]
+            return bool_word(text)
         if key == "tiling":
             return parse_tile(text)
         if key == "estimator" and "," in text and not os.path.isdir(text):      # one per transformer (a folder

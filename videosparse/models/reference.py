@@ -31,7 +31,7 @@ from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 
-from ..config import int_at_least
+from ..validation import int_at_least
 from .reference_data import DEFAULT_PROMPT
 from .reference_text import MAX_TEXT_LENGTH, ReferenceTextEncoder, build_reference_tokenizer
 

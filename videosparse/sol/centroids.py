@@ -8,7 +8,7 @@ import torch
 
 from .._autodiff import carries_tangent
 from ..layout import tile_lengths
-from ..plan import check_block
+from ..validation import check_block
 from ..veda.trippool import interpreting
 
 

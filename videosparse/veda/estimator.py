@@ -38,6 +38,7 @@ from huggingface_hub import PyTorchModelHubMixin, hf_hub_download
 from torch import nn
 
 from ..config import BLOCK_SIZES, DEFAULT_TILES, parse_tile
+from ..validation import check_tile, int_triple
 
 DEFAULT_INIT_STD = 1e-4
 SAFETENSORS_NAME = "model.safetensors"
@@ -52,14 +53,10 @@ def scaled_logits(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tenso
 
 
 def _as_shape(value: Any) -> list[int] | None:
-    """One (pt, ph, pw) (three integer-like values: ints, numpy integers, not bools; or '4x4x8') as a list of ints;
-    None for anything else."""
-    value = parse_tile(value)
-    if isinstance(value, str) or not isinstance(value, Sequence) or len(value) != 3:
-        return None
-    if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value):
-        return None
-    return [int(v) for v in value]
+    """One (pt, ph, pw) (three integer-like values: ints, numpy or 0-dim torch integers, not bools; or '4x4x8') as a
+    list of ints; None for anything else."""
+    shape = int_triple(parse_tile(value))
+    return None if shape is None else list(shape)
 
 
 def _normalize_tiles(tile_shapes: Any, num_layers: int, num_heads: int) -> list[list[list[int]]]:
@@ -147,9 +144,7 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
                                             num_heads)
         for layer, heads in enumerate(self.tile_shapes):
             for h, s in enumerate(heads):
-                if len(s) != 3 or min(s) < 1 or math.prod(s) != block:
-                    raise ValueError(f"tile_shapes[{layer}][{h}]={s} must be (pt, ph, pw) of positive ints with "
-                                     f"pt*ph*pw == block={block}.")
+                check_tile(s, block, f"tile_shapes[{layer}][{h}]")
         self.init_std = float(init_std)
         if density is not None and (isinstance(density, bool) or not isinstance(density, numbers.Real)
                                     or not 0 < density <= 1):

@@ -15,6 +15,7 @@ from ..layout import HeadTiling
 from ..method import ModelInfo, SparseMethod
 from ..plan import Plan, row_budget_list, topk_plan
 from ..sol.centroids import tile_centroids  # dispatching: Triton on CUDA, torch elsewhere
+from ..validation import one_per_head
 from .estimator import VedaEstimator, load_estimator, scaled_logits
 from .tiling import Tiling, load_tiling
 from .trippool import trippool_qk
@@ -84,10 +85,7 @@ class VedaMethod(SparseMethod):
 
     def head_shapes(self, layer: int, num_heads: int) -> list[TileShape]:
         """The tile shape of every head of `layer`."""
-        shapes = self.tile_shapes(layer, num_heads)
-        if len(shapes) == 3 and all(isinstance(v, int) for v in shapes):
-            return [tuple(shapes)] * num_heads  # type: ignore[list-item]
-        return [tuple(s) for s in shapes]  # type: ignore[misc]
+        return one_per_head(self.tile_shapes(layer, num_heads), num_heads)
 
     def on_layout(self, layer: int, layout: HeadTiling) -> None:
         """Warn once per tile count when the tiles every plan keeps (each query tile's own tile, at least one per

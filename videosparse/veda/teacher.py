@@ -16,13 +16,14 @@ import math
 
 import torch
 
-from .trippool import _check_block, _use_triton
+from ..validation import check_block
+from .trippool import _use_triton
 
 
 def teacher_num_tiles(S: int, Sk: int, block: int, num_tiles: int | None) -> int:
     """Tiles scored per side: `num_tiles`, or all tiles both sides have; ValueError outside [1, that] (or for a
     block that is not a positive int)."""
-    _check_block(block)
+    check_block("block", block)
     limit = min(math.ceil(S / block), math.ceil(Sk / block))
     n = limit if num_tiles is None else int(num_tiles)
     if not 0 < n <= limit:

@@ -26,11 +26,12 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from ..config import BLOCK_SIZES, _check_block, _check_tile, _is_int
+from ..config import BLOCK_SIZES, check_supported_block
 from .._io import to_jsonable, write_atomic
 from ..kernels import block_sparse_attention
 from ..layout import TileLayout
 from ..plan import topk_plan
+from ..validation import check_tile, is_int
 from .teacher import dense_lse_torch, teacher_heat
 
 logger = logging.getLogger(__name__)
@@ -130,14 +131,14 @@ def load_tiling(path: str | os.PathLike, block: int | None = None) -> Tiling:
     if not isinstance(data, dict) or data.get("format") != TILING_FORMAT:
         raise ValueError(f"{name} is not a videosparse tiling file (format must be {TILING_FORMAT!r}).")
     version = data.get("version", 0)
-    if not _is_int(version) or version > TILING_VERSION:
+    if not is_int(version) or version > TILING_VERSION:
         raise ValueError(f"tiling file {name}: version {version!r} is not one this videosparse reads "
                          f"(an int <= {TILING_VERSION}).")
     missing = [key for key in ("block", "layers") if key not in data]
     if missing:
         raise ValueError(f"tiling file {name} has no {' or '.join(repr(m) for m in missing)} field.")
     file_block = data["block"]
-    if not _is_int(file_block) or file_block not in BLOCK_SIZES:
+    if not is_int(file_block) or file_block not in BLOCK_SIZES:
         raise ValueError(f"tiling file {name}: block={file_block!r} must be 64 or 128.")
     if block is not None and file_block != block:
         raise ValueError(f"tiling file {name} has block={file_block}; the config has block={block}.")
@@ -147,10 +148,11 @@ def load_tiling(path: str | os.PathLike, block: int | None = None) -> Tiling:
     layers = []
     for l, heads in enumerate(data["layers"]):
         for h, s in enumerate(heads):
-            if not (isinstance(s, list) and len(s) == 3 and all(_is_int(v) and v > 0 for v in s)
-                    and math.prod(s) == file_block):
+            try:
+                check_tile(s, file_block)
+            except ValueError:
                 raise ValueError(f"tiling file {name} layer {l} head {h}: shape {s!r} must be 3 positive ints "
-                                 f"with product {file_block}.")
+                                 f"with product {file_block}.") from None
         layers.append(tuple(tuple(s) for s in heads))
     meta = {k: v for k, v in data.items() if k not in ("format", "version", "block", "layers")}
     return Tiling(tuple(layers), file_block, meta)
@@ -283,12 +285,12 @@ class TilingSearch:
 
     def __init__(self, *, density: float, block: int = 128, candidates: Sequence[TileShape] | None = None,
                  max_padding: float = 0.2, max_shapes_per_layer: int = 2, backend: str = "auto") -> None:
-        _check_block(block)
+        check_supported_block(block)
         if candidates is not None and (isinstance(candidates, str) or not isinstance(candidates, Sequence)
                                        or not candidates):
             raise ValueError(f"candidates={candidates!r} must be a non-empty list of tile shapes (pt, ph, pw).")
         try:                # tuples of ints however given (a tiling JSON's "candidates" holds lists)
-            self.shapes = tuple(dict.fromkeys(_check_tile(s, block) for s in candidates)) \
+            self.shapes = tuple(dict.fromkeys(check_tile(s, block) for s in candidates)) \
                 if candidates is not None else candidate_shapes(block)
         except ValueError as err:
             raise ValueError(f"candidates: {err}") from None

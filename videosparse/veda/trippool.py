@@ -13,13 +13,9 @@ import os
 import torch
 
 from ..layout import tile_lengths
+from ..validation import check_block
 
 KERNEL_BACKENDS = ("auto", "triton", "torch")
-
-
-def _check_block(block) -> None:
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"block={block!r} must be a positive int (tokens per tile).")
 
 
 def trippool_torch(x: torch.Tensor, block: int, num_tiles: int | None = None) -> torch.Tensor:
@@ -34,7 +30,7 @@ def trippool_torch(x: torch.Tensor, block: int, num_tiles: int | None = None) ->
         fp32 [B, H, N, 3*D].
     """
     B, H, S, D = x.shape
-    _check_block(block)
+    check_block("block", block)
     N = math.ceil(S / block)
     n = N if num_tiles is None else int(num_tiles)
     if not 0 < n <= N:
@@ -99,7 +95,7 @@ def trippool_qk(q: torch.Tensor, k: torch.Tensor, block: int, num_tiles: int | N
     """
     if q.shape != k.shape:
         raise ValueError(f"q and k must have the same shape; got {tuple(q.shape)} and {tuple(k.shape)}.")
-    _check_block(block)
+    check_block("block", block)
     q, k = q.detach(), k.detach()
     n = num_tiles if num_tiles is not None else math.ceil(q.shape[2] / block)
     if backend == "auto" and torch.compiler.is_compiling():
