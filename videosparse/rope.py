@@ -27,10 +27,8 @@ from typing import NamedTuple
 import torch
 
 from ._autodiff import carries_tangent
+from ._helper_backend import check_backend, use_triton
 from .validation import int_at_least
-
-ROPE_BACKENDS = ("auto", "triton", "torch")
-
 
 def apply_interleaved_rope(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
     """Wan's interleaved RoPE on x [B, S, H, D], exactly as `WanAttnProcessor` applies it.
@@ -224,23 +222,14 @@ def rope_gather(x: torch.Tensor, perm: torch.Tensor, rope, *, backend: str = "au
     Returns:
         [B, H * groups, S, D] contiguous in x's dtype, or None.
     """
-    if backend not in ROPE_BACKENDS:
-        raise ValueError(f"backend={backend!r} is not supported; choose one of {ROPE_BACKENDS}.")
+    check_backend(backend, "rope_gather")
     groups = check_groups(groups)
-    if backend == "torch":
+    if backend == "torch" or (backend == "auto" and (not x.is_cuda or torch.compiler.is_compiling()
+                                                     or x.stride(-1) != 1)):
         return None
-    if backend == "auto":
-        if not x.is_cuda or torch.compiler.is_compiling() or x.stride(-1) != 1:
-            return None
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return None
     style, freqs_cos, freqs_sin, start, sections = _tables(rope)
     reason = _fused_reason(x, style, freqs_cos, freqs_sin, start, sections)
-    if reason is not None:
-        if backend == "triton":
-            raise ValueError(f"rope_gather(backend='triton') cannot run: {reason}.")
+    if not use_triton(x, backend, [reason] if reason else [], what="rope_gather"):
         return None
     from .kernels.triton_rope_gather import rope_gather_triton
 

@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from .._helper_backend import triton_unavailable
 from .._io import from_jsonable, replace_durably, to_jsonable, write_atomic
 from ..method import ModelInfo
 from ..models.loading import check_component
@@ -37,7 +38,6 @@ from ..veda.estimator import VedaEstimator
 from ..veda.losses import tile_kl_loss, tile_recall
 from ..veda.method import mean_pooled_logits
 from ..veda.tiling import load_tiling
-from ..veda.trippool import triton_unavailable
 from .capture import (MODEL_INFO_FILE, capture_key, capture_settings, capture_to_cache, held_out_prompts, model_info,
                       split_by_prompt)
 from .config import DistillConfig, read_prompts

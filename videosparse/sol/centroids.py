@@ -7,9 +7,9 @@ import math
 import torch
 
 from .._autodiff import carries_tangent
+from .._helper_backend import use_triton
 from ..layout import tile_lengths
 from ..validation import check_block
-from ..veda.trippool import interpreting
 
 
 def tile_centroids_torch(
@@ -65,26 +65,10 @@ def _records_gradient(k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def _use_triton(x: torch.Tensor, backend: str) -> bool:
-    """Whether the fused Triton kernel runs for `x` under `backend` ("reference" means torch)."""
-    if backend not in CENTROID_BACKENDS:
-        raise ValueError(f"backend={backend!r} is not supported for tile centroids; choose one of {CENTROID_BACKENDS}.")
-    if backend in ("torch", "reference"):
-        return False
-    reasons = []
-    interpreted = backend == "triton" and interpreting()
-    if not x.is_cuda and not (interpreted and x.device.type == "cpu"):
-        reasons.append(f"tensors are on {x.device}, the Triton kernel needs a CUDA device (or CPU tensors under "
-                       "TRITON_INTERPRET=1)")
-    if x.shape[-1] > 256:
-        reasons.append(f"head dim {x.shape[-1]} > 256")
-    if not reasons:
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            reasons.append("triton is not installed (pip install triton)")
-    if reasons and backend == "triton":
-        raise ValueError(f"backend='triton' cannot compute tile centroids here: {'; '.join(reasons)}.")
-    return not reasons
+    """Whether the fused Triton kernel runs for `x` under `backend` ("reference" means torch;
+    `videosparse._helper_backend.use_triton`)."""
+    reasons = [f"head dim {x.shape[-1]} > 256"] if x.shape[-1] > 256 else []
+    return use_triton(x, backend, reasons, what="tile centroids", backends=CENTROID_BACKENDS)
 
 
 def tile_centroids(

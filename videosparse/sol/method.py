@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from .._helper_backend import helper_backend
 from ..config import SolConfig
 from ..layout import HeadTiling, _cache_key
 from ..method import ModelInfo, SparseMethod
@@ -15,11 +16,6 @@ from .centroids import tile_stats
 from .threshold import calibrate_tau, forced_pairs, routing_zscores, sol_plan_from_zscores
 
 logger = logging.getLogger(__name__)
-
-# SolConfig.backend names the attention kernel; the centroid kernel follows it ("reference" = torch; a kernel named
-# alone, e.g. "triton_generic", leaves the centroids to "auto" as Veda's preparation does).
-_CENTROID_BACKEND = {"triton": "triton", "reference": "torch"}
-
 
 class SolMethod(SparseMethod):
     """Training-free tile selection with a Gaussian-calibrated, query-dependent threshold (arXiv 2607.24027).
@@ -176,8 +172,7 @@ class SolMethod(SparseMethod):
                 f"layout has {Mv} video + {G} global tiles but q has {S} tokens = {N} tiles of {block} "
                 f"(layer {layer}); the layout's block must equal SolConfig.block={block}."
             )
-        centroid_backend = _CENTROID_BACKEND.get(cfg.backend, "auto")
-        q_mean, k_mean, v_sum, tile_len = tile_stats(q, k, v, block, backend=centroid_backend)
+        q_mean, k_mean, v_sum, tile_len = tile_stats(q, k, v, block, backend=helper_backend(cfg.backend))
         z = routing_zscores(q_mean[:, :, :Mv], k_mean[:, :, :Mv], 1.0 / math.sqrt(D), cfg.band)
         key = (H, S, D, Mv, G, layout.grid)
         tau = self.tau(z, layout, layer, key, state, valid_keys, skip_padded_queries)

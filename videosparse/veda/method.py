@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from .._helper_backend import helper_backend
 from ..config import TileShape
 from ..layout import HeadTiling
 from ..method import ModelInfo, SparseMethod
@@ -73,7 +74,7 @@ class VedaMethod(SparseMethod):
                 est = copy.deepcopy(est)
                 est.zero_grad(set_to_none=True)
             self.estimator = est.float().eval().requires_grad_(False)
-        self._kernel_backend = "torch" if config.backend == "reference" else "auto"
+        self._kernel_backend = helper_backend(config.backend)    # TripPool and the correction's centroids
 
     def tile_shapes(self, layer: int, num_heads: int) -> TileShape | Sequence[TileShape]:
         """One (pt, ph, pw) for all heads (fixed tiling) or one per head (tiling file or estimator)."""

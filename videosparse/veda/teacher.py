@@ -128,7 +128,8 @@ def teacher_heat(q: torch.Tensor, k: torch.Tensor, block: int, *, lse: torch.Ten
     """
     if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q and k must be (B, H, S, D) and (B, H, Sk, D); got {tuple(q.shape)} and {tuple(k.shape)}.")
-    if _use_triton(q, block, backend) and (backend == "triton" or q.shape[-1] in (16, 32, 64, 128, 256)):
+    if _use_triton(q, block, backend, "the teacher heat") and (backend == "triton"
+                                                                or q.shape[-1] in (16, 32, 64, 128, 256)):
         from .triton_kernels import teacher_heat_triton
 
         return teacher_heat_triton(q.detach(), k.detach(), block, lse=lse, scale=scale, num_tiles=num_tiles)

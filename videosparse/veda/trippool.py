@@ -8,15 +8,12 @@ last tile over its real tokens only.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
+from .._helper_backend import use_triton
 from ..layout import tile_lengths
 from ..validation import check_block
-
-KERNEL_BACKENDS = ("auto", "triton", "torch")
-
 
 def trippool_torch(x: torch.Tensor, block: int, num_tiles: int | None = None) -> torch.Tensor:
     """Pool every tile of x into [mean | max | min] (torch reference and CPU path).
@@ -47,36 +44,11 @@ def trippool_torch(x: torch.Tensor, block: int, num_tiles: int | None = None) ->
     return torch.cat([mean, mx, mn], -1)
 
 
-def interpreting() -> bool:
-    """TRITON_INTERPRET is set (Triton then runs kernels on CPU tensors in its interpreter)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def triton_unavailable(device: torch.device | str) -> str | None:
-    """Why the Veda Triton kernels (TripPool, teacher) cannot run on `device`, or None when they can."""
-    if torch.device(device).type == "cuda" or interpreting():
-        return None
-    return (f"the Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 set before videosparse is imported "
-            f"(fp16 / bf16 on CPU); the tensors are on {device}")
-
-
-def _use_triton(x: torch.Tensor, block: int, backend: str) -> bool:
-    if backend not in KERNEL_BACKENDS:
-        raise ValueError(f"backend={backend!r} is not supported; choose one of {KERNEL_BACKENDS}.")
-    if backend == "torch":
-        return False
-    if backend == "triton":
-        why = triton_unavailable(x.device)
-        if why:
-            raise ValueError(f"backend='triton': {why}; use 'auto' or 'torch' there.")
-        return True
-    if not x.is_cuda or block < 16 or block & (block - 1):
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def _use_triton(x: torch.Tensor, block: int, backend: str, what: str = "TripPool") -> bool:
+    """Whether the Veda Triton kernel (TripPool, or the teacher: `what`) runs on `x` under `backend`
+    (`videosparse._helper_backend.use_triton`; the kernels take blocks that are powers of two >= 16)."""
+    reasons = [] if block >= 16 and not block & (block - 1) else [f"block={block} is not a power of two >= 16"]
+    return use_triton(x, backend, reasons, what=what)
 
 
 def trippool_qk(q: torch.Tensor, k: torch.Tensor, block: int, num_tiles: int | None = None, *,

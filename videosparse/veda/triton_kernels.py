@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..kernels._triton_utils import COMPILE_OPTIONS, on_input_device
 from .teacher import teacher_num_tiles
-from .trippool import interpreting as _interpreting
+from .._helper_backend import interpreting as _interpreting
 
 LOG2E = 1.4426950408889634
 
