@@ -281,3 +281,34 @@ def test_dir_lists_the_subpackages_before_their_import_and_no_private_names():
     listed, private = out.stdout.strip().splitlines()
     assert listed == "['distill', 'eval', 'kernels', 'models', 'sol', 'veda']"
     assert private == "['__version__']"
+
+
+def test_shared_fields_keep_their_places_in_the_saved_json_and_positional_calls():
+    """The sparse configs share the checks and the schedule's queries of dense_steps, dense_layers, correction and
+    backend (`_SparseConfig`), while each keeps those fields where its saved JSON, repr and positional order have
+    had them."""
+    assert list(VedaConfig().to_dict()) == ["method", "version", "density", "estimator", "tiling", "block",
+                                            "dense_steps", "dense_layers", "correction", "backend"]
+    assert list(SolConfig(density=0.1).to_dict()) == ["method", "version", "density", "tau", "block", "tiling", "band",
+                                                      "correction", "dense_steps", "dense_layers", "backend"]
+    assert VedaConfig(0.3).density == 0.3 and SolConfig(None, 1.5).tau == 1.5
+    assert repr(VedaConfig()).startswith("VedaConfig(density=0.1, estimator=None, tiling=None, block=128,")
+    for cfg in (VedaConfig(dense_layers=[3, 1, 3]), SolConfig(density=0.1, dense_layers=[3, 1, 3])):
+        assert cfg.dense_layers == (1, 3) and cfg.is_dense_layer(3) and not cfg.is_dense_layer(2)
+        assert cfg.dense_step_count(10) == 2
+        fields = {k: v for k, v in cfg.to_dict().items() if k not in ("method", "version")}
+        with pytest.raises(ValueError, match=r"backend='cuda' is not supported; choose one of \('auto', 'triton'"):
+            type(cfg)(**{**fields, "backend": "cuda"})
+    assert not DenseConfig().is_dense_layer(0) and DenseConfig().dense_step_count(10) == 0
+
+
+def test_the_kernel_names_have_one_source():
+    """`config.BACKENDS` and the names `videosparse.kernels` registers both come from `config.TRITON_KERNELS`, in the
+    order they always had."""
+    from videosparse.config import BACKENDS
+    from videosparse.kernels.dispatch import AUTO_ORDER, TRITON_BACKENDS
+
+    assert BACKENDS == ("auto", "triton", "reference", "gluon_hopper", "hopper", "triton_generic")
+    kernels = ("gluon_hopper", "triton_generic", "hopper", "reference")
+    assert [n for n in AUTO_ORDER if n in kernels] == ["gluon_hopper", "triton_generic", "reference"]
+    assert [n for n in TRITON_BACKENDS if n in kernels] == ["gluon_hopper", "triton_generic", "hopper"]

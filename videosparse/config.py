@@ -21,10 +21,14 @@ from .validation import TileShape, as_scalar, check_density, check_finite, check
 
 CONFIG_VERSION = 1
 
+# The Triton attention kernels, in the order backend="triton" tries them: name -> (the module of `videosparse.kernels`
+# whose BACKEND runs it, whether backend="auto" tries it too). `videosparse.kernels` registers these (the one list of
+# them: this module imports no kernel, so the package imports without Triton).
+TRITON_KERNELS = {"gluon_hopper": ("gluon_hopper", True), "triton_generic": ("triton_generic", True),
+                  "hopper": ("triton_hopper", False)}
 # "auto", "triton" (first Triton kernel that fits), "reference", or one kernel by name (an escape hatch,
-# e.g. "hopper" to run the Triton Hopper kernel instead of the Gluon one); tests keep this equal to the
-# names `videosparse.kernels.dispatch` registers.
-BACKENDS = ("auto", "triton", "reference", "gluon_hopper", "hopper", "triton_generic")
+# e.g. "hopper" to run the Triton Hopper kernel instead of the Gluon one)
+BACKENDS = ("auto", "triton", "reference", *sorted(TRITON_KERNELS))
 BLOCK_SIZES = (64, 128)
 # SolConfig.band's largest value: |i - j| <= band is computed on int64 tile indices (torch), where a larger int
 # overflows; a band at or past the number of video tiles already forces every tile
@@ -32,6 +36,8 @@ MAX_BAND = 2**63 - 1
 
 DEFAULT_TILES: dict[int, TileShape] = {128: (4, 4, 8), 64: (4, 4, 4)}   # block -> the tile shape when none is given
 
+# the share of the denoising steps the sparse methods run dense when not told (`dense_steps`)
+DEFAULT_DENSE_STEPS = 0.2
 # the density a method runs at when none is given (the CLI and the evaluation's method specs)
 DEFAULT_DENSITY = {"veda": 0.1, "sol": 0.15}
 _DENSITY_MEANS = "the fraction of key tiles computed exactly"
@@ -186,8 +192,8 @@ def _estimator(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class _BaseConfig:
-    """What every config shares: its method name and the dict / JSON round trip. (Each sparse method's config
-    declares its own dense schedule and kernel backend fields.)"""
+    """What every config shares: its method name, the dict / JSON round trip and the dense schedule's queries (no
+    layer or step is dense by schedule here: `DenseConfig` runs every call dense by itself)."""
 
     method: ClassVar[str] = ""
 
@@ -213,12 +219,38 @@ class _BaseConfig:
         return out
 
     def is_dense_layer(self, layer: int) -> bool:
-        return layer in getattr(self, "dense_layers", ())
+        """Whether self-attention layer `layer` always runs dense (`dense_layers`)."""
+        return False
+
+    def dense_step_count(self, num_inference_steps: int | None) -> int:
+        """Number of initial denoising steps that run dense (`dense_steps`), given the pipeline's step count."""
+        return 0
+
+
+@dataclass(frozen=True)
+class _SparseConfig(_BaseConfig):
+    """What the sparse methods' configs share: the checks of their dense schedule (`dense_steps`, `dense_layers`),
+    `correction` and kernel `backend` fields, and the schedule's queries.
+
+    Each subclass declares those fields itself, each where its positional order, repr and saved JSON have it since
+    they were written (a dataclass puts a base class's fields before its own); their defaults are the shared
+    `DEFAULT_DENSE_STEPS` and `"auto"`.
+    """
+
+    def _check_shared_fields(self) -> None:
+        """Check dense_steps, dense_layers (stored sorted and deduplicated), correction and backend."""
+        object.__setattr__(self, "dense_layers", _dense_schedule(self.dense_steps, _layers(self.dense_layers)))
+        _flag(self, "correction")
+        _check_backend(self.backend)
+
+    def is_dense_layer(self, layer: int) -> bool:
+        """Whether self-attention layer `layer` always runs dense (`dense_layers`)."""
+        return layer in self.dense_layers
 
     def dense_step_count(self, num_inference_steps: int | None) -> int:
         """Number of initial denoising steps that run dense, given the pipeline's step count (a fraction: its share of
         the steps rounded down, the float product's rounding error aside: 0.29 of 100 steps is 29)."""
-        steps = getattr(self, "dense_steps", 0)
+        steps = self.dense_steps
         if isinstance(steps, float):
             return math.floor(steps * num_inference_steps + 1e-9) if num_inference_steps else 0
         return steps
@@ -243,7 +275,7 @@ class DenseConfig(_BaseConfig):
 
 
 @dataclass(frozen=True)
-class VedaConfig(_BaseConfig):
+class VedaConfig(_SparseConfig):
     """Veda: top-k tile selection from a distilled per-head estimator (arXiv 2605.30325).
 
     Args:
@@ -286,7 +318,7 @@ class VedaConfig(_BaseConfig):
     estimator: Union[str, os.PathLike, Any, None] = None
     tiling: Union[TileShape, str, os.PathLike, None] = None
     block: int = 128
-    dense_steps: int | float = 0.2
+    dense_steps: int | float = DEFAULT_DENSE_STEPS
     dense_layers: tuple[int, ...] = ()
     correction: bool = False
     backend: str = "auto"
@@ -306,13 +338,11 @@ class VedaConfig(_BaseConfig):
         if isinstance(self.tiling, str) and (not self.tiling.strip() or _malformed_tile_text(self.tiling)):
             raise ValueError(f"tiling={self.tiling!r} must be a tile shape like 4x4x8, the path of a tiling JSON from "
                              "`videosparse search-tiling`, or None.")
-        object.__setattr__(self, "dense_layers", _dense_schedule(self.dense_steps, _layers(self.dense_layers)))
-        _flag(self, "correction")
-        _check_backend(self.backend)
+        self._check_shared_fields()
 
 
 @dataclass(frozen=True)
-class SolConfig(_BaseConfig):
+class SolConfig(_SparseConfig):
     """Sol-Attn: training-free tiles from a Gaussian-calibrated threshold (arXiv 2607.24027).
 
     Give exactly one of `density` (τ is calibrated by bisection per shape and layer to reach it, on the first call's
@@ -347,7 +377,7 @@ class SolConfig(_BaseConfig):
     tiling: TileShape | None = None
     band: int = 1
     correction: bool = True
-    dense_steps: int | float = 0.2
+    dense_steps: int | float = DEFAULT_DENSE_STEPS
     dense_layers: tuple[int, ...] = ()
     backend: str = "auto"
 
@@ -375,9 +405,7 @@ class SolConfig(_BaseConfig):
         if isinstance(self.band, bool) or not isinstance(self.band, int) or not 0 <= self.band <= MAX_BAND:
             raise ValueError(f"band={self.band!r} must be an int in [0, {MAX_BAND}] (the int64 range of the tile "
                              "index math; any band >= the number of video tiles already keeps every tile).")
-        object.__setattr__(self, "dense_layers", _dense_schedule(self.dense_steps, _layers(self.dense_layers)))
-        _flag(self, "correction")
-        _check_backend(self.backend)
+        self._check_shared_fields()
 
     @property
     def tile_shape(self) -> TileShape:

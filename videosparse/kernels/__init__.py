@@ -18,6 +18,7 @@ import math
 import torch
 
 from .._autodiff import carries_tangent
+from ..config import TRITON_KERNELS
 from ..plan import Plan
 from .autograd import RecomputingAttention, records_gradient, refuse_grad_and_vmap
 from .dispatch import check_inputs, get_backend, register_backend, select_backend
@@ -27,13 +28,13 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["block_sparse_attention", "reference_attention", "register_backend", "select_backend"]
 
-# Triton backends, imported on first use (the package imports without triton). Auto order:
-# gluon_hopper -> triton_generic -> reference; backend="triton" tries gluon_hopper -> triton_generic -> hopper
-# (on CPU, under TRITON_INTERPRET=1, gluon_hopper declines: Gluon has no interpreter). "hopper" stays out of auto:
-# preempted, its automatic warp specialization gives NaN (triton_hopper.py; scripts/probe_preemption.py).
-register_backend("gluon_hopper", "videosparse.kernels.gluon_hopper:BACKEND", before="reference", triton=True)
-register_backend("triton_generic", "videosparse.kernels.triton_generic:BACKEND", before="reference", triton=True)
-register_backend("hopper", "videosparse.kernels.triton_hopper:BACKEND", triton=True, auto=False)
+# Triton backends (`videosparse.config.TRITON_KERNELS`), imported on first use (the package imports without triton).
+# Auto order: gluon_hopper -> triton_generic -> reference; backend="triton" tries gluon_hopper -> triton_generic ->
+# hopper (on CPU, under TRITON_INTERPRET=1, gluon_hopper declines: Gluon has no interpreter). "hopper" stays out of
+# auto: preempted, its automatic warp specialization gives NaN (triton_hopper.py; scripts/probe_preemption.py).
+for _name, (_module, _auto) in TRITON_KERNELS.items():
+    register_backend(_name, f"videosparse.kernels.{_module}:BACKEND", before="reference", triton=True, auto=_auto)
+del _name, _module, _auto
 
 
 def block_sparse_attention(
