@@ -163,11 +163,9 @@ def test_batch_of_two_and_sol():
     assert sessions(tr)["transformer"].stats()["sparse_calls"] == 2
 
 
-def test_masked_calls_run_stock_with_one_warning(caplog):
-    """Helios passes no mask; a block-causal mask given to attn1 all the same runs dense through the stock math, equal
-    to the stock processor, with one warning per layer."""
+def masked_helios():
+    """(tester, tiny transformer, inputs) whose blocks' attn1 are given a block-causal mask (Helios passes none)."""
     t, tr = _tiny()
-    inputs = t.make_inputs(tr)
     frame = GRID[1] * GRID[2]
     block = torch.arange(HISTORY + GRID[0] * frame).sub(HISTORY).clamp(min=0) // frame
     mask = (block[None, :] <= block[:, None])[None, None]
@@ -177,6 +175,13 @@ def test_masked_calls_run_stock_with_one_warning(caplog):
 
     for b in tr.blocks:
         b.attn1.register_forward_pre_hook(with_mask)
+    return t, tr, t.make_inputs(tr)
+
+
+def test_masked_calls_run_stock_with_one_warning(caplog):
+    """Helios passes no mask; a block-causal mask given to attn1 all the same runs dense through the stock math, equal
+    to the stock processor, with one warning per layer."""
+    t, tr, inputs = masked_helios()
     assert_runs_stock_with_one_warning(t, tr, inputs, "attention mask", caplog)
 
 

@@ -192,15 +192,21 @@ def test_sequence_not_ending_in_the_video_grid_runs_stock(order, reason, caplog)
     assert_runs_stock_with_one_warning(t, tr, moved, reason, caplog)
 
 
-def test_masked_calls_run_stock_with_one_warning(caplog):
-    """MiniMax-H3 passes no mask; a (causal) mask given to the blocks' attn all the same runs the stock processor, with
-    one warning per layer."""
+def masked_minimax():
+    """(tester, tiny transformer, inputs) whose blocks' attn are given a causal mask (MiniMax-H3 passes none)."""
     t, tr = _tiny()
     inputs = t.make_inputs(tr)
     n = inputs["position_ids"].shape[0]
     mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
     for block in tr.transformer_blocks:
         block.attn.register_forward_pre_hook(lambda module, args: args[:2] + (mask,))
+    return t, tr, inputs
+
+
+def test_masked_calls_run_stock_with_one_warning(caplog):
+    """MiniMax-H3 passes no mask; a (causal) mask given to the blocks' attn all the same runs the stock processor, with
+    one warning per layer."""
+    t, tr, inputs = masked_minimax()
     assert_runs_stock_with_one_warning(t, tr, inputs, "attention mask", caplog)
 
 

@@ -24,7 +24,7 @@ from diffusers.models.attention_processor import AllegroAttnProcessor2_0
 from diffusers.models.embeddings import apply_rotary_emb_allegro
 
 from ..rope import HalfRope
-from .base import SparseAttentionMixin
+from .base import MASK_REASON, SparseAttentionMixin, project_output
 from .context import forward_arg, patched_grid
 
 
@@ -45,10 +45,9 @@ class AllegroSparseAttnProcessor(SparseAttentionMixin, AllegroAttnProcessor2_0):
                  image_rotary_emb=None):
         stock = (attn, hidden_states, encoder_hidden_states, attention_mask, temb, image_rotary_emb)
         if encoder_hidden_states is not None:
-            return self._stock.__call__(self, *stock)
+            return self._to_stock(None, *stock)
         if attention_mask is not None:
-            self._record_stock_call("an attention mask was given")
-            return self._stock.__call__(self, *stock)
+            return self._to_stock(MASK_REASON, *stock)
         query, key, value = (proj(hidden_states).unflatten(2, (attn.heads, -1)).transpose(1, 2)   # [B, H, S, D]
                              for proj in (attn.to_q, attn.to_k, attn.to_v))
         rope = None if image_rotary_emb is None else allegro_half_rope(*image_rotary_emb)
@@ -56,9 +55,7 @@ class AllegroSparseAttnProcessor(SparseAttentionMixin, AllegroAttnProcessor2_0):
             query = apply_rotary_emb_allegro(query, *image_rotary_emb)
             key = apply_rotary_emb_allegro(key, *image_rotary_emb)
         hidden_states = self.attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), rope=rope)
-        hidden_states = hidden_states.flatten(2, 3).type_as(query)
-        hidden_states = attn.to_out[0](hidden_states)
-        return attn.to_out[1](hidden_states)
+        return project_output(attn, hidden_states, query)
 
 
 def allegro_half_rope(freqs, positions) -> HalfRope | None:

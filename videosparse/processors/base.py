@@ -34,6 +34,8 @@ from .parallel import heads_to_seq, seq_to_heads, ulysses_shard
 logger = logging.getLogger("videosparse")
 
 SCORES_SKIPPED = "attention scores skipped (a diffusers layer-skip hook: perturbed-attention guidance)"
+# the fallback reason of a self-attention call given an attention mask, in every family (one entry in `stats()`)
+MASK_REASON = "an attention mask was given"
 
 
 def attention_scores_skipped() -> bool:
@@ -100,6 +102,13 @@ def project_joint_outputs(attn, hidden_states: torch.Tensor, encoder_hidden_stat
     if getattr(attn, "to_add_out", None) is not None:
         encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
     return hidden_states, encoder_hidden_states
+
+
+def project_output(attn, out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The attention output out [B, S, H, D] through `attn.to_out` (linear, dropout): flattened to [B, S, H * D] in
+    `like`'s dtype first, as diffusers' processors do after their attention call."""
+    out = out.flatten(2, 3).type_as(like)
+    return attn.to_out[1](attn.to_out[0](out))
 
 
 def _plain(x: torch.Tensor) -> torch.Tensor:
@@ -218,7 +227,7 @@ class SparseAttentionMixin:
         elif ctx.unsupported is not None:
             unsupported = ctx.unsupported
         elif attention_mask is not None:
-            unsupported = "an attention mask was given"
+            unsupported = MASK_REASON
         elif isinstance(shard, str):
             unsupported = shard
         elif shard is not None and q.shape[2] % shard.world:       # diffusers' own Ulysses attention fails too
@@ -387,6 +396,21 @@ class SparseAttentionMixin:
         if self.session.method is not None:
             self._warn_once(reason)
         self._stats().record_dense()
+
+    def _to_stock(self, reason: str | None, *args, **kwargs):
+        """The stock processor's `__call__(*args, **kwargs)`; a `reason` (not None) is accounted first
+        (`_record_stock_call`), and without one the call is not counted (cross-attention: not a layer served)."""
+        if reason is not None:
+            self._record_stock_call(reason)
+        return self._stock.__call__(self, *args, **kwargs)
+
+    def _stock_reason(self, attention_mask) -> str | None:
+        """Why a call keeps the stock processor in families whose grid function can refuse a forward: what it found
+        (`context.unsupported`), else `MASK_REASON` for a call given a mask; None when it is served."""
+        problem = self.session.context.unsupported
+        if problem is None and attention_mask is not None:
+            problem = MASK_REASON
+        return problem
 
     def attend_text_prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text_tokens: int,
                            attention_mask=None, padded_rows: str = "attend", rope=None) -> torch.Tensor:

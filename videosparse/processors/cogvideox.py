@@ -10,7 +10,7 @@ import torch
 from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
 
 from ..rope import PairRope, apply_rope, tables_on
-from .base import SparseAttentionMixin, project_heads
+from .base import MASK_REASON, SparseAttentionMixin, project_heads, project_output
 from .context import forward_arg, patched_grid
 
 
@@ -26,17 +26,14 @@ class CogVideoXSparseAttnProcessor(SparseAttentionMixin, CogVideoXAttnProcessor2
 
     def __call__(self, attn, hidden_states, encoder_hidden_states, attention_mask=None, image_rotary_emb=None):
         if attention_mask is not None:
-            self._record_stock_call("an attention mask was given")
-            return self._stock.__call__(self, attn, hidden_states, encoder_hidden_states, attention_mask,
-                                        image_rotary_emb)
+            return self._to_stock(MASK_REASON, attn, hidden_states, encoder_hidden_states, attention_mask,
+                                  image_rotary_emb)
         text_len = encoder_hidden_states.size(1)
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
         query, key, value = project_heads(hidden_states, attn.heads, attn.to_q, attn.to_k, attn.to_v,
                                           attn.norm_q, attn.norm_k)            # [B, S, H, D]
         query, rope = rope_after_text(attn, query, text_len, image_rotary_emb)
-        hidden_states = self.attend(query, key, value, rope=rope).flatten(2, 3).type_as(query)
-        hidden_states = attn.to_out[0](hidden_states)
-        hidden_states = attn.to_out[1](hidden_states)
+        hidden_states = project_output(attn, self.attend(query, key, value, rope=rope), query)
         encoder_hidden_states, hidden_states = hidden_states.split(
             [text_len, hidden_states.size(1) - text_len], dim=1)
         return hidden_states, encoder_hidden_states

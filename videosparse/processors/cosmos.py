@@ -19,7 +19,7 @@ from __future__ import annotations
 from diffusers.models.transformers.transformer_cosmos import CosmosAttnProcessor2_0
 
 from ..rope import HalfRope
-from .base import SparseAttentionMixin
+from .base import MASK_REASON, SparseAttentionMixin, project_output
 from .context import forward_arg, patched_grid
 
 
@@ -39,20 +39,16 @@ class CosmosSparseAttnProcessor(SparseAttentionMixin, CosmosAttnProcessor2_0):
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         stock = (attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         if encoder_hidden_states is not None:
-            return self._stock.__call__(self, *stock)
+            return self._to_stock(None, *stock)
         if attention_mask is not None:
-            self._record_stock_call("an attention mask was given")
-            return self._stock.__call__(self, *stock)
+            return self._to_stock(MASK_REASON, *stock)
         query = attn.to_q(hidden_states).unflatten(2, (attn.heads, -1))                  # [B, S, H, D]
         key = attn.to_k(hidden_states).unflatten(2, (attn.heads, -1))
         value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
         query, key = attn.norm_q(query), attn.norm_k(key)
         # diffusers' apply_rotary_emb(use_real=True, use_real_unbind_dim=-2) is the rotate-half RoPE (in fp32)
         rope = None if image_rotary_emb is None else HalfRope(*(t[None, :, None] for t in image_rotary_emb))
-        hidden_states = self.attend(query, key, value, rope=rope)
-        hidden_states = hidden_states.flatten(2, 3).type_as(query)
-        hidden_states = attn.to_out[0](hidden_states)
-        return attn.to_out[1](hidden_states)
+        return project_output(attn, self.attend(query, key, value, rope=rope), query)
 
 
 def cosmos_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:

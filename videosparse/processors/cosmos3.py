@@ -60,8 +60,7 @@ class Cosmos3SparseAttnProcessor(SparseAttentionMixin, Cosmos3AttnProcessor):
         if problem is None and getattr(self, "_parallel_config", None) is not None:
             problem = "Cosmos 3 under a parallel config keeps the stock processor"
         if problem is not None:
-            self._record_stock_call(problem)
-            return self._stock.__call__(self, attn, und_seq, gen_seq, rotary_emb)
+            return self._to_stock(problem, attn, und_seq, gen_seq, rotary_emb)
         heads, kv_heads, head_dim = attn.num_attention_heads, attn.num_key_value_heads, attn.head_dim
         q_und = attn.norm_q(attn.to_q(und_seq).view(-1, heads, head_dim))
         k_und = attn.norm_k(attn.to_k(und_seq).view(-1, kv_heads, head_dim))

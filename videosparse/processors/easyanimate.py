@@ -23,7 +23,7 @@ from diffusers.models.transformers.transformer_easyanimate import (
     EasyAnimateAttnProcessor2_0,
 )
 
-from .base import SparseAttentionMixin, project_heads, project_joint_outputs, project_text_heads
+from .base import MASK_REASON, SparseAttentionMixin, project_heads, project_joint_outputs, project_text_heads
 from .cogvideox import rope_after_text
 from .context import forward_arg, patched_grid
 
@@ -38,12 +38,10 @@ class EasyAnimateSparseAttnProcessor(SparseAttentionMixin, EasyAnimateAttnProces
     _stock = EasyAnimateAttnProcessor2_0
 
     def __call__(self, attn, hidden_states, encoder_hidden_states, attention_mask=None, image_rotary_emb=None):
-        reason = ("an attention mask was given" if attention_mask is not None
+        reason = (MASK_REASON if attention_mask is not None
                   else "no text was given (encoder_hidden_states is None)" if encoder_hidden_states is None else None)
         if reason is not None:
-            self._record_stock_call(reason)
-            return self._stock.__call__(self, attn, hidden_states, encoder_hidden_states, attention_mask,
-                                        image_rotary_emb)
+            return self._to_stock(reason, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         text_len = encoder_hidden_states.shape[1]
         if attn.add_q_proj is None:                  # not an MMDiT block: the text goes through to_q/k/v too
             hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)

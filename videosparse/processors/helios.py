@@ -27,12 +27,10 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers import transformer_helios
 
+from .base import MASK_REASON
 from .context import forward_arg, patch_tokens, patched_grid
 from .parallel import UlyssesShard, ulysses_shard
 from .wan import _WanFamilySparseAttention
-
-MASK_REASON = ("an attention mask was given (Helios passes none; a causal or block mask is not served); the call keeps "
-               "the stock processor")
 
 # (name, kernel of the forward's `pad_for_3d_conv` before the patch embedding or None, the patch embedding's
 # attribute) of the history parts
@@ -54,10 +52,9 @@ class HeliosSparseAttnProcessor(_WanFamilySparseAttention, transformer_helios.He
                  original_context_length=None):
         stock = (attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, original_context_length)
         if encoder_hidden_states is not None or attn.is_cross_attention or attn.add_k_proj is not None:
-            return self._stock.__call__(self, *stock)
-        if attention_mask is not None:
-            self._record_stock_call(MASK_REASON)
-            return self._stock.__call__(self, *stock)
+            return self._to_stock(None, *stock)
+        if attention_mask is not None:          # (Helios passes none; a causal or block mask is not served)
+            return self._to_stock(MASK_REASON, *stock)
         # the video's token count rides with the rotary table into `_project`, which scales the history keys
         return super().__call__(attn, hidden_states, None, attention_mask, (rotary_emb, original_context_length))
 

@@ -53,11 +53,10 @@ class _HunyuanFamilySparseAttention(SparseAttentionMixin):
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         stock = (attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         if encoder_hidden_states is None:
-            return self._stock.__call__(self, *stock)
+            return self._to_stock(None, *stock)
         problem = self.session.context.unsupported
         if problem is not None:
-            self._record_stock_call(problem)
-            return self._stock.__call__(self, *stock)
+            return self._to_stock(problem, *stock)
         text_len = encoder_hidden_states.shape[1]
         joint = attn.add_q_proj is None          # single-stream block: text goes through to_q/to_k/to_v too
         if joint:

@@ -98,10 +98,9 @@ class Kandinsky5SparseAttnProcessor(SparseAttentionMixin, Kandinsky5AttnProcesso
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, rotary_emb=None, sparse_params=None):
         stock = (attn, hidden_states, encoder_hidden_states, rotary_emb, sparse_params)
         if encoder_hidden_states is not None:
-            return self._stock.__call__(self, *stock)
+            return self._to_stock(None, *stock)
         if sparse_params is not None:
-            self._record_stock_call(NABLA_REASON)
-            return self._stock.__call__(self, *stock)
+            return self._to_stock(NABLA_REASON, *stock)
         query, key, value = project_heads(hidden_states, attn.num_heads, attn.to_query, attn.to_key, attn.to_value)
         query = attn.query_norm(query.float()).type_as(query)
         key = attn.key_norm(key.float()).type_as(key)
@@ -127,8 +126,8 @@ class Kandinsky6SparseAttnProcessor(SparseAttentionMixin, Kandinsky6AttnProcesso
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, rotary_emb=None, rotary_emb_kv=None,
                  attn_mask=None):
         if encoder_hidden_states is not None:
-            return self._stock.__call__(self, attn, hidden_states, encoder_hidden_states, rotary_emb, rotary_emb_kv,
-                                        attn_mask)
+            return self._to_stock(None, attn, hidden_states, encoder_hidden_states, rotary_emb, rotary_emb_kv,
+                                  attn_mask)
         query, key, value = project_heads(hidden_states, attn.num_heads, attn.to_query, attn.to_key, attn.to_value,
                                           attn.query_norm, attn.key_norm)
         rope = None

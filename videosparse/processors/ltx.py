@@ -20,7 +20,7 @@ import weakref
 import torch
 from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor, apply_rotary_emb
 
-from .base import SparseAttentionMixin
+from .base import SparseAttentionMixin, project_output
 from .context import forward_arg, sequence_length
 
 
@@ -39,13 +39,10 @@ class LTXVideoSparseAttnProcessor(SparseAttentionMixin, LTXVideoAttnProcessor):
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         stock = (attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         if encoder_hidden_states is not None:
-            return self._stock.__call__(self, *stock)
-        problem = self.session.context.unsupported
-        if problem is None and attention_mask is not None:
-            problem = "an attention mask was given"
-        if problem is not None:     # not one token grid (see `ltx_grid`): no layout, no observer records
-            self._record_stock_call(problem)
-            return self._stock.__call__(self, *stock)
+            return self._to_stock(None, *stock)
+        problem = self._stock_reason(attention_mask)
+        if problem is not None:     # not one token grid (see `ltx_grid`) or masked: no layout, no observer records
+            return self._to_stock(problem, *stock)
         query = attn.norm_q(attn.to_q(hidden_states))
         key = attn.norm_k(attn.to_k(hidden_states))
         value = attn.to_v(hidden_states)
@@ -55,9 +52,7 @@ class LTXVideoSparseAttnProcessor(SparseAttentionMixin, LTXVideoAttnProcessor):
         query = query.unflatten(2, (attn.heads, -1))
         key = key.unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))
-        hidden_states = self.attend(query, key, value).flatten(2, 3).to(query.dtype)
-        hidden_states = attn.to_out[0](hidden_states)
-        return attn.to_out[1](hidden_states)
+        return project_output(attn, self.attend(query, key, value), query)
 
 
 # checks of video_coords already made: (id, question) -> (weak reference, version, answer)

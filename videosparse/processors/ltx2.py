@@ -63,13 +63,10 @@ class _LTX2SparseAttention(SparseAttentionMixin):
     def _serve(self, stock: tuple, attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb,
                key_rotary_emb, perturbation_mask=None, all_perturbed=False) -> torch.Tensor:
         if encoder_hidden_states is not None:                  # cross-attention: never touched
-            return self._stock.__call__(self, *stock)
-        problem = self.session.context.unsupported
-        if problem is None and attention_mask is not None:
-            problem = "an attention mask was given (video_self_attention_mask)"
+            return self._to_stock(None, *stock)
+        problem = self._stock_reason(attention_mask)          # (the mask: the forward's video_self_attention_mask)
         if problem is not None:     # not one token grid (see `ltx2_grid`) or masked: no layout, no observer records
-            self._record_stock_call(problem)
-            return self._stock.__call__(self, *stock)
+            return self._to_stock(problem, *stock)
 
         gates = None
         if attn.to_gate_logits is not None:                    # per-head gates from the block's input, in (0, 2)

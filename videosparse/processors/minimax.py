@@ -33,11 +33,9 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor, _apply_rotary_emb
 
-from .base import SparseAttentionMixin, project_heads
+from .base import SparseAttentionMixin, project_heads, project_output
 from .context import forward_arg
 from .ltx import check_coords
-
-MASK_REASON = "an attention mask was given (MiniMax-H3 passes none); the call keeps the stock processor"
 
 
 class MiniMaxH3SparseAttnProcessor(SparseAttentionMixin, MiniMaxH3AttnProcessor):
@@ -51,12 +49,9 @@ class MiniMaxH3SparseAttnProcessor(SparseAttentionMixin, MiniMaxH3AttnProcessor)
     _stock = MiniMaxH3AttnProcessor
 
     def __call__(self, attn, hidden_states, rotary_emb=None, attention_mask=None):
-        problem = self.session.context.unsupported
-        if problem is None and attention_mask is not None:
-            problem = MASK_REASON
+        problem = self._stock_reason(attention_mask)         # (MiniMax-H3 passes no mask)
         if problem is not None:
-            self._record_stock_call(problem)
-            return self._stock.__call__(self, attn, hidden_states, rotary_emb, attention_mask)
+            return self._to_stock(problem, attn, hidden_states, rotary_emb, attention_mask)
         if attn.fused_projections:
             query, key, value = (x.unflatten(-1, (attn.heads, -1)) for x in attn.to_qkv(hidden_states).chunk(3, -1))
             query, key = attn.norm_q(query), attn.norm_k(key)
@@ -66,9 +61,7 @@ class MiniMaxH3SparseAttnProcessor(SparseAttentionMixin, MiniMaxH3AttnProcessor)
         if rotary_emb is not None:
             query = _apply_rotary_emb(query, *rotary_emb)
             key = _apply_rotary_emb(key, *rotary_emb)
-        hidden_states = self.attend(query, key, value).flatten(2, 3).type_as(query)
-        hidden_states = attn.to_out[0](hidden_states)
-        return attn.to_out[1](hidden_states)
+        return project_output(attn, self.attend(query, key, value), query)
 
 
 def minimax_video_timestep(module, args, kwargs) -> torch.Tensor | None:

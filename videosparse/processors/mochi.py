@@ -47,8 +47,7 @@ class MochiSparseAttnProcessor(SparseAttentionMixin, MochiAttnProcessor2_0):
         if ctx.grid is None:        # the valid text length is known only from a forward through the hook
             problem = "no video grid recorded (was the transformer called through its forward?)"
         if problem is not None:
-            self._record_stock_call(problem)
-            return self._stock.__call__(self, *stock)
+            return self._to_stock(problem, *stock)
         query, key, value = project_heads(hidden_states, attn.heads, attn.to_q, attn.to_k, attn.to_v,
                                           attn.norm_q, attn.norm_k)
         text_query, text_key, text_value = project_text_heads(attn, encoder_hidden_states)

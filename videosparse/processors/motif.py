@@ -45,9 +45,8 @@ class MotifVideoSparseAttnProcessor(_HunyuanFamilySparseAttention, MotifVideoAtt
         if (encoder_hidden_states is not None and attention_mask is None
                 and encoder_hidden_states.shape[1] == hidden_states.shape[1]):
             # a decoder block's call (or a text exactly as long as the video, unmasked: stock is right for it too)
-            self._record_stock_call(DECODER_REASON)
-            return self._stock.__call__(self, attn, hidden_states, encoder_hidden_states, attention_mask,
-                                        image_rotary_emb)
+            return self._to_stock(DECODER_REASON, attn, hidden_states, encoder_hidden_states, attention_mask,
+                                  image_rotary_emb)
         return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
 
     def _attend_joint(self, query, key, value, text_tokens: int, attention_mask,

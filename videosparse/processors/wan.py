@@ -56,7 +56,7 @@ from diffusers.models.transformers import (
 )
 
 from ..rope import apply_interleaved_rope
-from .base import SparseAttentionMixin, dense_with_lse, merge_attention
+from .base import SparseAttentionMixin, dense_with_lse, merge_attention, project_output
 from .context import forward_arg, patched_grid
 
 
@@ -73,12 +73,9 @@ class _WanFamilySparseAttention(SparseAttentionMixin):
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
         if encoder_hidden_states is not None or getattr(attn, "add_k_proj", None) is not None:
-            return self._stock.__call__(self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+            return self._to_stock(None, attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         query, key, value, rope = self._project(attn, hidden_states, rotary_emb)
-        hidden_states = self.attend(query, key, value, attention_mask, rope=rope)
-        hidden_states = hidden_states.flatten(2, 3).type_as(query)
-        hidden_states = attn.to_out[0](hidden_states)
-        return attn.to_out[1](hidden_states)
+        return project_output(attn, self.attend(query, key, value, attention_mask, rope=rope), query)
 
     def _project(self, attn, hidden_states, rotary_emb):
         """q, k, v [B, S, H, D] after qk-norm, and the rotary tables still to apply to q and k (None: applied)."""
@@ -143,17 +140,14 @@ class WanAnimate2SparseAttnProcessor(_WanFamilySparseAttention, transformer_wan_
                  origin_latent_frames=None, origin_latent_hw=None):
         reason = self._unserved(kv_cache_mode)
         if reason is not None:
-            self._record_stock_call(reason)
-            return self._stock.__call__(
-                self, attn, hidden_states, rotary_emb, grid_sizes, kv_cache, kv_cache_mode, rope_stride,
+            return self._to_stock(
+                reason, attn, hidden_states, rotary_emb, grid_sizes, kv_cache, kv_cache_mode, rope_stride,
                 reference_rotary_emb, reference_grid_sizes, reference_rope_stride, attention_mask,
                 origin_latent_frames, origin_latent_hw)
         query, key, value, _ = self._project(attn, hidden_states, None)
         hidden_states = self.attend_pass(query, key, value, rotary_emb, rope_stride, kv_cache, kv_cache_mode,
                                          reference_rotary_emb, reference_rope_stride)
-        hidden_states = hidden_states.flatten(2, 3).type_as(query)
-        hidden_states = attn.to_out[0](hidden_states)
-        return attn.to_out[1](hidden_states)
+        return project_output(attn, hidden_states, query)
 
     def attend_pass(self, query, key, value, rotary_emb, rope_stride, kv_cache, kv_cache_mode, reference_rotary_emb,
                     reference_rope_stride):
