@@ -20,7 +20,7 @@ import math
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
@@ -754,6 +754,32 @@ def patch_tokens(latents: torch.Tensor, kernel, pad=None) -> int:
     up to a multiple of `pad` when given (the history latents of FramePack and Helios)."""
     sizes = latents.shape[2:] if pad is None else [-(-n // p) * p for n, p in zip(latents.shape[2:], pad)]
     return math.prod(n // k for n, k in zip(sizes, kernel))
+
+
+class HistoryPart(NamedTuple):
+    """One part of the history that a forward puts before its video (FramePack, Helios), as `history_tokens` counts
+    it: named by the forward's arguments (with their positions, read where an argument is not named)."""
+
+    latents: str                # the argument holding its latents (B, C, F, H, W)
+    latents_at: int
+    indices: str                # the argument holding its frame indices: the part is counted when both are given
+    indices_at: int
+    embedding: str              # the path in the transformer of its patch embedding (a Conv3d)
+    pad: tuple[int, int, int] | str | None = None   # F, H, W padded to a multiple of this first ("kernel": its kernel)
+
+
+def history_tokens(module, args: tuple, kwargs: dict, parts: tuple[HistoryPart, ...]) -> int:
+    """Tokens of the history `parts` that a forward of `module` puts before its video: each part given with its frame
+    indices, through a patch embedding the module has, counted as `patch_tokens` of its latents."""
+    total = 0
+    for part in parts:
+        latents = forward_arg(args, kwargs, part.latents, part.latents_at)
+        embedding = functools.reduce(lambda owner, name: getattr(owner, name, None), part.embedding.split("."), module)
+        if latents is None or embedding is None or forward_arg(args, kwargs, part.indices, part.indices_at) is None:
+            continue
+        pad = embedding.kernel_size if part.pad == "kernel" else part.pad
+        total += patch_tokens(latents, embedding.kernel_size, pad)
+    return total
 
 
 @dataclass(frozen=True)

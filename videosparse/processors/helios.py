@@ -28,13 +28,17 @@ import torch
 from diffusers.models.transformers import transformer_helios
 
 from .base import MASK_REASON
-from .context import forward_arg, patch_tokens, patched_grid
+from .context import HistoryPart, forward_arg, history_tokens, patched_grid
 from .parallel import UlyssesShard, ulysses_shard
 from .wan import _WanFamilySparseAttention
 
-# (name, kernel of the forward's `pad_for_3d_conv` before the patch embedding or None, the patch embedding's
-# attribute) of the history parts
-_HISTORY = (("short", None, "patch_short"), ("mid", (2, 4, 4), "patch_mid"), ("long", (4, 8, 8), "patch_long"))
+# the history parts the forward puts before the video: the mid and long latents padded (`pad_for_3d_conv`) to whole
+# (2, 4, 4) and (4, 8, 8) latents before their patch embeddings
+_HISTORY = (
+    HistoryPart("latents_history_short", 7, "indices_latents_history_short", 4, "patch_short"),
+    HistoryPart("latents_history_mid", 8, "indices_latents_history_mid", 5, "patch_mid", (2, 4, 4)),
+    HistoryPart("latents_history_long", 9, "indices_latents_history_long", 6, "patch_long", (4, 8, 8)),
+)
 
 
 class HeliosSparseAttnProcessor(_WanFamilySparseAttention, transformer_helios.HeliosAttnProcessor):
@@ -89,15 +93,4 @@ def helios_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
     video (served as joint text before it): each part given with its frame indices, as the forward counts it."""
     hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
     _, _, F, H, W = hidden_states.shape
-    return patched_grid(module, F, H, W), _history_tokens(module, args, kwargs)
-
-
-def _history_tokens(module, args, kwargs) -> int:
-    total = 0
-    for i, (name, pad, conv) in enumerate(_HISTORY):
-        latents = forward_arg(args, kwargs, f"latents_history_{name}", 7 + i)
-        indices = forward_arg(args, kwargs, f"indices_latents_history_{name}", 4 + i)
-        if latents is None or indices is None or getattr(module, conv, None) is None:
-            continue
-        total += patch_tokens(latents, getattr(module, conv).kernel_size, pad)
-    return total
+    return patched_grid(module, F, H, W), history_tokens(module, args, kwargs, _HISTORY)

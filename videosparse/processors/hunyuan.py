@@ -35,7 +35,7 @@ from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVid
 
 from ..rope import PairRope, apply_rope
 from .base import SparseAttentionMixin, project_heads, project_joint_outputs, project_text_heads
-from .context import PaddedText, forward_arg, patch_tokens, patched_grid, valid_text_length
+from .context import HistoryPart, PaddedText, forward_arg, history_tokens, patched_grid, valid_text_length
 
 
 class _HunyuanFamilySparseAttention(SparseAttentionMixin):
@@ -162,6 +162,15 @@ def hunyuan15_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | tu
     return _video_grid(module, args, kwargs), valid_text_length(valid, total)
 
 
+# the clean latents (1x patch embedding, no padding) and the 2x / 4x history latents (padded to whole kernels) that
+# FramePack's forward prepends to the video, as `_pack_history_states` counts them
+_FRAMEPACK_HISTORY = (
+    HistoryPart("latents_clean", 8, "indices_latents_clean", 9, "clean_x_embedder.proj"),
+    HistoryPart("latents_history_2x", 10, "indices_latents_history_2x", 11, "clean_x_embedder.proj_2x", "kernel"),
+    HistoryPart("latents_history_4x", 12, "indices_latents_history_4x", 13, "clean_x_embedder.proj_4x", "kernel"),
+)
+
+
 def hunyuan_framepack_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | tuple[int, ...]]:
     """As `hunyuan_grid`, for FramePack: the grid is the current window's video; the extra tokens served as global
     tiles are the history tokens (which the processor moves behind the video), the image tokens and the valid text
@@ -169,32 +178,13 @@ def hunyuan_framepack_grid(module, args, kwargs) -> tuple[tuple[int, int, int], 
     text = forward_arg(args, kwargs, "encoder_hidden_states", 2)
     mask = forward_arg(args, kwargs, "encoder_attention_mask", 3)
     image = forward_arg(args, kwargs, "image_embeds", 5)
-    extra = _framepack_history_tokens(module, args, kwargs) + (image.shape[1] if image is not None else 0)
+    extra = history_tokens(module, args, kwargs, _FRAMEPACK_HISTORY) + (image.shape[1] if image is not None else 0)
     valid = None if mask is None else mask.sum(dim=1, dtype=torch.int) + extra
     text_len = valid_text_length(valid, text.shape[1] + extra)
     if isinstance(text_len, PaddedText) and text.shape[0] == 1:
         # the forward crops a single item's text to its valid tokens (no mask): the blocks see that many
         return _video_grid(module, args, kwargs), text_len.lengths()
     return _video_grid(module, args, kwargs), text_len
-
-
-def _framepack_history_tokens(module, args, kwargs) -> int:
-    """Tokens of the clean latents (1x patch embedding, no padding) and of the 2x / 4x history latents (padded to
-    whole kernels) that the forward prepends to the video, each counted when given with its frame indices, as
-    `_pack_history_states` does."""
-    embed = getattr(module, "clean_x_embedder", None)
-    if embed is None:
-        return 0
-    total = 0
-    for name, indices, index, conv, padded in (
-            ("latents_clean", "indices_latents_clean", 8, embed.proj, False),
-            ("latents_history_2x", "indices_latents_history_2x", 10, embed.proj_2x, True),
-            ("latents_history_4x", "indices_latents_history_4x", 12, embed.proj_4x, True)):
-        latents = forward_arg(args, kwargs, name, index)
-        if latents is None or forward_arg(args, kwargs, indices, index + 1) is None:
-            continue
-        total += patch_tokens(latents, conv.kernel_size, conv.kernel_size if padded else None)
-    return total
 
 
 def _video_grid(module, args, kwargs) -> tuple[int, int, int]:
