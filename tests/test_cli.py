@@ -976,7 +976,7 @@ def test_the_early_kernel_check_asks_about_the_dtype_the_run_attends_in(tmp_path
 
     from videosparse.eval.generate import check_config_applies
     from videosparse.models.tiny_wan import build_tiny_wan_pipeline
-    from videosparse.processors.context import SparseSession
+    from videosparse.processors.session import SparseSession
 
     build_tiny_wan_pipeline().save_pretrained(tmp_path)
     pipe = WanPipeline.from_pretrained(tmp_path, torch_dtype=torch.bfloat16)

@@ -66,7 +66,7 @@ def reference_rows(scores: torch.Tensor, budget: list[int], width: int, G: int):
 
 def _run_counters_case() -> dict:
     from videosparse.kernels.triton_counters import record_sparse_triton
-    from videosparse.processors.context import LayerStats
+    from videosparse.processors.session import LayerStats
 
     g = torch.Generator().manual_seed(1)
     torch_stats, triton_counts = LayerStats(), torch.zeros(5, dtype=torch.int64)
@@ -267,7 +267,7 @@ def test_work_order_on_cuda_matches_cpu(shape, programs):
 
 @pytest.mark.gpu
 def test_layer_counters_on_cuda_match_cpu():
-    from videosparse.processors.context import LayerStats
+    from videosparse.processors.session import LayerStats
 
     cpu, gpu = LayerStats("cpu"), LayerStats("cuda")
     for shape in ((2, 32, 48), (1, 40, 591), (2, 12, 257)):

@@ -154,7 +154,8 @@ def test_attention_probe_records_the_calls_the_processor_ran_dense(monkeypatch):
     from videosparse.eval.attention import AttentionProbe
     from videosparse.kernels.probe import KernelProbe
     from videosparse.models.tiny_wan import build_tiny_wan_pipeline
-    from videosparse.processors import context, observe
+    from videosparse.processors import observe
+    from videosparse.processors import session as session_module
 
     tr = build_tiny_wan_pipeline().transformer
     kw = dict(hidden_states=torch.randn(1, 4, 3, 16, 24, generator=torch.Generator().manual_seed(0)),
@@ -172,7 +173,8 @@ def test_attention_probe_records_the_calls_the_processor_ran_dense(monkeypatch):
     entries, stats = probe_run()
     assert entries[0]["sparse"] and 0 < entries[0]["rel_l2"] < 1 and stats["sparse_calls"] == 1
     assert not entries[1]["sparse"] and entries[1]["dense_reason"] == "dense layer"
-    monkeypatch.setattr(context, "probe_kernel", lambda *args: KernelProbe("reference", "no fast kernel serves x"))
+    monkeypatch.setattr(session_module, "probe_kernel",
+                        lambda *args: KernelProbe("reference", "no fast kernel serves x"))
     entries, stats = probe_run()
     assert stats["sparse_calls"] == 0
     assert not entries[0]["sparse"] and entries[0]["dense_reason"] == "no fast kernel serves x"

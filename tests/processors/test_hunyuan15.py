@@ -117,11 +117,12 @@ def test_guidance_branches_reuse_their_layouts(monkeypatch):
     valid text lengths: sparse forwards of both share one layout over all text tokens (the padded keys masked in
     the kernel), built once; observed forwards, which serve each valid prefix, build each length's layouts once and
     reuse them when the branches alternate; a new grid drops them."""
-    from videosparse.processors import context, observe
+    from videosparse.processors import observe
+    from videosparse.processors import session as session_module
 
     built = []
-    real = context.head_tiling
-    monkeypatch.setattr(context, "head_tiling", lambda *a, **k: built.append(a[4]) or real(*a, **k))
+    real = session_module.head_tiling
+    monkeypatch.setattr(session_module, "head_tiling", lambda *a, **k: built.append(a[4]) or real(*a, **k))
     t = TestHunyuanVideo15Processors()
     tr = t.make_transformer()
     cond, uncond = t.make_inputs(tr, valid=(6,)), t.make_inputs(tr, valid=(2,))      # 9 and 5 valid text tokens

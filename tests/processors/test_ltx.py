@@ -170,7 +170,7 @@ def test_video_coords_changed_in_place_are_checked_again(caplog):
     """Mutation find: the check of `video_coords` is cached per tensor; keyed on the tensor alone (not its version
     counter), coordinates edited in place into no grid kept the stale grid and the forward ran sparse on it. After the
     edit the check names the problem and the forward runs stock, warned once per layer."""
-    from videosparse.processors.ltx import coords_grid
+    from videosparse.processors.grids import coords_grid
 
     coords = _video_coords(LATENT)
     S = LATENT[0] * LATENT[1] * LATENT[2]

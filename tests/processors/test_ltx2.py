@@ -260,11 +260,11 @@ def test_grid_arguments():
 def test_coordinates_are_checked_once_per_tensor(monkeypatch):
     """The pipelines pass the same video_coords tensor at every step: it is checked (one host sync) once, and again
     only after an in-place change."""
-    from videosparse.processors import ltx
+    from videosparse.processors import grids
 
     calls = []
-    real = ltx.check_coords
-    monkeypatch.setattr(ltx, "check_coords", lambda *a: calls.append(1) or real(*a))
+    real = grids.check_coords
+    monkeypatch.setattr(grids, "check_coords", lambda *a: calls.append(1) or real(*a))
     tr = tiny_ltx2(num_layers=1)
     inputs = ltx2_inputs(tr, coords=True)
     for _ in range(3):

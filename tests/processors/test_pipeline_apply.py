@@ -69,10 +69,10 @@ def test_remove_of_the_last_session_empties_the_shared_caches(monkeypatch):
     import weakref
 
     from videosparse import plan, processors
-    from videosparse.processors import context
+    from videosparse.processors.session import _INCREMENTS
 
     monkeypatch.setattr(processors, "_LIVE_SESSIONS", weakref.WeakSet())   # not the sessions other tests left
-    caches = (plan._ORDERS, plan._TOPK_CONSTANTS, context._INCREMENTS)
+    caches = (plan._ORDERS, plan._TOPK_CONSTANTS, _INCREMENTS)
     config = videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64, dense_steps=0)
     first, second = build_tiny_wan_pipeline(), build_tiny_wan_pipeline()
     for pipe in (first, second):
@@ -164,9 +164,10 @@ def test_kernel_problem_of_the_session_warned_once(monkeypatch, caplog):
     import logging
 
     from videosparse.kernels.probe import KernelProbe
-    from videosparse.processors import context
+    from videosparse.processors import session as session_module
 
-    monkeypatch.setattr(context, "probe_kernel", lambda *args: KernelProbe("reference", "no fast kernel serves x"))
+    monkeypatch.setattr(session_module, "probe_kernel",
+                        lambda *args: KernelProbe("reference", "no fast kernel serves x"))
     pipe = build_tiny_wan_pipeline()
     pipe.set_progress_bar_config(disable=True)
     ref = _run(pipe)
@@ -243,7 +244,7 @@ def test_timestep_position_follows_the_forward_signature():
     read the text embedding as the timestep."""
     from diffusers import CogVideoXTransformer3DModel, WanTransformer3DModel
 
-    from videosparse.processors.context import parameter_position
+    from videosparse.processors.forward_args import parameter_position
 
     assert parameter_position(CogVideoXTransformer3DModel.forward, "timestep", 1) == 2
     assert parameter_position(WanTransformer3DModel.forward, "timestep", 0) == 1
@@ -854,7 +855,7 @@ def test_the_timestep_counter_tells_a_new_call_after_a_single_stray_timestep():
     above it was read as a rising schedule: steps 1, 0, 1, 2 (one more dense step, the rest one off). The direction
     the family is known to have, or the one earlier calls had, decides now; a schedule that runs the other way than
     assumed goes on counting from its third forward."""
-    from videosparse.processors.context import TimestepCounter
+    from videosparse.processors.steps import TimestepCounter
 
     def steps(counter, timesteps, expected=0):
         return [counter.step(torch.tensor(t), expected) for t in timesteps]
@@ -1272,9 +1273,10 @@ def test_an_fp32_model_under_bf16_autocast_runs_sparse_in_bf16(monkeypatch):
     whose kernels take fp16 / bf16 only, every layer then ran dense. The probe (here with the GPU's dtype rule) and
     the kernel now see the autocast dtype."""
     from videosparse.kernels.probe import KernelProbe
-    from videosparse.processors import base, context
+    from videosparse.processors import base
+    from videosparse.processors import session as session_module
 
-    real_probe, seen = context.probe_kernel, []
+    real_probe, seen = session_module.probe_kernel, []
 
     def half_only(backend, device, dtype, *rest):
         if dtype not in (torch.float16, torch.bfloat16):
@@ -1286,7 +1288,7 @@ def test_an_fp32_model_under_bf16_autocast_runs_sparse_in_bf16(monkeypatch):
         return real_attention(q, k, v, plan, **kwargs)
 
     real_attention = base.block_sparse_attention
-    monkeypatch.setattr(context, "probe_kernel", half_only)
+    monkeypatch.setattr(session_module, "probe_kernel", half_only)
     monkeypatch.setattr(base, "block_sparse_attention", recording)
     tr = build_tiny_wan_pipeline().transformer
     for block in tr.blocks:     # q and k leave their norms in fp32 (as where autocast runs norms in fp32), v in bf16
@@ -1612,7 +1614,7 @@ def test_a_backward_failing_while_it_sets_up_a_recompute_leaves_the_session_as_i
     one by one before its `try`; an error there (an out-of-memory allocating the throwaway counters) left layer 0 on
     the training forward's layouts under the teacher grid's prepared key (next teacher-grid forward 0.03 off), its
     counters replaced, and the session marked recomputing for good."""
-    from videosparse.processors.context import SparseSession
+    from videosparse.processors.session import SparseSession
 
     config = videosparse.VedaConfig(density=0.4, tiling=(2, 4, 8), block=64, dense_steps=0, backend="reference")
     g = torch.Generator().manual_seed(0)
@@ -1766,12 +1768,12 @@ def test_a_dtype_change_between_forwards_asks_the_kernel_probe_again(monkeypatch
     the next forward must ask again and run sparse (mutation testing: a per-shape cache without the dtype kept the
     fp32 answer, every layer dense, silently). The probe answers here with the GPU's dtype rule."""
     from videosparse.kernels.probe import KernelProbe
-    from videosparse.processors import context
+    from videosparse.processors import session as session_module
 
     def bf16_only(backend, device, dtype, *rest):
         return KernelProbe("reference", None if dtype == torch.bfloat16 else f"no kernel for {dtype}")
 
-    monkeypatch.setattr(context, "probe_kernel", bf16_only)
+    monkeypatch.setattr(session_module, "probe_kernel", bf16_only)
     tr = build_tiny_wan_pipeline().transformer
     session = videosparse.apply(tr, videosparse.VedaConfig(density=0.5, block=64, dense_steps=0))["transformer"]
     kw = _tiny_forward_kwargs()

@@ -279,7 +279,7 @@ def test_the_forward_arguments_are_read_by_name_whatever_their_position():
     names the positional arguments from the forward's signature first: a subclass whose forward takes the timestep
     first, called positionally, gets the grid of its hidden states and the output of a keyword call."""
     from videosparse.models import build_tiny_wan_pipeline
-    from videosparse.processors.context import args_by_name
+    from videosparse.processors.forward_args import args_by_name
 
     class TimestepFirst(WanTransformer3DModel):
         def forward(self, timestep, hidden_states, encoder_hidden_states, **kwargs):

@@ -26,7 +26,7 @@ import torch
 
 from ..kernels import block_sparse_attention
 from ..layout import head_tiling
-from ..processors.context import attention_dtype
+from ..processors.session import attention_dtype
 from .metrics import dense_attention_tile_mass, relative_l2, tile_recall
 
 logger = logging.getLogger("videosparse")

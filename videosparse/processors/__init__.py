@@ -26,13 +26,9 @@ import torch
 
 from ..config import DenseConfig
 from .base import register_layer_skip
-from .context import (
-    AttentionRecord,
-    SparseSession,
-    register_context_hook,
-    remove_context_hook,
-)
+from .context import register_context_hook, remove_context_hook
 from .registry import check_config, make_method, model_info, model_spec, register_model
+from .session import AttentionRecord, SparseSession
 
 logger = logging.getLogger("videosparse")
 
@@ -227,13 +223,13 @@ def _release_module_caches() -> None:
     counter increments: up to ~30 MB on the device of the last forward at Wan 14B sizes) once no session is
     applied, so that `remove` frees what videosparse holds."""
     from .. import plan
-    from . import context
+    from .session import _INCREMENTS
 
     # a session whose transformer is gone serves nothing, even while its caller keeps it (for its stats)
     with _LIVE_SESSIONS_LOCK:
         live = list(_LIVE_SESSIONS)
     if not any(session.active and any(ref() is not None for ref in session.served) for session in live):
-        for cache in (plan._ORDERS, plan._TOPK_CONSTANTS, context._INCREMENTS):
+        for cache in (plan._ORDERS, plan._TOPK_CONSTANTS, _INCREMENTS):
             cache.clear()
 
 

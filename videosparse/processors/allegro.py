@@ -25,7 +25,7 @@ from diffusers.models.embeddings import apply_rotary_emb_allegro
 
 from ..rope import HalfRope
 from .base import MASK_REASON, SparseAttentionMixin, project_output
-from .context import forward_arg, patched_grid
+from .grids import video_grid
 
 
 class AllegroSparseAttnProcessor(SparseAttentionMixin, AllegroAttnProcessor2_0):
@@ -74,6 +74,4 @@ def allegro_half_rope(freqs, positions) -> HalfRope | None:
 def allegro_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
     """Token grid after patching from the forward's hidden_states (B, C, F, H, W), as the forward computes it; no
     joint text."""
-    hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
-    _, _, F, H, W = hidden_states.shape
-    return patched_grid(module, F, H, W), 0
+    return video_grid(module, args, kwargs), 0

@@ -27,9 +27,9 @@ except ImportError:                     # a diffusers without layer-skip hooks
 from ..kernels import block_sparse_attention
 from ..kernels.autograd import refuse_functorch_transforms
 from ..plan import dense_plan
-from ..rope import apply_rope
-from .context import AttentionRecord, LayerStats, SparseSession, attention_dtype
+from ..rope import PairRope, apply_rope, tables_on
 from .parallel import heads_to_seq, seq_to_heads, ulysses_shard
+from .session import AttentionRecord, LayerStats, SparseSession, attention_dtype
 
 logger = logging.getLogger("videosparse")
 
@@ -102,6 +102,17 @@ def project_joint_outputs(attn, hidden_states: torch.Tensor, encoder_hidden_stat
     if getattr(attn, "to_add_out", None) is not None:
         encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
     return hidden_states, encoder_hidden_states
+
+
+def rope_after_text(attn, query: torch.Tensor, text_len: int, image_rotary_emb) -> tuple[torch.Tensor, PairRope | None]:
+    """diffusers' RoPE of the video rows, which follow `text_len` text rows, for a joint [text; video] call: as a
+    `PairRope` for `attend` (which rotates q and k, fused into the tile-order gather on sparse calls), or, where the
+    stock processor rotates the query alone (`attn.is_cross_attention`), applied to `query` here. Returns (query,
+    rope)."""
+    if image_rotary_emb is None:
+        return query, None
+    rope = PairRope(*tables_on(image_rotary_emb, query.device), start=text_len)
+    return (apply_rope(query, rope), None) if attn.is_cross_attention else (query, rope)
 
 
 def project_output(attn, out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,15 @@ from __future__ import annotations
 import torch
 from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
 
-from ..rope import PairRope, apply_rope, tables_on
-from .base import MASK_REASON, SparseAttentionMixin, project_heads, project_output
-from .context import forward_arg, patched_grid
+from .base import (
+    MASK_REASON,
+    SparseAttentionMixin,
+    project_heads,
+    project_output,
+    rope_after_text,
+)
+from .forward_args import forward_arg
+from .grids import patched_grid
 
 
 class CogVideoXSparseAttnProcessor(SparseAttentionMixin, CogVideoXAttnProcessor2_0):
@@ -37,17 +43,6 @@ class CogVideoXSparseAttnProcessor(SparseAttentionMixin, CogVideoXAttnProcessor2
         encoder_hidden_states, hidden_states = hidden_states.split(
             [text_len, hidden_states.size(1) - text_len], dim=1)
         return hidden_states, encoder_hidden_states
-
-
-def rope_after_text(attn, query: torch.Tensor, text_len: int, image_rotary_emb) -> tuple[torch.Tensor, PairRope | None]:
-    """diffusers' RoPE of the video rows, which follow `text_len` text rows, for a joint [text; video] call: as a
-    `PairRope` for `attend` (which rotates q and k, fused into the tile-order gather on sparse calls), or, where the
-    stock processor rotates the query alone (`attn.is_cross_attention`), applied to `query` here. Returns (query,
-    rope)."""
-    if image_rotary_emb is None:
-        return query, None
-    rope = PairRope(*tables_on(image_rotary_emb, query.device), start=text_len)
-    return (apply_rope(query, rope), None) if attn.is_cross_attention else (query, rope)
 
 
 def cogvideox_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:

@@ -20,7 +20,7 @@ from diffusers.models.transformers.transformer_cosmos import CosmosAttnProcessor
 
 from ..rope import HalfRope
 from .base import MASK_REASON, SparseAttentionMixin, project_output
-from .context import forward_arg, patched_grid
+from .grids import video_grid
 
 
 class CosmosSparseAttnProcessor(SparseAttentionMixin, CosmosAttnProcessor2_0):
@@ -53,6 +53,4 @@ class CosmosSparseAttnProcessor(SparseAttentionMixin, CosmosAttnProcessor2_0):
 
 def cosmos_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
     """Token grid after patching from the forward's hidden_states (B, C, T, H, W) and `patch_size`; no joint text."""
-    hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
-    _, _, T, H, W = hidden_states.shape
-    return patched_grid(module, T, H, W), 0
+    return video_grid(module, args, kwargs), 0

@@ -35,7 +35,8 @@ from diffusers.models.transformers.transformer_cosmos3 import Cosmos3AttnProcess
 
 from ..rope import HalfRope, apply_half_rope
 from .base import SparseAttentionMixin
-from .context import PaddedText, forward_arg
+from .forward_args import forward_arg
+from .grids import PaddedText
 
 
 def cosmos3_attention_shape(cfg) -> tuple[int, int]:

@@ -23,9 +23,16 @@ from diffusers.models.transformers.transformer_easyanimate import (
     EasyAnimateAttnProcessor2_0,
 )
 
-from .base import MASK_REASON, SparseAttentionMixin, project_heads, project_joint_outputs, project_text_heads
-from .cogvideox import rope_after_text
-from .context import forward_arg, patched_grid
+from .base import (
+    MASK_REASON,
+    SparseAttentionMixin,
+    project_heads,
+    project_joint_outputs,
+    project_text_heads,
+    rope_after_text,
+)
+from .forward_args import forward_arg
+from .grids import video_grid
 
 
 class EasyAnimateSparseAttnProcessor(SparseAttentionMixin, EasyAnimateAttnProcessor2_0):
@@ -62,8 +69,6 @@ class EasyAnimateSparseAttnProcessor(SparseAttentionMixin, EasyAnimateAttnProces
 def easyanimate_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
     """Video grid after patching of hidden_states (B, C, F, H, W) and the text tokens before it (all of them: the
     model attends to the padded ones too), the T5 tokens included when `encoder_hidden_states_t5` is given."""
-    hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
     text = forward_arg(args, kwargs, "encoder_hidden_states", 3)
     text_t5 = forward_arg(args, kwargs, "encoder_hidden_states_t5", 4)
-    _, _, F, H, W = hidden_states.shape
-    return patched_grid(module, F, H, W), text.shape[1] + (text_t5.shape[1] if text_t5 is not None else 0)
+    return video_grid(module, args, kwargs), text.shape[1] + (text_t5.shape[1] if text_t5 is not None else 0)

@@ -28,7 +28,7 @@ import torch
 from diffusers.models.transformers import transformer_helios
 
 from .base import MASK_REASON
-from .context import HistoryPart, forward_arg, history_tokens, patched_grid
+from .grids import HistoryPart, history_tokens, video_grid
 from .parallel import UlyssesShard, ulysses_shard
 from .wan import _WanFamilySparseAttention
 
@@ -91,6 +91,4 @@ class HeliosSparseAttnProcessor(_WanFamilySparseAttention, transformer_helios.He
 def helios_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
     """Video grid after patching from the forward's hidden_states (B, C, F, H, W), and the history tokens before the
     video (served as joint text before it): each part given with its frame indices, as the forward counts it."""
-    hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
-    _, _, F, H, W = hidden_states.shape
-    return patched_grid(module, F, H, W), history_tokens(module, args, kwargs, _HISTORY)
+    return video_grid(module, args, kwargs), history_tokens(module, args, kwargs, _HISTORY)

@@ -35,7 +35,8 @@ from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVid
 
 from ..rope import PairRope, apply_rope
 from .base import SparseAttentionMixin, project_heads, project_joint_outputs, project_text_heads
-from .context import HistoryPart, PaddedText, forward_arg, history_tokens, patched_grid, valid_text_length
+from .forward_args import forward_arg
+from .grids import HistoryPart, PaddedText, history_tokens, valid_text_length, video_grid
 
 
 class _HunyuanFamilySparseAttention(SparseAttentionMixin):
@@ -143,7 +144,7 @@ def hunyuan_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | tupl
     text = forward_arg(args, kwargs, "encoder_hidden_states", 2)
     mask = forward_arg(args, kwargs, "encoder_attention_mask", 3)
     valid = None if mask is None else mask.sum(dim=1, dtype=torch.int)
-    return _video_grid(module, args, kwargs), valid_text_length(valid, text.shape[1])
+    return video_grid(module, args, kwargs), valid_text_length(valid, text.shape[1])
 
 
 def hunyuan15_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | tuple[int, ...]]:
@@ -159,7 +160,7 @@ def hunyuan15_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | tu
     valid = mask.sum(dim=1, dtype=torch.int) + mask_2.sum(dim=1, dtype=torch.int)
     if not bool(torch.all(image == 0)):
         valid = valid + image.shape[1]
-    return _video_grid(module, args, kwargs), valid_text_length(valid, total)
+    return video_grid(module, args, kwargs), valid_text_length(valid, total)
 
 
 # the clean latents (1x patch embedding, no padding) and the 2x / 4x history latents (padded to whole kernels) that
@@ -183,12 +184,7 @@ def hunyuan_framepack_grid(module, args, kwargs) -> tuple[tuple[int, int, int], 
     text_len = valid_text_length(valid, text.shape[1] + extra)
     if isinstance(text_len, PaddedText) and text.shape[0] == 1:
         # the forward crops a single item's text to its valid tokens (no mask): the blocks see that many
-        return _video_grid(module, args, kwargs), text_len.lengths()
-    return _video_grid(module, args, kwargs), text_len
+        return video_grid(module, args, kwargs), text_len.lengths()
+    return video_grid(module, args, kwargs), text_len
 
 
-def _video_grid(module, args, kwargs) -> tuple[int, int, int]:
-    """Token grid after patching of hidden_states (B, C, F, H, W)."""
-    hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
-    _, _, F, H, W = hidden_states.shape
-    return patched_grid(module, F, H, W)

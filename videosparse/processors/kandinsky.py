@@ -52,7 +52,8 @@ from diffusers.models.transformers.transformer_kandinsky6 import Kandinsky6AttnP
 
 from ..rope import HeadPairRope
 from .base import SparseAttentionMixin, project_heads
-from .context import forward_arg, patched_grid
+from .forward_args import forward_arg
+from .grids import patched_grid
 
 NABLA_REASON = ("the model's own NABLA sparse attention is configured (attention_type='nabla', sparse_params given), "
                 "which reorders the tokens into 8 x 8 blocks; it keeps the stock processor")

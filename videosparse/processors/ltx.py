@@ -15,13 +15,13 @@ before the video (global tiles), and otherwise makes the forward run dense (one 
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor, apply_rotary_emb
 
 from .base import SparseAttentionMixin, project_output
-from .context import forward_arg, sequence_length
+from .context import sequence_length
+from .forward_args import forward_arg
+from .grids import cached_coords_check, coords_grid
 
 
 class LTXVideoSparseAttnProcessor(SparseAttentionMixin, LTXVideoAttnProcessor):
@@ -55,42 +55,11 @@ class LTXVideoSparseAttnProcessor(SparseAttentionMixin, LTXVideoAttnProcessor):
         return project_output(attn, self.attend(query, key, value), query)
 
 
-# checks of video_coords already made: (id, question) -> (weak reference, version, answer)
-_CHECKED_COORDS: dict[tuple, tuple] = {}
-
-
-def _cached_check(video_coords: torch.Tensor, question: tuple, check):
-    """check() for `video_coords`, cached per tensor and question while the tensor is alive and unmodified (its
-    version counter unchanged; inference tensors, which have none, are checked every time): the pipelines build
-    their coordinates once and pass the same tensor at every step, and a check syncs the host."""
-    if video_coords.is_inference():          # no version counter: an in-place change could not be seen
-        return check()
-    key = (id(video_coords), *question)
-    hit = _CHECKED_COORDS.get(key)
-    if hit is not None and hit[0]() is video_coords and hit[1] == video_coords._version:
-        return hit[2]
-    found = check()
-    if len(_CHECKED_COORDS) >= 16:
-        _CHECKED_COORDS.clear()
-    _CHECKED_COORDS[key] = (weakref.ref(video_coords), video_coords._version, found)
-    return found
-
-
-def coords_grid(video_coords: torch.Tensor, seq_len: int, video_len: int | None = None,
-                start: int = 0) -> tuple[tuple[int, int, int] | None, str | None]:
-    """The (T, H, W) grid that the `video_len` tokens from `start` (default: all `seq_len`) of `video_coords` span when
-    they are that grid in time-major order, else (None, why): LTX-Video's (B, 3, S) positions or LTX-2's
-    (B, 3, S, 2) patch bounds. Cached (`_cached_check`)."""
-    video_len = seq_len - start if video_len is None else video_len
-    return _cached_check(video_coords, ("grid", seq_len, video_len, start),
-                         lambda: check_coords(video_coords, seq_len, video_len, start))
-
-
 def grid_after_conditions(video_coords: torch.Tensor, seq_len: int) -> tuple[tuple[int, int, int], int] | None:
     """(grid, prefix) when the tokens after the first `prefix` form one time-major grid and the first ones are
     whole latent frames of condition tokens (`LTXConditionPipeline` puts the tokens of conditions at frame_index > 0
     before the video, each a latent frame of the video's height x width); the smallest such prefix, else None.
-    Cached (`_cached_check`)."""
+    Cached (`cached_coords_check`)."""
     def search():
         if video_coords.dim() != 3 or tuple(video_coords.shape[1:]) != (3, seq_len):
             return None
@@ -102,32 +71,7 @@ def grid_after_conditions(video_coords: torch.Tensor, seq_len: int) -> tuple[tup
                 return grid, prefix
         return None
 
-    return _cached_check(video_coords, ("prefix", seq_len), search)
-
-
-def check_coords(video_coords: torch.Tensor, seq_len: int, video_len: int | None = None,
-                 start: int = 0) -> tuple[tuple[int, int, int] | None, str | None]:
-    """`coords_grid` without the cache. video_coords: (B, 3, S, 2) patch bounds [start, end) or (B, 3, S)
-    positions; the RoPE uses the midpoints of the bounds, and so does this check. Syncs the host (a few reads of
-    the coordinates: callers cache the result per coordinates tensor)."""
-    if video_coords.dim() not in (3, 4) or tuple(video_coords.shape[1:3]) != (3, seq_len) or (
-            video_coords.dim() == 4 and video_coords.shape[3] != 2):
-        return None, (f"video_coords of shape {tuple(video_coords.shape)} does not give (frame, height, width) "
-                      f"coordinates for each of the {seq_len} tokens (expected (B, 3, {seq_len}) or "
-                      f"(B, 3, {seq_len}, 2))")
-    coords = video_coords.mean(dim=3) if video_coords.dim() == 4 else video_coords
-    coords = coords[:, :, start:start + (seq_len - start if video_len is None else video_len)]
-    first = coords[0]
-    if not torch.equal(coords, first.expand_as(coords)):
-        return None, "video_coords differ across the batch; sparse attention needs one token grid per forward"
-    axes = [torch.unique(first[i]) for i in range(3)]            # sorted
-    grid = tuple(len(a) for a in axes)
-    expected = torch.stack(torch.meshgrid(*axes, indexing="ij")).flatten(1)
-    if grid[0] * grid[1] * grid[2] != coords.shape[2] or not torch.equal(expected, first):
-        return None, ("video_coords do not form one time-major (frame, height, width) grid over the sequence "
-                      "(the condition pipelines put the tokens of keyframe conditions beside the video); sparse "
-                      "attention needs one")
-    return grid, None
+    return cached_coords_check(video_coords, ("prefix", seq_len), search)
 
 
 def ltx_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | None]:

@@ -34,8 +34,9 @@ from diffusers.models.transformers.transformer_ltx2 import (
 )
 
 from .base import SparseAttentionMixin
-from .context import forward_arg, sequence_length
-from .ltx import coords_grid
+from .context import sequence_length
+from .forward_args import forward_arg
+from .grids import coords_grid
 
 _ROTATIONS = {"interleaved": apply_interleaved_rotary_emb, "split": apply_split_rotary_emb}
 

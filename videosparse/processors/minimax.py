@@ -34,8 +34,8 @@ import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AttnProcessor, _apply_rotary_emb
 
 from .base import SparseAttentionMixin, project_heads, project_output
-from .context import forward_arg
-from .ltx import check_coords
+from .forward_args import forward_arg
+from .grids import check_coords
 
 
 class MiniMaxH3SparseAttnProcessor(SparseAttentionMixin, MiniMaxH3AttnProcessor):

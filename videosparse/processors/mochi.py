@@ -27,7 +27,8 @@ from diffusers.models.attention_processor import MochiAttnProcessor2_0
 
 from ..rope import HeadPairRope
 from .base import SparseAttentionMixin, project_heads, project_joint_outputs, project_text_heads
-from .context import forward_arg, patched_grid, valid_text_length
+from .forward_args import forward_arg
+from .grids import valid_text_length, video_grid
 
 
 class MochiSparseAttnProcessor(SparseAttentionMixin, MochiAttnProcessor2_0):
@@ -76,11 +77,9 @@ def mochi_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | N
     differs) when they are a prefix of every item's text; otherwise the full text length is returned with the
     reason. Syncs the host once per forward.
     """
-    hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
     text = forward_arg(args, kwargs, "encoder_hidden_states", 1)
     mask = forward_arg(args, kwargs, "encoder_attention_mask", 3)
-    _, _, frames, height, width = hidden_states.shape
-    grid, total = patched_grid(module, frames, height, width), text.shape[1]
+    grid, total = video_grid(module, args, kwargs), text.shape[1]
     if mask is None:
         return grid, total, None
     keep = mask != 0

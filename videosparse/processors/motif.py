@@ -28,8 +28,9 @@ import torch
 from diffusers.models.transformers.transformer_motif_video import MotifVideoAttnProcessor2_0
 
 from ..rope import PairRope
-from .context import forward_arg, valid_text_length
-from .hunyuan import _HunyuanFamilySparseAttention, _video_grid
+from .forward_args import forward_arg
+from .grids import valid_text_length, video_grid
+from .hunyuan import _HunyuanFamilySparseAttention
 
 DECODER_REASON = ("its joint attention is over two copies of the video (a DDT decoder block: the decoder's video and "
                   "the encoder's video output), not video and text; it keeps the stock processor")
@@ -77,4 +78,4 @@ def motif_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | tuple[
     image = forward_arg(args, kwargs, "image_embeds", 4)
     image_tokens = 0 if image is None else image.shape[1]
     valid = None if mask is None else mask.bool().sum(dim=1, dtype=torch.int) + image_tokens
-    return _video_grid(module, args, kwargs), valid_text_length(valid, text.shape[1] + image_tokens)
+    return video_grid(module, args, kwargs), valid_text_length(valid, text.shape[1] + image_tokens)

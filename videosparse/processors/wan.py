@@ -57,7 +57,8 @@ from diffusers.models.transformers import (
 
 from ..rope import apply_interleaved_rope
 from .base import SparseAttentionMixin, dense_with_lse, merge_attention, project_output
-from .context import forward_arg, patched_grid
+from .forward_args import forward_arg
+from .grids import patched_grid, video_grid
 
 
 class _WanFamilySparseAttention(SparseAttentionMixin):
@@ -220,9 +221,7 @@ class AnyFlowSparseAttnProcessor(_WanFamilySparseAttention, transformer_anyflow.
 
 def wan_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int]:
     """Video grid after patching from the forward's hidden_states (B, C, F, H, W); no joint text."""
-    hidden_states = forward_arg(args, kwargs, "hidden_states", 0)
-    _, _, F, H, W = hidden_states.shape
-    return patched_grid(module, F, H, W), 0
+    return video_grid(module, args, kwargs), 0
 
 
 def wan_animate2_rope(freqs: torch.Tensor, grid: tuple[int, int, int], stride: int = 1):
