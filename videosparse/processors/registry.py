@@ -75,10 +75,11 @@ def register_model(transformer_cls: type, spec_factory: Callable[[], ModelSpec])
     _MODEL_SPECS[transformer_cls] = spec_factory
 
 
-def blocks_attn1(prefix: str) -> Callable[[str, torch.nn.Module], bool]:
-    """Layer filter: True for `<prefix><i>.attn1` exactly (not `audio_attn1`, not a face adapter's or other
-    attention), the blocks' video self-attention in models with several attention kinds per block."""
-    return lambda name, module: name.startswith(prefix) and name.rsplit(".", 1)[-1] == "attn1"
+def block_layer(prefixes: str | tuple[str, ...], leaf: str = "attn1") -> Callable[[str, torch.nn.Module], bool]:
+    """Layer filter: True for the modules under `prefixes` (one, or a tuple of them) whose name ends in `.<leaf>`
+    exactly (`<prefix><i>.attn1`, not `audio_attn1`, not a face adapter's or other attention): the blocks' video
+    self-attention in models with several attention kinds per block."""
+    return lambda name, module: name.startswith(prefixes) and name.rsplit(".", 1)[-1] == leaf
 
 
 def _register_builtin_models() -> None:
@@ -136,7 +137,7 @@ def _register_builtin_models() -> None:
 
         # blocks.<i>.attn1 only: attn2 (text / image cross-attention) and the face adapter's cross-attention to the
         # motion tokens (face_adapter.<j>, WanAnimateFaceBlockAttnProcessor) keep their stock processors
-        return ModelSpec(WanAnimateSparseAttnProcessor, blocks_attn1("blocks."), wan_grid,
+        return ModelSpec(WanAnimateSparseAttnProcessor, block_layer("blocks."), wan_grid,
                          timestep_direction=WAN_TIMESTEPS_FALL)
 
     register_model(WanAnimateTransformer3DModel, wan_animate_spec)
@@ -146,8 +147,7 @@ def _register_builtin_models() -> None:
 
         # blocks.<i>.self_attn, both passes (extraction; generation with the per-frame reference keys added densely);
         # cross_attn (text + CLIP image) keeps its stock processor
-        return ModelSpec(WanAnimate2SparseAttnProcessor,
-                         lambda name, m: name.startswith("blocks.") and name.rsplit(".", 1)[-1] == "self_attn",
+        return ModelSpec(WanAnimate2SparseAttnProcessor, block_layer("blocks.", "self_attn"),
                          wan_animate2_grid, attention_shape=wan_animate2_attention_shape)
 
     register_model(WanAnimate2Transformer3DModel, wan_animate2_spec)
@@ -156,7 +156,7 @@ def _register_builtin_models() -> None:
         from .wan import ChronoEditSparseAttnProcessor, wan_grid
 
         # blocks.<i>.attn1 only: attn2 (text + CLIP image context) keeps its stock processor
-        return ModelSpec(ChronoEditSparseAttnProcessor, blocks_attn1("blocks."), wan_grid,
+        return ModelSpec(ChronoEditSparseAttnProcessor, block_layer("blocks."), wan_grid,
                          timestep_direction=WAN_TIMESTEPS_FALL)
 
     register_model(ChronoEditTransformer3DModel, chronoedit_spec)
@@ -166,7 +166,7 @@ def _register_builtin_models() -> None:
 
         # blocks.<i>.attn1 (AnyFlowAttnProcessor, unmasked) only: attn2 (AnyFlowCrossAttnProcessor) stays stock. The
         # FAR causal model (AnyFlowFARTransformer3DModel, not a subclass) is not registered
-        return ModelSpec(AnyFlowSparseAttnProcessor, blocks_attn1("blocks."), anyflow_grid)
+        return ModelSpec(AnyFlowSparseAttnProcessor, block_layer("blocks."), anyflow_grid)
 
     register_model(AnyFlowTransformer3DModel, anyflow_spec)
 
@@ -224,7 +224,7 @@ def _register_builtin_models() -> None:
         # transformer_blocks.<i>.attn1 (video self-attention) only: audio_attn1 and the text / audio <-> video
         # cross-attentions keep their stock processors. Condition tokens appended after the video (keyframes) are
         # served like joint text after it
-        return ModelSpec(ltx2_sparse_processor, blocks_attn1("transformer_blocks."), ltx2_grid, text_position="after")
+        return ModelSpec(ltx2_sparse_processor, block_layer("transformer_blocks."), ltx2_grid, text_position="after")
 
     register_model(LTX2VideoTransformer3DModel, ltx2_spec)
 
@@ -242,7 +242,7 @@ def _register_builtin_models() -> None:
 
         # transformer_blocks.<i>.attn1 (video self-attention, CosmosAttnProcessor2_0 in every config) only: attn2, the
         # cross-attention to the text (and to the image context of Transfer2.5), keeps its stock processor
-        return ModelSpec(CosmosSparseAttnProcessor, blocks_attn1("transformer_blocks."), cosmos_grid)
+        return ModelSpec(CosmosSparseAttnProcessor, block_layer("transformer_blocks."), cosmos_grid)
 
     register_model(CosmosTransformer3DModel, cosmos_spec)
 
@@ -251,9 +251,7 @@ def _register_builtin_models() -> None:
 
         # visual_transformer_blocks.<i>.self_attention (visual tokens only) only: the text refiner's self-attention
         # (text_transformer_blocks) and the visual blocks' cross_attention to the text keep their stock processors
-        return ModelSpec(Kandinsky5SparseAttnProcessor,
-                         lambda name, m: name.startswith("visual_transformer_blocks.")
-                         and name.rsplit(".", 1)[-1] == "self_attention",
+        return ModelSpec(Kandinsky5SparseAttnProcessor, block_layer("visual_transformer_blocks.", "self_attention"),
                          kandinsky_grid, attention_shape=kandinsky_attention_shape)
 
     register_model(Kandinsky5Transformer3DModel, kandinsky5_spec)
@@ -263,7 +261,7 @@ def _register_builtin_models() -> None:
 
         # blocks.<i>.attn1 over [long; mid; short history; video]: the history tokens are served like joint text
         # before the video (global tiles); attn2 (cross-attention to the text) keeps its stock processor
-        return ModelSpec(HeliosSparseAttnProcessor, blocks_attn1("blocks."), helios_grid, text_position="before")
+        return ModelSpec(HeliosSparseAttnProcessor, block_layer("blocks."), helios_grid, text_position="before")
 
     register_model(HeliosTransformer3DModel, helios_spec)
 
@@ -273,8 +271,7 @@ def _register_builtin_models() -> None:
         # the dual- and single-stream blocks' joint attention `attn` over [video; image; text]; their text
         # cross-attention (`cross_attn`) keeps its stock processor, and so do the DDT decoder blocks' calls
         return ModelSpec(MotifVideoSparseAttnProcessor,
-                         lambda name, m: name.startswith(("transformer_blocks.", "single_transformer_blocks."))
-                         and name.rsplit(".", 1)[-1] == "attn",
+                         block_layer(("transformer_blocks.", "single_transformer_blocks."), "attn"),
                          motif_grid, text_position="after")
 
     register_model(MotifVideoTransformer3DModel, motif_video_spec)
@@ -296,7 +293,7 @@ def _register_builtin_models() -> None:
         from .easyanimate import EasyAnimateSparseAttnProcessor, easyanimate_grid
 
         # transformer_blocks.<i>.attn1, the blocks' only attention: joint [text; video], text first (global tiles)
-        return ModelSpec(EasyAnimateSparseAttnProcessor, blocks_attn1("transformer_blocks."), easyanimate_grid,
+        return ModelSpec(EasyAnimateSparseAttnProcessor, block_layer("transformer_blocks."), easyanimate_grid,
                          text_position="before")
 
     register_model(EasyAnimateTransformer3DModel, easyanimate_spec)
@@ -306,7 +303,7 @@ def _register_builtin_models() -> None:
 
         # CogVideoX's blocks: transformer_blocks.<i>.attn1, joint [text; video], text first (global tiles). The local
         # facial extractor and the perceiver cross-attention to the face tokens are plain modules with no processor
-        return ModelSpec(CogVideoXSparseAttnProcessor, blocks_attn1("transformer_blocks."), cogvideox_grid,
+        return ModelSpec(CogVideoXSparseAttnProcessor, block_layer("transformer_blocks."), cogvideox_grid,
                          text_position="before")
 
     register_model(ConsisIDTransformer3DModel, consisid_spec)
@@ -316,7 +313,7 @@ def _register_builtin_models() -> None:
 
         # transformer_blocks.<i>.attn1 (video self-attention, 3D RoPE) only: attn2, the same stock class as
         # cross-attention to the T5 text with its key mask, keeps its stock processor
-        return ModelSpec(AllegroSparseAttnProcessor, blocks_attn1("transformer_blocks."), allegro_grid)
+        return ModelSpec(AllegroSparseAttnProcessor, block_layer("transformer_blocks."), allegro_grid)
 
     register_model(AllegroTransformer3DModel, allegro_spec)
 
@@ -326,8 +323,7 @@ def _register_builtin_models() -> None:
         # transformer_blocks.<i>.attn: full self-attention over the packed [text | conditions | audio | video]
         # sequence, the generated video last; the rows before it are served as global tiles before the video. The
         # token refiner's text-only attn (token_refiner.refiner_blocks.<j>.attn) keeps its stock processor
-        return ModelSpec(MiniMaxH3SparseAttnProcessor,
-                         lambda name, m: name.startswith("transformer_blocks.") and name.rsplit(".", 1)[-1] == "attn",
+        return ModelSpec(MiniMaxH3SparseAttnProcessor, block_layer("transformer_blocks.", "attn"),
                          minimax_grid, text_position="before", step_timestep=minimax_video_timestep)
 
     register_model(MiniMaxH3Transformer3DModel, minimax_h3_spec)
@@ -337,8 +333,7 @@ def _register_builtin_models() -> None:
 
         # layers.<i>.self_attn (Cosmos3PackedMoTAttention): its generation pathway (the video grid, then sound and
         # action rows, over the understanding keys and their own) is served; the causal text pathway stays stock
-        return ModelSpec(Cosmos3SparseAttnProcessor,
-                         lambda name, m: name.startswith("layers.") and name.rsplit(".", 1)[-1] == "self_attn",
+        return ModelSpec(Cosmos3SparseAttnProcessor, block_layer("layers.", "self_attn"),
                          cosmos3_grid, text_position="after", attention_shape=cosmos3_attention_shape)
 
     register_model(Cosmos3OmniTransformer, cosmos3_spec)
