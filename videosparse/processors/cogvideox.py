@@ -9,13 +9,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
 
-from .base import (
-    MASK_REASON,
-    SparseAttentionMixin,
-    project_heads,
-    project_output,
-    rope_after_text,
-)
+from .base import MASK_REASON, SparseAttentionMixin, project_heads, project_output, rope_after_text
 from .forward_args import forward_arg
 from .grids import patched_grid
 

@@ -101,7 +101,8 @@ class SparseContextHook(ModelHook):
     Args:
         session: the `SparseSession` to update.
         grid_fn: (module, args, kwargs) -> ((T, H, W), text_len) for this model family, or
-            ((T, H, W), text_len, reason) where a non-None reason makes the whole forward dense.
+            ((T, H, W), text_len, reason) where a non-None reason makes the whole forward dense (`ModelSpec.grid_fn`);
+            text_len an int, or a `PaddedText` (the hook turns it into the layouts' length and `text_valid`).
     """
 
     _is_stateful = True

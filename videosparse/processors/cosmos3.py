@@ -116,7 +116,7 @@ def _pad_rows(x: torch.Tensor, pad: int) -> torch.Tensor:
 
 
 
-def cosmos3_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | None]:
+def cosmos3_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | PaddedText, str | None]:
     """The video grid (T, H, W) of the generation rows; the rows after it in the processor's attention call (sound,
     action and the understanding keys: global tiles); and why the forward keeps the stock processor (None when it can
     be served; else the grid is (1, 1, N), only to keep the layouts well-formed). Syncs the host once (the vision

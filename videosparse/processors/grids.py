@@ -116,8 +116,8 @@ def coords_grid(video_coords: torch.Tensor, seq_len: int, video_len: int | None 
 def check_coords(video_coords: torch.Tensor, seq_len: int, video_len: int | None = None,
                  start: int = 0) -> tuple[tuple[int, int, int] | None, str | None]:
     """`coords_grid` without the cache. video_coords: (B, 3, S, 2) patch bounds [start, end) or (B, 3, S)
-    positions; the RoPE uses the midpoints of the bounds, and so does this check. Syncs the host (a few reads of
-    the coordinates: callers cache the result per coordinates tensor)."""
+    positions; the RoPE uses the midpoints of the bounds, and so does this check. Syncs the host up to five times
+    (two `torch.equal`, three `torch.unique`): callers cache the result per coordinates tensor."""
     if video_coords.dim() not in (3, 4) or tuple(video_coords.shape[1:3]) != (3, seq_len) or (
             video_coords.dim() == 4 and video_coords.shape[3] != 2):
         return None, (f"video_coords of shape {tuple(video_coords.shape)} does not give (frame, height, width) "

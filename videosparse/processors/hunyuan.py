@@ -134,9 +134,9 @@ class HunyuanVideoFramepackSparseAttnProcessor(HunyuanVideoSparseAttnProcessor):
         return torch.cat([out[:, video:video + history], out[:, :video], out[:, video + history:]], dim=1)
 
 
-def hunyuan_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | tuple[int, ...]]:
-    """Video grid after patching and the number of valid text tokens of this forward (one per batch item when
-    they differ, `valid_text_length`).
+def hunyuan_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | PaddedText]:
+    """Video grid after patching and the text tokens of this forward: all of them, or with a mask the valid ones per
+    batch item (`valid_text_length`).
 
     The valid text length is `encoder_attention_mask.sum(1)` (diffusers' own definition of the valid
     prefix), kept on the device (a `PaddedText`; no host sync here).
@@ -147,7 +147,7 @@ def hunyuan_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | tupl
     return video_grid(module, args, kwargs), valid_text_length(valid, text.shape[1])
 
 
-def hunyuan15_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | tuple[int, ...]]:
+def hunyuan15_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | PaddedText]:
     """As `hunyuan_grid`, for HunyuanVideo 1.5, whose text is [image; ByT5; Qwen] tokens reordered valid-first:
     the valid length is the sum of the Qwen and ByT5 masks, plus the image tokens unless `image_embeds` is all
     zeros (text-to-video, where the forward masks them out; reading that syncs the host once per forward)."""
@@ -172,10 +172,11 @@ _FRAMEPACK_HISTORY = (
 )
 
 
-def hunyuan_framepack_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | tuple[int, ...]]:
+def hunyuan_framepack_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | PaddedText]:
     """As `hunyuan_grid`, for FramePack: the grid is the current window's video; the extra tokens served as global
     tiles are the history tokens (which the processor moves behind the video), the image tokens and the valid text
-    tokens (the forward's mask is [image ones; text mask])."""
+    tokens (the forward's mask is [image ones; text mask]). A single item's valid length is read on the host (one
+    sync): the forward crops its text to it."""
     text = forward_arg(args, kwargs, "encoder_hidden_states", 2)
     mask = forward_arg(args, kwargs, "encoder_attention_mask", 3)
     image = forward_arg(args, kwargs, "image_embeds", 5)

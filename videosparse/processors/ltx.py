@@ -59,7 +59,8 @@ def grid_after_conditions(video_coords: torch.Tensor, seq_len: int) -> tuple[tup
     """(grid, prefix) when the tokens after the first `prefix` form one time-major grid and the first ones are
     whole latent frames of condition tokens (`LTXConditionPipeline` puts the tokens of conditions at frame_index > 0
     before the video, each a latent frame of the video's height x width); the smallest such prefix, else None.
-    Cached (`cached_coords_check`)."""
+    Cached (`cached_coords_check`); a search syncs the host (two `torch.unique`, then a `coords_grid` check per
+    candidate prefix)."""
     def search():
         if video_coords.dim() != 3 or tuple(video_coords.shape[1:]) != (3, seq_len):
             return None

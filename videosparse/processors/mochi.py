@@ -28,7 +28,7 @@ from diffusers.models.attention_processor import MochiAttnProcessor2_0
 from ..rope import HeadPairRope
 from .base import SparseAttentionMixin, project_heads, project_joint_outputs, project_text_heads
 from .forward_args import forward_arg
-from .grids import valid_text_length, video_grid
+from .grids import PaddedText, valid_text_length, video_grid
 
 
 class MochiSparseAttnProcessor(SparseAttentionMixin, MochiAttnProcessor2_0):
@@ -68,7 +68,7 @@ class MochiSparseAttnProcessor(SparseAttentionMixin, MochiAttnProcessor2_0):
         return project_joint_outputs(attn, hidden_states, encoder_hidden_states)
 
 
-def mochi_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int, str | None]:
+def mochi_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | PaddedText, str | None]:
     """Video grid after patching, the number of valid text tokens of this forward, and why it must run stock
     (None when it can run sparse).
 

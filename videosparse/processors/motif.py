@@ -29,7 +29,7 @@ from diffusers.models.transformers.transformer_motif_video import MotifVideoAttn
 
 from ..rope import PairRope
 from .forward_args import forward_arg
-from .grids import valid_text_length, video_grid
+from .grids import PaddedText, valid_text_length, video_grid
 from .hunyuan import _HunyuanFamilySparseAttention
 
 DECODER_REASON = ("its joint attention is over two copies of the video (a DDT decoder block: the decoder's video and "
@@ -70,7 +70,7 @@ class MotifVideoSparseAttnProcessor(_HunyuanFamilySparseAttention, MotifVideoAtt
         return torch.cat([out[:, :-text_tokens], text], dim=1)
 
 
-def motif_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | tuple[int, ...]]:
+def motif_grid(module, args, kwargs) -> tuple[tuple[int, int, int], int | PaddedText]:
     """Video grid after patching and the valid [image; text] tokens of this forward (one count per batch item when
     they differ): the image tokens and `encoder_attention_mask.sum(1)` (kept on the device: no host sync here)."""
     text = forward_arg(args, kwargs, "encoder_hidden_states", 2)

@@ -22,7 +22,9 @@ class ModelSpec:
             (session, layer, original processor) -> sparse processor where the layers of one model use several
             stock classes (LTX-2: plain or perturbed, chosen by the original's class).
         is_self_attention: (module name, attention module) -> True for the layers to sparsify.
-        grid_fn: (transformer, forward args, kwargs) -> ((T, H, W), text_len[, reason the forward must run dense]).
+        grid_fn: (transformer, forward args, kwargs) -> ((T, H, W), text_len[, reason the forward must run dense]);
+            text_len: the tokens beside the video (text, history, conditions), an int, or a `grids.PaddedText`
+            where the model masks a padded tail of them per item. The helpers the families share are in `grids`.
         text_position: where joint-attention text sits ("before"/"after"), None without joint text.
         attention_shape: config -> (heads, head dim) of the served layers, for configs without
             `num_attention_heads` / `attention_head_dim` (Kandinsky 5); None reads those two keys.
