@@ -1,6 +1,6 @@
 """Checks of a run's settings before any work starts, shared by the command line, the evaluation and the
-distillation: the seed, the device, and whether files can be made in a folder. Imports nothing from the rest of the
-package (torch only when a device is checked).
+distillation: the seed, the device, whether files can be made in a folder, and whether an output path can be written.
+Imports nothing from the rest of the package but `_io` (torch only when a device is checked).
 """
 
 from __future__ import annotations
@@ -51,3 +51,36 @@ def check_device(device: Any) -> None:
     except (RuntimeError, AssertionError, ImportError) as err:
         reason = str(err).splitlines()[0].split(". ")[0][:160]
         raise ValueError(f"device={device!r} is not usable here ({reason}); use 'cpu'.") from None
+
+
+def check_output(flag: str, path: str, *, folder: bool = False, parents: bool = False) -> None:
+    """ValueError naming `flag`, before any work, when the output `path` (a file; with `folder`, a directory made
+    with its parents when missing) cannot be written: an empty path, a directory given for a file or a file for a
+    folder, a file's folder missing, a part of the path that is a file, or a folder in which no file can be made
+    (read-only, not ours, /proc). An existing file that is no regular file (a FIFO, /dev/null) is written in place:
+    it only has to be writable. `parents`: a file's missing folders are made with it (where they can be)."""
+    what = "directory" if folder else "file"
+    if not path:
+        raise ValueError(f"{flag} is empty; give a {what} path.")
+    if folder and os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a file; give a directory (made when missing).")
+    if not folder and os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a directory; give a file path.")
+    from ._io import STANDARD_STREAMS, writes_in_place
+
+    if not folder and path in STANDARD_STREAMS:     # written through sys.stdout / sys.stderr (a pipe too)
+        return
+    if not folder and writes_in_place(path):        # a FIFO, a device, /dev/stdout
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{flag} {path!r} cannot be written (no write permission).")
+        return
+    home = existing = path if folder else os.path.dirname(path) or "."
+    while not os.path.exists(existing):                 # the nearest part of the path that is there, as spelt
+        existing = os.path.dirname(existing) or "."
+    if not os.path.isdir(existing):
+        raise ValueError(f"{flag} {path!r} cannot be written: {existing!r} is a file, not a folder.")
+    if not folder and existing != home and not parents:
+        raise ValueError(f"{flag} {path!r}: the folder {home!r} does not exist.")
+    why = cannot_make_files_in(existing)
+    if why is not None:
+        raise ValueError(f"{flag} {path!r} cannot be written: no file can be made in {existing!r} ({why}).")

@@ -17,7 +17,7 @@ import torch
 
 from .config import (BACKENDS, DEFAULT_DENSITY, DenseConfig, SolConfig, VedaConfig, parse_dense_steps, parse_layers,
                      parse_tile)
-from ._run_checks import cannot_make_files_in, check_device, check_seed
+from ._run_checks import check_device, check_output, check_seed
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # containers diffusers' export_to_video (imageio + ffmpeg) writes
@@ -99,39 +99,6 @@ def check_model(model: str | None) -> None:
         what = "is a file, not a pipeline directory" if os.path.exists(os.path.expanduser(model)) else "does not exist"
         raise ValueError(f"--model {model!r} looks like a local directory, but it {what}; give an existing diffusers "
                          "pipeline directory, a hub id like Wan-AI/Wan2.1-T2V-1.3B-Diffusers, 'reference' or 'tiny'.")
-
-
-def check_output(flag: str, path: str, *, folder: bool = False, parents: bool = False) -> None:
-    """ValueError naming `flag`, before any work, when the output `path` (a file; with `folder`, a directory made
-    with its parents when missing) cannot be written: an empty path, a directory given for a file or a file for a
-    folder, a file's folder missing, a part of the path that is a file, or a folder in which no file can be made
-    (read-only, not ours, /proc). An existing file that is no regular file (a FIFO, /dev/null) is written in place:
-    it only has to be writable. `parents`: a file's missing folders are made with it (where they can be)."""
-    what = "directory" if folder else "file"
-    if not path:
-        raise ValueError(f"{flag} is empty; give a {what} path.")
-    if folder and os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{flag} {path!r} is a file; give a directory (made when missing).")
-    if not folder and os.path.isdir(path):
-        raise ValueError(f"{flag} {path!r} is a directory; give a file path.")
-    from ._io import STANDARD_STREAMS, writes_in_place
-
-    if not folder and path in STANDARD_STREAMS:     # written through sys.stdout / sys.stderr (a pipe too)
-        return
-    if not folder and writes_in_place(path):        # a FIFO, a device, /dev/stdout
-        if not os.access(path, os.W_OK):
-            raise ValueError(f"{flag} {path!r} cannot be written (no write permission).")
-        return
-    home = existing = path if folder else os.path.dirname(path) or "."
-    while not os.path.exists(existing):                 # the nearest part of the path that is there, as spelt
-        existing = os.path.dirname(existing) or "."
-    if not os.path.isdir(existing):
-        raise ValueError(f"{flag} {path!r} cannot be written: {existing!r} is a file, not a folder.")
-    if not folder and existing != home and not parents:
-        raise ValueError(f"{flag} {path!r}: the folder {home!r} does not exist.")
-    why = cannot_make_files_in(existing)
-    if why is not None:
-        raise ValueError(f"{flag} {path!r} cannot be written: no file can be made in {existing!r} ({why}).")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:

@@ -118,7 +118,7 @@ def _check_out(out: str, synthetic: bool) -> None:
     """ValueError naming --out when the report cannot be written there (checked before anything runs): a folder that
     cannot be made or written (`check_output`), a folder where the run writes a file or a file where it makes a
     folder."""
-    from ..cli import check_output
+    from .._run_checks import check_output
 
     check_output("--out", out, folder=True)
     for name in ("report.json", "report.md"):

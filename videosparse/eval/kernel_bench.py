@@ -620,7 +620,7 @@ def check_args(args: argparse.Namespace, error) -> None:
         if value == "":
             error(f"{flag} is empty; give a JSON file path")
     if args.readme is None:         # an --out that cannot be written: now, not after the correctness checks
-        from ..cli import check_output
+        from .._run_checks import check_output
         from .._io import STANDARD_STREAMS
 
         out = args.out
