@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 scripts/bench_context_parallel.py --model wan-14b --out benchmarks/cp_h200x2.json
 
-Every rank builds the same real-size transformer (random weights, `videosparse.eval.synthetic`), first times it on
+Every rank builds the same real-size transformer (random weights, `videosparse.eval.synthetic_models`), first times it on
 its own GPU (no parallelism: dense and each method), then calls diffusers' `enable_parallelism(
 ContextParallelConfig(ulysses_degree=P))` and times the same methods with the sequence split over the P GPUs. Each
 method's parallel output is compared with its single-GPU output (reported as rel_l2_vs_single_gpu, not
@@ -20,8 +20,9 @@ import torch.distributed as dist
 
 from videosparse.eval.report import save_report
 from videosparse.eval.spec import parse_method_specs
-from videosparse.eval.synthetic import (build_transformer, check_feasible, check_run_options, check_supported,
-                                        count_parameters, make_inputs, synthetic_setup, time_method)
+from videosparse.eval.synthetic import check_run_options, time_method
+from videosparse.eval.synthetic_models import (build_transformer, check_feasible, check_supported, count_parameters,
+                                               make_inputs, synthetic_setup)
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 def built(device, dtype, layers=None, **size):
     """(setup, transformer, inputs) of `--synthetic wan-animate2`: random weights, its generation-pass inputs, the
     reference K/V filled by the stock extraction pass."""
-    from videosparse.eval.synthetic import build_transformer, make_inputs, synthetic_setup
+    from videosparse.eval.synthetic_models import build_transformer, make_inputs, synthetic_setup
 
     setup = synthetic_setup("wan-animate2", layers=layers, **size)
     transformer = build_transformer(setup, device, dtype)

@@ -30,9 +30,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from videosparse.eval.report import save_report  # noqa: E402
 from videosparse.eval.spec import parse_method_specs  # noqa: E402
-from videosparse.eval.synthetic import (  # noqa: E402
-    COMPILE_MODES, build_transformer, check_feasible, check_supported, count_parameters, every_step_sparse,
-    make_inputs, method_applied, synthetic_setup)
+from videosparse.eval.synthetic import COMPILE_MODES, every_step_sparse, method_applied  # noqa: E402
+from videosparse.eval.synthetic_models import (  # noqa: E402
+    build_transformer, check_feasible, check_supported, count_parameters, make_inputs, synthetic_setup)
 from videosparse.eval.timing import host_sync_sites, package_frames  # noqa: E402
 
 # (category, substrings of a lower-cased kernel name); the first match wins. Inductor's kernels

@@ -11,8 +11,9 @@ import torch
 
 from videosparse.cli import main
 from videosparse.eval.spec import parse_method_specs
-from videosparse.eval.synthetic import (SYNTHETIC_MODELS, build_transformer, check_feasible, count_parameters,
-                                        make_inputs, run_synthetic, run_synthetic_model, synthetic_setup)
+from videosparse.eval.synthetic import run_synthetic, run_synthetic_model
+from videosparse.eval.synthetic_models import (SYNTHETIC_MODELS, build_transformer, check_feasible, count_parameters,
+                                               make_inputs, synthetic_setup)
 
 
 def test_published_shapes():

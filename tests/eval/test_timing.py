@@ -129,7 +129,8 @@ def test_nested_attention_timers_each_count_their_own_calls_and_leave_the_proces
     """An inner timer's exit restores the outer timer's wrappers (it used to remove them: the outer timer then missed
     every later call), and the outermost exit leaves no instance attribute behind."""
     from videosparse import VedaConfig
-    from videosparse.eval.synthetic import build_transformer, make_inputs, method_applied, synthetic_setup
+    from videosparse.eval.synthetic import method_applied
+    from videosparse.eval.synthetic_models import build_transformer, make_inputs, synthetic_setup
     from videosparse.eval.timing import AttentionTimer
 
     setup = synthetic_setup("wan-1.3b", frames=5, height=64, width=128, layers=2)
@@ -177,7 +178,8 @@ def test_attention_and_plan_timers_bracket_the_calls_they_time(monkeypatch):
     `0 < attention_s < transformer_s` checks still passed; with every attention call made 30 ms slower (15 ms of them
     in its plan), the timers read at least that, and no more than the forward's time."""
     from videosparse import VedaConfig
-    from videosparse.eval.synthetic import build_transformer, make_inputs, method_applied, synthetic_setup
+    from videosparse.eval.synthetic import method_applied
+    from videosparse.eval.synthetic_models import build_transformer, make_inputs, synthetic_setup
     from videosparse.eval.timing import AttentionTimer, TransformerTimer
 
     setup = synthetic_setup("wan-1.3b", frames=5, height=64, width=128, layers=2)

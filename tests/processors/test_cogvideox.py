@@ -78,7 +78,8 @@ def test_synthetic_cogvideox_shrunken_runs_sparse():
     """`--synthetic cogvideox` (CogVideoX-5B architecture) feeds the transformer the pipeline's inputs; one layer
     on CPU."""
     from videosparse.eval.spec import parse_method_specs
-    from videosparse.eval.synthetic import run_synthetic_model, synthetic_setup
+    from videosparse.eval.synthetic import run_synthetic_model
+    from videosparse.eval.synthetic_models import synthetic_setup
 
     assert synthetic_setup("cogvideox").grid == (13, 30, 45)
     specs = parse_method_specs(["veda@0.5:block=64:tiling=1x8x8"])

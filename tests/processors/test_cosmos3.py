@@ -2,7 +2,7 @@
 the sound rows and the text keys as global tiles after it), the causal text pathway stock; grouped-query attention;
 packed sequences laid out otherwise, and the model's context-parallel seams, stock with one warning per layer.
 
-The inputs are laid out by the pipeline's own segment builders (`videosparse.eval.synthetic.cosmos3_inputs`), as
+The inputs are laid out by the pipeline's own segment builders (`videosparse.eval.synthetic_models.cosmos3_inputs`), as
 `Cosmos3OmniPipeline` calls the transformer.
 """
 
@@ -18,7 +18,7 @@ from tester import (
 )
 
 import videosparse
-from videosparse.eval.synthetic import cosmos3_inputs
+from videosparse.eval.synthetic_models import cosmos3_inputs
 from videosparse.processors import sessions
 
 LATENT = (3, 15, 24)          # latent frames x height x width -> patches 3 x 8 x 12 (height padded) = 288 rows

@@ -26,7 +26,7 @@ from tester import (
 )
 
 import videosparse
-from videosparse.eval.synthetic import cast_like_from_pretrained
+from videosparse.eval.synthetic_models import cast_like_from_pretrained
 from videosparse.layout import TileLayout
 from videosparse.processors import attention_processors, observe, sessions
 from videosparse.processors.kandinsky import Kandinsky5SparseAttnProcessor, kandinsky_grid

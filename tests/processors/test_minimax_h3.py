@@ -298,7 +298,7 @@ def test_the_kernel_is_probed_for_the_dtype_the_blocks_attend_in(monkeypatch):
     """Review find: the modular pipeline passes fp32 rows (its latents are drawn in fp32) into a bf16 checkpoint, whose
     fp32 input projection casts them to the blocks' bf16; the context hook probed the kernels for the rows' fp32,
     which no GPU kernel takes, so every layer would have run dense on the GPU. It probes for the projections' bf16."""
-    from videosparse.eval.synthetic import cast_like_from_pretrained
+    from videosparse.eval.synthetic_models import cast_like_from_pretrained
     from videosparse.processors import base
 
     t = TestMiniMaxH3Processors()

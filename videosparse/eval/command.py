@@ -18,7 +18,8 @@ import torch
 from ..config import BACKENDS
 from .report import calls_per_forward
 from .spec import check_spec_files, parse_method_specs
-from .synthetic import SYNTHETIC_MODELS, default_synthetic_specs
+from .synthetic import default_synthetic_specs
+from .synthetic_models import SYNTHETIC_MODELS
 
 DEFAULT_METHODS = ["dense", "veda@0.25", "veda@0.1", "sol@0.25", "sol@0.1"]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -177,7 +177,7 @@ def load_pipeline(model: str | None = None, device: str | None = None,
                         os.path.isfile(os.path.join(folder, "model_index.json")) else
                         "is a pipeline folder with a component missing or damaged (see above)")
                 raise OSError(f"{err}\n{model!r} {what}; give the folder `save_pretrained` wrote, or a hub id.") from err
-            from ..eval.synthetic import SYNTHETIC_MODELS
+            from ..eval.synthetic_models import SYNTHETIC_MODELS
 
             # diffusers' text points to a stack trace the CLI does not print
             said = str(err).replace(" Please check out the root cause in the stacktrace above.", "")
