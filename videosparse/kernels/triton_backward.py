@@ -238,7 +238,7 @@ def transpose_plan(listed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q_index.to(torch.int32).contiguous(), q_count.contiguous()
 
 
-def default_num_warps(head_dim: int, kernel: str = "dq", capability: int = 90) -> int:
+def backward_num_warps(head_dim: int, kernel: str = "dq", capability: int = 90) -> int:
     """Warps per program of `_bwd_dq` ("dq": 8 at head dim 128 for its fp32 dq accumulator, else 4), `_bwd_dkdv`
     ("dkdv": 4) or `_bwd_centroids` ("centroids": 4 from compute capability 9.0, 8 below, where 4 spill at head dim
     64). At 12 x 32,760, d 128, density 0.1, `_bwd_dkdv` took 3.30 ms with 4 warps and 7.58 ms with 8 on the H100 (400
@@ -350,7 +350,7 @@ def launch_dq(inp: BackwardInputs, dq: torch.Tensor, *, key_chunk: int | None = 
         inp.q, inp.k, inp.v, inp.d_out, inp.lse, inp.delta, dq, inp.kv_index, inp.kv_count, work_order(inp.kv_count),
         inp.key_limits, inp.k_mean, inp.v_mean, inp.bias, inp.scale * LOG2E, inp.scale, S, inp.k.shape[2], Mq,
         inp.kv_index.shape[1], Nk, inp.bias.shape[-1], KEY_CHUNK=key_chunk, CORRECTION=inp.plan.has_correction,
-        **inp.constants(), **_launch_options(num_warps or default_num_warps(D, "dq"), num_stages), **COMPILE_OPTIONS)
+        **inp.constants(), **_launch_options(num_warps or backward_num_warps(D, "dq"), num_stages), **COMPILE_OPTIONS)
 
 
 def launch_dkdv(inp: BackwardInputs, dk: torch.Tensor, dv: torch.Tensor, *, keys: int | None = None,
@@ -368,7 +368,7 @@ def launch_dkdv(inp: BackwardInputs, dk: torch.Tensor, dv: torch.Tensor, *, keys
         inp.q, inp.k, inp.v, inp.d_out, inp.lse, inp.delta, dk, dv, inp.q_index, inp.q_count,
         work_order(inp.q_count), inp.key_limits, inp.scale * LOG2E, inp.scale, S, Sk, Nk, inp.q_index.shape[1],
         KEYS=keys, ROWS=rows, **inp.constants(),
-        **_launch_options(num_warps or default_num_warps(D, "dkdv"), num_stages), **COMPILE_OPTIONS)
+        **_launch_options(num_warps or backward_num_warps(D, "dkdv"), num_stages), **COMPILE_OPTIONS)
 
 
 def centroid_gradients(inp: BackwardInputs, *, centroids: int | None = None, rows: int | None = None,
@@ -391,7 +391,7 @@ def centroid_gradients(inp: BackwardInputs, *, centroids: int | None = None, row
     _bwd_centroids[(blocks, splits)](inp.q, inp.d_out, inp.lse, inp.delta, k_mean, inp.v_mean, bias, parts[0],
                                      parts[1], inp.scale * LOG2E, S, Mq, Nk, ncp, tiles, HEAD_DIM=D,
                                      BLOCK_M=plan.block_m, CENTROIDS=centroids, ROWS=rows, UPCAST=inp.upcast,
-                                     **_launch_options(num_warps or default_num_warps(D, "centroids",
+                                     **_launch_options(num_warps or backward_num_warps(D, "centroids",
                                                                                       _capability(inp.q)), num_stages),
                                      **COMPILE_OPTIONS)
     d_k_mean, dv_mean = parts.sum(1).view(2, B, H, Nk, D)
@@ -458,6 +458,6 @@ def compile_backward(kernel: str = "dq", *, capability: int = 90, head_dim: int 
         constants = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, CENTROIDS=CENTROID_BLOCK, ROWS=min(block_m, ROW_CHUNK),
                          UPCAST=False)
     signature, constants, attrs = launch_signature(fn.arg_names, pointers, values, constants)
-    warps = default_num_warps(head_dim, kernel, capability)
+    warps = backward_num_warps(head_dim, kernel, capability)
     return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", capability, 32),
                           options=dict(num_warps=warps, **COMPILE_OPTIONS))

@@ -65,7 +65,7 @@ def _topk_rows_kernel(S, BUDGET, IDX, CNT, MV, G, W, NV_P2: tl.constexpr, W_P2: 
         tl.store(CNT + pid, n + G)
 
 
-def default_num_warps(num_tiles: int) -> int:
+def topk_num_warps(num_tiles: int) -> int:
     """Warps per row: one up to 1,024 tiles, then one per 1,024. The bisection is a chain of row reductions, so
     more rows in flight beat wider rows: on the H200 40 x 591 rows took 272 / 296 / 335 / 432 / 709 us with
     1 / 2 / 4 / 8 / 16 warps, 24 x 929 rows 263 / 281 / 317 / 409 / 670 us, and 2 x 32 x 48 or 2 x 12 x 256 rows
@@ -85,7 +85,7 @@ def topk_rows_triton(scores: torch.Tensor, budget: torch.Tensor, width: int, num
             when there are global tiles).
         num_global_tiles: G tiles after the video tiles: every video row also keeps them (after its picks),
             and their G rows keep every tile.
-        num_warps: warps per row (default `default_num_warps`).
+        num_warps: warps per row (default `topk_num_warps`).
 
     Returns:
         kv_index int32 [B, H, Mv + G, width] (0 past each row's count), kv_count int32 [B, H, Mv + G].
@@ -107,6 +107,6 @@ def topk_rows_triton(scores: torch.Tensor, budget: torch.Tensor, width: int, num
     count = torch.empty(B, H, N, dtype=torch.int32, device=scores.device)
     nv_p2 = triton.next_power_of_2(Mv)
     _topk_rows_kernel[(B * H * N,)](scores, budget, idx, count, Mv, num_global_tiles, width, NV_P2=nv_p2,
-                                    W_P2=triton.next_power_of_2(width), num_warps=num_warps or default_num_warps(Mv),
+                                    W_P2=triton.next_power_of_2(width), num_warps=num_warps or topk_num_warps(Mv),
                                     **COMPILE_OPTIONS)
     return idx, count
