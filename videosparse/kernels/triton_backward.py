@@ -392,7 +392,7 @@ def centroid_gradients(inp: BackwardInputs, *, centroids: int | None = None, row
                                      parts[1], inp.scale * LOG2E, S, Mq, Nk, ncp, tiles, HEAD_DIM=D,
                                      BLOCK_M=plan.block_m, CENTROIDS=centroids, ROWS=rows, UPCAST=inp.upcast,
                                      **_launch_options(num_warps or backward_num_warps(D, "centroids",
-                                                                                      _capability(inp.q)), num_stages),
+                                                                                       _capability(inp.q)), num_stages),
                                      **COMPILE_OPTIONS)
     d_k_mean, dv_mean = parts.sum(1).view(2, B, H, Nk, D)
     tile_len = plan.tile_len.to(device=inp.q.device, dtype=torch.float32)
