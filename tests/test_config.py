@@ -166,6 +166,27 @@ def test_tile_shapes_may_be_numpy_arrays_or_tensors_and_an_empty_tiling_is_refus
     assert TilingSearch(density=0.3, max_shapes_per_layer=np.int64(1)).max_shapes_per_layer == 1
 
 
+def test_density_is_checked_alike_by_configs_the_tiling_search_and_the_estimator():
+    """Review 61: `TilingSearch` and `VedaEstimator` took any real density with checks of their own (a 0-dim
+    tensor was refused there, taken by the configs); all three now take numpy and 0-dim torch numbers as floats."""
+    np = pytest.importorskip("numpy")
+    from videosparse.veda import TilingSearch, VedaEstimator
+
+    def estimator(density):
+        return VedaEstimator(num_layers=1, num_heads=2, head_dim=8, model_class="WanTransformer3DModel", density=density)
+
+    for value in (np.float32(0.25), torch.tensor(0.25), np.int64(1)):
+        want = float(value)
+        assert VedaConfig(density=value).density == want
+        assert type(TilingSearch(density=value).density) is float and TilingSearch(density=value).density == want
+        assert type(estimator(value).density) is float and estimator(value).density == want
+    for bad in (0, 1.5, float("nan"), True, "0.1", torch.tensor([0.1])):
+        for make in (lambda d: VedaConfig(density=d), lambda d: TilingSearch(density=d), estimator):
+            with pytest.raises(ValueError, match=r"density=.* must be a number in \(0, 1\]"):
+                make(bad)
+    assert estimator(None).density is None
+
+
 def test_a_tile_shape_with_the_wrong_number_of_sizes_is_refused_at_once_and_errors_name_the_field(tmp_path,
                                                                                                    monkeypatch):
     """Review 59: VedaConfig(tiling="4x4") was taken as a tiling file's path and failed only at apply ("tiling file

@@ -59,11 +59,14 @@ def check_block(name: str, value: Any) -> None:
         raise ValueError(f"{name}={value!r} must be a positive int (tokens per tile).")
 
 
-def check_density(name: str, value: Any, what: str | None = None) -> None:
-    """ValueError unless `value` is an int or float in (0, 1] (`what` says what the fraction counts)."""
+def check_density(name: str, value: Any, what: str | None = None) -> float:
+    """`value` as a Python float in (0, 1], or a ValueError naming it (`what` says what the fraction counts). Takes
+    any real number (numpy and 0-dim torch ones too), no bool."""
+    value = as_scalar(value)
     # (compared as it is: float() of an int past the float range raises OverflowError)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= 1:
         raise ValueError(f"{name}={value!r} must be a number in (0, 1]{f' ({what})' if what else ''}.")
+    return float(value)
 
 
 def check_finite(name: str, value: Any, minimum: float | None = None, *, strict: bool = False,

@@ -38,7 +38,7 @@ from huggingface_hub import PyTorchModelHubMixin, hf_hub_download
 from torch import nn
 
 from ..config import BLOCK_SIZES, DEFAULT_TILES, parse_tile
-from ..validation import check_tile, int_triple
+from ..validation import check_density, check_tile, int_triple
 
 DEFAULT_INIT_STD = 1e-4
 SAFETENSORS_NAME = "model.safetensors"
@@ -146,11 +146,8 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
             for h, s in enumerate(heads):
                 check_tile(s, block, f"tile_shapes[{layer}][{h}]")
         self.init_std = float(init_std)
-        if density is not None and (isinstance(density, bool) or not isinstance(density, numbers.Real)
-                                    or not 0 < density <= 1):
-            raise ValueError(f"density={density!r} must be a number in (0, 1] (the density it was distilled for) or "
-                             "None.")
-        self.density = None if density is None else float(density)
+        self.density = None if density is None else check_density("density", density,
+                                                                  "the density it was distilled for; or None")
         if component is not None and (not isinstance(component, str) or not component):
             raise ValueError(f"component={component!r} must be the pipeline component it was distilled from (e.g. "
                              "'transformer_2') or None.")

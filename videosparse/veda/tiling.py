@@ -31,7 +31,7 @@ from .._io import to_jsonable, write_atomic
 from ..kernels import block_sparse_attention
 from ..layout import TileLayout
 from ..plan import topk_plan
-from ..validation import check_tile, is_int
+from ..validation import check_density, check_tile, int_at_least, is_int
 from .teacher import dense_lse_torch, teacher_heat
 
 logger = logging.getLogger(__name__)
@@ -294,16 +294,13 @@ class TilingSearch:
                 if candidates is not None else candidate_shapes(block)
         except ValueError as err:
             raise ValueError(f"candidates: {err}") from None
-        if isinstance(density, bool) or not isinstance(density, numbers.Real) or not 0 < density <= 1:
-            raise ValueError(f"density={density!r} must be a number in (0, 1].")
+        density = check_density("density", density, "the fraction of video key tiles kept per query tile")
         if isinstance(max_padding, bool) or not isinstance(max_padding, numbers.Real) or not 0 <= max_padding < 1:
             raise ValueError(f"max_padding={max_padding!r} must be a number in [0, 1) (the share of padded tokens a "
                              "shape may add).")
-        if isinstance(max_shapes_per_layer, bool) or not isinstance(max_shapes_per_layer, numbers.Integral) or \
-                max_shapes_per_layer < 1:
-            raise ValueError(f"max_shapes_per_layer={max_shapes_per_layer!r} must be an int >= 1.")
-        self.density, self.block, self.backend = float(density), int(block), backend
-        self.max_padding, self.max_shapes_per_layer = float(max_padding), int(max_shapes_per_layer)
+        max_shapes_per_layer = int_at_least(max_shapes_per_layer, 1, "max_shapes_per_layer")
+        self.density, self.block, self.backend = density, int(block), backend
+        self.max_padding, self.max_shapes_per_layer = float(max_padding), max_shapes_per_layer
         self.err_sum: dict[int, torch.Tensor] = {}          # layer -> [n_shapes, H] summed errors
         self.err_cnt: dict[int, int] = {}
         self.votes: dict[int, list[Counter]] = {}
