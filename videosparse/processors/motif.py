@@ -32,8 +32,9 @@ from .forward_args import forward_arg
 from .grids import PaddedText, valid_text_length, video_grid
 from .hunyuan import _HunyuanFamilySparseAttention
 
-DECODER_REASON = ("its joint attention is over two copies of the video (a DDT decoder block: the decoder's video and "
-                  "the encoder's video output), not video and text; it keeps the stock processor")
+DECODER_REASON = ("its second input is unmasked and exactly as long as the video, as in a DDT decoder block (whose "
+                  "joint attention is over two copies of the video: the decoder's video and the encoder's video "
+                  "output, not video and text); it keeps the stock processor")
 
 
 class MotifVideoSparseAttnProcessor(_HunyuanFamilySparseAttention, MotifVideoAttnProcessor2_0):
@@ -45,7 +46,8 @@ class MotifVideoSparseAttnProcessor(_HunyuanFamilySparseAttention, MotifVideoAtt
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         if (encoder_hidden_states is not None and attention_mask is None
                 and encoder_hidden_states.shape[1] == hidden_states.shape[1]):
-            # a decoder block's call (or a text exactly as long as the video, unmasked: stock is right for it too)
+            # a decoder block's call; an unmasked text exactly as long as the video looks the same and runs stock too
+            # (the processor does not know its block's role: right, only not sparse)
             return self._to_stock(DECODER_REASON, attn, hidden_states, encoder_hidden_states, attention_mask,
                                   image_rotary_emb)
         return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
