@@ -148,6 +148,29 @@ def test_dense_steps_covering_every_step_warn_once(caplog):
     assert sum("covers all 3 denoising steps" in r.getMessage() for r in caplog.records) == 1
 
 
+@pytest.mark.parametrize("config, floor_text", [
+    (dict(method="veda", tiling=(1, 4, 16)), "cannot be lower"),
+    (dict(method="sol"), "below the density of the always-exact tiles")])
+def test_the_density_floor_warning_waits_for_a_sparse_step(config, floor_text, caplog):
+    """A target density under what the always-kept tiles make is warned about on the first step that runs sparse,
+    not on a call whose steps all run dense (the layouts are built on its first step, dense or not)."""
+    import logging
+
+    pipe = build_tiny_wan_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    kind = videosparse.VedaConfig if config.pop("method") == "veda" else videosparse.SolConfig
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        handle = videosparse.apply(pipe, kind(density=0.01, block=64, dense_steps=5, **config))
+        _run(pipe)
+        assert handle["transformer"].stats()["sparse_calls"] == 0
+        assert not [r for r in caplog.records if floor_text in r.getMessage()]
+        videosparse.remove(pipe)
+        handle = videosparse.apply(pipe, kind(density=0.01, block=64, dense_steps=1, **config))
+        _run(pipe)
+        assert handle["transformer"].stats()["sparse_calls"] > 0
+    assert sum(floor_text in r.getMessage() for r in caplog.records) >= 1
+
+
 def test_forced_backend_that_cannot_run_is_an_error():
     """An explicit kernel backend that cannot serve the inputs (the Triton kernels take fp16 / bf16, not fp32) is a
     clear error at the first forward, naming the backend and why, instead of every layer silently dense."""

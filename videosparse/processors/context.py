@@ -239,7 +239,7 @@ class SparseContextHook(ModelHook):
         # the layouts' index tensors are cached for later calls: made as normal tensors even under inference_mode
         # (an inference tensor saved for backward breaks a later forward that records autograd)
         with torch.inference_mode(False):
-            session.prepare(ctx.grid, ctx.text_len, device, dtype)
+            session.prepare(ctx.grid, ctx.text_len, device, dtype, sparse=ctx.sparse_step)
         session.calls += 1
 
     def _warn_replaced_processors(self) -> None:

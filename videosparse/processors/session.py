@@ -243,6 +243,7 @@ class SparseSession:
         self.kernel_problem_warned = False       # that problem is one of the session: warned once, for all layers
         self._probe_args: tuple | None = None     # `probe_kernel`'s arguments for the current inputs (None: not probed)
         self._prepared_for: tuple | None = None
+        self._announced: set[tuple] = set()       # the `prepare` keys of the cached layouts that `on_layout` has seen
         # every layer's layouts by valid text length, kept for reuse while the grid and device stay (`prepare`)
         self._layout_cache: dict[int, list[HeadTiling]] = {}
         self._layout_cache_for: tuple | None = None
@@ -291,6 +292,7 @@ class SparseSession:
         (`stats()`); a block recomputed later in a backward still pending finds what it needs again."""
         self._layout_cache.clear()
         self._layout_cache_for = self._prepared_for = None
+        self._announced.clear()
         for slot in self.slots:
             slot.layouts = {}
         if self.method is not None:
@@ -327,17 +329,28 @@ class SparseSession:
         return {i: slot.stats for i, slot in enumerate(self.slots)}
 
     def prepare(self, grid: tuple[int, int, int], text_len: int | tuple[int, ...], device: torch.device,
-                dtype: torch.dtype) -> None:
+                dtype: torch.dtype, sparse: bool = True) -> None:
         """Give every layer its tile layouts (index tensors on `device`) and check the kernel, once per shape.
 
         text_len: the valid text tokens, or one count per batch item (a layout for each distinct count).
+        sparse: whether the forward may run sparse (False on a dense step): the method sees the layouts
+            (`on_layout`, its warnings about them) on the first such forward of a shape, so that a call whose steps
+            all run dense is not warned about a density it never uses.
         The layouts of the last `layout_cache_lengths` lengths stay cached for the grid and device, so forwards
         that alternate lengths (the guidance branches) reuse them instead of rebuilding them.
         Runs eagerly from the context hook, outside any compiled graph.
         """
         key = (grid, text_len, str(device), dtype, self.context.text_slot)
-        if key == self._prepared_for:
-            return
+        if key != self._prepared_for:
+            self._prepare(key, grid, text_len, device, dtype)
+        if sparse and self.method is not None and key not in self._announced:
+            for layer in range(self.info.num_layers):
+                for layout in self.slot(layer).layouts.values():
+                    self.method.on_layout(layer, layout)
+            self._announced.add(key)
+
+    def _prepare(self, key: tuple, grid: tuple[int, int, int], text_len: int | tuple[int, ...],
+                 device: torch.device, dtype: torch.dtype) -> None:
         self._prepared_for = None       # until this one is done: a call interrupted in between prepares again
         info, method = self.info, self.method
         for layer in range(info.num_layers):
@@ -349,6 +362,7 @@ class SparseSession:
             cache = self._layout_cache
             if self._layout_cache_for != (grid, str(device), self.context.text_slot):
                 cache.clear()
+                self._announced.clear()
                 self._layout_cache_for = (grid, str(device), self.context.text_slot)
             for length in lengths:
                 shared: dict[tuple, HeadTiling] = {}     # layers of the same tile shapes share one layout
@@ -399,7 +413,6 @@ class SparseSession:
         else:
             shared[layout.tiles] = layout
             layout.warm(device)
-        method.on_layout(layer, layout)
         return layout
 
     @property
