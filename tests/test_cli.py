@@ -206,7 +206,7 @@ def test_bool_fields_parse_strictly_on_the_command_line(capsys):
     import pytest
 
     from videosparse.distill import DistillConfig
-    from videosparse.distill.config import config_from_namespace
+    from videosparse.cli.config_args import config_from_namespace
 
     p = build_parser()
     for text, value in (("False", False), ("no", False), ("0", False), ("NO", False), ("true", True),
@@ -239,7 +239,7 @@ def test_text_flags_keep_names_that_read_as_numbers(tmp_path):
     """Paths and names are taken as given (a folder named 2024, a prompts file named 7); lists and numbers of
     other fields still parse as JSON."""
     from videosparse.distill import DistillConfig, TilingSearchConfig
-    from videosparse.distill.config import config_from_namespace
+    from videosparse.cli.config_args import config_from_namespace
 
     p = build_parser()
     args = p.parse_args(["distill", "--output-dir", "2024", "--prompts", "7", "--model", "null", "--max-steps", "5",
@@ -263,7 +263,7 @@ def test_distill_flags_given_as_null_override_the_config_file_and_numbers_take_p
     import pytest
 
     from videosparse.distill import DistillConfig
-    from videosparse.distill.config import config_from_namespace
+    from videosparse.cli.config_args import config_from_namespace
 
     p = build_parser()
     base = tmp_path / "distill_config.json"
@@ -288,7 +288,7 @@ def test_evaluate_refuses_prompt_and_prompts_together(tmp_path, capsys):
 
 def test_distill_block_64_takes_vedas_default_tile_shape():
     from videosparse.distill import DistillConfig
-    from videosparse.distill.config import config_from_namespace
+    from videosparse.cli.config_args import config_from_namespace
     from videosparse.config import DEFAULT_TILES
 
     p = build_parser()
@@ -438,7 +438,8 @@ def test_config_files_must_hold_an_object_and_a_tiling_json_gives_its_search_set
     broken.write_text("{")
     assert main(["distill", "--config", str(broken)]) == 2
     assert f"--config {str(broken)!r} cannot be read as JSON" in capsys.readouterr().err
-    from videosparse.distill.config import TilingSearchConfig, add_config_arguments, config_from_namespace
+    from videosparse.cli.config_args import add_config_arguments, config_from_namespace
+    from videosparse.distill.config import TilingSearchConfig
 
     tiling = tmp_path / "tiling.json"
     tiling.write_text(json.dumps({"format": "videosparse-tiling", "layers": [],
@@ -711,6 +712,7 @@ def test_bench_subcommand_is_the_kernel_benchmark(tmp_path, capsys, monkeypatch)
     ones exit 2 naming the value, --readme renders an earlier run's JSON on any machine, and without CUDA it says so."""
     from helpers import load_script
 
+    from videosparse.cli import bench
     from videosparse.eval import kernel_bench
 
     (tmp_path / "afile").write_text("")
@@ -740,7 +742,32 @@ def test_bench_subcommand_is_the_kernel_benchmark(tmp_path, capsys, monkeypatch)
             main(["bench", "--quick", "--out", out])
         assert "is no regular file: the benchmark writes its JSON again" in capsys.readouterr().err
     script = load_script("bench_kernel")
-    assert script.random_plan is kernel_bench.random_plan and script.kernel_bench is kernel_bench
+    assert script.random_plan is kernel_bench.random_plan and script.bench is bench
+
+
+def test_bench_progress_and_summary_lines_are_printed_on_stdout(tmp_path, capsys, monkeypatch):
+    """The benchmark logs its progress (`kernel_bench` prints nothing); `videosparse bench` shows those lines on
+    stdout, once also with -v, then the summary, the errors and the tables, as the benchmark printed them before."""
+    import logging
+
+    from videosparse.eval import kernel_bench
+
+    def fake_run(options):
+        kernel_bench._log("check", {"ok": True})
+        return dict(meta={"wall_s": 3.2}, correctness=[dict(ok=True), dict(ok=False)], rows=[], variants=[],
+                    item_sweep=[], errors=["12x32768 d128: boom"])
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernel_bench, "run_benchmark", fake_run)
+    out_path = tmp_path / "k.json"
+    for verbose in ([], ["-v"]):
+        assert main([*verbose, "bench", "--out", str(out_path)]) == 1        # a failed check: exit 1
+        out, err = capsys.readouterr()
+        assert out.splitlines()[:3] == ["check {'ok': True}", f"wrote {out_path} (3 s); correctness: 1/2 ok",
+                                        "error: 12x32768 d128: boom"], verbose
+        assert "| shape | density |" in out and "check" not in err, verbose
+    log = logging.getLogger(kernel_bench.__name__)
+    assert log.propagate and not log.handlers                          # the run's stdout handler is gone again
 
 
 def test_one_estimator_per_expert_from_the_command_line(tmp_path, capsys, monkeypatch):
@@ -1086,12 +1113,12 @@ def test_compare_dense_times_steps_by_transformer_time_and_speedup_is_dense_over
 def test_ctrl_c_ends_a_command_without_a_traceback(monkeypatch, capsys):
     """Review 59: Ctrl-C in `evaluate` printed a KeyboardInterrupt traceback; now one line that says whether a rerun
     resumes, exit status 130 (the shell's for SIGINT)."""
-    from videosparse.eval import command
+    from videosparse.cli import evaluate
 
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(command, "run_evaluate", interrupted)
+    monkeypatch.setattr(evaluate, "run", interrupted)
     assert main(["evaluate", "--out", "nowhere"]) == 130
     assert capsys.readouterr().err.strip() == ("interrupted; the same command run again resumes from the cells "
                                                "already measured")
@@ -1129,13 +1156,13 @@ def test_ctrl_c_in_distill_names_its_resume_and_other_commands_only_stop(monkeyp
     """Mutation find: only evaluate's Ctrl-C line was tested; distill's (its samples and checkpoint resume) could
     lose its words (a misspelt key), and a command that resumes nothing (generate, search-tiling) could claim a
     resume ("resumes from None", or a default text)."""
-    from videosparse import cli
+    from videosparse.cli import distill, generate, search_tiling
 
     def interrupted(args):
         raise KeyboardInterrupt
 
-    for name in ("_run_distill", "_run_generate", "_run_search_tiling"):
-        monkeypatch.setattr(cli, name, interrupted)
+    for command in (distill, generate, search_tiling):
+        monkeypatch.setattr(command, "run", interrupted)
     assert main(["distill", "--output-dir", "nowhere"]) == 130
     assert capsys.readouterr().err.strip() == ("interrupted; the same command run again resumes from the samples "
                                                "captured and the last checkpoint")

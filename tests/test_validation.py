@@ -54,7 +54,8 @@ def test_int_and_finite_checks_name_the_field_and_the_bound():
 
 def test_bool_words_are_one_set():
     """Method specs took on/off besides true/false, yes/no, 1/0; the distill flags did not. Both take all now."""
-    from videosparse.distill.config import DistillConfig, add_config_arguments, config_from_namespace
+    from videosparse.cli.config_args import add_config_arguments, config_from_namespace
+    from videosparse.distill.config import DistillConfig
     from videosparse.eval.spec import parse_method_spec
 
     assert [bool_word(w) for w in ("on", " OFF ", "True", "no", "1")] == [True, False, True, False, True]

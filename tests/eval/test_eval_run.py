@@ -236,7 +236,7 @@ def test_summary_psnr_counts_identical_cells_apart_and_keeps_nan():
 def test_pooled_psnr_and_the_notes_on_misleading_psnrs():
     """Review finds: a cell differing from dense in a few pixels (97.6 dB on saturated frames) pulled a method's mean
     PSNR to 56 dB where its other cells read 22-24 dB; a NaN video read "–", as a metric not measured."""
-    from videosparse.eval.command import _f
+    from videosparse.cli.evaluate import _f
     from videosparse.eval.evaluate import pooled_psnr, psnr_notes
     from videosparse.eval.report import _fmt
 

@@ -227,15 +227,17 @@ def test_bad_arguments_are_argparse_errors_and_failures_exit_1(tmp_path, capsys)
 
     import pytest
 
+    from videosparse.cli import bench as command
+
     bench = kernel_bench
     for argv, msg in ((["--shapes", "12x32768 d128", "Wan14B"], "--shapes ['Wan14B'] unknown"),
                       (["--rounds", "0"], "--rounds 0 must be >= 1"),
                       (["--deadline-s", "nan"], "--deadline-s nan must be a finite"),
                       (["--deadline-s", "inf"], "--deadline-s inf must be a finite")):
         with pytest.raises(SystemExit) as exit_:
-            bench.main(argv)
+            command.main(argv)
         assert exit_.value.code == 2 and msg in capsys.readouterr().err, argv
-    assert bench.parse_args(["--shapes"]).shapes == [] and bench.parse_args([]).rounds == 3
+    assert command.parse_args(["--shapes"]).shapes == [] and command.parse_args([]).rounds == 3
     ok = dict(correctness=[dict(ok=True)], errors=["deadline: variants cut short"])
     assert bench.exit_code(ok) == 0
     assert bench.exit_code(dict(ok, correctness=[dict(ok=True), dict(ok=False)])) == 1

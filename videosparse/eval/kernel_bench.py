@@ -15,11 +15,9 @@ table last; exits 1 when a correctness check failed or a step raised.
 
 from __future__ import annotations
 
-import argparse
 import json
+import logging
 import math
-import os
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -39,8 +37,13 @@ QUICK_SHAPES = ["12x32768 d128", "Wan14B 40x75600 d128", "CogVideoX 48x17550 d64
 PEER_SHAPES = ["12x32768 d128", "Wan14B 40x75600 d128", "CogVideoX 48x17550 d64", "12x32768 d64"]
 
 
-def log(*a):
-    print(*a, flush=True)
+logger = logging.getLogger(__name__)
+
+
+def _log(*parts) -> None:
+    """One progress line at INFO: `parts` joined by spaces, as print joins them (`videosparse bench` shows these lines
+    on stdout)."""
+    logger.info(" ".join(map(str, parts)))
 
 
 GPU_STATE_FIELDS = ("clocks.sm", "clocks.max.sm", "power.draw", "power.limit", "temperature.gpu",
@@ -182,7 +185,7 @@ def check_correctness(results, deadline):
             except Exception as e:  # recorded, the run goes on
                 rec["ok"] = False
                 rec["error"] = f"{type(e).__name__}: {e}"[:500]
-            log("check", rec)
+            _log("check", rec)
             results["correctness"].append(rec)
 
 
@@ -233,7 +236,7 @@ def bench_shape(name, results, args, deadline):
                    density=density, ms=ms, tflops=full_flops * density / (ms * 1e-3) / 1e12,
                    ms_rounds=[round(x, 4) for x in ms_rounds], **extra)
         rows.append(row)
-        log(f"{name:24s} {impl:14s} {plan_kind:7s} d={density:.3f} {ms:9.3f} ms {row['tflops']:7.1f} TFLOP/s"
+        _log(f"{name:24s} {impl:14s} {plan_kind:7s} d={density:.3f} {ms:9.3f} ms {row['tflops']:7.1f} TFLOP/s"
             + "".join(f" {k}={v}" for k, v in extra.items()))
         return row
 
@@ -255,7 +258,7 @@ def bench_shape(name, results, args, deadline):
             dense_peers["fa4"] = lambda: fa4_dense(qt, kt, vt, scale)
             dense_extra["fa4"] = dict(rel_err_vs_cudnn=round(err, 5))
         except Exception as e:
-            log("fa4 dense failed:", type(e).__name__, str(e)[:300])
+            _log("fa4 dense failed:", type(e).__name__, str(e)[:300])
             results["errors"].append(f"fa4 dense {name}: {type(e).__name__}: {str(e)[:300]}")
             qt = None
     cud = None
@@ -295,7 +298,7 @@ def bench_shape(name, results, args, deadline):
                                                                      / out.float().norm()), 5))
                     fns["flex"] = lambda flex=flex: flex(q, k, v, scale)
                 except Exception as e:
-                    log("flex failed:", type(e).__name__, str(e)[:300])
+                    _log("flex failed:", type(e).__name__, str(e)[:300])
                     results["errors"].append(f"flex {name} {kind} {target}: {type(e).__name__}: {str(e)[:300]}")
                 if qt is not None:
                     try:
@@ -305,7 +308,7 @@ def bench_shape(name, results, args, deadline):
                                                                         / out.float().norm()), 5))
                         fns["fa4"] = lambda fa4=fa4: fa4(qt, kt, vt, scale)
                     except Exception as e:
-                        log("fa4 failed:", type(e).__name__, str(e)[:300])
+                        _log("fa4 failed:", type(e).__name__, str(e)[:300])
                         results["errors"].append(f"fa4 {name} {kind} {target}: {type(e).__name__}: {str(e)[:300]}")
             times = time_interleaved(fns, args.rounds, bench)
             for peer in dense_peers:
@@ -385,7 +388,7 @@ def bench_variants(results, args, deadline):
                 except Exception as e:
                     rec = dict(S=S, D=D, target_density=target, variant=vname,
                                error=f"{type(e).__name__}: {str(e)[:300]}")
-                    log("variant", rec)
+                    _log("variant", rec)
                     results["variants"].append(rec)
             times = time_interleaved(runnable, args.rounds, lambda fn: do_bench(fn, warmup=25, rep=100,
                                                                                 return_mode="median"))
@@ -394,7 +397,7 @@ def bench_variants(results, args, deadline):
                 rec = dict(S=S, D=D, H=H, target_density=target, density=dens, variant=vname, ms=ms,
                            tflops=flops * dens / (ms * 1e-3) / 1e12, ms_rounds=[round(x, 4) for x in ms_rounds],
                            rel_diff_vs_default=diffs[vname], ok=bool(diffs[vname] < 1e-2))
-                log("variant", rec)
+                _log("variant", rec)
                 results["variants"].append(rec)
 
 
@@ -476,7 +479,7 @@ def bench_item_sweep(results, args, deadline):
                 fits[impl] = fit_item_cost(pts)
         results["item_sweep"].append(dict(D=D, rows=rows, **fits["ours"], fits=fits))
         for impl, fit in fits.items():
-            log(f"item sweep d{D} {impl}: fixed {fit['fixed_us']:.2f} us per work item, "
+            _log(f"item sweep d{D} {impl}: fixed {fit['fixed_us']:.2f} us per work item, "
                 f"{fit['per_tile_us']:.3f} us per key tile")
 
 
@@ -590,101 +593,50 @@ def exit_code(results) -> int:
     return int(failed or any(not e.startswith("deadline:") for e in results["errors"]))
 
 
-def add_arguments(ap: argparse.ArgumentParser, default_out: str) -> None:
-    """The benchmark's options on `ap` (the `videosparse bench` subcommand's and the script's parser)."""
-    ap.add_argument("--quick", action="store_true", help="fewer shapes and densities")
-    ap.add_argument("--out", default=default_out, help=f"the JSON written, after each step (default {default_out})")
-    ap.add_argument("--shapes", nargs="*", help=f"subset of {list(SHAPES)} (given empty: none, e.g. with --item-sweep)")
-    ap.add_argument("--no-peers", action="store_true", help="skip Flex and FA4")
-    ap.add_argument("--no-variants", action="store_true")
-    ap.add_argument("--item-sweep", action="store_true",
-                    help="also fit the fixed cost per work item and the cost per key tile (fixed-count plans), ours "
-                         "and FA4's (unless --no-peers)")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="timings per implementation, interleaved with the others of the same shape and plan; "
-                         "the median is reported (default 3)")
-    ap.add_argument("--deadline-s", type=float, default=480.0, help="stop starting new timings after this")
-    ap.add_argument("--readme", metavar="JSON", help="only render the markdown table of an earlier run")
+def report_tables(results) -> str:
+    """The markdown tables of a run: `render_markdown` and `render_variants`."""
+    return render_markdown(results) + "\n\n" + render_variants(results)
 
 
-def check_args(args: argparse.Namespace, error) -> None:
-    """`error(message)` (argparse's, which exits 2) for an unknown shape, rounds < 1 or a deadline that is no time."""
-    unknown = [name for name in args.shapes or () if name not in SHAPES]
-    if unknown:
-        error(f"--shapes {unknown} unknown; choose from {list(SHAPES)}")
-    if args.rounds < 1:
-        error(f"--rounds {args.rounds} must be >= 1")
-    if not math.isfinite(args.deadline_s) or args.deadline_s <= 0:
-        error(f"--deadline-s {args.deadline_s} must be a finite number of seconds > 0")
-    for flag, value in (("--out", args.out), ("--readme", args.readme)):
-        if value == "":
-            error(f"{flag} is empty; give a JSON file path")
-    if args.readme is None:         # an --out that cannot be written: now, not after the correctness checks
-        from .._run_checks import check_output
-        from .._io import STANDARD_STREAMS
-
-        out = args.out
-        real = os.path.realpath(out)
-        stream = out in STANDARD_STREAMS or (os.path.exists(out) and not os.path.isfile(real)
-                                             and not os.path.isdir(real) and real != os.devnull)
-        try:
-            if stream or out.endswith(("/", os.sep)):
-                raise ValueError(f"--out {out!r} is no regular file: the benchmark writes its JSON again after each "
-                                 "step; give a JSON file path.")
-            check_output("--out", out, parents=True)                # (its folder is made with its parents)
-        except ValueError as err:
-            error(str(err))
+def readme_tables(path) -> str:
+    """`report_tables` of an earlier run's JSON at `path` (ValueError naming the path when it cannot be read as JSON,
+    or is not a kernel benchmark's)."""
+    what = "not a kernel benchmark JSON (written by `videosparse bench` or scripts/bench_kernel.py)"
+    try:
+        results = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:        # missing, unreadable, not JSON
+        raise ValueError(f"--readme {path}: cannot be read as JSON: {err}") from None
+    if not isinstance(results, dict) or not isinstance(results.get("rows"), list):
+        raise ValueError(f"--readme {path}: {what}: no list of 'rows'.")
+    # another JSON with a list of rows (the A/B files in benchmarks/): its rows lack the benchmark's fields
+    keys = {"impl", "shape"}
+    bad = next(((i, r) for i, r in enumerate(results["rows"]) if not isinstance(r, dict) or not keys <= set(r)), None)
+    if bad is not None:
+        i, row = bad
+        why = f"lacks {sorted(keys - set(row))}" if isinstance(row, dict) else f"is a JSON {type(row).__name__}"
+        raise ValueError(f"--readme {path}: {what}: rows[{i}] {why}, where a benchmark row is an object with 'impl', "
+                         "'shape', 'plan', 'ms', ...")
+    try:
+        return report_tables(results)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:      # a damaged row
+        raise ValueError(f"--readme {path}: {what}: a row cannot be read ({type(err).__name__}: {err}).") from None
 
 
-def parse_args(argv=None, default_out: str = "kernel_bench.json") -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(ap, default_out)
-    args = ap.parse_args(argv)
-    check_args(args, ap.error)
-    return args
+def run_benchmark(options) -> dict:
+    """The benchmark on the GPU: the correctness checks, then the timings of `options.shapes` (all, or the quick set
+    with `options.quick`), the variants and the item sweep, most important first; the JSON at `options.out` is
+    rewritten after each step. Returns the results (`exit_code` tells whether they pass).
 
-
-def main(argv=None, default_out: str = "kernel_bench.json") -> int:
-    """The benchmark from command-line arguments; exit code 1 when a correctness check failed or a step raised."""
-    return run(parse_args(argv, default_out))
-
-
-def run(args: argparse.Namespace) -> int:
-    """The benchmark (`parse_args`' options); exit code 1 when a correctness check failed or a step raised."""
-    if args.readme is not None:
-        what = "not a kernel benchmark JSON (written by `videosparse bench` or scripts/bench_kernel.py)"
-        try:
-            results = json.loads(Path(args.readme).read_text())
-        except (OSError, ValueError) as err:        # missing, unreadable, not JSON
-            raise SystemExit(f"--readme {args.readme}: cannot be read as JSON: {err}") from None
-        if not isinstance(results, dict) or not isinstance(results.get("rows"), list):
-            raise SystemExit(f"--readme {args.readme}: {what}: no list of 'rows'.")
-        # another JSON with a list of rows (the A/B files in benchmarks/): its rows lack the benchmark's fields
-        keys = {"impl", "shape"}
-        bad = next(((i, r) for i, r in enumerate(results["rows"]) if not isinstance(r, dict) or not keys <= set(r)),
-                   None)
-        if bad is not None:
-            i, row = bad
-            why = f"lacks {sorted(keys - set(row))}" if isinstance(row, dict) else f"is a JSON {type(row).__name__}"
-            raise SystemExit(f"--readme {args.readme}: {what}: rows[{i}] {why}, where a benchmark row is an object "
-                             "with 'impl', 'shape', 'plan', 'ms', ...")
-        try:
-            print(render_markdown(results) + "\n\n" + render_variants(results))
-        except (KeyError, TypeError, ValueError, AttributeError) as err:      # a damaged row
-            raise SystemExit(f"--readme {args.readme}: {what}: a row cannot be read ({type(err).__name__}: "
-                             f"{err}).") from None
-        return 0
+    options: any object with the command's options as attributes (quick, out, shapes, no_peers, no_variants,
+    item_sweep, rounds, deadline_s)."""
     import torch
-
-    if not torch.cuda.is_available():
-        raise SystemExit("the kernel benchmark needs a CUDA GPU.")
     import triton
 
     t0 = time.time()
-    deadline = t0 + args.deadline_s
+    deadline = t0 + options.deadline_s
     results = dict(meta=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                             shapes=SHAPES, densities=DENSITIES, dtype="bfloat16", block=128, quick=args.quick,
-                             rounds=args.rounds,
+                             shapes=SHAPES, densities=DENSITIES, dtype="bfloat16", block=128, quick=options.quick,
+                             rounds=options.rounds,
                              date=time.strftime("%Y-%m-%d %H:%M")),
                    correctness=[], rows=[], variants=[], item_sweep=[], errors=[])
     try:
@@ -692,7 +644,7 @@ def run(args: argparse.Namespace) -> int:
         results["meta"]["fa4"] = "importable"
     except Exception as e:
         results["meta"]["fa4"] = f"not importable: {type(e).__name__}: {str(e)[:200]}"
-    out_path = Path(args.out)
+    out_path = Path(options.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
 
     def save():
@@ -704,35 +656,24 @@ def run(args: argparse.Namespace) -> int:
     save()
     bad = [c for c in results["correctness"] if not c["ok"]]
     if bad:
-        log(f"CORRECTNESS FAILED for {len(bad)} case(s); timing anyway, but the numbers are suspect")
-    shapes = args.shapes if args.shapes is not None else (QUICK_SHAPES if args.quick else list(SHAPES))
+        _log(f"CORRECTNESS FAILED for {len(bad)} case(s); timing anyway, but the numbers are suspect")
+    shapes = options.shapes if options.shapes is not None else (QUICK_SHAPES if options.quick else list(SHAPES))
     # most important first: the target shape, Wan 14B, head dim 64, the variants, then the rest
-    steps = [n for n in shapes if n in PEER_SHAPES] + (["variants"] if not args.no_variants else []) \
-        + (["item sweep"] if args.item_sweep else []) + [n for n in shapes if n not in PEER_SHAPES]
+    steps = [n for n in shapes if n in PEER_SHAPES] + (["variants"] if not options.no_variants else []) \
+        + (["item sweep"] if options.item_sweep else []) + [n for n in shapes if n not in PEER_SHAPES]
     for name in steps:
         try:
             if name == "variants":
-                bench_variants(results, args, deadline)
+                bench_variants(results, options, deadline)
             elif name == "item sweep":
-                bench_item_sweep(results, args, deadline)
+                bench_item_sweep(results, options, deadline)
             else:
-                bench_shape(name, results, args, deadline)
+                bench_shape(name, results, options, deadline)
         except Exception:
             results["errors"].append(f"{name}: {traceback.format_exc()[-800:]}")
-            log(traceback.format_exc())
+            _log(traceback.format_exc())
         save()
         torch.cuda.empty_cache()
     results["meta"]["gpu_state_end"] = gpu_state()
     save()
-    log(f"wrote {out_path} ({time.time() - t0:.0f} s); correctness: "
-        f"{len(results['correctness']) - len(bad)}/{len(results['correctness'])} ok")
-    for e in results["errors"]:
-        log("error:", e[:300])
-    for d in disagreements(results):
-        log("disagrees (its time is of another computation):", d)
-    log(render_markdown(results) + "\n\n" + render_variants(results))
-    return exit_code(results)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return results
