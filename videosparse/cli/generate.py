@@ -60,7 +60,7 @@ def slower_than_dense_note(speedup: float) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     from ..eval.generate import (MAX_FPS, check_call_flags, check_config_applies, check_video_writer, dense_comparison,
-                                generate, warm_up, work_fraction, write_video)
+                                 generate, warm_up, work_fraction, write_video)
     from ..eval.spec import check_config_files
     from ..models.loading import check_size, load_pipeline, size_stub
 

@@ -237,7 +237,7 @@ def bench_shape(name, results, args, deadline):
                    ms_rounds=[round(x, 4) for x in ms_rounds], **extra)
         rows.append(row)
         _log(f"{name:24s} {impl:14s} {plan_kind:7s} d={density:.3f} {ms:9.3f} ms {row['tflops']:7.1f} TFLOP/s"
-            + "".join(f" {k}={v}" for k, v in extra.items()))
+             + "".join(f" {k}={v}" for k, v in extra.items()))
         return row
 
     def sdpa():
@@ -480,7 +480,7 @@ def bench_item_sweep(results, args, deadline):
         results["item_sweep"].append(dict(D=D, rows=rows, **fits["ours"], fits=fits))
         for impl, fit in fits.items():
             _log(f"item sweep d{D} {impl}: fixed {fit['fixed_us']:.2f} us per work item, "
-                f"{fit['per_tile_us']:.3f} us per key tile")
+                 f"{fit['per_tile_us']:.3f} us per key tile")
 
 
 # ------------------------------------------------------------------ report
