@@ -97,7 +97,7 @@ def test_capture_config_list_fields_from_strings():
     assert DistillConfig(branches="cond,uncond_stg", guidance_scale=5).guidance_scale == 5
     assert TilingSearchConfig(branches="pred_cond,pred_uncond").branches == ("pred_cond", "pred_uncond")  # guiders'
     for out in ("newdir/", str(Path(__file__).parent)):
-        with pytest.raises(ValueError, match="not a directory"):
+        with pytest.raises(ValueError, match="(is a directory|ends with a path separator); give a file path"):
             TilingSearchConfig(output=out)
     files = [Path(f"p{i:05d}_s0000_cond.safetensors") for i in range(3)]
     train, val = split_by_prompt(files, 0.34, seed=0)
@@ -815,6 +815,7 @@ def test_output_paths_that_cannot_be_written_are_named_before_the_load(tmp_path,
     import videosparse.distill
 
     monkeypatch.setattr(videosparse.distill, "run_distillation", lambda cfg: pytest.fail("distilled"))
+    monkeypatch.setattr(videosparse.distill, "run_tiling_search", lambda cfg: pytest.fail("searched"))
     afile = tmp_path / "afile"
     afile.write_text("x")
     (tmp_path / "ev").mkdir()
@@ -826,14 +827,18 @@ def test_output_paths_that_cannot_be_written_are_named_before_the_load(tmp_path,
              (["evaluate", "--out", str(afile / "sub")], f"{str(afile)!r} is a file, not a folder"),
              (["evaluate", "--out", str(tmp_path / "ev")], "holds a file frames, where the run makes its frames "),
              (["evaluate", "--synthetic", "wan-1.3b", "--out", str(afile / "sub")], "is a file, not a folder"),
-             (["distill", "--model", "tiny", "--output-dir", str(afile / "est")], "is a file, not a folder")]
+             (["distill", "--model", "tiny", "--output-dir", str(afile / "est")], "is a file, not a folder"),
+             (["search-tiling", "--model", "tiny", "--output", str(afile / "t.json")], "is a file, not a folder"),
+             (["search-tiling", "--model", "tiny", "--output", "sub/"], "ends with a path separator; give a file path")]
     if os.path.isdir("/proc/self"):                 # a folder where no file can be made, even by root
         cases += [(["generate", "--json", "/proc/s.json"], "--json '/proc/s.json' cannot be written: no file can be "
                                                            "made in '/proc'"),
                   (["generate", "--out", "/proc/x.mp4"], "--out '/proc/x.mp4' cannot be written"),
                   (["evaluate", "--out", "/proc/ev"], "--out '/proc/ev' cannot be written"),
                   (["distill", "--model", "tiny", "--output-dir", "/proc/est"], "--output-dir '/proc/est' cannot be "
-                                                                               "written")]
+                                                                               "written"),
+                  (["search-tiling", "--model", "tiny", "--output", "/proc/t.json"], "--output '/proc/t.json' cannot "
+                                                                                    "be written")]
     monkeypatch.chdir(tmp_path)
     for argv, msg in cases:
         assert main(argv) == 2, argv

@@ -53,34 +53,49 @@ def check_device(device: Any) -> None:
         raise ValueError(f"device={device!r} is not usable here ({reason}); use 'cpu'.") from None
 
 
-def check_output(flag: str, path: str, *, folder: bool = False, parents: bool = False) -> None:
+def check_output(flag: str, path: Any, *, folder: bool = False, parents: bool = False, writable: bool = True) -> None:
     """ValueError naming `flag`, before any work, when the output `path` (a file; with `folder`, a directory made
-    with its parents when missing) cannot be written: an empty path, a directory given for a file or a file for a
-    folder, a file's folder missing, a part of the path that is a file, or a folder in which no file can be made
-    (read-only, not ours, /proc). An existing file that is no regular file (a FIFO, /dev/null) is written in place:
-    it only has to be writable. `parents`: a file's missing folders are made with it (where they can be)."""
+    with its parents when missing) cannot be written: not a path, an empty path, a directory given for a file (or a
+    path ending in a separator) or a file for a folder, a file's folder missing, a part of the path that is a file,
+    or (with `writable`) a folder in which no file can be made (read-only, not ours, /proc). An existing file that
+    is no regular file (a FIFO, /dev/null) is written in place: it only has to be writable. `parents`: a file's
+    missing folders are made with it (where they can be).
+
+    `flag` is a command-line flag ("--out": errors read "--out 'x.mp4' ...") or a config field ending in "="
+    ("output=": errors read "output='x.json' ..."). The configs check at construction with `writable=False` (what
+    the path says, without making a file), their runs check again in full."""
+    field = flag.endswith("=")
+
+    def named(value) -> str:
+        return f"{flag}{value!r}" if field else f"{flag} {value!r}"
+
     what = "directory" if folder else "file"
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"{named(path)} must be a {what} path.")
+    path = os.fspath(path)
     if not path:
-        raise ValueError(f"{flag} is empty; give a {what} path.")
+        raise ValueError(f"{named(path) if field else flag} is empty; give a {what} path.")
     if folder and os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{flag} {path!r} is a file; give a directory (made when missing).")
+        raise ValueError(f"{named(path)} is a file; give a directory (made when missing).")
     if not folder and os.path.isdir(path):
-        raise ValueError(f"{flag} {path!r} is a directory; give a file path.")
+        raise ValueError(f"{named(path)} is a directory; give a file path.")
+    if not folder and path.endswith(("/", os.sep)):
+        raise ValueError(f"{named(path)} ends with a path separator; give a file path.")
     from ._io import STANDARD_STREAMS, writes_in_place
 
     if not folder and path in STANDARD_STREAMS:     # written through sys.stdout / sys.stderr (a pipe too)
         return
     if not folder and writes_in_place(path):        # a FIFO, a device, /dev/stdout
-        if not os.access(path, os.W_OK):
-            raise ValueError(f"{flag} {path!r} cannot be written (no write permission).")
+        if writable and not os.access(path, os.W_OK):
+            raise ValueError(f"{named(path)} cannot be written (no write permission).")
         return
     home = existing = path if folder else os.path.dirname(path) or "."
     while not os.path.exists(existing):                 # the nearest part of the path that is there, as spelt
         existing = os.path.dirname(existing) or "."
     if not os.path.isdir(existing):
-        raise ValueError(f"{flag} {path!r} cannot be written: {existing!r} is a file, not a folder.")
+        raise ValueError(f"{named(path)} cannot be written: {existing!r} is a file, not a folder.")
     if not folder and existing != home and not parents:
-        raise ValueError(f"{flag} {path!r}: the folder {home!r} does not exist.")
-    why = cannot_make_files_in(existing)
+        raise ValueError(f"{named(path)}: the folder {home!r} does not exist.")
+    why = cannot_make_files_in(existing) if writable else None
     if why is not None:
-        raise ValueError(f"{flag} {path!r} cannot be written: no file can be made in {existing!r} ({why}).")
+        raise ValueError(f"{named(path)} cannot be written: no file can be made in {existing!r} ({why}).")

@@ -275,6 +275,41 @@ def test_distill_config_validation(tmp_path):
     assert DistillConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 
+def test_output_paths_are_checked_by_one_rule_in_configs_and_runs(tmp_path, monkeypatch):
+    """Review 61: the configs, the runs and the CLI had three different checks of an output path (the parent chain
+    only; writability only, as an OSError; the CLI's). Now one (`_run_checks.check_output`): a config refuses what
+    the path itself says at construction, its run also a folder no file can be made in, before any model loads."""
+    from videosparse.distill import TilingSearchConfig, capture, run_tiling_search, search, train
+
+    def tiling_cfg(output):
+        return TilingSearchConfig(model="tiny", prompts=("a cat",), output=output)
+
+    (tmp_path / "a_file").write_text("")
+    for output, match in [("", "output='' is empty; give a file path"),
+                          (str(tmp_path), "is a directory; give a file path"),
+                          ("new_folder/", "output=.new_folder/. ends with a path separator; give a file path"),
+                          (str(tmp_path / "a_file" / "t.json"), "cannot be written: .*a_file' is a file, not a folder"),
+                          (3, "output=3 must be a file path")]:
+        with pytest.raises(ValueError, match=match):
+            tiling_cfg(output)
+    for output_dir, match in [("", "output_dir='' is empty; give a directory path"),
+                              (str(tmp_path / "a_file"), "output_dir=.*a_file' is a file; give a directory")]:
+        with pytest.raises(ValueError, match=match):
+            make_cfg(output_dir)
+    # a missing folder of the tiling JSON is made with it, as the run does
+    assert tiling_cfg(str(tmp_path / "x" / "y" / "t.json")).output == str(tmp_path / "x" / "y" / "t.json")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the pipeline was loaded although the output cannot be written")
+
+    for module in (search, capture, train):
+        monkeypatch.setattr(module, "load_capture_pipeline", no_load, raising=False)
+    with pytest.raises(ValueError, match=r"output='/proc/vs-test/t.json' cannot be written: no file can be made"):
+        run_tiling_search(tiling_cfg("/proc/vs-test/t.json"))
+    with pytest.raises(ValueError, match=r"output_dir='/proc/vs-test' cannot be written: no file can be made"):
+        run_distillation(make_cfg("/proc/vs-test"))
+
+
 def test_triton_teacher_on_cpu_is_refused_before_any_work(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     out = tmp_path / "run"
@@ -624,7 +659,7 @@ def test_search_output_block_and_padding_are_checked_by_type(tmp_path):
     from videosparse.distill import TilingSearchConfig
 
     out = str(tmp_path / "t.json")
-    for bad, match in ((dict(output=None), "output=None must be the path"), (dict(output=5), "output=5 must be"),
+    for bad, match in ((dict(output=None), "output=None must be a file path"), (dict(output=5), "output=5 must be"),
                        (dict(output=out, block=128.0), r"block=128.0 .* ints \(64, 128\)"),
                        (dict(output=out, max_padding=False), "max_padding=False must lie in"),
                        (dict(output=out, max_padding=True), "max_padding=True must lie in")):

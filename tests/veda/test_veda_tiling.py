@@ -305,7 +305,7 @@ def test_search_tiling_checks_its_output_can_be_written_before_the_search(monkey
 
     monkeypatch.setattr(search, "load_capture_pipeline", no_load)
     monkeypatch.setattr(capture, "load_capture_pipeline", no_load)
-    with pytest.raises(OSError, match="output='/proc/videosparse-test/t.json' cannot be written"):
+    with pytest.raises(ValueError, match="output='/proc/videosparse-test/t.json' cannot be written"):
         run_tiling_search(TilingSearchConfig(model="tiny", prompts=("a cat",), output="/proc/videosparse-test/t.json"))
 
 

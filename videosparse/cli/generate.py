@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import math
-import os
 from pathlib import Path
 
 from .._run_checks import check_device, check_output, check_seed
@@ -68,17 +67,14 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name}={value} must be a positive integer.")
-    for flag, path in (("--out", args.out), ("--json", args.json)):    # Path() drops the separator: refuse it here
-        if path is not None and path.endswith(("/", os.sep)):
-            raise ValueError(f"{flag} {path!r} ends with a path separator; give a file path.")
+    for flag, path in (("--out", args.out), ("--json", args.json)):    # (a trailing separator too, which Path drops)
+        if path is not None:
+            check_output(flag, path)
     if Path(args.out).suffix.lower() not in VIDEO_SUFFIXES:
         raise ValueError(f"--out {args.out!r} needs a video file extension, one of {', '.join(VIDEO_SUFFIXES)} "
                          "(checked before the pipeline runs).")
     if args.json is not None and Path(args.json).resolve() == Path(args.out).resolve():
         raise ValueError(f"--json {args.json!r} is the --out video's path; give the summary its own file.")
-    for flag, path in (("--out", args.out), ("--json", args.json)):
-        if path is not None:
-            check_output(flag, path)
     check_seed("--seed", args.seed)
     if not 1 <= args.fps <= MAX_FPS:
         raise ValueError(f"--fps={args.fps} must be an integer from 1 to {MAX_FPS} (frames per second of the video).")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from .._run_checks import check_output
 from ..distill.config import TilingSearchConfig
 from .common import check_model
 from .config_args import add_config_arguments, config_from_namespace
@@ -21,6 +22,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_namespace(args, TilingSearchConfig)
     check_model(cfg.model)
+    check_output("--output", cfg.output, parents=True)       # (its folder is made with its parents)
     res = run_tiling_search(cfg)
     s = res.summary
     print(f"searched tiling: mean relative error {s['mean_rel_err_searched']:.4f}; best single shape "

@@ -11,12 +11,11 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Union
 
 from ..config import DEFAULT_TILES, _named_tile_check, check_supported_block, parse_tile
 from .._io import replace_durably
-from .._run_checks import check_device
+from .._run_checks import check_device, check_output
 from ..prompts import PROMPTS_FILE_FORMS, read_prompts_file
 from ..validation import check_density, check_finite, int_at_least, plain_numbers
 
@@ -31,13 +30,6 @@ def _int_fields(config, names: tuple[str, ...], minimum: int = 1, *, optional: b
         value = getattr(config, name)
         if not (optional and value is None):
             object.__setattr__(config, name, int_at_least(value, minimum, name))
-
-
-def _refuse_file_parent(name: str, path: str) -> None:
-    """ValueError when the nearest existing folder above `path` is a file (the path cannot be made)."""
-    blocker = next((p for p in Path(os.path.abspath(path)).parents if p.exists()), None)
-    if blocker is not None and not blocker.is_dir():
-        raise ValueError(f"{name}={path!r} cannot be written: {str(blocker)!r} is a file, not a folder.")
 
 
 def _tiling(value: Any, block: int) -> Any:
@@ -266,12 +258,8 @@ class DistillConfig(CaptureConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.output_dir, (str, os.PathLike)) or not os.fspath(self.output_dir):
-            raise ValueError(f"output_dir={self.output_dir!r} must be a directory path.")
+        check_output("output_dir=", self.output_dir, folder=True, writable=False)     # the run checks in full
         object.__setattr__(self, "output_dir", os.fspath(self.output_dir))
-        if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
-            raise ValueError(f"output_dir={self.output_dir!r} is a file; give a directory (made when missing).")
-        _refuse_file_parent("output_dir", self.output_dir)
         check_density("density", self.density)
         plain_numbers(self, ("block",))                 # numpy / 0-dim torch ints as ints, as VedaConfig takes them
         check_supported_block(self.block)                        # 128.0 too: as VedaConfig, not after the model load
@@ -338,13 +326,8 @@ class TilingSearchConfig(CaptureConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.output, (str, os.PathLike)):
-            raise ValueError(f"output={self.output!r} must be the path of the tiling JSON file to write.")
+        check_output("output=", self.output, parents=True, writable=False)      # the tiling JSON; the run checks in full
         object.__setattr__(self, "output", os.fspath(self.output))
-        if not self.output or self.output.endswith(("/", os.sep)) or os.path.isdir(self.output):
-            raise ValueError(f"output={self.output!r} must be the path of the tiling JSON file to write, not a "
-                             "directory.")
-        _refuse_file_parent("output", self.output)
         check_density("density", self.density)
         plain_numbers(self, ("block",))
         check_supported_block(self.block)

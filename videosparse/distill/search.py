@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from .._run_checks import cannot_make_files_in
+from .._run_checks import check_output
 from ..models.loading import check_component
 from ..veda.tiling import TilingSearch, TilingSearchResult
 from .capture import load_capture_pipeline, sample_steps, transformer_info
@@ -59,15 +59,6 @@ def observe_sampled_records(cfg, pipe, call_kwargs: dict[str, Any], consume: Cal
     return total
 
 
-def _check_writable(path: Path) -> None:
-    """OSError when no file can be made where `path` goes (the nearest folder of it that exists is read-only or not
-    ours); leaves nothing behind."""
-    folder = next(p for p in Path(os.path.abspath(path)).parents if p.exists())
-    why = cannot_make_files_in(folder)
-    if why is not None:
-        raise OSError(f"output={os.fspath(path)!r} cannot be written: {why} in {str(folder)!r}.")
-
-
 def run_tiling_search(cfg: TilingSearchConfig) -> TilingSearchResult:
     """Search per-(layer, head) tile shapes on a model and write `cfg.output` (JSON).
 
@@ -82,7 +73,7 @@ def run_tiling_search(cfg: TilingSearchConfig) -> TilingSearchResult:
         >>> res = run_tiling_search(TilingSearchConfig(model="reference", output="tiling.json"))   # doctest: +SKIP
     """
     read_prompts(cfg.prompts)                               # a bad prompts value fails before the model loads
-    _check_writable(Path(cfg.output))                       # and an output that cannot be written, not after the search
+    check_output("output=", cfg.output, parents=True)       # and an output that cannot be written, not after the search
     check_component(cfg.model, cfg.component)               # and a component the pipeline lacks (model_index.json)
     pipe, call_kwargs = load_capture_pipeline(cfg)
     transformer = getattr(pipe, cfg.component, None)

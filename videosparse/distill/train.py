@@ -31,6 +31,7 @@ from torch import nn
 
 from .._helper_backend import triton_unavailable
 from .._io import from_jsonable, replace_durably, to_jsonable, write_atomic
+from .._run_checks import check_output
 from ..method import ModelInfo
 from ..models.loading import check_component
 from ..validation import one_per_head
@@ -691,6 +692,7 @@ def run_distillation(cfg: DistillConfig, *, step_callback: Callable[[int, dict[s
     from accelerate.utils import ProjectConfiguration
 
     read_prompts(cfg.prompts)                               # a bad prompts value fails before any work
+    check_output("output_dir=", cfg.output_dir, folder=True)    # and a folder no file can be made in
     check_component(cfg.model, cfg.component)               # a component the pipeline lacks, before its load
     out = Path(cfg.output_dir)
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision,
