@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from videosparse.cli import build_parser, main, method_config
+from videosparse.cli import build_parser, main
+from videosparse.cli.common import method_config
 from videosparse.config import SolConfig, VedaConfig
 
 
@@ -127,7 +128,7 @@ def test_generate_writes_playable_mp4(tmp_path):
 
 
 def test_generate_explains_a_sparse_arm_slower_than_dense():
-    from videosparse.cli import slower_than_dense_note
+    from videosparse.cli.generate import slower_than_dense_note
 
     assert slower_than_dense_note(1.3) is None and slower_than_dense_note(1.0) is None
     note = slower_than_dense_note(0.53)                   # the H200 reading of the README command (tiny model)
@@ -137,7 +138,7 @@ def test_generate_explains_a_sparse_arm_slower_than_dense():
 def test_generate_checks_sizes_images_and_uses_the_pipelines_own_defaults():
     import pytest
 
-    from videosparse.cli import _image_input
+    from videosparse.cli.generate import _image_input
     from videosparse.models.loading import check_size, pipeline_call_defaults
     from videosparse.models.tiny_wan import build_tiny_wan_pipeline
 
@@ -310,7 +311,7 @@ def test_verbose_flag_before_or_after_the_subcommand():
 def test_missing_local_model_directory_is_named(tmp_path, capsys):
     import pytest
 
-    from videosparse.cli import check_model
+    from videosparse.cli.common import check_model
 
     for model in ("/nonexistent/dir", "./nope", "~/no-such-videosparse-model", "models/wan/v1"):
         assert main(["generate", "--model", model]) == 2, model
@@ -333,7 +334,7 @@ def test_prompt_words_outside_the_tokenizer_are_named():
     """The reference model's closed vocabulary maps other words to [UNK]: generate names them."""
     from types import SimpleNamespace
 
-    from videosparse.cli import _unknown_words
+    from videosparse.cli.generate import _unknown_words
     from videosparse.models.reference_text import build_reference_tokenizer
 
     pipe = SimpleNamespace(tokenizer=build_reference_tokenizer())

@@ -13,9 +13,6 @@ import logging
 import sys
 
 from . import bench, distill, evaluate, generate, search_tiling
-# the names callers and tests import from `videosparse.cli`, as before the split
-from .common import add_method_args, check_model, method_config  # noqa: F401
-from .generate import _image_input, _unknown_words, slower_than_dense_note  # noqa: F401
 
 
 def build_parser() -> argparse.ArgumentParser:
