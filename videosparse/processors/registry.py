@@ -112,16 +112,23 @@ def _register_builtin_models() -> None:
         WanVACETransformer3DModel,
     )
 
-    # Wan 2.1 / 2.2 (and VACE, video-to-video), SkyReels V2 (its diffusion forcing too, per frame), Wan-Animate and
-    # ChronoEdit: every pipeline of these classes runs its timesteps from the noisiest down (flow matching, 1000 -> 0)
-    WAN_TIMESTEPS_FALL = -1
+    # The timestep step counting compares (`step_timestep`, else the forward's `timestep`, its largest entry) falls
+    # through each denoising loop of every diffusers 0.42.1 pipeline (modular ones included) of the classes set to -1
+    # below: noisiest first, flow matching (Euler, UniPC, DPM, flow-map, Helios, Piflow) or the DDIM / DPM / Karras /
+    # EDM schedulers their pipelines take; conditioning tokens or frames held at a lower timestep never raise the
+    # largest entry, at most holding it (a tie is no move: Heun's repeats, Cosmos 2.5's conditioning floor at the end;
+    # Helios's pyramid stages go on down). A scheduler set to run the other way (FlowMatch `invert_sigmas` outside
+    # Mochi, Cosmos 2 without its Karras sigmas) feeds the model the wrong noise levels. Multi-loop pipelines
+    # (FramePack sections, Animate segments, long-video windows and chunks) start each loop again from the top, as a
+    # new call. It rises for Mochi (its published scheduler inverts the sigmas) and MiniMax-H3 (t = 1 - sigma).
+    TIMESTEPS_FALL, TIMESTEPS_RISE = -1, 1
 
     def wan_spec() -> ModelSpec:
         # Wan 2.1 / 2.2 and VACE (whose vace_blocks' attn1 are self-attention over the same grid too)
         from .wan import WanSparseAttnProcessor, wan_grid
 
         return ModelSpec(WanSparseAttnProcessor, lambda name, m: name.endswith("attn1"), wan_grid,
-                         timestep_direction=WAN_TIMESTEPS_FALL)
+                         timestep_direction=TIMESTEPS_FALL)
 
     register_model(WanTransformer3DModel, wan_spec)
     register_model(WanVACETransformer3DModel, wan_spec)
@@ -130,7 +137,7 @@ def _register_builtin_models() -> None:
         from .wan import SkyReelsV2SparseAttnProcessor, wan_grid
 
         return ModelSpec(SkyReelsV2SparseAttnProcessor, lambda name, m: name.endswith("attn1"), wan_grid,
-                         timestep_direction=WAN_TIMESTEPS_FALL)
+                         timestep_direction=TIMESTEPS_FALL)
 
     register_model(SkyReelsV2Transformer3DModel, skyreels_v2_spec)
 
@@ -140,7 +147,7 @@ def _register_builtin_models() -> None:
         # blocks.<i>.attn1 only: attn2 (text / image cross-attention) and the face adapter's cross-attention to the
         # motion tokens (face_adapter.<j>, WanAnimateFaceBlockAttnProcessor) keep their stock processors
         return ModelSpec(WanAnimateSparseAttnProcessor, block_layer("blocks."), wan_grid,
-                         timestep_direction=WAN_TIMESTEPS_FALL)
+                         timestep_direction=TIMESTEPS_FALL)
 
     register_model(WanAnimateTransformer3DModel, wan_animate_spec)
 
@@ -149,8 +156,10 @@ def _register_builtin_models() -> None:
 
         # blocks.<i>.self_attn, both passes (extraction; generation with the per-frame reference keys added densely);
         # cross_attn (text + CLIP image) keeps its stock processor
+        # (its modular pipelines: each segment's extraction pass at the segment's first timestep, then its loop)
         return ModelSpec(WanAnimate2SparseAttnProcessor, block_layer("blocks.", "self_attn"),
-                         wan_animate2_grid, attention_shape=wan_animate2_attention_shape)
+                         wan_animate2_grid, attention_shape=wan_animate2_attention_shape,
+                         timestep_direction=TIMESTEPS_FALL)
 
     register_model(WanAnimate2Transformer3DModel, wan_animate2_spec)
 
@@ -159,7 +168,7 @@ def _register_builtin_models() -> None:
 
         # blocks.<i>.attn1 only: attn2 (text + CLIP image context) keeps its stock processor
         return ModelSpec(ChronoEditSparseAttnProcessor, block_layer("blocks."), wan_grid,
-                         timestep_direction=WAN_TIMESTEPS_FALL)
+                         timestep_direction=TIMESTEPS_FALL)
 
     register_model(ChronoEditTransformer3DModel, chronoedit_spec)
 
@@ -168,7 +177,8 @@ def _register_builtin_models() -> None:
 
         # blocks.<i>.attn1 (AnyFlowAttnProcessor, unmasked) only: attn2 (AnyFlowCrossAttnProcessor) stays stock. The
         # FAR causal model (AnyFlowFARTransformer3DModel, not a subclass) is not registered
-        return ModelSpec(AnyFlowSparseAttnProcessor, block_layer("blocks."), anyflow_grid)
+        return ModelSpec(AnyFlowSparseAttnProcessor, block_layer("blocks."), anyflow_grid,
+                         timestep_direction=TIMESTEPS_FALL)
 
     register_model(AnyFlowTransformer3DModel, anyflow_spec)
 
@@ -178,7 +188,7 @@ def _register_builtin_models() -> None:
         # dual-stream and single-stream blocks; the token refiner (context_embedder) stays stock
         return ModelSpec(HunyuanVideoSparseAttnProcessor,
                          lambda name, m: name.startswith(("transformer_blocks.", "single_transformer_blocks.")),
-                         hunyuan_grid, text_position="after")
+                         hunyuan_grid, text_position="after", timestep_direction=TIMESTEPS_FALL)
 
     register_model(HunyuanVideoTransformer3DModel, hunyuan_spec)
 
@@ -187,7 +197,7 @@ def _register_builtin_models() -> None:
 
         # dual-stream blocks only; the token refiner (context_embedder) stays stock
         return ModelSpec(HunyuanVideo15SparseAttnProcessor, lambda name, m: name.startswith("transformer_blocks."),
-                         hunyuan15_grid, text_position="after")
+                         hunyuan15_grid, text_position="after", timestep_direction=TIMESTEPS_FALL)
 
     register_model(HunyuanVideo15Transformer3DModel, hunyuan15_spec)
 
@@ -198,7 +208,7 @@ def _register_builtin_models() -> None:
         # text tokens are served as global tiles after the video; the token refiner stays stock
         return ModelSpec(HunyuanVideoFramepackSparseAttnProcessor,
                          lambda name, m: name.startswith(("transformer_blocks.", "single_transformer_blocks.")),
-                         hunyuan_framepack_grid, text_position="after")
+                         hunyuan_framepack_grid, text_position="after", timestep_direction=TIMESTEPS_FALL)
 
     register_model(HunyuanVideoFramepackTransformer3DModel, hunyuan_framepack_spec)
 
@@ -206,7 +216,7 @@ def _register_builtin_models() -> None:
         from .cogvideox import CogVideoXSparseAttnProcessor, cogvideox_grid
 
         return ModelSpec(CogVideoXSparseAttnProcessor, lambda name, m: name.endswith("attn1"), cogvideox_grid,
-                         text_position="before")
+                         text_position="before", timestep_direction=TIMESTEPS_FALL)
 
     register_model(CogVideoXTransformer3DModel, cogvideox_spec)
 
@@ -216,7 +226,7 @@ def _register_builtin_models() -> None:
         # attn1: video self-attention; attn2 (cross-attention to the text) stays stock
         # condition tokens that LTXConditionPipeline puts before the video are served like joint text before it
         return ModelSpec(LTXVideoSparseAttnProcessor, lambda name, m: name.endswith("attn1"), ltx_grid,
-                         text_position="before")
+                         text_position="before", timestep_direction=TIMESTEPS_FALL)
 
     register_model(LTXVideoTransformer3DModel, ltx_spec)
 
@@ -226,7 +236,8 @@ def _register_builtin_models() -> None:
         # transformer_blocks.<i>.attn1 (video self-attention) only: audio_attn1 and the text / audio <-> video
         # cross-attentions keep their stock processors. Condition tokens appended after the video (keyframes) are
         # served like joint text after it
-        return ModelSpec(ltx2_sparse_processor, block_layer("transformer_blocks."), ltx2_grid, text_position="after")
+        return ModelSpec(ltx2_sparse_processor, block_layer("transformer_blocks."), ltx2_grid, text_position="after",
+                         timestep_direction=TIMESTEPS_FALL)
 
     register_model(LTX2VideoTransformer3DModel, ltx2_spec)
 
@@ -235,7 +246,7 @@ def _register_builtin_models() -> None:
 
         # attn1 of every block: joint [video; text] attention (MochiAttention), text after the video
         return ModelSpec(MochiSparseAttnProcessor, lambda name, m: name.endswith("attn1"), mochi_grid,
-                         text_position="after")
+                         text_position="after", timestep_direction=TIMESTEPS_RISE)
 
     register_model(MochiTransformer3DModel, mochi_spec)
 
@@ -244,7 +255,9 @@ def _register_builtin_models() -> None:
 
         # transformer_blocks.<i>.attn1 (video self-attention, CosmosAttnProcessor2_0 in every config) only: attn2, the
         # cross-attention to the text (and to the image context of Transfer2.5), keeps its stock processor
-        return ModelSpec(CosmosSparseAttnProcessor, block_layer("transformer_blocks."), cosmos_grid)
+        # (its pipelines pass EDM's c_noise, sigma / (sigma + 1) or sigma, all falling with sigma; Anima's t / 1000)
+        return ModelSpec(CosmosSparseAttnProcessor, block_layer("transformer_blocks."), cosmos_grid,
+                         timestep_direction=TIMESTEPS_FALL)
 
     register_model(CosmosTransformer3DModel, cosmos_spec)
 
@@ -254,7 +267,7 @@ def _register_builtin_models() -> None:
         # visual_transformer_blocks.<i>.self_attention (visual tokens only) only: the text refiner's self-attention
         # (text_transformer_blocks) and the visual blocks' cross_attention to the text keep their stock processors
         return ModelSpec(Kandinsky5SparseAttnProcessor, block_layer("visual_transformer_blocks.", "self_attention"),
-                         kandinsky_grid, attention_shape=kandinsky_attention_shape)
+                         kandinsky_grid, attention_shape=kandinsky_attention_shape, timestep_direction=TIMESTEPS_FALL)
 
     register_model(Kandinsky5Transformer3DModel, kandinsky5_spec)
 
@@ -263,7 +276,8 @@ def _register_builtin_models() -> None:
 
         # blocks.<i>.attn1 over [long; mid; short history; video]: the history tokens are served like joint text
         # before the video (global tiles); attn2 (cross-attention to the text) keeps its stock processor
-        return ModelSpec(HeliosSparseAttnProcessor, block_layer("blocks."), helios_grid, text_position="before")
+        return ModelSpec(HeliosSparseAttnProcessor, block_layer("blocks."), helios_grid, text_position="before",
+                         timestep_direction=TIMESTEPS_FALL)
 
     register_model(HeliosTransformer3DModel, helios_spec)
 
@@ -274,7 +288,7 @@ def _register_builtin_models() -> None:
         # cross-attention (`cross_attn`) keeps its stock processor, and so do the DDT decoder blocks' calls
         return ModelSpec(MotifVideoSparseAttnProcessor,
                          block_layer(("transformer_blocks.", "single_transformer_blocks."), "attn"),
-                         motif_grid, text_position="after")
+                         motif_grid, text_position="after", timestep_direction=TIMESTEPS_FALL)
 
     register_model(MotifVideoTransformer3DModel, motif_video_spec)
 
@@ -287,7 +301,7 @@ def _register_builtin_models() -> None:
         return ModelSpec(Kandinsky6SparseAttnProcessor,
                          lambda name, m: name.startswith("visual_transformer_blocks.")
                          and name.endswith(".video_dec_block.self_attention"),
-                         kandinsky_grid, attention_shape=kandinsky_attention_shape)
+                         kandinsky_grid, attention_shape=kandinsky_attention_shape, timestep_direction=TIMESTEPS_FALL)
 
     register_model(Kandinsky6Transformer3DModel, kandinsky6_spec)
 
@@ -296,7 +310,7 @@ def _register_builtin_models() -> None:
 
         # transformer_blocks.<i>.attn1, the blocks' only attention: joint [text; video], text first (global tiles)
         return ModelSpec(EasyAnimateSparseAttnProcessor, block_layer("transformer_blocks."), easyanimate_grid,
-                         text_position="before")
+                         text_position="before", timestep_direction=TIMESTEPS_FALL)
 
     register_model(EasyAnimateTransformer3DModel, easyanimate_spec)
 
@@ -306,7 +320,7 @@ def _register_builtin_models() -> None:
         # CogVideoX's blocks: transformer_blocks.<i>.attn1, joint [text; video], text first (global tiles). The local
         # facial extractor and the perceiver cross-attention to the face tokens are plain modules with no processor
         return ModelSpec(CogVideoXSparseAttnProcessor, block_layer("transformer_blocks."), cogvideox_grid,
-                         text_position="before")
+                         text_position="before", timestep_direction=TIMESTEPS_FALL)
 
     register_model(ConsisIDTransformer3DModel, consisid_spec)
 
@@ -315,7 +329,8 @@ def _register_builtin_models() -> None:
 
         # transformer_blocks.<i>.attn1 (video self-attention, 3D RoPE) only: attn2, the same stock class as
         # cross-attention to the T5 text with its key mask, keeps its stock processor
-        return ModelSpec(AllegroSparseAttnProcessor, block_layer("transformer_blocks."), allegro_grid)
+        return ModelSpec(AllegroSparseAttnProcessor, block_layer("transformer_blocks."), allegro_grid,
+                         timestep_direction=TIMESTEPS_FALL)
 
     register_model(AllegroTransformer3DModel, allegro_spec)
 
@@ -326,7 +341,8 @@ def _register_builtin_models() -> None:
         # sequence, the generated video last; the rows before it are served as global tiles before the video. The
         # token refiner's text-only attn (token_refiner.refiner_blocks.<j>.attn) keeps its stock processor
         return ModelSpec(MiniMaxH3SparseAttnProcessor, block_layer("transformer_blocks.", "attn"),
-                         minimax_grid, text_position="before", step_timestep=minimax_video_timestep)
+                         minimax_grid, text_position="before", step_timestep=minimax_video_timestep,
+                         timestep_direction=TIMESTEPS_RISE)
 
     register_model(MiniMaxH3Transformer3DModel, minimax_h3_spec)
 
@@ -335,6 +351,8 @@ def _register_builtin_models() -> None:
 
         # layers.<i>.self_attn (Cosmos3PackedMoTAttention): its generation pathway (the video grid, then sound and
         # action rows, over the understanding keys and their own) is served; the causal text pathway stays stock
+        # timestep_direction 0: the forward takes no `timestep` (per-modality vision / sound / action timesteps) and
+        # no step_timestep reads them, so no step of it is counted by timestep (its pipelines give the step index)
         return ModelSpec(Cosmos3SparseAttnProcessor, block_layer("layers.", "self_attn"),
                          cosmos3_grid, text_position="after", attention_shape=cosmos3_attention_shape)
 
