@@ -52,6 +52,27 @@ def test_an_open_files_proc_link_is_written_in_place(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["log.json"]
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_a_pipe_named_by_its_fd_link_is_written_in_place():
+    """Mutation pass 61 find: `writes_in_place` resolved /dev/fd/N with realpath, which for a pipe gives
+    "/proc/<pid>/fd/pipe:[inode]" (no such path), so `--json >(jq .)` was refused ("no file can be made in
+    '/dev/fd'") and write_atomic tried to make a temporary file beside the pipe."""
+    from videosparse._run_checks import check_output
+
+    read_end, write_end = os.pipe()
+    try:
+        for prefix in ("/dev/fd/", "/proc/self/fd/"):
+            path = f"{prefix}{write_end}"
+            assert writes_in_place(path), path
+            check_output("--json", path)
+            write_atomic(path, f"through {prefix}\n")
+            assert os.read(read_end, 100) == f"through {prefix}\n".encode(), path
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert not writes_in_place(f"/proc/self/fd/{write_end}")         # closed: no such path any more
+
+
 def test_a_folder_that_takes_no_fsync_does_not_fail_a_write(tmp_path, monkeypatch):
     """Some file systems refuse fsync on a folder (EINVAL): the file's own bytes are synced, the rename is done, and
     the write is not reported as failed; a file that cannot be synced still fails it, naming the path."""

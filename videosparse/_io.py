@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import sys
 from typing import Any
 
@@ -103,9 +104,11 @@ def writes_in_place(path: str | os.PathLike) -> bool:
     stream the process holds open (/dev/stdout, /proc/self/fd/1: a rename over the file a shell redirected stdout to
     would leave the shell writing to an unlinked one)."""
     shown = os.fspath(path)
-    real = os.path.realpath(shown)
-    return os.path.exists(real) and not os.path.isdir(real) and (
-        not os.path.isfile(real) or os.path.abspath(shown).startswith(("/dev/", "/proc/")))
+    try:            # (stat, not realpath: /dev/fd/N of a pipe resolves to "pipe:[inode]", which names no path)
+        mode = os.stat(shown).st_mode
+    except (OSError, ValueError):
+        return False
+    return not stat.S_ISDIR(mode) and (not stat.S_ISREG(mode) or os.path.abspath(shown).startswith(("/dev/", "/proc/")))
 
 
 def write_atomic(path: str | os.PathLike, text: str | bytes) -> None:
