@@ -1,8 +1,7 @@
 """Tests from a mutation pass over `SparseSession` (prepare's layouts cache and once-per-shape `on_layout`
-announcements, stats), step counting by timestep (`steps.py`) and the family timestep directions the context hook
-hands it: each guards a behaviour that a one-line change left every other test passing."""
-
-import copy
+announcements, stats) and the family timestep directions the context hook hands step counting (the counters' own
+finds are in `test_step_counting_edges.py`): each guards a behaviour that a one-line change left every other test
+passing."""
 
 import pytest
 import torch
@@ -10,14 +9,8 @@ import torch
 import videosparse
 from videosparse.models.tiny_wan import build_tiny_wan_pipeline
 from videosparse.processors.session import LayerStats
-from videosparse.processors.steps import ThreadTimestepCounters
 
-FALLING = [1000, 1000, 750, 750, 500, 500]          # guidance pairs share a step
 CPU = torch.device("cpu")
-
-
-def steps(counter, timesteps, expected=0):
-    return [counter.step(torch.tensor(float(t)), expected) for t in timesteps]
 
 
 @pytest.fixture(scope="module")
@@ -104,29 +97,6 @@ def test_load_balance_is_the_longest_row_over_the_mean_row():
     stats.record_sparse(torch.tensor([[[1, 3]]]), 4)           # 2 rows of 4 key tiles: 1 and 3 kept
     d = stats.as_dict()
     assert (d["kept_pairs"], d["total_pairs"], d["density"], d["load_balance"]) == (4, 8, 0.5, 1.5)
-
-
-def test_forget_drops_the_learned_direction_of_every_thread():
-    """Mutation find: `ThreadTimestepCounters.forget` (a new setup sharing the bare counters) drops the direction the
-    earlier calls taught: a call after a stray timestep below its start is read afresh (as with nothing learned)."""
-    counters = ThreadTimestepCounters()
-    steps(counters, FALLING)
-    counters.reset()
-    assert counters.learned == -1
-    counters.forget()
-    assert counters.learned == 0
-    assert steps(counters, [600] + FALLING) == [0, 1, 1, 0, 0, 1, 1]
-
-
-def test_a_deep_copy_keeps_the_learned_direction():
-    """Mutation find: `copy.deepcopy` of the per-thread counters (a session's deep copy) starts the counts over but
-    keeps the learned direction, so the copy still counts a call after a stray timestep from 0."""
-    counters = ThreadTimestepCounters()
-    steps(counters, FALLING)
-    counters.reset()
-    clone = copy.deepcopy(counters)
-    assert clone.learned == -1
-    assert steps(clone, [600] + FALLING) == [0, 0, 0, 1, 1, 2, 2]
 
 
 def test_a_bare_transformers_cache_context_steps_take_the_family_direction(wan_transformer):

@@ -1,6 +1,7 @@
 """Step counting by timestep (`videosparse.processors.steps`): the cases the pipeline tests do not reach, each a
 sequence of forwards and the step index each one gets."""
 
+import copy
 import threading
 
 import torch
@@ -64,3 +65,26 @@ def test_a_threads_first_call_starts_from_the_direction_other_threads_learned():
     thread.start()
     thread.join()
     assert fresh == [[0, 1, 1, 0, 0, 1, 1]]
+
+
+def test_forget_drops_the_learned_direction_of_every_thread():
+    """Mutation find: `ThreadTimestepCounters.forget` (a new setup sharing the bare counters) drops the direction the
+    earlier calls taught: a call after a stray timestep below its start is read afresh (as with nothing learned)."""
+    counters = ThreadTimestepCounters()
+    steps(counters, FALLING)
+    counters.reset()
+    assert counters.learned == -1
+    counters.forget()
+    assert counters.learned == 0
+    assert steps(counters, [600] + FALLING) == [0, 1, 1, 0, 0, 1, 1]
+
+
+def test_a_deep_copy_keeps_the_learned_direction():
+    """Mutation find: `copy.deepcopy` of the per-thread counters (a session's deep copy) starts the counts over but
+    keeps the learned direction, so the copy still counts a call after a stray timestep from 0."""
+    counters = ThreadTimestepCounters()
+    steps(counters, FALLING)
+    counters.reset()
+    clone = copy.deepcopy(counters)
+    assert clone.learned == -1
+    assert steps(clone, [600] + FALLING) == [0, 0, 0, 1, 1, 2, 2]
