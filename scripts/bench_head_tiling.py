@@ -44,28 +44,12 @@ def _cached_bytes(tiling, kept: bool) -> int:
     return total
 
 
-def main(argv=None):
+def _measure(head_tiling, KeptOrders, keep_bytes: int) -> list[dict]:
+    """One row per shape of `SHAPES`: the expanded (package) and kept (former) per-head orders' sizes and times."""
     import torch
 
-    from _bench import bench, require_cuda, versions
-    from videosparse.layout import HeadTiling, head_tiling
+    from _bench import bench
 
-    class KeptOrders(HeadTiling):
-        """The former behaviour: the [heads, S] orders built once and kept."""
-
-        def _head_order(self, device, inverse=False):
-            if ("kept",) not in self._device_cache:
-                self._device_cache[("kept",)] = self.head_indices(device)      # (perm, inv), as before
-            return self._device_cache[("kept",)][int(inverse)]
-
-    import videosparse.layout as layout_module
-
-    keep_bytes = layout_module.KEEP_HEAD_ORDERS_BYTES
-    layout_module.KEEP_HEAD_ORDERS_BYTES = 0            # `now` expands at every size (kept ones: `KeptOrders`)
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/head_tiling_h200.json")
-    args = ap.parse_args(argv)
-    require_cuda(__file__)
     rows = []
     for name, (grid, H, D, layers) in SHAPES.items():
         tiles = [TILES[h * len(TILES) // H] for h in range(H)]
@@ -97,6 +81,35 @@ def main(argv=None):
               f"(+{rows[-1]['added_ms_per_forward']:.2f} ms per forward of {layers} layers); same outputs: {same}",
               flush=True)
         torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None):
+    import torch
+
+    from _bench import require_cuda, versions
+    from videosparse.layout import HeadTiling, head_tiling
+
+    class KeptOrders(HeadTiling):
+        """The former behaviour: the [heads, S] orders built once and kept."""
+
+        def _head_order(self, device, inverse=False):
+            if ("kept",) not in self._device_cache:
+                self._device_cache[("kept",)] = self.head_indices(device)      # (perm, inv), as before
+            return self._device_cache[("kept",)][int(inverse)]
+
+    import videosparse.layout as layout_module
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/head_tiling_h200.json")
+    args = ap.parse_args(argv)
+    require_cuda(__file__)
+    keep_bytes = layout_module.KEEP_HEAD_ORDERS_BYTES
+    layout_module.KEEP_HEAD_ORDERS_BYTES = 0            # `now` expands at every size (kept ones: `KeptOrders`)
+    try:
+        rows = _measure(head_tiling, KeptOrders, keep_bytes)
+    finally:                                            # (a caller in this process gets the package's setting back)
+        layout_module.KEEP_HEAD_ORDERS_BYTES = keep_bytes
     Path(args.out).write_text(json.dumps(dict(
         what="per-head tile shapes (half the heads 4x4x8, half 2x8x8), bf16, batch 1: the index tensors a layer's "
              "HeadTiling keeps on the GPU and the time of its gathers (q with Wan's RoPE fused, v without) and "

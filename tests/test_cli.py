@@ -985,9 +985,23 @@ def test_generate_names_a_backend_that_cannot_run_here_before_any_step(tmp_path,
 
 def test_every_script_answers_help_without_running(monkeypatch, capsys):
     """Review find: two scripts ignored every argument, --help included: one ran its probe, one would have run its
-    GPU benchmark and overwritten the shipped JSON. Each script's --help prints its usage and exits 0."""
+    GPU benchmark and overwritten the shipped JSON. Each script's --help prints its usage and exits 0, and leaves
+    the package's module-level settings as they were (session 64: `bench_head_tiling.py` set
+    `videosparse.layout.KEEP_HEAD_ORDERS_BYTES` to 0 before parsing its arguments, so every later per-head tiling
+    in the process expanded its orders per call, and a later test of the kept orders failed)."""
+    import importlib
+    import pkgutil
     import runpy
 
+    import videosparse
+
+    def settings():
+        modules = [importlib.import_module(m.name) for m in pkgutil.walk_packages(videosparse.__path__, "videosparse.")]
+        return {(module.__name__, attr): value for module in modules for attr, value in vars(module).items()
+                if attr.isupper() and isinstance(value, (bool, int, float, str, tuple, frozenset))}
+
+    before = settings()
+    assert ("videosparse.layout", "KEEP_HEAD_ORDERS_BYTES") in before
     scripts = Path(__file__).resolve().parents[1] / "scripts"
     monkeypatch.syspath_prepend(str(scripts))
     names = sorted(p for p in scripts.glob("*.py") if not p.name.startswith("_"))
@@ -998,6 +1012,9 @@ def test_every_script_answers_help_without_running(monkeypatch, capsys):
             runpy.run_path(str(path), run_name="__main__")
         out = capsys.readouterr().out
         assert exit_info.value.code in (0, None) and out.startswith("usage:"), (path.name, exit_info.value.code)
+        now = settings()
+        changed = {key: (value, now[key]) for key, value in before.items() if now[key] != value}
+        assert not changed, (path.name, changed)
 
 
 def test_the_early_kernel_check_asks_about_the_dtype_the_run_attends_in(tmp_path, monkeypatch):
