@@ -44,11 +44,21 @@ def _cached_bytes(tiling, kept: bool) -> int:
     return total
 
 
-def _measure(head_tiling, KeptOrders, keep_bytes: int) -> list[dict]:
-    """One row per shape of `SHAPES`: the expanded (package) and kept (former) per-head orders' sizes and times."""
+def _measure(keep_bytes: int) -> list[dict]:
+    """One row per shape of `SHAPES`: the expanded (package) and kept (former) per-head orders' sizes and times
+    (`keep_bytes`: the package's `KEEP_HEAD_ORDERS_BYTES`, set to 0 by the caller while this runs)."""
     import torch
 
     from _bench import bench
+    from videosparse.layout import HeadTiling, head_tiling
+
+    class KeptOrders(HeadTiling):
+        """The former behaviour: the [heads, S] orders built once and kept."""
+
+        def _head_order(self, device, inverse=False):
+            if ("kept",) not in self._device_cache:
+                self._device_cache[("kept",)] = self.head_indices(device)      # (perm, inv), as before
+            return self._device_cache[("kept",)][int(inverse)]
 
     rows = []
     for name, (grid, H, D, layers) in SHAPES.items():
@@ -88,16 +98,6 @@ def main(argv=None):
     import torch
 
     from _bench import require_cuda, versions
-    from videosparse.layout import HeadTiling, head_tiling
-
-    class KeptOrders(HeadTiling):
-        """The former behaviour: the [heads, S] orders built once and kept."""
-
-        def _head_order(self, device, inverse=False):
-            if ("kept",) not in self._device_cache:
-                self._device_cache[("kept",)] = self.head_indices(device)      # (perm, inv), as before
-            return self._device_cache[("kept",)][int(inverse)]
-
     import videosparse.layout as layout_module
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -107,7 +107,7 @@ def main(argv=None):
     keep_bytes = layout_module.KEEP_HEAD_ORDERS_BYTES
     layout_module.KEEP_HEAD_ORDERS_BYTES = 0            # `now` expands at every size (kept ones: `KeptOrders`)
     try:
-        rows = _measure(head_tiling, KeptOrders, keep_bytes)
+        rows = _measure(keep_bytes)
     finally:                                            # (a caller in this process gets the package's setting back)
         layout_module.KEEP_HEAD_ORDERS_BYTES = keep_bytes
     Path(args.out).write_text(json.dumps(dict(
