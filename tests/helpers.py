@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -102,31 +106,82 @@ def interpreter_child(names, run_case) -> None:
         print("CASE " + json.dumps({"name": name, **res}), flush=True)
 
 
-def run_interpreter_cases(script, names, timeout: int = 600) -> dict:
-    """Parent side: run `script` (a test module whose __main__ calls `interpreter_child`) under the
-    interpreter and return {case name: result dict}; fails the test when the child reports nothing."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+class InterpreterCases:
+    """Parent side: the named cases of `script` (a test module whose __main__ calls `interpreter_child`), run in one
+    child process under the interpreter.
 
-    import pytest
+    A module declares it at module level, `INTERPRETER_CASES = InterpreterCases(__file__, names)`, and its tests take
+    the `interpreter_results` fixture (tests/conftest.py), {case name: result dict}. The parent only waits on the
+    child, so conftest starts the children of the collected modules in the background, one at a time in collection
+    order, as soon as collection ends: they run beside the tests before theirs. `results()` starts the child itself
+    if the background has not (a single test run, or an xdist worker).
+    """
 
-    pytest.importorskip("triton")
-    tests_dir = Path(__file__).resolve().parent
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(tests_dir.parent), str(tests_dir), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(script), *names], env=env, cwd=tests_dir.parent,
-                          capture_output=True, text=True, timeout=timeout)
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("CASE "):
-            res = json.loads(line[5:])
-            results[res.pop("name")] = res
-    if not results:
-        pytest.fail(f"interpreter child produced no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-    return results
+    def __init__(self, script, names, timeout: int = 600) -> None:
+        self.script = Path(script).resolve()
+        self.names = list(names)
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._outcome: tuple[int | None, str, str] | None = None     # (returncode, stdout, stderr)
+        self._stopped = False
+
+    def run(self) -> tuple[int | None, str, str]:
+        """Run the child unless it has run (blocking; the first caller runs it, later ones wait for it)."""
+        with self._lock:
+            if self._outcome is None:
+                self._outcome = self._run_child()
+            return self._outcome
+
+    def _run_child(self) -> tuple[int | None, str, str]:
+        if self._stopped:
+            return None, "", "the interpreter child was stopped before it ran (the test session ended)"
+        tests_dir = Path(__file__).resolve().parent
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        env["PYTHONPATH"] = os.pathsep.join([str(tests_dir.parent), str(tests_dir), env.get("PYTHONPATH", "")])
+        self._proc = subprocess.Popen([sys.executable, str(self.script), *self.names], env=env, cwd=tests_dir.parent,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = self._proc.communicate(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            out, err = self._proc.communicate()
+            err += f"\n(killed after its timeout of {self.timeout} s)"
+        return self._proc.returncode, out, err
+
+    def stop(self) -> None:
+        """Start no child from now on, and kill a running one (the session is over)."""
+        self._stopped = True
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+
+    def results(self) -> dict:
+        """{case name: result dict}; fails the test when the child reports nothing."""
+        import json
+
+        import pytest
+
+        pytest.importorskip("triton")
+        returncode, out, err = self.run()
+        results = {}
+        for line in out.splitlines():
+            if line.startswith("CASE "):
+                res = json.loads(line[5:])
+                results[res.pop("name")] = res
+        if not results:
+            pytest.fail(f"interpreter child produced no results (rc={returncode}):\n{err[-4000:]}")
+        return results
+
+
+def run_interpreter_children_in_background(children: list[InterpreterCases]) -> threading.Thread:
+    """Run `children` one after another in a daemon thread (each `run()` once; see `InterpreterCases`)."""
+    def run_all():
+        for child in children:
+            child.run()
+
+    thread = threading.Thread(target=run_all, name="interpreter-children", daemon=True)
+    thread.start()
+    return thread
 
 
 class NoAutogradBackend:

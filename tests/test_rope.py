@@ -8,12 +8,11 @@ The Triton cases run in one child process under TRITON_INTERPRET=1 (see tests/he
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import interpreter_child, run_interpreter_cases
+from helpers import InterpreterCases, interpreter_child
 
 # name: B, grid, tiles (one shape or one per head), H, D, x dtype, freqs dtype, x strided
 CASES = {
@@ -121,9 +120,7 @@ def _run_case(name: str) -> dict:
 
 
 # ---------------------------------------------------------------- parent side (pytest)
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict:
-    return run_interpreter_cases(Path(__file__).resolve(), list(CASES))
+INTERPRETER_CASES = InterpreterCases(__file__, list(CASES))
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import interpreter_child, run_interpreter_cases
+from helpers import InterpreterCases, interpreter_child
 
 HERE = Path(__file__).resolve().parent
 CASES = ("huge-gap-equals-plain", "huge-gap-partial-tile", "planted-matches-emulation")
@@ -104,20 +104,18 @@ def _run_case(name: str) -> dict:
             "skipped": skipped, "listed": listed}
 
 
-@pytest.fixture(scope="module")
-def results() -> dict:
-    return run_interpreter_cases(Path(__file__).resolve(), list(CASES))
+INTERPRETER_CASES = InterpreterCases(__file__, list(CASES))
 
 
 @pytest.mark.parametrize("name", ["huge-gap-equals-plain", "huge-gap-partial-tile"])
-def test_online_skip_with_unreachable_gap_changes_nothing(results, name):
-    res = results[name]
+def test_online_skip_with_unreachable_gap_changes_nothing(interpreter_results, name):
+    res = interpreter_results[name]
     assert "error" not in res, res.get("error")
     assert res["max_abs_diff"] == 0.0
 
 
-def test_online_skip_drops_exactly_the_tiles_of_the_rule(results):
-    res = results["planted-matches-emulation"]
+def test_online_skip_drops_exactly_the_tiles_of_the_rule(interpreter_results):
+    res = interpreter_results["planted-matches-emulation"]
     assert "error" not in res, res.get("error")
     assert res["skipped"] > res["listed"] // 3          # the planted offsets -4 and -6 are skipped
     assert res["rel_diff_vs_exact"] > 1e-3              # so the result is not exact attention ...

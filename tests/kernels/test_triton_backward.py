@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import interpreter_child, load_script, run_interpreter_cases
+from helpers import InterpreterCases, interpreter_child, load_script
 
 # name: B, H, S, Sk, D, block_m, block_n, density, dtype, correction, extra
 CASES = {
@@ -218,14 +218,12 @@ def _run(name: str) -> dict:
 
 
 # ---------------------------------------------------------------- parent side
-@pytest.fixture(scope="module")
-def results():
-    return run_interpreter_cases(Path(__file__), [*CASES, "api", "padded", "wan"], timeout=900)
+INTERPRETER_CASES = InterpreterCases(__file__, [*CASES, "api", "padded", "wan"], timeout=900)
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_triton_backward_matches_the_reference_backward(results, name):
-    res = results[name]
+def test_triton_backward_matches_the_reference_backward(interpreter_results, name):
+    res = interpreter_results[name]
     assert "error" not in res, res.get("error")
     dtype, correction = CASES[name][8], CASES[name][9]
     assert res["finite"]
@@ -236,16 +234,16 @@ def test_triton_backward_matches_the_reference_backward(results, name):
         assert err < TOL[dtype], res["errors"]
 
 
-def test_a_triton_forward_trains_with_the_triton_backward_eager_and_compiled(results):
-    res = results["api"]
+def test_a_triton_forward_trains_with_the_triton_backward_eager_and_compiled(interpreter_results):
+    res = interpreter_results["api"]
     assert "error" not in res, res.get("error")
     assert res["reference_calls"] == 0 and res["eager_calls"] == 1 and res["compiled_calls"] == 1, res
     for err in res["eager_errors"] + res["compiled_errors"]:
         assert err < 1e-5, res
 
 
-def test_padded_head_dims_train_with_the_triton_backward(results):
-    res = results["padded"]
+def test_padded_head_dims_train_with_the_triton_backward(interpreter_results):
+    res = interpreter_results["padded"]
     assert "error" not in res, res.get("error")
     assert res["calls"] == [128, 64], res
     for D in ("96", "48"):
@@ -253,8 +251,8 @@ def test_padded_head_dims_train_with_the_triton_backward(results):
         assert max(res[D]["errors"]) < 1e-5, res
 
 
-def test_a_tiny_wan_training_step_on_the_triton_kernels_gets_the_reference_gradients(results):
-    res = results["wan"]
+def test_a_tiny_wan_training_step_on_the_triton_kernels_gets_the_reference_gradients(interpreter_results):
+    res = interpreter_results["wan"]
     assert "error" not in res, res.get("error")
     for correction in ("False", "True"):
         r = res[correction]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import interpreter_child, run_interpreter_cases
+from helpers import InterpreterCases, interpreter_child
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -346,9 +346,7 @@ def _child_main(names: list[str]) -> None:
 
 
 # ---------------------------------------------------------------- parent side (pytest)
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict:
-    return run_interpreter_cases(Path(__file__).resolve(), [*CASES, *PREP_CASES, *SPLIT_CASES, AUTO_ON_CPU])
+INTERPRETER_CASES = InterpreterCases(__file__, [*CASES, *PREP_CASES, *SPLIT_CASES, AUTO_ON_CPU])
 
 
 def _tolerance(dtype: str, ref_rel_err: float) -> float:

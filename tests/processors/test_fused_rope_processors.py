@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import interpreter_child, run_interpreter_cases
+from helpers import InterpreterCases, interpreter_child
 
 # name: (test module, tester class, make_inputs kwargs)
 CASES = {
@@ -82,9 +82,7 @@ def _run_case(name: str) -> dict:
             "half_changes": not torch.equal(fused, stock)}
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict:
-    return run_interpreter_cases(Path(__file__).resolve(), list(CASES), timeout=900)
+INTERPRETER_CASES = InterpreterCases(__file__, list(CASES), timeout=900)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -1,17 +1,13 @@
 """Centroids: the fused Triton kernel (under the interpreter on CPU) against the torch path, and dispatch."""
 
-import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from videosparse.sol.centroids import tile_centroids, tile_centroids_torch, tile_means_torch, tile_stats
 
-from helpers import rel_err
+from helpers import InterpreterCases, interpreter_child, rel_err
 
 
 CASES = [(dtype, S, block, D) for dtype in ("float32", "float16", "bfloat16")
@@ -23,7 +19,7 @@ def _interpreter_checks() -> dict:
 
     Triton decides between compiled and interpreted kernels when a function is decorated, for its
     own standard library too, so the interpreter cannot be switched on inside a process that has
-    already imported triton: these checks run as a subprocess (see `interpreter_results`).
+    already imported triton: these checks run as a subprocess (see `checks`).
     """
     from videosparse.sol.triton_centroids import tile_stats_triton
 
@@ -80,38 +76,37 @@ def _interpreter_checks() -> dict:
     return out
 
 
+INTERPRETER_CASES = InterpreterCases(__file__, ["checks"], timeout=300)
+
+
 @pytest.fixture(scope="module")
-def interpreter_results():
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def checks(interpreter_results) -> dict:
+    res = interpreter_results["checks"]
+    assert "error" not in res, res["error"]
+    return res
 
 
 @pytest.mark.parametrize("case", [f"{d}-{S}-{b}-{D}" for d, S, b, D in CASES])
-def test_triton_tile_stats_equal_torch(interpreter_results, case):
-    r = interpreter_results[case]
+def test_triton_tile_stats_equal_torch(checks, case):
+    r = checks[case]
     assert r["fp32"] and r["shapes"] and r["tile_len"]
     assert max(r["errors"]) < 1e-6, r["errors"]
 
 
-def test_triton_strided_inputs_without_q(interpreter_results):
-    r = interpreter_results["strided"]
+def test_triton_strided_inputs_without_q(checks):
+    r = checks["strided"]
     assert r["q_none"] and not r["contiguous_input"]
     assert max(r["errors"]) < 1e-6, r["errors"]
 
 
-def test_forced_triton_runs_on_cpu_under_the_interpreter(interpreter_results):
-    assert max(interpreter_results["forced"]["errors"]) < 1e-6
-    sol = interpreter_results["sol"]
+def test_forced_triton_runs_on_cpu_under_the_interpreter(checks):
+    assert max(checks["forced"]["errors"]) < 1e-6
+    sol = checks["sol"]
     assert sol["kernel"] == "triton_generic" and sol["rel"] < 1e-5, sol
 
 
-def test_triton_rejects_bad_shapes(interpreter_results):
-    shape_err, block_err = interpreter_results["bad"]
+def test_triton_rejects_bad_shapes(checks):
+    shape_err, block_err = checks["bad"]
     assert "one shape" in shape_err and "power of two" in block_err
 
 
@@ -151,4 +146,4 @@ def test_dispatch_on_cuda_matches_torch():
 
 
 if __name__ == "__main__":
-    print(json.dumps(_interpreter_checks()))
+    interpreter_child(sys.argv[1:], lambda name: _interpreter_checks())

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import interpreter_child, run_interpreter_cases
+from helpers import InterpreterCases, interpreter_child
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -96,9 +96,7 @@ def _child_main(names: list[str]) -> None:
 
 
 # ---------------------------------------------------------------- parent side (pytest)
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict:
-    return run_interpreter_cases(Path(__file__).resolve(), list(CASES))
+INTERPRETER_CASES = InterpreterCases(__file__, list(CASES))
 
 
 @pytest.mark.parametrize("name", list(CASES))

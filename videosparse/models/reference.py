@@ -142,7 +142,9 @@ class ReferenceVideoPipeline(DiffusionPipeline):
     Example:
         >>> from videosparse.models import load_reference_pipeline
         >>> pipe = load_reference_pipeline()
-        >>> video = pipe("a blue square moving up on a light background", num_inference_steps=10).frames[0]
+        >>> video = pipe("a blue square moving up on a light background", num_inference_steps=3).frames[0]
+        >>> video.shape, video.dtype                   # [T, H, W, 3] in [0, 1]; 3 steps keep the doctest short
+        ((16, 64, 64, 3), dtype('float32'))
     """
 
     model_cpu_offload_seq = "text_encoder->transformer"
