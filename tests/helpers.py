@@ -121,6 +121,8 @@ class InterpreterCases:
         self.script = Path(script).resolve()
         self.names = list(names)
         self.timeout = timeout
+        # the environment as the module is collected: a child may start while a test has monkeypatched os.environ
+        self._env = dict(os.environ, TRITON_INTERPRET="1")
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._outcome: tuple[int | None, str, str] | None = None     # (returncode, stdout, stderr)
@@ -137,7 +139,7 @@ class InterpreterCases:
         if self._stopped:
             return None, "", "the interpreter child was stopped before it ran (the test session ended)"
         tests_dir = Path(__file__).resolve().parent
-        env = dict(os.environ, TRITON_INTERPRET="1")
+        env = dict(self._env)
         env["PYTHONPATH"] = os.pathsep.join([str(tests_dir.parent), str(tests_dir), env.get("PYTHONPATH", "")])
         self._proc = subprocess.Popen([sys.executable, str(self.script), *self.names], env=env, cwd=tests_dir.parent,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -78,3 +78,14 @@ def test_the_child_runs_this_python(tmp_path):
     script = tmp_path / "which.py"
     script.write_text('import json, sys\nprint("CASE " + json.dumps({"name": "exe", "path": sys.executable}))\n')
     assert InterpreterCases(script, []).results()["exe"]["path"] == sys.executable
+
+
+def test_the_child_gets_the_environment_of_collection_not_of_a_test_running_beside_it(tmp_path, monkeypatch):
+    # a background child can start while a test has monkeypatched os.environ
+    script = tmp_path / "env.py"
+    script.write_text('import json, os\nprint("CASE " + json.dumps({"name": "env", "probe": os.environ.get("VS_PROBE"),'
+                      ' "interpret": os.environ["TRITON_INTERPRET"]}))\n')
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cases = InterpreterCases(script, [])
+    monkeypatch.setenv("VS_PROBE", "set by a later test")
+    assert cases.results()["env"] == {"probe": None, "interpret": "1"}
