@@ -6,6 +6,8 @@ The inputs are laid out by the pipeline's own segment builders (`videosparse.eva
 `Cosmos3OmniPipeline` calls the transformer.
 """
 
+import logging
+
 import pytest
 import torch
 from diffusers import Cosmos3OmniTransformer
@@ -126,6 +128,37 @@ class TestCosmos3(ProcessorTesterMixin):
         tr._cp_shard_fn = lambda und, gen, rope: (und, gen, rope)       # identity seams: one rank
         tr._cp_gather_fn = lambda und, gen: (und, gen)
         assert_runs_stock_with_one_warning(self, tr, self.make_inputs(tr), "context-parallel seams", caplog)
+
+    def test_a_processor_under_a_parallel_config_runs_stock(self, caplog, monkeypatch):
+        """Mutation find (session 64's open gap): a processor given a parallel config (as `enable_parallelism` sets
+        it) hands the call to stock. On one process stock's causal call under a config raises ("not yet supported
+        for templated attention"), so the stock call here runs with the config taken off, and is counted."""
+        tr = self.make_transformer()
+        inputs = self.make_inputs(tr)
+        ref = self.run(tr, inputs)
+        videosparse.apply(tr, videosparse.VedaConfig(density=0.3, tiling=self.tiling, block=self.block))
+        processors = [tr.get_submodule(name.rsplit(".", 1)[0]).processor for name in SERVED]
+        stock_call, stock_calls = Cosmos3AttnProcessor.__call__, []
+
+        def stock_without_the_config(proc, *args, **kwargs):
+            stock_calls.append(proc._parallel_config)
+            config, proc._parallel_config = proc._parallel_config, None
+            try:
+                return stock_call(proc, *args, **kwargs)
+            finally:
+                proc._parallel_config = config
+
+        monkeypatch.setattr(Cosmos3AttnProcessor, "__call__", stock_without_the_config)
+        config = object()                                         # a stand-in: only its presence counts
+        for proc in processors:
+            proc._parallel_config = config
+        with caplog.at_level(logging.WARNING, logger="videosparse"):
+            out = self.run(tr, inputs)
+        assert torch.equal(out, ref) and stock_calls == [config] * len(SERVED)
+        warnings = [r.message for r in caplog.records if "runs dense" in r.message]
+        assert len(warnings) == len(SERVED) and all("under a parallel config" in w for w in warnings)
+        s = sessions(tr)["transformer"].stats()
+        assert s["sparse_calls"] == 0 and s["dense_calls"] == len(SERVED)
 
 
 def test_dense_calls_run_the_stock_processor():
