@@ -143,6 +143,8 @@ class InterpreterCases:
         env["PYTHONPATH"] = os.pathsep.join([str(tests_dir.parent), str(tests_dir), env.get("PYTHONPATH", "")])
         self._proc = subprocess.Popen([sys.executable, str(self.script), *self.names], env=env, cwd=tests_dir.parent,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if self._stopped:                          # `stop` came between the check above and the start
+            self._proc.kill()
         try:
             out, err = self._proc.communicate(timeout=self.timeout)
         except subprocess.TimeoutExpired:
