@@ -15,6 +15,18 @@ import torch
 from videosparse.plan import Plan, plan_from_mask
 
 
+# the reference model (`videosparse.models.reference`) at its smallest, for tests of its plumbing, not its output
+TINY_REFERENCE = dict(num_layers=1, num_attention_heads=1, ffn_dim=64)
+TINY_REFERENCE_TEXT = dict(num_layers=1, ffn_dim=64)
+
+
+def tiny_reference_pipeline():
+    """The reference pipeline with random weights (seed 0) at the TINY_REFERENCE sizes."""
+    from videosparse.models.reference import build_reference_pipeline
+
+    return build_reference_pipeline(seed=0, transformer_overrides=TINY_REFERENCE, text_overrides=TINY_REFERENCE_TEXT)
+
+
 def load_script(name: str):
     """The module of scripts/<name>.py (scripts are not a package)."""
     path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"

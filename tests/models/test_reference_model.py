@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import TINY_REFERENCE, TINY_REFERENCE_TEXT, tiny_reference_pipeline
+
 from videosparse.models import reference as ref
 from videosparse.models.reference_data import (
     BACKGROUNDS,
@@ -39,8 +41,6 @@ from videosparse.models.reference_eval import (
 )
 from videosparse.models.reference_text import UNK_TOKEN, build_reference_tokenizer
 
-TINY = dict(num_layers=1, num_attention_heads=1, ffn_dim=64)
-TINY_TEXT = dict(num_layers=1, ffn_dim=64)
 
 
 def _to_frames(video: torch.Tensor) -> np.ndarray:
@@ -186,7 +186,7 @@ def test_high_noise_share_of_sigma_draws():
 def test_direction_prompt_gap_reports_every_noise_level():
     from videosparse.models.reference_eval import direction_prompt_gap
 
-    pipe = ref.build_reference_pipeline(seed=0, transformer_overrides=TINY, text_overrides=TINY_TEXT)
+    pipe = tiny_reference_pipeline()
     res = direction_prompt_gap(pipe, sigmas=(0.95, 0.5), num_clips=2, num_frames=4, height=16, width=16)
     assert res["sigma"] == [0.95, 0.5]
     for key in ("correct", "opposite", "empty"):
@@ -218,7 +218,7 @@ def test_tokenizer_covers_the_vocabulary():
 
 # ------------------------------------------------------------------------------------- pipeline
 def test_pipeline_round_trip_and_cache_contexts(tmp_path):
-    pipe = ref.build_reference_pipeline(seed=0, transformer_overrides=TINY, text_overrides=TINY_TEXT)
+    pipe = tiny_reference_pipeline()
     pipe.set_progress_bar_config(disable=True)
     contexts = []
     original = pipe.transformer.cache_context
@@ -309,7 +309,7 @@ def test_trained_model_follows_prompts():
 
 
 def test_random_model_does_not_follow_prompts():
-    pipe = ref.build_reference_pipeline(seed=0, transformer_overrides=TINY, text_overrides=TINY_TEXT)
+    pipe = tiny_reference_pipeline()
     pipe.set_progress_bar_config(disable=True)
     res = adherence_rate(pipe, ADHERENCE_TEST_PROMPTS, num_inference_steps=2, batch_size=8, **ADHERENCE_TEST_SIZE)
     assert res["rate"] <= 0.25
@@ -317,7 +317,7 @@ def test_random_model_does_not_follow_prompts():
 
 def test_direction_word_separation():
     """Random weights encode opposite directions as differently as different axes; the check reads near 1."""
-    pipe = ref.build_reference_pipeline(seed=0, transformer_overrides=TINY, text_overrides=TINY_TEXT)
+    pipe = tiny_reference_pipeline()
     res = direction_word_separation(pipe)
     assert 0.5 < res["opposite_over_axis"] < 2.0 and res["left_up"] > 0
 
@@ -333,7 +333,7 @@ def test_tile_mass_fraction_limits():
 
 
 def test_attention_tile_mass_restores_processors():
-    pipe = ref.build_reference_pipeline(seed=0, transformer_overrides=TINY, text_overrides=TINY_TEXT)
+    pipe = tiny_reference_pipeline()
     pipe.set_progress_bar_config(disable=True)
     before = [type(b.attn1.processor) for b in pipe.transformer.blocks]
     res = attention_tile_mass(pipe, ["a red circle moving left on a dark background"], num_frames=8, height=32,
@@ -348,7 +348,7 @@ def _train_cfg(out, **kw):
 
     base = dict(output_dir=str(out), batch_size=2, checkpoint_every=2, log_every=1, sample_steps=1,
                 num_frames=4, height=16, width=16, alt_sizes=((4, 8, 8),), p_default_size=0.5,
-                max_batch_size=4, transformer_overrides=TINY, text_overrides=TINY_TEXT)
+                max_batch_size=4, transformer_overrides=TINY_REFERENCE, text_overrides=TINY_REFERENCE_TEXT)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -414,10 +414,10 @@ def test_position_channels_widen_a_plain_model_without_changing_it(tmp_path):
     assert torch.equal(ramps[0, 0, :, 0, 0], torch.tensor([-1.0, 0.0, 1.0]))          # t
     assert torch.equal(ramps[0, 2, 0, 0], torch.linspace(-1, 1, 5))                     # x
     train(_train_cfg(tmp_path / "a", max_steps=1, checkpoint_every=10,
-                     transformer_overrides={**TINY, "in_channels": 3}))
+                     transformer_overrides={**TINY_REFERENCE, "in_channels": 3}))
     wide = train(_train_cfg(tmp_path / "b", max_steps=1, checkpoint_every=10, learning_rate=0.0,
                             init_from=str(tmp_path / "a" / "export"),
-                            transformer_overrides={**TINY, "in_channels": 6}))
+                            transformer_overrides={**TINY_REFERENCE, "in_channels": 6}))
     a = ref.load_reference_pipeline(path=tmp_path / "a" / "export")
     b = ref.load_reference_pipeline(path=wide["export_dir"])
     assert b.transformer.config.in_channels == 6 and b.transformer.config.out_channels == 3
@@ -490,7 +490,7 @@ def test_train_config_refuses_sizes_and_rates_that_would_fail_mid_run():
 def test_pipeline_refuses_bad_calls_and_repeats_given_embeddings():
     """Review finds: 0 steps returned the initial noise; latents of another size gave frames of that size; a bad
     output_type failed after every step; given prompt_embeds with num_videos_per_prompt=2 crashed."""
-    pipe = ref.build_reference_pipeline(seed=0, transformer_overrides=TINY, text_overrides=TINY_TEXT)
+    pipe = tiny_reference_pipeline()
     pipe.set_progress_bar_config(disable=True)
     kw = dict(num_frames=4, height=16, width=16, num_inference_steps=1, output_type="latent")
     for bad, match in ((dict(num_inference_steps=0), "num_inference_steps=0 must be an int >= 1"),
@@ -512,7 +512,7 @@ def test_direction_prompt_gap_runs_in_half_precision():
     """Review find: its fp32 noise levels promoted the bf16 clip to fp32 ahead of bf16 weights (a RuntimeError)."""
     from videosparse.models.reference_eval import direction_prompt_gap
 
-    pipe = ref.build_reference_pipeline(seed=0, transformer_overrides=TINY, text_overrides=TINY_TEXT)
+    pipe = tiny_reference_pipeline()
     pipe.to(torch.bfloat16)
     res = direction_prompt_gap(pipe, sigmas=(0.5,), num_clips=1, num_frames=4, height=16, width=16)
     assert all(math.isfinite(res[k][0]) for k in ("correct", "opposite", "empty"))

@@ -11,6 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers import TINY_REFERENCE, TINY_REFERENCE_TEXT, tiny_reference_pipeline
+
 from videosparse.models import reference as ref
 from videosparse.models.reference_data import (
     DIRECTIONS,
@@ -32,14 +34,12 @@ from videosparse.models.reference_train import (
     latest_checkpoint,
 )
 
-TINY = dict(num_layers=1, num_attention_heads=1, ffn_dim=64)
-TINY_TEXT = dict(num_layers=1, ffn_dim=64)
 CALL = dict(num_frames=4, height=16, width=16, num_inference_steps=1, output_type="latent")
 
 
 @pytest.fixture(scope="module")
 def pipe():
-    p = ref.build_reference_pipeline(seed=0, transformer_overrides=TINY, text_overrides=TINY_TEXT)
+    p = tiny_reference_pipeline()
     p.set_progress_bar_config(disable=True)
     return p
 
@@ -209,8 +209,8 @@ def test_export_keeps_float32_modules_and_the_run_shift(pipe, tmp_path):
     assert weights["scale_shift_table"].dtype == weights["blocks.0.norm2.weight"].dtype == torch.float32
     assert weights["patch_embedding.weight"].dtype == torch.float16
     assert pipe.transformer.patch_embedding.weight.dtype == torch.float32          # the live model is not cast
-    assert json.load(open(os.path.join(out, "training_stages.json"))) == {"stages": [{"stage": 1}]}
-
+    with open(os.path.join(out, "training_stages.json")) as f:
+        assert json.load(f) == {"stages": [{"stage": 1}]}
 
 
 def test_warmup_starts_at_one_step_of_the_ramp(tmp_path):
@@ -219,9 +219,11 @@ def test_warmup_starts_at_one_step_of_the_ramp(tmp_path):
 
     train(TrainConfig(output_dir=str(tmp_path), max_steps=1, warmup_steps=4, learning_rate=1e-3, batch_size=1,
                       max_batch_size=1, num_frames=2, height=8, width=8, alt_sizes=None, log_every=1,
-                      checkpoint_every=10, sample_steps=1, transformer_overrides=TINY, text_overrides=TINY_TEXT))
+                      checkpoint_every=10, sample_steps=1, transformer_overrides=TINY_REFERENCE,
+                      text_overrides=TINY_REFERENCE_TEXT))
     with open(tmp_path / "loss_log.jsonl") as f:
         assert json.loads(f.readline())["lr"] == pytest.approx(5e-4)       # after step 1: min(1, (1 + 1) / 4) * lr
+
 
 # ------------------------------------------------------------------------------------- script
 def test_training_script_none_in_any_case_and_a_config_file(tmp_path):
