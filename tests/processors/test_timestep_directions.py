@@ -1,7 +1,8 @@
 """`ModelSpec.timestep_direction` against the pipelines: each family's tiny pipeline (built from the other tests'
 helpers) runs 3 steps while a forward pre-hook reads the value step counting by timestep compares (the spec's
-`step_timestep`, else the forward's `timestep`; its largest entry), which must move only in the declared direction, and
-a `TimestepCounter` told that direction counts one step per distinct value, never starting again within the call."""
+`step_timestep`, else the forward's `timestep`; the mean of its entries), which must move only in the declared
+direction, and a `TimestepCounter` told that direction counts one step per distinct value, never starting again
+within the call."""
 
 import sys
 import types
@@ -17,11 +18,11 @@ from videosparse.processors.steps import TimestepCounter
 
 
 def counted_timestep(transformer, args, kwargs) -> float | None:
-    """What the context hook's `_step` hands the step counter (`TimestepCounter.step` then takes the largest entry)."""
+    """What the context hook's `_step` hands the step counter, as `TimestepCounter.step` reads it (the mean)."""
     spec = model_spec(transformer)
     t = (spec.step_timestep(transformer, args, kwargs) if spec.step_timestep is not None else
          forward_arg(args, kwargs, "timestep", 1))
-    return None if t is None else float(torch.as_tensor(t).detach().flatten().max())
+    return None if t is None else float(torch.as_tensor(t).detach().flatten().double().mean())
 
 
 def _image(height, width, seed=0):

@@ -119,9 +119,8 @@ class SparseContextHook(ModelHook):
         self._warned_training = False
         self._warned_replaced = False
         self._checkpointing: list[torch.nn.Module] = []     # set in `initialize_hook`
-        # (scheduler, its timesteps, step_index) as weak references and a value, recorded when a pipeline call ended
-        # while the applied pipeline's scheduler was mid-schedule, or had no step counter: a counter its aborted call
-        # left, or a finished schedule (`_other_driver`)
+        # (scheduler, its timesteps, step_index) as weak references and a value, recorded when a pipeline call ended:
+        # what the applied pipeline's scheduler held then, which no call of it is using (`_other_driver`)
         self._stale_counter: tuple | None = None
 
     def initialize_hook(self, module):
@@ -318,11 +317,12 @@ class SparseContextHook(ModelHook):
                 begin = getattr(scheduler, "begin_index", None)
                 return (begin if isinstance(begin, int) else 0), num_steps
             return best, num_steps
+        if t is not None and (getattr(self.session.config, "dense_steps", 0) or self.session.observers):
+            # no scheduler: by timestep, with or without a cache context (a pipeline that opens none, a loop of the
+            # user's own), which also starts again after a call that raised (reading it syncs the host once a
+            # forward, so only where a dense-step schedule or an observer needs the step)
+            return self.session.timestep_counter.step(t, self.timestep_direction), num_steps
         if cache_ctx is not None:
-            if t is not None and (getattr(self.session.config, "dense_steps", 0) or self.session.observers):
-                # no scheduler: by timestep, which also starts again after a call that raised (reading it syncs
-                # the host once a forward, so only where a dense-step schedule or an observer needs the step)
-                return self.session.timestep_counter.step(t, self.timestep_direction), num_steps
             state = self.state_manager.get_state()
             state.calls += 1
             return state.calls - 1, num_steps
@@ -364,9 +364,9 @@ class SparseContextHook(ModelHook):
         never set for a call (its table is then the training schedule), has finished its own call (a driving
         scheduler is reset by `set_timesteps` before the first forward) or holds the counter it held when a pipeline
         call last ended (`reset_state`): no call of it was running then, so that counter was left by one that ended
-        early (an exception, or `_interrupt`). Such a counter cannot be told from a live one without reading the
-        timestep from the device on every forward before a call ends: the first call of another pipeline after it
-        reads it."""
+        early (an exception, or `_interrupt`), or the schedule was set again after the loop (Wan-Animate). Such a
+        counter cannot be told from a live one without reading the timestep from the device on every forward before a
+        call ends: the first call of another pipeline after it reads it."""
         if not self.session.made_by_apply:
             return False                     # `processors(...)` on a bare transformer: the scheduler given, or none
         if scheduler is None or timesteps is None or not len(timesteps):
@@ -402,13 +402,13 @@ class SparseContextHook(ModelHook):
         self._stale_counter = None
         scheduler = self.session.scheduler if self.session.made_by_apply else None
         timesteps = getattr(scheduler, "timesteps", None)
-        counted = getattr(scheduler, "step_index", None)
-        # a counter left mid-schedule (an aborted call), or a schedule without a counter (CogVideoX's schedulers):
-        # while it stays unchanged, another pipeline drives the calls
-        stale = isinstance(counted, int) and 0 <= counted < len(timesteps) if torch.is_tensor(timesteps) else False
-        no_counter = torch.is_tensor(timesteps) and not hasattr(scheduler, "step_index")
-        if stale or no_counter:
-            self._stale_counter = (weakref.ref(scheduler), weakref.ref(timesteps), counted)
+        # whatever the call left is stale while it stays unchanged (the applied pipeline's next call sets a new
+        # schedule before its first forward): a counter left mid-schedule (an aborted call), a schedule without a
+        # counter (CogVideoX's schedulers), or one set again for a next loop that never ran (Wan-Animate resets
+        # its scheduler after each segment, the last included, which reads as a call about to start)
+        if torch.is_tensor(timesteps) and len(timesteps):
+            self._stale_counter = (weakref.ref(scheduler), weakref.ref(timesteps),
+                                   getattr(scheduler, "step_index", None))
 
 
 class _ContextLink(HookFunctionReference):
@@ -487,6 +487,8 @@ def register_context_hook(transformer: torch.nn.Module, session: SparseSession, 
     """
     registry = HookRegistry.check_if_exists_or_initialize(transformer)
     hook = SparseContextHook(session, grid_fn, step_timestep, timestep_direction)
+    if not hasattr(transformer, "_reset_stateful_cache"):
+        transformer.__dict__["_reset_stateful_cache"] = _CallEndSignal(transformer)
     offload = getattr(transformer, "_hf_hook", None) is not None and "_old_forward" in transformer.__dict__
     outer = transformer.__dict__.get("forward")
     if offload:
@@ -507,6 +509,24 @@ def register_context_hook(transformer: torch.nn.Module, session: SparseSession, 
         at = 0 if inside is None else inside + 1
         registry._hook_order.insert(at, registry._hook_order.pop())
         registry._fn_refs.insert(at, registry._fn_refs.pop())
+
+
+class _CallEndSignal:
+    """The end of every pipeline call for transformers without diffusers' `CacheMixin` (ConsisID, EasyAnimate, AnyFlow,
+    Cosmos 1, Wan-Animate-2): set as the transformer's `_reset_stateful_cache` while the context hook is on, so that
+    diffusers' `maybe_free_model_hooks`, which calls that on each component that has it, reaches the hook's
+    `reset_state` as it does on the other families (the step count restarts, the applied pipeline's schedule is
+    known stale). It resets only the context hook, not other stateful hooks, which stock would not reset there."""
+
+    def __init__(self, transformer: torch.nn.Module) -> None:
+        self._transformer = weakref.ref(transformer)
+
+    def __call__(self, recurse: bool = True) -> None:
+        transformer = self._transformer()
+        registry = getattr(transformer, "_diffusers_hook", None) if transformer is not None else None
+        hook = registry.get_hook(CONTEXT_HOOK) if registry is not None else None
+        if hook is not None:
+            hook.reset_state(transformer)
 
 
 def _registry_link(registry: HookRegistry, forward) -> int | None:
@@ -536,6 +556,8 @@ def remove_context_hook(transformer: torch.nn.Module) -> bool:
     pass-through and leaves the registry, the references we know of (`_old_forward`, the next hook's link, its
     `original_forward` for a hook with its own `new_forward`) are pointed past it, and `forward` stays.
     """
+    if isinstance(transformer.__dict__.get("_reset_stateful_cache"), _CallEndSignal):
+        del transformer.__dict__["_reset_stateful_cache"]
     registry = getattr(transformer, "_diffusers_hook", None)
     hook = registry.get_hook(CONTEXT_HOOK) if registry is not None else None
     if hook is None:

@@ -33,9 +33,12 @@ class TimestepCounter:
         self.count_before = 0                # ... and the count it restarted from (given back if the call confirms it)
 
     def step(self, t, expected: int = 0) -> int:
-        """The step index of a forward at timestep `t` (the noisiest entry of a per-token timestep); `expected`: the
-        schedule direction the caller knows its model family to have (-1 / +1), 0 when it does not know it."""
-        value = float(torch.as_tensor(t).detach().flatten().max())
+        """The step index of a forward at timestep `t`; `expected`: the schedule direction the caller knows its model
+        family to have (-1 / +1), 0 when it does not know it. A per-item, per-frame or per-token timestep counts by its
+        mean, which moves at every step (the noisiest entry does not: SkyReels V2's diffusion forcing holds its
+        newest frames at the schedule's first entry while older ones step on; clean frames' zeros, Wan 2.2 TI2V's,
+        stay where they are)."""
+        value = float(torch.as_tensor(t).detach().flatten().double().mean())
         if self.last is not None and value != self.last:
             move = 1 if value > self.last else -1
             if self.direction:
