@@ -317,3 +317,23 @@ def test_the_reference_backend_keeps_o_s_d_for_backward_and_ignores_keys_that_do
     out, lse = block_sparse_attention(q, k2, v2, plan, backend="reference", return_lse=True)
     grads = torch.autograd.grad(out.sum() + lse.sum(), (q, k2, v2))
     assert all(t[:, :, :1500].isfinite().all() for t in grads) and grads[0].isfinite().all()
+
+
+@pytest.mark.parametrize("learned", ["k_mean", "v_sum"])
+def test_one_learned_centroid_gets_its_gradient(learned):
+    """Mutation find (session 66): the lean backward gated d_k_mean on v_sum's needs_input_grad, so a learned k_mean
+    beside a fixed v_sum got no gradient; each alone must get autograd's through the reference loop."""
+    from videosparse.kernels.reference import reference_attention
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 200, 32, generator=g, dtype=torch.float64) for _ in range(3))
+    k_mean, v_sum, tile_len = tile_centroids_torch(k, v, 32)
+    plan = random_plan(1, 2, 200, 64, 32, 0.4, seed=5)
+    grads = []
+    for attend in (lambda p: block_sparse_attention(q, k, v, p, scale=0.3, backend="reference", return_lse=True),
+                   lambda p: reference_attention(q, k, v, p, 0.3, return_lse=True)):
+        km, vs = k_mean.clone().requires_grad_(learned == "k_mean"), v_sum.clone().requires_grad_(learned == "v_sum")
+        out, lse = attend(plan.with_correction(km, vs, tile_len))
+        (out.square().sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()).backward()
+        grads.append(km.grad if learned == "k_mean" else vs.grad)
+    assert grads[0] is not None and rel_err(grads[0], grads[1]) < 1e-10
