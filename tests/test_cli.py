@@ -127,6 +127,19 @@ def test_generate_writes_playable_mp4(tmp_path):
     assert summary["dense"]["arm"] == "stock processors" and summary["dense"]["speedup"] > 0
 
 
+def test_generate_json_dash_prints_the_summary_alone_on_stdout(tmp_path):
+    """Exploratory find (session 66): `--json -` wrote a file named '-' in the working folder; it now prints the
+    summary to stdout, the only thing there (what the command prints else goes to stderr), for `| jq`."""
+    cmd = [sys.executable, "-m", "videosparse.cli", "generate", "--frames", "5", "--height", "64", "--width", "96",
+           "--steps", "2", "--density", "0.5", "--tiling", "1x8x16", "--out", "v.mp4", "--json", "-"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    summary = json.loads(res.stdout)
+    assert summary["stats"]["transformer"]["sparse_calls"] > 0 and summary["seed"] == 0
+    assert "video written to" in res.stderr and "realised density" in res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v.mp4"]
+
+
 def test_generate_explains_a_sparse_arm_slower_than_dense():
     from videosparse.cli.generate import slower_than_dense_note
 

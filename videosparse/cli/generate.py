@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
+import sys
 from pathlib import Path
 
 from .._run_checks import check_device, check_output, check_seed
@@ -32,7 +34,8 @@ def add_parser(sub, common: argparse.ArgumentParser) -> None:
                    help="output video path (.mp4, .mkv, .mov or .avi; an existing file is replaced)")
     p.add_argument("--image", default=None, help="first-frame image (path or URL) for image-to-video pipelines")
     p.add_argument("--compare-dense", action="store_true", help="also run dense with the same seed and compare")
-    p.add_argument("--json", default=None, help="also write the summary as JSON here")
+    p.add_argument("--json", default=None,
+                   help="also write the summary as JSON here; '-': to stdout (the other lines then go to stderr)")
     p.set_defaults(func=run)
 
 
@@ -58,6 +61,16 @@ def slower_than_dense_note(speedup: float) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The command; with `--json -` the summary is the only thing on stdout (what it prints else goes to stderr), so
+    that `videosparse generate ... --json - | jq .speedup` reads it."""
+    if args.json != "-":
+        return _run(args, summary_stream=None)
+    summary_stream = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        return _run(args, summary_stream)
+
+
+def _run(args: argparse.Namespace, summary_stream) -> int:
     from ..eval.generate import (MAX_FPS, check_call_flags, check_config_applies, check_video_writer, dense_comparison,
                                  generate, warm_up, work_fraction, write_video)
     from ..eval.spec import check_config_files
@@ -67,13 +80,14 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name}={value} must be a positive integer.")
-    for flag, path in (("--out", args.out), ("--json", args.json)):    # (a trailing separator too, which Path drops)
+    json_file = args.json if summary_stream is None else None
+    for flag, path in (("--out", args.out), ("--json", json_file)):    # (a trailing separator too, which Path drops)
         if path is not None:
             check_output(flag, path)
     if Path(args.out).suffix.lower() not in VIDEO_SUFFIXES:
         raise ValueError(f"--out {args.out!r} needs a video file extension, one of {', '.join(VIDEO_SUFFIXES)} "
                          "(checked before the pipeline runs).")
-    if args.json is not None and Path(args.json).resolve() == Path(args.out).resolve():
+    if json_file is not None and Path(json_file).resolve() == Path(args.out).resolve():
         raise ValueError(f"--json {args.json!r} is the --out video's path; give the summary its own file.")
     check_seed("--seed", args.seed)
     if not 1 <= args.fps <= MAX_FPS:
@@ -164,13 +178,18 @@ def run(args: argparse.Namespace) -> int:
         from .._io import to_jsonable, write_atomic
 
         text = json.dumps(to_jsonable(summary), indent=2, default=str)       # inf PSNR as "inf": strict JSON
-        try:
-            write_atomic(args.json, text)
-        except OSError as err:
-            raise OSError(f"--json {err}") from None
+        if summary_stream is not None:
+            summary_stream.write(text + "\n")
+            summary_stream.flush()
+        else:
+            try:
+                write_atomic(args.json, text)
+            except OSError as err:
+                raise OSError(f"--json {err}") from None
     if video_error is not None:
+        where = "on stdout" if summary_stream is not None else f"in {args.json!r}"
         raise OSError(f"the video {args.out!r} could not be written: {video_error}"
-                      + (f" (the summary is in {args.json!r})" if args.json else ""))
+                      + (f" (the summary is {where})" if args.json else ""))
     return 0
 
 
