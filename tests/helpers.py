@@ -228,3 +228,17 @@ def gradient_free_centroid_kernel(monkeypatch) -> None:
 
     monkeypatch.setattr(centroids, "_use_triton", lambda x, backend: backend in ("auto", "triton"))
     monkeypatch.setattr(triton_centroids, "tile_stats_triton", no_grad_stats)
+
+
+def catch_probe_outputs(monkeypatch) -> dict:
+    """Spy on `eval.attention`'s kernels: the dict gets the first sparse output ("sparse") and the first dense
+    (output, tile mass) pair ("dense") an `AttentionProbe` computes, to recompute its numbers from them."""
+    from videosparse.eval import attention
+
+    outputs = {}
+    real_sparse, real_dense = attention.block_sparse_attention, attention.dense_attention_tile_mass
+    monkeypatch.setattr(attention, "block_sparse_attention",
+                        lambda *a, **kw: outputs.setdefault("sparse", real_sparse(*a, **kw)))
+    monkeypatch.setattr(attention, "dense_attention_tile_mass",
+                        lambda *a, **kw: outputs.setdefault("dense", real_dense(*a, **kw)))
+    return outputs

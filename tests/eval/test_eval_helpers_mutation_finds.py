@@ -16,6 +16,8 @@ from videosparse.eval.attention import AttentionProbe, spread_steps
 from videosparse.eval.metrics import relative_l2
 from videosparse.eval.video import side_by_side
 
+from helpers import catch_probe_outputs
+
 
 def _stored(x: float) -> np.float32:
     """A value in [0, 1] as it comes back from an 8-bit frame."""
@@ -100,12 +102,7 @@ def _qkv(B=2, S=384, H=2, D=64, seed=0):
 
 def test_probe_per_head_errors_are_means_over_the_batch(session, monkeypatch):
     # Mutation find: the per-head errors were those of the first batch item only
-    outputs = {}
-    real_sparse, real_dense = attention.block_sparse_attention, attention.dense_attention_tile_mass
-    monkeypatch.setattr(attention, "block_sparse_attention",
-                        lambda *a, **kw: outputs.setdefault("sparse", real_sparse(*a, **kw)))
-    monkeypatch.setattr(attention, "dense_attention_tile_mass",
-                        lambda *a, **kw: outputs.setdefault("dense", real_dense(*a, **kw)))
+    outputs = catch_probe_outputs(monkeypatch)
     probe = AttentionProbe(session)
     probe(_record(*_qkv(), (3, 8, 16)))
     (entry,) = probe.entries

@@ -13,6 +13,8 @@ from videosparse.eval.metrics import (dense_attention_tile_mass, load_lpips, psn
 from videosparse._io import from_jsonable, to_jsonable
 from videosparse.plan import plan_from_mask
 
+from helpers import catch_probe_outputs
+
 
 def _video(seed=0, shape=(3, 32, 40, 3)):
     rng = np.random.default_rng(seed)
@@ -276,17 +278,11 @@ def test_attention_probe_divides_the_calls_error_by_the_dense_output(monkeypatch
     """Mutation testing: the headline per-call attn rel L2 must be ||sparse - dense|| / ||dense|| (as the per-head
     values), not divided by ||sparse||; the probe's own sparse and dense outputs are caught and the number recomputed."""
     import videosparse
-    from videosparse.eval import attention
     from videosparse.eval.attention import AttentionProbe
     from videosparse.models.tiny_wan import build_tiny_wan_pipeline
     from videosparse.processors import observe
 
-    outputs = {}
-    real_sparse, real_dense = attention.block_sparse_attention, attention.dense_attention_tile_mass
-    monkeypatch.setattr(attention, "block_sparse_attention",
-                        lambda *a, **kw: outputs.setdefault("sparse", real_sparse(*a, **kw)))
-    monkeypatch.setattr(attention, "dense_attention_tile_mass",
-                        lambda *a, **kw: outputs.setdefault("dense", real_dense(*a, **kw)))
+    outputs = catch_probe_outputs(monkeypatch)
     torch.manual_seed(0)
     tr = build_tiny_wan_pipeline().transformer
     kw = dict(hidden_states=torch.randn(1, 4, 3, 16, 24, generator=torch.Generator().manual_seed(0)),
