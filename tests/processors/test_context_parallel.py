@@ -106,7 +106,10 @@ def _rank(rank: int, world: int, port: int) -> None:
             if isinstance(config, videosparse.SolConfig) and config.tau is None:
                 taus = [[v["tau"] for v in sessions(t)["transformer"].method.calibrations().values()]
                         for t in (single, tr)]
-                assert taus[0] == taus[1] and len(taus[0]) == 2, (rank, taus)
+                # the same calibration up to float32 rounding (the gathered heads' sums run in another order: 1.2e-7
+                # apart in one CPU run of 2026-12-07); a rank calibrating on its own heads alone finds another tau
+                assert len(taus[0]) == len(taus[1]) == 2, (rank, taus)
+                assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(*taus)), (rank, taus)
             stats = sessions(tr)["transformer"].stats()
             assert stats["sparse_calls"] == 2 and stats["dense_calls"] == 0, (name, stats)
             # review 54: each rank counts the plans of its own heads; all_ranks=True gives the model's density

@@ -317,10 +317,13 @@ class SparseContextHook(ModelHook):
                 begin = getattr(scheduler, "begin_index", None)
                 return (begin if isinstance(begin, int) else 0), num_steps
             return best, num_steps
-        if t is not None and (getattr(self.session.config, "dense_steps", 0) or self.session.observers):
-            # no scheduler: by timestep, with or without a cache context (a pipeline that opens none, a loop of the
-            # user's own), which also starts again after a call that raised (reading it syncs the host once a
-            # forward, so only where a dense-step schedule or an observer needs the step)
+        dense_steps = getattr(self.session.config, "dense_steps", 0)
+        # no scheduler: by timestep, which also starts again after a call that raised (reading it syncs the host once
+        # a forward, so only where a dense-step schedule or an observer needs the step); without a cache context (a
+        # pipeline that opens none, a loop of the user's own) only for a count of dense steps, which holds there
+        # (a fraction needs the step count, which no such call gives; observers there count their forwards)
+        counted_dense = isinstance(dense_steps, int) and not isinstance(dense_steps, bool) and dense_steps > 0
+        if t is not None and (counted_dense if cache_ctx is None else (dense_steps or self.session.observers)):
             return self.session.timestep_counter.step(t, self.timestep_direction), num_steps
         if cache_ctx is not None:
             state = self.state_manager.get_state()
