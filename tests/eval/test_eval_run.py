@@ -142,6 +142,43 @@ def test_a_rerun_with_other_attention_sampling_summarises_only_its_own_cells(eva
         dataclasses.replace(settings, attn_steps=[])
 
 
+def test_a_rerun_notes_speedups_across_runs_and_drops_the_heatmap_it_was_not_asked_for(evaluated, loaded, tmp_path):
+    """Exploratory finds: a rerun's new method was compared with dense cells timed by an earlier process, and the
+    report did not say so; with --attn-cells 0 the run still wrote an (empty) error heatmap, or kept an earlier
+    run's, which then misread as this run's."""
+    import shutil
+
+    out, settings, first = evaluated
+    assert first["notes"] == [n for n in first["notes"] if "timed" not in n]
+    assert len({c["timed_in"] for c in first["cells"].values()}) == 1
+    copy = str(tmp_path / "copy")
+    shutil.copytree(out, copy)
+    rerun = EvalSettings(parse_method_specs(["dense", "sol@0.5", "sol@0.25"]), BUILTIN_PROMPTS[:1], [0], dict(CALL),
+                         attn_cells=0)
+    report = run_evaluation(loaded, rerun, copy, progress=False)
+    assert report["run_stats"]["computed"] == 1
+    runs = {label: report["summary"][label]["timed_in"] for label in ("dense", "sol@0.5", "sol@0.25")}
+    assert runs["dense"] == runs["sol@0.5"] != runs["sol@0.25"] and len(runs["sol@0.25"]) == 1
+    timed = [n for n in report["notes"] if "timed" in n]
+    assert len(timed) == 1 and timed[0].startswith("sol@0.25: its cells were timed in another run than dense")
+    assert "plots/attention_error_heatmap.png" not in report["artifacts"]["plots"]
+    assert not os.path.exists(os.path.join(copy, "plots", "attention_error_heatmap.png"))
+    assert "in another run than dense" in open(os.path.join(copy, "report.md")).read()
+
+
+def test_rerun_timing_notes_name_each_method_timed_apart_from_dense():
+    from videosparse.eval.evaluate import UNRECORDED_RUN, rerun_timing_notes
+
+    summary = {"dense": {"timed_in": ["a"]}, "same": {"timed_in": ["a"]}, "other": {"timed_in": ["b"]},
+               "mixed": {"timed_in": ["a", "b"]}, "older": {"timed_in": [UNRECORDED_RUN]}, "none": {}}
+    notes = rerun_timing_notes(summary)
+    assert [n.split(":")[0] for n in notes] == ["other", "mixed", "older"]
+    assert "in another run than dense" in notes[0] and "over 2 runs" in notes[1]
+    both = rerun_timing_notes({"dense": {"timed_in": ["a", "b"]}, "m": {"timed_in": ["a", "b"]}})
+    assert [n.split(":")[0] for n in both] == ["dense", "m"] and all("over 2 runs" in n for n in both)
+    assert rerun_timing_notes({}) == []
+
+
 def test_other_settings_refuse_the_directory(evaluated, loaded):
     out, settings, _ = evaluated
     other = EvalSettings(settings.methods, settings.prompts, [0], dict(CALL, num_inference_steps=3))

@@ -25,11 +25,13 @@ What one run does, cell by cell (a cell is one method, one prompt, one seed):
    relative L2 error of the attention output vs exact dense attention on the same q, k, v, tile
    recall vs the oracle, attention mass kept.
 3. **Outputs.** `report.json` (every number, versions, device, shapes, configs; saved after every
-   cell), `report.md`, `plots/` (quality vs density, per-layer error heatmap, speedup vs density
-   with the Amdahl estimate), `videos/` (one side-by-side mp4 per prompt: dense | method | ...).
+   cell), `report.md`, `plots/` (quality vs density, per-layer error heatmap unless `attn_cells` is
+   0, speedup vs density with the Amdahl estimate), `videos/` (one side-by-side mp4 per prompt:
+   dense | method | ...).
 
 A rerun with the same model and call settings skips every cell already in report.json (new
-methods, prompts or seeds are added); other settings raise unless `overwrite=True`.
+methods, prompts or seeds are added; each cell records the run that timed it, and the report notes
+speedups that compare runs); other settings raise unless `overwrite=True`.
 """
 
 from __future__ import annotations
@@ -252,6 +254,29 @@ def timing_spread_notes(summary: dict[str, dict], ratio: float = 1.5) -> list[st
     return notes
 
 
+UNRECORDED_RUN = "a run before runs were recorded"
+
+
+def rerun_timing_notes(summary: dict[str, dict]) -> list[str]:
+    """A note for each method timed in another run of the evaluation than the dense one (the first label of
+    `summary`), or over several runs (a rerun into the same directory joins its cells to the report's), from the
+    summary's `timed_in` (the runs that timed its cells): its speedups compare separate processes, whose clocks,
+    caches and compiled kernels can differ."""
+    rows = list(summary.items())
+    if not rows:
+        return []
+    dense_label, dense = rows[0]
+    notes = []
+    for label, row in rows:
+        runs, base = row.get("timed_in") or [], dense.get("timed_in") or []
+        if not runs or not base or (runs == base and len(runs) == 1):
+            continue
+        where = f"over {len(runs)} runs of the evaluation" if len(runs) > 1 else f"in another run than {dense_label}"
+        notes.append(f"{label}: its cells were timed {where} (a rerun into this directory joins its cells to the "
+                     "report): its speedups compare separate processes; --overwrite times every method in one run.")
+    return notes
+
+
 def psnr_notes(summary: dict[str, dict], near_identical_db: float = 60.0) -> list[str]:
     """Report notes on PSNRs a reader could misread, from the summary's cell counts: cells whose video has NaN
     pixels (a broken output, not a metric left out), and a mean over cells more than 3 dB above the pooled PSNR
@@ -346,6 +371,8 @@ class Evaluation:
         self._lpips = None
         self._lpips_note: str | None = None
         self._contexts: dict = {}
+        # which process timed a cell: a rerun's cells join the report, and their speedups then compare processes
+        self.run_started = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} pid {os.getpid()}"
         self.computed = 0               # cells
         self.skipped = 0
         self.attention_computed = 0     # attention-level passes
@@ -420,6 +447,7 @@ class Evaluation:
             "attention_calls": len(timer.attention_s),
             "realised_density": density, "attention_work": work,
             "layer_density": _layer_densities(result.stats), "stats": result.stats,
+            "timed_in": self.run_started,
         }
         # both sides as stored (fp16): dense frames come back from disk, so the method's are rounded alike
         frames = stored.astype(result.frames.dtype)
@@ -553,6 +581,7 @@ class Evaluation:
                 "attention_samples": len(probes),
                 "attn_steps": sorted({e["step"] for e in probes}),
                 "attn_rel_l2_by_step": _by_step(probes, "rel_l2"), "tile_recall_by_step": _by_step(probes, "recall"),
+                "timed_in": sorted({r.get("timed_in") or UNRECORDED_RUN for r in mine}),
                 "wall_s": median("wall_s"), "transformer_s": median("transformer_total_s"),
                 "attention_s": median("attention_s"), "plan_s": median("plan_s"),
                 "kernels": sorted({comp["kernel_backend"] for r in mine for comp in (r.get("stats") or {}).values()
@@ -645,12 +674,16 @@ class Evaluation:
         d = os.path.join(self.out_dir, "plots")
         name = self.loaded.name
         dense = summary[self.settings.methods[0].label]
+        heatmap = os.path.join(d, "attention_error_heatmap.png")
         paths = [
             plot_quality_vs_density(summary, os.path.join(d, "quality_vs_density.png"), f"Quality vs density: {name}"),
-            plot_error_heatmap(self._summarized_attention(), os.path.join(d, "attention_error_heatmap.png")),
             plot_speedup_vs_density(summary, dense.get("attention_share"), os.path.join(d, "speedup_vs_density.png"),
                                     f"Transformer speedup: {name}"),
         ]
+        if self.settings.attn_cells:
+            paths.insert(1, plot_error_heatmap(self._summarized_attention(), heatmap))
+        elif os.path.exists(heatmap):       # no attention-level pass asked for: an earlier run's map would misread
+            os.remove(heatmap)
         return [os.path.relpath(p, self.out_dir) for p in paths]
 
     def finish(self) -> dict:
@@ -668,7 +701,7 @@ class Evaluation:
                             for layer in comp.get("layers", {}).values() for reason in layer.get("fallbacks", [])})
         if fallbacks:
             notes.append("Some calls fell back to dense attention: " + "; ".join(fallbacks))
-        notes += psnr_notes(summary) + timing_spread_notes(summary)
+        notes += psnr_notes(summary) + timing_spread_notes(summary) + rerun_timing_notes(summary)
         videos, video_error = self.write_videos()
         if video_error:
             notes.append(f"Side-by-side videos not written ({video_error}); the frames are in frames/*.npy.")
