@@ -149,7 +149,7 @@ def test_a_rerun_notes_speedups_across_runs_and_drops_the_heatmap_it_was_not_ask
     import shutil
 
     out, settings, first = evaluated
-    assert first["notes"] == [n for n in first["notes"] if "timed" not in n]
+    assert not [n for n in first["notes"] if "a rerun into this" in n]
     assert len({c["timed_in"] for c in first["cells"].values()}) == 1
     copy = str(tmp_path / "copy")
     shutil.copytree(out, copy)
@@ -159,24 +159,24 @@ def test_a_rerun_notes_speedups_across_runs_and_drops_the_heatmap_it_was_not_ask
     assert report["run_stats"]["computed"] == 1
     runs = {label: report["summary"][label]["timed_in"] for label in ("dense", "sol@0.5", "sol@0.25")}
     assert runs["dense"] == runs["sol@0.5"] != runs["sol@0.25"] and len(runs["sol@0.25"]) == 1
-    timed = [n for n in report["notes"] if "timed" in n]
-    assert len(timed) == 1 and timed[0].startswith("sol@0.25: its cells were timed in another run than dense")
+    timed = [n for n in report["notes"] if "a rerun into this" in n]
+    assert len(timed) == 1 and timed[0].startswith("sol@0.25: timed in another run than dense")
     assert "plots/attention_error_heatmap.png" not in report["artifacts"]["plots"]
     assert not os.path.exists(os.path.join(copy, "plots", "attention_error_heatmap.png"))
     assert "in another run than dense" in open(os.path.join(copy, "report.md")).read()
 
 
 def test_rerun_timing_notes_name_each_method_timed_apart_from_dense():
-    from videosparse.eval.evaluate import UNRECORDED_RUN, rerun_timing_notes
+    from videosparse.eval.report import UNRECORDED_RUN, rerun_timing_notes, runs_of
 
-    summary = {"dense": {"timed_in": ["a"]}, "same": {"timed_in": ["a"]}, "other": {"timed_in": ["b"]},
-               "mixed": {"timed_in": ["a", "b"]}, "older": {"timed_in": [UNRECORDED_RUN]}, "none": {}}
-    notes = rerun_timing_notes(summary)
+    assert runs_of([{"timed_in": "b"}, {}, {"timed_in": "a"}, {"timed_in": "b"}]) == sorted(["a", "b", UNRECORDED_RUN])
+    notes = rerun_timing_notes({"dense": ["a"], "same": ["a"], "other": ["b"], "mixed": ["a", "b"],
+                                "older": [UNRECORDED_RUN], "none": []})
     assert [n.split(":")[0] for n in notes] == ["other", "mixed", "older"]
     assert "in another run than dense" in notes[0] and "over 2 runs" in notes[1]
-    both = rerun_timing_notes({"dense": {"timed_in": ["a", "b"]}, "m": {"timed_in": ["a", "b"]}})
-    assert [n.split(":")[0] for n in both] == ["dense", "m"] and all("over 2 runs" in n for n in both)
-    assert rerun_timing_notes({}) == []
+    both = rerun_timing_notes({"dense": ["a", "b"], "m": ["a", "b"]}, prefix="wan ")
+    assert [n.split(":")[0] for n in both] == ["wan dense", "wan m"] and all("over 2 runs" in n for n in both)
+    assert rerun_timing_notes({}) == [] and rerun_timing_notes({"dense": [UNRECORDED_RUN]}) == []
 
 
 def test_other_settings_refuse_the_directory(evaluated, loaded):

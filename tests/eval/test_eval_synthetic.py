@@ -260,6 +260,12 @@ def test_synthetic_run_resumes_per_method(tmp_path):
     for label in kept:                                   # measured once, not again
         assert again[label]["forward_s_all"] == kept[label]["forward_s_all"]
     assert 0 < again["sol@0.5:block=64"]["output_rel_l2_vs_dense"] < 1.0
+    # the rerun's row is compared with a dense row of the first run, and the report says so (exploratory find)
+    assert not [n for n in first["notes"] if "a rerun into this" in n]
+    assert again["sol@0.5:block=64"]["timed_in"] != again["dense"]["timed_in"] == kept["dense"]["timed_in"]
+    notes = [n for n in json.loads((tmp_path / "report.json").read_text())["notes"] if "a rerun into this" in n]
+    assert notes == [n for n in notes if n.startswith("wan-1.3b sol@0.5:block=64: timed in another run than dense")]
+    assert len(notes) == 1 and "another run than dense" in (tmp_path / "report.md").read_text()
     # a report written before a derived shape key existed (attention_tokens) still resumes
     report = json.loads((tmp_path / "report.json").read_text())
     del report["synthetic"]["wan-1.3b"]["shape"]["attention_tokens"]
@@ -270,6 +276,7 @@ def test_synthetic_run_resumes_per_method(tmp_path):
     fresh = run_synthetic(["wan-1.3b"], specs[:2], str(tmp_path), **kw, overwrite=True)["synthetic"]["wan-1.3b"]
     assert list(fresh["methods"]) == list(kept)
     assert all(fresh["methods"][label]["forward_s_all"] != kept[label]["forward_s_all"] for label in kept)
+    assert len({row["timed_in"] for row in fresh["methods"].values()}) == 1
     # other settings (here the video size) are refused without --overwrite, as the help says, and change nothing
     # (review find: the section and the dense output were replaced silently)
     before = (tmp_path / "report.json").read_text()

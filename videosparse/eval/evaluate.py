@@ -56,8 +56,8 @@ from .attention import AttentionProbe, spread_steps
 from .generate import check_specs_apply, generate, work_fraction, write_video
 from .metrics import load_lpips, lpips_distance, psnr_per_frame, psnr_video, ssim_per_frame
 from .._io import replace_durably, write_atomic
-from .report import (REPORT_FORMAT, changed_keys, environment, load_report, render_markdown, save_report,
-                     timing_environment)
+from .report import (REPORT_FORMAT, changed_keys, environment, load_report, new_run_id, render_markdown,
+                     rerun_timing_notes, runs_of, save_report, timing_environment)
 from .spec import MethodSpec
 from .timing import AttentionTimer, pipeline_transformers
 
@@ -254,29 +254,6 @@ def timing_spread_notes(summary: dict[str, dict], ratio: float = 1.5) -> list[st
     return notes
 
 
-UNRECORDED_RUN = "a run before runs were recorded"
-
-
-def rerun_timing_notes(summary: dict[str, dict]) -> list[str]:
-    """A note for each method timed in another run of the evaluation than the dense one (the first label of
-    `summary`), or over several runs (a rerun into the same directory joins its cells to the report's), from the
-    summary's `timed_in` (the runs that timed its cells): its speedups compare separate processes, whose clocks,
-    caches and compiled kernels can differ."""
-    rows = list(summary.items())
-    if not rows:
-        return []
-    dense_label, dense = rows[0]
-    notes = []
-    for label, row in rows:
-        runs, base = row.get("timed_in") or [], dense.get("timed_in") or []
-        if not runs or not base or (runs == base and len(runs) == 1):
-            continue
-        where = f"over {len(runs)} runs of the evaluation" if len(runs) > 1 else f"in another run than {dense_label}"
-        notes.append(f"{label}: its cells were timed {where} (a rerun into this directory joins its cells to the "
-                     "report): its speedups compare separate processes; --overwrite times every method in one run.")
-    return notes
-
-
 def psnr_notes(summary: dict[str, dict], near_identical_db: float = 60.0) -> list[str]:
     """Report notes on PSNRs a reader could misread, from the summary's cell counts: cells whose video has NaN
     pixels (a broken output, not a metric left out), and a mean over cells more than 3 dB above the pooled PSNR
@@ -372,7 +349,7 @@ class Evaluation:
         self._lpips_note: str | None = None
         self._contexts: dict = {}
         # which process timed a cell: a rerun's cells join the report, and their speedups then compare processes
-        self.run_started = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} pid {os.getpid()}"
+        self.run_started = new_run_id()
         self.computed = 0               # cells
         self.skipped = 0
         self.attention_computed = 0     # attention-level passes
@@ -581,7 +558,7 @@ class Evaluation:
                 "attention_samples": len(probes),
                 "attn_steps": sorted({e["step"] for e in probes}),
                 "attn_rel_l2_by_step": _by_step(probes, "rel_l2"), "tile_recall_by_step": _by_step(probes, "recall"),
-                "timed_in": sorted({r.get("timed_in") or UNRECORDED_RUN for r in mine}),
+                "timed_in": runs_of(mine),
                 "wall_s": median("wall_s"), "transformer_s": median("transformer_total_s"),
                 "attention_s": median("attention_s"), "plan_s": median("plan_s"),
                 "kernels": sorted({comp["kernel_backend"] for r in mine for comp in (r.get("stats") or {}).values()
@@ -701,7 +678,8 @@ class Evaluation:
                             for layer in comp.get("layers", {}).values() for reason in layer.get("fallbacks", [])})
         if fallbacks:
             notes.append("Some calls fell back to dense attention: " + "; ".join(fallbacks))
-        notes += psnr_notes(summary) + timing_spread_notes(summary) + rerun_timing_notes(summary)
+        notes += psnr_notes(summary) + timing_spread_notes(summary) + rerun_timing_notes(
+            {label: row["timed_in"] for label, row in summary.items()})
         videos, video_error = self.write_videos()
         if video_error:
             notes.append(f"Side-by-side videos not written ({video_error}); the frames are in frames/*.npy.")

@@ -11,6 +11,8 @@ import math
 import os
 import platform
 import sys
+import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -114,6 +116,42 @@ def changed_keys(old: dict | None, new: dict, prefix: str = "") -> list[str]:
         elif was != now:
             changed.append(f"{prefix}{key}: {was} -> {now}")
     return changed
+
+
+UNRECORDED_RUN = "a run before runs were recorded"
+
+
+def new_run_id() -> str:
+    """Names one run of the evaluation (start time, process id, a random suffix), stored as `timed_in` with each
+    cell or row it times: a rerun into the same directory joins its measurements to the report's."""
+    return f"{time.strftime('%Y-%m-%dT%H:%M:%S')} pid {os.getpid()} {uuid.uuid4().hex[:6]}"
+
+
+def runs_of(rows: list[dict]) -> list[str]:
+    """The sorted runs that timed `rows` (their `timed_in`; rows from before it was recorded: `UNRECORDED_RUN`)."""
+    return sorted({r.get("timed_in") or UNRECORDED_RUN for r in rows})
+
+
+def rerun_timing_notes(runs: dict[str, list[str]], prefix: str = "") -> list[str]:
+    """A note for each method timed in another run of the evaluation than the dense one, or over several runs.
+
+    Args:
+        runs: method label -> the runs that timed its cells or row (`runs_of`), dense first.
+        prefix: put before each label (a synthetic model's name).
+
+    Its speedups then compare separate processes (or calls), whose clocks, caches and compiled kernels can differ.
+    """
+    if not runs:
+        return []
+    dense_label, base = next(iter(runs.items()))
+    notes = []
+    for label, mine in runs.items():
+        if not mine or not base or (mine == base and len(mine) == 1):
+            continue
+        where = f"over {len(mine)} runs of the evaluation" if len(mine) > 1 else f"in another run than {dense_label}"
+        notes.append(f"{prefix}{label}: timed {where} (a rerun into this directory joins its measurements to the "
+                     "report): its speedups compare separate processes; --overwrite times every method in one run.")
+    return notes
 
 
 # ------------------------------------------------------------------------------------------ markdown

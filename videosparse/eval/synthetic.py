@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 
 from .._io import replace_durably
+from .report import (REPORT_FORMAT, as_saved, changed_keys, environment, load_report, new_run_id, render_markdown,
+                     rerun_timing_notes, runs_of, save_report, timing_environment)
 from .spec import MethodSpec, label_family
 from .synthetic_models import (SyntheticSetup, build_transformer, check_feasible, check_supported, count_parameters,
                                make_inputs, synthetic_setup)
@@ -203,7 +205,7 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
                         frames: int | None = None, height: int | None = None, width: int | None = None,
                         layers: int | None = None, warmup: int = 1, repeats: int = 3,
                         progress: bool = True, compile_mode: str | None = None, done: dict | None = None,
-                        dense_output_path: str | None = None, on_method=None) -> SyntheticResult:
+                        dense_output_path: str | None = None, on_method=None, run: str | None = None) -> SyntheticResult:
     """Time one forward of a synthetic model, dense vs each method.
 
     Args:
@@ -224,6 +226,7 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
             report each method's error vs dense; written after the dense forward.
         on_method: called with the `SyntheticResult` after every method (the caller saves the report,
             so a run cut short keeps what it measured).
+        run: names this run in each row it times (`timed_in`; default `report.new_run_id()`).
 
     Raises:
         ValueError: unknown model, no processor for its class, a size that cannot run on `device`, an unknown
@@ -231,6 +234,7 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
             (`check_specs_apply`: before its first forward).
     """
     check_run_options(compile_mode, warmup, repeats)
+    run = run or new_run_id()
     device = torch.device(device)
     setup = synthetic_setup(name, frames, height, width, layers)
     check_supported(setup)
@@ -284,6 +288,7 @@ def run_synthetic_model(name: str, specs: list[MethodSpec], device: str | torch.
                 tmp = saved.with_name(f".{saved.name}.tmp")     # renamed over it: a killed write leaves no half file
                 save_file({"dense_output": out.detach().contiguous().cpu()}, str(tmp))
                 replace_durably(tmp, saved)
+        row["timed_in"] = run
         row["output_rel_l2_vs_dense"] = (
             None if reference is None
             else float((out.float() - reference).norm() / reference.norm().clamp_min(1e-30)))
@@ -356,8 +361,6 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
     """
     from .plots import plot_speedup_vs_density
     from .._io import write_atomic
-    from .report import (REPORT_FORMAT, as_saved, changed_keys, environment, load_report, render_markdown,
-                         save_report, timing_environment)
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -376,6 +379,7 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
     labels = [s.label for s in specs]
     configs = {s.label: as_saved(every_step_sparse(s.config).to_dict()) for s in specs}
     timed_on = as_saved(timing_environment(device))
+    run = new_run_id()
 
     def other_settings(name: str, old: dict) -> list[str]:
         """What of `old` (a model's section of the report) differs from this run's settings."""
@@ -418,7 +422,7 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
         run_synthetic_model(name, specs, device, dtype, frames=frames, height=height, width=width, layers=layers,
                             warmup=warmup, repeats=repeats, progress=progress, compile_mode=compile_mode,
                             done=done, dense_output_path=os.path.join(out_dir, f"dense_output_{name}.safetensors"),
-                            on_method=save)
+                            on_method=save, run=run)
     plots = []
     os.makedirs(os.path.join(out_dir, "plots"), exist_ok=True)
     for name, section in report["synthetic"].items():
@@ -436,6 +440,8 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
     if compile_mode == "aot_eager":
         notes.append("compile mode aot_eager checks that the model traces; its times are not a compiled speed.")
     notes += beyond_bound_notes(report["synthetic"])
+    for name, section in report["synthetic"].items():
+        notes += rerun_timing_notes({label: runs_of([row]) for label, row in section["methods"].items()}, f"{name} ")
     fallbacks = sorted({f for s in report["synthetic"].values() for r in s["methods"].values() for f in r["fallbacks"]})
     if fallbacks:
         notes.append("Some attention calls fell back to dense: " + "; ".join(fallbacks))
