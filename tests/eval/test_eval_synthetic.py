@@ -32,11 +32,13 @@ def test_real_sizes_are_refused_on_cpu():
             check_feasible(setup, torch.device("cpu"), torch.bfloat16, count_parameters(setup))
 
 
-def test_shrunken_hunyuan_runs_sparse(tmp_path):
-    """HunyuanVideo has a processor now: one dual-stream block at a tiny size runs sparse on CPU (text after video)."""
+def test_shrunken_hunyuan_runs_sparse(tmp_path, monkeypatch):
+    """HunyuanVideo has a processor now: one dual-stream block at a tiny size runs sparse on CPU (text after video),
+    with 2 of its 24 heads (the published width's 0.7B parameters take ~10 s to draw on 2 cores)."""
     setup = synthetic_setup("hunyuan", frames=5, height=128, width=128, layers=1)
     inputs = make_inputs(setup, torch.device("cpu"), torch.float32)
     assert tuple(inputs["encoder_attention_mask"].shape) == (1, 256) and inputs["encoder_attention_mask"].all()
+    _narrowed(monkeypatch, "hunyuan", num_attention_heads=2)
     specs = parse_method_specs(["veda@0.5:block=64:tiling=1x8x8"])
     report = run_synthetic(["hunyuan"], specs, str(tmp_path), device="cpu", frames=5, height=128, width=128,
                            layers=1, warmup=0, repeats=1, progress=False)
@@ -85,21 +87,24 @@ def test_shrunken_ltx_runs_sparse():
     assert 0.3 < row["realised_density"] < 0.7 and 0 < row["output_rel_l2_vs_dense"] < 0.5
 
 
-def test_shrunken_hunyuan15_runs_sparse():
+def test_shrunken_hunyuan15_runs_sparse(monkeypatch):
     """HunyuanVideo 1.5 480p T2V: 65 input channels, Qwen + masked ByT5 + zero image inputs as its pipeline
-    passes them; the layouts cover the video and the 256 valid text tokens. One block at a tiny size on CPU."""
+    passes them; the layouts cover the video and the 256 valid text tokens. One block at a tiny size on CPU, with 2
+    of its 16 heads."""
     setup = synthetic_setup("hunyuan15")
     assert setup.grid == (31, 30, 53) and setup.attention_tokens == 49_290 + 256
     assert (setup.model.heads, setup.model.head_dim, setup.num_layers) == (16, 128, 54)
     assert 8.0e9 < count_parameters(setup) < 9.0e9
+    _narrowed(monkeypatch, "hunyuan15", num_attention_heads=2)
     row = _shrunken_sparse_row("hunyuan15", frames=9, height=128, width=128)
     # 3 video tiles of 64 and 4 global text tiles: the text tiles are always kept
     assert 0.5 < row["realised_density"] < 0.95 and 0 < row["output_rel_l2_vs_dense"] < 0.5
 
 
-def test_shrunken_mochi_runs_sparse():
+def test_shrunken_mochi_runs_sparse(monkeypatch):
     """Mochi 1 preview (the class defaults): 12 latent channels, VAE 6 x 8 x 8, no temporal patch, 256 T5 tokens after
-    the video with MochiPipeline's boolean mask; one (context_pre_only) block at a tiny size runs sparse on CPU."""
+    the video with MochiPipeline's boolean mask; one (context_pre_only) block at a tiny size runs sparse on CPU, with 2
+    of its 24 heads."""
     setup = synthetic_setup("mochi")
     assert setup.latent == (12, 28, 60, 106) and setup.grid == (28, 30, 53)
     assert setup.tokens == 44_520 and setup.attention_tokens == 44_520 + 256
@@ -109,6 +114,7 @@ def test_shrunken_mochi_runs_sparse():
     inputs = make_inputs(small, torch.device("cpu"), torch.float32)
     assert tuple(inputs["hidden_states"].shape) == (1, 12, 3, 16, 16)
     assert inputs["encoder_attention_mask"].dtype == torch.bool and inputs["encoder_attention_mask"].all()
+    _narrowed(monkeypatch, "mochi", num_attention_heads=2)
     row = _shrunken_sparse_row("mochi", frames=13, height=128, width=128)
     # 3 video tiles of 64 and 4 global text tiles: the text tiles are always kept
     assert 0.5 < row["realised_density"] < 0.95 and 0 < row["output_rel_l2_vs_dense"] < 0.5
@@ -319,10 +325,11 @@ def test_cli_prints_compiled_rows(tmp_path, capsys):
     assert "(timed in a profiled forward)" in out
 
 
-def test_shrunken_ltx2_runs_sparse():
+def test_shrunken_ltx2_runs_sparse(monkeypatch):
     """LTX-2 19B (the class defaults, split RoPE): packed video and audio tokens, the connector's text states for both
     streams and the latent sizes, as LTX2Pipeline passes them; one block at a tiny size runs sparse on CPU (its video
-    self-attention; the audio and cross-attentions stay stock)."""
+    self-attention; the audio and cross-attentions stay stock), with 2 heads per stream and its text states narrowed
+    alike."""
     setup = synthetic_setup("ltx2")
     assert setup.grid == (16, 16, 24) and setup.tokens == 6144 and setup.attention_tokens == 6144
     assert (setup.model.heads, setup.model.head_dim, setup.num_layers) == (32, 128, 48)
@@ -333,6 +340,8 @@ def test_shrunken_ltx2_runs_sparse():
     assert tuple(inputs["audio_hidden_states"].shape) == (1, 18, 128)          # 17 frames at 24 fps, 25 per second
     assert (inputs["num_frames"], inputs["height"], inputs["width"], inputs["audio_num_frames"]) == (3, 8, 8, 18)
     assert tuple(inputs["audio_encoder_hidden_states"].shape) == (1, 1024, 3840)
+    _narrowed(monkeypatch, "ltx2", num_attention_heads=2, cross_attention_dim=256, audio_num_attention_heads=2,
+              audio_cross_attention_dim=128)
     row = _shrunken_sparse_row("ltx2", frames=17, height=256, width=256)
     assert 0.3 < row["realised_density"] < 0.7 and 0 < row["output_rel_l2_vs_dense"] < 0.5
 
