@@ -15,7 +15,7 @@ def steps(counter, timesteps, expected=0):
     return [counter.step(torch.tensor(float(t)), expected) for t in timesteps]
 
 
-def test_a_per_token_timestep_counts_by_its_noisiest_entry():
+def test_a_per_token_timestep_counts_by_its_mean():
     """Conditioning tokens kept at t=0 beside the video's (LTX-style per-token timesteps) do not hide the steps."""
     counter = TimestepCounter()
     per_token = [torch.tensor([[t, 0.0, 0.0]] * 2) for t in (1000.0, 1000.0, 750.0, 500.0)]

@@ -101,3 +101,28 @@ def test_the_call_end_signal_is_set_only_where_diffusers_gives_none_and_remove_t
         videosparse.remove(pipe)
         assert transformer.__dict__.keys() == before.keys()
         assert hasattr(transformer, "_reset_stateful_cache") == had
+
+
+@pytest.mark.parametrize("dense_steps, steps", [(0, [None] * 4), (1, [0, 0, 1, 1])])
+def test_a_loop_of_the_users_own_counts_by_timestep_only_for_a_count_of_dense_steps(dense_steps, steps):
+    """Forwards of a transformer set up on its own, without a cache context (a sampling loop of the user's own, two
+    guidance forwards a step): for a count of dense steps the step comes from the timestep (the first step's two
+    forwards dense); without dense steps no timestep is read (a host sync per forward on a GPU) and the records carry
+    no step, so that observers count their forwards, as the distillation capture does (test_mochi.py checks that
+    through the capture; this is the contract itself, on the Wan path)."""
+    from videosparse.models.tiny_wan import build_tiny_wan_pipeline
+
+    tr = build_tiny_wan_pipeline(num_layers=1).transformer
+    g = torch.Generator().manual_seed(0)
+    video, text = torch.randn(1, 4, 3, 16, 32, generator=g), torch.randn(1, 8, 32, generator=g)   # 3 x 8 x 16 tokens
+    videosparse.apply(tr, videosparse.VedaConfig(density=0.5, block=64, tiling=(1, 4, 16), dense_steps=dense_steps))
+    seen = []
+    try:
+        with videosparse.observe(tr, lambda r: seen.append((r.step, r.dense_reason))), torch.no_grad():
+            for t in (900, 900, 800, 800):
+                tr(hidden_states=video, timestep=torch.tensor([t]), encoder_hidden_states=text, return_dict=False)
+    finally:
+        videosparse.remove(tr)
+    assert [step for step, _ in seen] == steps
+    assert [reason == "dense step" for _, reason in seen] == [step is not None and step < dense_steps for step in steps]
+    assert all(reason in (None, "dense step") for _, reason in seen)

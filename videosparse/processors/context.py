@@ -401,7 +401,7 @@ class SparseContextHook(ModelHook):
 
     def _note_stale_counter(self) -> None:
         """At the end of a pipeline call (`reset_state`), where no call of the applied pipeline can be running:
-        record its scheduler's counter as stale if it was left mid-schedule (or has none)."""
+        record the schedule and counter its scheduler holds as stale (`_other_driver`)."""
         self._stale_counter = None
         scheduler = self.session.scheduler if self.session.made_by_apply else None
         timesteps = getattr(scheduler, "timesteps", None)
