@@ -65,8 +65,9 @@ def _shrunken_sparse_row(name: str, layers: int = 1, **size) -> dict:
 def _narrowed(monkeypatch, name: str, **config) -> None:
     """`SYNTHETIC_MODELS[name]` at a narrower width for the test (same head dim, fewer heads): the tokens that do not
     shrink with the video (Kandinsky's 256 text tokens through its 4 refiner blocks; FramePack's 729 image and 256
-    text tokens in every block) make the published width too slow for a CPU test. Inputs, the layers override and
-    the serving are those of the published entry."""
+    text tokens in every block), or the time to draw its random parameters (~10 s for HunyuanVideo's 0.7B on 2
+    cores), make the published width too slow for a CPU test. Inputs, the layers override and the serving are those
+    of the published entry."""
     model = SYNTHETIC_MODELS[name]
     monkeypatch.setitem(SYNTHETIC_MODELS, name, replace(model, config=dict(model.config, **config)))
 

@@ -322,7 +322,7 @@ class SparseContextHook(ModelHook):
         # a forward, so only where a dense-step schedule or an observer needs the step); without a cache context (a
         # pipeline that opens none, a loop of the user's own) only for a count of dense steps, which holds there
         # (a fraction needs the step count, which no such call gives; observers there count their forwards)
-        counted_dense = isinstance(dense_steps, int) and not isinstance(dense_steps, bool) and dense_steps > 0
+        counted_dense = isinstance(dense_steps, int) and dense_steps > 0       # (the configs refuse a bool)
         if t is not None and (counted_dense if cache_ctx is None else (dense_steps or self.session.observers)):
             return self.session.timestep_counter.step(t, self.timestep_direction), num_steps
         if cache_ctx is not None:
