@@ -1042,7 +1042,7 @@ def test_the_early_kernel_check_asks_about_the_dtype_the_run_attends_in(tmp_path
     from videosparse.processors.session import SparseSession
 
     build_tiny_wan_pipeline().save_pretrained(tmp_path)
-    pipe = WanPipeline.from_pretrained(tmp_path, torch_dtype=torch.bfloat16)
+    pipe = WanPipeline.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert next(pipe.transformer.parameters()).dtype == torch.float32          # (the fp32 table comes first)
     asked = []
     check = SparseSession.check_kernel

@@ -428,7 +428,7 @@ def test_kl_loss_with_nothing_valid_is_zero_even_with_masked_columns():
     nothing = torch.zeros(1, 2, 3, dtype=torch.bool)
     for heat, rows in ((torch.rand(1, 2, 3, 4), nothing), (torch.zeros(1, 2, 3, 4), None)):
         loss = tile_kl_loss(logits, heat, row_valid=rows, col_valid=col)
-        assert float(loss) == 0.0
+        assert loss.item() == 0.0 and loss.requires_grad
         loss.backward()
         assert bool(torch.isfinite(logits.grad).all())
 
