@@ -60,6 +60,40 @@ def test_native_form_without_scheduler_warns_that_fractional_dense_steps_cannot_
     videosparse.remove(tr)
 
 
+def test_native_form_whose_dict_is_never_set_says_so_once(caplog):
+    """User check of the docs: `videosparse.processors(tr, cfg)` without `set_attn_processor` runs stock, and the
+    warning said the layers were "replaced after videosparse.apply, e.g. by fuse_qkv_projections()". It now says the
+    dict was not set; a layer the user replaces after setting it still gets the other warning."""
+    import logging
+
+    t = TestWanProcessors()
+    tr = t.make_transformer()
+    inputs = t.make_inputs(tr)
+    ref = t.run(tr, inputs)
+    procs = videosparse.processors(tr, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64, dense_steps=0))
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        assert torch.equal(t.run(tr, inputs), ref)
+        t.run(tr, inputs)
+    said = [r.message for r in caplog.records if "holds its processors" in r.message]
+    assert len(said) == 1 and "none of the 2 self-attention layers" in said[0] and "set_attn_processor" in said[0]
+    assert "fuse_qkv_projections" not in said[0]
+    assert sessions(tr)["transformer"].stats()["sparse_calls"] == 0
+    videosparse.remove(tr)
+
+    caplog.clear()                          # set, then one layer set back by hand: the other warning, not this one
+    procs = videosparse.processors(tr, videosparse.VedaConfig(density=0.5, tiling=(1, 4, 16), block=64, dense_steps=0))
+    originals = dict(sessions(tr)["transformer"].original_processors)
+    tr.set_attn_processor(dict(procs))
+    name = next(iter(videosparse.processors.self_attention_processors(tr)))
+    tr.set_attn_processor({**tr.attn_processors, name: originals[name]})
+    with caplog.at_level(logging.WARNING, logger="videosparse"):
+        t.run(tr, inputs)
+    assert "1 of the 2 self-attention layers it serves hold other processors" in caplog.text
+    assert "holds its processors" not in caplog.text
+    videosparse.remove(tr)
+    assert torch.equal(t.run(tr, inputs), ref)
+
+
 def test_apply_remove_without_cache_context_leaves_module_dict_identical():
     t = TestWanProcessors()
     tr = t.make_transformer()

@@ -244,9 +244,18 @@ class SparseContextHook(ModelHook):
     def _warn_replaced_processors(self) -> None:
         """Warn once when served layers hold other processors than videosparse set (a `fuse_qkv_projections()` or
         `set_attn_processor(...)` after apply): those layers then run as set, not sparse."""
-        replaced = sum(1 for module in self.session.served
-                       if (m := module()) is not None and getattr(m.processor, "session", None) is not self.session)
-        if replaced:
+        held = [m.processor for module in self.session.served if (m := module()) is not None]
+        replaced = sum(1 for proc in held if getattr(proc, "session", None) is not self.session)
+        originals = {id(proc) for proc in self.session.original_processors.values()}
+        if replaced and replaced == len(self.session.served) and all(id(proc) in originals for proc in held):
+            self._warned_replaced = True        # `videosparse.processors(...)` without `set_attn_processor` after it
+            logger.warning(
+                "videosparse: none of the %d self-attention layers it serves holds its processors; each holds the one "
+                "it had before (the dict videosparse.processors(transformer, config) returns was not passed to "
+                "transformer.set_attn_processor(...), or the layers were set back), so every layer runs as before, "
+                "not sparse. Set that dict, or use videosparse.apply(pipe, config); videosparse.remove(transformer) "
+                "detaches the session.", len(self.session.served))
+        elif replaced:
             self._warned_replaced = True
             logger.warning(
                 "videosparse: %d of the %d self-attention layers it serves hold other processors than it set (replaced "
