@@ -277,12 +277,13 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
                                             RepositoryNotFoundError)
 
         name = os.fspath(pretrained_model_name_or_path)
-        allowed = _HUB_LOAD_ARGS + tuple(p for p in inspect.signature(cls.__init__).parameters if p != "self")
+        load_args = hub_load_args()
+        allowed = load_args + tuple(p for p in inspect.signature(cls.__init__).parameters if p != "self")
         unknown = sorted(k for k in kwargs if k not in allowed)
         if unknown or args:         # (huggingface_hub would hand them to the constructor: read as a bad config.json)
             given = ", ".join([repr(k) for k in unknown] + [f"{len(args)} positional"] * bool(args))
             raise TypeError(f"VedaEstimator.from_pretrained({name!r}) got unexpected argument(s) {given}; it takes "
-                            f"the path or hub id and the keywords {', '.join(_HUB_LOAD_ARGS)} (the estimator's fields "
+                            f"the path or hub id and the keywords {', '.join(load_args)} (the estimator's fields "
                             "come from its config.json; the transformer it serves is checked by videosparse.apply).")
         try:
             config = _config_file(name, kwargs)
@@ -359,8 +360,14 @@ def _check_estimator_dir(path: str) -> None:
     _check_estimator_config(os.path.join(path, "config.json"))
 
 
-# what from_pretrained passes to huggingface_hub's loader and to _from_pretrained (the rest are constructor fields)
-_HUB_LOAD_ARGS = ("force_download", "token", "cache_dir", "local_files_only", "revision", "map_location", "strict")
+def hub_load_args() -> tuple[str, ...]:
+    """The keywords `VedaEstimator.from_pretrained` takes besides constructor fields: the installed huggingface_hub's
+    `ModelHubMixin.from_pretrained` keywords (they differ between versions) and `_from_pretrained`'s own."""
+    from huggingface_hub import ModelHubMixin
+
+    hub = [p.name for p in inspect.signature(ModelHubMixin.from_pretrained).parameters.values()
+           if p.kind is p.KEYWORD_ONLY]
+    return tuple(hub) + ("map_location", "strict")
 
 
 def _config_file(path: str, hub_kwargs: dict[str, Any]) -> str | None:
