@@ -58,7 +58,8 @@ class Plan:
 
     @property
     def num_key_tiles(self) -> int:
-        """Nk, when known from the correction tensors (else the caller derives it from S)."""
+        """Nk, when known from the correction tensors; -1 for a plan without them (the caller derives it from
+        the key length)."""
         return self.tile_len.numel() if self.tile_len is not None else -1
 
     def density(self, num_key_tiles: int | None = None) -> float:

@@ -51,7 +51,8 @@ def block_sparse_attention(
     """Tile-sparse attention: each query tile attends exactly to the key tiles its plan lists.
 
     Args:
-        q: [B, H, S, D]; k, v: [B, H, Sk, D], contiguous; bf16/fp16 on GPU (fp32/fp64 on the
+        q: [B, H, S, D]; k, v: [B, H, Sk, D], any strides (the Hopper kernels take contiguous inputs only, so
+            `auto` sends strided ones to the generic Triton kernel); bf16/fp16 on GPU (fp32/fp64 on the
             reference path). The Triton kernels take D in {64, 128}; other D below 128 run on them zero-padded
             to the next (`dispatch.PaddedHeadDim`).
         plan: a `videosparse.plan.Plan` (with optional zero-order correction tensors; the Triton kernels take its
