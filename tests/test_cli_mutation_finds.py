@@ -172,6 +172,20 @@ def test_evaluate_refuses_zero_prompts_and_takes_the_fps_bound(tmp_path, capsys,
     assert not os.path.exists(out)
 
 
+def test_evaluate_refuses_more_prompts_than_there_are(tmp_path, capsys, no_load):
+    """Review find: --num-prompts 100 ran the 6 built-in prompts without a word (the header's count alone said it);
+    it is refused before the model loads, naming where the prompts came from, and a count up to it is taken."""
+    out = str(tmp_path / "ev")
+    assert main(["evaluate", "--num-prompts", "100", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert "--num-prompts=100 asks for more prompts than there are: 6 (the built-in list" in err
+    assert main(["evaluate", "--prompt", "a cat", "--prompt", "a dog", "--num-prompts", "3", "--out", out]) == 2
+    assert "than there are: 2 (--prompt)" in capsys.readouterr().err
+    assert not os.path.exists(out)
+    with pytest.raises(_Loaded):
+        main(["evaluate", "--num-prompts", "6", "--out", out])
+
+
 def test_synthetic_evaluate_refuses_warmup_a_quality_run_option(tmp_path, capsys, no_load):
     """Mutation find: --warmup / --no-warmup (one untimed generation per method) is read by quality runs only; with
     --synthetic it is refused, not ignored (a mutant left it out of the quality-only options)."""

@@ -300,6 +300,77 @@ def test_a_note_when_a_methods_cell_times_spread():
     assert len(notes) == 1 and notes[0].startswith("veda@0.25: its cells' transformer times spread from 7.9 to 57.9 s")
 
 
+def test_a_note_when_a_method_kept_more_tiles_than_its_density():
+    """Review find: on a 9-frame 128 x 128 video sol@0.5 kept every tile (realised 1.000, PSNR 103 dB) and only the
+    console's log said why; the report showed the row as sol@0.5."""
+    from videosparse.eval.evaluate import density_floor_notes
+
+    notes = density_floor_notes({"dense": {"nominal_density": 1.0, "realised_density": 1.0},
+                                 "sol@0.5": {"nominal_density": 0.5, "realised_density": 1.0},
+                                 "veda@0.5": {"nominal_density": 0.5, "realised_density": 0.625},
+                                 "veda@0.1": {"nominal_density": 0.1, "realised_density": 0.115},   # within 20%
+                                 "veda@0.05": {"nominal_density": 0.05, "realised_density": 0.069},  # within 0.02
+                                 "sol:tau=1": {"nominal_density": None, "realised_density": 0.3},
+                                 "veda@0.25": {"nominal_density": 0.25, "realised_density": None}})
+    assert len(notes) == 2 and notes[0].startswith("sol@0.5: its sparse calls kept 1.000 of the tile pairs, above "
+                                                   "the 0.5 asked") and notes[1].startswith("veda@0.5: its sparse "
+                                                                                            "calls kept 0.625")
+
+
+def test_a_note_names_the_frames_a_stepped_pipeline_made(loaded, tmp_path):
+    """Review find: `--frames 4` ran Wan's 5 frames (its counts are 4k + 1) and report.md said "4 frames" with no
+    word that the metrics were over 5."""
+    settings = EvalSettings(parse_method_specs(["dense", "sol@0.5"]), BUILTIN_PROMPTS[:1], [0],
+                            dict(CALL, num_frames=8, num_inference_steps=1), attn_cells=0, lpips=False)
+    report = run_evaluation(loaded, settings, str(tmp_path), progress=False)
+    assert {tuple(c["frames_shape"][:1]) for c in report["cells"].values()} == {(9,)}
+    note = "The pipeline made 9 frames per video (8 asked: its frame counts are stepped)"
+    assert sum(n.startswith(note) for n in report["notes"]) == 1 and note in (tmp_path / "report.md").read_text()
+    settings = EvalSettings(settings.methods, settings.prompts, [0], dict(CALL, num_inference_steps=1), attn_cells=0,
+                            lpips=False)
+    assert not any("frames per video" in n for n in run_evaluation(loaded, settings, str(tmp_path / "b"),
+                                                                     progress=False)["notes"])
+
+
+def test_overwrite_removes_the_files_of_the_report_it_replaces(loaded, tmp_path):
+    """Review find: after --overwrite (1 prompt) the frames and the side-by-side video of the replaced run's second
+    prompt stayed in the folder, beside the new run's, as if they were its own. Files the report never named stay."""
+    out = tmp_path / "ev"
+    call = dict(CALL, num_inference_steps=1)
+    first = EvalSettings(parse_method_specs(["dense", "sol@0.5"]), BUILTIN_PROMPTS[:2], [0], call, attn_cells=0,
+                         lpips=False)
+    run_evaluation(loaded, first, str(out), progress=False)
+    assert len(os.listdir(out / "frames")) == 4 and len(os.listdir(out / "videos")) == 2
+    (out / "videos" / "mine.txt").write_text("not the report's")
+    second = EvalSettings(first.methods, BUILTIN_PROMPTS[:1], [0], dict(call, guidance_scale=4.0), attn_cells=0,
+                          lpips=False)
+    report = run_evaluation(loaded, second, str(out), overwrite=True, progress=False)
+    assert sorted(os.listdir(out / "frames")) == sorted(os.path.basename(c["frames_file"])
+                                                        for c in report["cells"].values())
+    assert len(report["cells"]) == 2
+    assert sorted(os.listdir(out / "videos")) == ["mine.txt", "prompt00_seed0.mp4"]
+
+
+def test_removing_a_replaced_reports_files_stays_inside_its_folder(tmp_path):
+    """`remove_earlier_outputs` removes what the report names, within the folder only, and keeps what it is told to
+    (a synthetic run's dense output, written before the report is replaced); an unreadable report removes nothing."""
+    from videosparse.eval.report import remove_earlier_outputs
+
+    out, outside = tmp_path / "out", tmp_path / "outside.txt"
+    (out / "plots").mkdir(parents=True)
+    for name in ("plots/a.png", "dense_output_wan-1.3b.safetensors", "dense_output_wan-14b.safetensors", "x.txt"):
+        (out / name).write_text("x")
+    outside.write_text("x")
+    (out / "report.json").write_text(json.dumps({"mode": "synthetic", "synthetic": {"wan-1.3b": {}, "wan-14b": {}},
+                                                 "artifacts": {"plots": ["plots/a.png", "../outside.txt", "/etc"]}}))
+    removed = remove_earlier_outputs(str(out), keep=("dense_output_wan-14b.safetensors",))
+    assert sorted(os.path.basename(p) for p in removed) == ["a.png", "dense_output_wan-1.3b.safetensors"]
+    assert outside.exists() and sorted(os.listdir(out)) == ["dense_output_wan-14b.safetensors", "plots", "report.json",
+                                                            "x.txt"]
+    (out / "report.json").write_text("{not json")
+    assert remove_earlier_outputs(str(out)) == [] and (out / "x.txt").exists()
+
+
 def test_warm_up_runs_the_fewest_steps_that_reach_the_sparse_path(loaded, monkeypatch):
     """`generate --compare-dense` warms each arm up on CUDA with as few steps as reach its sparse path: 1, or k + 1
     with k dense steps; sparse kernels run in it, and the pipeline comes back stock."""

@@ -284,6 +284,9 @@ def test_synthetic_run_resumes_per_method(tmp_path):
     assert list(fresh["methods"]) == list(kept)
     assert all(fresh["methods"][label]["forward_s_all"] != kept[label]["forward_s_all"] for label in kept)
     assert len({row["timed_in"] for row in fresh["methods"].values()}) == 1
+    # the replaced report's files go (its plots), this run's dense output, written before the first save, stays
+    assert os.path.getsize(tmp_path / "dense_output_wan-1.3b.safetensors") > 0
+    assert os.listdir(tmp_path / "plots") == ["speedup_vs_density_wan-1.3b.png"]
     # other settings (here the video size) are refused without --overwrite, as the help says, and change nothing
     # (review find: the section and the dense output were replaced silently)
     before = (tmp_path / "report.json").read_text()
@@ -591,6 +594,22 @@ def test_a_speedup_above_the_attention_free_bound_is_flagged():
     assert len(notes) == 1 and notes[0].startswith("wan-1.3b veda@0.25: speedup 1.43x above 1.05x") and "2.61 to 3.92" \
         in notes[0]
     assert not beyond_bound_notes({"m": {"amdahl_bound_free_attention": None, "methods": section["methods"]}})
+
+
+def test_a_speedup_above_one_with_slower_attention_is_flagged():
+    """Review find: a CPU run printed sol@0.25 at 1.06x while its attention ran 0.80x of dense's (dense's own
+    forwards spread 2.93 to 3.66 s), under the attention-free bound, so with no note."""
+    from videosparse.eval.synthetic import beyond_bound_notes
+
+    section = {"amdahl_bound_free_attention": 1.6, "methods": {
+        "dense": {"speedup": 1.0, "speedup_attention": 1.0, "forward_s_all": [3.18, 2.93, 3.66]},
+        "sol@0.25": {"speedup": 1.06, "speedup_attention": 0.80, "forward_s_all": [2.9]},
+        "veda@0.25": {"speedup": 1.2, "speedup_attention": 1.5, "forward_s_all": [2.5]},
+        "veda@0.1": {"speedup": 0.9, "speedup_attention": 0.7, "forward_s_all": [3.3]}}}
+    notes = beyond_bound_notes({"wan-1.3b": section})
+    assert len(notes) == 1 and notes[0].startswith("wan-1.3b sol@0.25: forward speedup 1.06x while its attention ran "
+                                                   "slower than dense's (0.80x)")
+    assert "2.93 to 3.66 s" in notes[0]
 
 
 def _small_wan():

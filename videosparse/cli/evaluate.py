@@ -188,10 +188,13 @@ def run(args: argparse.Namespace) -> int:
                          f"(0..{args.steps - 1}).")
     if args.prompt and args.prompts:
         raise ValueError(f"--prompt and --prompts {args.prompts} exclude each other: give the prompts one way.")
-    if args.prompt:
-        prompts = list(args.prompt)[: args.num_prompts] if args.num_prompts else list(args.prompt)
-    else:
-        prompts = load_prompts(args.prompts, args.num_prompts)
+    prompts = list(args.prompt) if args.prompt else load_prompts(args.prompts)
+    if args.num_prompts is not None and args.num_prompts > len(prompts):
+        where = ("--prompt" if args.prompt else f"--prompts {args.prompts}" if args.prompts
+                 else "the built-in list; --prompts FILE gives more")
+        raise ValueError(f"--num-prompts={args.num_prompts} asks for more prompts than there are: {len(prompts)} "
+                         f"({where}). Give at most {len(prompts)}, or more prompts.")
+    prompts = prompts[: args.num_prompts]
     from ..models.loading import check_size, image_parameter, size_stub
 
     if (args.height or args.width) and (stub := size_stub(args.model)) is not None:    # before the weights load

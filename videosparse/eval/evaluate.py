@@ -57,7 +57,7 @@ from .generate import check_specs_apply, generate, work_fraction, write_video
 from .metrics import load_lpips, lpips_distance, psnr_per_frame, psnr_video, ssim_per_frame
 from .._io import replace_durably, write_atomic
 from .report import (REPORT_FORMAT, changed_keys, environment, load_report, new_run_id, render_markdown,
-                     rerun_timing_notes, runs_of, save_report, timing_environment)
+                     remove_earlier_outputs, rerun_timing_notes, runs_of, save_report, timing_environment)
 from .spec import MethodSpec
 from .timing import AttentionTimer, pipeline_transformers
 
@@ -254,6 +254,23 @@ def timing_spread_notes(summary: dict[str, dict], ratio: float = 1.5) -> list[st
     return notes
 
 
+def density_floor_notes(summary: dict[str, dict]) -> list[str]:
+    """A note for each method whose sparse calls kept clearly more tiles than its nominal density (realised above
+    it by more than 20% of it and by more than 0.02): on a short video the tiles every query tile always keeps (its
+    own, Sol's band, text and condition tiles) outnumber what the density asks, and its row compares a denser method
+    than its label."""
+    notes = []
+    for label, row in summary.items():
+        nominal, realised = row.get("nominal_density"), row.get("realised_density")
+        if nominal is None or realised is None or not math.isfinite(realised):
+            continue
+        if realised - nominal > max(0.2 * nominal, 0.02):
+            notes.append(f"{label}: its sparse calls kept {realised:.3f} of the tile pairs, above the {nominal:g} "
+                         "asked: at this video size the tiles always kept (each query tile's own, Sol's band, text "
+                         "and condition tiles) are more than that; the run's log names them per layer.")
+    return notes
+
+
 def psnr_notes(summary: dict[str, dict], near_identical_db: float = 60.0) -> list[str]:
     """Report notes on PSNRs a reader could misread, from the summary's cell counts: cells whose video has NaN
     pixels (a broken output, not a metric left out), and a mean over cells more than 3 dB above the pooled PSNR
@@ -344,6 +361,7 @@ class Evaluation:
         self.report: dict[str, Any] = old or {"format": REPORT_FORMAT, "mode": "quality", "cells": {}, "attention": {}}
         self.report["run_key"] = key
         if overwrite:       # the old report goes now: stopped before its first cell, a run leaves no stale cells
+            remove_earlier_outputs(out_dir)         # nor the frames, videos and plots the old report named
             self._save()
         self._lpips = None
         self._lpips_note: str | None = None
@@ -678,7 +696,12 @@ class Evaluation:
                             for layer in comp.get("layers", {}).values() for reason in layer.get("fallbacks", [])})
         if fallbacks:
             notes.append("Some calls fell back to dense attention: " + "; ".join(fallbacks))
-        notes += psnr_notes(summary) + timing_spread_notes(summary) + rerun_timing_notes(
+        asked = s.call.get("num_frames")
+        made = sorted({c["frames_shape"][0] for c in self._summarized_cells() if c.get("frames_shape")})
+        if asked is not None and made and made != [asked]:
+            notes.append(f"The pipeline made {' / '.join(map(str, made))} frames per video ({asked} asked: its frame "
+                         "counts are stepped); every metric is over the frames it made.")
+        notes += density_floor_notes(summary) + psnr_notes(summary) + timing_spread_notes(summary) + rerun_timing_notes(
             {label: row["timed_in"] for label, row in summary.items()})
         videos, video_error = self.write_videos()
         if video_error:

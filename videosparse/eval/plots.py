@@ -56,19 +56,25 @@ def _families(summary: dict, y_key: str, x_key: str = "realised_density") -> dic
 
 
 def plot_quality_vs_density(summary: dict, path: str, title: str = "") -> str:
-    """PSNR (dB) and SSIM vs dense, against realised density; one line per method family.
+    """PSNR (dB) and SSIM vs dense, against realised density; one line per method family. The PSNR panel draws
+    the mean over cells (the table's first PSNR column) and, dashed in the same colour, the pooled PSNR, which cells
+    nearly identical to dense cannot pull up (`psnr_notes`).
 
     Args:
-        summary: label -> per-method summary (keys family, method, realised_density, psnr_db, ssim).
+        summary: label -> per-method summary (keys family, method, realised_density, psnr_db, psnr_db_pooled, ssim).
         path: PNG to write.
     """
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, name in ((axes[0], "psnr_db", "PSNR vs dense (dB)"), (axes[1], "ssim", "SSIM vs dense")):
         fams = _families(summary, key)
+        pooled = _families(summary, "psnr_db_pooled") if key == "psnr_db" else {}
         for fam, pts in fams.items():
             xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker="o", label=fam)
+            line = ax.plot(xs, ys, marker="o", label=f"{fam} (mean over cells)" if fam in pooled else fam)[0]
+            if fam in pooled:
+                px, py = zip(*pooled[fam])
+                ax.plot(px, py, marker="o", linestyle="--", color=line.get_color(), label=f"{fam} (pooled)")
         if not fams:
             ax.text(0.5, 0.5, "no sparse method with finite values", ha="center", va="center",
                     transform=ax.transAxes)

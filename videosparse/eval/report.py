@@ -51,6 +51,33 @@ def load_report(path: str) -> dict | None:
     return report
 
 
+def remove_earlier_outputs(out_dir: str, keep: tuple[str, ...] = ()) -> list[str]:
+    """For an overwrite: remove the files the report in `out_dir` names as its own (each quality cell's frames,
+    its videos and plots, a synthetic section's dense output), so that none of them reads as the new run's; files it
+    does not name, and those in `keep` (relative to `out_dir`), stay. Returns the paths removed (none when there is
+    no readable report)."""
+    try:
+        old = load_report(os.path.join(out_dir, "report.json"))
+    except ValueError:                  # not a report: nothing it names can be known
+        return []
+    if not old:
+        return []
+    names = [cell.get("frames_file") for cell in (old.get("cells") or {}).values() if isinstance(cell, dict)]
+    artifacts = old.get("artifacts") or {}
+    names += [*(artifacts.get("videos") or []), *(artifacts.get("plots") or [])]
+    names += [f"dense_output_{name}.safetensors" for name in (old.get("synthetic") or {})]
+    removed = []
+    root = os.path.realpath(out_dir)
+    for name in names:
+        if not isinstance(name, str) or not name or name in keep:
+            continue
+        path = os.path.realpath(os.path.join(out_dir, name))
+        if os.path.commonpath([root, path]) == root != path and os.path.isfile(path):     # inside out_dir only
+            os.remove(path)
+            removed.append(path)
+    return removed
+
+
 def _version(module: str) -> str | None:
     try:
         from importlib.metadata import version

@@ -28,7 +28,7 @@ import torch
 
 from .._io import replace_durably
 from .report import (REPORT_FORMAT, as_saved, changed_keys, environment, load_report, new_run_id, render_markdown,
-                     rerun_timing_notes, runs_of, save_report, timing_environment)
+                     remove_earlier_outputs, rerun_timing_notes, runs_of, save_report, timing_environment)
 from .spec import MethodSpec, label_family
 from .synthetic_models import (SyntheticSetup, build_transformer, check_feasible, check_supported, count_parameters,
                                make_inputs, synthetic_setup)
@@ -333,7 +333,8 @@ def summarize_synthetic(result: SyntheticResult, dtype: torch.dtype, warmup: int
 
 def beyond_bound_notes(sections: dict[str, dict], slack: float = 1.05) -> list[str]:
     """A note for each method whose measured speedup exceeds, by more than `slack`, the bound of its model with
-    attention costing nothing: no sparse attention can do that, so its times are noise (other load, clocks)."""
+    attention costing nothing, or is above 1 while its attention ran slower than dense's: no sparse attention can do
+    either, so its times are noise (other load, clocks)."""
     notes = []
     for name, section in sections.items():
         bound = section.get("amdahl_bound_free_attention")
@@ -343,6 +344,12 @@ def beyond_bound_notes(sections: dict[str, dict], slack: float = 1.05) -> list[s
                 spread = f" (its timed forwards took {min(times):.3g} to {max(times):.3g} s)" if times else ""
                 notes.append(f"{name} {label}: speedup {speedup:.2f}x above {bound:.2f}x, the bound with attention "
                              f"free{spread}: noisy timings, not a speedup sparse attention can give.")
+            elif speedup and speedup > 1 and (attn := row.get("speedup_attention")) and attn < 1:
+                spread = f" (dense's timed forwards took {min(dense_times):.3g} to {max(dense_times):.3g} s)" \
+                    if (dense_times := section["methods"].get("dense", {}).get("forward_s_all")) else ""
+                notes.append(f"{name} {label}: forward speedup {speedup:.2f}x while its attention ran slower than "
+                             f"dense's ({attn:.2f}x): the gain is outside attention, so timing noise{spread}, not "
+                             "sparse attention.")
     return notes
 
 
@@ -400,6 +407,8 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
         if report["synthetic"].get(name) and (differ := other_settings(name, report["synthetic"][name])):
             raise ValueError(f"{path} holds {name} measured with other settings ({'; '.join(differ)}); pass "
                              "--overwrite (overwrite=True) to replace the report, or write to another --out.")
+    removed: list = []          # an overwrite removes the earlier report's files once, when this one is first saved
+    own_outputs = tuple(f"dense_output_{name}.safetensors" for name in names)     # (written before that)
     for name in names:
         old = report["synthetic"].get(name)
         done = {}
@@ -414,6 +423,8 @@ def run_synthetic(names: list[str], specs: list[MethodSpec], out_dir: str, *, de
             continue
 
         def save(result, name=name):
+            if overwrite and not removed:       # with the first result, as the report itself is replaced
+                removed.append(remove_earlier_outputs(out_dir, keep=own_outputs))
             report["synthetic"][name] = dict(summarize_synthetic(result, dtype, warmup, repeats), timed_on=timed_on)
             report["environment"] = environment(device)
             os.makedirs(os.path.join(out_dir, "plots"), exist_ok=True)    # made with the first result: a run
