@@ -234,6 +234,20 @@ def test_bool_fields_parse_strictly_on_the_command_line(capsys):
     assert "argument --resume: 'maybe' is not a bool" in err and "true or false" in err
 
 
+def test_distill_says_when_it_resumed(tmp_path, capsys, monkeypatch):
+    """Review find: a rerun into a run's folder resumed (or, finished, trained no more and rewrote its outputs) with
+    no word of it unless -v was given."""
+    import videosparse.distill as distill
+    from videosparse.distill.train import DistillResult
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000004"
+    for resumed, said in ((ckpt, True), (None, False)):
+        monkeypatch.setattr(distill, "run_distillation", lambda cfg, resumed=resumed: DistillResult(
+            output_dir=tmp_path / "run", global_step=4, resumed_from=resumed))
+        assert main(["distill", "--model", "tiny", "--output-dir", str(tmp_path / "run")]) == 0
+        assert (f"resumed from {ckpt}" in capsys.readouterr().out) is said
+
+
 def test_distill_prompts_accepted_forms_in_help_and_error(tmp_path, capsys):
     import pytest
 

@@ -84,6 +84,14 @@ def _fsync(path: str, flags: int, folder: bool = False) -> None:
         os.close(fd)
 
 
+def chmod_by_umask(path: str | os.PathLike) -> None:
+    """Give `path` the mode a plain `open(path, "w")` would (0o666 less the umask): safetensors creates its files
+    owner-only (0o600), which a shared serving account could not read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def replace_durably(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     """`os.replace(src, dst)` for a file or folder just written: its bytes are synced first and the rename itself
     after (its folder synced), so a power loss leaves the old `dst` or the whole new one, never an empty or partial

@@ -23,6 +23,19 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ("a red circle moving left", "a blue square moving up")
 
 
+def test_a_tiling_file_named_by_another_path_is_the_same_run(tmp_path, monkeypatch):
+    """Review find: resuming with the absolute path of the tiling file the run was started with (relative) was
+    refused as "a different run (differs in ['tiling'])"; its contents are compared through the captures."""
+    from videosparse.distill.train import _comparable_run
+
+    (tmp_path / "t.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    run = {"seed": 3, "tiling": "t.json"}
+    assert _comparable_run(run) == _comparable_run({"seed": 3, "tiling": str(tmp_path / "t.json")})
+    assert _comparable_run(run) != _comparable_run({"seed": 3, "tiling": "other.json"})
+    assert _comparable_run({"tiling": None}) == {"tiling": None} and run == {"seed": 3, "tiling": "t.json"}
+
+
 def make_cfg(out: Path, **kw) -> DistillConfig:
     args = dict(model="tiny", prompts=PROMPTS, num_inference_steps=2, output_dir=str(out), density=0.3,
                 max_steps=12, learning_rate=1e-3, log_every=2, checkpoint_every=4, keep_checkpoints=2, seed=3)
@@ -175,6 +188,9 @@ def test_killed_then_resumed_run_equals_uninterrupted(tmp_path, cache):
         run_distillation(make_cfg(out, learning_rate=2e-3))
     with pytest.raises(ValueError, match="differs in \\['prompts'\\]"):
         run_distillation(make_cfg(out, prompts=("a green triangle moving right", "a blue square moving up")))
+    # (review find: it said only 'capture settings', not which)
+    with pytest.raises(ValueError, match="differs in \\['capture settings: guidance_scale, num_inference_steps'\\]"):
+        run_distillation(make_cfg(out, guidance_scale=3.0, num_inference_steps=3))
     assert {p: p.read_bytes() for p in written} == written
     # a checkpoint written before the capture check (no "captures" in its run key) still resumes
     state_file = _state_file(out, 12)

@@ -644,3 +644,16 @@ def test_from_pretrained_names_an_argument_it_does_not_take_as_the_callers(tmp_p
     loaded = VedaEstimator.from_pretrained(tmp_path / "est", local_files_only=True, map_location="cpu", strict=True)
     assert loaded.tile_shapes == est.tile_shapes
     assert VedaEstimator.from_pretrained(tmp_path / "est", density=0.3).density == 0.3
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_saved_weights_are_as_readable_as_the_umask_allows(tmp_path, umask, mode):
+    """Review find: safetensors writes model.safetensors owner-only (0600) while config.json and README.md beside it
+    follow the umask (0644), so a serving account could read the estimator's config but not its weights."""
+    old = os.umask(umask)
+    try:
+        make_est().save_pretrained(tmp_path / "est")
+    finally:
+        os.umask(old)
+    assert {name: os.stat(tmp_path / "est" / name).st_mode & 0o777 for name in os.listdir(tmp_path / "est")} == \
+        {"model.safetensors": mode, "config.json": mode, "README.md": mode}

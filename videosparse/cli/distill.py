@@ -27,6 +27,8 @@ def run(args: argparse.Namespace) -> int:
     check_model(cfg.model)
     check_output("--output-dir", cfg.output_dir, folder=True)
     result = run_distillation(cfg)
+    if result.resumed_from is not None:     # (a rerun of a finished run resumes at its end and trains no more)
+        print(f"resumed from {result.resumed_from} (same settings; --resume false starts afresh)")
     if result.metrics:
         t, u = result.metrics["trained"], result.metrics["untrained_mean_pool"]
         print(f"{result.global_step} steps: KL {t['kl']:.4f} (untrained {u['kl']:.4f}), recall at density "

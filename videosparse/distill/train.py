@@ -175,6 +175,13 @@ _RUN_FILES = ("log.jsonl", "model.safetensors", "config.json", "README.md", "met
 _FINAL_FILES = ("model.safetensors", "config.json", "README.md", "metrics.json")
 
 
+def _comparable_run(run: dict) -> dict:
+    """A checkpoint's run settings as compared: the tiling file by the file it names (an absolute and a relative
+    path to one file are one run; its contents are compared through the captures' tile shapes)."""
+    tiling = run.get("tiling")
+    return {**run, "tiling": os.path.realpath(tiling)} if isinstance(tiling, str) else run
+
+
 def _refuse_other_run(cfg: DistillConfig, out: Path, tiles_for_layer, check_model) -> None:
     """Before anything is written or captured into `out`: a folder that is not a run's (no distill_config.json) but
     holds files a run would overwrite, or (resume on) a checkpoint another run wrote, is refused; train_estimator's
@@ -197,12 +204,15 @@ def _refuse_other_run(cfg: DistillConfig, out: Path, tiles_for_layer, check_mode
             raise ValueError(f"its 'run' entry is {type(run).__name__}, not the run's settings")
     except (OSError, ValueError, AttributeError) as e:
         raise _damaged(found[-1][1], TRAINER_STATE, e) from None
-    new = json.loads(json.dumps(to_jsonable({name: cfg.to_dict()[name] for name in _RUN_FIELDS})))
-    diff = sorted(k for k in new if k in run and run[k] != new[k])
+    new = _comparable_run(json.loads(json.dumps(to_jsonable({name: cfg.to_dict()[name] for name in _RUN_FIELDS}))))
     captured = [c for c in run.get("captures") or [] if isinstance(c, dict)]
+    run = _comparable_run(run)
+    diff = sorted(k for k in new if k in run and run[k] != new[k])
     settings = capture_settings(cfg.capture_config())
     if any(c.get("settings") != settings for c in captured):
-        diff.append("capture settings")
+        fields = sorted({k for c in captured if isinstance(c.get("settings"), dict)
+                         for k in set(c["settings"]) | set(settings) if c["settings"].get(k) != settings.get(k)})
+        diff.append(f"capture settings: {', '.join(fields)}" if fields else "capture settings")
     if not {c.get("prompt") for c in captured} <= set(read_prompts(cfg.prompts)):
         diff.append("prompts")
     elif not diff and (out / "cache" / MODEL_INFO_FILE).is_file() and "captures" in run:
@@ -448,7 +458,9 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
             logger.warning("checkpoint %s predates the capture check; resuming it assumes its samples are these",
                            resumed_from)
             expected = {k: v for k, v in expected.items() if k != "captures"}
-        if st.get("run") != expected:
+        if isinstance(st.get("run"), dict) and _comparable_run(st["run"]) == _comparable_run(expected):
+            pass                                    # the same run (its tiling file named by another path)
+        elif st.get("run") != expected:
             written = st.get("run", {})
             diff = sorted(k for k in set(expected) | set(written) if expected.get(k) != written.get(k))
             what = (" (the captured samples: prompts, model, capture settings or tile shapes)"
@@ -641,7 +653,9 @@ def model_card(estimator: VedaEstimator, cfg: DistillConfig, metrics: dict[str, 
         "```",
         "",
         f"or `videosparse generate --estimator {cfg.output_dir}{cli_flags}` (a directory or, once uploaded, its hub "
-        f"id). It was distilled from the pipeline's `{cfg.component}` and serves that transformer only: in a pipeline "
+        "id; upload it without the run's `cache/` and `checkpoints/`: `huggingface_hub.upload_folder(..., "
+        'ignore_patterns=["cache/*", "checkpoints/*"])`). '
+        f"It was distilled from the pipeline's `{cfg.component}` and serves that transformer only: in a pipeline "
         "of several (Wan 2.2's experts) the others score their tiles untrained unless each gets its own estimator: "
         f'`VedaConfig(estimator=("{cfg.output_dir}", <the other expert\'s>))`, each serving the transformer it was '
         f"distilled from (`--estimator {cfg.output_dir} <the other expert's>` on the command line). The transformer "

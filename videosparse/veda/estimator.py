@@ -268,6 +268,14 @@ class VedaEstimator(nn.Module, PyTorchModelHubMixin, library_name="videosparse",
         return hint
 
     # ------------------------------------------------------------------ hub mixin: safetensors only
+    def _save_pretrained(self, save_directory: Path) -> None:
+        """huggingface_hub's (the weights as `model.safetensors`), the file readable as the umask allows, like the
+        config and card beside it (safetensors writes it owner-only)."""
+        from .._io import chmod_by_umask
+
+        super()._save_pretrained(save_directory)
+        chmod_by_umask(Path(save_directory) / SAFETENSORS_NAME)
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> "VedaEstimator":
         """huggingface_hub's `from_pretrained` (a local directory or a hub id); a config.json that is no JSON object,
