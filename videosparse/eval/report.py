@@ -308,7 +308,8 @@ def _quality_markdown(report: dict) -> list[str]:
         lines += ["", f"Dense attention is {_fmt(100 * dense['attention_share'], 1)}% of transformer time: with "
                   f"attention free the transformer could run at most "
                   f"{_fmt(dense['amdahl_bound_free_attention'], 2)}x faster. The *Amdahl est.* column is "
-                  f"{AMDAHL_ESTIMATE}. Times are medians over the cells."]
+                  f"{AMDAHL_ESTIMATE}. Times are per generation (*e2e*: the whole pipeline call; the others: "
+                  "summed over its denoising steps), medians over the cells."]
     lines += ["", "## Artifacts", ""]
     for kind, paths in (report.get("artifacts") or {}).items():
         for p in paths if isinstance(paths, list) else [paths]:
