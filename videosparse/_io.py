@@ -87,9 +87,22 @@ def _fsync(path: str, flags: int, folder: bool = False) -> None:
 def chmod_by_umask(path: str | os.PathLike) -> None:
     """Give `path` the mode a plain `open(path, "w")` would (0o666 less the umask): safetensors creates its files
     owner-only (0o600), which a shared serving account could not read."""
-    mask = os.umask(0)
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask: read from /proc where Linux shows it (setting it to read it back would, for an instant,
+    give another thread's new files mode 0o666), else set and restored."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
     os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
+    return mask
 
 
 def replace_durably(src: str | os.PathLike, dst: str | os.PathLike) -> None:
