@@ -168,6 +168,9 @@ def test_write_video_keeps_the_frame_rate_given(tmp_path):
     for every video would have passed)."""
     import imageio.v2 as iio2
 
+    # (a declared dependency; the GPU machine's environment, which gets only what a call carries, has none)
+    pytest.importorskip("imageio_ffmpeg", reason="no ffmpeg for imageio to write the video with")
+
     frames = np.random.default_rng(0).random((4, 16, 16, 3)).astype(np.float32)
     path = write_video(frames, str(tmp_path / "v.mp4"), fps=5)
     reader = iio2.get_reader(path, format="FFMPEG")
