@@ -458,9 +458,8 @@ def train_estimator(cfg: DistillConfig, files: Sequence[Path], info: ModelInfo, 
             logger.warning("checkpoint %s predates the capture check; resuming it assumes its samples are these",
                            resumed_from)
             expected = {k: v for k, v in expected.items() if k != "captures"}
-        if isinstance(st.get("run"), dict) and _comparable_run(st["run"]) == _comparable_run(expected):
-            pass                                    # the same run (its tiling file named by another path)
-        elif st.get("run") != expected:
+        # (the same run may name its tiling file by another path)
+        if not isinstance(st.get("run"), dict) or _comparable_run(st["run"]) != _comparable_run(expected):
             written = st.get("run", {})
             diff = sorted(k for k in set(expected) | set(written) if expected.get(k) != written.get(k))
             what = (" (the captured samples: prompts, model, capture settings or tile shapes)"
